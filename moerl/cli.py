@@ -1,0 +1,105 @@
+"""The ``moerl`` command: parses arguments and hands off. No logic lives here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moerl.config import ConfigError, load_config
+
+DEFAULT_CONFIG = "configs/default.yaml"
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", default=None,
+                   help=f"YAML run config (default: {DEFAULT_CONFIG} if present, else built-in defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set trainer.lr=1e-5 (repeatable)")
+
+
+def _config(args: argparse.Namespace):
+    import os
+
+    path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+    return load_config(path, args.overrides)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from moerl.runtime.controller import resume, train
+
+    if args.resume:
+        summary = resume(args.resume, overrides=args.overrides)
+    else:
+        cfg = _config(args)
+        if args.ray_address:
+            cfg.runtime.ray_address = args.ray_address
+        summary = train(cfg)
+    return 0 if summary is not None else 1
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from moerl.tasks.sft import run_sft
+
+    run_sft(_config(args), out_dir=args.out)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from moerl.rollout.cli import generate_main
+
+    return generate_main(args)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from moerl.telemetry.report import report_main
+
+    return report_main(args.run_dir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moerl", description="RL post-training (GRPO, PPO and variants) of Mixture-of-Experts LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="run RL training (the main job)")
+    _add_config_args(p)
+    p.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue a run from its last checkpoint")
+    p.add_argument("--ray-address", default=None, help="connect to an existing Ray cluster")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("sft", help="supervised warm start on task solutions")
+    _add_config_args(p)
+    p.add_argument("--out", required=True, help="output checkpoint folder (Hugging Face format)")
+    p.set_defaults(func=_cmd_sft)
+
+    p = sub.add_parser("generate", help="offline batch generation from a JSONL file of prompts")
+    p.add_argument("--model", required=True, help="Hugging Face model folder")
+    p.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field per line")
+    p.add_argument("--out", required=True, help="output JSONL")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("-n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("report", help="plot a run's curves and print its summary")
+    p.add_argument("run_dir")
+    p.set_defaults(func=_cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"moerl: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,453 @@
+"""Run configuration: one dataclass per component, loaded from YAML, overridden from the CLI.
+
+Every component takes only its own config (``RolloutConfig``, ``TrainerConfig``, ...). Each is a
+``@dataclass(kw_only=True, slots=True)`` that validates itself in ``__post_init__`` and raises
+``ConfigError`` naming the field, the bad value and the allowed range. ``RunConfig`` composes them.
+
+A YAML run config mirrors the nesting (``trainer: {lr: 1e-5}``); ``--set trainer.lr=1e-5`` overrides
+one field, its value parsed as YAML. Unknown keys are an error that suggests the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value or key is invalid; the message names the field and what is allowed."""
+
+
+def check_range(name: str, value: float, lo: float | None = None, hi: float | None = None, *,
+                lo_open: bool = False, hi_open: bool = False) -> None:
+    """Raise ``ConfigError`` unless ``lo <= value <= hi`` (or strict where ``*_open``).
+
+    Args:
+        name: dotted field name used in the message, e.g. ``"trainer.lr"``.
+        value: the value to check.
+        lo, hi: bounds; ``None`` means unbounded on that side.
+    """
+    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (
+        hi is not None and (value >= hi if hi_open else value > hi)
+    )
+    if bad:
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        rng = f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+        raise ConfigError(f"{name}={value!r} is out of range; allowed: {rng}")
+
+
+def check_choice(name: str, value: Any, choices: typing.Iterable[Any]) -> None:
+    """Raise ``ConfigError`` unless ``value`` is one of ``choices``."""
+    choices = list(choices)
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not allowed; choose one of {choices}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Components
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The policy model: a Hugging Face checkpoint folder, or a fresh model of the given shape."""
+
+    path: str | None = None
+    """Hugging Face model folder (config.json + safetensors). ``None``: initialize from the fields below."""
+    family: str = "qwen3_moe"
+    """Architecture for a fresh model (``model_type`` of transformers): qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3."""
+    hidden_size: int = 64
+    """Model width D for a fresh model."""
+    num_layers: int = 2
+    """Decoder layers for a fresh model."""
+    num_heads: int = 4
+    """Attention (query) heads for a fresh model."""
+    num_kv_heads: int = 2
+    """Key/value heads for a fresh model (grouped-query attention); must divide num_heads."""
+    head_dim: int = 16
+    """Per-head dimension for a fresh model."""
+    num_experts: int = 8
+    """Routed experts per MoE layer for a fresh model."""
+    top_k: int = 2
+    """Experts chosen per token (top-k) for a fresh model."""
+    moe_intermediate_size: int = 64
+    """Hidden size of each expert's MLP for a fresh model."""
+    max_position_embeddings: int = 512
+    """Longest sequence (prompt + response) in tokens for a fresh model."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base for a fresh model."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 or bfloat16."""
+    device: str = "cpu"
+    """Device for the trainer's and the sync-mode engine's model: cpu, cuda, cuda:N."""
+
+    def __post_init__(self) -> None:
+        check_choice("model.dtype", self.dtype, ["float32", "bfloat16"])
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "num_experts", "top_k", "moe_intermediate_size", "max_position_embeddings"):
+            check_range(f"model.{name}", getattr(self, name), 1)
+        check_range("model.top_k", self.top_k, 1, self.num_experts)
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskConfig:
+    """Where prompts and rewards come from."""
+
+    name: str = "arithmetic"
+    """Built-in task (arithmetic, countdown) or ``jsonl`` for a dataset file."""
+    path: str | None = None
+    """JSONL dataset file when ``name == "jsonl"``."""
+    layout: str = "gsm8k"
+    """JSONL layout: ``gsm8k`` (question / answer ending in ``#### N``) or ``generic`` (see fields)."""
+    prompt_field: str = "prompt"
+    """Prompt field name for the generic layout."""
+    answer_field: str = "answer"
+    """Answer field name for the generic layout."""
+    reward_fn: str | None = None
+    """Import path ``package.module:function`` of a custom reward ``(prompt, response, answer) -> float``."""
+    tokenizer: str | None = None
+    """Folder or file with ``tokenizer.json``; ``None``: the model folder's, else the built-in char tokenizer."""
+    seed: int = 0
+    """Seed of generated tasks and of the data order."""
+    num_eval: int = 200
+    """Held-out prompts used for eval accuracy."""
+    min_digits: int = 1
+    """Smallest operand size (digits) for arithmetic."""
+    max_digits: int = 2
+    """Largest operand size (digits) for arithmetic."""
+    operations: tuple[str, ...] = ("+", "-")
+    """Arithmetic operations to draw from: any of + - *."""
+
+    def __post_init__(self) -> None:
+        check_range("task.num_eval", self.num_eval, 1)
+        check_range("task.min_digits", self.min_digits, 1, 9)
+        check_range("task.max_digits", self.max_digits, self.min_digits, 9)
+        check_choice("task.layout", self.layout, ["gsm8k", "generic"])
+        for op in self.operations:
+            check_choice("task.operations[]", op, ["+", "-", "*"])
+        if self.name == "jsonl" and not self.path:
+            raise ConfigError("task.path is required when task.name='jsonl'")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """Rollout generation: the engine's sizes and the sampling of one group."""
+
+    num_workers: int = 2
+    """Rollout workers (Ray actors) in async mode; sync mode uses one in-process engine."""
+    group_size: int = 8
+    """Samples per prompt, n: one task is one GRPO group."""
+    max_new_tokens: int = 16
+    """Longest response in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = 0
+    """Sample among the k most likely tokens; 0 disables."""
+    max_slots: int = 64
+    """Sequence slots of the continuous-batching scheduler (concurrent sequences)."""
+    kv_token_budget: int = 16384
+    """KV cache capacity in tokens over all slots."""
+    return_routed_experts: bool = False
+    """Record the top routed experts per token and layer (rollout routing replay, R3)."""
+
+    def __post_init__(self) -> None:
+        check_range("rollout.num_workers", self.num_workers, 1)
+        check_range("rollout.group_size", self.group_size, 1)
+        check_range("rollout.max_new_tokens", self.max_new_tokens, 1)
+        check_range("rollout.temperature", self.temperature, 0.0)
+        check_range("rollout.top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_range("rollout.top_k", self.top_k, 0)
+        check_range("rollout.max_slots", self.max_slots, 1)
+        check_range("rollout.kv_token_budget", self.kv_token_budget, 1)
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    """The RL objective: advantage estimator, policy loss preset and its coefficients (moerl.rl)."""
+
+    preset: str = "grpo"
+    """Loss preset: grpo, dr_grpo, dapo, gspo, cispo, ppo."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty against the reference policy; 0 disables it (no reference model)."""
+    kl_kind: str = "k3"
+    """KL estimator: k1, k2, k3 (Schulman 2020)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal at buffer admission."""
+
+    def __post_init__(self) -> None:
+        check_choice("algorithm.preset", self.preset, ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"])
+        check_choice("algorithm.kl_kind", self.kl_kind, ["k1", "k2", "k3"])
+        check_range("algorithm.kl_coef", self.kl_coef, 0.0)
+        check_range("algorithm.entropy_coef", self.entropy_coef, 0.0)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    """Policy optimization: AdamW, LR schedule, batch sizes, publishing and checkpointing."""
+
+    steps: int = 40
+    """Optimizer steps of the run."""
+    batch_groups: int = 8
+    """Groups consumed per optimizer step."""
+    micro_batch_size: int = 32
+    """Sequences per forward/backward; gradients accumulate over a step's micro-batches."""
+    lr: float = 1e-4
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = 0
+    """Linear warm-up steps, then constant LR."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables."""
+    aux_loss_coef: float = 0.0
+    """Coefficient of the MoE load-balancing loss."""
+    recompute_proximal: bool = False
+    """Recompute proximal (old) log-probs before the update instead of using the behaviour ones."""
+    publish_every: int = 1
+    """Publish weights every this many steps."""
+    checkpoint_every: int = 10
+    """Write a full checkpoint every this many steps; 0 disables."""
+    max_nan_steps: int = 3
+    """Stop the run after this many consecutive steps with a non-finite loss."""
+
+    def __post_init__(self) -> None:
+        check_range("trainer.steps", self.steps, 1)
+        check_range("trainer.batch_groups", self.batch_groups, 1)
+        check_range("trainer.micro_batch_size", self.micro_batch_size, 1)
+        check_range("trainer.lr", self.lr, 0.0, 1.0, lo_open=True)
+        check_range("trainer.weight_decay", self.weight_decay, 0.0)
+        check_range("trainer.warmup_steps", self.warmup_steps, 0)
+        check_range("trainer.grad_clip", self.grad_clip, 0.0)
+        check_range("trainer.aux_loss_coef", self.aux_loss_coef, 0.0)
+        check_range("trainer.publish_every", self.publish_every, 1)
+        check_range("trainer.checkpoint_every", self.checkpoint_every, 0)
+        check_range("trainer.max_nan_steps", self.max_nan_steps, 1)
+
+
+@dataclass(kw_only=True, slots=True)
+class RuntimeConfig:
+    """Processes, queue, buffer and weight store."""
+
+    mode: str = "async"
+    """``async``: Ray actors (local instance or --ray-address); ``sync``: one process, no Ray, on-policy."""
+    ray_address: str | None = None
+    """Existing Ray cluster address; ``None`` starts a local instance."""
+    buffer_groups: int = 32
+    """Experience buffer capacity in groups; producers block when it is full."""
+    max_staleness: int = 2
+    """Admit a group only if its oldest policy version >= trainer version - max_staleness."""
+    stale_policy: str = "requeue"
+    """What happens to a stale group: ``drop`` it, or ``requeue`` its task."""
+    lease_ttl_s: float = 60.0
+    """Task lease lifetime in seconds; workers renew it by heartbeat."""
+    store_url: str | None = None
+    """Weight store URL (fsspec): local folder or ``s3://bucket/prefix``; ``None``: RUN_DIR/weights."""
+    keep_versions: int = 3
+    """Weight versions kept in the store."""
+
+    def __post_init__(self) -> None:
+        check_choice("runtime.mode", self.mode, ["async", "sync"])
+        check_choice("runtime.stale_policy", self.stale_policy, ["drop", "requeue"])
+        check_range("runtime.buffer_groups", self.buffer_groups, 1)
+        check_range("runtime.max_staleness", self.max_staleness, 0)
+        check_range("runtime.lease_ttl_s", self.lease_ttl_s, 0.0, lo_open=True)
+        check_range("runtime.keep_versions", self.keep_versions, 1)
+
+
+@dataclass(kw_only=True, slots=True)
+class SFTConfig:
+    """Supervised warm start on task solutions (``moerl sft``)."""
+
+    steps: int = 300
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Sequences per step."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW, cosine decay to 10%)."""
+    num_examples: int = 20000
+    """Training examples drawn from the task's train split."""
+
+    def __post_init__(self) -> None:
+        check_range("sft.steps", self.steps, 1)
+        check_range("sft.batch_size", self.batch_size, 1)
+        check_range("sft.lr", self.lr, 0.0, 1.0, lo_open=True)
+        check_range("sft.num_examples", self.num_examples, 1)
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    """Held-out evaluation (greedy, exact-match accuracy)."""
+
+    every: int = 10
+    """Evaluate every this many trainer steps (and at the start and the end); 0: only start and end."""
+
+    def __post_init__(self) -> None:
+        check_range("eval.every", self.every, 0)
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """A whole run: the components plus the run's name, seed and output folder."""
+
+    name: str = "run"
+    """Run name; the run folder is ``<output_dir>/<name>-<timestamp>``."""
+    output_dir: str = "runs"
+    """Parent folder of run folders."""
+    seed: int = 0
+    """Global seed (model init, sampling, data order)."""
+    init_from: str | None = None
+    """Checkpoint folder to start RL from; ``None`` with ``sft.steps > 0``: warm-start with SFT first."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unknown_key_error(prefix: str, key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {sorted(valid)}"
+    return ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """Convert a YAML value to the field type ``tp`` or raise ConfigError naming the field."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(name, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{name}={value!r} has the wrong type")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        (elem,) = typing.get_args(tp)[:1]
+        return tuple(_coerce(f"{name}[]", v, elem) for v in value)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, prefix=f"{name}.")
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+        raise ConfigError(f"{name}={value!r} has type {type(value).__name__}; expected {tp.__name__}")
+    return value
+
+
+def from_dict(cls: type, data: dict[str, Any] | None, *, prefix: str = "") -> Any:
+    """Build the dataclass ``cls`` from a nested dict, rejecting unknown keys with a suggestion.
+
+    Raises:
+        ConfigError: unknown key, wrong type, or a value that the component's validation refuses.
+    """
+    data = data or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{prefix.rstrip('.') or 'config'}' must be a mapping, got {data!r}")
+    types_ = _field_types(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in types_:
+            raise _unknown_key_error(prefix, key, list(types_))
+        kwargs[key] = _coerce(f"{prefix}{key}", value, types_[key])
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - from_dict only passes known fields
+        raise ConfigError(f"{prefix or cls.__name__}: {e}") from e
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain nested dicts/lists (tuples become lists), ready for YAML."""
+
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    return plain(cfg)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.field=value`` overrides (value parsed as YAML) to a nested dict in place.
+
+    Raises:
+        ConfigError: an override without ``=``.
+    """
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like section.field=value")
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{part}' is not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML run config, apply CLI overrides, validate every component.
+
+    Args:
+        path: YAML file; ``None`` uses the defaults of ``RunConfig``.
+        overrides: ``["trainer.lr=1e-5", ...]``.
+
+    Raises:
+        ConfigError: unknown key (with the closest valid key), wrong type or out-of-range value.
+        FileNotFoundError: ``path`` does not exist.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+    apply_overrides(data, overrides or [])
+    return from_dict(RunConfig, data)
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML (atomically: temp file then rename)."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(path)
