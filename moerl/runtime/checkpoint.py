@@ -1,0 +1,244 @@
+"""Full-run checkpoints: atomic step folders of named parts, tensors in safetensors, the rest in JSON.
+
+Layout::
+
+    <run_dir>/checkpoints/step_120/
+        meta.json                 {"format", "step", "parts", "created_at"}
+        model.json                the part's structure; each tensor replaced by {"__tensor__": key}
+        model.safetensors         the part's tensors (only if it has any)
+        optimizer.json / optimizer.safetensors, rng.json / rng.safetensors, queue.json, ...
+
+A part is any nesting of dicts, lists, tuples, ``str``/``int``/``float``/``bool``/``None``, torch tensors and
+numpy arrays; dicts with non-string keys (an optimizer's ``state``) and tuples (``random.getstate()``,
+AdamW ``betas``) round-trip exactly. Nothing is pickled: loading cannot run code.
+
+Atomicity: the folder is written as ``checkpoints/step_N.tmp-XXXX`` (files fsynced) and renamed to
+``step_N`` only when complete, so a crash mid-write never leaves a visible ``step_N``; leftovers of crashed
+writes are removed by the next ``save_checkpoint``. The newest ``keep`` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+_FORMAT = "moerl-checkpoint/1"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_PART_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_MARKERS = ("__tensor__", "__tuple__", "__dict__", "__ndarray__")
+
+
+def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """JSON-able form of ``obj``; tensors are moved into ``tensors`` under unique keys."""
+    if isinstance(obj, torch.Tensor):
+        key = path or "tensor"
+        while key in tensors:
+            key += "_"
+        t = obj.detach().to("cpu").contiguous()
+        # a view of a larger storage would save the whole storage: save a private copy.
+        tensors[key] = t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
+        return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and not any(m in obj for m in _MARKERS):
+            return {k: _encode(v, f"{path}.{k}" if path else k, tensors) for k, v in obj.items()}
+        return {
+            "__dict__": [
+                [_encode(k, f"{path}.key", tensors), _encode(v, f"{path}.{k}", tensors)]
+                for k, v in obj.items()
+            ]
+        }
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (np.integer, np.floating)):
+        return obj.item()
+    raise TypeError(
+        f"checkpoint: cannot store {type(obj).__name__} at '{path}'; use tensors, arrays, dicts, lists, scalars"
+    )
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if "__ndarray__" in obj:
+        return np.asarray(obj["__ndarray__"], dtype=obj["dtype"])
+    if "__tuple__" in obj:
+        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+    if "__dict__" in obj:
+        return {_decode_key(k, tensors): _decode(v, tensors) for k, v in obj["__dict__"]}
+    return {k: _decode(v, tensors) for k, v in obj.items()}
+
+
+def _decode_key(key: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    value = _decode(key, tensors)
+    return tuple(value) if isinstance(value, list) else value  # keys must be hashable
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_part(folder: Path, name: str, part: Any) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = _encode(part, "", tensors)
+    seen: set[int] = set()
+    for key, t in tensors.items():  # safetensors refuses tensors sharing storage (tied weights)
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen and t.numel():
+            tensors[key] = t.clone()
+        seen.add(ptr)
+    if tensors:
+        save_file(tensors, str(folder / f"{name}.safetensors"))
+        with open(folder / f"{name}.safetensors", "rb+") as f:
+            os.fsync(f.fileno())
+    _write_synced(folder / f"{name}.json", json.dumps(encoded).encode())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run as ``(step, folder)``, ascending by step."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """Folder of the newest complete checkpoint of ``run_dir``, or ``None`` if there is none."""
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], *, keep: int = 3) -> Path:
+    """Write ``state`` atomically as ``<run_dir>/checkpoints/step_<step>`` and keep the newest ``keep``.
+
+    Args:
+        run_dir: run folder.
+        step: trainer step the state belongs to (>= 0); an existing checkpoint of that step is replaced.
+        state: named parts, e.g. ``{"model": model.state_dict(), "optimizer": opt.state_dict(),
+            "rng": capture_rng_state(), "queue": queue.state_dict(), "trainer": {"step": 120}}``.
+        keep: complete checkpoints kept (>= 1), newest by step.
+
+    Returns:
+        The checkpoint folder.
+
+    Raises:
+        ValueError: bad ``step``/``keep``, or a part name outside ``[A-Za-z0-9_.-]``.
+        TypeError: a value of a type that cannot be stored (the message gives its path in the state).
+    """
+    if step < 0 or keep < 1:
+        raise ValueError(f"save_checkpoint: step={step} must be >= 0 and keep={keep} >= 1")
+    for name in state:
+        if not isinstance(name, str) or not _PART_NAME.match(name) or name == "meta":
+            raise ValueError(
+                f"save_checkpoint: part name {name!r} must match [A-Za-z0-9_.-]+ and not be 'meta'"
+            )
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in root.glob("step_*.tmp-*"):  # a crashed earlier write (single writer per run)
+        shutil.rmtree(leftover, ignore_errors=True)
+    final = root / f"step_{step}"
+    tmp = Path(tempfile.mkdtemp(prefix=f"step_{step}.tmp-", dir=root))
+    try:
+        for name, part in state.items():
+            _write_part(tmp, name, part)
+        meta = {"format": _FORMAT, "step": step, "parts": list(state), "created_at": time.time()}
+        _write_synced(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+        _fsync_dir(tmp)
+        if final.exists():
+            old = root / f"step_{step}.tmp-old-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for _, old_path in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old_path, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint folder (e.g. from ``latest_checkpoint``) back into its named parts.
+
+    Tensors come back on CPU with their saved dtypes; the step is ``read_checkpoint_step(path)``.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a complete checkpoint folder.
+        ValueError: unknown checkpoint format.
+    """
+    path = Path(path)
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint folder (no meta.json)")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != _FORMAT:
+        raise ValueError(
+            f"{meta_path}: unknown checkpoint format {meta.get('format')!r}; expected {_FORMAT!r}"
+        )
+    state = {}
+    for name in meta["parts"]:
+        tensor_file = path / f"{name}.safetensors"
+        tensors = load_file(str(tensor_file)) if tensor_file.exists() else {}
+        state[name] = _decode(json.loads((path / f"{name}.json").read_text()), tensors)
+    return state
+
+
+def read_checkpoint_step(path: str | Path) -> int:
+    """The trainer step recorded in a checkpoint folder's ``meta.json``."""
+    return int(json.loads((Path(path) / "meta.json").read_text())["step"])
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python ``random``, numpy's global and torch's CPU (and every CUDA device's) RNG states, storable."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of ``capture_rng_state`` (after a save/load round trip)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    for i, cuda_state in enumerate(state.get("cuda", [])):
+        torch.cuda.set_rng_state(cuda_state, i)
