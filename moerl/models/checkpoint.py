@@ -1,0 +1,252 @@
+"""Hugging Face checkpoint folders: ``from_pretrained`` reads, ``save_pretrained`` writes (safetensors only).
+
+A folder holds ``config.json`` and ``model.safetensors``, or shards listed by
+``model.safetensors.index.json`` (or, without an index, every ``*.safetensors`` file). Expert weights
+are read per expert (``experts.N.gate_proj.weight``) or fused (``experts.gate_up_proj`` [E, 2I, H]),
+through the family's table in ``moerl.models.keymaps``. ``save_pretrained`` writes the per-expert layout
+that transformers itself writes, so both transformers 4.x and 5.x load it. No pickle is ever loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moerl.models.config import MoeConfig
+from moerl.models.keymaps import ExpertSlice, KeyMapper
+from moerl.models.model import MoeForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder does not match the model its config.json describes (the message says how)."""
+
+
+def _shard_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / f for f in sorted(set(weight_map.values()))]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in folder.iterdir())
+        raise FileNotFoundError(
+            f"{folder}: no *.safetensors weights (found {found}); moerl reads safetensors only"
+        )
+    return files
+
+
+@dataclass
+class _Coverage:
+    """Which parts of each moerl tensor a checkpoint has filled."""
+
+    filled: set[str] = field(default_factory=set)
+    expert_parts: dict[str, set[tuple[int, str]]] = field(default_factory=dict)
+
+
+def _copy_expert(dst: torch.Tensor, sl: ExpertSlice, src: torch.Tensor, hf_key: str) -> None:
+    inter = dst.shape[1] // 2 if sl.part != "down" else dst.shape[2]
+    if sl.expert >= dst.shape[0]:
+        raise CheckpointError(
+            f"{hf_key}: expert {sl.expert} is out of range; the config has {dst.shape[0]} experts"
+        )
+    target = {"gate": dst[sl.expert, :inter], "up": dst[sl.expert, inter:], "down": dst[sl.expert]}[sl.part]
+    if src.shape != target.shape:
+        raise CheckpointError(
+            f"tensor {hf_key} has shape {tuple(src.shape)}; the config expects {tuple(target.shape)}"
+        )
+    target.copy_(src)
+
+
+def _expected_parts(name: str, t: torch.Tensor) -> set[tuple[int, str]]:
+    parts = ("down",) if name.endswith("down_proj") else ("gate", "up")
+    return {(e, p) for e in range(t.shape[0]) for p in parts}
+
+
+def _load_tensors(model: MoeForCausalLM, folder: Path, mapper: KeyMapper) -> None:
+    state = model.state_dict(keep_vars=True)
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    cov, unexpected = _Coverage(), []
+    with torch.no_grad():
+        for file in _shard_files(folder):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    target = mapper.to_ours(key)
+                    if target is None and (
+                        mapper.is_ignored(key)
+                        or (key == "lm_head.weight" and model.config.tie_word_embeddings)
+                    ):
+                        continue
+                    name = target.name if isinstance(target, ExpertSlice) else target
+                    if name not in state:
+                        unexpected.append(key)
+                        continue
+                    src = f.get_tensor(key)
+                    if isinstance(target, ExpertSlice):
+                        _copy_expert(state[name], target, src, key)
+                        cov.expert_parts.setdefault(name, set()).add((target.expert, target.part))
+                        continue
+                    if src.shape != state[name].shape:
+                        raise CheckpointError(
+                            f"tensor {key} (moerl {name}) has shape {tuple(src.shape)}; "
+                            f"the config expects {tuple(state[name].shape)}"
+                        )
+                    state[name].copy_(src)
+                    cov.filled.add(name)
+    if unexpected:
+        raise CheckpointError(
+            f"{folder}: unexpected weight keys {sorted(unexpected)[:20]}"
+            f"{' ...' if len(unexpected) > 20 else ''} ({len(unexpected)} total)"
+        )
+    _check_missing(state, cov, mapper, folder)
+
+
+def _check_missing(state: dict[str, torch.Tensor], cov: _Coverage, mapper: KeyMapper, folder: Path) -> None:
+    missing = []
+    for name, t in state.items():
+        if name in cov.filled:
+            continue
+        if ".experts." in name and name in cov.expert_parts:
+            layer = int(name.split(".")[1])
+            for e, part in sorted(_expected_parts(name, t) - cov.expert_parts[name]):
+                missing.append(mapper.expert_key(layer, e, part))
+        elif ".experts." in name:
+            layer = int(name.split(".")[1])
+            missing.append(
+                f"{mapper.to_hf(name)} (or the per-expert "
+                f"{mapper.expert_key(layer, 0, 'down' if name.endswith('down_proj') else 'gate')} ...)"
+            )
+        else:
+            missing.append(mapper.to_hf(name))
+    if missing:
+        raise CheckpointError(
+            f"{folder}: missing weight keys {missing[:20]}"
+            f"{' ...' if len(missing) > 20 else ''} ({len(missing)} total)"
+        )
+
+
+def from_pretrained(
+    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> MoeForCausalLM:
+    """Load a Hugging Face model folder (config.json + safetensors, sharded or not, with or without index).
+
+    Args:
+        path: the folder. dtype: parameter dtype (``e_score_correction_bias`` stays float32).
+        device: where the parameters live.
+    Returns:
+        ``MoeForCausalLM`` in eval mode.
+    Raises:
+        FileNotFoundError: no config.json or no safetensors file.
+        moerl.models.config.UnsupportedArchitectureError: unknown architecture (lists the supported ones).
+        CheckpointError: missing or unexpected weight keys (named), or a tensor of the wrong shape (named,
+            with both shapes).
+        moerl.config.ConfigError: a config value out of range.
+    """
+    folder = Path(path)
+    cfg_file = folder / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{folder}: no config.json")
+    cfg = MoeConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    with torch.device("meta"):
+        model = MoeForCausalLM(cfg)
+    # Allocate in the target dtype first, so that copy_ casts tensor by tensor (no full-size upcast copy).
+    model = model.to_empty(device=device).to(dtype).keep_router_buffers_fp32()
+    model.tie_weights()
+    _load_tensors(model, folder, KeyMapper(cfg.model_type, cfg.num_hidden_layers))
+    # to_empty left the non-persistent rotary buffer uninitialized: rebuild it on the target device.
+    model.rotary = model.build_rotary().to(device)
+    return model.eval()
+
+
+def _hf_tensors(model: MoeForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's tensors under their checkpoint names, experts split per expert (transformers' layout)."""
+    cfg = model.config
+    mapper = KeyMapper(cfg.model_type, cfg.num_hidden_layers)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        t = t.detach()
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            layer = int(name.split(".")[1])
+            for e in range(t.shape[0]):
+                if name.endswith("down_proj"):
+                    out[mapper.expert_key(layer, e, "down")] = t[e]
+                else:
+                    gate, up = t[e].chunk(2, dim=0)
+                    out[mapper.expert_key(layer, e, "gate")] = gate
+                    out[mapper.expert_key(layer, e, "up")] = up
+        else:
+            out[mapper.to_hf(name)] = t
+    return {k: v.to("cpu").contiguous().clone() for k, v in out.items()}
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in tensors.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    return shards
+
+
+def save_pretrained(
+    model: MoeForCausalLM, path: str | os.PathLike[str], *, max_shard_bytes: int = 5 * 2**30
+) -> None:
+    """Write a Hugging Face folder (config.json + safetensors) that transformers loads, atomically.
+
+    Everything is written to a temporary sibling folder that is then renamed onto ``path`` (an existing
+    folder at ``path`` is replaced). More than ``max_shard_bytes`` of weights are split into
+    ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json``.
+
+    Raises:
+        TypeError: ``model`` is not a ``MoeForCausalLM`` (nothing is written).
+    """
+    if not isinstance(model, MoeForCausalLM):
+        raise TypeError(f"save_pretrained needs a MoeForCausalLM, got {type(model).__name__}")
+    folder = Path(path)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        shards = _shards(_hf_tensors(model), max_shard_bytes)
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = (
+                "model.safetensors"
+                if len(shards) == 1
+                else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            )
+            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, fname))
+        if len(shards) > 1:
+            total = sum(v.numel() * v.element_size() for s in shards for v in s.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        cfg = model.config.to_hf_dict()
+        cfg["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        old = None
+        if folder.exists():
+            old = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"
+            folder.rename(old)
+        tmp.rename(folder)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

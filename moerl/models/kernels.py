@@ -1,0 +1,243 @@
+"""Fast paths of the MoE experts on CUDA: a sync-free expert permutation and a fused weighted combine.
+
+Shape legend: N tokens, H hidden size, E experts, k experts per token (top-k), I expert intermediate
+size, M = N * k expert-sorted token copies ("rows"); a "slot" is one (token, choice) pair, flat index
+n * k + j.
+
+``fused_experts`` computes the function of ``moerl.models.moe.Experts.forward``,
+y_n = sum_j w_nj * down_e(silu(g) * u) with [g, u] = gate_up_e x_n and e = topk_idx[n, j]
+(SwiGLU experts, Shazeer 2020 Eq. 5; top-k combine, Shazeer et al. 2017 Eq. 1), in a form that
+
+- never waits for the device: the per-expert row offsets come from a sort and a ``searchsorted`` over
+  the sorted expert ids instead of ``torch.bincount`` (whose CUDA kernel reads the input's maximum on
+  the host), so a decode step that uses it can be captured in a CUDA graph;
+- runs both expert projections as one grouped GEMM each (``torch._grouped_mm``);
+- combines the k expert outputs of each token in one Triton kernel that gathers the k rows, weights
+  them in float32 and writes the token once (no float32 [M, H] intermediate, no bfloat16 atomics);
+  its backward is one kernel too (gradient rows scattered back, the combine-weight gradients as dot
+  products), and the permutation's backward is the same gather-and-sum with unit weights, so the
+  backward has no atomics and is deterministic.
+
+Without Triton (or on CPU) the same functions run as plain tensor ops, which is also the reference the
+unit tests compare the kernels against. ``fast_paths(False)`` turns the fast paths off (for agreement
+checks against the reference path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton is optional: CPU installs and CUDA machines without it use the tensor-op fallbacks.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+_STATE = {"enabled": True}
+
+
+def set_fast_paths(enabled: bool) -> bool:
+    """Turn the fast paths on or off process-wide; returns the previous setting."""
+    prev = _STATE["enabled"]
+    _STATE["enabled"] = bool(enabled)
+    return prev
+
+
+@contextlib.contextmanager
+def fast_paths(enabled: bool) -> Iterator[None]:
+    """Context manager form of ``set_fast_paths`` (restores the previous setting on exit)."""
+    prev = set_fast_paths(enabled)
+    try:
+        yield
+    finally:
+        set_fast_paths(prev)
+
+
+def fast_paths_enabled() -> bool:
+    """Whether the fast paths are on (the default)."""
+    return _STATE["enabled"]
+
+
+def fused_experts_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``fused_experts`` should serve this call: fast paths on, a CUDA bfloat16 input,
+    ``torch._grouped_mm`` present and every row stride 16-byte aligned (its requirement)."""
+    if not (_STATE["enabled"] and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return False
+    widths = (gate_up.shape[-1], gate_up.shape[-2], down.shape[-1])
+    return gate_up.dtype == down.dtype == torch.bfloat16 and all(w * 2 % 16 == 0 for w in widths)
+
+
+def expert_order_no_sync(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the N * k slots by expert without a host sync.
+
+    Args:
+        topk_idx: [N, k] int64 expert ids in [0, E).
+        num_experts: E.
+    Returns:
+        order [M] int64 (sorted row m holds slot order[m]; stable, so a token's copies keep their
+        order within an expert), inverse [M] int64 (slot s sits at row inverse[s]), and
+        offsets [E] int32, the cumulative row ends of the experts (``torch._grouped_mm``'s ``offs``).
+    """
+    flat = topk_idx.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    experts = torch.arange(num_experts, device=flat.device, dtype=sorted_ids.dtype)
+    offsets = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+    rows = torch.arange(flat.numel(), device=flat.device, dtype=order.dtype)
+    inverse = torch.empty_like(order).scatter_(0, order, rows)
+    return order, inverse, offsets
+
+
+# ----------------------------------------------------------------------------------------------
+# Gather-and-sum of the k rows of each token (Triton kernels and their tensor-op reference)
+
+if triton is not None:
+
+    @triton.jit
+    def _combine_fwd_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                            HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
+        # One program per token n: out[n, :] = sum_j w[n, j] * y[inv[n * K + j], :], float32 accumulation.
+        n = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, KP)
+        jmask = j < K
+        rows = tl.load(inv_ptr + n * K + j, mask=jmask, other=0).to(tl.int64)
+        if HAS_W:
+            w = tl.load(w_ptr + n * K + j, mask=jmask, other=0.0).to(tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs = h0 + tl.arange(0, BLOCK_H)
+            hmask = offs < H
+            y = tl.load(y_ptr + rows[:, None] * H + offs[None, :], mask=jmask[:, None] & hmask[None, :],
+                        other=0.0).to(tl.float32)
+            if HAS_W:
+                y = y * w[:, None]
+            acc = tl.sum(y, axis=0)
+            tl.store(out_ptr + n * H + offs, acc.to(out_ptr.dtype.element_ty), mask=hmask)
+
+    @triton.jit
+    def _combine_bwd_kernel(g_ptr, y_ptr, inv_ptr, w_ptr, gy_ptr, gw_ptr, H: tl.constexpr, K: tl.constexpr,
+                            KP: tl.constexpr, BLOCK_H: tl.constexpr):
+        # One program per token n: gy[inv[n, j], :] = w[n, j] * g[n, :]; gw[n, j] = <g[n, :], y[inv[n, j], :]>.
+        n = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, KP)
+        jmask = j < K
+        rows = tl.load(inv_ptr + n * K + j, mask=jmask, other=0).to(tl.int64)
+        w = tl.load(w_ptr + n * K + j, mask=jmask, other=0.0).to(tl.float32)
+        dots = tl.zeros([KP], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs = h0 + tl.arange(0, BLOCK_H)
+            hmask = offs < H
+            tile = jmask[:, None] & hmask[None, :]
+            g = tl.load(g_ptr + n * H + offs, mask=hmask, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + rows[:, None] * H + offs[None, :], mask=tile, other=0.0).to(tl.float32)
+            dots += tl.sum(y * g[None, :], axis=1)
+            gy = (w[:, None] * g[None, :]).to(gy_ptr.dtype.element_ty)
+            tl.store(gy_ptr + rows[:, None] * H + offs[None, :], gy, mask=tile)
+        tl.store(gw_ptr + n * K + j, dots, mask=jmask)
+
+
+def _kernel_meta(h: int, k: int) -> dict:
+    kp = triton.next_power_of_2(k)
+    return dict(K=k, KP=kp, BLOCK_H=min(triton.next_power_of_2(h), max(64, 4096 // kp)))
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return triton is not None and t.is_cuda and _STATE["enabled"]
+
+
+def gather_sum_rows(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor | None, k: int) -> torch.Tensor:
+    """out[n] = sum_j w[n, j] * y[inverse[n * k + j]] (w = 1 when ``weights`` is None), float32 accumulation.
+
+    Args:
+        y: [M, H] rows (expert-sorted). inverse: [M] int64 row of each slot. weights: [N, k] float32 or None.
+    Returns:
+        [N, H] in y's dtype. No autograd (``fused_experts`` wraps it).
+    """
+    m, h = y.shape
+    n = m // k
+    if _use_triton(y):
+        out = torch.empty(n, h, dtype=y.dtype, device=y.device)
+        if n:
+            w = weights.contiguous() if weights is not None else inverse  # dummy pointer when HAS_W=False
+            _combine_fwd_kernel[(n,)](y.contiguous(), inverse, w, out, h, HAS_W=weights is not None,
+                                      **_kernel_meta(h, k))
+        return out
+    rows = y.index_select(0, inverse).view(n, k, h).float()
+    if weights is not None:
+        rows = rows * weights.float().unsqueeze(-1)
+    return rows.sum(1).to(y.dtype)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x [N, H] -> x[token] [M, H] (token = order // k); backward sums each token's k row gradients."""
+
+    @staticmethod
+    def forward(ctx, x, token, inverse, k):  # noqa: D102
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, token)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        (inverse,) = ctx.saved_tensors
+        return gather_sum_rows(grad.contiguous(), inverse, None, ctx.k), None, None, None
+
+
+class _WeightedCombine(torch.autograd.Function):
+    """y [M, H], weights [N, k] float32 -> sum_j w[n, j] * y[inverse[n k + j]] [N, H] (Triton, CUDA)."""
+
+    @staticmethod
+    def forward(ctx, y, inverse, weights, k):  # noqa: D102
+        y, weights = y.contiguous(), weights.float().contiguous()
+        ctx.save_for_backward(y, inverse, weights)
+        ctx.k = k
+        return gather_sum_rows(y, inverse, weights, k)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        y, inverse, weights = ctx.saved_tensors
+        m, h = y.shape
+        n = m // ctx.k
+        grad_y = torch.empty_like(y)
+        grad_w = torch.empty(n, ctx.k, dtype=torch.float32, device=y.device)
+        if n:
+            _combine_bwd_kernel[(n,)](grad.contiguous(), y, inverse, weights, grad_y, grad_w, h,
+                                      **_kernel_meta(h, ctx.k))
+        return grad_y, None, grad_w, None
+
+
+def weighted_combine(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
+    """Differentiable top-k combine of expert-sorted rows: [M, H], [M], [N, k] float32 -> [N, H].
+
+    Triton kernels on CUDA; elsewhere the tensor-op reference (gather, float32 weighting, sum).
+    """
+    if _use_triton(y):
+        return _WeightedCombine.apply(y, inverse, weights, k)
+    n, h = weights.shape[0], y.shape[-1]
+    rows = y.index_select(0, inverse).view(n, k, h).float()
+    return (rows * weights.float().unsqueeze(-1)).sum(1).to(y.dtype)
+
+
+def fused_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts with no host sync: the function of ``moerl.models.moe.Experts.forward``.
+
+    Args:
+        x: [N, H] tokens (bfloat16 on CUDA for the fast path; float32/bfloat16 on CPU for tests).
+        topk_idx: [N, k] int64 expert ids in [0, E) (out-of-range ids are not checked: that would sync).
+        topk_weights: [N, k] float32 combine weights.
+        gate_up: [E, 2I, H] (gate rows first, then up). down: [E, H, I].
+    Returns:
+        [N, H] in x's dtype; differentiable in x, topk_weights, gate_up and down.
+    """
+    n, k = topk_idx.shape
+    order, inverse, offsets = expert_order_no_sync(topk_idx, gate_up.shape[0])
+    token = torch.div(order, k, rounding_mode="floor")
+    x_sorted = _PermuteRows.apply(x, token, inverse, k)
+    gate_up_out = torch._grouped_mm(x_sorted, gate_up.transpose(-2, -1), offs=offsets)
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    y = torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(-2, -1), offs=offsets)
+    return weighted_combine(y, inverse, topk_weights, k)

@@ -1,0 +1,238 @@
+"""Transformer layers of the moerl decoder: RMSNorm, rotary embeddings, GQA and MLA attention, SwiGLU MLP.
+
+Shape legend: B batch, T new tokens, S attended tokens (cache + new), H hidden size, nh query heads,
+nkv key/value heads, hd head dim, R rotary dim. Masks are boolean, True = attend.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moerl.models.config import MoeConfig, RopeScaling
+
+
+class KVCache(Protocol):
+    """The KV-cache seam owned by ``moerl.rollout`` (see docs/architecture.md, Model)."""
+
+    attn_mask: torch.Tensor
+    """[B, 1, T, S] bool, True = attend."""
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, nkv, T, hd] for layer ``layer_idx``; return all keys/values [B, nkv, S, hd]."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in float32 (Zhang & Sennrich 2019, Eq. 4)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN attention temperature sqrt(1/t) = 0.1 ln(s) + 1 (Peng et al. 2023, Eq. 22), times ``mscale``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [R/2] float32 and the cos/sin multiplier of a rotary embedding of width ``dim``.
+
+    Default: theta^(-2i/R) (Su et al. 2021, RoFormer Eq. 15). Linear: divided by ``factor``. YaRN:
+    NTK-by-parts blend of interpolated and extrapolated frequencies with a linear ramp between the
+    correction dimensions of ``beta_fast`` and ``beta_slow`` rotations (Peng et al. 2023, Eq. 17-20).
+    """
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv_freq = 1.0 / base
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor, 1.0
+    if scaling.rope_type != "yarn":
+        return inv_freq, 1.0
+    s, orig = scaling.factor, scaling.original_max_position_embeddings
+    attn = scaling.attention_factor
+    if attn is None:
+        if scaling.mscale and scaling.mscale_all_dim:
+            attn = _yarn_mscale(s, scaling.mscale) / _yarn_mscale(s, scaling.mscale_all_dim)
+        else:
+            attn = _yarn_mscale(s)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    inv_freq = (inv_freq / s) * (1 - extrapolate) + inv_freq * extrapolate
+    return inv_freq, float(attn)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos, sin [B, T, R] of positions ``position_ids`` [B, T] (float32 math, cast to the input dtype)."""
+
+    def __init__(self, dim: int, theta: float, scaling: RopeScaling) -> None:
+        super().__init__()
+        inv_freq, self.attention_factor = rope_inv_freq(dim, theta, scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)  # (B, T, R/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+
+
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleave: bool = False
+) -> torch.Tensor:
+    """Rotate the first R channels of x [B, n, T, d] by position (RoFormer Eq. 34); the rest pass through.
+
+    ``interleave``: pairs are (x0, x1), (x2, x3)... and the output lists the rotated evens then odds
+    (DeepSeek's layout); otherwise pairs are (x_i, x_{i+R/2}).
+    """
+    r = cos.shape[-1]
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, R)
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    if interleave:
+        c, s = cos[..., : r // 2], sin[..., : r // 2]
+        a, b = x_rot[..., 0::2], x_rot[..., 1::2]
+        out = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+    else:
+        a, b = x_rot[..., : r // 2], x_rot[..., r // 2 :]
+        out = x_rot * cos + torch.cat((-b, a), dim=-1) * sin
+    return torch.cat([out, x_pass], dim=-1) if x_pass.shape[-1] else out
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """SDPA of q [B, nh, T, d] over k, v [B, nkv, S, d]; returns [B, T, nh * dv]."""
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves nh / nkv query heads
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).flatten(2)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention (Ainslie et al. 2023) with optional q/k RMSNorm, qkv clipping and bias."""
+
+    def __init__(self, cfg: MoeConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx, self.cfg = layer_idx, cfg
+        nh, nkv, hd, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(h, nh * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(nh * hd, h, bias=cfg.o_bias)
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(nh * hd, cfg.rms_norm_eps), RMSNorm(nkv * hd, cfg.rms_norm_eps)
+        self.scale = hd**-0.5
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache: KVCache | None
+    ) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]; ``mask`` [B, 1, T, S] bool (the cache's when ``cache`` is given)."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if cfg.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.clip_qkv is not None:
+            q, k, v = (z.clamp(-cfg.clip_qkv, cfg.clip_qkv) for z in (q, k, v))
+        q, k, v = (z.view(b, t, -1, cfg.head_dim) for z in (q, k, v))
+        if cfg.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, hd)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        return self.o_proj(_attend(q, k, v, mask, self.scale))
+
+
+class MLAttention(nn.Module):
+    """Multi-head Latent Attention (DeepSeek-V2, arXiv:2405.04434, Eq. 9-19).
+
+    Queries (optionally low-rank: q_a -> RMSNorm -> q_b) and keys are split into a "nope" part and a
+    rotary part; keys/values come from a shared latent c_kv of rank ``kv_lora_rank`` (kv_a -> RMSNorm ->
+    kv_b) plus one rotary key shared by all heads. The KV cache stores the decompressed per-head
+    k [B, nh, T, nope + rope] and v [B, nh, T, v_head_dim]: simple, not the memory-saving latent form.
+    """
+
+    def __init__(self, cfg: MoeConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx, self.cfg = layer_idx, cfg
+        h, nh, eps = cfg.hidden_size, cfg.num_attention_heads, cfg.rms_norm_eps
+        self.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, nh * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.qkv_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(nh * cfg.v_head_dim, h, bias=cfg.o_bias)
+        self.scale = self.qk_head_dim**-0.5
+        rs = cfg.rope_scaling
+        if rs.rope_type == "yarn" and rs.mscale_all_dim:  # DeepSeek-V3's softmax temperature for YaRN
+            self.scale *= _yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache: KVCache | None
+    ) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]; ``mask`` [B, 1, T, S] bool."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(b, t, -1, self.qk_head_dim).transpose(1, 2)  # (B, nh, T, nope + rope)
+        q_nope, q_rot = q.split([nope, rope], dim=-1)
+        kv_latent, k_rot = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, rope], dim=-1)
+        kv = (
+            self.kv_b_proj(self.kv_a_layernorm(kv_latent))
+            .view(b, t, -1, nope + cfg.v_head_dim)
+            .transpose(1, 2)
+        )
+        k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)  # (B, nh, T, nope), (B, nh, T, dv)
+        q_rot = apply_rotary(q_rot, cos, sin, interleave=cfg.rope_interleave)
+        k_rot = apply_rotary(k_rot.view(b, 1, t, rope), cos, sin, interleave=cfg.rope_interleave)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        return self.o_proj(_attend(q, k, v, mask, self.scale))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020, Eq. 5). x [..., H] -> [..., H]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

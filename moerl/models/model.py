@@ -1,0 +1,211 @@
+"""The decoder-only MoE language model (one device) and its output type.
+
+Shape legend: B batch, T tokens, S attended tokens (cache + new), H hidden size, V vocabulary,
+L_moe MoE layers, k experts per token. Masks are boolean, True = attend / real token.
+
+Forward: embed -> L x [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> lm_head, where mlp is a
+``MoeBlock`` on MoE layers and a ``DenseMLP`` on the others (``MoeConfig.is_moe_layer``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moerl.models.config import MoeConfig
+from moerl.models.layers import Attention, DenseMLP, KVCache, MLAttention, RMSNorm, RotaryEmbedding
+from moerl.models.moe import MoeBlock, MoeLayerStats
+
+
+@dataclass(frozen=True, slots=True)
+class CausalLMOutput:
+    """Output of ``MoeForCausalLM.forward``."""
+
+    logits: torch.Tensor
+    """[B, T, V] in the model dtype."""
+    aux_loss: torch.Tensor
+    """scalar float32: mean over MoE layers of the load-balancing loss (0 without MoE layers)."""
+    z_loss: torch.Tensor
+    """scalar float32: mean over MoE layers of the router z-loss."""
+    routed_experts: torch.Tensor | None = None
+    """[B, T, L_moe, k] int64 chosen experts, when ``return_routed_experts``."""
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block with attention (GQA or MLA) and a dense or MoE MLP."""
+
+    def __init__(self, cfg: MoeConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg, layer_idx) if cfg.is_mla else Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = (
+            MoeBlock(cfg) if cfg.is_moe_layer(layer_idx) else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache | None,
+        token_mask: torch.Tensor | None,
+        forced_idx: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, MoeLayerStats | None]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoeBlock):
+            y, stats = self.mlp(h, token_mask, forced_idx)
+            return x + y, stats
+        return x + self.mlp(h), None
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids [B, T] int64 = (cumsum of the mask) - 1, clamped at 0, so left padding shifts nothing."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] bool: query i attends key j iff j <= i and j is a real token; a padding query also
+    attends itself so that no row is empty (an empty row makes SDPA return NaN)."""
+    t = attention_mask.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).tril()
+    eye = torch.eye(t, dtype=torch.bool, device=attention_mask.device)
+    return ((causal & attention_mask.bool()[:, None, :]) | eye)[:, None]
+
+
+class MoeForCausalLM(nn.Module):
+    """Decoder-only MoE language model; ``config`` is its ``MoeConfig``.
+
+    ``moe_blocks()`` yields the ``MoeBlock`` of each MoE layer in order; an expert-parallel wrapper
+    swaps ``block.experts`` for a module with the same call signature (see ``moerl.models.moe``).
+    """
+
+    def __init__(self, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.rotary = self.build_rotary()
+
+    def tie_weights(self) -> None:
+        """Share ``lm_head.weight`` with ``embed_tokens.weight`` when ``tie_word_embeddings`` (again after
+        ``to_empty``, which allocates them separately)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def build_rotary(self) -> RotaryEmbedding:
+        """A fresh rotary embedding for this config (its inv_freq buffer is not part of the state dict)."""
+        cfg = self.config
+        rot_dim = cfg.qk_rope_head_dim if cfg.is_mla else int(cfg.head_dim * cfg.partial_rotary_factor)
+        return RotaryEmbedding(rot_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def moe_blocks(self) -> Iterator[MoeBlock]:
+        """The MoE blocks in layer order (length L_moe)."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoeBlock):
+                yield layer.mlp
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        forced_experts: torch.Tensor | None = None,
+        return_routed_experts: bool = False,
+    ) -> CausalLMOutput:
+        """Logits and router losses of ``input_ids`` [B, T] int64.
+
+        Args:
+            attention_mask: [B, T] (1 = token, 0 = padding); None = all tokens. Padding is excluded from
+                attention (as keys) and from the aux/z losses.
+            position_ids: [B, T] int64; None derives them from attention_mask (``positions_from_mask``).
+                With a cache, pass them explicitly (the model does not know the cache offsets).
+            cache: KV-cache seam; its ``attn_mask`` [B, 1, T, S] replaces the causal+padding mask.
+            forced_experts: [B, T, L_moe, k] int64 routing to replay instead of the router's choice.
+            return_routed_experts: fill ``routed_experts`` [B, T, L_moe, k].
+        Raises:
+            ValueError: mismatched shapes of attention_mask / position_ids / forced_experts.
+        """
+        b, t = input_ids.shape
+        num_moe = len(self.config.moe_layer_ids)
+        if attention_mask is not None and attention_mask.shape != (b, t):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(b, t)}")
+        if forced_experts is not None and forced_experts.shape != (
+            b,
+            t,
+            num_moe,
+            self.config.num_experts_per_tok,
+        ):
+            raise ValueError(
+                f"forced_experts has shape {tuple(forced_experts.shape)}; expected "
+                f"{(b, t, num_moe, self.config.num_experts_per_tok)} [B, T, L_moe, k]"
+            )
+        if position_ids is None:
+            position_ids = (
+                positions_from_mask(attention_mask)
+                if attention_mask is not None
+                else torch.arange(t, device=input_ids.device).expand(b, t)
+            )
+        if position_ids.shape != (b, t):
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected {(b, t)}")
+        if cache is not None:  # a row with no key to attend would make SDPA return NaN: let it see all
+            mask = cache.attn_mask | ~cache.attn_mask.any(-1, keepdim=True)
+        elif attention_mask is not None:
+            mask = causal_padding_mask(attention_mask)
+        else:
+            mask = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()[None, None]
+        token_mask = attention_mask.reshape(-1).bool() if attention_mask is not None else None
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(position_ids, x.dtype)
+        stats: list[MoeLayerStats] = []
+        for layer in self.layers:
+            forced = None
+            if forced_experts is not None and isinstance(layer.mlp, MoeBlock):
+                forced = forced_experts[:, :, len(stats)].reshape(b * t, -1)
+            x, s = layer(x, cos, sin, mask, cache, token_mask, forced)
+            if s is not None:
+                stats.append(s)
+        logits = self.lm_head(self.norm(x))
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        aux = torch.stack([s.aux_loss for s in stats]).mean() if stats else zero
+        z = torch.stack([s.z_loss for s in stats]).mean() if stats else zero
+        routed = None
+        if return_routed_experts:
+            k = self.config.num_experts_per_tok
+            routed = (
+                torch.stack([s.topk_idx.view(b, t, -1) for s in stats], dim=2)
+                if stats
+                else input_ids.new_zeros(b, t, 0, k)
+            )
+        return CausalLMOutput(logits=logits, aux_loss=aux, z_loss=z, routed_experts=routed)
+
+    def keep_router_buffers_fp32(self) -> MoeForCausalLM:
+        """Cast ``e_score_correction_bias`` back to float32 after a ``.to(dtype)`` (selection precision)."""
+        for block in self.moe_blocks():
+            if block.router.e_score_correction_bias is not None:
+                block.router.e_score_correction_bias.data = block.router.e_score_correction_bias.data.float()
+        return self
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Normal(0, std) weights, unit norms, zero biases and zero correction bias (GPT-2 style init)."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std)
+        for block in self.moe_blocks():
+            if block.router.e_score_correction_bias is not None:
+                block.router.e_score_correction_bias.zero_()

@@ -1,0 +1,289 @@
+"""The Mixture-of-Experts block: router, stacked experts with a grouped GEMM, shared experts, aux losses.
+
+Shape legend: N tokens (B * T flattened), H hidden size, E routed experts, k experts per token
+(top-k), I expert intermediate size, M = N * k expert-sorted token copies, G expert groups.
+
+The seam used by ``moerl.ep``: ``MoeBlock.experts`` is any module with the call signature of
+``Experts.forward(x [N, H], topk_idx [N, k] int64, topk_weights [N, k] float32) -> [N, H]``; replace it
+on every block returned by ``MoeForCausalLM.moe_blocks()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moerl.models.config import MoeConfig
+from moerl.models.layers import DenseMLP
+
+
+@dataclass(frozen=True, slots=True)
+class RouterOutput:
+    """What the router decided for N tokens."""
+
+    router_logits: torch.Tensor
+    """[N, E] float32, raw (before softmax/sigmoid and before the correction bias)."""
+    topk_idx: torch.Tensor
+    """[N, k] int64 chosen experts."""
+    topk_weights: torch.Tensor
+    """[N, k] float32 combine weights (normalized / scaled as configured)."""
+
+
+def route(
+    router_logits: torch.Tensor,
+    *,
+    top_k: int,
+    scoring_func: str = "softmax",
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
+    correction_bias: torch.Tensor | None = None,
+    forced_idx: torch.Tensor | None = None,
+) -> RouterOutput:
+    """Top-k routing of router logits [N, E] float32.
+
+    scores = softmax(logits) (Shazeer et al. 2017) or sigmoid(logits) (DeepSeek-V3, arXiv:2412.19437
+    Eq. 13). Selection uses scores + ``correction_bias`` (DeepSeek-V3 Eq. 16, auxiliary-loss-free
+    balancing); with ``n_group > 1`` only the ``topk_group`` groups with the largest sum of their two
+    best scores are eligible, the others masked to -inf (DeepSeek-V3 device-limited routing). The
+    combine weights are the *unbiased* scores of the chosen experts, renormalized per token when
+    ``norm_topk_prob`` (divided by their sum; +1e-20 for sigmoid scores), then times
+    ``routed_scaling_factor``. ``forced_idx`` [N, k] int64 skips selection (rollout routing replay).
+
+    Raises:
+        ValueError: forced_idx of the wrong shape or with ids outside [0, E).
+    """
+    n, e = router_logits.shape
+    logits = router_logits.float()
+    scores = logits.softmax(-1) if scoring_func == "softmax" else logits.sigmoid()
+    if forced_idx is not None:
+        if forced_idx.shape != (n, top_k):
+            raise ValueError(
+                f"forced_experts has shape {tuple(forced_idx.shape)} per layer; expected {(n, top_k)}"
+            )
+        if forced_idx.numel() and (int(forced_idx.min()) < 0 or int(forced_idx.max()) >= e):  # device sync
+            raise ValueError(f"forced_experts ids must lie in [0, {e})")
+        topk_idx = forced_idx.long()
+    else:
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if n_group > 1:
+            groups = choice.view(n, n_group, e // n_group)
+            group_scores = groups.topk(min(2, e // n_group), dim=-1).values.sum(-1)  # (N, G)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+            choice = groups.masked_fill(~keep[..., None], float("-inf")).view(n, e)
+        topk_idx = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, topk_idx)
+    if norm_topk_prob:
+        denom = weights.sum(-1, keepdim=True)
+        weights = weights / (denom + 1e-20 if scoring_func == "sigmoid" else denom)
+    return RouterOutput(router_logits=logits, topk_idx=topk_idx, topk_weights=weights * routed_scaling_factor)
+
+
+def load_balancing_loss(
+    router_logits: torch.Tensor, topk_idx: torch.Tensor, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Switch/Mixtral load-balancing loss L = E * sum_i f_i * P_i (Fedus et al. 2021, Eq. 4-6).
+
+    f_i: fraction of (non-padding) tokens whose top-k includes expert i (sums to k);
+    P_i: mean over the same tokens of softmax(raw router logits)_i. Uniform routing gives k.
+
+    Args:
+        router_logits: [N, E] float32. topk_idx: [N, k] int64. token_mask: [N] bool, False = padding.
+    Returns:
+        scalar float32 (0 when there is no token).
+    """
+    e = router_logits.shape[-1]
+    probs = router_logits.float().softmax(-1)
+    counts = F.one_hot(topk_idx, e).sum(1).float()  # (N, E)
+    if token_mask is not None:
+        w = token_mask.float()[:, None]
+        probs, counts = probs * w, counts * w
+        n = token_mask.sum().clamp(min=1)
+    else:
+        n = max(router_logits.shape[0], 1)
+    return e * ((counts.sum(0) / n) * (probs.sum(0) / n)).sum()
+
+
+def router_z_loss(router_logits: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Router z-loss mean_tokens (logsumexp_i logits_i)^2 (Zoph et al. 2022, ST-MoE Eq. 5); scalar float32."""
+    z = torch.logsumexp(router_logits.float(), dim=-1).pow(2)
+    if token_mask is None:
+        return z.mean() if z.numel() else z.sum()
+    return (z * token_mask.float()).sum() / token_mask.sum().clamp(min=1)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: ``torch._grouped_mm``'s CPU
+    backward rejects the stride-0 gradients that ``sum()`` produces."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return g.contiguous()
+
+
+def grouped_mm_supported(x: torch.Tensor, *widths: int) -> bool:
+    """Whether ``torch._grouped_mm`` can run here: it exists, the dtype suits the device and every row
+    stride is 16-byte aligned.
+
+    CPU: float32 or bfloat16. CUDA: compute capability >= 9.0 (checked on an H200 with torch 2.11:
+    bfloat16, float16 and float32 match the loop exactly, forward and backward); older GPUs use the loop.
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        ok = x.dtype in (torch.float32, torch.bfloat16)
+    elif x.device.type == "cuda":
+        ok = torch.cuda.get_device_capability(x.device) >= (9, 0)
+        ok = ok and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    else:
+        ok = False
+    return ok and all((w * x.element_size()) % 16 == 0 for w in widths)
+
+
+def grouped_expert_mlp(
+    x_sorted: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    use_grouped_mm: bool | None = None,
+) -> torch.Tensor:
+    """SwiGLU experts on expert-sorted tokens: y_m = down_e (silu(g) * u), [g, u] = gate_up_e x_m.
+
+    Args:
+        x_sorted: [M, H] tokens sorted by expert (expert 0's first).
+        tokens_per_expert: [E] int64 rows of each expert; sums to M.
+        gate_up: [E, 2I, H] (gate rows first, then up). down: [E, H, I].
+        use_grouped_mm: True forces ``torch._grouped_mm`` (one grouped GEMM per projection), False the
+            per-expert loop (one device sync for the split sizes); None picks grouped where supported.
+    Returns:
+        [M, H] in x_sorted's dtype.
+    """
+    i2, h = gate_up.shape[1], gate_up.shape[2]
+    if use_grouped_mm is None:
+        use_grouped_mm = grouped_mm_supported(x_sorted, h, i2, i2 // 2)
+    if use_grouped_mm and x_sorted.shape[0] > 0:  # the grouped backward rejects M = 0 (an idle EP rank)
+        offs = tokens_per_expert.cumsum(0).to(torch.int32)
+        gu = _ContiguousGrad.apply(
+            torch._grouped_mm(x_sorted.contiguous(), gate_up.transpose(-2, -1), offs=offs)
+        )
+        gate, up = gu.chunk(2, dim=-1)
+        act = (F.silu(gate) * up).contiguous()
+        return _ContiguousGrad.apply(torch._grouped_mm(act, down.transpose(-2, -1), offs=offs))
+    outs = []
+    for e, x_e in enumerate(x_sorted.split(tokens_per_expert.tolist())):  # .tolist(): device sync
+        gate, up = F.linear(x_e, gate_up[e]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, down[e]))
+    return torch.cat(outs) if outs else x_sorted.new_zeros(0, h)
+
+
+class Experts(nn.Module):
+    """E routed SwiGLU experts stored stacked: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, use_grouped_mm: bool | None = None
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.use_grouped_mm = use_grouped_mm
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], topk_idx [N, k] int64, topk_weights [N, k] float32 -> sum_j w_j expert_{idx_j}(x) [N, H]."""
+        n, k = topk_idx.shape
+        flat = topk_idx.reshape(-1)
+        order = flat.argsort(stable=True)  # (M,) expert-sorted copy -> flat slot
+        token = order // k
+        tokens_per_expert = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        y = grouped_expert_mlp(
+            x[token], tokens_per_expert, self.gate_up_proj, self.down_proj, use_grouped_mm=self.use_grouped_mm
+        )
+        y = (y.float() * topk_weights.reshape(-1)[order, None]).to(x.dtype)
+        return x.new_zeros(n, x.shape[-1]).index_add_(0, token, y)
+
+
+@dataclass(frozen=True, slots=True)
+class MoeLayerStats:
+    """Per-layer router results collected by the model."""
+
+    topk_idx: torch.Tensor
+    """[N, k] int64."""
+    aux_loss: torch.Tensor
+    """scalar float32, ``load_balancing_loss`` of this layer."""
+    z_loss: torch.Tensor
+    """scalar float32, ``router_z_loss`` of this layer."""
+
+
+class Router(nn.Module):
+    """Linear router ``weight [E, H]`` (logits in float32) and optional ``e_score_correction_bias [E]``."""
+
+    def __init__(self, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        if cfg.use_score_correction_bias:
+            # A buffer, not a parameter: updated by a balancing rule, never by gradients (DeepSeek-V3 sec. 2.1.2).
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor, forced_idx: torch.Tensor | None = None) -> RouterOutput:
+        """x [N, H] -> ``RouterOutput``; see ``route``."""
+        c = self.cfg
+        logits = F.linear(x.float(), self.weight.float())
+        return route(
+            logits,
+            top_k=c.num_experts_per_tok,
+            scoring_func=c.scoring_func,
+            norm_topk_prob=c.norm_topk_prob,
+            routed_scaling_factor=c.routed_scaling_factor,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            correction_bias=self.e_score_correction_bias,
+            forced_idx=forced_idx,
+        )
+
+
+class MoeBlock(nn.Module):
+    """router -> experts (+ shared experts, optionally gated by sigmoid(w . x)); x [B, T, H] -> [B, T, H]."""
+
+    def __init__(self, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts: nn.Module = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (
+            DenseMLP(cfg.hidden_size, cfg.shared_intermediate_size) if cfg.shared_intermediate_size else None
+        )
+        self.shared_expert_gate = (
+            nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
+        )
+
+    def forward(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None = None, forced_idx: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, MoeLayerStats]:
+        """x [B, T, H]; token_mask [B*T] bool (False = padding, excluded from the losses);
+        forced_idx [B*T, k] int64 replaces the router's choice. Returns the output and ``MoeLayerStats``."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        r = self.router(x, forced_idx)
+        y = self.experts(x, r.topk_idx, r.topk_weights)
+        if self.shared_experts is not None:
+            s = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                s = torch.sigmoid(self.shared_expert_gate(x)) * s
+            y = y + s
+        stats = MoeLayerStats(
+            topk_idx=r.topk_idx,
+            aux_loss=load_balancing_loss(r.router_logits, r.topk_idx, token_mask),
+            z_loss=router_z_loss(r.router_logits, token_mask),
+        )
+        return y.view(shape), stats
