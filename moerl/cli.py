@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json or its folder (default: the model folder's)")
+    p.add_argument("--max-slots", type=int, default=64, help="concurrent sequences of the engine")
+    p.add_argument("--kv-token-budget", type=int, default=None,
+                   help="KV cache tokens over all slots (default: longest prompt + max-new-tokens per slot)")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("report", help="plot a run's curves and print its summary")

@@ -1,0 +1,134 @@
+"""``moerl generate``: offline batch generation from a JSONL file of prompts (for evaluation).
+
+Input: one JSON object per line with a ``prompt`` string and an optional ``id``. Output: one JSON object
+per sample: ``id``, ``sample_index``, ``prompt``, ``completion`` (text, without the stop token),
+``token_ids``, ``logprobs``, ``finish_reason`` (``stop`` | ``length`` | ``error``), ``policy_version`` and,
+for a prompt that cannot be served (too long for the context, empty), ``error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from moerl.rollout.engine import Engine
+from moerl.rollout.params import FINISH_ERROR, FINISH_STOP, Completion, Request, SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def read_prompts(path: str | Path) -> list[tuple[str, str]]:
+    """``(id, prompt)`` pairs of a JSONL file; ``id`` defaults to the line number (from 0).
+
+    Raises:
+        ValueError: a line that is not a JSON object with a string ``prompt``, or a duplicate id.
+    """
+    out: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise ValueError(f"{path}:{lineno}: expected an object with a string 'prompt' field")
+            pid = str(obj.get("id", len(out)))
+            if pid in seen:
+                raise ValueError(f"{path}:{lineno}: duplicate id {pid!r}")
+            seen.add(pid)
+            out.append((pid, obj["prompt"]))
+    return out
+
+
+def _write_jsonl_atomic(path: str | Path, rows: list[dict]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+
+
+def _row(c: Completion, prompt: str, tokenizer, version: int) -> dict:
+    text_ids = c.token_ids[:-1] if c.finish_reason == FINISH_STOP else c.token_ids
+    row = {
+        "id": c.request_id,
+        "sample_index": c.sample_index,
+        "prompt": prompt,
+        "completion": tokenizer.decode(text_ids),
+        "token_ids": c.token_ids,
+        "logprobs": c.logprobs,
+        "finish_reason": c.finish_reason,
+        "policy_version": min(c.policy_versions) if c.policy_versions else version,
+    }
+    if c.error is not None:
+        row["error"] = c.error
+    return row
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    """Run ``moerl generate``: 0 on success, 1 when some prompts failed (their lines carry ``error``), 2 when
+    nothing could run (missing or bad model, tokenizer or prompts file, bad flags; the reason is printed).
+
+    Args:
+        args: ``model``, ``prompts``, ``out``, ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+            ``n``, ``seed``, ``dtype``, ``device``, and optionally ``tokenizer``, ``max_slots``,
+            ``kv_token_budget`` (default: room for the longest prompt + max_new_tokens in every slot).
+    """
+    try:
+        return _generate(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"moerl generate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from moerl.models import from_pretrained
+    from moerl.tasks import load_tokenizer
+
+    if args.dtype not in _DTYPES:
+        raise ValueError(f"--dtype={args.dtype!r}; choose one of {sorted(_DTYPES)}")
+    tokenizer = load_tokenizer(getattr(args, "tokenizer", None) or args.model)
+    model = from_pretrained(args.model, dtype=_DTYPES[args.dtype], device=args.device)
+    prompts = read_prompts(args.prompts)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        stop_token_ids=(tokenizer.eos_id,),
+        n=args.n,
+        seed=args.seed,
+    )
+    encoded = [tokenizer.encode(text) for _, text in prompts]
+    max_slots = getattr(args, "max_slots", None) or 64
+    longest = max((len(ids) for ids in encoded), default=1) + args.max_new_tokens
+    budget = getattr(args, "kv_token_budget", None) or max_slots * min(
+        longest, model.config.max_position_embeddings
+    )
+    engine = Engine(model, max_slots=max_slots, kv_token_budget=budget, seed=args.seed)
+    requests = [
+        Request(request_id=pid, prompt_ids=ids, params=params)
+        for (pid, _), ids in zip(prompts, encoded, strict=True)
+    ]
+    completions = engine.generate(requests, on_error="return")
+    text_of = dict(prompts)
+    rows = [_row(c, text_of[c.request_id], tokenizer, engine.version) for c in completions]
+    _write_jsonl_atomic(args.out, rows)
+    failed = [c for c in completions if c.finish_reason == FINISH_ERROR]
+    for c in failed:
+        print(f"moerl generate: {c.error}", file=sys.stderr)
+    print(
+        f"moerl generate: wrote {len(rows)} samples of {len(prompts)} prompts to {args.out}", file=sys.stderr
+    )
+    return 1 if failed else 0

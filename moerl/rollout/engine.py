@@ -1,0 +1,478 @@
+"""The rollout engine: continuous batching over a static per-slot KV cache, exact behaviour log-probs,
+in-place weight updates between steps.
+
+Shapes: N slots, A running sequences (slots 0..A-1), B decode rows (A, or A rounded up to a bucket),
+R prefill rows (one per admitted request), T padded prompt length, V vocabulary.
+
+One ``step()``:
+  1. admit waiting requests into free slots; prefill each admitted prompt once (R rows, right-padded),
+     copy its KV into the slots of its other samples, and sample each sample's first token;
+  2. decode one token for every running sequence (fixed-shape [B, 1] forward over the cache);
+  3. every ``sync_every`` steps (or when a sequence reaches ``max_new_tokens``), copy the sampled tokens
+     to the host in one transfer, finish sequences at their first stop token or at their length limit,
+     free their slots and compact the running ones.
+Between syncs the decode loop never waits for the device: tokens, log-probs, positions and the next
+inputs stay in device tensors, and the sampler's noise is counter-based (see ``sampler.py``).
+
+Policy versions: a token's version is the engine's ``version`` when its logits were computed. After
+``update_weights`` a running sequence continues with the new weights over its cached keys/values
+(computed by the old ones), so one completion can carry several versions.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from moerl.config import RolloutConfig
+from moerl.rollout.kv_cache import KVLayout, SlotKVCache, kv_layout
+from moerl.rollout.params import FINISH_ERROR, Completion, InvalidRequestError, Request, validate_request
+from moerl.rollout.sampler import SamplingRows, sample_key, sample_no_sync
+from moerl.rollout.scheduler import Admission, Scheduler, Sequence
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Tokens sampled on the device and not yet copied to the host."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [M] int64
+    logprobs: torch.Tensor  # [M] float32
+    version: int
+
+
+class Engine:
+    """Batched generation for a ``moerl.models`` causal LM (any model with the KV cache seam).
+
+    Args:
+        model: callable ``model(input_ids, attention_mask, position_ids, *, cache, return_routed_experts)``
+            returning an object with ``logits`` [B, T, V] (and ``routed_experts`` [B, T, Lm, K] when
+            asked), and a ``config`` with Hugging Face field names. Run as given (its train/eval mode is
+            left alone) under ``torch.no_grad``.
+        max_slots: most concurrent sequences.
+        kv_token_budget: KV cache capacity in tokens over all slots.
+        max_seq_len: tokens per slot (prompt + new); ``None``: ``kv_token_budget // max_slots``. Capped at
+            the model's ``max_position_embeddings``. The engine gets ``min(max_slots, budget // max_seq_len)``
+            slots.
+        max_prefill_tokens: prompt tokens prefilled per step (at least one prompt is always admitted).
+        max_stop_tokens: most stop token ids per request.
+        sync_every: decode steps between host copies of the sampled tokens (1 on CPU; larger values keep
+            the device busy, at the cost of up to ``sync_every - 1`` wasted steps per finished sequence).
+        batch_buckets: decode batch sizes to round B up to (fixed shapes for CUDA graphs); ``None``: exact.
+        attn_len_multiple: the decode read length R is rounded up to a multiple of this.
+        seed: seeds the draw of a noise seed for requests whose ``params.seed`` is None.
+        version: initial policy version.
+        kv_layout_override: the KV geometry, when it cannot be derived from ``model.config``.
+
+    Raises:
+        ValueError: sizes that leave no cache slot of two tokens; a non-positive sync/prefill/length setting.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_slots: int = 64,
+        kv_token_budget: int = 16384,
+        max_seq_len: int | None = None,
+        max_prefill_tokens: int = 4096,
+        max_stop_tokens: int = 8,
+        sync_every: int = 1,
+        batch_buckets: tuple[int, ...] | None = None,
+        attn_len_multiple: int = 64,
+        seed: int = 0,
+        version: int = 0,
+        kv_layout_override: KVLayout | None = None,
+    ) -> None:
+        cfg = model.config
+        slot_len = min(max_seq_len or kv_token_budget // max(max_slots, 1), cfg.max_position_embeddings)
+        num_slots = min(max_slots, kv_token_budget // max(slot_len, 1))
+        if slot_len < 2 or num_slots < 1:
+            raise ValueError(
+                f"max_slots={max_slots}, kv_token_budget={kv_token_budget}, max_seq_len={max_seq_len} leave no "
+                f"cache slot of at least 2 tokens (model context {cfg.max_position_embeddings})"
+            )
+        if sync_every < 1 or max_prefill_tokens < 1 or attn_len_multiple < 1:
+            raise ValueError(
+                f"sync_every={sync_every}, max_prefill_tokens={max_prefill_tokens}, "
+                f"attn_len_multiple={attn_len_multiple} must all be >= 1"
+            )
+        param = next(model.parameters())
+        self.model = model
+        self.device = param.device
+        self.vocab_size: int = cfg.vocab_size
+        self.max_seq_len = slot_len
+        self.max_stop_tokens = max_stop_tokens
+        self.sync_every = sync_every
+        self.batch_buckets = tuple(sorted(batch_buckets)) if batch_buckets else None
+        self.attn_len_multiple = attn_len_multiple
+        self.version = version
+        """Policy version of the current weights (set by ``update_weights``)."""
+        self.cache = SlotKVCache(
+            kv_layout_override or kv_layout(cfg),
+            num_slots=num_slots,
+            capacity=slot_len,
+            dtype=param.dtype,
+            device=self.device,
+        )
+        self.scheduler = Scheduler(num_slots, max_prefill_tokens)
+        self._seed_rng = random.Random(seed)
+        self._pending: list[_Pending] = []
+        self._steps_since_sync = 0
+        self._init_slot_state(num_slots)
+
+    @classmethod
+    def from_config(
+        cls, model: torch.nn.Module, cfg: RolloutConfig, *, seed: int = 0, version: int = 0
+    ) -> Engine:
+        """An engine sized by the run config's ``RolloutConfig`` (slots, KV budget, prefill cap, sync period)."""
+        return cls(
+            model,
+            max_slots=cfg.max_slots,
+            kv_token_budget=cfg.kv_token_budget,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            sync_every=cfg.sync_every,
+            seed=seed,
+            version=version,
+        )
+
+    def _init_slot_state(self, n: int) -> None:
+        dev = self.device
+        # prompt + generated tokens; free slots hold 1 so that padded decode rows stay in range
+        self._seq_len = torch.ones(n, dtype=torch.int64, device=dev)
+        self._last_token = torch.zeros(n, dtype=torch.int64, device=dev)  # next decode input
+        self._active = torch.zeros(n, dtype=torch.int64, device=dev)  # 1 for running slots
+        self._temperature = torch.zeros(n, dtype=torch.float32, device=dev)
+        self._top_k = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._top_p = torch.ones(n, dtype=torch.float32, device=dev)
+        self._keys = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._slot_state = [
+            self._seq_len,
+            self._last_token,
+            self._active,
+            self._temperature,
+            self._top_k,
+            self._top_p,
+            self._keys,
+        ]
+
+    @property
+    def num_slots(self) -> int:
+        """N, concurrent sequences."""
+        return self.cache.num_slots
+
+    @property
+    def num_unfinished(self) -> int:
+        """Samples waiting or running."""
+        return self.scheduler.num_unfinished
+
+    # ------------------------------------------------------------------------------------------
+    # Public API
+
+    def add_request(self, request: Request) -> None:
+        """Validate and queue a request; its completions come out of later ``step()`` calls.
+
+        Raises:
+            InvalidRequestError: the request can never run (bad parameters, empty prompt, token ids
+                outside the vocabulary, prompt + max_new_tokens longer than a slot, duplicate id in
+                flight). Nothing is queued; other requests are unaffected.
+        """
+        validate_request(
+            request,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            max_stop_tokens=self.max_stop_tokens,
+        )
+        if self.scheduler.is_in_flight(request.request_id):
+            raise InvalidRequestError(request.request_id, "a request with this id is already in flight")
+        seed = request.params.seed
+        if seed is None:
+            seed = self._seed_rng.getrandbits(63)
+        self.scheduler.add(request, seed)
+
+    @torch.no_grad()
+    def step(self) -> list[Completion]:
+        """Admit and prefill, decode one token for every running sequence, and sync when due.
+
+        Returns:
+            The completions that finished in this step (in no particular order).
+        """
+        done: list[Completion] = []
+        admissions = self.scheduler.admit(sample_key)
+        if admissions:
+            self._prefill(admissions)
+            self._steps_since_sync += 1
+        if self._sync_due():
+            done += self._sync()
+        if self.scheduler.running:
+            self._decode()
+            self._steps_since_sync += 1
+            if self._sync_due():
+                done += self._sync()
+        return done
+
+    def generate(self, requests: Iterable[Request], *, on_error: str = "raise") -> list[Completion]:
+        """Run requests to completion (blocking); completions in request order, then sample index.
+
+        Args:
+            requests: the requests; ids must be unique.
+            on_error: ``"raise"``: validate every request first and raise on the first invalid one
+                before generating anything; ``"return"``: generate the valid ones and return one
+                ``finish_reason="error"`` completion (with ``error`` set) per invalid request.
+        Raises:
+            InvalidRequestError: an invalid request (``on_error="raise"``).
+            RuntimeError: the engine already has requests in flight from ``add_request``.
+        """
+        if on_error not in ("raise", "return"):
+            raise ValueError(f"on_error={on_error!r}; choose 'raise' or 'return'")
+        if self.num_unfinished:
+            raise RuntimeError("generate() needs an idle engine; drain add_request() work with step() first")
+        requests = list(requests)
+        errors: dict[int, str] = {}
+        for i, req in enumerate(requests):
+            try:
+                self.add_request(req)
+            except InvalidRequestError as e:
+                if on_error == "raise":
+                    self._drop_waiting()
+                    raise
+                errors[i] = str(e)
+        by_key: dict[tuple[str, int], Completion] = {}
+        while self.num_unfinished:
+            for c in self.step():
+                by_key[(c.request_id, c.sample_index)] = c
+        out = []
+        for i, req in enumerate(requests):
+            if i in errors:
+                out.append(
+                    Completion(
+                        request_id=req.request_id,
+                        sample_index=0,
+                        prompt_ids=list(req.prompt_ids),
+                        token_ids=[],
+                        logprobs=[],
+                        finish_reason=FINISH_ERROR,
+                        policy_versions=[],
+                        error=errors[i],
+                    )
+                )
+            else:
+                out += [by_key[(req.request_id, j)] for j in range(req.params.n)]
+        return out
+
+    @torch.no_grad()
+    def update_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Copy new weights into the model in place (between steps); the KV cache is kept.
+
+        Args:
+            named_tensors: ``{name: tensor}`` or ``(name, tensor)`` pairs with names of
+                ``model.named_parameters()`` / ``named_buffers()``; a subset updates only those tensors.
+                Tensors are cast to the parameter's dtype and device.
+            version: the new policy version; tokens sampled from now on carry it.
+        Raises:
+            KeyError: an unknown tensor name. ValueError: a shape mismatch. Nothing is copied then.
+        """
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        targets = dict(self.model.named_parameters())
+        targets.update(self.model.named_buffers())
+        for name, t in items:
+            if name not in targets:
+                raise KeyError(
+                    f"update_weights: unknown tensor {name!r} (not a parameter or buffer of the model)"
+                )
+            if tuple(t.shape) != tuple(targets[name].shape):
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(t.shape)}; the model's is "
+                    f"{tuple(targets[name].shape)}"
+                )
+        for name, t in items:
+            targets[name].copy_(t)
+        self.version = int(version)
+
+    # ------------------------------------------------------------------------------------------
+    # Prefill and decode
+
+    def _prefill(self, admissions: list[Admission]) -> None:
+        dev = self.device
+        lens = [len(a.request.prompt_ids) for a in admissions]
+        t = max(lens)
+        ids = torch.zeros(len(admissions), t, dtype=torch.int64)
+        for r, a in enumerate(admissions):
+            ids[r, : lens[r]] = torch.tensor(a.request.prompt_ids, dtype=torch.int64)
+        lengths = torch.tensor(lens, dtype=torch.int64, device=dev)
+        first = torch.tensor([a.sequences[0].slot for a in admissions], dtype=torch.int64, device=dev)
+        want_routed = any(a.request.params.return_routed_experts for a in admissions)
+        self.cache.bind_prefill(first, lengths, t)
+        pos = torch.arange(t, device=dev).expand(len(admissions), t)
+        out = self.model(ids.to(dev), None, pos, cache=self.cache, return_routed_experts=want_routed)
+        self.cache.unbind()
+        if want_routed:
+            routed = out.routed_experts  # [R, T, Lm, K]
+            buf = self.cache.ensure_routed(routed.shape[2], routed.shape[3])
+            buf[first, :t] = routed.to(torch.int32)
+        last = out.logits[torch.arange(len(admissions), device=dev), lengths - 1]  # [R, V]
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        for r, a in enumerate(admissions):
+            slots = [s.slot for s in a.sequences]
+            self.cache.copy_slots([slots[0]] * (len(slots) - 1), slots[1:], lens[r])
+            seqs += a.sequences
+            rows += [r] * len(slots)
+        slot_idx = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=dev)
+        self._set_slot_params(seqs, slot_idx)
+        rows_t = torch.tensor(rows, device=dev)
+        prompt_len = lengths[rows_t]  # the first new token sits at position P
+        tokens, logprobs = sample_no_sync(last[rows_t], self._rows(slot_idx, seqs), prompt_len)
+        self._last_token[slot_idx] = tokens
+        self._seq_len[slot_idx] = prompt_len + 1
+        self._active[slot_idx] = 1
+        self._record(seqs, tokens, logprobs)
+
+    def _set_slot_params(self, seqs: list[Sequence], slot_idx: torch.Tensor) -> None:
+        dev = self.device
+        ps = [s.request.params for s in seqs]
+        self._temperature[slot_idx] = torch.tensor(
+            [p.temperature for p in ps], dtype=torch.float32, device=dev
+        )
+        self._top_k[slot_idx] = torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=dev)
+        self._top_p[slot_idx] = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
+        self._keys[slot_idx] = torch.tensor([s.noise_key for s in seqs], dtype=torch.int64, device=dev)
+
+    def _rows(self, idx: torch.Tensor | slice, seqs: list[Sequence]) -> SamplingRows:
+        ps = [s.request.params for s in seqs]
+        return SamplingRows(
+            temperature=self._temperature[idx],
+            top_k=self._top_k[idx],
+            top_p=self._top_p[idx],
+            keys=self._keys[idx],
+            all_greedy=all(p.is_greedy for p in ps),
+            any_truncation=any(p.top_k > 0 or p.top_p < 1.0 for p in ps),
+        )
+
+    def _decode(self) -> None:
+        seqs = self.scheduler.running
+        a = len(seqs)
+        b = self._bucket(a)
+        m = self.attn_len_multiple
+        read_len = min(self.max_seq_len, -(-max(s.seq_len for s in seqs) // m) * m)
+        want_routed = any(s.request.params.return_routed_experts for s in seqs)
+        tokens, logprobs = self._decode_step_no_sync(b, read_len, self._rows(slice(0, b), seqs), want_routed)
+        self._record(seqs, tokens[:a], logprobs[:a])
+
+    def _decode_step_no_sync(
+        self, b: int, read_len: int, rows: SamplingRows, want_routed: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of slots 0..b-1: feed each slot's last token, sample the next one.
+
+        Reads and writes only the engine's preallocated device state (last tokens, lengths, KV cache,
+        sampling parameters), its Python path depends only on (b, read_len, the rows' flags, want_routed),
+        and it never waits for the device: the unit a CUDA graph captures per key.
+
+        Returns:
+            tokens [b] int64, logprobs [b] float32.
+        """
+        seq_len = self._seq_len[:b]
+        pos = seq_len - 1  # the last sampled token is fed at its own position
+        self.cache.bind_decode(b, pos, read_len)
+        out = self.model(
+            self._last_token[:b, None],
+            None,
+            pos[:, None],
+            cache=self.cache,
+            return_routed_experts=want_routed,
+        )
+        self.cache.unbind()
+        if want_routed:
+            routed = out.routed_experts  # [B, 1, Lm, K]
+            buf = self.cache.ensure_routed(routed.shape[2], routed.shape[3])
+            buf[torch.arange(b, device=self.device), pos] = routed[:, 0].to(torch.int32)
+        tokens, logprobs = sample_no_sync(out.logits[:, -1], rows, seq_len)
+        self._last_token[:b] = tokens
+        self._seq_len[:b] += self._active[:b]
+        return tokens, logprobs
+
+    def _bucket(self, a: int) -> int:
+        if self.batch_buckets is None:
+            return a
+        return min([x for x in self.batch_buckets if a <= x <= self.num_slots] or [self.num_slots])
+
+    def _record(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        for s in seqs:
+            s.num_generated += 1
+        self._pending.append(_Pending(list(seqs), tokens, logprobs, self.version))
+
+    # ------------------------------------------------------------------------------------------
+    # Host sync: finishing and compaction
+
+    def _sync_due(self) -> bool:
+        if not self._pending:
+            return False
+        return self._steps_since_sync >= self.sync_every or any(
+            s.num_generated >= s.request.params.max_new_tokens for s in self.scheduler.running
+        )
+
+    def _sync(self) -> list[Completion]:
+        # The one device -> host copy since the last sync: token ids (exact in float64) beside log-probs.
+        packed = torch.cat([torch.stack((p.tokens.double(), p.logprobs.double()), 1) for p in self._pending])
+        rows = iter(packed.tolist())
+        finished: list[Sequence] = []
+        for p in self._pending:
+            for seq in p.seqs:
+                tok_f, lp = next(rows)
+                tok = int(tok_f)
+                if seq.finish_reason is not None:
+                    continue  # sampled after its stop token before the host noticed: discarded
+                seq.token_ids.append(tok)
+                seq.logprobs.append(lp)
+                seq.policy_versions.append(p.version)
+                params = seq.request.params
+                if tok in params.stop_token_ids:
+                    seq.finish_reason = "stop"
+                elif len(seq.token_ids) >= params.max_new_tokens:
+                    seq.finish_reason = "length"
+                if seq.finish_reason is not None:
+                    finished.append(seq)
+        self._pending.clear()
+        self._steps_since_sync = 0
+        completions = [self._completion(s) for s in finished]
+        self._release(finished)
+        return completions
+
+    def _completion(self, seq: Sequence) -> Completion:
+        routed = None
+        if seq.request.params.return_routed_experts and self.cache.routed is not None:
+            n = seq.prompt_len + len(seq.token_ids) - 1
+            routed = self.cache.routed[seq.slot, :n].to("cpu", torch.int64)
+        return Completion(
+            request_id=seq.request.request_id,
+            sample_index=seq.sample_index,
+            prompt_ids=list(seq.request.prompt_ids),
+            token_ids=seq.token_ids,
+            logprobs=seq.logprobs,
+            finish_reason=seq.finish_reason,
+            policy_versions=seq.policy_versions,
+            routed_experts=routed,
+        )
+
+    def _release(self, finished: list[Sequence]) -> None:
+        if not finished:
+            return
+        freed = torch.tensor([s.slot for s in finished], dtype=torch.int64, device=self.device)
+        self._active[freed] = 0
+        self._seq_len[freed] = 1
+        for src, dst in self.scheduler.release(finished):
+            length = self.scheduler.running[dst].seq_len
+            self.cache.copy_slots([src], [dst], length)
+            for state in self._slot_state:
+                state[dst] = state[src]
+            self._active[src] = 0
+            self._seq_len[src] = 1
+
+    def _drop_waiting(self) -> None:
+        """Forget queued requests (used when ``generate`` rejects a batch before running it)."""
+        self.scheduler = Scheduler(self.num_slots, self.scheduler.max_prefill_tokens)

@@ -1,0 +1,148 @@
+"""Continuous-batching scheduler: host-side bookkeeping of waiting requests and running slots.
+
+No tensors here: the engine owns the device state and applies the slot moves this scheduler plans.
+
+- A request waits in a FIFO queue until slots are free; its n samples are admitted together when enough
+  slots are free, else as many as fit (the rest stay at the head of the queue and are admitted, with
+  another prefill of the prompt, as slots free). The first request of the queue is never skipped.
+- Running sequences always occupy slots 0..A-1: when sequences finish, the last running ones move into
+  the holes (``release`` returns the moves), so a decode batch is a prefix of the slots.
+- A step's prefills are capped at ``max_prefill_tokens`` prompt tokens (at least one request is admitted).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from moerl.rollout.params import Request
+
+
+@dataclass(kw_only=True, slots=True)
+class Sequence:
+    """One running sample: a request's sample in a cache slot."""
+
+    request: Request
+    sample_index: int
+    slot: int
+    """Cache slot; changes when the scheduler compacts the running slots."""
+    noise_key: int
+    """32-bit noise key of this sample (``sampler.sample_key(seed, sample_index)``)."""
+    num_generated: int = 0
+    """Tokens generated so far, counted on the host (including ones not yet copied back)."""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        """P, prompt tokens."""
+        return len(self.request.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Prompt plus generated tokens (host count)."""
+        return self.prompt_len + self.num_generated
+
+
+@dataclass(kw_only=True, slots=True)
+class Admission:
+    """Samples of one request admitted in this step; they share one prefill of the prompt."""
+
+    request: Request
+    sequences: list[Sequence]
+    """The admitted samples; ``sequences[0].slot`` receives the prefill, the others a copy of it."""
+
+
+@dataclass(slots=True)
+class _Waiting:
+    request: Request
+    seed: int
+    next_sample: int = 0
+
+
+class Scheduler:
+    """FIFO admission into a fixed number of slots with slot compaction.
+
+    Args:
+        num_slots: N sequence slots.
+        max_prefill_tokens: prompt tokens admitted per step (at least one request is always admitted).
+    """
+
+    def __init__(self, num_slots: int, max_prefill_tokens: int) -> None:
+        self.num_slots = num_slots
+        self.max_prefill_tokens = max_prefill_tokens
+        self.running: list[Sequence] = []
+        """Running sequences; ``running[i].slot == i``."""
+        self._waiting: deque[_Waiting] = deque()
+        self._in_flight: dict[str, int] = {}  # request id -> samples not yet finished
+
+    @property
+    def num_unfinished(self) -> int:
+        """Samples waiting or running."""
+        return sum(self._in_flight.values())
+
+    def is_in_flight(self, request_id: str) -> bool:
+        """True while some sample of the request is waiting or running."""
+        return request_id in self._in_flight
+
+    def add(self, request: Request, seed: int) -> None:
+        """Queue a (validated) request whose noise seed is ``seed``."""
+        self._waiting.append(_Waiting(request, seed))
+        self._in_flight[request.request_id] = request.params.n
+
+    def admit(self, noise_key) -> list[Admission]:
+        """Move waiting samples into free slots, FIFO; returns this step's admissions.
+
+        Args:
+            noise_key: ``(seed, sample_index) -> int``, the noise key of a sample.
+        """
+        admissions: list[Admission] = []
+        prefill_tokens = 0
+        while self._waiting and len(self.running) < self.num_slots:
+            head = self._waiting[0]
+            plen = len(head.request.prompt_ids)
+            if admissions and prefill_tokens + plen > self.max_prefill_tokens:
+                break
+            take = min(head.request.params.n - head.next_sample, self.num_slots - len(self.running))
+            seqs = []
+            for i in range(head.next_sample, head.next_sample + take):
+                seq = Sequence(
+                    request=head.request,
+                    sample_index=i,
+                    slot=len(self.running),
+                    noise_key=noise_key(head.seed, i),
+                )
+                self.running.append(seq)
+                seqs.append(seq)
+            admissions.append(Admission(request=head.request, sequences=seqs))
+            prefill_tokens += plen
+            head.next_sample += take
+            if head.next_sample == head.request.params.n:
+                self._waiting.popleft()
+        return admissions
+
+    def release(self, finished: list[Sequence]) -> list[tuple[int, int]]:
+        """Free the slots of finished sequences and compact the running ones into slots 0..A-1.
+
+        Returns:
+            ``(src, dst)`` slot moves the engine must apply to its device state, in order.
+        """
+        if not finished:
+            return []
+        done = {id(s) for s in finished}
+        for seq in finished:
+            self._in_flight[seq.request.request_id] -= 1
+            if self._in_flight[seq.request.request_id] == 0:
+                del self._in_flight[seq.request.request_id]
+        keep = [s for s in self.running if id(s) not in done]
+        new_count = len(keep)
+        holes = [s.slot for s in finished if s.slot < new_count]
+        movers = [s for s in keep if s.slot >= new_count]
+        moves = []
+        for hole, seq in zip(sorted(holes), movers, strict=True):
+            moves.append((seq.slot, hole))
+            seq.slot = hole
+        self.running = sorted(keep, key=lambda s: s.slot)
+        return moves
