@@ -140,7 +140,9 @@ def test_readers_only_see_complete_versions_while_publishing(tmp_path):
 
     def read():
         reader = WeightStore(str(tmp_path), keep=3)
-        while not done.is_set():
+        # Read until the writer is done AND at least one load succeeded: on a loaded machine the
+        # writer can finish all publishes before this thread first runs.
+        while not (done.is_set() and loaded_versions):
             try:
                 version, tensors = reader.load_latest()
             except FileNotFoundError:
