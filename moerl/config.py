@@ -62,7 +62,7 @@ class ModelConfig:
     path: str | None = None
     """Hugging Face model folder (config.json + safetensors). ``None``: initialize from the fields below."""
     family: str = "qwen3_moe"
-    """Architecture for a fresh model (``model_type`` of transformers): qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3."""
+    """Architecture for a fresh model (``model_type`` of transformers): qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3, glm4_moe."""
     hidden_size: int = 64
     """Model width D for a fresh model."""
     num_layers: int = 2
@@ -90,6 +90,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_choice("model.dtype", self.dtype, ["float32", "bfloat16"])
+        check_choice("model.family", self.family,
+                     ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe"])
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "num_experts", "top_k", "moe_intermediate_size", "max_position_embeddings"):
             check_range(f"model.{name}", getattr(self, name), 1)
@@ -126,9 +128,24 @@ class TaskConfig:
     """Largest operand size (digits) for arithmetic."""
     operations: tuple[str, ...] = ("+", "-")
     """Arithmetic operations to draw from: any of + - *."""
+    countdown_min_numbers: int = 3
+    """Fewest numbers given in a countdown problem."""
+    countdown_max_numbers: int = 4
+    """Most numbers given in a countdown problem."""
+    countdown_max_value: int = 50
+    """Countdown numbers are drawn uniformly from [1, countdown_max_value]."""
+    template: str | None = None
+    """Prompt template with a ``{prompt}`` placeholder; ``None``: the task's default
+    (arithmetic ``"{prompt}="``, countdown ``"{prompt}:"``, jsonl ``"Question: {prompt}\nAnswer:"``)."""
 
     def __post_init__(self) -> None:
+        check_choice("task.name", self.name, ["arithmetic", "countdown", "jsonl"])
         check_range("task.num_eval", self.num_eval, 1)
+        check_range("task.countdown_min_numbers", self.countdown_min_numbers, 2)
+        check_range("task.countdown_max_numbers", self.countdown_max_numbers, self.countdown_min_numbers)
+        check_range("task.countdown_max_value", self.countdown_max_value, 1)
+        if self.template is not None and "{prompt}" not in self.template:
+            raise ConfigError(f"task.template={self.template!r} must contain the placeholder {{prompt}}")
         check_range("task.min_digits", self.min_digits, 1, 9)
         check_range("task.max_digits", self.max_digits, self.min_digits, 9)
         check_choice("task.layout", self.layout, ["gsm8k", "generic"])
@@ -160,6 +177,10 @@ class RolloutConfig:
     """KV cache capacity in tokens over all slots."""
     return_routed_experts: bool = False
     """Record the top routed experts per token and layer (rollout routing replay, R3)."""
+    max_prefill_tokens: int = 4096
+    """Prompt tokens the engine prefills per scheduler step (at least one prompt is always admitted)."""
+    sync_every: int = 1
+    """Decode steps between host copies of the sampled tokens (1 on CPU; 4-16 keeps a GPU busy)."""
 
     def __post_init__(self) -> None:
         check_range("rollout.num_workers", self.num_workers, 1)
@@ -170,28 +191,97 @@ class RolloutConfig:
         check_range("rollout.top_k", self.top_k, 0)
         check_range("rollout.max_slots", self.max_slots, 1)
         check_range("rollout.kv_token_budget", self.kv_token_budget, 1)
+        check_range("rollout.max_prefill_tokens", self.max_prefill_tokens, 1)
+        check_range("rollout.sync_every", self.sync_every, 1)
 
 
 @dataclass(kw_only=True, slots=True)
 class AlgorithmConfig:
-    """The RL objective: advantage estimator, policy loss preset and its coefficients (moerl.rl)."""
+    """The RL objective: advantage estimator, policy loss preset and its coefficients (moerl.rl).
+
+    Fields left at ``None`` take the preset's value (``moerl.rl.PRESETS``); resolve the effective
+    loss with ``moerl.rl.preset_from_config(cfg)``.
+    """
 
     preset: str = "grpo"
     """Loss preset: grpo, dr_grpo, dapo, gspo, cispo, ppo."""
+    estimator: str | None = None
+    """Advantage estimator: grpo, dr_grpo, rloo (group-relative) or gae (value head); None: the preset's."""
+    eps_low: float | None = None
+    """Lower clip offset in [0, 1]: the ratio is clipped below at 1 - eps_low; None: the preset's."""
+    eps_high: float | None = None
+    """Upper clip offset >= 0 (clip-higher when > eps_low): clipped above at 1 + eps_high; None: the preset's."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant c > 1: where A < 0 the token loss is capped at -c A; None: the preset's (off)."""
+    aggregation: str | None = None
+    """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm; None: the preset's."""
+    norm_length: int | None = None
+    """Constant length (tokens) of seq-mean-token-sum-norm (Dr. GRPO); None: rollout.max_new_tokens."""
+    tis_mode: str | None = None
+    """Train/rollout mismatch correction: none, truncate (truncated IS) or mask; None: the preset's (truncate)."""
+    tis_level: str | None = None
+    """Mismatch ratio level: token, or sequence (geometric mean over the sequence); None: the preset's (token)."""
+    tis_cap: float | None = None
+    """IS cap C >= 1 (truncate) or upper bound (mask); None: the preset's (2.0)."""
+    tis_cap_low: float | None = None
+    """Lower IS bound in [0, 1] of mask mode; None: the preset's (0.5)."""
     kl_coef: float = 0.0
     """Coefficient of the KL penalty against the reference policy; 0 disables it (no reference model)."""
     kl_kind: str = "k3"
     """KL estimator: k1, k2, k3 (Schulman 2020)."""
+    kl_in_reward: bool = False
+    """Fold the KL penalty into the per-token reward (PPO with GAE) instead of adding it to the loss."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
-    dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop groups whose rewards are all equal at buffer admission."""
+    dynamic_sampling: bool | None = None
+    """DAPO dynamic sampling: drop groups whose rewards are all equal at buffer admission; None: the preset's."""
+    gae_gamma: float = 1.0
+    """GAE discount gamma in [0, 1] (estimator gae)."""
+    gae_lambda: float = 0.95
+    """GAE lambda in [0, 1] (estimator gae)."""
+    value_clip: float | None = 0.2
+    """Value-loss clip range around the rollout-time values (estimator gae); None disables clipping."""
+    value_coef: float = 0.5
+    """Coefficient of the value loss (estimator gae)."""
 
     def __post_init__(self) -> None:
         check_choice("algorithm.preset", self.preset, ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"])
         check_choice("algorithm.kl_kind", self.kl_kind, ["k1", "k2", "k3"])
         check_range("algorithm.kl_coef", self.kl_coef, 0.0)
         check_range("algorithm.entropy_coef", self.entropy_coef, 0.0)
+        choices = {
+            "estimator": ["grpo", "dr_grpo", "rloo", "gae"],
+            "aggregation": [
+                "token-mean",
+                "seq-mean-token-mean",
+                "seq-mean-token-sum",
+                "seq-mean-token-sum-norm",
+            ],
+            "tis_mode": ["none", "truncate", "mask"],
+            "tis_level": ["token", "sequence"],
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) is not None:
+                check_choice(f"algorithm.{name}", getattr(self, name), allowed)
+        ranges = {
+            "eps_low": (0.0, 1.0),
+            "eps_high": (0.0, None),
+            "tis_cap": (1.0, None),
+            "tis_cap_low": (0.0, 1.0),
+            "norm_length": (1, None),
+        }
+        for name, (lo, hi) in ranges.items():
+            if getattr(self, name) is not None:
+                check_range(f"algorithm.{name}", getattr(self, name), lo, hi)
+        if self.dual_clip_c is not None:
+            check_range("algorithm.dual_clip_c", self.dual_clip_c, 1.0, lo_open=True)
+        if self.value_clip is not None:
+            check_range("algorithm.value_clip", self.value_clip, 0.0, lo_open=True)
+        check_range("algorithm.gae_gamma", self.gae_gamma, 0.0, 1.0)
+        check_range("algorithm.gae_lambda", self.gae_lambda, 0.0, 1.0)
+        check_range("algorithm.value_coef", self.value_coef, 0.0)
+        if self.kl_in_reward and self.kl_coef == 0.0:
+            raise ConfigError("algorithm.kl_in_reward=True needs algorithm.kl_coef > 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -257,6 +347,10 @@ class RuntimeConfig:
     """Weight store URL (fsspec): local folder or ``s3://bucket/prefix``; ``None``: RUN_DIR/weights."""
     keep_versions: int = 3
     """Weight versions kept in the store."""
+    max_materialized_tasks: int = 1024
+    """Most tasks the task queue holds at once (pending + leased); bounds its memory."""
+    keep_checkpoints: int = 2
+    """Full checkpoints kept in RUN_DIR/checkpoints (newest by step)."""
 
     def __post_init__(self) -> None:
         check_choice("runtime.mode", self.mode, ["async", "sync"])
@@ -265,6 +359,8 @@ class RuntimeConfig:
         check_range("runtime.max_staleness", self.max_staleness, 0)
         check_range("runtime.lease_ttl_s", self.lease_ttl_s, 0.0, lo_open=True)
         check_range("runtime.keep_versions", self.keep_versions, 1)
+        check_range("runtime.max_materialized_tasks", self.max_materialized_tasks, 1)
+        check_range("runtime.keep_checkpoints", self.keep_checkpoints, 1)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -279,9 +375,15 @@ class SFTConfig:
     """Peak learning rate (AdamW, cosine decay to 10%)."""
     num_examples: int = 20000
     """Training examples drawn from the task's train split."""
+    warmup_steps: int = 20
+    """Linear LR warm-up steps before the cosine decay."""
+    aux_loss_coef: float = 0.01
+    """Coefficient of the MoE load-balancing loss added to the SFT loss."""
 
     def __post_init__(self) -> None:
         check_range("sft.steps", self.steps, 1)
+        check_range("sft.warmup_steps", self.warmup_steps, 0)
+        check_range("sft.aux_loss_coef", self.aux_loss_coef, 0.0)
         check_range("sft.batch_size", self.batch_size, 1)
         check_range("sft.lr", self.lr, 0.0, 1.0, lo_open=True)
         check_range("sft.num_examples", self.num_examples, 1)
@@ -296,6 +398,81 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         check_range("eval.every", self.every, 0)
+
+
+@dataclass(kw_only=True, slots=True)
+class FleetConfig:
+    """The elastic, interruption-tolerant rollout fleet (``moerl.runtime.fleet``, ``notice``, ``drain``)."""
+
+    min_workers: int = 1
+    """Fewest rollout workers; the controller replaces dead workers to stay at or above this."""
+    max_workers: int | None = None
+    """Most rollout workers (admitted mid-run up to this); ``None``: ``rollout.num_workers``."""
+    replace_dead: bool = True
+    """Start a replacement for each worker that dies or drains (up to ``rollout.num_workers``)."""
+    heartbeat_timeout_s: float = 30.0
+    """A worker that answers no liveness ping for this many seconds is declared lost and replaced."""
+    check_every_s: float = 1.0
+    """Seconds between the controller's fleet checks (liveness, replacement, chaos)."""
+    drain_grace_s: float = 90.0
+    """Seconds a worker has after a termination notice to finish in-flight groups before it releases the rest."""
+    keep_partial: bool = False
+    """On drain, hand the generated token prefixes back with the task so the next worker continues them
+    (else they are discarded and counted as lost work)."""
+    handle_sigterm: bool = True
+    """Treat SIGTERM to a worker process as a termination notice (where a handler can be installed)."""
+    notice_file: str | None = None
+    """File whose appearance is a termination notice; ``{worker_id}`` is replaced by the worker's id.
+    ``None``: ``RUN_DIR/notices/{worker_id}.json`` in async mode."""
+    notice_url: str | None = None
+    """HTTP endpoint polled for a spot ``instance-action`` document (e.g.
+    ``http://169.254.169.254/latest/meta-data/spot/instance-action``); 404 means no notice."""
+    notice_poll_s: float = 5.0
+    """Seconds between polls of ``notice_file`` / ``notice_url``."""
+
+    def __post_init__(self) -> None:
+        check_range("fleet.min_workers", self.min_workers, 0)
+        if self.max_workers is not None:
+            check_range("fleet.max_workers", self.max_workers, max(self.min_workers, 1))
+        check_range("fleet.heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0, lo_open=True)
+        check_range("fleet.check_every_s", self.check_every_s, 0.0, lo_open=True)
+        check_range("fleet.drain_grace_s", self.drain_grace_s, 0.0)
+        check_range("fleet.notice_poll_s", self.notice_poll_s, 0.0, lo_open=True)
+        if self.notice_url is not None and not self.notice_url.startswith(("http://", "https://")):
+            raise ConfigError(f"fleet.notice_url={self.notice_url!r} must start with http:// or https://")
+
+
+@dataclass(kw_only=True, slots=True)
+class ChaosConfig:
+    """Fault injection for tests and rehearsals (``moerl.runtime.chaos``); everything off by default."""
+
+    kill_rollout_every_s: float = 0.0
+    """Mean seconds between SIGKILLs of a random rollout worker (each gap drawn uniformly in
+    [0.5, 1.5] x this); 0 disables."""
+    notice_rollout_every_s: float = 0.0
+    """Mean seconds between spot-style termination notices to a random rollout worker; 0 disables."""
+    max_kills: int = 0
+    """Most rollout workers killed over the run; 0: unlimited."""
+    max_notices: int = 0
+    """Most termination notices sent over the run; 0: unlimited."""
+    start_after_s: float = 0.0
+    """No fault before this many seconds after the fleet started."""
+    kill_trainer_at_step: int = 0
+    """Kill the trainer after this trainer step (async mode); the controller restarts it from the last
+    full checkpoint. 0 disables."""
+    seed: int = 0
+    """Seed of the fault times and of the choice of victims."""
+
+    def __post_init__(self) -> None:
+        for name in ("kill_rollout_every_s", "notice_rollout_every_s", "start_after_s"):
+            check_range(f"chaos.{name}", getattr(self, name), 0.0)
+        for name in ("max_kills", "max_notices", "kill_trainer_at_step"):
+            check_range(f"chaos.{name}", getattr(self, name), 0)
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether any fault is configured."""
+        return bool(self.kill_rollout_every_s or self.notice_rollout_every_s or self.kill_trainer_at_step)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -318,6 +495,8 @@ class RunConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
 
 # ----------------------------------------------------------------------------------------------

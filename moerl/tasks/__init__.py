@@ -1,0 +1,74 @@
+"""Verifiable tasks, datasets, reward functions and tokenizers: where moerl's data flow starts.
+
+Public API (contract in docs/architecture.md, "Tokenizer and tasks"):
+- ``make_task(task_cfg) -> Task``: ``train_prompts(seed)``, ``eval_prompts()``, ``reward(...)``.
+- ``Prompt(id, text, answer, solution=None)``, ``Reward(score, info)``.
+- ``load_tokenizer(path_or_none) -> Tokenizer`` (``None``: the built-in character tokenizer).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moerl.config import TaskConfig
+from moerl.tasks.arithmetic import ArithmeticTask
+from moerl.tasks.base import Prompt, Reward, Task
+from moerl.tasks.countdown import CountdownTask
+from moerl.tasks.datasets import DatasetError, JsonlTask, load_jsonl
+from moerl.tasks.rewards import load_reward_fn
+from moerl.tasks.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = [
+    "ArithmeticTask",
+    "CountdownTask",
+    "DatasetError",
+    "JsonlTask",
+    "Prompt",
+    "Reward",
+    "Task",
+    "Tokenizer",
+    "load_jsonl",
+    "load_reward_fn",
+    "load_tokenizer",
+    "make_task",
+]
+
+
+def make_task(cfg: TaskConfig) -> Task:
+    """Build the task a ``TaskConfig`` describes (``cfg.template`` or the task's default template).
+
+    Raises:
+        ValueError: unknown task name, or a bad reward function path.
+        ImportError, AttributeError: ``cfg.reward_fn`` cannot be imported.
+        FileNotFoundError, DatasetError: the JSONL file is missing or malformed.
+    """
+    score_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
+    template = {"template": cfg.template} if cfg.template else {}
+    if cfg.name == "arithmetic":
+        return ArithmeticTask(
+            min_digits=cfg.min_digits,
+            max_digits=cfg.max_digits,
+            operations=cfg.operations,
+            num_eval=cfg.num_eval,
+            seed=cfg.seed,
+            score_fn=score_fn,
+            **template,
+        )
+    if cfg.name == "countdown":
+        return CountdownTask(
+            min_numbers=cfg.countdown_min_numbers,
+            max_numbers=cfg.countdown_max_numbers,
+            max_value=cfg.countdown_max_value,
+            num_eval=cfg.num_eval,
+            seed=cfg.seed,
+            score_fn=score_fn,
+            **template,
+        )
+    if cfg.name == "jsonl":
+        records = load_jsonl(
+            cfg.path, layout=cfg.layout, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field
+        )
+        return JsonlTask(
+            records, name=Path(cfg.path).stem, num_eval=cfg.num_eval, score_fn=score_fn, **template
+        )
+    raise ValueError(f"task.name={cfg.name!r}: choose arithmetic, countdown or jsonl")

@@ -1,0 +1,156 @@
+"""The task interface: prompts with gold answers and a reward that never raises.
+
+A task is the start of moerl's data flow (tasks -> rollout -> buffer -> trainer). It yields
+``Prompt``s whose ``text`` is already templated (ready to tokenize) and scores a response with
+``reward(prompt_text, response_text, answer) -> Reward``. Scoring is a plain Python callable; any
+exception it raises is caught, counted and turned into ``Reward(0.0, {"error": 1.0})`` so that one
+bad sample never stops a run.
+
+Train and eval splits are disjoint by construction: every built-in task assigns each problem to
+exactly one split with ``split_of(key)``, a hash of the problem's canonical key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+EVAL_PERCENT = 10
+"""Share of a generated task's problem space (percent, by key hash) reserved for evaluation."""
+
+MAX_LOGGED_ERRORS = 5
+"""Reward exceptions logged with a traceback per task object; later ones are only counted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One problem, ready for generation.
+
+    Attributes:
+        id: stable identifier (same problem -> same id across runs and retries), e.g. ``"arith-3f2a..."``.
+        text: the templated prompt string that is tokenized as-is, e.g. ``"12+34="``.
+        answer: the gold answer passed to ``Task.reward``, e.g. ``"46"``.
+        solution: a reference response for supervised warm start (``None`` when the task has none),
+            e.g. ``"46"`` for arithmetic or ``"50+25"`` for countdown.
+    """
+
+    id: str
+    text: str
+    answer: str
+    solution: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reward:
+    """The score of one response.
+
+    Attributes:
+        score: the scalar reward used by the RL objective (built-in tasks: 1.0 correct, else 0.0).
+        info: named sub-scores, each a float: ``correct`` (0/1), ``format`` (0/1: the response has
+            the expected shape), ``error`` (1 when the reward function raised), plus task-specific ones.
+    """
+
+    score: float
+    info: dict[str, float] = field(default_factory=dict)
+
+
+ScoreFn = Callable[[str, str, str], "Reward | float | bool | int"]
+"""A reward function ``(prompt_text, response_text, answer) -> Reward | float``."""
+
+
+def stable_hash(key: str) -> int:
+    """A 64-bit hash of ``key`` that is the same in every process (unlike ``hash()``)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def split_of(key: str) -> str:
+    """``"eval"`` for ``EVAL_PERCENT`` % of problem keys (by stable hash), else ``"train"``."""
+    return "eval" if stable_hash(key) % 100 < EVAL_PERCENT else "train"
+
+
+def as_reward(value: Reward | float | bool | int) -> Reward:
+    """Normalize what a reward function returned into a ``Reward``.
+
+    Raises:
+        TypeError: the value is neither a ``Reward`` nor a real number.
+        ValueError: the score is NaN or infinite.
+    """
+    if isinstance(value, Reward):
+        reward = value
+    elif isinstance(value, (bool, int, float)):
+        reward = Reward(float(value), {})
+    else:
+        raise TypeError(f"reward function returned {type(value).__name__}; expected float or Reward")
+    if not math.isfinite(reward.score):
+        raise ValueError(f"reward function returned a non-finite score {reward.score!r}")
+    return reward
+
+
+class Task:
+    """Base class of tasks: prompt iteration plus a guarded reward.
+
+    Subclasses implement ``train_prompts``, ``eval_prompts`` and ``score``. A user reward function
+    given as ``score_fn`` replaces ``score``. ``num_reward_errors`` counts the responses whose
+    scoring raised (each one scored 0).
+    """
+
+    name: str = "task"
+
+    def __init__(self, score_fn: ScoreFn | None = None) -> None:
+        self._score_fn = score_fn
+        self.num_reward_errors = 0
+
+    def train_prompts(self, seed: int) -> Iterator[Prompt]:
+        """An endless, deterministic (given ``seed``) stream of training prompts."""
+        raise NotImplementedError
+
+    def eval_prompts(self) -> list[Prompt]:
+        """The held-out prompts (disjoint from every training prompt), in a fixed order."""
+        raise NotImplementedError
+
+    def score(self, prompt_text: str, response_text: str, answer: str) -> Reward:
+        """The task's own verifier; may raise (``reward`` guards it)."""
+        raise NotImplementedError
+
+    def reward(self, prompt_text: str, response_text: str, answer: str) -> Reward:
+        """Score one response; never raises.
+
+        Returns:
+            The verifier's ``Reward``; ``Reward(0.0, {"error": 1.0, "correct": 0.0})`` when it raised
+            or returned something that is not a finite number (``num_reward_errors`` grows by one).
+        """
+        fn = self._score_fn or self.score
+        try:
+            return as_reward(fn(prompt_text, response_text, answer))
+        except Exception as e:  # noqa: BLE001 - a reward bug must cost one sample, not the run
+            self.num_reward_errors += 1
+            if self.num_reward_errors <= MAX_LOGGED_ERRORS:
+                log.warning(
+                    "reward function raised on prompt %r: %s: %s",
+                    prompt_text[:80],
+                    type(e).__name__,
+                    e,
+                    exc_info=True,
+                )
+            return Reward(0.0, {"error": 1.0, "correct": 0.0})

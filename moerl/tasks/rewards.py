@@ -1,0 +1,36 @@
+"""User reward functions, selected by import path in the config (``task.reward_fn``).
+
+A reward function is any callable ``fn(prompt_text, response_text, answer) -> float | Reward``.
+``Task.reward`` calls it under a guard: an exception or a non-finite score gives that sample
+``Reward(0.0, {"error": 1.0})`` and increments the task's ``num_reward_errors``; the run goes on.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from moerl.tasks.base import ScoreFn
+
+
+def load_reward_fn(spec: str) -> ScoreFn:
+    """Import ``"package.module:function"`` (dots after the colon reach attributes, ``mod:Cls.fn``).
+
+    Raises:
+        ValueError: ``spec`` is not of the form ``module:attribute``, or the target is not callable.
+        ImportError: the module cannot be imported (the message names it).
+        AttributeError: the module has no such attribute (the message names both).
+    """
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ValueError(f"reward_fn={spec!r} must look like 'package.module:function'")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"reward_fn={spec!r}: cannot import module '{module_name}': {e}") from e
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(f"reward_fn={spec!r}: '{module_name}' has no attribute '{attr_path}'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward_fn={spec!r} is a {type(obj).__name__}, not a callable")
+    return obj

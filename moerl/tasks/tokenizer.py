@@ -1,0 +1,144 @@
+"""Tokenizers: any ``tokenizer.json`` through the ``tokenizers`` library, and a built-in character one.
+
+One loading path serves every model: a Hugging Face model folder's ``tokenizer.json`` and the
+built-in character-level tokenizer (``moerl/assets/tokenizer.json``, one token per printable ASCII
+character plus newline, and the special tokens ``<pad>``, ``<eos>``, ``<unk>``) are read the same way.
+The special token ids come from ``tokenizer_config.json`` beside the file when present (its
+``eos_token`` / ``pad_token``), else from well-known token names; pad falls back to eos.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models
+
+from moerl.tasks.base import atomic_write_text
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+BUILTIN_TOKENIZER = ASSETS / "tokenizer.json"
+"""The built-in character tokenizer, written by ``build_char_tokenizer`` (regenerate with
+``python -m moerl.tasks.tokenizer``)."""
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+"""The built-in vocabulary after the specials: newline and the 95 printable ASCII characters."""
+
+_EOS_NAMES = ("<|endoftext|>", "<|im_end|>", "</s>", "<eos>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")
+_PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
+
+
+class Tokenizer:
+    """Text <-> token ids over a ``tokenizers.Tokenizer``.
+
+    Attributes:
+        eos_id: id of the end-of-sequence token (generation stops on it; SFT appends it).
+        pad_id: id used to pad batches (never attended to, never in a loss).
+        vocab_size: number of ids, including added special tokens (the model's embedding rows).
+    """
+
+    def __init__(self, backend: HFTokenizer, *, eos_id: int, pad_id: int, source: str) -> None:
+        self.backend = backend
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.source = source
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without any special tokens added."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, with special tokens (pad, eos, ...) left out."""
+        return self.backend.decode(list(ids), skip_special_tokens=True)
+
+    def save(self, folder: str | os.PathLike[str]) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``folder`` (atomically each)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(folder / "tokenizer.json", self.backend.to_str(pretty=True))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": self.backend.id_to_token(self.eos_id),
+            "pad_token": self.backend.id_to_token(self.pad_id),
+        }
+        atomic_write_text(folder / "tokenizer_config.json", json.dumps(config, indent=2))
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.source}, vocab_size={self.vocab_size}, eos_id={self.eos_id}, pad_id={self.pad_id})"
+
+
+def build_char_tokenizer() -> HFTokenizer:
+    """The built-in character-level tokenizer: ids 0-2 are ``<pad> <eos> <unk>``, then ``CHARS``.
+
+    A BPE model without merges maps each character to its own id (unknown ones to ``<unk>``), and
+    the ``Fuse`` decoder joins tokens without separators, so ``decode(encode(s)) == s`` for ASCII.
+    """
+    vocab = {PAD: 0, EOS: 1, UNK: 2}
+    for ch in CHARS:
+        vocab[ch] = len(vocab)
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([PAD, EOS, UNK])
+    return backend
+
+
+def _special_id(backend: HFTokenizer, configured: object, names: tuple[str, ...]) -> int | None:
+    if isinstance(configured, dict):  # tokenizer_config.json may hold {"content": "<eos>", ...}
+        configured = configured.get("content")
+    if isinstance(configured, str) and backend.token_to_id(configured) is not None:
+        return backend.token_to_id(configured)
+    for name in names:
+        if backend.token_to_id(name) is not None:
+            return backend.token_to_id(name)
+    return None
+
+
+def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
+    """Load a tokenizer.
+
+    Args:
+        path: a ``tokenizer.json`` file or a folder holding one (e.g. a Hugging Face model folder);
+            ``None``: the built-in character tokenizer.
+
+    Raises:
+        FileNotFoundError: no ``tokenizer.json`` at ``path``.
+        ValueError: the file is not a valid tokenizer, or it has no recognizable end-of-sequence token.
+    """
+    file = BUILTIN_TOKENIZER if path is None else Path(path)
+    if file.is_dir():
+        file = file / "tokenizer.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"no tokenizer.json at {path} (looked for {file})")
+    try:
+        backend = HFTokenizer.from_file(str(file))
+    except Exception as e:  # the Rust library raises a bare Exception on malformed files
+        raise ValueError(f"{file}: not a valid tokenizer.json ({e})") from e
+    config_file = file.parent / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    eos_id = _special_id(backend, config.get("eos_token"), _EOS_NAMES)
+    if eos_id is None:
+        raise ValueError(f"{file}: no end-of-sequence token found; set eos_token in {config_file}")
+    pad_id = _special_id(backend, config.get("pad_token"), _PAD_NAMES)
+    return Tokenizer(backend, eos_id=eos_id, pad_id=eos_id if pad_id is None else pad_id, source=str(file))
+
+
+def tokenizer_path_for(tokenizer: str | None, model_path: str | None) -> str | None:
+    """Where to load the tokenizer from: the explicit one, else the model folder's, else built-in (None)."""
+    if tokenizer is not None:
+        return tokenizer
+    if model_path is not None and (Path(model_path) / "tokenizer.json").is_file():
+        return model_path
+    return None
+
+
+if __name__ == "__main__":  # regenerate the asset
+    ASSETS.mkdir(exist_ok=True)
+    built = build_char_tokenizer()
+    Tokenizer(built, eos_id=built.token_to_id(EOS), pad_id=built.token_to_id(PAD), source="built").save(
+        ASSETS
+    )
+    print(f"wrote {BUILTIN_TOKENIZER}")
