@@ -1,0 +1,176 @@
+"""The main job: ``train(cfg)`` wires task, fleet, buffer, trainer and weight store, and runs GRPO.
+
+    warm start (SFT unless init_from) -> eval -> loop {take a batch of groups, train, publish,
+    eval, log, checkpoint} -> eval -> summary
+
+The fleet is ``LocalFleet`` (sync: one process, no Ray, generate-then-train, on-policy) or
+``RayFleet`` (async: rollout workers as Ray actors generating while the trainer trains; they meet the
+trainer only through the bounded buffer, the queue and the weight store). Everything else is shared.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moerl.config import ConfigError, RunConfig, load_config
+from moerl.runtime.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
+from moerl.runtime.run_dir import LedgerEntry, RunDir
+from moerl.runtime.setup import (
+    Components,
+    accounting,
+    build_components,
+    discard_versions_after,
+    evaluate,
+    warm_start,
+)
+from moerl.runtime.trainer import NonFiniteLossError, Trainer
+from moerl.runtime.weights import StoreNotWritableError, WeightStore
+from moerl.telemetry.live import LiveView
+from moerl.telemetry.metrics import MetricsWriter
+from moerl.telemetry.report import plot_report
+from moerl.telemetry.step import StepTimings, step_values
+
+
+def train(cfg: RunConfig, *, live: bool = True) -> dict:
+    """Run RL training from scratch in a new run folder; returns the summary (also in summary.json).
+
+    Raises:
+        ConfigError: an invalid combination of settings, or a weight store URL that cannot be written.
+    """
+    run = RunDir.create(cfg)
+    return _run(cfg, run, checkpoint=None, live=live)
+
+
+def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: bool = True) -> dict:
+    """Continue the run in ``run_dir`` from its newest checkpoint (config overrides allowed).
+
+    Raises:
+        FileNotFoundError: no run folder or no complete checkpoint in it.
+    """
+    run = RunDir(run_dir)
+    if not run.config.exists():
+        raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
+    ckpt = latest_checkpoint(run.path)
+    if ckpt is None:
+        raise FileNotFoundError(f"{run_dir} has no complete checkpoint to resume from")
+    return _run(load_config(run.config, overrides), run, checkpoint=ckpt, live=live)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) -> dict:
+    process_start = time.perf_counter()
+    _seed_everything(cfg.seed)
+    view = LiveView(cfg.trainer.steps, enabled=live)
+    try:
+        store = WeightStore(cfg.runtime.store_url or str(run.weights), keep=cfg.runtime.keep_versions)
+    except StoreNotWritableError as e:
+        raise ConfigError(f"runtime.store_url: {e}") from e
+    init_path = warm_start(cfg, run, view)
+    parts = load_checkpoint(checkpoint) if checkpoint is not None else None
+    comp: Components = build_components(cfg, init_path, store)
+    trainer = Trainer(
+        comp.model,
+        cfg.trainer,
+        cfg.algorithm,
+        temperature=cfg.rollout.temperature,
+        norm_length=cfg.rollout.max_new_tokens,
+    )
+    if parts is None:
+        trainer.publish(store)  # version 0: what the workers start from
+        acc = evaluate(comp)
+        state = {"start_accuracy": acc, "wall_s": 0.0, "loop_s": 0.0, "samples": 0}
+        view.message(f"warm-start eval accuracy {acc:.3f}; run folder {run.path}")
+    else:
+        trainer.load_state_dict(parts)
+        state = dict(parts["controller"])
+        run.rewind(trainer.step)
+        discard_versions_after(store, trainer.version)
+        if (latest := store.latest()) is None or latest.version < trainer.version:
+            trainer.publish(store)  # pruned meanwhile: workers must start from the checkpoint's weights
+        view.message(f"resumed at step {trainer.step} from {checkpoint}")
+    fleet = comp.start_fleet(trainer.version, parts)
+    if parts is not None:
+        restore_rng_state(parts["rng"])
+    metrics = MetricsWriter(run.metrics)
+    start, wall0, stop_reason, acc = time.perf_counter(), state["wall_s"], None, None
+    try:
+        while trainer.step < cfg.trainer.steps:
+            t0 = time.perf_counter()
+            groups, gen_s, wait_s = fleet.next_groups(cfg.trainer.batch_groups)
+            batch = trainer.build_batch(groups, comp.tokenizer.pad_id)
+            stats = trainer.train_step(batch)
+            run.append_ledger(
+                [LedgerEntry(g.task_id, stats.step, g.min_policy_version, g.lease_token) for g in groups]
+            )
+            t1 = time.perf_counter()
+            if stats.step % cfg.trainer.publish_every == 0 or stats.step == cfg.trainer.steps:
+                trainer.publish(store)
+                fleet.push_weights(trainer.version, trainer.named_weights())
+            publish_s = time.perf_counter() - t1
+            is_eval = stats.step == cfg.trainer.steps or (cfg.eval.every and stats.step % cfg.eval.every == 0)
+            acc = evaluate(comp) if is_eval else None
+            timings = StepTimings(
+                gen_s=gen_s, wait_s=wait_s, publish_s=publish_s, step_s=time.perf_counter() - t0
+            )
+            values = step_values(
+                groups, stats, timings, fleet.queue_stats(), fleet.buffer_metrics(), accuracy=acc
+            )
+            state["samples"] += batch.num_sequences
+            state["loop_s"] += time.perf_counter() - t0
+            state["wall_s"] = wall0 + time.perf_counter() - start
+            view.update(metrics.write(stats.step, state["wall_s"], values))
+            if acc is not None:
+                state["final_accuracy"] = acc
+            if cfg.trainer.checkpoint_every and stats.step % cfg.trainer.checkpoint_every == 0:
+                trainer.checkpoint(
+                    run.path, {"controller": state, **fleet.state_dict()}, keep=cfg.runtime.keep_checkpoints
+                )
+    except NonFiniteLossError as e:
+        stop_reason = str(e)
+        view.message(f"stopping: {e}")
+    except BaseException:
+        fleet.close()
+        view.close()
+        raise
+    fleet_state = fleet.final_state()
+    fleet.close()
+    view.close()
+    summary = _summary(cfg, run, trainer, state, fleet_state, stop_reason)
+    summary["process_wall_s"] = time.perf_counter() - process_start  # this process: warm start + evals + RL
+    run.write_summary(summary)
+    if run.metrics.exists():
+        plot_report(run.path)
+    view.message(
+        f"done: accuracy {summary['start_eval_accuracy']:.3f} -> {summary['final_eval_accuracy']}, "
+        f"{summary['wall_time_s']:.0f} s; {run.path}"
+    )
+    return summary
+
+
+def _summary(cfg: RunConfig, run: RunDir, trainer: Trainer, state: dict, fleet_state, stop_reason) -> dict:
+    """Final figures: accuracies, wall time, throughput and exactly-once task accounting."""
+    loop_s = max(state["loop_s"], 1e-9)
+    return {
+        "status": "stopped" if stop_reason else "completed",
+        "stop_reason": stop_reason,
+        "mode": cfg.runtime.mode,
+        "steps": trainer.step,
+        "skipped_steps": trainer.num_skipped,
+        "start_eval_accuracy": state["start_accuracy"],
+        "final_eval_accuracy": state.get("final_accuracy"),
+        "wall_time_s": state["wall_s"],
+        "samples_per_s": state["samples"] / loop_s,
+        "samples_trained": state["samples"],
+        "reward_errors": fleet_state.reward_errors,
+        **accounting(run.read_ledger(), fleet_state),
+    }

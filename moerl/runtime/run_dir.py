@@ -1,0 +1,145 @@
+"""The run folder: where a training run writes everything a person or a resumed run reads back.
+
+Layout (``runs/<name>-<timestamp>/``)::
+
+    config.yaml        resolved RunConfig
+    metrics.jsonl      one record per trainer step (schema: moerl.telemetry.metrics.METRIC_KEYS)
+    summary.json       final figures and exactly-once task accounting
+    ledger.jsonl       one line per trained task: {"task_id", "step", "policy_version", "lease_token"}
+    checkpoints/       step_N/ full run state (moerl.runtime.checkpoint: save/load/latest_checkpoint)
+    weights/           published weight versions (the default WeightStore)
+    report.png         curves against step and wall time
+
+Every file that another process may read is written atomically (temp file, then ``os.replace``);
+append-only JSONL files are flushed per line and cut back to a step on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moerl.config import RunConfig, save_config
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see either the old or the whole new file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a JSONL file; ``[]`` if it does not exist. A torn last line is ignored."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by a crash: everything after it is untrusted
+    return records
+
+
+def truncate_jsonl(path: str | Path, keep) -> int:
+    """Rewrite a JSONL file keeping only records where ``keep(record)`` is true; returns how many."""
+    records = [r for r in read_jsonl(path) if keep(r)]
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+    return len(records)
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """One trained task: the exactly-once record."""
+
+    task_id: str
+    """Stable task id (the prompt id)."""
+    step: int
+    """Trainer step (1-based) whose batch contained the task's group."""
+    policy_version: int
+    """Oldest policy version that generated the group."""
+    lease_token: int
+    """Fencing token of the lease under which the group was delivered."""
+
+
+class RunDir:
+    """Paths and small I/O helpers of one run folder.
+
+    Args:
+        path: the run folder (created if missing).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.checkpoints.mkdir(exist_ok=True)
+
+    @classmethod
+    def create(cls, cfg: RunConfig) -> RunDir:
+        """A fresh folder ``<output_dir>/<name>-<UTC timestamp>`` with the resolved config written."""
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        base = Path(cfg.output_dir) / f"{cfg.name}-{stamp}"
+        path, i = base, 1
+        while path.exists():  # two runs started within the same second
+            path, i = Path(f"{base}-{i}"), i + 1
+        run = cls(path)
+        save_config(cfg, run.config)
+        return run
+
+    config = property(lambda self: self.path / "config.yaml")
+    metrics = property(lambda self: self.path / "metrics.jsonl")
+    summary = property(lambda self: self.path / "summary.json")
+    ledger = property(lambda self: self.path / "ledger.jsonl")
+    checkpoints = property(lambda self: self.path / "checkpoints")
+    weights = property(lambda self: self.path / "weights")
+    report = property(lambda self: self.path / "report.png")
+
+    def checkpoint_dir(self, step: int) -> Path:
+        """Folder of the full checkpoint after trainer step ``step``."""
+        return self.checkpoints / f"step_{step}"
+
+    def append_ledger(self, entries: list[LedgerEntry]) -> None:
+        """Append trained-task records (one JSON line each, flushed)."""
+        with open(self.ledger, "a") as f:
+            for e in entries:
+                f.write(
+                    json.dumps(
+                        {
+                            "task_id": e.task_id,
+                            "step": e.step,
+                            "policy_version": e.policy_version,
+                            "lease_token": e.lease_token,
+                        }
+                    )
+                    + "\n"
+                )
+            f.flush()
+
+    def read_ledger(self) -> list[LedgerEntry]:
+        """All ledger entries in file order."""
+        return [LedgerEntry(**r) for r in read_jsonl(self.ledger)]
+
+    def rewind(self, step: int) -> None:
+        """Drop metrics and ledger records after trainer step ``step`` (before resuming from it)."""
+        truncate_jsonl(self.metrics, lambda r: r.get("step", 0) <= step)
+        truncate_jsonl(self.ledger, lambda r: r.get("step", 0) <= step)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """Write ``summary.json`` atomically."""
+        atomic_write_text(self.summary, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+
+    def read_summary(self) -> dict[str, Any] | None:
+        """The summary, or ``None`` when the run has not finished."""
+        return json.loads(self.summary.read_text()) if self.summary.exists() else None

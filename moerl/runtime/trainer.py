@@ -1,0 +1,413 @@
+"""The trainer: groups -> padded batch -> micro-batched policy-gradient step -> published weights.
+
+Shapes: B sequences of the step (groups x n), T the longest prompt + response, V vocabulary,
+L_moe MoE layers, k experts per token, E experts per layer. Per-token tensors are ``[B, T]`` and
+aligned with ``input_ids`` as ``moerl.rl.token_logprobs`` returns them: position t describes token t
+(predicted from the logits at t - 1), position 0 is never trained.
+
+One step (``Trainer.train_step``)::
+
+    [proximal log-probs, no grad, if recompute_proximal]
+    for each micro-batch: forward -> token log-probs -> policy_loss (global num_tokens / num_seqs)
+                          + aux_loss_coef * aux_loss -> backward (gradients accumulate)
+    non-finite loss or gradient norm -> skip the update, count it, stop after max_nan_steps in a row
+    clip the global gradient norm -> AdamW step -> LR schedule step
+
+The policy version is the number of trainer steps taken: weights after step s are version s.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from moerl.config import AlgorithmConfig, ConfigError, TrainerConfig
+from moerl.rl import (
+    entropy_from_logits,
+    group_advantages,
+    policy_loss,
+    preset_from_config,
+    token_logprobs,
+)
+from moerl.runtime.checkpoint import capture_rng_state, save_checkpoint
+from moerl.runtime.types import Group, WeightVersion
+from moerl.runtime.weights import WeightStore
+
+IGNORE_INDEX = -100
+
+
+class NonFiniteLossError(RuntimeError):
+    """``trainer.max_nan_steps`` consecutive steps had a non-finite loss or gradient; the run stops."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainBatch:
+    """A step's groups as padded tensors plus the step's global loss normalizers.
+
+    Rows are the samples of the groups in order (group g holds rows ``g*n .. g*n + n - 1`` for
+    equal group sizes). Sequences are right-padded with ``pad_id``.
+    """
+
+    input_ids: torch.Tensor
+    """[B, T] int64: prompt then response tokens, right-padded."""
+    attention_mask: torch.Tensor
+    """[B, T] int64: 1 at prompt and response tokens, 0 at padding."""
+    loss_mask: torch.Tensor
+    """[B, T] bool: True at response tokens that enter the loss (``Sample.loss_mask``)."""
+    behaviour_logprobs: torch.Tensor
+    """[B, T] float32: rollout-engine log-probs of the response tokens; 0 elsewhere."""
+    advantages: torch.Tensor
+    """[B] float32: one advantage per sequence (``moerl.rl.group_advantages``)."""
+    rewards: torch.Tensor
+    """[B] float32: the samples' rewards."""
+    group_ids: torch.Tensor
+    """[B] int64: index of the sample's group in the batch."""
+    policy_versions: torch.Tensor
+    """[B] int64: oldest policy version that generated each sample."""
+    num_tokens: int
+    """Loss tokens (``loss_mask`` set) over the whole step: the token-mean normalizer."""
+    num_seqs: int
+    """Sequences of the step with at least one loss token: the sequence-mean normalizer."""
+    task_ids: tuple[str, ...]
+    """Task id of each group, in group order."""
+    lease_tokens: tuple[int, ...]
+    """Fencing token under which each group was delivered."""
+    group_versions: tuple[int, ...]
+    """``min_policy_version`` of each group."""
+
+    @property
+    def num_sequences(self) -> int:
+        """Rows B (sequences, padded or not)."""
+        return self.input_ids.shape[0]
+
+    def micro_batches(self, size: int) -> Iterator[TrainBatch]:
+        """Consecutive slices of at most ``size`` rows, each cut to its own longest sequence.
+
+        The slices keep the step's global ``num_tokens`` / ``num_seqs``, so their losses add up to
+        the step's loss.
+        """
+        for start in range(0, self.num_sequences, size):
+            rows = slice(start, start + size)
+            length = int(self.attention_mask[rows].sum(dim=1).max())
+            cols = slice(0, max(length, 2))
+            yield replace(
+                self,
+                input_ids=self.input_ids[rows, cols],
+                attention_mask=self.attention_mask[rows, cols],
+                loss_mask=self.loss_mask[rows, cols],
+                behaviour_logprobs=self.behaviour_logprobs[rows, cols],
+                advantages=self.advantages[rows],
+                rewards=self.rewards[rows],
+                group_ids=self.group_ids[rows],
+                policy_versions=self.policy_versions[rows],
+            )
+
+
+def build_train_batch(groups: Sequence[Group], *, pad_id: int, estimator: str = "grpo") -> TrainBatch:
+    """Pad the groups' samples into a ``TrainBatch`` and compute group-relative advantages.
+
+    Args:
+        groups: the step's groups (at least one).
+        pad_id: token id used for right padding (never trained: attention_mask 0, loss_mask False).
+        estimator: ``moerl.rl.group_advantages`` estimator: grpo, dr_grpo or rloo.
+
+    Raises:
+        ValueError: no groups, or an estimator that needs a value model (gae).
+    """
+    if not groups:
+        raise ValueError("build_train_batch: no groups")
+    samples = [(g_idx, s) for g_idx, g in enumerate(groups) for s in g.samples]
+    length = max(max(s.num_tokens for _, s in samples), 2)
+    num = len(samples)
+    input_ids = torch.full((num, length), pad_id, dtype=torch.int64)
+    attention_mask = torch.zeros(num, length, dtype=torch.int64)
+    loss_mask = torch.zeros(num, length, dtype=torch.bool)
+    behaviour = torch.zeros(num, length, dtype=torch.float32)
+    for row, (_, s) in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        input_ids[row, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.int64)
+        attention_mask[row, : p + r] = 1
+        if r:
+            loss_mask[row, p : p + r] = torch.tensor(s.loss_mask, dtype=torch.bool)
+            behaviour[row, p : p + r] = torch.tensor(s.response_logprobs, dtype=torch.float32)
+    rewards = torch.tensor([s.reward for _, s in samples], dtype=torch.float32)
+    group_ids = torch.tensor([g for g, _ in samples], dtype=torch.int64)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        behaviour_logprobs=behaviour,
+        advantages=group_advantages(rewards, group_ids, estimator=estimator),
+        rewards=rewards,
+        group_ids=group_ids,
+        policy_versions=torch.tensor([s.min_policy_version for _, s in samples], dtype=torch.int64),
+        num_tokens=int(loss_mask.sum()),
+        num_seqs=int(loss_mask.any(dim=1).sum()),
+        task_ids=tuple(g.task_id for g in groups),
+        lease_tokens=tuple(g.lease_token for g in groups),
+        group_versions=tuple(g.min_policy_version for g in groups),
+    )
+
+
+def expert_load_cv(routed_experts: torch.Tensor, token_mask: torch.Tensor, num_experts: int) -> float:
+    """Mean over MoE layers of the coefficient of variation of tokens routed to each expert.
+
+    CV = std / mean of the per-expert assignment counts (population std), 0 for a perfectly
+    balanced router; the usual load-imbalance measure (Shazeer et al. 2017, "Outrageously Large
+    Neural Networks", Sec. 4 and eq. 6 use CV^2 as the importance loss).
+
+    Args:
+        routed_experts: [B, T, L_moe, k] int64 expert ids.
+        token_mask: [B, T], nonzero at real tokens.
+        num_experts: E.
+
+    Returns:
+        The mean CV (float); 0.0 without MoE layers or tokens.
+    """
+    if routed_experts.numel() == 0 or not bool(token_mask.any()):
+        return 0.0
+    picked = routed_experts[token_mask.bool()]  # (N, L_moe, k)
+    cvs = []
+    for layer in range(picked.shape[1]):
+        counts = torch.bincount(picked[:, layer].reshape(-1), minlength=num_experts).double()
+        cvs.append(float(counts.std(unbiased=False) / counts.mean()))
+    return sum(cvs) / len(cvs)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainStats:
+    """What one ``train_step`` did; loss metrics are token means over the step unless noted."""
+
+    step: int
+    """Trainer step after this one (1-based); also the new policy version."""
+    pg_loss: float
+    """Policy-gradient loss, summed over micro-batches (each aggregated with the global normalizers)."""
+    pg_clipfrac: float
+    """Fraction of loss tokens whose ratio was clipped."""
+    ppo_kl: float
+    """Mean of old log-prob - current log-prob over loss tokens."""
+    entropy: float
+    """Mean token entropy of the current policy over loss tokens (nats)."""
+    grad_norm: float
+    """Global gradient norm before clipping (NaN on a skipped step)."""
+    aux_loss: float
+    """MoE load-balancing loss, sequence-weighted mean over micro-batches."""
+    expert_load_cv: float
+    """See ``expert_load_cv``; mean over micro-batches."""
+    num_tokens: int
+    """Tokens forwarded (prompt + response, no padding) in the step."""
+    train_s: float
+    """Wall seconds of the step (forward, backward, optimizer)."""
+    lr: float
+    """Learning rate used by the step."""
+    is_skipped: bool
+    """True when the loss or gradient was non-finite and no update was made."""
+
+
+class Trainer:
+    """Owns the policy being trained, its AdamW optimizer and LR schedule.
+
+    Args:
+        model: the policy (``moerl.models.MoeForCausalLM``), on its training device.
+        cfg: the trainer's config.
+        algorithm: the loss preset and coefficients (``moerl.rl.preset_from_config``).
+        temperature: rollout sampling temperature (log-probs are of softmax(logits / T)); 0 (greedy)
+            uses 1.
+        norm_length: constant length of the ``seq-mean-token-sum-norm`` aggregation (Dr. GRPO),
+            normally ``rollout.max_new_tokens``.
+
+    Raises:
+        ConfigError: an algorithm this trainer cannot run (the ``gae`` estimator needs a value model,
+            ``kl_coef > 0`` needs a reference model; neither is built here).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainerConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        temperature: float = 1.0,
+        norm_length: int | None = None,
+    ):
+        self.preset = preset_from_config(algorithm)
+        if self.preset.estimator == "gae":
+            raise ConfigError(
+                f"algorithm.preset={algorithm.preset!r} uses the gae estimator, which needs a value "
+                "model; the trainer supports grpo, dr_grpo and rloo (set algorithm.estimator)"
+            )
+        if algorithm.kl_coef > 0:
+            raise ConfigError(
+                "algorithm.kl_coef > 0 needs a reference model, which the trainer does not build yet; "
+                "set algorithm.kl_coef=0"
+            )
+        self.model = model
+        self.cfg = cfg
+        self.algorithm = algorithm
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.norm_length = norm_length
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        warmup = cfg.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
+        self.step = 0
+        self.nan_streak = 0
+        self.num_skipped = 0
+        self.device = next(model.parameters()).device
+        self.num_experts = int(getattr(getattr(model, "config", None), "num_experts", 0) or 0)
+
+    @property
+    def version(self) -> int:
+        """Policy version of the current weights (= trainer steps taken)."""
+        return self.step
+
+    def build_batch(self, groups: Sequence[Group], pad_id: int) -> TrainBatch:
+        """``build_train_batch`` with this trainer's advantage estimator."""
+        return build_train_batch(groups, pad_id=pad_id, estimator=self.preset.estimator)
+
+    def _forward(self, mb: TrainBatch, *, with_grad: bool):
+        ids = mb.input_ids.to(self.device)
+        attn = mb.attention_mask.to(self.device)
+        labels = torch.where(mb.loss_mask.to(self.device), ids, IGNORE_INDEX)
+        with torch.set_grad_enabled(with_grad):
+            out = self.model(ids, attn, return_routed_experts=with_grad and self.num_experts > 0)
+            logp = token_logprobs(out.logits, labels, self.temperature)
+        return out, logp, labels
+
+    @torch.no_grad()
+    def _proximal_logprobs(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """Log-probs of the current weights before the update (decoupled PPO's proximal policy)."""
+        return [
+            self._forward(mb, with_grad=False)[1] for mb in batch.micro_batches(self.cfg.micro_batch_size)
+        ]
+
+    def train_step(self, batch: TrainBatch) -> TrainStats:
+        """One optimizer step on ``batch`` (see the module docstring).
+
+        Raises:
+            NonFiniteLossError: this is the ``max_nan_steps``-th non-finite step in a row.
+        """
+        start = time.perf_counter()
+        self.model.train()
+        proximal = self._proximal_logprobs(batch) if self.cfg.recompute_proximal else None
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = dict.fromkeys(
+            ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "aux_loss", "expert_load_cv"), 0.0
+        )
+        is_finite = True
+        micro = list(batch.micro_batches(self.cfg.micro_batch_size))
+        for i, mb in enumerate(micro):
+            out, logp, labels = self._forward(mb, with_grad=True)
+            mask = mb.loss_mask.to(self.device)
+            behav = mb.behaviour_logprobs.to(self.device)
+            loss, m = policy_loss(
+                logp,
+                proximal[i] if proximal is not None else behav,
+                mb.advantages.to(self.device),
+                mask,
+                preset=self.preset,
+                behav_logp=behav if proximal is not None else None,
+                num_tokens=max(batch.num_tokens, 1),
+                num_seqs=max(batch.num_seqs, 1),
+                norm_length=self.norm_length,
+            )
+            share = mb.num_sequences / batch.num_sequences
+            if self.cfg.aux_loss_coef > 0:
+                loss = loss + self.cfg.aux_loss_coef * share * out.aux_loss
+            if self.algorithm.entropy_coef > 0:
+                ent = entropy_from_logits(out.logits, labels, temperature=self.temperature)
+                loss = loss - self.algorithm.entropy_coef * (ent * mask).sum() / max(batch.num_tokens, 1)
+            is_finite = is_finite and bool(torch.isfinite(loss))
+            if is_finite:
+                loss.backward()
+            with torch.no_grad():
+                tok_share = float(mask.sum()) / max(batch.num_tokens, 1)
+                ent = entropy_from_logits(out.logits.detach(), labels, temperature=self.temperature)
+                sums["pg_loss"] += m["pg_loss"]
+                sums["pg_clipfrac"] += m["pg_clipfrac"] * tok_share
+                sums["ppo_kl"] += m["ppo_kl"] * tok_share
+                sums["entropy"] += float((ent * mask).sum()) / max(batch.num_tokens, 1)
+                sums["aux_loss"] += float(out.aux_loss) * share
+                if out.routed_experts is not None:
+                    cv = expert_load_cv(
+                        out.routed_experts, mb.attention_mask.to(self.device), self.num_experts
+                    )
+                    sums["expert_load_cv"] += cv * share
+        lr = self.optimizer.param_groups[0]["lr"]
+        grad_norm = self._clip_and_step(is_finite)
+        self.step += 1
+        return TrainStats(
+            step=self.step,
+            grad_norm=grad_norm,
+            num_tokens=int(batch.attention_mask.sum()),
+            train_s=time.perf_counter() - start,
+            lr=lr,
+            is_skipped=math.isnan(grad_norm),
+            **sums,
+        )
+
+    def _clip_and_step(self, is_finite: bool) -> float:
+        """Clip, step optimizer and schedule; on a non-finite loss/gradient skip and count. Returns the norm."""
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        grad_norm = float("nan")
+        if is_finite:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nan_streak += 1
+            self.num_skipped += 1
+            if self.nan_streak >= self.cfg.max_nan_steps:
+                raise NonFiniteLossError(
+                    f"{self.nan_streak} trainer steps in a row (up to step {self.step + 1}) had a non-finite loss "
+                    f"or gradient (trainer.max_nan_steps={self.cfg.max_nan_steps}); stopping. Try a lower "
+                    "trainer.lr, trainer.grad_clip > 0, or check the rewards and the checkpoint for NaN/inf."
+                )
+            return float("nan")
+        self.nan_streak = 0
+        self.optimizer.step()
+        self.scheduler.step()
+        return grad_norm
+
+    # -- weights and state ---------------------------------------------------------------------
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's parameters and buffers by ``state_dict`` name, detached (shares storage)."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def publish(self, store: WeightStore) -> WeightVersion:
+        """Write the current weights to ``store`` as version ``self.version`` (atomic, manifest last)."""
+        return store.publish(self.version, self.named_weights())
+
+    def state_dict(self) -> dict:
+        """Checkpoint parts of the trainer: model, optimizer, scheduler and counters."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "trainer": {"step": self.step, "nan_streak": self.nan_streak, "num_skipped": self.num_skipped},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict`` parts (after a checkpoint round trip)."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        counters = state["trainer"]
+        self.step, self.nan_streak, self.num_skipped = (
+            counters["step"],
+            counters["nan_streak"],
+            counters["num_skipped"],
+        )
+
+    def checkpoint(self, run_dir: str | Path, extra: dict, *, keep: int = 2) -> Path:
+        """Save the full run state after this step: trainer parts, RNG streams and ``extra`` parts
+        (queue, buffer, controller state) atomically as ``checkpoints/step_<step>``."""
+        return save_checkpoint(
+            run_dir, self.step, {**self.state_dict(), "rng": capture_rng_state(), **extra}, keep=keep
+        )

@@ -1,0 +1,90 @@
+"""Live progress of a run: a rich progress bar on a terminal, plain log lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def status_line(record: dict, total_steps: int) -> str:
+    """One line: step, reward, accuracy, tokens/s, buffer depth, policy version."""
+    return (
+        f"step {record['step']}/{total_steps}  reward {_fmt(record.get('rollout/reward_mean'), '.3f')}  "
+        f"acc {_fmt(record.get('eval/accuracy'), '.3f')}  "
+        f"rollout tok/s {_fmt(record.get('perf/rollout_tokens_per_s'), '.0f')}  "
+        f"train tok/s {_fmt(record.get('perf/train_tokens_per_s'), '.0f')}  "
+        f"buffer {_fmt(record.get('buffer/depth'), '.0f')}  v{_fmt(record.get('policy_version'), '.0f')}"
+    )
+
+
+class LiveView:
+    """Shows each step's record as it is written.
+
+    On a TTY: a rich progress bar whose description is the latest status line. Otherwise: one
+    plain, timestamped line per step on ``stream`` (so logs of batch jobs stay greppable).
+
+    Args:
+        total_steps: trainer steps of the run (progress bar length).
+        stream: where to write (default ``sys.stderr``).
+        enabled: ``False`` silences it (used by tests).
+    """
+
+    def __init__(
+        self, total_steps: int, *, start_step: int = 0, stream: TextIO | None = None, enabled: bool = True
+    ):
+        self.total_steps = total_steps
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.last_accuracy: float | None = None
+        self._progress = None
+        self._task = None
+        if enabled and self.stream.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]moerl"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+                console=Console(file=self.stream),
+                transient=False,
+            )
+            self._task = self._progress.add_task("starting", total=total_steps, completed=start_step)
+            self._progress.start()
+
+    def message(self, text: str) -> None:
+        """A free-form line (warm start, eval results, stop reasons)."""
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(text)
+        else:
+            print(f"[{time.strftime('%H:%M:%S')}] {text}", file=self.stream, flush=True)
+
+    def update(self, record: dict) -> None:
+        """Show a metrics record (see moerl.telemetry.metrics.make_record)."""
+        if record.get("eval/accuracy") is not None:
+            self.last_accuracy = record["eval/accuracy"]
+        shown = dict(record)
+        if shown.get("eval/accuracy") is None:
+            shown["eval/accuracy"] = self.last_accuracy
+        line = status_line(shown, self.total_steps)
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.update(self._task, completed=record["step"], description=line)
+        else:
+            print(f"[{time.strftime('%H:%M:%S')}] {line}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Stop the progress bar (idempotent)."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

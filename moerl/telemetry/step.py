@@ -1,0 +1,81 @@
+"""From one trainer step's groups, train stats and runtime counters to the ``METRIC_KEYS`` values."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from moerl.runtime.buffer import BufferMetrics
+from moerl.runtime.queue import QueueStats
+from moerl.runtime.trainer import TrainStats
+from moerl.runtime.types import Group
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimings:
+    """Wall seconds of the parts of one trainer step."""
+
+    gen_s: float
+    """Generation seconds of the step's groups: sync, the generate phase; async, the wall time
+    between this batch and the previous one (the window in which the fleet produced it)."""
+    wait_s: float
+    """Seconds the trainer waited for the buffer (sync: 0, generation is gen_s)."""
+    publish_s: float
+    """Seconds spent publishing weights."""
+    step_s: float
+    """Wall seconds of the whole step."""
+
+
+def rollout_values(groups: Sequence[Group]) -> dict[str, float]:
+    """Reward and response statistics of a batch of groups (``rollout/*``)."""
+    samples = [s for g in groups for s in g.samples]
+    rewards = [s.reward for s in samples]
+    return {
+        "rollout/reward_mean": statistics.fmean(rewards),
+        "rollout/reward_std": statistics.pstdev(rewards),
+        "rollout/zero_std_frac": sum(max(g.rewards) == min(g.rewards) for g in groups) / len(groups),
+        "rollout/response_len_mean": statistics.fmean(len(s.response_ids) for s in samples),
+        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+    }
+
+
+def step_values(
+    groups: Sequence[Group],
+    stats: TrainStats,
+    timings: StepTimings,
+    queue: QueueStats,
+    buffer: BufferMetrics,
+    *,
+    accuracy: float | None,
+) -> dict[str, float | int | None]:
+    """All ``METRIC_KEYS`` values of one step (``accuracy`` None when the step had no eval)."""
+    response_tokens = sum(len(s.response_ids) for g in groups for s in g.samples)
+    values: dict[str, float | int | None] = rollout_values(groups)
+    values.update(
+        {
+            "perf/rollout_tokens_per_s": response_tokens / timings.gen_s if timings.gen_s > 0 else None,
+            "perf/train_tokens_per_s": stats.num_tokens / stats.train_s if stats.train_s > 0 else None,
+            "perf/step_time_s": timings.step_s,
+            "timing/gen_s": timings.gen_s,
+            "timing/train_s": stats.train_s,
+            "timing/publish_s": timings.publish_s,
+            "timing/wait_s": timings.wait_s,
+            "buffer/depth": buffer.depth,
+            "buffer/staleness_mean": buffer.staleness_mean,
+            "buffer/staleness_max": buffer.staleness_max,
+            "buffer/dropped_stale": buffer.dropped_stale,
+            "queue/depth": queue.pending,
+            "queue/requeued": queue.requeued,
+            "train/pg_loss": stats.pg_loss,
+            "train/pg_clipfrac": stats.pg_clipfrac,
+            "train/ppo_kl": stats.ppo_kl,
+            "train/entropy": stats.entropy,
+            "train/grad_norm": stats.grad_norm,
+            "train/aux_loss": stats.aux_loss,
+            "train/expert_load_cv": stats.expert_load_cv,
+            "eval/accuracy": accuracy,
+            "policy_version": stats.step,
+        }
+    )
+    return values

@@ -1,0 +1,129 @@
+"""Sync mode end to end: reproducibility, resume equality, accounting, bad input, report."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import short_config
+
+from moerl.cli import main as cli_main
+from moerl.config import ConfigError
+from moerl.runtime.checkpoint import list_checkpoints
+from moerl.runtime.controller import resume, train
+from moerl.runtime.run_dir import RunDir, read_jsonl
+from moerl.runtime.weights import WeightStore
+from moerl.telemetry.metrics import METRIC_KEYS, without_wall_clock
+
+DIGIT_REWARD = "task.reward_fn=e2e_rewards:first_is_digit"
+
+
+def _run(cfg):
+    """Train and return the summary and the (newest) run folder."""
+    summary = train(cfg, live=False)
+    newest = max(Path(cfg.output_dir).glob(f"{cfg.name}-*"), key=lambda p: p.stat().st_mtime)
+    return summary, RunDir(newest)
+
+
+def _metrics(run):
+    return [without_wall_clock(r) for r in read_jsonl(run.metrics)]
+
+
+def test_sync_runs_are_bit_for_bit_reproducible(tmp_path, tiny_init):
+    cfg = short_config(
+        tmp_path, tiny_init, "trainer.steps=3", "eval.every=2", "trainer.lr=1e-3", DIGIT_REWARD
+    )
+    s1, r1 = _run(cfg)
+    s2, r2 = _run(cfg)
+    m1, m2 = _metrics(r1), _metrics(r2)
+    assert len(m1) == 3 and set(read_jsonl(r1.metrics)[0]) == {"step", "wall_s", *METRIC_KEYS}
+    assert m1 == m2  # every metric, every step, bit for bit
+    assert m1[1]["eval/accuracy"] is not None and m1[0]["eval/accuracy"] is None
+    assert any(m["train/grad_norm"] > 0 for m in m1)
+    assert [e.task_id for e in r1.read_ledger()] == [e.task_id for e in r2.read_ledger()]
+    w1, w2 = (WeightStore(str(r.weights)).load_latest()[1] for r in (r1, r2))
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert s1["tasks_duplicated"] == s1["tasks_lost"] == 0 and s1["tasks_trained"] == 6
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, tiny_init):
+    common = [
+        "eval.every=2",
+        "trainer.lr=1e-3",
+        "trainer.checkpoint_every=2",
+        "trainer.warmup_steps=3",
+        DIGIT_REWARD,
+    ]
+    _, full = _run(short_config(tmp_path / "full", tiny_init, "trainer.steps=4", *common))
+    _, part = _run(short_config(tmp_path / "part", tiny_init, "trainer.steps=2", *common))
+    assert [s for s, _ in list_checkpoints(part.path)] == [2]
+    summary = resume(part.path, ["trainer.steps=4"], live=False)
+    assert summary["steps"] == 4 and summary["tasks_duplicated"] == summary["tasks_lost"] == 0
+    assert _metrics(part) == _metrics(full)
+    assert [e.task_id for e in part.read_ledger()] == [e.task_id for e in full.read_ledger()]
+
+
+def test_summary_accounting_matches_the_ledger(tmp_path, tiny_init):
+    summary, run = _run(short_config(tmp_path, tiny_init, "trainer.steps=4", "trainer.batch_groups=3"))
+    ledger = run.read_ledger()
+    ids = [e.task_id for e in ledger]
+    assert len(ids) == len(set(ids)) == 12 == summary["tasks_trained"]
+    assert summary["tasks_leased"] == summary["tasks_acked"] == 12  # sync: every lease delivered
+    assert [e.step for e in ledger] == [s for s in (1, 2, 3, 4) for _ in range(3)]
+    assert summary["tasks_lost"] == summary["tasks_duplicated"] == 0
+    assert json.loads(run.summary.read_text()) == summary
+    assert cli_main(["report", str(run.path)]) == 0 and run.report.exists()
+
+
+def test_invalid_config_and_unwritable_store_are_clear_errors(tmp_path, tiny_init, capsys):
+    assert cli_main(["train", "--set", "trainer.lr=-1"]) == 2
+    assert "trainer.lr=-1" in capsys.readouterr().err
+    assert cli_main(["train", "--set", "trainer.stpes=3"]) == 2
+    assert "did you mean 'trainer.steps'" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    cfg = short_config(tmp_path, tiny_init, f"runtime.store_url={blocker}/weights")
+    with pytest.raises(ConfigError, match="runtime.store_url.*cannot be written"):
+        train(cfg, live=False)
+
+
+def test_raising_reward_scores_zero_and_is_counted(tmp_path, tiny_init):
+    cfg = short_config(tmp_path, tiny_init, "trainer.steps=2", "task.reward_fn=e2e_rewards:raising_reward")
+    summary, run = _run(cfg)
+    assert summary["status"] == "completed" and summary["reward_errors"] == 2 * 2 * 4
+    assert all(r["rollout/reward_mean"] == 0.0 for r in read_jsonl(run.metrics))
+
+
+def test_nan_loss_steps_are_skipped_then_the_run_stops(tmp_path, tiny_init, monkeypatch):
+    import moerl.runtime.trainer as trainer_mod
+
+    real = trainer_mod.policy_loss
+
+    def nan_after_first_step(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        return (loss * math.nan if nan_after_first_step.calls >= 2 else loss), metrics
+
+    nan_after_first_step.calls = 0
+    original_step = trainer_mod.Trainer.train_step
+
+    def counting_step(self, batch):
+        nan_after_first_step.calls += 1
+        return original_step(self, batch)
+
+    monkeypatch.setattr(trainer_mod, "policy_loss", nan_after_first_step)
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", counting_step)
+    cfg = short_config(
+        tmp_path, tiny_init, "trainer.steps=10", "trainer.max_nan_steps=3", "trainer.checkpoint_every=1"
+    )
+    summary, run = _run(cfg)
+    assert summary["status"] == "stopped" and "3 trainer steps in a row" in summary["stop_reason"]
+    assert summary["skipped_steps"] == 3 and summary["steps"] == 3  # step 1 trained; 2, 3 skipped; 4 stops
+    records = read_jsonl(run.metrics)
+    assert [r["train/grad_norm"] is None for r in records] == [False, True, True]
+    # only complete checkpoints and weight versions are visible, and they verify
+    assert [s for s, _ in list_checkpoints(run.path)] == [2, 3]
+    assert not list(run.checkpoints.glob("*.tmp*"))
+    store = WeightStore(str(run.weights))
+    for version in store.versions():
+        store.load(version)  # checks every file's sha256
