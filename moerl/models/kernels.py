@@ -1,4 +1,4 @@
-"""Fast paths of the MoE experts on CUDA: a sync-free expert permutation and a fused weighted combine.
+"""Fast paths of the MoE experts on CUDA: sync-free permutation, SwiGLU and weighted combine (Triton).
 
 Shape legend: N tokens, H hidden size, E experts, k experts per token (top-k), I expert intermediate
 size, M = N * k expert-sorted token copies ("rows"); a "slot" is one (token, choice) pair, flat index
@@ -17,6 +17,9 @@ y_n = sum_j w_nj * down_e(silu(g) * u) with [g, u] = gate_up_e x_n and e = topk_
   its backward is one kernel too (gradient rows scattered back, the combine-weight gradients as dot
   products), and the permutation's backward is the same gather-and-sum with unit weights, so the
   backward has no atomics and is deterministic.
+
+The attention-side kernels (RMSNorm, rotary embedding) are in ``moerl.models.layer_kernels``; the
+switch ``fast_paths`` here covers both.
 
 Without Triton (or on CPU) the same functions run as plain tensor ops, which is also the reference the
 unit tests compare the kernels against. ``fast_paths(False)`` turns the fast paths off (for agreement
@@ -72,7 +75,9 @@ def fused_experts_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.
     return gate_up.dtype == down.dtype == torch.bfloat16 and all(w * 2 % 16 == 0 for w in widths)
 
 
-def expert_order_no_sync(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expert_order_no_sync(
+    topk_idx: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the N * k slots by expert without a host sync.
 
     Args:
@@ -98,8 +103,17 @@ def expert_order_no_sync(topk_idx: torch.Tensor, num_experts: int) -> tuple[torc
 if triton is not None:
 
     @triton.jit
-    def _combine_fwd_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                            HAS_W: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _combine_fwd_kernel(
+        y_ptr,
+        inv_ptr,
+        w_ptr,
+        out_ptr,
+        H: tl.constexpr,
+        K: tl.constexpr,
+        KP: tl.constexpr,
+        HAS_W: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
         # One program per token n: out[n, :] = sum_j w[n, j] * y[inv[n * K + j], :], float32 accumulation.
         n = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, KP)
@@ -110,16 +124,27 @@ if triton is not None:
         for h0 in range(0, H, BLOCK_H):
             offs = h0 + tl.arange(0, BLOCK_H)
             hmask = offs < H
-            y = tl.load(y_ptr + rows[:, None] * H + offs[None, :], mask=jmask[:, None] & hmask[None, :],
-                        other=0.0).to(tl.float32)
+            y = tl.load(
+                y_ptr + rows[:, None] * H + offs[None, :], mask=jmask[:, None] & hmask[None, :], other=0.0
+            ).to(tl.float32)
             if HAS_W:
                 y = y * w[:, None]
             acc = tl.sum(y, axis=0)
             tl.store(out_ptr + n * H + offs, acc.to(out_ptr.dtype.element_ty), mask=hmask)
 
     @triton.jit
-    def _combine_bwd_kernel(g_ptr, y_ptr, inv_ptr, w_ptr, gy_ptr, gw_ptr, H: tl.constexpr, K: tl.constexpr,
-                            KP: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _combine_bwd_kernel(
+        g_ptr,
+        y_ptr,
+        inv_ptr,
+        w_ptr,
+        gy_ptr,
+        gw_ptr,
+        H: tl.constexpr,
+        K: tl.constexpr,
+        KP: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
         # One program per token n: gy[inv[n, j], :] = w[n, j] * g[n, :]; gw[n, j] = <g[n, :], y[inv[n, j], :]>.
         n = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, KP)
@@ -139,6 +164,72 @@ if triton is not None:
         tl.store(gw_ptr + n * K + j, dots, mask=jmask)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _swiglu_fwd_kernel(gu_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+        # out[m, i] = silu(gu[m, i]) * gu[m, WIDTH + i], float32 math, one rounding.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < WIDTH
+        g = tl.load(gu_ptr + row * 2 * WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * WIDTH + WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+        out = g * tl.sigmoid(g) * u
+        tl.store(out_ptr + row * WIDTH + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(da_ptr, gu_ptr, dgu_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+        # d gate = da u sigma(g) (1 + g (1 - sigma(g))), d up = da silu(g).
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < WIDTH
+        g = tl.load(gu_ptr + row * 2 * WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * WIDTH + WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+        da = tl.load(da_ptr + row * WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        dg = da * u * sig * (1.0 + g * (1.0 - sig))
+        du = da * g * sig
+        tl.store(dgu_ptr + row * 2 * WIDTH + cols, dg.to(dgu_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgu_ptr + row * 2 * WIDTH + WIDTH + cols, du.to(dgu_ptr.dtype.element_ty), mask=mask)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """[M, 2I] (gate columns, then up) -> silu(gate) * up [M, I]; Triton forward and backward."""
+
+    @staticmethod
+    def forward(ctx, gu):  # noqa: D102
+        gu = gu.contiguous()
+        m, i = gu.shape[0], gu.shape[1] // 2
+        out = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
+        block = min(1024, triton.next_power_of_2(i))
+        if m:
+            _swiglu_fwd_kernel[(m, triton.cdiv(i, block))](gu, out, WIDTH=i, BLOCK=block)
+        ctx.save_for_backward(gu)
+        return out
+
+    @staticmethod
+    def backward(ctx, da):  # noqa: D102
+        (gu,) = ctx.saved_tensors
+        m, i = gu.shape[0], gu.shape[1] // 2
+        dgu = torch.empty_like(gu)
+        block = min(1024, triton.next_power_of_2(i))
+        if m:
+            _swiglu_bwd_kernel[(m, triton.cdiv(i, block))](da.contiguous(), gu, dgu, WIDTH=i, BLOCK=block)
+        return dgu
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x @ [gate; up]^T rows [M, 2I] -> [M, I] (Shazeer 2020, Eq. 5): one Triton kernel
+    forward and backward on CUDA (float32 math, one rounding), tensor ops elsewhere.
+
+    Checked against the tensor ops in Triton's interpreter and by bench/gpu_checks.py; ``fused_experts``
+    switches to it once that check has passed on a GPU."""
+    if _use_triton(gate_up):
+        return _SwiGLU.apply(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate) * up).contiguous()
+
+
 def _kernel_meta(h: int, k: int) -> dict:
     kp = triton.next_power_of_2(k)
     return dict(K=k, KP=kp, BLOCK_H=min(triton.next_power_of_2(h), max(64, 4096 // kp)))
@@ -148,7 +239,9 @@ def _use_triton(t: torch.Tensor) -> bool:
     return triton is not None and t.is_cuda and _STATE["enabled"]
 
 
-def gather_sum_rows(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor | None, k: int) -> torch.Tensor:
+def gather_sum_rows(
+    y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor | None, k: int
+) -> torch.Tensor:
     """out[n] = sum_j w[n, j] * y[inverse[n * k + j]] (w = 1 when ``weights`` is None), float32 accumulation.
 
     Args:
@@ -162,8 +255,9 @@ def gather_sum_rows(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tenso
         out = torch.empty(n, h, dtype=y.dtype, device=y.device)
         if n:
             w = weights.contiguous() if weights is not None else inverse  # dummy pointer when HAS_W=False
-            _combine_fwd_kernel[(n,)](y.contiguous(), inverse, w, out, h, HAS_W=weights is not None,
-                                      **_kernel_meta(h, k))
+            _combine_fwd_kernel[(n,)](
+                y.contiguous(), inverse, w, out, h, HAS_W=weights is not None, **_kernel_meta(h, k)
+            )
         return out
     rows = y.index_select(0, inverse).view(n, k, h).float()
     if weights is not None:
@@ -204,8 +298,9 @@ class _WeightedCombine(torch.autograd.Function):
         grad_y = torch.empty_like(y)
         grad_w = torch.empty(n, ctx.k, dtype=torch.float32, device=y.device)
         if n:
-            _combine_bwd_kernel[(n,)](grad.contiguous(), y, inverse, weights, grad_y, grad_w, h,
-                                      **_kernel_meta(h, ctx.k))
+            _combine_bwd_kernel[(n,)](
+                grad.contiguous(), y, inverse, weights, grad_y, grad_w, h, **_kernel_meta(h, ctx.k)
+            )
         return grad_y, None, grad_w, None
 
 
@@ -221,8 +316,13 @@ def weighted_combine(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tens
     return (rows * weights.float().unsqueeze(-1)).sum(1).to(y.dtype)
 
 
-def fused_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor) -> torch.Tensor:
+def fused_experts(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
     """Routed SwiGLU experts with no host sync: the function of ``moerl.models.moe.Experts.forward``.
 
     Args:
@@ -238,6 +338,7 @@ def fused_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     token = torch.div(order, k, rounding_mode="floor")
     x_sorted = _PermuteRows.apply(x, token, inverse, k)
     gate_up_out = torch._grouped_mm(x_sorted, gate_up.transpose(-2, -1), offs=offsets)
+    # ``swiglu`` (one Triton kernel each way) is not used here yet: it has not run on a GPU (bench/NOTES.md).
     gate, up = gate_up_out.chunk(2, dim=-1)
     y = torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(-2, -1), offs=offsets)
     return weighted_combine(y, inverse, topk_weights, k)

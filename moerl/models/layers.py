@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.models.config import MoeConfig, RopeScaling
+from moerl.models.layer_kernels import fused_rmsnorm, fused_rmsnorm_supported
 
 
 class KVCache(Protocol):
@@ -36,6 +37,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_rmsnorm_supported(x, self.weight):  # one Triton kernel on CUDA (moerl.models.layer_kernels)
+            return fused_rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

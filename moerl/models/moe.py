@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.models.config import MoeConfig
+from moerl.models.kernels import fused_experts, fused_experts_supported
 from moerl.models.layers import DenseMLP
 
 
@@ -199,6 +200,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], topk_idx [N, k] int64, topk_weights [N, k] float32 -> sum_j w_j expert_{idx_j}(x) [N, H]."""
+        if fused_experts_supported(x, self.gate_up_proj, self.down_proj):  # CUDA bf16: no host sync
+            return fused_experts(x, topk_idx, topk_weights, self.gate_up_proj, self.down_proj)
         n, k = topk_idx.shape
         flat = topk_idx.reshape(-1)
         order = flat.argsort(stable=True)  # (M,) expert-sorted copy -> flat slot

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from moerl.config import RolloutConfig
+from moerl.rollout.cuda_graphs import GraphRunner
 from moerl.rollout.kv_cache import KVLayout, SlotKVCache, kv_layout
 from moerl.rollout.params import FINISH_ERROR, Completion, InvalidRequestError, Request, validate_request
 from moerl.rollout.sampler import SamplingRows, sample_key, sample_no_sync
@@ -66,6 +67,9 @@ class Engine:
         seed: seeds the draw of a noise seed for requests whose ``params.seed`` is None.
         version: initial policy version.
         kv_layout_override: the KV geometry, when it cannot be derived from ``model.config``.
+        cuda_graphs: on CUDA, replay decode steps from CUDA graphs captured once per (B, R, sampling
+            flags) key (``moerl.rollout.cuda_graphs``; with ``batch_buckets`` few keys recur); False runs
+            every step eagerly. Steps that return routed experts always run eagerly.
 
     Raises:
         ValueError: sizes that leave no cache slot of two tokens; a non-positive sync/prefill/length setting.
@@ -86,6 +90,7 @@ class Engine:
         seed: int = 0,
         version: int = 0,
         kv_layout_override: KVLayout | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         cfg = model.config
         slot_len = min(max_seq_len or kv_token_budget // max(max_slots, 1), cfg.max_position_embeddings)
@@ -123,6 +128,8 @@ class Engine:
         self._pending: list[_Pending] = []
         self._steps_since_sync = 0
         self._init_slot_state(num_slots)
+        # Decode steps replayed from CUDA graphs, one per (B, R, sampling flags) key (cuda_graphs.py).
+        self._graphs = GraphRunner(self.device) if cuda_graphs and self.device.type == "cuda" else None
 
     @classmethod
     def from_config(
@@ -361,17 +368,28 @@ class Engine:
         m = self.attn_len_multiple
         read_len = min(self.max_seq_len, -(-max(s.seq_len for s in seqs) // m) * m)
         want_routed = any(s.request.params.return_routed_experts for s in seqs)
-        tokens, logprobs = self._decode_step_no_sync(b, read_len, self._rows(slice(0, b), seqs), want_routed)
+        rows = self._rows(slice(0, b), seqs)
+        if self._graphs is not None and not want_routed:
+            key = (b, read_len, rows.all_greedy, rows.any_truncation)
+            tokens, logprobs = self._graphs.run(
+                key, lambda: self._decode_forward_no_sync(b, read_len, rows, False)
+            )
+        else:
+            tokens, logprobs = self._decode_forward_no_sync(b, read_len, rows, want_routed)
+        # Advanced outside the graph: a capture's warm-up run executes the step once more.
+        self._last_token[:b] = tokens
+        self._seq_len[:b] += self._active[:b]
         self._record(seqs, tokens[:a], logprobs[:a])
 
-    def _decode_step_no_sync(
+    def _decode_forward_no_sync(
         self, b: int, read_len: int, rows: SamplingRows, want_routed: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of slots 0..b-1: feed each slot's last token, sample the next one.
+        """One decode forward of slots 0..b-1: feed each slot's last token, sample the next one.
 
-        Reads and writes only the engine's preallocated device state (last tokens, lengths, KV cache,
-        sampling parameters), its Python path depends only on (b, read_len, the rows' flags, want_routed),
-        and it never waits for the device: the unit a CUDA graph captures per key.
+        Reads the engine's preallocated device state (last tokens, lengths, KV cache, sampling
+        parameters) and writes only the KV cache (the same keys/values at the same positions if run
+        twice); its Python path depends only on (b, read_len, the rows' flags, want_routed), and it never
+        waits for the device: the unit a CUDA graph captures per key (the caller advances the state).
 
         Returns:
             tokens [b] int64, logprobs [b] float32.
@@ -391,10 +409,7 @@ class Engine:
             routed = out.routed_experts  # [B, 1, Lm, K]
             buf = self.cache.ensure_routed(routed.shape[2], routed.shape[3])
             buf[torch.arange(b, device=self.device), pos] = routed[:, 0].to(torch.int32)
-        tokens, logprobs = sample_no_sync(out.logits[:, -1], rows, seq_len)
-        self._last_token[:b] = tokens
-        self._seq_len[:b] += self._active[:b]
-        return tokens, logprobs
+        return sample_no_sync(out.logits[:, -1], rows, seq_len)
 
     def _bucket(self, a: int) -> int:
         if self.batch_buckets is None:

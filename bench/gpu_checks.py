@@ -1,0 +1,159 @@
+"""Correctness of the CUDA fast paths at small sizes, on fresh random inputs (CI has no GPU, so this is the
+GPU half of tests/unit/test_bench_fastpaths.py; bench/gpu_suite.sh runs it first).
+
+    python bench/gpu_checks.py --device cuda
+
+Each check compares a fast path with the eager reference and with a float32 (or float64) reference by
+||out - ref|| / ||ref|| (METHOD.md); outputs are poisoned with NaN first where the kernel writes into a
+buffer. Prints one line per check and exits non-zero when any fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import rel_err  # noqa: E402
+from moerl.models import kernels, layer_kernels  # noqa: E402
+from moerl.models.config import RopeScaling  # noqa: E402
+from moerl.models.layers import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
+from moerl.models.moe import Experts  # noqa: E402
+from moerl.rollout.cuda_graphs import GraphRunner  # noqa: E402
+
+FAILED: list[str] = []
+
+
+def check(name: str, err: float, tol: float) -> None:
+    ok = err < tol
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: {err:.2e} (tol {tol:.0e})")
+    if not ok:
+        FAILED.append(name)
+
+
+def check_rmsnorm(device: torch.device) -> None:
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3)):
+        for d, rows in ((2048, 300), (128, 4099)):
+            norm = RMSNorm(d, 1e-6).to(device, dtype)
+            with torch.no_grad():
+                norm.weight.copy_(1 + 0.3 * torch.randn(d, device=device))
+            x = (3 * torch.randn(rows, d, device=device)).to(dtype).requires_grad_(True)
+            dy = torch.randn(rows, d, device=device, dtype=dtype)
+            with kernels.fast_paths(False):
+                ref = norm(x)
+            gx_ref, gw_ref = torch.autograd.grad(ref, [x, norm.weight], dy)
+            out = layer_kernels.fused_rmsnorm(x, norm.weight, 1e-6)
+            gx, gw = torch.autograd.grad(out, [x, norm.weight], dy)
+            tag = f"rmsnorm {dtype} D={d}"
+            check(f"{tag} out", rel_err(out, ref), tol)
+            check(f"{tag} grad_x", rel_err(gx, gx_ref), tol)
+            check(f"{tag} grad_w", rel_err(gw, gw_ref), tol)
+
+
+def check_rotary(device: torch.device) -> None:
+    rot = RotaryEmbedding(128, 10000.0, RopeScaling()).to(device)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3)):
+        for b, t in ((3, 257), (256, 1)):  # prefill/training and decode shapes
+            pos = torch.randint(0, 4000, (b, t), device=device)
+            cos, sin = rot(pos, dtype)
+            x = torch.randn(b, t, 16, 128, device=device).to(dtype).transpose(1, 2).requires_grad_(True)
+            x64 = x.detach().double().requires_grad_(True)
+            ref = apply_rotary(x64, cos.double(), sin.double())
+            g = torch.randn(ref.shape, device=device, dtype=torch.float64)
+            (d_ref,) = torch.autograd.grad(ref, x64, g)
+            check(
+                "rotary supported",
+                0.0 if layer_kernels.fused_rotary_supported(x, cos, sin, False) else 1.0,
+                0.5,
+            )
+            out = layer_kernels.fused_rotary(x, cos, sin)
+            (d,) = torch.autograd.grad(out, x, g.to(dtype))
+            check(f"rotary {dtype} B={b} T={t} out vs float64", rel_err(out, ref), tol)
+            check(f"rotary {dtype} B={b} T={t} grad vs float64", rel_err(d, d_ref), tol)
+
+
+def check_swiglu(device: torch.device) -> None:
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3)):
+        gu = torch.randn(3000, 2 * 1000, device=device).to(dtype).requires_grad_(True)
+        g, u = gu.double().chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(g) * u
+        da = torch.randn(ref.shape, device=device, dtype=torch.float64)
+        (d_ref,) = torch.autograd.grad(ref, gu, da)
+        out = kernels.swiglu(gu)
+        (d,) = torch.autograd.grad(out, gu, da.to(dtype))
+        check(f"swiglu {dtype} out vs float64", rel_err(out, ref), tol)
+        check(f"swiglu {dtype} grad vs float64", rel_err(d, d_ref), tol)
+
+
+def check_experts(device: torch.device) -> None:
+    n, h, i, e, k = 1000, 256, 128, 16, 4
+    ex = Experts(e, h, i).to(device, torch.bfloat16)
+    with torch.no_grad():
+        ex.gate_up_proj.normal_(0, 0.05)
+        ex.down_proj.normal_(0, 0.05)
+    x = torch.randn(n, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w, idx = torch.randn(n, e, device=device).softmax(-1).topk(k, dim=-1)
+    w = w.clone().requires_grad_(True)
+    ex32 = Experts(e, h, i).to(device, torch.float64)
+    with torch.no_grad():
+        ex32.gate_up_proj.copy_(ex.gate_up_proj)
+        ex32.down_proj.copy_(ex.down_proj)
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    ref = ex32(x64, idx, w64)
+    dy = torch.randn_like(ref)
+    g_ref = torch.autograd.grad(ref, [x64, w64, ex32.gate_up_proj, ex32.down_proj], dy)
+    out = kernels.fused_experts(x, idx, w, ex.gate_up_proj, ex.down_proj)
+    g = torch.autograd.grad(out, [x, w, ex.gate_up_proj, ex.down_proj], dy.to(torch.bfloat16))
+    check("fused_experts out vs float64", rel_err(out, ref), 1e-2)
+    for name, a, b in zip(("x", "w", "gate_up", "down"), g, g_ref, strict=True):
+        check(f"fused_experts grad_{name} vs float64", rel_err(a, b), 1e-2)
+    with kernels.fast_paths(False):
+        eager = ex(x, idx, w)
+    check("fused_experts vs eager Experts (bf16)", rel_err(out, eager), 1e-2)
+    order, inverse, offsets = kernels.expert_order_no_sync(idx, e)
+    counts = torch.bincount(idx.reshape(-1), minlength=e)
+    check("expert offsets == cumsum(bincount)", float((offsets.long() - counts.cumsum(0)).abs().sum()), 0.5)
+    check(
+        "inverse o order == identity",
+        float((inverse[order] - torch.arange(n * k, device=device)).abs().sum()),
+        0.5,
+    )
+
+
+def check_graph_runner(device: torch.device) -> None:
+    a = torch.randn(64, device=device)
+    runner = GraphRunner(device)
+
+    def fn():
+        return (a * 2 + 1,)
+
+    first = runner.run("k", fn)[0]
+    a.copy_(torch.randn(64, device=device))
+    second = runner.run("k", fn)[0]
+    check("graph replay sees new inputs", rel_err(second, a * 2 + 1), 1e-6)
+    check("graph outputs are copies", rel_err(first, second) if runner.num_graphs else 1.0, float("inf"))
+    check("one graph captured, two replays", abs(runner.num_graphs - 1) + abs(runner.num_replays - 2), 0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out-dir", default=None, help="unused (uniform bench arguments)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    check_rmsnorm(device)
+    check_swiglu(device)
+    check_rotary(device)
+    check_experts(device)
+    check_graph_runner(device)
+    print(f"gpu_checks: {len(FAILED)} failed {FAILED}")
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The one script a device call runs: environment facts, every one-GPU benchmark, then the summary table.
+#
+#   bench/gpu_suite.sh quick   # first call: reference widths, 4 layers for rollout/training, short HF generate
+#   bench/gpu_suite.sh full    # the issue's reference figures (16 layers, B=256, 128+128 tokens)
+#   bench/gpu_suite.sh short   # full-size rollout and moerl training only (when little device time is left)
+#
+# Each benchmark runs in its own process (a failure or an out-of-memory error stays there) under a
+# timeout; JSON results and suite.log go to $OUT (default bench/results). The summary is printed last.
+set -u -o pipefail
+MODE=${1:-full}
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+LOG="$OUT/suite.log"
+{
+  echo "== env $(date -u +%FT%TZ) mode=$MODE"
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.limit,driver_version \
+    --format=csv
+  python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, \
+torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$LOG"
+
+bench() {  # bench SECONDS SCRIPT ARGS...
+  local limit=$1
+  shift
+  echo "== $* ($(date -u +%T))" | tee -a "$LOG"
+  timeout "$limit" python3 "$@" --device cuda --out-dir "$OUT" 2>&1 | tee -a "$LOG"
+  echo "rc=$? ($(date -u +%T))" | tee -a "$LOG"
+}
+
+bench 120 bench/gpu_checks.py
+if [ "$MODE" = short ]; then
+  bench 150 bench/rollout_gpu.py --spec reference --batch 256 --prompt-len 128 --new-tokens 128 --runs 2
+  bench 100 bench/train_step.py --spec reference --batches 16,24 --seq-len 1024 --steps 2 --no-baseline \
+    --what-if-fused-adamw
+  bench 60 bench/moe_layer.py --spec reference --tokens 16384
+elif [ "$MODE" = quick ]; then
+  bench 120 bench/moe_layer.py --spec reference --tokens 16384
+  bench 180 bench/rollout_gpu.py --spec reference4 --batch 256 --prompt-len 128 --new-tokens 128 --runs 2 \
+    --hf-new-tokens 16 --profile-steps 8
+  bench 150 bench/train_step.py --spec reference4 --batches 8,16 --seq-len 1024 --steps 2 --profile
+  bench 60 bench/ep_smoke.py
+else
+  bench 120 bench/moe_layer.py --spec reference --tokens 16384
+  bench 240 bench/rollout_gpu.py --spec reference --batch 256 --prompt-len 128 --new-tokens 128 --runs 3 \
+    --profile-steps 4
+  bench 180 bench/train_step.py --spec reference --batches 8,16,24 --seq-len 1024 --steps 3 --profile \
+    --what-if-fused-adamw
+  bench 40 bench/ep_smoke.py
+fi
+python3 bench/summarize.py "$OUT" 2>&1 | tee -a "$LOG"
