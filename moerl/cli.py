@@ -34,7 +34,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.ray_address:
             cfg.runtime.ray_address = args.ray_address
         summary = train(cfg)
-    return 0 if summary is not None else 1
+    if summary is None or summary.get("status") != "completed":
+        reason = (summary or {}).get("stop_reason") or "no summary"
+        print(f"moerl: run did not complete: {reason}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:

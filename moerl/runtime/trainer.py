@@ -251,12 +251,19 @@ class Trainer:
         self.algorithm = algorithm
         self.temperature = temperature if temperature > 0 else 1.0
         self.norm_length = norm_length
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # fused=True on CUDA: one kernel per step instead of the foreach chain (bench/NOTES.md, section 4).
+        is_cuda = next(model.parameters()).device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=is_cuda or None
+        )
         warmup = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
         self.step = 0
+        self.version_offset = 0
+        """Policy version minus step; raised when a restarted trainer resumes an older checkpoint
+        (``moerl.runtime.recovery``), so that versions never go backwards."""
         self.nan_streak = 0
         self.num_skipped = 0
         self.device = next(model.parameters()).device
@@ -264,8 +271,8 @@ class Trainer:
 
     @property
     def version(self) -> int:
-        """Policy version of the current weights (= trainer steps taken)."""
-        return self.step
+        """Policy version of the current weights: trainer steps taken + ``version_offset``."""
+        return self.step + self.version_offset
 
     def build_batch(self, groups: Sequence[Group], pad_id: int) -> TrainBatch:
         """``build_train_batch`` with this trainer's advantage estimator."""
@@ -390,7 +397,12 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "trainer": {"step": self.step, "nan_streak": self.nan_streak, "num_skipped": self.num_skipped},
+            "trainer": {
+                "step": self.step,
+                "nan_streak": self.nan_streak,
+                "num_skipped": self.num_skipped,
+                "version_offset": self.version_offset,
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -404,6 +416,7 @@ class Trainer:
             counters["nan_streak"],
             counters["num_skipped"],
         )
+        self.version_offset = counters.get("version_offset", 0)
 
     def checkpoint(self, run_dir: str | Path, extra: dict, *, keep: int = 2) -> Path:
         """Save the full run state after this step: trainer parts, RNG streams and ``extra`` parts
