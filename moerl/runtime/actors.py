@@ -14,8 +14,9 @@ Resources declared per actor (a cluster maps them onto node groups):
   while the trainer's ``get`` must still run; both classes are thread-safe.
 - ``RolloutWorkerActor``: ``num_cpus=1``, ``num_gpus=1`` when ``model.device`` is CUDA, plus the
   custom resource ``rollout`` (0.001) when the cluster defines it (``ray start --resources
-  '{"rollout": 8}'`` on rollout nodes). Two threads: the generation loop and control calls
-  (``pause``/``stop``/``offer_weights``). ``torch.set_num_threads(1)`` unless ``MOERL_ACTOR_THREADS``
+  '{"rollout": 8}'`` on rollout nodes). Three threads: the generation loop and control calls
+  (``pause``/``stop``/``offer_weights``/``health``). Workers are started, watched, replaced and
+  drained by a ``FleetManager`` (``moerl.runtime.fleet``, see ``FLEET.md``). ``torch.set_num_threads(1)`` unless ``MOERL_ACTOR_THREADS``
   says otherwise, so N workers and the trainer share a small machine without oversubscription.
 - The trainer runs in the driver (custom resource ``train`` is not needed).
 
@@ -26,6 +27,7 @@ Methods that return object refs are prefixed ``async_``.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -34,6 +36,11 @@ import torch
 
 from moerl.config import RunConfig
 from moerl.runtime.buffer import BufferClosed
+from moerl.runtime.chaos import ChaosMonkey
+from moerl.runtime.drain import Drainer
+from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager, WorkerExit, WorkerHealth
+from moerl.runtime.fleet_ray import RayWorkerBackend
+from moerl.runtime.notice import notice_file_for, watcher_from_config
 from moerl.runtime.types import Group
 
 
@@ -181,6 +188,8 @@ class RolloutWorkerActorImpl:
         )
         self.worker.pause_point = self._pause_point
         self.worker.sync_weights()  # the newest published version before the first lease
+        self.watcher = watcher_from_config(cfg.fleet, worker_id).start()  # termination notices
+        self.drainer = Drainer(cfg.fleet.drain_grace_s, keep_partial=cfg.fleet.keep_partial)
 
     def _pause_point(self) -> None:
         while self._pause.is_set() and not self._stop.is_set():
@@ -188,20 +197,41 @@ class RolloutWorkerActorImpl:
             time.sleep(0.01)
         self._paused.clear()
 
-    def run(self) -> int:
-        """Generate until ``stop``; returns groups delivered. Unfinished leases go back to the queue."""
-        delivered = 0
+    def run(self) -> WorkerExit:
+        """Generate until ``stop``, or until a termination notice and then drain (``moerl.runtime.drain``).
+        Unfinished leases go back to the queue."""
+        reason, report = "stopped", None
         try:
-            while not self._stop.is_set():
-                delivered += len(self.worker.step())
+            while not self._stop.is_set() and not self.watcher.is_set():
+                self.worker.step()
                 if not self.worker.num_in_flight:
                     time.sleep(0.01)
+            if self.watcher.is_set() and not self._stop.is_set():
+                reason, report = "drained", self.drainer.drain(self.worker, self.watcher.notice)
         except BufferClosed:
             pass
         finally:
             self._paused.set()
             self.worker.release_all()
-        return delivered
+            self.watcher.stop(resend_sigterm_after_s=1.0)  # a SIGTERM notice: exit once the result is out
+        return WorkerExit(self.worker.worker_id, reason, drain=report, final=self.health())
+
+    def health(self) -> WorkerHealth:
+        """Liveness answer: delivered and in-flight tokens, weights version, pid (served beside ``run``)."""
+        groups = self.worker.in_flight()
+        return WorkerHealth(
+            tokens_delivered=self.worker.stats.tokens_generated,
+            tokens_in_flight=sum(g.num_tokens for g in groups),
+            groups_in_flight=len(groups),
+            policy_version=self.worker.version,
+            is_draining=self.watcher.is_set(),
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+        )
+
+    def notify(self) -> None:
+        """A termination notice by actor call (when no notice file is configured)."""
+        self.watcher.notify()
 
     def pause(self, timeout_s: float = 30.0) -> bool:
         """Hold the loop at its next pause point (no group half-delivered); True once it is there."""
@@ -274,21 +304,34 @@ class RayFleet:
         worker_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_concurrency=3, resources=_labels("rollout"))(
             RolloutWorkerActorImpl
         )
-        self.workers = [
-            worker_cls.remote(cfg, f"rollout-{i}", init_path, store_url, self.queue, self.buffer)
-            for i in range(cfg.rollout.num_workers)
-        ]
-        self.runs = [w.run.remote() for w in self.workers]
+        self.cfg = cfg
+        self.backend = RayWorkerBackend(
+            lambda wid: worker_cls.remote(cfg, wid, init_path, store_url, self.queue, self.buffer),
+            notice_path=lambda wid: notice_file_for(cfg.fleet, wid, None),
+        )
+        self.manager = FleetManager.from_config(cfg.fleet, cfg.rollout.num_workers, self.backend)
+        self.chaos = ChaosMonkey(cfg.chaos)
+        self.manager.start()
         self._last_batch = time.perf_counter()
+        self._next_check = 0.0
 
-    def _check_workers(self) -> None:
-        import ray
+    def check_fleet(self, *, force: bool = False) -> None:
+        """Every ``fleet.check_every_s``: liveness and replacements (``FleetManager.check``), chaos faults.
 
-        done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
-        for ref in done:
-            ray.get(ref)  # re-raises the worker's error
-        if done:
-            raise RuntimeError(f"{len(done)} rollout worker(s) exited early")
+        Raises:
+            RuntimeError: a worker's loop raised (its error), or no rollout worker is left.
+        """
+        now = time.monotonic()
+        if not force and now < self._next_check:
+            return
+        self._next_check = now + self.cfg.fleet.check_every_s
+        for e in self.manager.check():
+            if e.reason == "crashed":  # expire its leases now instead of after lease_ttl_s
+                self.queue.call.remote("heartbeat", e.worker_id, EXPIRE_NOW_TTL_S)
+        if self.chaos.is_enabled:
+            self.chaos.apply(self.chaos.due(self.manager.busy_ids()), self.backend)
+        if not self.manager.active_ids():
+            raise RuntimeError("no rollout worker is left (fleet.min_workers=0 and every worker is gone)")
 
     def next_groups(self, n: int) -> tuple[list[Group], float, float]:
         """Take ``n`` groups from the buffer, waiting while the fleet fills it.
@@ -300,11 +343,12 @@ class RayFleet:
 
         start = time.perf_counter()
         while True:
+            self.check_fleet()
             try:
-                groups = ray.get(self.buffer.get.remote(n, timeout=1.0))
+                groups = ray.get(self.buffer.get.remote(n, timeout=self.cfg.fleet.check_every_s))
                 break
             except TimeoutError:  # Ray re-raises the actor's TimeoutError as a subclass of it
-                self._check_workers()
+                pass
         now = time.perf_counter()
         gen_s, self._last_batch = now - self._last_batch, now
         return groups, gen_s, now - start
@@ -315,8 +359,43 @@ class RayFleet:
 
         ray.get(self.buffer.set_version.remote(version))
         ref = ray.put({k: v.detach().cpu().clone() for k, v in tensors.items()})
-        for w in self.workers:
+        for w in self.backend.alive_handles():
             w.offer_weights.remote(version, [ref])
+
+    def requeue(self, task) -> None:
+        """Hand a trained task back to the queue (its training was lost with a trainer restart)."""
+        __import__("ray").get(self.queue.call.remote("requeue", task))
+
+    def fleet_values(self, batch_groups: int) -> dict:
+        """The step's ``fleet/*`` metrics, with the scaling hint from queue and buffer depth."""
+        pending, depth = self.queue_stats().pending, self.buffer_metrics().depth
+        self.manager.scaling_hint(queue_pending=pending, buffer_depth=depth, batch_groups=batch_groups)
+        return self.manager.metrics().as_metrics()
+
+    def fleet_summary(self) -> dict:
+        """Fleet figures for ``summary.json``."""
+        m, q = self.manager.metrics(), self.queue_stats()
+        return {
+            "interruptions": m.interruptions,
+            "drained": m.drained,
+            "killed": m.killed,
+            "spawned": m.spawned,
+            "replaced": m.replaced,
+            "time_to_replace_s": m.time_to_replace_s,
+            "replace_times_s": m.replace_times_s,
+            "lost_work_frac": m.lost_work_frac,
+            "tokens_generated": m.tokens_generated,
+            "tokens_discarded": m.tokens_discarded,
+            "tasks_released": q.released,
+            "tasks_expired": q.expired,
+            "tasks_requeued_stale": q.requeued_stale,
+            "chaos": self.chaos.counts(),
+        }
+
+    def scale_to(self, num_workers: int) -> int:
+        """Resize the fleet within [fleet.min_workers, fleet.max_workers] (an external autoscaler's
+        call): newcomers load the newest weights before leasing, surplus workers drain. Returns the target."""
+        return self.manager.scale_to(num_workers)
 
     def queue_stats(self):
         return __import__("ray").get(self.queue.call.remote("stats"))
@@ -326,20 +405,21 @@ class RayFleet:
 
     def async_worker_stats(self) -> list:
         """Object refs of each worker's ``WorkerStats``."""
-        return [w.stats.remote() for w in self.workers]
+        return [w.stats.remote() for w in self.backend.alive_handles()]
 
     def state_dict(self) -> dict:
         """Queue and buffer state, taken while every worker is paused (no delivery in progress)."""
         import ray
 
-        ray.get([w.pause.remote() for w in self.workers])
+        workers = self.backend.alive_handles()
+        _get_alive([w.pause.remote() for w in workers])
         try:
             return {
                 "queue": ray.get(self.queue.call.remote("state_dict")),
                 "buffer": ray.get(self.buffer.state_dict.remote()),
             }
         finally:
-            ray.get([w.unpause.remote() for w in self.workers])
+            _get_alive([w.unpause.remote() for w in workers])
 
     def final_state(self):
         """Stop the workers (their unfinished leases go back to the queue) and read the accounting."""
@@ -347,10 +427,8 @@ class RayFleet:
 
         from moerl.runtime.setup import FleetState
 
-        for w in self.workers:
-            w.stop.remote()
-        ray.get(self.runs)
-        stats = ray.get(self.async_worker_stats())
+        self.manager.finish(self.backend.stop_all())
+        stats = _get_alive(self.async_worker_stats())
         queue_state = ray.get(self.queue.call.remote("state_dict"))
         buffer_state = ray.get(self.buffer.state_dict.remote())
         return FleetState(
@@ -366,8 +444,20 @@ class RayFleet:
         import ray
 
         ray.get(self.buffer.close.remote())
-        for w in self.workers:
-            w.stop.remote()
-        ray.wait(self.runs, num_returns=len(self.runs), timeout=10)
-        for actor in [*self.workers, self.buffer]:
+        workers = self.backend.alive_handles()
+        self.backend.stop_all(timeout_s=10)
+        for actor in [*workers, self.buffer]:
             ray.kill(actor)
+
+
+def _get_alive(refs: list) -> list:
+    """``ray.get`` each ref, skipping those of actors that died meanwhile (a lost rollout worker)."""
+    import ray
+
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayActorError:
+            pass
+    return out

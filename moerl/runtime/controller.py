@@ -18,7 +18,9 @@ import numpy as np
 import torch
 
 from moerl.config import ConfigError, RunConfig, load_config
+from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
+from moerl.runtime.recovery import StepJournal, recover_trainer
 from moerl.runtime.run_dir import LedgerEntry, RunDir
 from moerl.runtime.setup import (
     Components,
@@ -98,7 +100,10 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
         if (latest := store.latest()) is None or latest.version < trainer.version:
             trainer.publish(store)  # pruned meanwhile: workers must start from the checkpoint's weights
         view.message(f"resumed at step {trainer.step} from {checkpoint}")
+    if cfg.runtime.mode == "async" and cfg.fleet.notice_file is None:  # where workers look for notices
+        cfg.fleet.notice_file = str(run.path / "notices" / "{worker_id}.json")
     fleet = comp.start_fleet(trainer.version, parts)
+    chaos, journal, restarts = ChaosMonkey(cfg.chaos), StepJournal(), 0
     if parts is not None:
         restore_rng_state(parts["rng"])
     metrics = MetricsWriter(run.metrics)
@@ -112,6 +117,15 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
             run.append_ledger(
                 [LedgerEntry(g.task_id, stats.step, g.min_policy_version, g.lease_token) for g in groups]
             )
+            journal.record(stats.step, [g.task for g in groups])
+            if chaos.should_kill_trainer(stats.step):  # dies before publishing; the fleet keeps generating
+                trainer, report = recover_trainer(cfg, comp, run, store, fleet, journal, stats.step)
+                restarts += 1
+                view.message(
+                    f"trainer killed after step {stats.step}: restarted from step {report.restored_step}, "
+                    f"{report.tasks_requeued} tasks requeued, weights published as v{report.version}"
+                )
+                continue
             t1 = time.perf_counter()
             if stats.step % cfg.trainer.publish_every == 0 or stats.step == cfg.trainer.steps:
                 trainer.publish(store)
@@ -125,6 +139,7 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
             values = step_values(
                 groups, stats, timings, fleet.queue_stats(), fleet.buffer_metrics(), accuracy=acc
             )
+            values.update(fleet.fleet_values(cfg.trainer.batch_groups), policy_version=trainer.version)
             state["samples"] += batch.num_sequences
             state["loop_s"] += time.perf_counter() - t0
             state["wall_s"] = wall0 + time.perf_counter() - start
@@ -135,6 +150,7 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
                 trainer.checkpoint(
                     run.path, {"controller": state, **fleet.state_dict()}, keep=cfg.runtime.keep_checkpoints
                 )
+                journal.commit(stats.step)
     except NonFiniteLossError as e:
         stop_reason = str(e)
         view.message(f"stopping: {e}")
@@ -143,9 +159,10 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
         view.close()
         raise
     fleet_state = fleet.final_state()
+    fleet_summary = {**fleet.fleet_summary(), "trainer_restarts": restarts}
     fleet.close()
     view.close()
-    summary = _summary(cfg, run, trainer, state, fleet_state, stop_reason)
+    summary = {**_summary(cfg, run, trainer, state, fleet_state, stop_reason), "fleet": fleet_summary}
     summary["process_wall_s"] = time.perf_counter() - process_start  # this process: warm start + evals + RL
     run.write_summary(summary)
     if run.metrics.exists():

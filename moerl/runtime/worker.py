@@ -27,6 +27,7 @@ import torch
 from moerl.config import RolloutConfig
 from moerl.rollout import Completion, Engine, InvalidRequestError, Request, SamplingParams
 from moerl.runtime.buffer import PutResult
+from moerl.runtime.drain import InFlightGroup, ResumePlan, group_progress
 from moerl.runtime.types import Group, Lease, Sample, Settlement
 from moerl.tasks.base import stable_hash
 
@@ -86,6 +87,8 @@ class _InFlight:
     lease: Lease
     started: float
     completions: list[Completion] = field(default_factory=list)
+    plan: ResumePlan | None = None  # continues the token prefixes a drained worker handed back
+    request_ids: tuple[str, ...] = ()  # engine requests of the group (one per sample when resumed)
 
 
 @dataclass(slots=True)
@@ -161,7 +164,8 @@ class RolloutWorker:
         self.pause_point = pause_point
         self.max_groups_in_flight = max(1, engine.num_slots // cfg.group_size)
         self.stats = WorkerStats()
-        self._in_flight: dict[str, _InFlight] = {}
+        self._in_flight: dict[str, _InFlight] = {}  # request id -> group (several ids for a resumed group)
+        self._delivering: list[_InFlight] = []
         self._is_leasing = True
         self._is_stopping = False
         self._last_heartbeat = time.monotonic()
@@ -198,21 +202,22 @@ class RolloutWorker:
 
     def _lease_more(self, budget: int | None) -> None:
         """Lease tasks for free slots (at most ``budget`` more if given) and start their requests."""
-        free = self.max_groups_in_flight - len(self._in_flight)
+        free = self.max_groups_in_flight - self.num_in_flight
         if budget is not None:
             free = min(free, budget)
         if not self._is_leasing or free <= 0:
             return
         for lease in self.queue.lease(self.worker_id, self.lease_ttl_s, free):
             request_id = f"{lease.task_id}#{lease.token}"
+            job, params = _InFlight(lease, time.perf_counter()), self._params(lease)
+            requests = [Request(request_id=request_id, prompt_ids=list(lease.task.prompt_ids), params=params)]
             try:
-                self.engine.add_request(
-                    Request(
-                        request_id=request_id,
-                        prompt_ids=list(lease.task.prompt_ids),
-                        params=self._params(lease),
-                    )
-                )
+                if lease.task.partial and not self.cfg.return_routed_experts:  # R3 needs all tokens' experts
+                    job.plan = ResumePlan(lease.task, params, request_id)  # continue the drained prefixes
+                    job.completions += job.plan.ready
+                    requests = job.plan.requests
+                for request in requests:
+                    self.engine.add_request(request)
             except InvalidRequestError as e:  # can never run here (e.g. prompt longer than a slot)
                 log.warning(
                     "worker %s: task %s cannot be generated, settled as filtered: %s",
@@ -223,7 +228,9 @@ class RolloutWorker:
                 self.queue.settle(lease.task_id, lease.token, Settlement.FILTERED)
                 self.stats.invalid_tasks += 1
                 continue
-            self._in_flight[request_id] = _InFlight(lease, time.perf_counter())
+            job.request_ids = tuple(r.request_id for r in requests) or (request_id,)
+            for rid in job.request_ids:
+                self._in_flight[rid] = job
 
     def _to_sample(self, lease: Lease, c: Completion) -> Sample:
         reward = self.task.reward(lease.task.prompt_text, self.decode(c.token_ids), lease.task.answer)
@@ -313,16 +320,53 @@ class RolloutWorker:
         self._lease_more(budget)
         if not self._in_flight:
             return []
-        finished = []
+        finished = [job for job in self._jobs() if len(job.completions) == job.lease.task.num_samples]
         for c in self.engine.step():
-            job = self._in_flight[c.request_id]
-            job.completions.append(c)
+            job = self._in_flight.get(c.request_id)
+            if job is None:  # its group was abandoned by a drain: the tokens are discarded
+                continue
+            job.completions.append(job.plan.complete(c) if job.plan is not None else c)
             if len(job.completions) == job.lease.task.num_samples:
-                del self._in_flight[c.request_id]
                 finished.append(job)
+        for job in finished:
+            for rid in job.request_ids:
+                del self._in_flight[rid]
+        self._delivering = finished  # generated, not yet in the buffer: lost if the worker dies now
         results = self._deliver(finished) if finished else []
+        self._delivering = []
         self.heartbeat()
         return results
+
+    def _jobs(self) -> list[_InFlight]:
+        """Groups in flight, each once (a resumed group has one request per unfinished sample)."""
+        return list({id(job): job for job in list(self._in_flight.values())}.values())
+
+    def in_flight(self) -> list[InFlightGroup]:
+        """Progress of each undelivered group (for a drain; safe from another thread: it copies lists)."""
+        running: dict[str, list] = {}
+        for seq in list(self.engine.scheduler.running):
+            running.setdefault(seq.request.request_id, []).append(seq)
+        out = [
+            group_progress(job.lease, list(job.completions), [], max_new_tokens=0) for job in self._delivering
+        ]
+        for job in self._jobs():
+            seqs = [seq for rid in job.request_ids for seq in running.get(rid, [])]
+            if job.plan is not None:
+                seqs = [job.plan.progress(seq) for seq in seqs]
+            out.append(
+                group_progress(job.lease, list(job.completions), seqs, max_new_tokens=self.cfg.max_new_tokens)
+            )
+        return out
+
+    def abandon(self, task_id: str, partial=()) -> bool:
+        """Release the group of ``task_id`` (with ``partial`` prefixes) and forget it (its engine requests run
+        on, their completions are ignored). False: the lease was no longer current."""
+        for job in self._jobs():
+            if job.lease.task_id == task_id:
+                for rid in job.request_ids:
+                    del self._in_flight[rid]
+                return bool(self.queue.release(job.lease, partial=partial))
+        return False
 
     def run(
         self,
@@ -340,7 +384,7 @@ class RolloutWorker:
         while num_groups is None or delivered < num_groups:
             if should_stop is not None and should_stop():
                 break
-            budget = None if num_groups is None else num_groups - delivered - len(self._in_flight)
+            budget = None if num_groups is None else num_groups - delivered - self.num_in_flight
             results = self.step(budget)
             delivered += len(results)
             if not self._in_flight and not results:
@@ -360,14 +404,14 @@ class RolloutWorker:
 
     def release_all(self) -> int:
         """Hand every unfinished lease back to the queue and abandon its work; returns how many."""
-        released = sum(bool(self.queue.release(job.lease)) for job in self._in_flight.values())
+        released = sum(bool(self.queue.release(job.lease)) for job in self._jobs())
         self._in_flight.clear()
         return released
 
     @property
     def num_in_flight(self) -> int:
         """Groups being generated."""
-        return len(self._in_flight)
+        return len(self._jobs())
 
 
 class LocalFleet:
@@ -410,6 +454,21 @@ class LocalFleet:
     def worker_stats(self) -> list[WorkerStats]:
         """Counters of every worker."""
         return [self.worker.stats]
+
+    def requeue(self, task) -> None:
+        """Hand a trained task back to the queue (its training was lost with a trainer restart)."""
+        self.queue.requeue(task)
+
+    def fleet_values(self, batch_groups: int) -> dict:
+        """The step's ``fleet/*`` metrics: one in-process worker, never interrupted."""
+        never = dict.fromkeys(
+            ("fleet/interruptions", "fleet/drained", "fleet/killed", "fleet/lost_work_frac"), 0
+        )
+        return {**never, "fleet/workers_alive": 1, "fleet/desired_workers": 1}
+
+    def fleet_summary(self) -> dict:
+        """Fleet figures for ``summary.json`` (nothing to report in-process)."""
+        return {}
 
     def state_dict(self) -> dict:
         """Queue and buffer state (the worker is idle between sync steps)."""

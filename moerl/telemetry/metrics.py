@@ -40,6 +40,13 @@ METRIC_KEYS: tuple[str, ...] = (
     "train/expert_load_cv",  # coefficient of variation of tokens per expert, mean over MoE layers
     "eval/accuracy",  # held-out exact-match accuracy (only on eval steps)
     "policy_version",  # trainer's weight version after the step
+    "fleet/workers_alive",  # rollout workers answering liveness pings (async mode)
+    "fleet/interruptions",  # workers that went away unasked: drained + killed (cumulative)
+    "fleet/drained",  # workers that exited cleanly after a termination notice (cumulative)
+    "fleet/killed",  # workers that died or stopped answering (cumulative)
+    "fleet/lost_work_frac",  # generated tokens discarded by interruptions / generated tokens
+    "fleet/time_to_replace_s",  # mean seconds from detecting a lost worker to its replacement answering
+    "fleet/desired_workers",  # scaling hint for an external autoscaler (moerl.runtime.fleet)
 )
 """The fixed metric names, in the order they are written."""
 
