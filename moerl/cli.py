@@ -11,10 +11,20 @@ DEFAULT_CONFIG = "configs/default.yaml"
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", default=None,
-                   help=f"YAML run config (default: {DEFAULT_CONFIG} if present, else built-in defaults)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set trainer.lr=1e-5 (repeatable)")
+    p.add_argument(
+        "--config",
+        "-c",
+        default=None,
+        help=f"YAML run config (default: {DEFAULT_CONFIG} if present, else built-in defaults)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set trainer.lr=1e-5 (repeatable)",
+    )
 
 
 def _config(args: argparse.Namespace):
@@ -62,12 +72,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="moerl", description="RL post-training (GRPO, PPO and variants) of Mixture-of-Experts LMs.")
+        prog="moerl", description="RL post-training (GRPO, PPO and variants) of Mixture-of-Experts LMs."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="run RL training (the main job)")
     _add_config_args(p)
-    p.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue a run from its last checkpoint")
+    p.add_argument(
+        "--resume", metavar="RUN_DIR", default=None, help="continue a run from its last checkpoint"
+    )
     p.add_argument("--ray-address", default=None, help="connect to an existing Ray cluster")
     p.set_defaults(func=_cmd_train)
 
@@ -88,10 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json or its folder (default: the model folder's)")
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json or its folder (default: the model folder's)"
+    )
     p.add_argument("--max-slots", type=int, default=64, help="concurrent sequences of the engine")
-    p.add_argument("--kv-token-budget", type=int, default=None,
-                   help="KV cache tokens over all slots (default: longest prompt + max-new-tokens per slot)")
+    p.add_argument(
+        "--kv-token-budget",
+        type=int,
+        default=None,
+        help="KV cache tokens over all slots (default: longest prompt + max-new-tokens per slot)",
+    )
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("report", help="plot a run's curves and print its summary")
@@ -107,6 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"moerl: config error: {e}", file=sys.stderr)
         return 2
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        # user mistakes (missing config, not a run folder, unwritable output): one line, no traceback
+        print(f"moerl: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        hint = "; continue with: moerl train --resume RUN_DIR" if args.command == "train" else ""
+        print(f"moerl: interrupted{hint}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -617,7 +617,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         text = Path(path).read_text()
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from e
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
     apply_overrides(data, overrides or [])

@@ -35,3 +35,16 @@ def test_yaml_roundtrip(tmp_path):
 def test_unknown_section_suggests():
     with pytest.raises(ConfigError, match="did you mean 'trainer'"):
         load_config(None, ["trainerr.lr=1"])
+
+
+def test_cli_user_mistakes_are_one_line_errors(tmp_path, capsys):
+    from moerl.cli import main
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("trainer:\n  steps: [1\n")
+    assert main(["train", "--config", str(broken)]) == 2
+    assert "broken.yaml:3:1: not valid YAML" in capsys.readouterr().err
+    assert main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "not a run folder" in capsys.readouterr().err
