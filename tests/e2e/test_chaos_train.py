@@ -127,9 +127,11 @@ def test_chaos_kills_and_notice_lose_nothing(local_ray, default_init, tmp_path):
         _config(
             tmp_path / "chaos",
             default_init,
-            "chaos.kill_rollout_every_s=1",
+            # short intervals: all three faults land within about a second of the workers' first
+            # generation, so an unloaded machine that trains the 16 steps quickly still sees them all
+            "chaos.kill_rollout_every_s=0.3",
             "chaos.max_kills=2",
-            "chaos.notice_rollout_every_s=1.5",
+            "chaos.notice_rollout_every_s=0.45",
             "chaos.max_notices=1",
             "chaos.seed=1",
         )
