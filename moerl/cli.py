@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="Hugging Face model folder")
     p.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field per line")
     p.add_argument("--out", required=True, help="output JSONL")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="default: 64, capped by the model's context"
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

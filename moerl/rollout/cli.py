@@ -9,6 +9,7 @@ for a prompt that cannot be served (too long for the context, empty), ``error``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -53,6 +54,7 @@ def _write_jsonl_atomic(path: str | Path, rows: list[dict]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.fchmod(fd, 0o644)  # mkstemp creates 0600; the output is shared like any other file
     with os.fdopen(fd, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
@@ -105,20 +107,28 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=args.max_new_tokens or 64,
         stop_token_ids=(tokenizer.eos_id,),
         n=args.n,
         seed=args.seed,
     )
     encoded = [tokenizer.encode(text) for _, text in prompts]
+    context = model.config.max_position_embeddings
+
+    def params_for(ids: list[int]) -> SamplingParams:
+        # no --max-new-tokens: up to 64 new tokens, fewer where the prompt leaves less context
+        if args.max_new_tokens is not None:
+            return params
+        return dataclasses.replace(params, max_new_tokens=max(1, min(64, context - len(ids))))
+
     max_slots = getattr(args, "max_slots", None) or 64
-    longest = max((len(ids) for ids in encoded), default=1) + args.max_new_tokens
+    longest = max((len(ids) + params_for(ids).max_new_tokens for ids in encoded), default=1)
     budget = getattr(args, "kv_token_budget", None) or max_slots * min(
         longest, model.config.max_position_embeddings
     )
     engine = Engine(model, max_slots=max_slots, kv_token_budget=budget, seed=args.seed)
     requests = [
-        Request(request_id=pid, prompt_ids=ids, params=params)
+        Request(request_id=pid, prompt_ids=ids, params=params_for(ids))
         for (pid, _), ids in zip(prompts, encoded, strict=True)
     ]
     completions = engine.generate(requests, on_error="return")

@@ -170,6 +170,7 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], *, ke
         shutil.rmtree(leftover, ignore_errors=True)
     final = root / f"step_{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f"step_{step}.tmp-", dir=root))
+    tmp.chmod(0o755)  # mkdtemp creates 0700; a checkpoint is read by other users and tools too
     try:
         for name, part in state.items():
             _write_part(tmp, name, part)

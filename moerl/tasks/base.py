@@ -75,6 +75,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.fchmod(fd, 0o644)  # mkstemp creates 0600; the result is shared like any other output
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
