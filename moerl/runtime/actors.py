@@ -126,8 +126,8 @@ class _QueueProxy:
     def heartbeat(self, target, ttl_s=None):
         return _remote_call(self.handle, "call", "heartbeat", target, ttl_s)
 
-    def release(self, lease):
-        return _remote_call(self.handle, "call", "release", lease)
+    def release(self, lease, *, partial=()):
+        return _remote_call(self.handle, "call", "release", lease, partial=partial)
 
     def settle(self, task_id, token, outcome):
         return _remote_call(self.handle, "call", "settle", task_id, token, outcome)
