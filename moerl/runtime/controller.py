@@ -85,7 +85,7 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
         cfg.trainer,
         cfg.algorithm,
         temperature=cfg.rollout.temperature,
-        norm_length=cfg.rollout.max_new_tokens,
+        norm_length=cfg.algorithm.norm_length or cfg.rollout.max_new_tokens,
     )
     if parts is None:
         trainer.publish(store)  # version 0: what the workers start from

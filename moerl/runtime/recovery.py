@@ -147,7 +147,7 @@ def recover_trainer(
         cfg.trainer,
         cfg.algorithm,
         temperature=cfg.rollout.temperature,
-        norm_length=cfg.rollout.max_new_tokens,
+        norm_length=cfg.algorithm.norm_length or cfg.rollout.max_new_tokens,
     )
 
     def load() -> int:

@@ -71,14 +71,8 @@ def load_policy(cfg: RunConfig, init_path: str | None, vocab_size: int) -> torch
 
 
 def make_engine(model: torch.nn.Module, cfg: RunConfig, *, version: int = 0) -> Engine:
-    """A rollout engine sized by ``cfg.rollout`` (slots and KV budget), seeded by ``cfg.seed``."""
-    return Engine(
-        model,
-        max_slots=cfg.rollout.max_slots,
-        kv_token_budget=cfg.rollout.kv_token_budget,
-        seed=cfg.seed,
-        version=version,
-    )
+    """A rollout engine sized by ``cfg.rollout`` (slots, KV budget, prefill cap, sync period), seeded by ``cfg.seed``."""
+    return Engine.from_config(model, cfg.rollout, seed=cfg.seed, version=version)
 
 
 def make_queue(cfg: RunConfig, task, tokenizer) -> TaskQueue:
