@@ -10,46 +10,20 @@ one field, its value parsed as YAML. Unknown keys are an error that suggests the
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config value or key is invalid; the message names the field and what is allowed."""
-
-
-def check_range(name: str, value: float, lo: float | None = None, hi: float | None = None, *,
-                lo_open: bool = False, hi_open: bool = False) -> None:
-    """Raise ``ConfigError`` unless ``lo <= value <= hi`` (or strict where ``*_open``).
-
-    Args:
-        name: dotted field name used in the message, e.g. ``"trainer.lr"``.
-        value: the value to check.
-        lo, hi: bounds; ``None`` means unbounded on that side.
-    """
-    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (
-        hi is not None and (value >= hi if hi_open else value > hi)
-    )
-    if bad:
-        left = "(" if lo_open else "["
-        right = ")" if hi_open else "]"
-        rng = f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
-        raise ConfigError(f"{name}={value!r} is out of range; allowed: {rng}")
-
-
-def check_choice(name: str, value: Any, choices: typing.Iterable[Any]) -> None:
-    """Raise ``ConfigError`` unless ``value`` is one of ``choices``."""
-    choices = list(choices)
-    if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not allowed; choose one of {choices}")
-
+from moerl.configlib import (  # noqa: F401 - re-exported: the config API lives here
+    ConfigError,
+    apply_overrides,
+    check_choice,
+    check_range,
+    from_dict,
+    to_dict,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Components
@@ -90,14 +64,28 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_choice("model.dtype", self.dtype, ["float32", "bfloat16"])
-        check_choice("model.family", self.family,
-                     ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe"])
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "num_experts", "top_k", "moe_intermediate_size", "max_position_embeddings"):
+        check_choice(
+            "model.family",
+            self.family,
+            ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe"],
+        )
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "num_experts",
+            "top_k",
+            "moe_intermediate_size",
+            "max_position_embeddings",
+        ):
             check_range(f"model.{name}", getattr(self, name), 1)
         check_range("model.top_k", self.top_k, 1, self.num_experts)
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}")
+            raise ConfigError(
+                f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -497,110 +485,6 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
-
-
-# ----------------------------------------------------------------------------------------------
-# Loading
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _unknown_key_error(prefix: str, key: str, valid: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {sorted(valid)}"
-    return ConfigError(f"unknown config key '{prefix}{key}'{hint}")
-
-
-def _coerce(name: str, value: Any, tp: Any) -> Any:
-    """Convert a YAML value to the field type ``tp`` or raise ConfigError naming the field."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(name, value, arg)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{name}={value!r} has the wrong type")
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            value = [value]
-        (elem,) = typing.get_args(tp)[:1]
-        return tuple(_coerce(f"{name}[]", v, elem) for v in value)
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, prefix=f"{name}.")
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
-        raise ConfigError(f"{name}={value!r} has type {type(value).__name__}; expected {tp.__name__}")
-    return value
-
-
-def from_dict(cls: type, data: dict[str, Any] | None, *, prefix: str = "") -> Any:
-    """Build the dataclass ``cls`` from a nested dict, rejecting unknown keys with a suggestion.
-
-    Raises:
-        ConfigError: unknown key, wrong type, or a value that the component's validation refuses.
-    """
-    data = data or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"'{prefix.rstrip('.') or 'config'}' must be a mapping, got {data!r}")
-    types_ = _field_types(cls)
-    kwargs = {}
-    for key, value in data.items():
-        if key not in types_:
-            raise _unknown_key_error(prefix, key, list(types_))
-        kwargs[key] = _coerce(f"{prefix}{key}", value, types_[key])
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # pragma: no cover - from_dict only passes known fields
-        raise ConfigError(f"{prefix or cls.__name__}: {e}") from e
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """The config as plain nested dicts/lists (tuples become lists), ready for YAML."""
-
-    def plain(v: Any) -> Any:
-        if dataclasses.is_dataclass(v):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        return v
-
-    return plain(cfg)
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``section.field=value`` overrides (value parsed as YAML) to a nested dict in place.
-
-    Raises:
-        ConfigError: an override without ``=``.
-    """
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' must look like section.field=value")
-        key, raw = item.split("=", 1)
-        node = data
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override '{item}': '{part}' is not a section")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
-    return data
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
