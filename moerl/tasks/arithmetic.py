@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
 
-from moerl.tasks.base import Prompt, Reward, ScoreFn, Task, split_of
+from moerl.tasks.base import GeneratedTask, Prompt, Reward, ScoreFn
 
 _INTEGER = re.compile(r"-?\d+")
 
 
-class ArithmeticTask(Task):
+class ArithmeticTask(GeneratedTask):
     """Generated arithmetic problems with disjoint (hash-partitioned) train and eval splits.
 
     Args:
@@ -67,32 +66,6 @@ class ArithmeticTask(Task):
         return key, Prompt(
             id=f"arithmetic:{key}", text=self.template.format(prompt=key), answer=answer, solution=answer
         )
-
-    def train_prompts(self, seed: int) -> Iterator[Prompt]:
-        """Endless training problems drawn with ``random.Random(seed)``; eval-split problems skipped."""
-        rng = random.Random(f"arithmetic-train-{seed}")
-        while True:
-            key, prompt = self._draw(rng)
-            if split_of(key) == "train":
-                yield prompt
-
-    def eval_prompts(self) -> list[Prompt]:
-        """Up to ``num_eval`` distinct eval-split problems, drawn like training ones (fixed by ``seed``).
-
-        Raises:
-            ValueError: the eval split of this problem space is empty.
-        """
-        rng = random.Random(f"arithmetic-eval-{self.seed}")
-        found: dict[str, Prompt] = {}
-        for _ in range(50 * self.num_eval):
-            key, prompt = self._draw(rng)
-            if split_of(key) == "eval":
-                found.setdefault(key, prompt)
-                if len(found) == self.num_eval:
-                    break
-        if not found:
-            raise ValueError("the arithmetic eval split is empty; widen the digit range or operations")
-        return list(found.values())
 
     def score(self, prompt_text: str, response_text: str, answer: str) -> Reward:
         """1.0 when the stripped response is exactly ``answer``; ``format`` = it is a plain integer."""

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import math
 import os
+import random
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -155,3 +156,43 @@ class Task:
                     exc_info=True,
                 )
             return Reward(0.0, {"error": 1.0, "correct": 0.0})
+
+
+class GeneratedTask(Task):
+    """A task whose problems are drawn from a seeded generator and split train/eval by ``split_of``.
+
+    Subclasses set ``name`` and ``num_eval``/``seed`` and implement ``_draw(rng) -> (key, Prompt)``,
+    where ``key`` identifies the problem (two draws with one key are the same problem).
+    """
+
+    num_eval: int
+    seed: int
+
+    def _draw(self, rng: random.Random) -> tuple[str, Prompt]:
+        raise NotImplementedError
+
+    def train_prompts(self, seed: int) -> Iterator[Prompt]:
+        """Endless training problems drawn with ``random.Random(seed)``; eval-split problems skipped."""
+        rng = random.Random(f"{self.name}-train-{seed}")
+        while True:
+            key, prompt = self._draw(rng)
+            if split_of(key) == "train":
+                yield prompt
+
+    def eval_prompts(self) -> list[Prompt]:
+        """Up to ``num_eval`` distinct eval-split problems, drawn like training ones (fixed by ``seed``).
+
+        Raises:
+            ValueError: the eval split of this problem space is empty.
+        """
+        rng = random.Random(f"{self.name}-eval-{self.seed}")
+        found: dict[str, Prompt] = {}
+        for _ in range(50 * self.num_eval):
+            key, prompt = self._draw(rng)
+            if split_of(key) == "eval":
+                found.setdefault(key, prompt)
+                if len(found) == self.num_eval:
+                    break
+        if not found:
+            raise ValueError(f"the {self.name} eval split is empty; widen the task's problem space")
+        return list(found.values())

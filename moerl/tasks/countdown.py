@@ -16,10 +16,9 @@ import ast
 import operator
 import random
 from collections import Counter
-from collections.abc import Iterator
 from fractions import Fraction
 
-from moerl.tasks.base import Prompt, Reward, ScoreFn, Task, split_of
+from moerl.tasks.base import GeneratedTask, Prompt, Reward, ScoreFn
 
 MAX_EQUATION_CHARS = 120
 """Longer responses are rejected before parsing (bounds the parser's work and recursion)."""
@@ -120,7 +119,7 @@ def _combine(numbers: list[int], ops: list[str]) -> tuple[Fraction, str]:
     return value, text
 
 
-class CountdownTask(Task):
+class CountdownTask(GeneratedTask):
     """Generated countdown problems, always solvable, with disjoint (hash-partitioned) splits.
 
     Args:
@@ -166,26 +165,6 @@ class CountdownTask(Task):
         return key, Prompt(
             id=f"countdown:{key}", text=self.template.format(prompt=raw), answer=key, solution=solution
         )
-
-    def train_prompts(self, seed: int) -> Iterator[Prompt]:
-        """Endless training problems drawn with ``random.Random(seed)``; eval-split problems skipped."""
-        rng = random.Random(f"countdown-train-{seed}")
-        while True:
-            key, prompt = self._draw(rng)
-            if split_of(key) == "train":
-                yield prompt
-
-    def eval_prompts(self) -> list[Prompt]:
-        """Up to ``num_eval`` distinct eval-split problems (fixed by ``seed``)."""
-        rng = random.Random(f"countdown-eval-{self.seed}")
-        found: dict[str, Prompt] = {}
-        for _ in range(50 * self.num_eval):
-            key, prompt = self._draw(rng)
-            if split_of(key) == "eval":
-                found.setdefault(key, prompt)
-                if len(found) == self.num_eval:
-                    break
-        return list(found.values())
 
     def score(self, prompt_text: str, response_text: str, answer: str) -> Reward:
         """See ``check_equation``."""
