@@ -3,7 +3,7 @@
 #
 #   bench/gpu_suite.sh quick   # first call: reference widths, 4 layers for rollout/training, short HF generate
 #   bench/gpu_suite.sh full    # the reference figures (16 layers, B=256, 128+128 tokens)
-#   bench/gpu_suite.sh short   # full-size rollout and moerl training only (when little device time is left)
+#   bench/gpu_suite.sh short   # full-size benchmarks, fewer repeats, no profiles (when little device time is left)
 #
 # Each benchmark runs in its own process (a failure or an out-of-memory error stays there) under a
 # timeout; JSON results and suite.log go to $OUT (default bench/results). The summary is printed last.
@@ -32,8 +32,7 @@ bench() {  # bench SECONDS SCRIPT ARGS...
 bench 120 bench/gpu_checks.py
 if [ "$MODE" = short ]; then
   bench 150 bench/rollout_gpu.py --spec reference --batch 256 --prompt-len 128 --new-tokens 128 --runs 2
-  bench 100 bench/train_step.py --spec reference --batches 16,24 --seq-len 1024 --steps 2 --no-baseline \
-    --what-if-fused-adamw
+  bench 150 bench/train_step.py --spec reference --batches 8,16,24,32 --seq-len 1024 --steps 2
   bench 60 bench/moe_layer.py --spec reference --tokens 16384
 elif [ "$MODE" = quick ]; then
   bench 120 bench/moe_layer.py --spec reference --tokens 16384
@@ -45,8 +44,7 @@ else
   bench 120 bench/moe_layer.py --spec reference --tokens 16384
   bench 240 bench/rollout_gpu.py --spec reference --batch 256 --prompt-len 128 --new-tokens 128 --runs 3 \
     --profile-steps 4
-  bench 180 bench/train_step.py --spec reference --batches 8,16,24 --seq-len 1024 --steps 3 --profile \
-    --what-if-fused-adamw
+  bench 180 bench/train_step.py --spec reference --batches 8,16,24,32 --seq-len 1024 --steps 3 --profile
   bench 40 bench/ep_smoke.py
 fi
 python3 bench/summarize.py "$OUT" 2>&1 | tee -a "$LOG"

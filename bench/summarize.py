@@ -22,10 +22,16 @@ def _load(folder: Path, name: str) -> dict | None:
 def _logit_detail(lg: dict) -> str:
     if "fast_vs_float32" not in lg:
         return "rel. error"
-    return (
+    detail = (
         f"vs float32 copy: fast {lg['fast_vs_float32']:.1e}, reference {lg['reference_vs_float32']:.1e}, "
         f"transformers {lg['transformers_vs_float32']:.1e}"
     )
+    if "fast_vs_reference_same_routing" in lg:
+        detail = (
+            f"free routing {lg['fast_vs_reference']:.1e} ({100 * lg['routing_flip_frac']:.1f}% of expert "
+            f"choices differ); {detail}"
+        )
+    return detail
 
 
 def _rollout_rows(r: dict) -> list[list[str]]:
@@ -52,7 +58,8 @@ def _rollout_rows(r: dict) -> list[list[str]]:
         [
             "logits fast vs reference path (bf16)",
             _logit_detail(a["logits"]),
-            f"{a['logits']['fast_vs_reference']:.1e}",
+            f"{a['logits'].get('fast_vs_reference_same_routing', a['logits']['fast_vs_reference']):.2e}"
+            + (" (same routing)" if "fast_vs_reference_same_routing" in a["logits"] else ""),
             "< 1e-2",
         ],
     ]

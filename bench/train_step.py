@@ -99,21 +99,14 @@ def bench_transformers(hf, batch: TrainBatch, steps: int, device) -> list[float]
 
 
 def bench_moerl(
-    model, batch: TrainBatch, steps: int, device, profile: list | None = None, fused_adamw: bool = False
+    model, batch: TrainBatch, steps: int, device, profile: list | None = None
 ) -> tuple[list[float], list[float]]:
     """Timed ``Trainer.train_step`` calls (one micro-batch = the whole batch); also returns grad norms.
 
-    ``fused_adamw``: a what-if row, not moerl's current step: the trainer's optimizer is swapped for
-    ``torch.optim.AdamW(..., fused=True)`` (one kernel per parameter chunk instead of the foreach chain),
-    the change proposed for ``moerl/runtime/trainer.py`` (bench/NOTES.md).
+    The trainer's own optimizer is used: ``torch.optim.AdamW(fused=True)`` on CUDA.
     """
     cfg = TrainerConfig(micro_batch_size=batch.num_sequences, lr=1e-5, grad_clip=1.0)
     trainer = Trainer(model, cfg, AlgorithmConfig(preset="grpo"), temperature=1.0)
-    if fused_adamw:
-        trainer.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True
-        )
-        trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
     norms: list[float] = []
     wall_time(lambda: norms.append(trainer.train_step(batch).grad_norm), device)
     if profile is not None:
@@ -135,7 +128,6 @@ def run(
     baseline: bool = True,
     out_dir: str | None = None,
     profile: bool = False,
-    what_if_fused_adamw: bool = False,
 ) -> dict:
     """transformers (at the first batch size) then moerl at every batch size; returns the payload."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -172,27 +164,13 @@ def run(
             }
         except torch.OutOfMemoryError as e:
             results[f"moerl/b{b}"] = {"error": f"out of memory: {e}"[:300]}
-    fitted = [b for b in batches if "error" not in results[f"moerl/b{b}"]]
-    if what_if_fused_adamw and device.type == "cuda" and fitted:
-        b = max(fitted)
-        free_device_memory(device)
-        try:
-            times, norms = bench_moerl(
-                ours, make_batch(b, seq_len, spec.vocab_size, seq_len // 8), steps, device, fused_adamw=True
-            )
-            results[f"what-if fused AdamW moerl/b{b}"] = {
-                **_summary(times, b * seq_len, flops_tok, ceilings.matmul_tflop_s, device),
-                "grad_norms": norms,
-            }
-        except torch.OutOfMemoryError as e:
-            results[f"what-if fused AdamW moerl/b{b}"] = {"error": f"out of memory: {e}"[:300]}
     payload = {
         "benchmark": "train_step",
         **device_info(device),
         "spec": spec.as_dict(),
         "seq_len": seq_len,
         "dtype": str(dtype),
-        "optimizer": "torch.optim.AdamW (bf16 moments on CUDA), grad clip 1.0",
+        "optimizer": "torch.optim.AdamW (fused on CUDA, bf16 moments), grad clip 1.0",
         "flops_per_token": flops_tok,
         "ceilings": ceilings.as_dict(),
         "results": results,
@@ -229,11 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--profile", action="store_true", help="kernel breakdown of one moerl step (CUDA)")
-    ap.add_argument(
-        "--what-if-fused-adamw",
-        action="store_true",
-        help="extra row: the largest batch with fused AdamW (CUDA)",
-    )
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     run(
@@ -245,7 +218,6 @@ def main(argv: list[str] | None = None) -> int:
         baseline=not args.no_baseline,
         out_dir=args.out_dir,
         profile=args.profile,
-        what_if_fused_adamw=args.what_if_fused_adamw,
     )
     return 0
 

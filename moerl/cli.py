@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from moerl.config import ConfigError, load_config
@@ -37,13 +38,12 @@ def _config(args: argparse.Namespace):
 def _cmd_train(args: argparse.Namespace) -> int:
     from moerl.runtime.controller import resume, train
 
+    if args.ray_address:  # as an override: validated with the rest, and honoured by --resume too
+        args.overrides.append(f"runtime.ray_address={json.dumps(args.ray_address)}")
     if args.resume:
         summary = resume(args.resume, overrides=args.overrides)
     else:
-        cfg = _config(args)
-        if args.ray_address:
-            cfg.runtime.ray_address = args.ray_address
-        summary = train(cfg)
+        summary = train(_config(args))
     if summary is None or summary.get("status") != "completed":
         reason = (summary or {}).get("stop_reason") or "no summary"
         print(f"moerl: run did not complete: {reason}", file=sys.stderr)

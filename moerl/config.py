@@ -287,7 +287,10 @@ class TrainerConfig:
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     warmup_steps: int = 0
-    """Linear warm-up steps, then constant LR."""
+    """Linear warm-up steps, then ``lr_schedule``."""
+    lr_schedule: str = "constant"
+    """After warm-up: ``constant`` peak LR, or ``cosine`` decay from the peak to ``0.1 x lr`` at
+    ``steps`` (Loshchilov & Hutter 2017, SGDR eq. 5, one cycle)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables."""
     aux_loss_coef: float = 0.0
@@ -308,6 +311,7 @@ class TrainerConfig:
         check_range("trainer.lr", self.lr, 0.0, 1.0, lo_open=True)
         check_range("trainer.weight_decay", self.weight_decay, 0.0)
         check_range("trainer.warmup_steps", self.warmup_steps, 0)
+        check_choice("trainer.lr_schedule", self.lr_schedule, ["constant", "cosine"])
         check_range("trainer.grad_clip", self.grad_clip, 0.0)
         check_range("trainer.aux_loss_coef", self.aux_loss_coef, 0.0)
         check_range("trainer.publish_every", self.publish_every, 1)

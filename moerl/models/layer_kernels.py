@@ -8,8 +8,11 @@ by the weight in the input dtype) where the eager version launches about seven k
 ``fused_rotary`` applies a rotary embedding (RoFormer, Su et al. 2021, Eq. 34; pairs (x_i, x_{i+d/2}))
 in one kernel each way instead of five, with float32 math and one rounding.
 
-Both are used by ``moerl.models.layers`` when their ``*_supported`` check passes (CUDA, Triton, fast
-paths on: ``moerl.models.kernels.fast_paths``); otherwise the eager code runs.
+Only ``fused_rmsnorm`` is used by the model: ``moerl.models.layers.RMSNorm`` calls it when
+``fused_rmsnorm_supported`` passes (CUDA, Triton, fast paths on: ``moerl.models.kernels.fast_paths``),
+otherwise the eager code runs. ``fused_rotary`` is not called by the model yet:
+``moerl.models.layers.apply_rotary`` always runs eagerly; ``bench/gpu_checks.py`` checks the kernel
+against it, and ``bench/NOTES.md`` says how to wire it in.
 """
 
 from __future__ import annotations

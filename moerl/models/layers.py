@@ -160,7 +160,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.clip_qkv is not None:
             q, k, v = (z.clamp(-cfg.clip_qkv, cfg.clip_qkv) for z in (q, k, v))
-        q, k, v = (z.view(b, t, -1, cfg.head_dim) for z in (q, k, v))
+        # unflatten, not view(b, t, -1, hd): -1 is ambiguous when b == 0 (an idle EP rank's batch)
+        q, k, v = (z.unflatten(-1, (-1, cfg.head_dim)) for z in (q, k, v))
         if cfg.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, hd)
@@ -210,12 +211,12 @@ class MLAttention(nn.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(b, t, -1, self.qk_head_dim).transpose(1, 2)  # (B, nh, T, nope + rope)
+        q = q.unflatten(-1, (-1, self.qk_head_dim)).transpose(1, 2)  # (B, nh, T, nope + rope)
         q_nope, q_rot = q.split([nope, rope], dim=-1)
         kv_latent, k_rot = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, rope], dim=-1)
         kv = (
             self.kv_b_proj(self.kv_a_layernorm(kv_latent))
-            .view(b, t, -1, nope + cfg.v_head_dim)
+            .unflatten(-1, (-1, nope + cfg.v_head_dim))
             .transpose(1, 2)
         )
         k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)  # (B, nh, T, nope), (B, nh, T, dv)

@@ -171,7 +171,7 @@ class MoeForCausalLM(nn.Module):
         for layer in self.layers:
             forced = None
             if forced_experts is not None and isinstance(layer.mlp, MoeBlock):
-                forced = forced_experts[:, :, len(stats)].reshape(b * t, -1)
+                forced = forced_experts[:, :, len(stats)].flatten(0, 1)  # (B*T, k); B may be 0
             x, s = layer(x, cos, sin, mask, cache, token_mask, forced)
             if s is not None:
                 stats.append(s)
@@ -183,7 +183,7 @@ class MoeForCausalLM(nn.Module):
         if return_routed_experts:
             k = self.config.num_experts_per_tok
             routed = (
-                torch.stack([s.topk_idx.view(b, t, -1) for s in stats], dim=2)
+                torch.stack([s.topk_idx.view(b, t, k) for s in stats], dim=2)  # k, not -1: B may be 0
                 if stats
                 else input_ids.new_zeros(b, t, 0, k)
             )

@@ -97,7 +97,9 @@ class BufferMetrics:
     put_wait_s: float
     """Total seconds producers spent blocked on a full buffer."""
     get_wait_s: float
-    """Total seconds the consumer spent blocked waiting for groups."""
+    """Total seconds spent inside ``get`` over all its calls, from entry to return: blocked waiting for
+    groups, plus lock and stale-eviction time (calls that timed out or found the buffer closed count
+    too; a call served at once adds about 0)."""
 
 
 def _group_from_state(data: dict[str, Any]) -> Group:

@@ -45,7 +45,8 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
         ConfigError: an invalid combination of settings, or a weight store URL that cannot be written.
     """
     run = RunDir.create(cfg)
-    return _run(cfg, run, checkpoint=None, live=live)
+    with run.discarded_on_early_failure():  # a failure before step 1 leaves no half-written folder
+        return _run(cfg, run, checkpoint=None, live=live)
 
 
 def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: bool = True) -> dict:
@@ -54,9 +55,9 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
     Raises:
         FileNotFoundError: no run folder or no complete checkpoint in it.
     """
-    run = RunDir(run_dir)
-    if not run.config.exists():
+    if not (Path(run_dir) / "config.yaml").exists():  # checked first: RunDir() creates the folder
         raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
+    run = RunDir(run_dir)
     ckpt = latest_checkpoint(run.path)
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint to resume from")

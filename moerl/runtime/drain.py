@@ -4,16 +4,24 @@ The drain (``Drainer.drain``), run by the worker's own loop once its ``NoticeWat
 
     stop leasing
     until no group is in flight:
-        release every group that cannot finish before the deadline   (projected from the step time)
+        release every group that cannot finish before the deadline   (projected, see below)
         one scheduler step                                           (finished groups are delivered)
-    deadline = notice time + min(grace_s, the notice's own time left - margin)
+    grace    = max(0, min(grace_s, the notice's seconds left at the drain's start - margin_s))
+    deadline = the drain's start + grace                             (monotonic clock)
+
+A group cannot finish when the deadline has passed, or when now + its slowest sample's tokens left x
+the mean scheduler step time (exponential moving average, weight 0.2 on the newest step) is past
+the deadline; before the first step is timed only a passed deadline releases. At the deadline (a
+wall-clock timer) the worker's ``request_stop()`` is called if it has one, so that a delivery blocked
+on a full buffer gives up. A notice without a deadline leaves ``grace_s`` as it is.
 
 A released group's lease goes back to the queue (``TaskQueue.release``). With ``keep_partial`` the
 generated prefixes ride along as ``PartialResponse``s and the next worker continues them
 (``ResumePlan``); otherwise their tokens are discarded and reported as lost work.
 
-A worker offers the drain what it needs through the ``Drainable`` protocol; ``in_flight_groups``
-builds the per-group progress of a ``RolloutWorker`` from its engine's running sequences.
+A worker offers the drain what it needs through the ``Drainable`` protocol; ``group_progress``
+builds one group's progress (``InFlightGroup``) from its finished completions and its engine's running
+sequences.
 """
 
 from __future__ import annotations

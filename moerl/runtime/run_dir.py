@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,6 +100,33 @@ class RunDir:
         run = cls(path)
         save_config(cfg, run.config)
         return run
+
+    def has_started(self) -> bool:
+        """Whether a trainer step left a trace: a ``metrics.jsonl`` record or a checkpoint folder."""
+        return bool(read_jsonl(self.metrics)) or (
+            self.checkpoints.is_dir() and any(self.checkpoints.iterdir())
+        )
+
+    def discard_if_unstarted(self) -> bool:
+        """Delete the whole folder unless ``has_started()``; returns whether it was deleted.
+
+        A run that failed before its first step (bad config, missing model, unwritable store) cannot be
+        resumed (no checkpoint) and would only leave a half-written folder behind.
+        """
+        if self.has_started():
+            return False
+        shutil.rmtree(self.path, ignore_errors=True)
+        return True
+
+    @contextmanager
+    def discarded_on_early_failure(self) -> Iterator[RunDir]:
+        """Context for a fresh run: on any exception (Ctrl-C included) before the first trainer step,
+        delete the folder (``discard_if_unstarted``), then re-raise. Never use it around a resume."""
+        try:
+            yield self
+        except BaseException:
+            self.discard_if_unstarted()
+            raise
 
     config = property(lambda self: self.path / "config.yaml")
     metrics = property(lambda self: self.path / "metrics.jsonl")

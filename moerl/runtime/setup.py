@@ -43,7 +43,7 @@ def warm_start(cfg: RunConfig, run: RunDir, view) -> str | None:
         from moerl.tasks.sft import run_sft
 
         view.message(f"warm start: SFT for {cfg.sft.steps} steps -> {out}")
-        run_sft(cfg, out_dir=str(out))
+        run_sft(cfg, out_dir=str(out), progress=view.warm_start_progress)
     return str(out)
 
 

@@ -209,6 +209,18 @@ class TrainStats:
     """True when the loss or gradient was non-finite and no update was made."""
 
 
+def lr_factor(cfg: TrainerConfig, step: int) -> float:
+    """Multiplier of ``cfg.lr`` at optimizer step ``step`` (0-based): linear warm-up over
+    ``cfg.warmup_steps``, then 1 (``constant``) or a cosine from 1 to 0.1 reached at ``cfg.steps``
+    (``cosine``; SGDR, Loshchilov & Hutter 2017, eq. 5, one cycle, eta_min = 0.1 x peak)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 class Trainer:
     """Owns the policy being trained, its AdamW optimizer and LR schedule.
 
@@ -256,10 +268,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=is_cuda or None
         )
-        warmup = cfg.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
-        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(cfg, s))
         self.step = 0
         self.version_offset = 0
         """Policy version minus step; raised when a restarted trainer resumes an older checkpoint

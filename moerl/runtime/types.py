@@ -137,7 +137,9 @@ class Sample:
     reward_info: dict[str, float] = field(default_factory=dict)
     """Named sub-scores and flags of the reward function (e.g. ``{"format": 1.0, "error": 0.0}``)."""
     routed_experts: torch.Tensor | None = field(default=None, compare=False)
-    """Routed expert ids ``[P + R, L_moe, k]`` int64 as recorded by the engine (rollout routing replay, R3), or None."""
+    """Routed expert ids ``[P + R - 1, L_moe, k]`` int64 as recorded by the engine (rollout routing replay,
+    R3): one row per token fed to the model, i.e. the prompt and every response token but the last, which
+    is sampled and never fed (``moerl.rollout.Completion.routed_experts``); None unless requested."""
 
     def __post_init__(self) -> None:
         for name in ("prompt_ids", "response_ids", "response_logprobs", "loss_mask", "policy_versions"):

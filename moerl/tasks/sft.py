@@ -18,6 +18,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,11 +136,18 @@ def _examples(cfg: RunConfig, tokenizer: Tokenizer, prompts: list[Prompt]) -> li
 
 
 def train_sft(
-    model: torch.nn.Module, tokenizer: Tokenizer, train: list[Prompt], cfg: RunConfig, log_every: int = 100
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    train: list[Prompt],
+    cfg: RunConfig,
+    log_every: int = 100,
+    progress: Callable[[int, int, float], None] | None = None,
 ) -> float:
     """Fine-tune ``model`` in place on ``train`` for ``cfg.sft.steps`` steps; returns the final loss.
 
     Batches are ``cfg.sft.batch_size`` examples drawn in shuffled epochs (seeded by ``cfg.seed``).
+    ``progress(step, num_steps, loss)`` is called after each optimizer step (step 1-based, loss the
+    step's completion NLL in nats/token), e.g. ``moerl.telemetry.live.LiveView.warm_start_progress``.
     """
     sft = cfg.sft
     examples = _examples(cfg, tokenizer, train)
@@ -167,17 +175,22 @@ def train_sft(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         recent = (recent + [loss.item()])[-tail:]  # .item() syncs; negligible on CPU
+        if progress is not None:
+            progress(step + 1, sft.steps, recent[-1])
         if log_every and (step + 1) % log_every == 0:
             log.info("sft step %d/%d loss %.4f", step + 1, sft.steps, sum(recent) / len(recent))
     return sum(recent) / len(recent)
 
 
-def run_sft(cfg: RunConfig, out_dir: str | Path) -> Path:
+def run_sft(
+    cfg: RunConfig, out_dir: str | Path, progress: Callable[[int, int, float], None] | None = None
+) -> Path:
     """Warm-start the policy: build (or load) the model, fine-tune on the task's solutions, save it.
 
     Steps: seed torch with ``cfg.seed``; tokenizer = ``task.tokenizer`` or the model folder's or the
     built-in one; model = ``build_model(cfg.model, vocab_size)``; greedy held-out accuracy before;
     ``cfg.sft.steps`` steps on ``cfg.sft.num_examples`` train prompts; accuracy after; save.
+    ``progress``: called after each step as ``progress(step, num_steps, loss)`` (see ``train_sft``).
 
     Returns:
         ``out_dir`` as a ``Path``: a Hugging Face checkpoint folder with the tokenizer and ``sft_summary.json``.
@@ -204,7 +217,7 @@ def run_sft(cfg: RunConfig, out_dir: str | Path) -> Path:
     log.info("sft: held-out accuracy before %.3f (%d prompts)", before, len(held_out))
     train = list(itertools.islice(task.train_prompts(cfg.seed), cfg.sft.num_examples))
     t0 = time.perf_counter()
-    final_loss = train_sft(model, tokenizer, train, cfg)
+    final_loss = train_sft(model, tokenizer, train, cfg, progress=progress)
     train_seconds = time.perf_counter() - t0
     after = evaluate(model, tokenizer, task, held_out, **eval_kwargs).accuracy
     out = Path(out_dir)

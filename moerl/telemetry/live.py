@@ -43,6 +43,7 @@ class LiveView:
         self.last_accuracy: float | None = None
         self._progress = None
         self._task = None
+        self._sft_task = None
         if enabled and self.stream.isatty():
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -67,6 +68,33 @@ class LiveView:
             self._progress.console.print(text)
         else:
             print(f"[{time.strftime('%H:%M:%S')}] {text}", file=self.stream, flush=True)
+
+    def warm_start_progress(self, step: int, num_steps: int, loss: float) -> None:
+        """Show the SFT warm start's progress as ``sft step i/N loss x``.
+
+        Meant as the ``progress`` callback of the warm start (called after each optimizer step). On a
+        TTY: a second progress bar, advanced every call. Otherwise: a plain timestamped line at step 1,
+        every ``max(1, num_steps // 10)`` steps and at the last step (about a dozen lines per warm start).
+
+        Args:
+            step: optimizer steps done, in [1, num_steps].
+            num_steps: total SFT steps (``cfg.sft.steps``).
+            loss: completion cross-entropy of the step, nats/token.
+
+        Raises:
+            ValueError: ``step`` not in [1, num_steps].
+        """
+        if not 1 <= step <= num_steps:
+            raise ValueError(f"warm_start_progress: step={step} not in [1, num_steps={num_steps}]")
+        if not self.enabled:
+            return
+        line = f"sft step {step}/{num_steps} loss {loss:.4f}"
+        if self._progress is not None:
+            if self._sft_task is None:
+                self._sft_task = self._progress.add_task(line, total=num_steps)
+            self._progress.update(self._sft_task, completed=step, description=line)
+        elif step == 1 or step == num_steps or step % max(1, num_steps // 10) == 0:
+            print(f"[{time.strftime('%H:%M:%S')}] {line}", file=self.stream, flush=True)
 
     def update(self, record: dict) -> None:
         """Show a metrics record (see moerl.telemetry.metrics.make_record)."""

@@ -51,3 +51,17 @@ def test_train_warm_starts_with_sft_when_no_init_is_given(tmp_path):
     assert sft["steps"] == 20 and (run / "sft" / "config.json").exists()
     assert summary["start_eval_accuracy"] == sft["accuracy_after"]  # RL starts from the SFT weights
     assert summary["steps"] == 2 and summary["status"] == "completed"
+
+
+def test_shortened_default_run_raises_held_out_accuracy(tmp_path):
+    """The README's main job, shortened: the default config (SFT warm start included), sync mode, 400 of
+    its 1000 RL steps. Seed 0 measured 0.286 -> 0.33..0.39 at step 400 across learning-rate, schedule and
+    temperature variants; a sign error or a broken weight sync leaves it at or below 0.286."""
+    default = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+    cfg = load_config(
+        default,
+        [f"output_dir={tmp_path}", "runtime.mode=sync", "trainer.steps=400", "eval.every=0"],
+    )
+    summary = train(cfg, live=False)
+    assert summary["status"] == "completed" and summary["tasks_duplicated"] == summary["tasks_lost"] == 0
+    assert summary["final_eval_accuracy"] >= summary["start_eval_accuracy"] + 0.04, summary

@@ -206,3 +206,16 @@ def test_a_crash_while_saving_never_exposes_a_partial_checkpoint_or_weight_versi
         trainer.checkpoint(tmp_path, {})
     assert latest_checkpoint(tmp_path).name == "step_0"
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0"]
+
+
+def test_lr_schedule_warmup_constant_and_cosine_hand_values():
+    from moerl.runtime.trainer import lr_factor
+
+    const = TrainerConfig(steps=100, warmup_steps=10)
+    assert [lr_factor(const, s) for s in (0, 4, 9, 10, 99)] == [0.1, 0.5, 1.0, 1.0, 1.0]
+    cos = TrainerConfig(steps=100, warmup_steps=10, lr_schedule="cosine")
+    assert lr_factor(cos, 9) == 1.0 and lr_factor(cos, 10) == 1.0
+    assert lr_factor(cos, 55) == pytest.approx(0.55)  # half way: 0.1 + 0.9 * 0.5
+    assert lr_factor(cos, 100) == pytest.approx(0.1) and lr_factor(cos, 500) == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match="trainer.lr_schedule"):
+        TrainerConfig(lr_schedule="linear")

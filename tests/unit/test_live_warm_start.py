@@ -1,0 +1,60 @@
+"""LiveView.warm_start_progress: the SFT warm start's progress, plain lines or a rich bar."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+
+from moerl.telemetry.live import LiveView
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_plain_lines_at_first_every_tenth_and_last_step():
+    stream = io.StringIO()
+    view = LiveView(5, stream=stream)
+    for step in range(1, 26):
+        view.warm_start_progress(step, 25, loss=1.0 / step)
+    view.close()
+    lines = stream.getvalue().splitlines()
+    # every = 25 // 10 = 2: steps 1, 2, 4, ..., 24 and the last, 25
+    shown = [int(line.split("sft step ")[1].split("/")[0]) for line in lines]
+    assert shown == [1, *range(2, 25, 2), 25]
+    assert lines[-1].endswith("sft step 25/25 loss 0.0400")
+    assert lines[0].startswith("[") and "] sft step 1/25 loss 1.0000" in lines[0]
+
+
+def test_short_warm_start_shows_every_step_and_disabled_view_is_silent():
+    stream = io.StringIO()
+    view = LiveView(5, stream=stream)
+    for step in (1, 2, 3):
+        view.warm_start_progress(step, 3, loss=0.5)
+    assert len(stream.getvalue().splitlines()) == 3
+    quiet = io.StringIO()
+    LiveView(5, stream=quiet, enabled=False).warm_start_progress(1, 3, loss=0.5)
+    assert quiet.getvalue() == ""
+
+
+def test_step_out_of_range_is_an_error():
+    view = LiveView(5, stream=io.StringIO())
+    with pytest.raises(ValueError, match="step=0"):
+        view.warm_start_progress(0, 3, loss=0.5)
+    with pytest.raises(ValueError, match="step=4"):
+        view.warm_start_progress(4, 3, loss=0.5)
+
+
+def test_terminal_gets_a_second_bar():
+    stream = _Terminal()
+    view = LiveView(5, stream=stream)
+    for step in range(1, 4):
+        view.warm_start_progress(step, 3, loss=0.25)
+    view.close()
+    out = stream.getvalue()
+    assert "sft step 3/3 loss 0.2500" in out
+    assert "3/3" in out.replace("sft step 3/3", "")  # the bar's own completed/total column
+    assert not re.search(r"\[\d\d:\d\d:\d\d\] sft", out)  # no plain timestamped lines on a terminal
