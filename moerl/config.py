@@ -169,8 +169,14 @@ class RolloutConfig:
     """Prompt tokens the engine prefills per scheduler step (at least one prompt is always admitted)."""
     sync_every: int = 1
     """Decode steps between host copies of the sampled tokens (1 on CPU; 4-16 keeps a GPU busy)."""
+    lease_ahead_groups: int | None = None
+    """Groups a worker leases beyond its engine's slots (they wait in the engine's queue), so that one
+    ``lease`` round trip fills several groups' slots and freed slots are refilled without one;
+    0 leases only for free slots; None: one engine's worth (``max_slots // group_size``)."""
 
     def __post_init__(self) -> None:
+        if self.lease_ahead_groups is not None:
+            check_range("rollout.lease_ahead_groups", self.lease_ahead_groups, 0)
         check_range("rollout.num_workers", self.num_workers, 1)
         check_range("rollout.group_size", self.group_size, 1)
         check_range("rollout.max_new_tokens", self.max_new_tokens, 1)

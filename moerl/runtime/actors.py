@@ -8,10 +8,16 @@
 
 Resources declared per actor (a cluster maps them onto node groups):
 
-- ``ExchangeActor``: the ``TaskQueue`` and the ``ExperienceBuffer`` in one lightweight actor
-  (``num_cpus=0``, I/O bound), so that settling a delivered group in the queue is a local call.
-  Threaded (``max_concurrency``) because producers block in ``put`` on a full buffer (backpressure)
-  while the trainer's ``get`` must still run; both classes are thread-safe.
+- ``ExchangeActor`` (``moerl.runtime.exchange``): the ``TaskQueue`` and the ``ExperienceBuffer`` in
+  one lightweight actor (``num_cpus=0``, I/O bound), so that settling a delivered group in the queue
+  is a local call. Threaded (``max_concurrency``) because producers block in ``put`` on a full buffer
+  (backpressure) while the trainer's ``get`` must still run; both classes are thread-safe. Its
+  ``lease`` is gated (``rollout_allowance``): no rollout starts that would arrive too stale to train.
+
+Round trips kept off the critical paths: a worker's deliveries (``put_many``) are not waited for
+(``_BufferProxy.put_many_async``; at most one outstanding, the groups finished meanwhile go in the
+next), its leases carry its weights version; the trainer's version travels with its ``get`` (so
+``set_version`` is not waited for), and the per-step queue/buffer metrics are one round trip.
 - ``RolloutWorkerActor``: ``num_cpus=1``, ``num_gpus=1`` when ``model.device`` is CUDA, plus the
   custom resource ``rollout`` (0.001) when the cluster defines it (``ray start --resources
   '{"rollout": 8}'`` on rollout nodes). Three threads: the generation loop and control calls
@@ -38,6 +44,7 @@ from moerl.config import RunConfig
 from moerl.runtime.buffer import BufferClosed
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.drain import Drainer
+from moerl.runtime.exchange import ExchangeActorImpl, rollout_allowance  # noqa: F401 (re-exported)
 from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager, WorkerExit, WorkerHealth
 from moerl.runtime.fleet_ray import RayWorkerBackend
 from moerl.runtime.notice import notice_file_for, watcher_from_config
@@ -48,80 +55,34 @@ def _remote_call(handle, method: str, *args, **kwargs):
     return __import__("ray").get(getattr(handle, method).remote(*args, **kwargs))
 
 
-class ActorProxy:
-    """Calls a Ray actor's methods synchronously (``proxy.lease(...)`` = ``ray.get(h.lease.remote(...))``),
-    so that ``RolloutWorker`` and ``ExperienceBuffer`` use an actor as they use a local object."""
-
-    def __init__(self, handle):
-        self._handle = handle
-
-    def __getattr__(self, name: str):
-        return lambda *args, **kwargs: _remote_call(self._handle, name, *args, **kwargs)
-
-
 def _set_threads() -> None:
     torch.set_num_threads(int(os.environ.get("MOERL_ACTOR_THREADS", "1")))
 
 
-class ExchangeActorImpl:
-    """The ``TaskQueue`` and the ``ExperienceBuffer`` in one actor process.
+class _RayPending:
+    """An actor call in progress (``moerl.runtime.worker.Pending``): polled without blocking."""
 
-    Co-located so that the buffer's ``settle``/``requeue`` (one per delivered group) are local calls
-    instead of a second actor round trip; workers reach the queue through ``call`` and the buffer
-    through ``put``; the trainer through ``get``/``set_version``.
-    """
+    def __init__(self, ref):
+        self.ref = ref
 
-    def __init__(self, cfg: RunConfig, tokenizer_path: str | None, version: int):
-        from moerl.runtime.setup import make_buffer, make_queue
-        from moerl.tasks import load_tokenizer, make_task
+    def done(self) -> bool:
+        ready, _ = __import__("ray").wait([self.ref], timeout=0)
+        return bool(ready)
 
-        self.queue = make_queue(cfg, make_task(cfg.task), load_tokenizer(tokenizer_path))
-        self.buffer = make_buffer(cfg, self.queue, version=version)
-
-    def call(self, method: str, *args, **kwargs):
-        """Run ``TaskQueue.<method>``."""
-        return getattr(self.queue, method)(*args, **kwargs)
-
-    def put(self, group: Group, trainer_version=None, timeout=None):
-        return self.buffer.put(group, trainer_version=trainer_version, timeout=timeout)
-
-    def put_many(self, groups: list[Group], timeout=None) -> list:
-        """``put`` each group in order; ``None`` from the first that timed out on a full buffer on."""
-        results = []
-        for group in groups:
-            try:
-                results.append(self.buffer.put(group, timeout=timeout))
-            except TimeoutError:
-                return results + [None] * (len(groups) - len(results))
-        return results
-
-    def get(self, batch_size: int, timeout=None):
-        return self.buffer.get(batch_size, timeout=timeout)
-
-    def set_version(self, version: int) -> None:
-        self.buffer.set_version(version)
-
-    def metrics(self):
-        return self.buffer.metrics()
-
-    def state_dict(self):
-        return self.buffer.state_dict()
-
-    def load_state_dict(self, state) -> None:
-        self.buffer.load_state_dict(state)
-
-    def close(self) -> None:
-        self.buffer.close()
+    def result(self):
+        return __import__("ray").get(self.ref)
 
 
 class _QueueProxy:
-    """The queue methods a worker needs, as blocking calls to the queue actor."""
+    """The queue methods a worker needs, as blocking calls to the queue actor. ``lease`` also tells the
+    exchange the worker's weights version (``version_of()``), which its rollout gate needs."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, version_of=lambda: None):
         self.handle = handle
+        self.version_of = version_of
 
     def lease(self, worker_id, ttl_s, max_tasks=1):
-        return _remote_call(self.handle, "call", "lease", worker_id, ttl_s, max_tasks)
+        return _remote_call(self.handle, "lease", worker_id, ttl_s, max_tasks, self.version_of())
 
     def heartbeat(self, target, ttl_s=None):
         return _remote_call(self.handle, "call", "heartbeat", target, ttl_s)
@@ -131,6 +92,19 @@ class _QueueProxy:
 
     def settle(self, task_id, token, outcome):
         return _remote_call(self.handle, "call", "settle", task_id, token, outcome)
+
+
+class _BufferProxy:
+    """The buffer methods a worker needs; ``put_many_async`` returns without waiting for the actor."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def put_many(self, groups: list[Group], timeout=None) -> list:
+        return _remote_call(self.handle, "put_many", groups, timeout=timeout)
+
+    def put_many_async(self, groups: list[Group], timeout=None) -> _RayPending:
+        return _RayPending(self.handle.put_many.remote(groups, timeout=timeout))
 
 
 class _OfferedWeights:
@@ -181,17 +155,20 @@ class RolloutWorkerActorImpl:
             model,
             make_task(cfg.task),
             tokenizer,
-            _QueueProxy(queue_handle),
-            ActorProxy(buffer_handle),
+            queue_proxy := _QueueProxy(queue_handle),
+            _BufferProxy(buffer_handle),
             self.weights,
             version=-1,
         )
         self.worker.pause_point = self._pause_point
+        queue_proxy.version_of = lambda: self.worker.version
         self.worker.sync_weights()  # the newest published version before the first lease
         self.watcher = watcher_from_config(cfg.fleet, worker_id).start()  # termination notices
         self.drainer = Drainer(cfg.fleet.drain_grace_s, keep_partial=cfg.fleet.keep_partial)
 
     def _pause_point(self) -> None:
+        if self._pause.is_set() and not self._stop.is_set():
+            self.worker.settle_deliveries()  # no delivery may be in flight while paused (checkpoints)
         while self._pause.is_set() and not self._stop.is_set():
             self._paused.set()
             time.sleep(0.01)
@@ -204,7 +181,7 @@ class RolloutWorkerActorImpl:
         try:
             while not self._stop.is_set() and not self.watcher.is_set():
                 self.worker.step()
-                if not self.worker.num_in_flight:
+                if not self.worker.num_in_flight:  # queue empty or gated; a delivery may be on its way
                     time.sleep(0.01)
             if self.watcher.is_set() and not self._stop.is_set():
                 reason, report = "drained", self.drainer.drain(self.worker, self.watcher.notice)
@@ -314,6 +291,8 @@ class RayFleet:
         self.manager.start()
         self._last_batch = time.perf_counter()
         self._next_check = 0.0
+        self._version = version  # the trainer's policy version, sent with each batch request
+        self._snapshot = None  # (QueueStats, BufferMetrics) of the last queue_stats() this step
 
     def check_fleet(self, *, force: bool = False) -> None:
         """Every ``fleet.check_every_s``: liveness and replacements (``FleetManager.check``), chaos faults.
@@ -345,30 +324,41 @@ class RayFleet:
         while True:
             self.check_fleet()
             try:
-                groups = ray.get(self.buffer.get.remote(n, timeout=self.cfg.fleet.check_every_s))
+                groups = ray.get(
+                    self.buffer.get.remote(n, timeout=self.cfg.fleet.check_every_s, version=self._version)
+                )
                 break
             except TimeoutError:  # Ray re-raises the actor's TimeoutError as a subclass of it
                 pass
         now = time.perf_counter()
         gen_s, self._last_batch = now - self._last_batch, now
+        self._snapshot = None
         return groups, gen_s, now - start
 
     def push_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Advance the staleness clock and offer the new weights via the object store."""
+        """Advance the staleness clock and offer the new weights via the object store.
+
+        The version goes to the exchange without waiting (workers' admissions see it a round trip
+        later); the next ``next_groups`` carries it too, so the trainer's batch is always taken at it.
+        """
         import ray
 
-        ray.get(self.buffer.set_version.remote(version))
-        ref = ray.put({k: v.detach().cpu().clone() for k, v in tensors.items()})
+        self._version, self._snapshot = version, None
+        self.buffer.set_version.remote(version)
+        ref = ray.put({k: v.detach().cpu() for k, v in tensors.items()})  # put serializes: a copy already
         for w in self.backend.alive_handles():
             w.offer_weights.remote(version, [ref])
 
     def requeue(self, task) -> None:
         """Hand a trained task back to the queue (its training was lost with a trainer restart)."""
+        self._snapshot = None
         __import__("ray").get(self.queue.call.remote("requeue", task))
 
     def fleet_values(self, batch_groups: int) -> dict:
         """The step's ``fleet/*`` metrics, with the scaling hint from queue and buffer depth."""
-        pending, depth = self.queue_stats().pending, self.buffer_metrics().depth
+        if self._snapshot is None:
+            self.queue_stats()
+        pending, depth = self._snapshot[0].pending, self._snapshot[1].depth
         self.manager.scaling_hint(queue_pending=pending, buffer_depth=depth, batch_groups=batch_groups)
         return self.manager.metrics().as_metrics()
 
@@ -398,10 +388,16 @@ class RayFleet:
         return self.manager.scale_to(num_workers)
 
     def queue_stats(self):
-        return __import__("ray").get(self.queue.call.remote("stats"))
+        """``TaskQueue.stats()``, read together with the buffer's metrics in one round trip; the pair is
+        kept for ``buffer_metrics``/``fleet_values`` until the fleet next takes a batch, publishes or requeues."""
+        self._snapshot = __import__("ray").get(self.buffer.snapshot.remote())
+        return self._snapshot[0]
 
     def buffer_metrics(self):
-        return __import__("ray").get(self.buffer.metrics.remote())
+        """``ExperienceBuffer.metrics()`` (from the ``queue_stats`` snapshot while it is current)."""
+        if self._snapshot is None:
+            self.queue_stats()
+        return self._snapshot[1]
 
     def async_worker_stats(self) -> list:
         """Object refs of each worker's ``WorkerStats``."""

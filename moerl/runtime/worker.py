@@ -5,10 +5,20 @@ mode: ``sync`` calls ``run(num_groups=...)`` in-process; ``async`` runs ``run()`
 (``moerl.runtime.actors``) with the queue and buffer behind actor proxies.
 
     loop: [new weight version? -> engine.update_weights]   (between scheduler steps only)
-          lease tasks while slots are free -> engine.add_request (one request = one group of n)
+          lease tasks in batches, up to the engine's slots plus ``rollout.lease_ahead_groups``
+              -> engine.add_request (one request = one group of n; the engine queues what does not fit)
           engine.step() -> completions; a group whose n samples are done is scored with the task's
-          reward, put in the buffer (which settles the lease in the queue: the ack), and forgotten
+          reward and goes to the outbox
+          deliver: the outbox goes to the buffer in one ``put_many`` (which settles each lease in the
+              queue: the ack); at most one delivery is outstanding
           heartbeat the leases every ttl / 3
+
+Round trips off the critical path (async mode): a buffer that offers ``put_many_async`` returns a
+``Pending`` call, and the worker keeps decoding while it runs; its outcome is collected at a later
+step (or waited for when there is nothing else to do), and the groups finished meanwhile go out
+together in the next delivery. Leasing ahead lets one (blocking) ``lease`` call fill several groups'
+slots and keeps the engine's queue non-empty, so lease round trips are rare. A local buffer (sync
+mode) answers at once, so the sync loop keeps its order: lease, step, deliver, every step.
 
 Interruption hooks for the fleet (drain on notice, requeue on loss): ``stop(drain=...)`` stops
 leasing; ``release_all()`` hands unfinished leases back to the queue.
@@ -26,55 +36,40 @@ import torch
 
 from moerl.config import RolloutConfig
 from moerl.rollout import Completion, Engine, InvalidRequestError, Request, SamplingParams
-from moerl.runtime.buffer import PutResult
+from moerl.runtime.buffer import BufferClosed, PutResult
 from moerl.runtime.drain import InFlightGroup, ResumePlan, group_progress
 from moerl.runtime.types import Group, Lease, Sample, Settlement
+from moerl.runtime.worker_local import LocalFleet, LocalWeights, StoreWeights  # noqa: F401 (re-exported)
 from moerl.tasks.base import stable_hash
 
 log = logging.getLogger(__name__)
+
+
+class Pending(Protocol):
+    """A call in progress (an actor call in async mode): ``done()`` never blocks, ``result()`` may."""
+
+    def done(self) -> bool: ...
+
+    def result(self): ...
+
+
+class Ready:
+    """A ``Pending`` that already has its result (a local call)."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self):
+        return self.value
 
 
 class WeightSource(Protocol):
     """Where a worker finds newer weights: returns ``(version, tensors)`` newer than ``version``, or None."""
 
     def poll(self, version: int) -> tuple[int, Mapping[str, torch.Tensor]] | None: ...
-
-
-class LocalWeights:
-    """In-process weight hand-off (sync mode): the trainer ``push``es, workers ``poll``."""
-
-    def __init__(self) -> None:
-        self.version = -1
-        self.tensors: Mapping[str, torch.Tensor] = {}
-
-    def push(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Offer ``tensors`` as ``version`` (copied by the engine on its next poll)."""
-        self.version, self.tensors = version, tensors
-
-    def poll(self, version: int) -> tuple[int, Mapping[str, torch.Tensor]] | None:
-        """The pushed weights if newer than ``version``."""
-        return (self.version, self.tensors) if self.version > version else None
-
-
-class StoreWeights:
-    """Polls a ``WeightStore`` for a newer complete version, at most once per ``interval_s``."""
-
-    def __init__(self, store, interval_s: float = 0.5) -> None:
-        self.store = store
-        self.interval_s = interval_s
-        self._next_check = 0.0
-
-    def poll(self, version: int) -> tuple[int, Mapping[str, torch.Tensor]] | None:
-        """The newest stored version's tensors if it is newer than ``version`` (checksums verified)."""
-        now = time.monotonic()
-        if now < self._next_check:
-            return None
-        self._next_check = now + self.interval_s
-        latest = self.store.latest()
-        if latest is None or latest.version <= version:
-            return None
-        loaded = self.store.load_latest()
-        return None if loaded is None else (loaded[0].version, loaded[1])
 
 
 def sample_seed(run_seed: int, task_id: str, attempt: int) -> int:
@@ -120,8 +115,9 @@ class RolloutWorker:
         task: the task (``reward(prompt_text, response_text, answer) -> Reward``, never raises).
         decode: token ids -> text (the tokenizer's ``decode``).
         queue: a ``TaskQueue`` or a proxy with its ``lease``/``heartbeat``/``release`` methods.
-        buffer: an ``ExperienceBuffer`` or a proxy with its ``put`` method.
-        cfg: rollout config (group size, sampling, slots).
+        buffer: an ``ExperienceBuffer``, or a proxy with ``put_many(groups, timeout)`` (blocking) and
+            optionally ``put_many_async(groups, timeout) -> Pending`` (delivery off the critical path).
+        cfg: rollout config (group size, sampling, slots, ``lease_ahead_groups``).
         stop_token_ids: generation ends after one of these (the tokenizer's eos).
         weights: where newer weights come from (polled between scheduler steps); None: never updated.
         run_seed: seeds each lease's sampling (``sample_seed``) so that sync runs are reproducible.
@@ -163,9 +159,13 @@ class RolloutWorker:
         self.put_timeout_s = put_timeout_s
         self.pause_point = pause_point
         self.max_groups_in_flight = max(1, engine.num_slots // cfg.group_size)
+        ahead = self.max_groups_in_flight if cfg.lease_ahead_groups is None else cfg.lease_ahead_groups
+        self.lease_ahead_groups = ahead
+        self.max_groups_held = self.max_groups_in_flight + ahead  # leased and not yet delivered
         self.stats = WorkerStats()
         self._in_flight: dict[str, _InFlight] = {}  # request id -> group (several ids for a resumed group)
-        self._delivering: list[_InFlight] = []
+        self._outbox: list[tuple[_InFlight, Group]] = []  # scored, not yet sent (or sent back: buffer full)
+        self._sending: tuple[Pending, list[tuple[_InFlight, Group]]] | None = None  # the outstanding put
         self._is_leasing = True
         self._is_stopping = False
         self._last_heartbeat = time.monotonic()
@@ -201,11 +201,17 @@ class RolloutWorker:
         )
 
     def _lease_more(self, budget: int | None) -> None:
-        """Lease tasks for free slots (at most ``budget`` more if given) and start their requests."""
-        free = self.max_groups_in_flight - self.num_in_flight
+        """Lease tasks for free room (at most ``budget`` more if given) and start their requests.
+
+        Room is ``max_groups_held`` minus the groups in flight and undelivered. With lease-ahead the
+        worker leases in batches: only once the engine's queue has run dry (room of at least
+        ``lease_ahead_groups``), or when it holds nothing, or to finish a ``budget``.
+        """
+        free = self.max_groups_held - self.num_in_flight - self.num_undelivered
+        wanted = max(1, self.lease_ahead_groups)
         if budget is not None:
-            free = min(free, budget)
-        if not self._is_leasing or free <= 0:
+            free, wanted = min(free, budget), min(wanted, budget)
+        if not self._is_leasing or free <= 0 or (free < wanted and self.num_in_flight):
             return
         for lease in self.queue.lease(self.worker_id, self.lease_ttl_s, free):
             request_id = f"{lease.task_id}#{lease.token}"
@@ -254,54 +260,98 @@ class RolloutWorker:
         self.stats.tokens_generated += sum(len(s.response_ids) for s in samples)
         return Group.from_lease(job.lease, samples, time.perf_counter() - job.started)
 
-    def _put_many(self, groups: list[Group]) -> list[PutResult | None]:
-        """Put groups in order; ``None`` for the first that timed out on a full buffer and all after it.
+    def _send(self, groups: list[Group]) -> Pending:
+        """Start one delivery of ``groups``; its result lists the buffer's decision per group in order,
+        ``None`` from the first that timed out on a full buffer on.
 
-        A buffer behind an actor offers ``put_many`` (one round trip for the lot); a local one is
-        called group by group.
+        A buffer behind an actor offers ``put_many_async`` (one round trip for the lot, not waited for)
+        or ``put_many``; a local one is called group by group.
         """
+        if hasattr(self.buffer, "put_many_async"):
+            return self.buffer.put_many_async(groups, timeout=self.put_timeout_s)
         if hasattr(self.buffer, "put_many"):
-            return self.buffer.put_many(groups, timeout=self.put_timeout_s)
+            return Ready(self.buffer.put_many(groups, timeout=self.put_timeout_s))
         results: list[PutResult | None] = []
         for group in groups:
             try:
                 results.append(self.buffer.put(group, trainer_version=None, timeout=self.put_timeout_s))
             except TimeoutError:
-                return results + [None] * (len(groups) - len(results))
-        return results
+                return Ready(results + [None] * (len(groups) - len(results)))
+        return Ready(results)
 
-    def _deliver(self, jobs: list[_InFlight]) -> list[PutResult]:
-        """Score finished groups and put them in the buffer, retrying while it is full.
+    def _collect(self, *, wait: bool) -> tuple[list[PutResult], bool]:
+        """Record the outstanding delivery's outcome if it is done (or wait for it).
 
-        Returns the buffer's decision for each delivered group. When the worker is stopping while
-        the buffer is full, the undelivered groups' leases are released (their tasks go back to the
-        queue).
+        Returns:
+            ``(decisions of the delivered groups, whether the buffer was full)``; groups that did not
+            fit go back to the front of the outbox. If the call raised (e.g. ``BufferClosed``), all
+            its groups go back to the outbox and the error propagates.
         """
-        pending = [(job, self._group_of(job)) for job in jobs]
+        if self._sending is None or not (wait or self._sending[0].done()):
+            return [], False
+        pending, items = self._sending
+        self._sending = None
+        try:
+            outcomes = pending.result()
+        except BaseException:
+            self._outbox[:0] = items
+            raise
+        delivered, retry = [], []
+        for item, result in zip(items, outcomes, strict=True):
+            if result is None:
+                retry.append(item)
+                continue
+            delivered.append(result)
+            self.stats.groups_put += 1
+            self.stats.groups_admitted += int(result == PutResult.ADMITTED)
+            self.stats.groups_refused += int(result == PutResult.REFUSED_STALE_TOKEN)
+        self._outbox[:0] = retry
+        return delivered, bool(retry)
+
+    def _must_wait(self) -> bool:
+        """Nothing to decode and no room to lease meanwhile (or not leasing any more)."""
+        return not self._in_flight and (not self._is_leasing or self.num_undelivered >= self.max_groups_held)
+
+    def _deliver(self) -> list[PutResult]:
+        """Collect the outstanding delivery, then send the outbox (one delivery at a time).
+
+        Returns as soon as a delivery is outstanding, unless the worker has nothing else to do
+        (``_must_wait``): then it waits until the outbox is in the buffer. A local buffer answers at
+        once, so there every group is delivered before this returns.
+
+        Returns:
+            The buffer's decision for each group delivered by this call. While the buffer is full the
+            leases are kept alive by heartbeats; when the worker is stopping, the undelivered groups'
+            leases are released instead (their tasks go back to the queue).
+        """
         delivered: list[PutResult] = []
-        while pending:
-            outcomes = self._put_many([group for _, group in pending])
-            for result in outcomes:
-                if result is not None:
-                    delivered.append(result)
-                    self.stats.groups_put += 1
-                    self.stats.groups_admitted += int(result == PutResult.ADMITTED)
-                    self.stats.groups_refused += int(result == PutResult.REFUSED_STALE_TOKEN)
-            pending = [item for item, result in zip(pending, outcomes, strict=True) if result is None]
-            if pending:  # backpressure: keep the leases alive while waiting
+        while True:
+            done, is_full = self._collect(wait=self._must_wait())
+            delivered += done
+            if is_full:  # backpressure
                 if self._is_stopping:  # nobody will drain the buffer: hand the tasks back
-                    for job, _ in pending:
+                    for job, _ in self._outbox:
                         self.queue.release(job.lease)
-                    break
+                    self._outbox = []
+                    return delivered
                 self.heartbeat(force=True)
                 if self.pause_point is not None:
                     self.pause_point()
-        return delivered
+            if self._sending is not None or not self._outbox:
+                return delivered
+            items, self._outbox = self._outbox, []
+            self._sending = (self._send([group for _, group in items]), items)
+
+    def settle_deliveries(self) -> list[PutResult]:
+        """Wait for the outstanding delivery, without sending more: afterwards no group is half-delivered
+        (the buffer holds it, or the worker does). For pauses (checkpoints) and shutdown."""
+        return self._collect(wait=True)[0]
 
     def heartbeat(self, *, force: bool = False) -> None:
         """Renew this worker's leases every ttl / 3 (or now with ``force``)."""
         now = time.monotonic()
-        if self._in_flight and (force or now - self._last_heartbeat >= self.lease_ttl_s / 3):
+        held = self._in_flight or self.num_undelivered  # undelivered groups' leases must live on too
+        if held and (force or now - self._last_heartbeat >= self.lease_ttl_s / 3):
             self.queue.heartbeat(self.worker_id)
             self._last_heartbeat = now
 
@@ -318,22 +368,21 @@ class RolloutWorker:
             self.pause_point()
         self.sync_weights()
         self._lease_more(budget)
-        if not self._in_flight:
-            return []
-        finished = [job for job in self._jobs() if len(job.completions) == job.lease.task.num_samples]
-        for c in self.engine.step():
-            job = self._in_flight.get(c.request_id)
-            if job is None:  # its group was abandoned by a drain: the tokens are discarded
-                continue
-            job.completions.append(job.plan.complete(c) if job.plan is not None else c)
-            if len(job.completions) == job.lease.task.num_samples:
-                finished.append(job)
-        for job in finished:
-            for rid in job.request_ids:
-                del self._in_flight[rid]
-        self._delivering = finished  # generated, not yet in the buffer: lost if the worker dies now
-        results = self._deliver(finished) if finished else []
-        self._delivering = []
+        if self._in_flight:
+            finished = [job for job in self._jobs() if len(job.completions) == job.lease.task.num_samples]
+            for c in self.engine.step():
+                job = self._in_flight.get(c.request_id)
+                if job is None:  # its group was abandoned by a drain: the tokens are discarded
+                    continue
+                job.completions.append(job.plan.complete(c) if job.plan is not None else c)
+                if len(job.completions) == job.lease.task.num_samples:
+                    finished.append(job)
+            for job in finished:
+                for rid in job.request_ids:
+                    del self._in_flight[rid]
+            # generated, not yet in the buffer: lost if the worker dies now (their leases expire)
+            self._outbox += [(job, self._group_of(job)) for job in finished]
+        results = self._deliver() if self.num_undelivered else []
         self.heartbeat()
         return results
 
@@ -347,7 +396,8 @@ class RolloutWorker:
         for seq in list(self.engine.scheduler.running):
             running.setdefault(seq.request.request_id, []).append(seq)
         out = [
-            group_progress(job.lease, list(job.completions), [], max_new_tokens=0) for job in self._delivering
+            group_progress(job.lease, list(job.completions), [], max_new_tokens=0)
+            for job in self._undelivered_jobs()
         ]
         for job in self._jobs():
             seqs = [seq for rid in job.request_ids for seq in running.get(rid, [])]
@@ -403,94 +453,30 @@ class RolloutWorker:
         self._is_stopping = True
 
     def release_all(self) -> int:
-        """Hand every unfinished lease back to the queue and abandon its work; returns how many."""
-        released = sum(bool(self.queue.release(job.lease)) for job in self._jobs())
+        """Hand every unfinished or undelivered lease back to the queue and abandon its work; returns
+        how many. The outstanding delivery is waited for first (its groups may be in the buffer now)."""
+        try:
+            self.settle_deliveries()
+        except BufferClosed:  # the run is over: its groups are released below
+            pass
+        jobs = self._jobs() + [job for job, _ in self._outbox]
+        released = sum(bool(self.queue.release(job.lease)) for job in jobs)
         self._in_flight.clear()
+        self._outbox = []
         return released
+
+    def _undelivered_jobs(self) -> list[_InFlight]:
+        """Finished groups not yet in the buffer: the outbox and the outstanding delivery (copies:
+        safe to call from another thread)."""
+        sending = self._sending
+        return [job for job, _ in list(self._outbox) + (list(sending[1]) if sending else [])]
 
     @property
     def num_in_flight(self) -> int:
-        """Groups being generated."""
+        """Groups being generated (running or queued in the engine)."""
         return len(self._jobs())
 
-
-class LocalFleet:
-    """The sync-mode runtime: queue, buffer and one worker in this process, generate-then-train.
-
-    ``next_groups(n)`` has the worker generate exactly ``n`` groups at the current weights and takes
-    them from the buffer (max_staleness 0: on-policy). The async counterpart is
-    ``moerl.runtime.actors.RayFleet``; both offer ``next_groups``, ``push_weights``, ``queue_stats``,
-    ``buffer_metrics``, ``state_dict``/``load_state_dict``, ``worker_stats`` and ``close``.
-    """
-
-    def __init__(self, queue, buffer, worker: RolloutWorker, weights: LocalWeights):
-        self.queue, self.buffer, self.worker, self.weights = queue, buffer, worker, weights
-
-    def next_groups(self, n: int) -> tuple[list[Group], float, float]:
-        """Generate ``n`` groups and take them from the buffer.
-
-        Returns:
-            ``(groups, generation seconds, wait seconds)``; the wait is 0 in sync mode.
-        """
-        start = time.perf_counter()
-        while self.buffer.metrics().depth < n:
-            self.worker.run(num_groups=n - self.buffer.metrics().depth)
-        gen_s = time.perf_counter() - start
-        return self.buffer.get(n, timeout=0), gen_s, 0.0
-
-    def push_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Hand the trainer's new weights to the worker and advance the staleness clock."""
-        self.weights.push(version, tensors)
-        self.buffer.set_version(version)
-
-    def queue_stats(self):
-        """``TaskQueue.stats()``."""
-        return self.queue.stats()
-
-    def buffer_metrics(self):
-        """``ExperienceBuffer.metrics()``."""
-        return self.buffer.metrics()
-
-    def worker_stats(self) -> list[WorkerStats]:
-        """Counters of every worker."""
-        return [self.worker.stats]
-
-    def requeue(self, task) -> None:
-        """Hand a trained task back to the queue (its training was lost with a trainer restart)."""
-        self.queue.requeue(task)
-
-    def fleet_values(self, batch_groups: int) -> dict:
-        """The step's ``fleet/*`` metrics: one in-process worker, never interrupted."""
-        never = dict.fromkeys(
-            ("fleet/interruptions", "fleet/drained", "fleet/killed", "fleet/lost_work_frac"), 0
-        )
-        return {**never, "fleet/workers_alive": 1, "fleet/desired_workers": 1}
-
-    def fleet_summary(self) -> dict:
-        """Fleet figures for ``summary.json`` (nothing to report in-process)."""
-        return {}
-
-    def state_dict(self) -> dict:
-        """Queue and buffer state (the worker is idle between sync steps)."""
-        return {"queue": self.queue.state_dict(), "buffer": self.buffer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict`` into the fresh queue and buffer."""
-        self.queue.load_state_dict(state["queue"])
-        self.buffer.load_state_dict(state["buffer"])
-
-    def final_state(self):
-        """``FleetState`` for the run's accounting."""
-        from moerl.runtime.setup import FleetState
-
-        queue_state, buffer_state = self.queue.state_dict(), self.buffer.state_dict()
-        return FleetState(
-            queue=self.queue.stats(),
-            buffer=self.buffer.metrics(),
-            queued_task_ids=tuple(t["task_id"] for t in queue_state["tasks"]),
-            buffered_task_ids=tuple(g["task"]["task_id"] for g in buffer_state["groups"]),
-            reward_errors=self.worker.stats.reward_errors,
-        )
-
-    def close(self) -> None:
-        """Nothing to stop in-process."""
+    @property
+    def num_undelivered(self) -> int:
+        """Finished groups not yet in the buffer."""
+        return len(self._outbox) + (len(self._sending[1]) if self._sending else 0)

@@ -14,7 +14,14 @@ from moerl.tasks.sft import read_summary
 DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 # The default model and code path, on a smaller problem space (1-digit operands) and 200 steps so
 # that the run is short; the full default run is measured in the issue report.
-SHORT = ["task.min_digits=1", "task.max_digits=1", "task.num_eval=50", "sft.steps=200", "sft.lr=5e-3", "sft.num_examples=4000"]
+SHORT = [
+    "task.min_digits=1",
+    "task.max_digits=1",
+    "task.num_eval=50",
+    "sft.steps=200",
+    "sft.lr=5e-3",
+    "sft.num_examples=4000",
+]
 
 
 @pytest.fixture(scope="module")

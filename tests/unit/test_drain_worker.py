@@ -21,8 +21,14 @@ class OneTask:
         return Reward(float(response_text.startswith(answer)), {})
 
 
-def _worker(queue, buffer, model, worker_id):
-    cfg = RolloutConfig(group_size=3, max_new_tokens=MAX_NEW, max_slots=6, kv_token_budget=6 * 64)
+def _worker(queue, buffer, model, worker_id, lease_ahead=0):
+    cfg = RolloutConfig(
+        group_size=3,
+        max_new_tokens=MAX_NEW,
+        max_slots=6,
+        kv_token_budget=6 * 64,
+        lease_ahead_groups=lease_ahead,
+    )
     engine = Engine(model, max_slots=cfg.max_slots, kv_token_budget=cfg.kv_token_budget)
     # no stop token: every response runs to MAX_NEW tokens, so progress is predictable
     return RolloutWorker(
@@ -67,6 +73,16 @@ def test_progress_and_zero_grace_release(setup):
     assert worker.num_in_flight == 0 and queue.stats().released == 2 and queue.stats().outstanding == 0
     assert worker.step() == []  # no new lease after a drain; leftover engine work is ignored
     assert worker.stats.groups_put == 0
+
+
+def test_zero_grace_also_releases_groups_leased_ahead(setup):
+    model, queue, buffer = setup
+    worker = _worker(queue, buffer, model, "w0", lease_ahead=2)
+    worker.step()  # 2 groups running in the 6 slots, 2 more queued in the engine
+    assert worker.num_in_flight == 4 and queue.stats().outstanding == 4
+    assert sorted(g.num_tokens for g in worker.in_flight()) == [0, 0, 6, 6]  # prefill + 1 decode each
+    report = Drainer(0.0).drain(worker)
+    assert report.groups_released == 4 and queue.stats().released == 4 and queue.stats().outstanding == 0
 
 
 def test_generous_grace_delivers_everything(setup):
