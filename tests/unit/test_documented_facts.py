@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from _tiny import tiny_model_config
 from test_drain import Clock, ScriptedWorker, _queue
 from test_worker import TOK, CountTask, _prompts
 
-from moerl.config import ModelConfig, RolloutConfig
+from moerl.config import RolloutConfig
 from moerl.models import build_model
 from moerl.rollout import Engine
 from moerl.runtime.buffer import ExperienceBuffer
@@ -18,16 +19,7 @@ from moerl.runtime.worker import RolloutWorker
 
 def test_sample_routed_experts_has_one_row_per_fed_token():
     """``Sample.routed_experts``: [P + R - 1, L_moe, k] (the last response token is never fed)."""
-    model_cfg = ModelConfig(
-        hidden_size=16,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        num_experts=4,
-        top_k=2,
-        moe_intermediate_size=8,
-    )
+    model_cfg = tiny_model_config(num_layers=2)
     model = build_model(model_cfg, TOK.vocab_size)
     queue = TaskQueue(_prompts(["1+1=", "22+3="]), num_samples=2, tokenize=TOK.encode)
     buffer = ExperienceBuffer(4, max_staleness=0, settle=queue.settle, requeue=queue.requeue)

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from _tiny import tiny_model
 
-from moerl.config import ModelConfig, RolloutConfig
-from moerl.models import build_model
+from moerl.config import RolloutConfig
 from moerl.rollout import Engine
 from moerl.runtime.buffer import ExperienceBuffer
 from moerl.runtime.drain import Drainer
@@ -39,19 +39,7 @@ def _worker(queue, buffer, model, worker_id, lease_ahead=0):
 @pytest.fixture
 def setup():
     torch.manual_seed(0)
-    model = build_model(
-        ModelConfig(
-            hidden_size=16,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=8,
-            num_experts=4,
-            top_k=2,
-            moe_intermediate_size=8,
-        ),
-        TOK.vocab_size,
-    )
+    model = tiny_model(TOK.vocab_size)
     prompts = (Prompt(id=f"p{i}", text=f"{i}+{i}=", answer=str(2 * i)) for i in range(20))
     queue = TaskQueue(prompts, num_samples=3, tokenize=TOK.encode)
     buffer = ExperienceBuffer(16, max_staleness=0, settle=queue.settle, requeue=queue.requeue)

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from _tiny import tiny_model
 
-from moerl.config import AlgorithmConfig, ConfigError, ModelConfig, TrainerConfig
-from moerl.models import build_model
+from moerl.config import AlgorithmConfig, ConfigError, TrainerConfig
 from moerl.runtime.checkpoint import load_checkpoint
 from moerl.runtime.trainer import NonFiniteLossError, Trainer, build_train_batch, expert_load_cv
 from moerl.runtime.types import Group, Lease, RolloutTask, Sample
@@ -16,18 +16,7 @@ PAD = 0
 
 
 def _model():
-    cfg = ModelConfig(
-        hidden_size=16,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        num_experts=4,
-        top_k=2,
-        moe_intermediate_size=8,
-        max_position_embeddings=64,
-    )
-    return build_model(cfg, VOCAB)
+    return tiny_model(VOCAB, max_position_embeddings=64)
 
 
 def _group(task_id, prompt, responses, rewards, token=1, version=0):

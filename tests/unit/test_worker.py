@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from _tiny import tiny_model
 
-from moerl.config import ModelConfig, RolloutConfig
-from moerl.models import build_model
+from moerl.config import RolloutConfig
 from moerl.rollout import Engine
 from moerl.runtime.buffer import ExperienceBuffer
 from moerl.runtime.queue import TaskQueue
@@ -29,19 +29,7 @@ def _prompts(texts):
 
 
 def _setup(texts, *, clock=None, group_size=3, weights=None):
-    model = build_model(
-        ModelConfig(
-            hidden_size=16,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=8,
-            num_experts=4,
-            top_k=2,
-            moe_intermediate_size=8,
-        ),
-        TOK.vocab_size,
-    )
+    model = tiny_model(TOK.vocab_size)
     queue = TaskQueue(
         _prompts(texts), num_samples=group_size, tokenize=TOK.encode, **({"clock": clock} if clock else {})
     )

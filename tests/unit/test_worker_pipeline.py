@@ -6,9 +6,9 @@ The worker talks to a real queue and buffer through wrappers that behave like th
 
 import pytest
 import torch
+from _tiny import tiny_model
 
-from moerl.config import ModelConfig, RolloutConfig, load_config
-from moerl.models import build_model
+from moerl.config import RolloutConfig, load_config
 from moerl.rollout import Engine
 from moerl.runtime.buffer import BufferClosed, ExperienceBuffer, PutResult
 from moerl.runtime.exchange import ExchangeActorImpl, rollout_allowance
@@ -85,19 +85,7 @@ class CountingQueue:
 
 def _setup(*, lease_ahead=None, capacity=16, async_buffer=False, num_prompts=40):
     torch.manual_seed(0)
-    model = build_model(
-        ModelConfig(
-            hidden_size=16,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=8,
-            num_experts=4,
-            top_k=2,
-            moe_intermediate_size=8,
-        ),
-        TOK.vocab_size,
-    )
+    model = tiny_model(TOK.vocab_size)
     prompts = (Prompt(id=f"p{i}", text=f"{i}+1=", answer="1") for i in range(num_prompts))
     queue = TaskQueue(prompts, num_samples=3, tokenize=TOK.encode)
     buffer = ExperienceBuffer(capacity, max_staleness=0, settle=queue.settle, requeue=queue.requeue)
