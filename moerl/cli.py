@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         # user mistakes (missing config, not a run folder, unwritable output): one line, no traceback
         print(f"moerl: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        hint = "; continue with: moerl train --resume RUN_DIR" if args.command == "train" else ""
+    except KeyboardInterrupt as e:
+        run_dir = getattr(e, "run_dir", None)
+        hint = f"; continue with: moerl train --resume {run_dir}" if run_dir else ""
         print(f"moerl: interrupted{hint}", file=sys.stderr)
         return 130
 

@@ -240,6 +240,8 @@ def save_pretrained(
         cfg = model.config.to_hf_dict()
         cfg["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        for f in tmp.iterdir():  # shared outputs: readable by all, whatever the writer's umask
+            f.chmod(0o644)
         old = None
         if folder.exists():
             old = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"

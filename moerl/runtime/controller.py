@@ -11,6 +11,7 @@ trainer only through the bounded buffer, the queue and the weight store). Everyt
 from __future__ import annotations
 
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -45,8 +46,12 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
         ConfigError: an invalid combination of settings, or a weight store URL that cannot be written.
     """
     run = RunDir.create(cfg)
-    with run.discarded_on_early_failure():  # a failure before step 1 leaves no half-written folder
-        return _run(cfg, run, checkpoint=None, live=live)
+    try:
+        with run.discarded_on_early_failure():  # a failure before step 1 leaves no half-written folder
+            return _run(cfg, run, checkpoint=None, live=live)
+    except KeyboardInterrupt as e:
+        e.run_dir = _resumable(run.path)  # for the CLI's hint
+        raise
 
 
 def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: bool = True) -> dict:
@@ -61,7 +66,36 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
     ckpt = latest_checkpoint(run.path)
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint to resume from")
-    return _run(load_config(run.config, overrides), run, checkpoint=ckpt, live=live)
+    cfg = load_config(run.config, overrides)
+    done = run.read_summary()
+    if done and done.get("status") == "completed" and done.get("steps", 0) >= cfg.trainer.steps:
+        print(f"{run_dir} is already complete ({done['steps']} steps); raise trainer.steps to continue it")
+        return done
+    try:
+        return _run(cfg, run, checkpoint=ckpt, live=live)
+    except KeyboardInterrupt as e:
+        e.run_dir = _resumable(run.path)
+        raise
+
+
+def _resumable(path: Path) -> Path | None:
+    """``path`` if it holds a checkpoint that ``resume`` can continue from, else ``None``."""
+    return path if path.is_dir() and latest_checkpoint(path) is not None else None
+
+
+def export_policy(model: torch.nn.Module, tokenizer, folder: Path) -> Path:
+    """Save the policy as a Hugging Face folder with its tokenizer (what ``moerl generate`` and
+    transformers load), replacing ``folder``; readers see the old folder, none, or the complete new one.
+    """
+    from moerl.models import save_pretrained
+
+    tmp = folder.with_name(f".{folder.name}.export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(model, tmp)
+    tokenizer.save(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
 
 
 def _seed_everything(seed: int) -> None:
@@ -164,6 +198,7 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
     fleet.close()
     view.close()
     summary = {**_summary(cfg, run, trainer, state, fleet_state, stop_reason), "fleet": fleet_summary}
+    summary["policy"] = str(export_policy(trainer.model, comp.tokenizer, run.path / "policy"))
     summary["process_wall_s"] = time.perf_counter() - process_start  # this process: warm start + evals + RL
     run.write_summary(summary)
     if run.metrics.exists():

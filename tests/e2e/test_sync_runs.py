@@ -127,3 +127,57 @@ def test_nan_loss_steps_are_skipped_then_the_run_stops(tmp_path, tiny_init, monk
     store = WeightStore(str(run.weights))
     for version in store.versions():
         store.load(version)  # checks every file's sha256
+
+
+def test_finished_run_exports_its_policy_and_a_second_resume_changes_nothing(tmp_path, tiny_init):
+    from moerl.models import from_pretrained
+
+    summary, run = _run(short_config(tmp_path, tiny_init, "trainer.steps=2", "trainer.checkpoint_every=2"))
+    policy = Path(summary["policy"])
+    assert policy == run.path / "policy" and (policy / "tokenizer.json").is_file()
+    exported = from_pretrained(policy).state_dict()
+    stored = WeightStore(str(run.weights)).load_latest()[1]  # the trainer's last published weights
+    assert all(torch.equal(exported[k], stored[k]) for k in stored)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "12+34="}\n')
+    out = tmp_path / "o.jsonl"
+    assert cli_main(["generate", "--model", str(policy), "--prompts", str(prompts), "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 1
+    before = run.summary.read_text()
+    assert resume(run.path, live=False) == json.loads(before)  # already complete: nothing runs
+    assert run.summary.read_text() == before
+
+
+def test_interrupt_names_the_run_to_resume_only_when_it_can_be_resumed(tmp_path, tiny_init, monkeypatch):
+    from moerl.runtime.trainer import Trainer
+
+    real_step = Trainer.train_step
+
+    def step_then_interrupt(self, batch):
+        if self.step == 2:
+            raise KeyboardInterrupt
+        return real_step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_interrupt)
+    cfg = short_config(tmp_path / "a", tiny_init, "trainer.steps=4", "trainer.checkpoint_every=2")
+    with pytest.raises(KeyboardInterrupt) as info:
+        train(cfg, live=False)
+    (run_path,) = Path(cfg.output_dir).glob("run-*")
+    assert info.value.run_dir == run_path and list_checkpoints(run_path)[0][0] == 2
+    cfg = short_config(tmp_path / "b", tiny_init, "trainer.steps=4", "trainer.checkpoint_every=0")
+    with pytest.raises(KeyboardInterrupt) as info:
+        train(cfg, live=False)
+    assert info.value.run_dir is None  # two steps were recorded but no checkpoint: nothing to resume
+
+
+def test_cli_interrupt_hint_names_the_real_folder(monkeypatch, capsys, tmp_path):
+    import moerl.runtime.controller as controller
+
+    def interrupted(cfg, live=True):
+        e = KeyboardInterrupt()
+        e.run_dir = tmp_path / "runs" / "default-1"
+        raise e
+
+    monkeypatch.setattr(controller, "train", interrupted)
+    assert cli_main(["train", "--set", f"output_dir={tmp_path}"]) == 130
+    assert f"moerl train --resume {tmp_path / 'runs' / 'default-1'}" in capsys.readouterr().err
