@@ -53,8 +53,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     from moerl.tasks.sft import run_sft
+    from moerl.telemetry.live import LiveView
 
-    run_sft(_config(args), out_dir=args.out)
+    cfg = _config(args)
+    view = LiveView(cfg.sft.steps)
+    try:
+        run_sft(cfg, out_dir=args.out, progress=view.warm_start_progress)
+    finally:
+        view.close()
     return 0
 
 
@@ -130,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
         # user mistakes (missing config, not a run folder, unwritable output): one line, no traceback
-        print(f"moerl: {e}", file=sys.stderr)
+        message = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+        print(f"moerl: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         run_dir = getattr(e, "run_dir", None)
