@@ -296,7 +296,8 @@ class TrainerConfig:
     """Linear warm-up steps, then ``lr_schedule``."""
     lr_schedule: str = "constant"
     """After warm-up: ``constant`` peak LR, or ``cosine`` decay from the peak to ``0.1 x lr`` at
-    ``steps`` (Loshchilov & Hutter 2017, SGDR eq. 5, one cycle)."""
+    ``steps`` (Loshchilov & Hutter 2017, SGDR eq. 5, one cycle). The cosine is laid over ``steps``: a
+    resume that raises ``steps`` stretches the rest of the decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables."""
     aux_loss_coef: float = 0.0
