@@ -40,7 +40,7 @@ from collections.abc import Mapping
 
 import torch
 
-from moerl.config import RunConfig
+from moerl.config import ConfigError, RunConfig
 from moerl.runtime.buffer import BufferClosed
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.drain import Drainer
@@ -236,6 +236,27 @@ def _labels(name: str) -> dict[str, float]:
     import ray
 
     return {name: 0.001} if name in ray.cluster_resources() else {}
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on a Ray address whose head cannot be reached (``ray.init`` would retry for minutes).
+
+    ``host:port`` and ``ray://host:port`` are probed with one TCP connection; other forms (``auto``,
+    ``local``) are left to Ray.
+
+    Raises:
+        ConfigError: the address is malformed or nothing accepts a connection there within ``timeout_s``.
+    """
+    target = address.removeprefix("ray://")
+    if address in ("auto", "local") or ":" not in target:
+        return
+    host, _, port = target.rpartition(":")
+    if not port.isdigit():
+        raise ConfigError(f"runtime.ray_address={address!r}: expected host:port")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"runtime.ray_address={address!r}: cannot reach {host}:{port} ({e})") from e
 
 
 class RayFleet:

@@ -112,6 +112,10 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
         store = WeightStore(cfg.runtime.store_url or str(run.weights), keep=cfg.runtime.keep_versions)
     except StoreNotWritableError as e:
         raise ConfigError(f"runtime.store_url: {e}") from e
+    if cfg.runtime.mode == "async" and cfg.runtime.ray_address:  # before the warm start, not after
+        from moerl.runtime.actors import check_ray_address
+
+        check_ray_address(cfg.runtime.ray_address)
     init_path = warm_start(cfg, run, view)
     parts = load_checkpoint(checkpoint) if checkpoint is not None else None
     comp: Components = build_components(cfg, init_path, store)

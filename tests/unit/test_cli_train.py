@@ -6,6 +6,7 @@ import pytest
 
 import moerl.runtime.controller as controller
 from moerl.cli import main
+from moerl.config import ConfigError
 
 
 @pytest.fixture
@@ -42,3 +43,22 @@ def test_resume_honours_ray_address(calls):
 def test_bad_override_is_a_config_error_before_any_run(calls, capsys):
     assert main(["train", "--set", "trainer.lr=-1"]) == 2
     assert "config error" in capsys.readouterr().err and "cfg" not in calls
+
+
+def test_unreachable_ray_address_fails_fast_with_one_line(tmp_path, capsys):
+    import socket
+
+    from moerl.runtime.actors import check_ray_address
+
+    with pytest.raises(ConfigError, match="cannot reach 127.0.0.1:1"):
+        check_ray_address("127.0.0.1:1", timeout_s=2.0)
+    with pytest.raises(ConfigError, match="expected host:port"):
+        check_ray_address("ray://head:port")
+    check_ray_address("auto")  # left to Ray
+    with socket.socket() as listener:  # something listening: accepted
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        check_ray_address(f"127.0.0.1:{listener.getsockname()[1]}")
+    assert main(["train", "--ray-address", "127.0.0.1:1", "--set", f"output_dir={tmp_path}"]) == 2
+    assert "cannot reach 127.0.0.1:1" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # failed before the warm start; no run folder left
