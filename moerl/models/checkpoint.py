@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -205,13 +206,19 @@ def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict
 
 
 def save_pretrained(
-    model: MoeForCausalLM, path: str | os.PathLike[str], *, max_shard_bytes: int = 5 * 2**30
+    model: MoeForCausalLM,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    extra: Callable[[Path], None] | None = None,
 ) -> None:
     """Write a Hugging Face folder (config.json + safetensors) that transformers loads, atomically.
 
     Everything is written to a temporary sibling folder that is then renamed onto ``path`` (an existing
     folder at ``path`` is replaced). More than ``max_shard_bytes`` of weights are split into
-    ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json``.
+    ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json``. ``extra(folder)``
+    writes more files into the temporary folder before the rename (e.g. ``Tokenizer.save``), so that
+    readers never see the weights without them.
 
     Raises:
         TypeError: ``model`` is not a ``MoeForCausalLM`` (nothing is written).
@@ -240,8 +247,11 @@ def save_pretrained(
         cfg = model.config.to_hf_dict()
         cfg["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        if extra is not None:
+            extra(tmp)
         for f in tmp.iterdir():  # shared outputs: readable by all, whatever the writer's umask
-            f.chmod(0o644)
+            if f.is_file():
+                f.chmod(0o644)
         old = None
         if folder.exists():
             old = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"

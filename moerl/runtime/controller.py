@@ -11,7 +11,6 @@ trainer only through the bounded buffer, the queue and the weight store). Everyt
 from __future__ import annotations
 
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -85,16 +84,10 @@ def _resumable(path: Path) -> Path | None:
 
 def export_policy(model: torch.nn.Module, tokenizer, folder: Path) -> Path:
     """Save the policy as a Hugging Face folder with its tokenizer (what ``moerl generate`` and
-    transformers load), replacing ``folder``; readers see the old folder, none, or the complete new one.
-    """
+    transformers load), replacing ``folder`` atomically (``save_pretrained``)."""
     from moerl.models import save_pretrained
 
-    tmp = folder.with_name(f".{folder.name}.export")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model, tmp)
-    tokenizer.save(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    save_pretrained(model, folder, extra=tokenizer.save)
     return folder
 
 
@@ -119,13 +112,7 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
     init_path = warm_start(cfg, run, view)
     parts = load_checkpoint(checkpoint) if checkpoint is not None else None
     comp: Components = build_components(cfg, init_path, store)
-    trainer = Trainer(
-        comp.model,
-        cfg.trainer,
-        cfg.algorithm,
-        temperature=cfg.rollout.temperature,
-        norm_length=cfg.algorithm.norm_length or cfg.rollout.max_new_tokens,
-    )
+    trainer = Trainer.from_run_config(comp.model, cfg)
     if parts is None:
         trainer.publish(store)  # version 0: what the workers start from
         acc = evaluate(comp)

@@ -142,13 +142,7 @@ def recover_trainer(
     with torch.no_grad():  # the dead trainer's weights are gone with it
         for p in comp.model.parameters():
             p.fill_(float("nan"))
-    trainer = Trainer(
-        comp.model,
-        cfg.trainer,
-        cfg.algorithm,
-        temperature=cfg.rollout.temperature,
-        norm_length=cfg.algorithm.norm_length or cfg.rollout.max_new_tokens,
-    )
+    trainer = Trainer.from_run_config(comp.model, cfg)
 
     def load() -> int:
         ckpt = latest_checkpoint(run.path)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from moerl.config import AlgorithmConfig, ConfigError, TrainerConfig
+from moerl.config import AlgorithmConfig, ConfigError, RunConfig, TrainerConfig
 from moerl.rl import (
     entropy_from_logits,
     group_advantages,
@@ -277,6 +277,18 @@ class Trainer:
         self.num_skipped = 0
         self.device = next(model.parameters()).device
         self.num_experts = int(getattr(getattr(model, "config", None), "num_experts", 0) or 0)
+
+    @classmethod
+    def from_run_config(cls, model: torch.nn.Module, cfg: RunConfig) -> Trainer:
+        """The run's trainer: ``cfg.trainer`` and ``cfg.algorithm``, log-probs at the rollout temperature,
+        length normalization over ``algorithm.norm_length`` or else ``rollout.max_new_tokens``."""
+        return cls(
+            model,
+            cfg.trainer,
+            cfg.algorithm,
+            temperature=cfg.rollout.temperature,
+            norm_length=cfg.algorithm.norm_length or cfg.rollout.max_new_tokens,
+        )
 
     @property
     def version(self) -> int:

@@ -221,8 +221,7 @@ def run_sft(
     train_seconds = time.perf_counter() - t0
     after = evaluate(model, tokenizer, task, held_out, **eval_kwargs).accuracy
     out = Path(out_dir)
-    save_pretrained(model, out)
-    tokenizer.save(out)
+    save_pretrained(model, out, extra=tokenizer.save)
     summary = SFTSummary(
         accuracy_before=before,
         accuracy_after=after,

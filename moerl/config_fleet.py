@@ -1,0 +1,83 @@
+"""Config of the interruption-tolerant rollout fleet and of its fault injection (``fleet:`` and
+``chaos:`` in a run config); re-exported by ``moerl.config``, which composes them into ``RunConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moerl.configlib import ConfigError, check_range
+
+
+@dataclass(kw_only=True, slots=True)
+class FleetConfig:
+    """The elastic, interruption-tolerant rollout fleet (``moerl.runtime.fleet``, ``notice``, ``drain``)."""
+
+    min_workers: int = 1
+    """Fewest rollout workers; the controller replaces dead workers to stay at or above this."""
+    max_workers: int | None = None
+    """Most rollout workers (admitted mid-run up to this); ``None``: ``rollout.num_workers``."""
+    replace_dead: bool = True
+    """Start a replacement for each worker that dies or drains (up to ``rollout.num_workers``)."""
+    heartbeat_timeout_s: float = 30.0
+    """A worker that answers no liveness ping for this many seconds is declared lost and replaced."""
+    check_every_s: float = 1.0
+    """Seconds between the controller's fleet checks (liveness, replacement, chaos)."""
+    drain_grace_s: float = 90.0
+    """Seconds a worker has after a termination notice to finish in-flight groups before it releases the rest."""
+    keep_partial: bool = False
+    """On drain, hand the generated token prefixes back with the task so the next worker continues them
+    (else they are discarded and counted as lost work)."""
+    handle_sigterm: bool = True
+    """Treat SIGTERM to a worker process as a termination notice (where a handler can be installed)."""
+    notice_file: str | None = None
+    """File whose appearance is a termination notice; ``{worker_id}`` is replaced by the worker's id.
+    ``None``: ``RUN_DIR/notices/{worker_id}.json`` in async mode."""
+    notice_url: str | None = None
+    """HTTP endpoint polled for a spot ``instance-action`` document (e.g.
+    ``http://169.254.169.254/latest/meta-data/spot/instance-action``); 404 means no notice."""
+    notice_poll_s: float = 5.0
+    """Seconds between polls of ``notice_file`` / ``notice_url``."""
+
+    def __post_init__(self) -> None:
+        check_range("fleet.min_workers", self.min_workers, 0)
+        if self.max_workers is not None:
+            check_range("fleet.max_workers", self.max_workers, max(self.min_workers, 1))
+        check_range("fleet.heartbeat_timeout_s", self.heartbeat_timeout_s, 0.0, lo_open=True)
+        check_range("fleet.check_every_s", self.check_every_s, 0.0, lo_open=True)
+        check_range("fleet.drain_grace_s", self.drain_grace_s, 0.0)
+        check_range("fleet.notice_poll_s", self.notice_poll_s, 0.0, lo_open=True)
+        if self.notice_url is not None and not self.notice_url.startswith(("http://", "https://")):
+            raise ConfigError(f"fleet.notice_url={self.notice_url!r} must start with http:// or https://")
+
+
+@dataclass(kw_only=True, slots=True)
+class ChaosConfig:
+    """Fault injection for tests and rehearsals (``moerl.runtime.chaos``); everything off by default."""
+
+    kill_rollout_every_s: float = 0.0
+    """Mean seconds between SIGKILLs of a random rollout worker (each gap drawn uniformly in
+    [0.5, 1.5] x this); 0 disables."""
+    notice_rollout_every_s: float = 0.0
+    """Mean seconds between spot-style termination notices to a random rollout worker; 0 disables."""
+    max_kills: int = 0
+    """Most rollout workers killed over the run; 0: unlimited."""
+    max_notices: int = 0
+    """Most termination notices sent over the run; 0: unlimited."""
+    start_after_s: float = 0.0
+    """No fault before this many seconds after the fleet started."""
+    kill_trainer_at_step: int = 0
+    """Kill the trainer after this trainer step (async mode); the controller restarts it from the last
+    full checkpoint. 0 disables."""
+    seed: int = 0
+    """Seed of the fault times and of the choice of victims."""
+
+    def __post_init__(self) -> None:
+        for name in ("kill_rollout_every_s", "notice_rollout_every_s", "start_after_s"):
+            check_range(f"chaos.{name}", getattr(self, name), 0.0)
+        for name in ("max_kills", "max_notices", "kill_trainer_at_step"):
+            check_range(f"chaos.{name}", getattr(self, name), 0)
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether any fault is configured."""
+        return bool(self.kill_rollout_every_s or self.notice_rollout_every_s or self.kill_trainer_at_step)
