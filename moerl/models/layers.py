@@ -125,10 +125,13 @@ def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """SDPA of q [B, nh, T, d] over k, v [B, nkv, S, d]; returns [B, T, nh * dv]."""
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves nh / nkv query heads
+    is_gqa = k.shape[1] != q.shape[1]  # grouped-query attention: each kv head serves nh / nkv query heads
+    if is_gqa and q.device.type != "cpu":  # fused GPU kernels may not take enable_gqa: repeat k, v
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        is_gqa = False
+    # On CPU, GQA inside SDPA: no repeated copies of k and v, no reduction of their gradients in backward.
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=is_gqa)
     return out.transpose(1, 2).flatten(2)
 
 

@@ -15,6 +15,7 @@ trainer and engine log-probs agree.
 Memory: both functions work on chunks of positions in float32 and recompute each chunk in the
 backward pass (a custom autograd function with the analytic gradients), so no float32 copy of the
 whole [B, T, V] logits is kept alive; the only full-size tensor is the logits' own gradient.
+Only the positions that predict a trained label are computed (gathered rows of the logits).
 """
 
 from __future__ import annotations
@@ -101,13 +102,16 @@ def _per_position(
     if bool(out_of_vocab.any()):
         bad = int(target[out_of_vocab][0])
         raise ValueError(f"labels contain id {bad} outside the vocabulary [0, {vocab}) and != ignore_index")
-    index = torch.where(valid, target, 0)
-    step = max(1, chunk_tokens // max(batch, 1))
-    # logits[:, :-1] predicts labels[:, 1:]; the last position predicts nothing.
-    values = _ChunkedPerPosition.apply(logits[:, :-1], index, kind, float(temperature), step)
-    values = torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
-    first = torch.zeros(batch, 1, dtype=values.dtype, device=logits.device)
-    return torch.cat([first, values], dim=1)
+    # Only the trained positions are computed: the logits row b*T + t - 1 predicts labels[b, t], for
+    # valid (b, t); the last position predicts nothing. index_select's backward scatters the gradient
+    # into a [B*T, V] tensor, the same size as the logits' gradient of a full pass.
+    b_idx, t_idx = valid.nonzero(as_tuple=True)  # t_idx indexes target, i.e. label position t_idx + 1
+    rows = b_idx * seq_len + t_idx  # (N,) logits rows
+    picked = logits.reshape(batch * seq_len, vocab).index_select(0, rows)  # (N, V)
+    index = target[b_idx, t_idx]  # (N,)
+    values = _ChunkedPerPosition.apply(picked[None], index[None], kind, float(temperature), chunk_tokens)[0]
+    out = torch.zeros(batch * seq_len, dtype=values.dtype, device=logits.device)
+    return out.index_copy(0, rows + 1, values).view(batch, seq_len)
 
 
 def token_logprobs(

@@ -49,6 +49,7 @@ from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager, WorkerExit, Work
 from moerl.runtime.fleet_ray import RayWorkerBackend
 from moerl.runtime.notice import notice_file_for, watcher_from_config
 from moerl.runtime.types import Group
+from moerl.runtime.weights import pack_weights, unpack_weights
 
 
 def _remote_call(handle, method: str, *args, **kwargs):
@@ -119,7 +120,7 @@ class _OfferedWeights:
         with self.lock:
             offer, self.offer = self.offer, None
         if offer is not None and offer[0] > version:
-            return offer[0], __import__("ray").get(offer[1])
+            return offer[0], unpack_weights(__import__("ray").get(offer[1]))
         return self.store_source.poll(version)
 
 
@@ -366,7 +367,7 @@ class RayFleet:
 
         self._version, self._snapshot = version, None
         self.buffer.set_version.remote(version)
-        ref = ray.put({k: v.detach().cpu() for k, v in tensors.items()})  # put serializes: a copy already
+        ref = ray.put(pack_weights(tensors))  # one flat buffer: the fast out-of-band serialization
         for w in self.backend.alive_handles():
             w.offer_weights.remote(version, [ref])
 

@@ -11,6 +11,11 @@ commit point: readers ignore version folders without one, and verify every file'
 Publishing takes no lock that readers wait on, so older versions stay readable while a new one is written.
 After each publish, versions older than the newest ``keep`` are deleted (a reader still loading a pruned
 version gets ``FileNotFoundError`` and should ask for ``latest()`` again).
+
+``publish_in_background`` runs the same write on the store's one writer thread from a copy of the
+tensors, so a trainer does not wait for serialization, checksums and I/O. Writes commit in call order;
+this object's own readers and ``publish`` wait for pending writes first (read-your-writes in the
+process), and a background write's error is raised by the store's next ``flush``, read or publish.
 """
 
 from __future__ import annotations
@@ -18,13 +23,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import re
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import fsspec
+import numpy as np
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -95,6 +105,9 @@ class WeightStore:
             self._fs.protocol if isinstance(self._fs.protocol, tuple) else (self._fs.protocol,)
         )
         self._publish_lock = threading.Lock()
+        self._writer: ThreadPoolExecutor | None = None  # started by the first publish_in_background
+        self._pending: deque[Future] = deque()
+        self._pending_lock = threading.Lock()
         self._probe_write()
 
     def _probe_write(self) -> None:
@@ -146,8 +159,57 @@ class WeightStore:
         """
         if not named_tensors:
             raise ValueError("WeightStore.publish: no tensors to publish")
+        self.flush()
+        return self._publish_now(version, named_tensors, max_shard_bytes)
+
+    def publish_in_background(
+        self, version: int, named_tensors: Mapping[str, torch.Tensor], *, max_shard_bytes: int | None = None
+    ) -> Future:
+        """``publish`` on the store's writer thread, from CPU copies of ``named_tensors`` taken now (the
+        caller may update its tensors in place right after). Returns a ``Future`` of the ``WeightVersion``.
+
+        Writes commit in call order, with ``publish``'s atomicity. Until one commits, other processes see
+        the previous version; this object's ``versions``, ``latest``, ``manifest``, ``load`` and
+        ``publish`` wait for it first.
+
+        Raises:
+            ValueError: no tensors (at once). The write's own errors (``publish``'s) are raised by the
+                future and by this store's next ``flush``, read or ``publish``.
+        """
+        if not named_tensors:
+            raise ValueError("WeightStore.publish_in_background: no tensors to publish")
+        snapshot = {n: t.detach().to("cpu", copy=True) for n, t in named_tensors.items()}
+        with self._pending_lock:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moerl-weight-store")
+            future = self._writer.submit(self._publish_now, version, snapshot, max_shard_bytes)
+            self._pending.append(future)
+        return future
+
+    def flush(self) -> None:
+        """Wait until every ``publish_in_background`` write has finished.
+
+        Raises:
+            Exception: the first failed write's error (``publish``'s); its version was not committed.
+                Later writes stay pending for the next call.
+        """
+        while True:
+            with self._pending_lock:
+                if not self._pending:
+                    return
+                future = self._pending[0]
+            try:
+                future.result()
+            finally:
+                with self._pending_lock:
+                    if self._pending and self._pending[0] is future:
+                        self._pending.popleft()
+
+    def _publish_now(
+        self, version: int, named_tensors: Mapping[str, torch.Tensor], max_shard_bytes: int | None
+    ) -> WeightVersion:
         with self._publish_lock:
-            complete = self.versions()
+            complete = self._complete_versions()
             if complete and version <= complete[-1]:
                 raise ValueError(
                     f"WeightStore.publish: version {version} must be > newest stored version {complete[-1]}"
@@ -187,7 +249,8 @@ class WeightStore:
 
     def _write_manifest(self, version: int, manifest: WeightManifest) -> None:
         final = f"{self._dir(version)}/{MANIFEST}"
-        data = json.dumps(manifest.to_json_dict(), indent=1).encode()
+        # compact: json's C encoder (indent= runs the pure-Python one, ~1 ms a version here)
+        data = json.dumps(manifest.to_json_dict(), separators=(",", ":")).encode()
         if self._is_local:
             tmp = f"{self._dir(version)}/.{MANIFEST}.tmp-{uuid.uuid4().hex}"
             self._fs.pipe_file(tmp, data)
@@ -197,7 +260,7 @@ class WeightStore:
 
     def _prune(self) -> None:
         """Delete all but the newest ``keep`` complete versions, and unfinished folders older than those."""
-        complete = self.versions()
+        complete = self._complete_versions()
         if not complete:
             return
         kept = set(complete[-self.keep :])
@@ -212,6 +275,10 @@ class WeightStore:
 
     def versions(self) -> list[int]:
         """Complete versions (with a manifest), ascending."""
+        self.flush()
+        return self._complete_versions()
+
+    def _complete_versions(self) -> list[int]:
         return [v for v in self._all_version_dirs() if self._fs.exists(f"{self._dir(v)}/{MANIFEST}")]
 
     def manifest(self, version: int) -> WeightManifest:
@@ -221,6 +288,7 @@ class WeightStore:
             FileNotFoundError: no such complete version (never published, unfinished, or pruned).
             ValueError: the manifest is malformed.
         """
+        self.flush()
         path = f"{self._dir(version)}/{MANIFEST}"
         try:
             raw = self._fs.cat_file(path)
@@ -235,6 +303,7 @@ class WeightStore:
 
     def latest(self) -> WeightVersion | None:
         """The newest complete version, or ``None`` if none was published."""
+        self.flush()
         for version in reversed(self._all_version_dirs()):
             try:
                 manifest = self.manifest(version)
@@ -291,3 +360,43 @@ class WeightStore:
                 continue
         latest = self.latest()
         return None if latest is None else (latest, self.load(latest.version))
+
+
+_ALIGN = 64  # bytes: every tensor of a packed buffer starts at a multiple of this
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeights:
+    """Named tensors as one flat byte buffer, the form in which weights go through the object store.
+
+    Ray serializes a NumPy array out of band (one memory copy) where a dict of torch tensors is pickled
+    storage by storage: ~1 ms instead of ~11 ms a version for the default model's 25 tensors.
+    """
+
+    data: np.ndarray
+    """[nbytes] uint8: the tensors' bytes, each starting at a multiple of 64."""
+    entries: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
+    """(name, dtype, shape, byte offset) of each tensor."""
+
+
+def pack_weights(tensors: Mapping[str, torch.Tensor]) -> PackedWeights:
+    """Copy ``tensors`` (any device, any dtype) into one ``PackedWeights`` buffer."""
+    entries, offset = [], 0
+    for name, t in tensors.items():
+        entries.append((name, t.dtype, tuple(t.shape), offset))
+        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    data = torch.zeros(offset, dtype=torch.uint8)
+    for (_, _, _, start), t in zip(entries, tensors.values(), strict=True):
+        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        data[start : start + raw.numel()] = raw
+    return PackedWeights(data.numpy(), tuple(entries))
+
+
+def unpack_weights(packed: PackedWeights) -> dict[str, torch.Tensor]:
+    """The named tensors of ``pack_weights``, on CPU, sharing one writable buffer."""
+    data = torch.from_numpy(np.array(packed.data))  # the object store hands out read-only arrays
+    out = {}
+    for name, dtype, shape, start in packed.entries:
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        out[name] = data[start : start + size].view(dtype).view(shape)
+    return out

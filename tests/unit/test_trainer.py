@@ -7,6 +7,7 @@ import torch
 from _tiny import tiny_model
 
 from moerl.config import AlgorithmConfig, ConfigError, TrainerConfig
+from moerl.rl import entropy_from_logits
 from moerl.runtime.checkpoint import load_checkpoint
 from moerl.runtime.trainer import NonFiniteLossError, Trainer, build_train_batch, expert_load_cv
 from moerl.runtime.types import Group, Lease, RolloutTask, Sample
@@ -43,6 +44,62 @@ def _groups():
         _group("t0", [3, 4], [[5, 6, 7], [8]], [1.0, 0.0]),
         _group("t1", [9], [[10, 11], [12, 13, 14, 15]], [0.0, 0.0], token=2, version=1),
     ]
+
+
+def _reference_padding(groups, pad_id):
+    """The straightforward row-by-row construction that ``build_train_batch`` vectorizes."""
+    samples = [s for g in groups for s in g.samples]
+    length = max(max(len(s.prompt_ids) + len(s.response_ids) for s in samples), 2)
+    ids = torch.full((len(samples), length), pad_id, dtype=torch.int64)
+    attn = torch.zeros(len(samples), length, dtype=torch.int64)
+    loss = torch.zeros(len(samples), length, dtype=torch.bool)
+    behav = torch.zeros(len(samples), length, dtype=torch.float32)
+    for row, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        ids[row, : p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids))
+        attn[row, : p + r] = 1
+        for j in range(r):
+            loss[row, p + j] = bool(s.loss_mask[j])
+            behav[row, p + j] = s.response_logprobs[j]
+    return ids, attn, loss, behav
+
+
+def test_build_train_batch_matches_row_by_row_padding_on_ragged_groups():
+    gen = torch.Generator().manual_seed(3)
+
+    def rand_list(n, high):
+        return torch.randint(1, high, (n,), generator=gen).tolist()
+
+    groups = []
+    for g in range(5):
+        prompt = rand_list(int(torch.randint(1, 6, (1,), generator=gen)), VOCAB)
+        samples = []
+        for i in range(2 + g % 3):
+            response = rand_list(int(torch.randint(0, 7, (1,), generator=gen)), VOCAB)
+            samples.append(
+                Sample(
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    response_logprobs=[-0.37 * (j + 1) - g for j in range(len(response))],
+                    loss_mask=[x - 1 for x in rand_list(len(response), 3)],  # ragged 0/1 masks
+                    finish_reason="stop",
+                    policy_versions=[g] * len(response),
+                    reward=float(i % 2),
+                )
+            )
+        task = RolloutTask(
+            task_id=f"t{g}", prompt_ids=prompt, prompt_text="p", answer="a", num_samples=len(samples)
+        )
+        groups.append(Group.from_lease(Lease(task, "w", g, 0.0), samples, 0.5))
+    batch = build_train_batch(groups, pad_id=PAD)
+    ids, attn, loss, behav = _reference_padding(groups, PAD)
+    assert torch.equal(batch.input_ids, ids)
+    assert torch.equal(batch.attention_mask, attn)
+    assert torch.equal(batch.loss_mask, loss & (attn == 1))
+    assert torch.equal(batch.behaviour_logprobs, behav)
+    sizes = [len(g.samples) for g in groups]
+    assert batch.group_ids.tolist() == [g for g, n in enumerate(sizes) for _ in range(n)]
+    assert batch.num_tokens == int(loss.sum()) and batch.num_seqs == int(loss.any(1).sum())
 
 
 def test_build_train_batch_pads_masks_and_normalizers():
@@ -172,14 +229,17 @@ def test_unsupported_algorithms_are_config_errors():
         Trainer(_model(), TrainerConfig(), AlgorithmConfig(kl_coef=0.1))
 
 
-def test_a_crash_while_saving_never_exposes_a_partial_checkpoint_or_weight_version(tmp_path, monkeypatch):
+@pytest.mark.parametrize("background", [False, True])
+def test_a_crash_while_saving_never_exposes_a_partial_checkpoint_or_weight_version(
+    tmp_path, monkeypatch, background
+):
     import moerl.runtime.checkpoint as ckpt_mod
     from moerl.runtime.checkpoint import latest_checkpoint
     from moerl.runtime.weights import WeightStore
 
-    trainer = _trainer(_model())
+    trainer = _trainer(_model(), background_publish=background)
     store = WeightStore(str(tmp_path / "weights"))
-    trainer.publish(store)
+    assert trainer.publish(store).version == 0  # a trainer's first publish is never in the background
     trainer.checkpoint(tmp_path, {})
     trainer.train_step(build_train_batch(_groups(), pad_id=PAD))
 
@@ -187,8 +247,13 @@ def test_a_crash_while_saving_never_exposes_a_partial_checkpoint_or_weight_versi
         raise OSError("disk full")
 
     monkeypatch.setattr(store, "_write_manifest", crash)
-    with pytest.raises(OSError, match="disk full"):
-        trainer.publish(store)
+    if background:  # the write fails on the writer thread; the store's next flush or read raises it
+        assert trainer.publish(store) is None
+        with pytest.raises(OSError, match="disk full"):
+            store.flush()
+    else:
+        with pytest.raises(OSError, match="disk full"):
+            trainer.publish(store)
     assert store.versions() == [0] and store.latest().version == 0
     monkeypatch.setattr(ckpt_mod, "_write_part", crash)
     with pytest.raises(OSError, match="disk full"):
@@ -208,3 +273,18 @@ def test_lr_schedule_warmup_constant_and_cosine_hand_values():
     assert lr_factor(cos, 100) == pytest.approx(0.1) and lr_factor(cos, 500) == pytest.approx(0.1)
     with pytest.raises(ConfigError, match="trainer.lr_schedule"):
         TrainerConfig(lr_schedule="linear")
+
+
+def test_entropy_metric_equals_masked_mean_of_entropy_from_logits():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 6, VOCAB, generator=gen) * 3
+    labels = torch.randint(0, VOCAB, (3, 6), generator=gen)
+    labels[0, :4] = -100  # prompt and padding positions
+    labels[2] = -100  # a row with nothing trained
+    trainer = Trainer(_model(), TrainerConfig(), AlgorithmConfig(preset="grpo"), temperature=0.7)
+    full = entropy_from_logits(logits, labels, temperature=0.7)  # 0 where not trained
+    assert trainer._entropy_sum(logits, labels) == pytest.approx(float(full.sum()), rel=1e-6)
+    # hand check of one position: H = -sum p log p of softmax(logits[1, 2] / 0.7) describes labels[1, 3]
+    p = (logits[1, 2] / 0.7).softmax(-1)
+    assert float(full[1, 3]) == pytest.approx(float(-(p * p.log()).sum()), rel=1e-5)
+    assert trainer._entropy_sum(logits, torch.full_like(labels, -100)) == 0.0

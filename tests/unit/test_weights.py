@@ -6,10 +6,12 @@ import threading
 import uuid
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 
 from moerl.runtime import ChecksumError, StoreNotWritableError, WeightStore
+from moerl.runtime.weights import pack_weights, unpack_weights
 
 
 def weights(version: int) -> dict[str, torch.Tensor]:
@@ -185,3 +187,66 @@ def test_errors(tmp_path):
         store.publish(2, weights(2))
     with pytest.raises(ValueError, match="no tensors"):
         store.publish(3, {})
+
+
+def test_background_publish_snapshots_commits_in_order_and_reads_its_writes(url):
+    store = WeightStore(url, keep=2)
+    live = weights(1)
+    gate = threading.Event()
+    real_write = store._write_files
+
+    def slow_write(*args):  # hold the writer thread until the caller has moved on
+        gate.wait(timeout=10)
+        return real_write(*args)
+
+    store._write_files = slow_write
+    first = store.publish_in_background(1, live)
+    for t in live.values():  # the trainer updates its weights in place right after publishing
+        t.fill_(99)
+    second = store.publish_in_background(2, weights(2))
+    assert not first.done()  # nothing written yet: the call returned at once
+    gate.set()
+    assert store.versions() == [1, 2]  # a read waits for the pending writes (read-your-writes)
+    assert first.result().version == 1 and second.result().version == 2
+    assert float(store.load(1)["embed.weight"][0, 0]) == 1.0  # the copy taken at the call, not 99
+    other = WeightStore(url, keep=2)  # a reader in another process sees the same committed versions
+    assert other.latest().version == 2 and int(other.load(2)["step"]) == 2
+
+
+def test_background_publish_error_is_raised_by_the_next_flush_and_commits_nothing(tmp_path):
+    store = WeightStore(str(tmp_path / "store"))
+    store.publish(1, weights(1))
+
+    def crash(*args):
+        raise OSError("disk full")
+
+    store._write_manifest = crash
+    future = store.publish_in_background(2, weights(2))
+    with pytest.raises(OSError, match="disk full"):
+        store.flush()
+    assert isinstance(future.exception(), OSError)
+    store.flush()  # raised once; nothing else pending
+    assert store.versions() == [1]
+    with pytest.raises(ValueError, match="no tensors"):
+        store.publish_in_background(3, {})
+
+
+def test_pack_weights_round_trip_keeps_names_dtypes_shapes_and_values():
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    tensors = {
+        **weights(7),
+        "odd.bias": torch.tensor([1.5, -2.25, 3.0]),  # 12 bytes: the next tensor starts aligned anyway
+        "mask": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 5),
+        "transposed": base.t(),  # not contiguous
+        "tied": base,
+    }
+    packed = pack_weights(tensors)
+    assert packed.data.dtype == np.uint8 and all(start % 64 == 0 for *_, start in packed.entries)
+    out = unpack_weights(packed)
+    assert list(out) == list(tensors)
+    for name, t in tensors.items():
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape, name
+        assert torch.equal(out[name], t), name
+    out["tied"].add_(1)  # writable, and a copy: the source is untouched
+    assert float(tensors["tied"][0, 0]) == 0.0 and float(out["tied"][0, 0]) == 1.0
