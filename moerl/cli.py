@@ -51,11 +51,32 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_writable_parent(out: str) -> None:
+    """Create ``out``'s parent folder and check that a checkpoint can be written there.
+
+    Raises:
+        PermissionError: the parent folder (or the first existing folder above it) is not writable.
+        NotADirectoryError: a file stands where a folder is needed.
+    """
+    import errno
+    import os
+    from pathlib import Path
+
+    parent = Path(out).resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(parent)) from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(parent))
+
+
 def _cmd_sft(args: argparse.Namespace) -> int:
     from moerl.tasks.sft import run_sft
     from moerl.telemetry.live import LiveView
 
     cfg = _config(args)
+    _check_writable_parent(args.out)  # before training, not after it
     view = LiveView(cfg.sft.steps)
     try:
         run_sft(cfg, out_dir=args.out, progress=view.warm_start_progress)

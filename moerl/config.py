@@ -136,7 +136,12 @@ class TaskConfig:
         if self.template is not None and "{prompt}" not in self.template:
             raise ConfigError(f"task.template={self.template!r} must contain the placeholder {{prompt}}")
         check_range("task.min_digits", self.min_digits, 1, 9)
-        check_range("task.max_digits", self.max_digits, self.min_digits, 9)
+        check_range("task.max_digits", self.max_digits, 1, 9)
+        if self.min_digits > self.max_digits:
+            raise ConfigError(
+                f"task.min_digits={self.min_digits} is larger than task.max_digits={self.max_digits}; "
+                "set both (min_digits <= max_digits)"
+            )
         check_choice("task.layout", self.layout, ["gsm8k", "generic"])
         for op in self.operations:
             check_choice("task.operations[]", op, ["+", "-", "*"])

@@ -142,7 +142,8 @@ def summary_table(summary: dict, records: list[dict]):
 def report_main(run_dir: str | Path) -> int:
     """Regenerate ``report.png`` and print the summary table; returns a process exit code.
 
-    Exit codes: 0 done; 1 the folder is not a run folder or has no metrics.
+    Exit codes: 0 done; 2 the folder is not a run folder or has no metrics (like the other commands'
+    usage errors).
     """
     from rich.console import Console
 
@@ -150,12 +151,12 @@ def report_main(run_dir: str | Path) -> int:
     path = Path(run_dir)
     if not (path / "config.yaml").exists():
         console.print(f"[red]moerl report: {path} is not a run folder (no config.yaml)[/red]")
-        return 1
+        return 2
     run = RunDir(path)
     records = read_jsonl(run.metrics)
     if not records:
         console.print(f"[red]moerl report: {run.metrics} has no records yet[/red]")
-        return 1
+        return 2
     png = plot_report(run.path)
     summary = run.read_summary() or {"status": "unfinished", "steps": records[-1]["step"]}
     console.print(summary_table(summary, records))

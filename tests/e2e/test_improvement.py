@@ -55,8 +55,8 @@ def test_train_warm_starts_with_sft_when_no_init_is_given(tmp_path):
 
 def test_shortened_default_run_raises_held_out_accuracy(tmp_path):
     """The README's main job, shortened: the default config (SFT warm start included), sync mode, 400
-    RL steps instead of 1000 (the cosine LR decay spans the 400). Measured with seed 0: 0.286 -> 0.366
-    (evals at steps 100-300: 0.320, 0.340, 0.318); a sign error or a broken weight sync leaves it at or
+    RL steps instead of 3000 (the cosine LR decay spans the 400). Measured with seed 0: 0.286 -> 0.398
+    (evals at steps 100-300: 0.302, 0.350, 0.382); a sign error or a broken weight sync leaves it at or
     below 0.286."""
     default = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
     cfg = load_config(
@@ -65,4 +65,4 @@ def test_shortened_default_run_raises_held_out_accuracy(tmp_path):
     )
     summary = train(cfg, live=False)
     assert summary["status"] == "completed" and summary["tasks_duplicated"] == summary["tasks_lost"] == 0
-    assert summary["final_eval_accuracy"] >= summary["start_eval_accuracy"] + 0.04, summary
+    assert summary["final_eval_accuracy"] >= summary["start_eval_accuracy"] + 0.06, summary

@@ -62,3 +62,36 @@ def test_unreachable_ray_address_fails_fast_with_one_line(tmp_path, capsys):
     assert main(["train", "--ray-address", "127.0.0.1:1", "--set", f"output_dir={tmp_path}"]) == 2
     assert "cannot reach 127.0.0.1:1" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # failed before the warm start; no run folder left
+
+
+@pytest.fixture
+def no_sft(monkeypatch, tmp_path):
+    import moerl.tasks.sft as sft
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("training started although the output folder cannot be written")
+
+    monkeypatch.setattr(sft, "run_sft", must_not_run)
+    monkeypatch.chdir(tmp_path)
+
+
+def test_sft_out_under_a_file_fails_before_training(tmp_path, no_sft, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    assert main(["sft", "--out", str(blocker / "ckpt")]) == 2
+    assert f"Not a directory: {blocker}" in capsys.readouterr().err
+
+
+def test_sft_out_in_a_read_only_folder_fails_before_training(tmp_path, no_sft, capsys):
+    import os
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permission bits
+            pytest.skip("this user can write to a 0500 folder")
+        assert main(["sft", "--out", str(locked / "ckpt")]) == 2
+        assert f"Permission denied: {locked}" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o700)

@@ -91,8 +91,12 @@ def test_make_task_builtins_and_config_errors():
         TaskConfig(name="nope")
     with pytest.raises(ConfigError, match="task.path is required"):
         TaskConfig(name="jsonl")
-    with pytest.raises(ConfigError, match="task.max_digits"):
+    with pytest.raises(ConfigError, match=r"task.min_digits=3 is larger than task.max_digits=2"):
         load_config(None, ["task.min_digits=3", "task.max_digits=2"])
+    with pytest.raises(ConfigError, match=r"task.min_digits=3 is larger than task.max_digits=2"):
+        load_config(None, ["task.min_digits=3"])  # the built-in max_digits is 2: name both
+    with pytest.raises(ConfigError, match=r"task.max_digits=10 is out of range"):
+        load_config(None, ["task.max_digits=10"])
 
 
 USER_REWARDS = """

@@ -51,7 +51,7 @@ def test_read_jsonl_ignores_a_torn_last_line(tmp_path):
 
 def test_report_writes_png_and_prints_table(tmp_path, capsys):
     run = RunDir.create(RunConfig(output_dir=str(tmp_path)))
-    assert report_main(run.path) == 1  # no metrics yet
+    assert report_main(run.path) == 2  # no metrics yet
     writer = MetricsWriter(run.metrics)
     for step in range(1, 5):
         writer.write(
@@ -69,7 +69,7 @@ def test_report_writes_png_and_prints_table(tmp_path, capsys):
     assert "final_eval_accuracy" in out and "tasks_lost" in out
     png = plot_report(run.path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert report_main(tmp_path / "nope") == 1
+    assert report_main(tmp_path / "nope") == 2
 
 
 def test_live_view_plain_lines_carry_last_accuracy():
