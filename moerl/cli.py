@@ -51,24 +51,30 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_writable_parent(out: str) -> None:
-    """Create ``out``'s parent folder and check that a checkpoint can be written there.
+def _check_out_folder(out: str) -> None:
+    """Check, before training, that a checkpoint can be written as the folder ``out``.
+
+    ``out`` may be missing (its parents are created) or an earlier checkpoint (a folder with a
+    ``config.json``), which is replaced whole; anything else is left alone.
 
     Raises:
-        PermissionError: the parent folder (or the first existing folder above it) is not writable.
-        NotADirectoryError: a file stands where a folder is needed.
+        FileExistsError: ``out`` is a file, or a folder with other contents.
+        PermissionError: the parent folder is not writable.
+        NotADirectoryError: a file stands where a parent folder is needed.
     """
     import errno
     import os
     from pathlib import Path
 
-    parent = Path(out).resolve().parent
+    path = Path(out).resolve()
+    if path.is_file() or (path.is_dir() and any(path.iterdir()) and not (path / "config.json").exists()):
+        raise FileExistsError(f"{path} exists and is not a model folder (no config.json); not replacing it")
     try:
-        parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(parent)) from None
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(parent))
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent)) from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path.parent))
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
@@ -76,7 +82,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from moerl.telemetry.live import LiveView
 
     cfg = _config(args)
-    _check_writable_parent(args.out)  # before training, not after it
+    _check_out_folder(args.out)  # before training, not after it
     view = LiveView(cfg.sft.steps)
     try:
         run_sft(cfg, out_dir=args.out, progress=view.warm_start_progress)
@@ -155,14 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"moerl: config error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as e:
         # user mistakes (missing config, not a run folder, unwritable output): one line, no traceback
         message = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
         print(f"moerl: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        run_dir = getattr(e, "run_dir", None)
+        run_dir, partial = getattr(e, "run_dir", None), getattr(e, "partial_run_dir", None)
         hint = f"; continue with: moerl train --resume {run_dir}" if run_dir else ""
+        if partial and not run_dir:
+            hint = f" before the first checkpoint: {partial} holds the metrics so far but cannot be resumed"
         print(f"moerl: interrupted{hint}", file=sys.stderr)
         return 130
 

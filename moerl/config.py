@@ -433,6 +433,19 @@ class RunConfig:
     fleet: FleetConfig = field(default_factory=FleetConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
+    def __post_init__(self) -> None:
+        from moerl.rl.presets import preset_from_config
+
+        try:
+            estimator = preset_from_config(self.algorithm).estimator
+        except ValueError as e:  # a combination the per-field checks cannot see
+            raise ConfigError(f"algorithm: {e}") from e
+        if estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.group_size < 2:
+            raise ConfigError(
+                f"rollout.group_size={self.rollout.group_size}: the {estimator} estimator compares samples "
+                "of one prompt, so a group needs at least 2 (every advantage would be 0)"
+            )
+
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML run config, apply CLI overrides, validate every component.

@@ -50,6 +50,7 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
             return _run(cfg, run, checkpoint=None, live=live)
     except KeyboardInterrupt as e:
         e.run_dir = _resumable(run.path)  # for the CLI's hint
+        e.partial_run_dir = run.path if run.path.is_dir() else None  # steps taken, no checkpoint yet
         raise
 
 

@@ -168,6 +168,8 @@ def test_interrupt_names_the_run_to_resume_only_when_it_can_be_resumed(tmp_path,
     with pytest.raises(KeyboardInterrupt) as info:
         train(cfg, live=False)
     assert info.value.run_dir is None  # two steps were recorded but no checkpoint: nothing to resume
+    (partial,) = Path(cfg.output_dir).glob("run-*")
+    assert info.value.partial_run_dir == partial
 
 
 def test_cli_interrupt_hint_names_the_real_folder(monkeypatch, capsys, tmp_path):
@@ -181,3 +183,18 @@ def test_cli_interrupt_hint_names_the_real_folder(monkeypatch, capsys, tmp_path)
     monkeypatch.setattr(controller, "train", interrupted)
     assert cli_main(["train", "--set", f"output_dir={tmp_path}"]) == 130
     assert f"moerl train --resume {tmp_path / 'runs' / 'default-1'}" in capsys.readouterr().err
+
+
+def test_cli_interrupt_before_the_first_checkpoint_says_it_cannot_be_resumed(monkeypatch, capsys, tmp_path):
+    import moerl.runtime.controller as controller
+
+    def interrupted(cfg, live=True):
+        e = KeyboardInterrupt()
+        e.run_dir, e.partial_run_dir = None, tmp_path / "runs" / "default-1"
+        raise e
+
+    monkeypatch.setattr(controller, "train", interrupted)
+    assert cli_main(["train", "--set", f"output_dir={tmp_path}"]) == 130
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'runs' / 'default-1'} holds the metrics so far but cannot be resumed" in err
+    assert "--resume" not in err

@@ -95,3 +95,30 @@ def test_sft_out_in_a_read_only_folder_fails_before_training(tmp_path, no_sft, c
         assert f"Permission denied: {locked}" in capsys.readouterr().err
     finally:
         locked.chmod(0o700)
+
+
+def test_sft_out_refuses_to_replace_a_folder_that_is_not_a_checkpoint(tmp_path, no_sft, capsys):
+    notes = tmp_path / "mine" / "notes.txt"
+    notes.parent.mkdir()
+    notes.write_text("keep me")
+    assert main(["sft", "--out", str(notes.parent)]) == 2
+    assert "exists and is not a model folder" in capsys.readouterr().err
+    assert notes.read_text() == "keep me"
+    assert main(["sft", "--out", str(notes)]) == 2  # a file
+    assert notes.read_text() == "keep me"
+
+
+def test_sft_out_may_replace_an_earlier_checkpoint(tmp_path, monkeypatch):
+    import moerl.tasks.sft as sft
+
+    calls = []
+    monkeypatch.setattr(sft, "run_sft", lambda cfg, out_dir, progress=None: calls.append(out_dir))
+    monkeypatch.chdir(tmp_path)
+    old = tmp_path / "ckpt"
+    old.mkdir()
+    (old / "config.json").write_text("{}")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["sft", "--out", str(old), "--set", "sft.steps=1"]) == 0
+    assert main(["sft", "--out", str(empty), "--set", "sft.steps=1"]) == 0
+    assert calls == [str(old), str(empty)]

@@ -48,3 +48,11 @@ def test_cli_user_mistakes_are_one_line_errors(tmp_path, capsys):
     assert "missing.yaml" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path)]) == 2
     assert "not a run folder" in capsys.readouterr().err
+
+
+def test_group_estimators_need_groups_of_two_or_more():
+    with pytest.raises(ConfigError, match=r"rollout.group_size=1: the grpo estimator"):
+        load_config(None, ["rollout.group_size=1"])
+    with pytest.raises(ConfigError, match=r"rollout.group_size=1: the rloo estimator"):
+        load_config(None, ["rollout.group_size=1", "algorithm.estimator=rloo"])
+    assert load_config(None, ["rollout.group_size=2"]).rollout.group_size == 2
