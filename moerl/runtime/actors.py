@@ -458,14 +458,21 @@ class RayFleet:
         )
 
     def close(self) -> None:
-        """Close the buffer (unblocks producers), stop and kill the actors."""
+        """Close the buffer (unblocks producers), stop the workers, let every actor exit, kill laggards.
+
+        Actors first get ``__ray_terminate__`` (a clean exit after their current calls): a worker process
+        killed outright sometimes aborted in Ray's C++ core and printed its stack to the driver's console.
+        """
         import ray
 
         ray.get(self.buffer.close.remote())
         workers = self.backend.alive_handles()
         self.backend.stop_all(timeout_s=10)
-        for actor in [*workers, self.buffer]:
-            ray.kill(actor)
+        actors = [*workers, self.buffer]
+        exits = [actor.__ray_terminate__.remote() for actor in actors]
+        ray.wait(exits, num_returns=len(exits), timeout=5.0)
+        for actor in actors:
+            ray.kill(actor)  # no-op for an actor that has exited
 
 
 def _get_alive(refs: list) -> list:
