@@ -44,7 +44,7 @@ from moerl.config import ConfigError, RunConfig
 from moerl.runtime.buffer import BufferClosed
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.drain import Drainer
-from moerl.runtime.exchange import ExchangeActorImpl, rollout_allowance  # noqa: F401 (re-exported)
+from moerl.runtime.exchange import ExchangeActorImpl
 from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager, WorkerExit, WorkerHealth
 from moerl.runtime.fleet_ray import RayWorkerBackend
 from moerl.runtime.notice import notice_file_for, watcher_from_config
@@ -101,9 +101,6 @@ class _BufferProxy:
     def __init__(self, handle):
         self.handle = handle
 
-    def put_many(self, groups: list[Group], timeout=None) -> list:
-        return _remote_call(self.handle, "put_many", groups, timeout=timeout)
-
     def put_many_async(self, groups: list[Group], timeout=None) -> _RayPending:
         return _RayPending(self.handle.put_many.remote(groups, timeout=timeout))
 
@@ -139,7 +136,7 @@ class RolloutWorkerActorImpl:
         _set_threads()
         from moerl.runtime.setup import load_policy, make_worker
         from moerl.runtime.weights import WeightStore
-        from moerl.runtime.worker import StoreWeights
+        from moerl.runtime.worker_local import StoreWeights
         from moerl.tasks import load_tokenizer, make_task
         from moerl.tasks.tokenizer import tokenizer_path_for
 
@@ -449,12 +446,12 @@ class RayFleet:
         stats = _get_alive(self.async_worker_stats())
         queue_state = ray.get(self.queue.call.remote("state_dict"))
         buffer_state = ray.get(self.buffer.state_dict.remote())
-        return FleetState(
-            queue=self.queue_stats(),
-            buffer=self.buffer_metrics(),
-            queued_task_ids=tuple(t["task_id"] for t in queue_state["tasks"]),
-            buffered_task_ids=tuple(g["task"]["task_id"] for g in buffer_state["groups"]),
-            reward_errors=sum(s.reward_errors for s in stats),
+        return FleetState.from_states(
+            self.queue_stats(),
+            self.buffer_metrics(),
+            queue_state,
+            buffer_state,
+            sum(s.reward_errors for s in stats),
         )
 
     def close(self) -> None:

@@ -246,6 +246,24 @@ class ExperienceBuffer:
                 if blocked:
                     self._put_wait_s += time.monotonic() - start
 
+    def put_many(self, groups: list[Group], *, timeout: float | None = None) -> list[PutResult | None]:
+        """``put`` each group in order, each waiting at most ``timeout`` for space.
+
+        Returns:
+            One ``PutResult`` per group; ``None`` for the group that timed out on a full buffer and for
+            every group after it (those were not offered: their leases are still held).
+
+        Raises:
+            BufferClosed: the buffer was closed.
+        """
+        results: list[PutResult | None] = []
+        for group in groups:
+            try:
+                results.append(self.put(group, timeout=timeout))
+            except TimeoutError:
+                return results + [None] * (len(groups) - len(results))
+        return results
+
     # -- consumer side -------------------------------------------------------------------------
 
     def get(self, batch_size: int, *, timeout: float | None = None) -> list[Group]:

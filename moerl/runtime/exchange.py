@@ -74,18 +74,9 @@ class ExchangeActorImpl:
             )
             return self.queue.lease(worker_id, ttl_s, min(max_tasks, allowed)) if allowed else []
 
-    def put(self, group: Group, trainer_version=None, timeout=None):
-        return self.buffer.put(group, trainer_version=trainer_version, timeout=timeout)
-
     def put_many(self, groups: list[Group], timeout=None) -> list:
-        """``put`` each group in order; ``None`` from the first that timed out on a full buffer on."""
-        results = []
-        for group in groups:
-            try:
-                results.append(self.buffer.put(group, timeout=timeout))
-            except TimeoutError:
-                return results + [None] * (len(groups) - len(results))
-        return results
+        """``ExperienceBuffer.put_many``: one round trip for a worker's whole delivery."""
+        return self.buffer.put_many(groups, timeout=timeout)
 
     def get(self, batch_size: int, timeout=None, version: int | None = None) -> list[Group]:
         """``ExperienceBuffer.get``, after ``set_version(version)`` when given (the trainer's version
@@ -108,9 +99,6 @@ class ExchangeActorImpl:
                 return
             self.buffer.set_version(version)
             self._version, self._taken = version, 0
-
-    def metrics(self):
-        return self.buffer.metrics()
 
     def snapshot(self) -> tuple:
         """``(TaskQueue.stats(), ExperienceBuffer.metrics())`` in one call."""

@@ -20,7 +20,8 @@ from moerl.runtime.buffer import BufferMetrics, ExperienceBuffer, has_reward_var
 from moerl.runtime.queue import QueueStats, TaskQueue
 from moerl.runtime.run_dir import LedgerEntry, RunDir
 from moerl.runtime.weights import WeightStore
-from moerl.runtime.worker import LocalFleet, LocalWeights, RolloutWorker
+from moerl.runtime.worker import RolloutWorker
+from moerl.runtime.worker_local import LocalFleet, LocalWeights
 from moerl.tasks import Task, Tokenizer, load_tokenizer, make_task
 from moerl.tasks.tokenizer import tokenizer_path_for
 
@@ -135,6 +136,24 @@ class FleetState:
     """Tasks whose groups are still in the buffer."""
     reward_errors: int
     """Samples whose reward function raised, over all workers."""
+
+    @classmethod
+    def from_states(
+        cls,
+        queue: QueueStats,
+        buffer: BufferMetrics,
+        queue_state: dict,
+        buffer_state: dict,
+        reward_errors: int,
+    ) -> FleetState:
+        """Build it from the counters and the ``state_dict()`` of ``TaskQueue`` and ``ExperienceBuffer``."""
+        return cls(
+            queue=queue,
+            buffer=buffer,
+            queued_task_ids=tuple(t["task_id"] for t in queue_state["tasks"]),
+            buffered_task_ids=tuple(g["task"]["task_id"] for g in buffer_state["groups"]),
+            reward_errors=reward_errors,
+        )
 
 
 @dataclass

@@ -39,7 +39,6 @@ from moerl.rollout import Completion, Engine, InvalidRequestError, Request, Samp
 from moerl.runtime.buffer import BufferClosed, PutResult
 from moerl.runtime.drain import InFlightGroup, ResumePlan, group_progress
 from moerl.runtime.types import Group, Lease, Sample, Settlement
-from moerl.runtime.worker_local import LocalFleet, LocalWeights, StoreWeights  # noqa: F401 (re-exported)
 from moerl.tasks.base import stable_hash
 
 log = logging.getLogger(__name__)
@@ -115,8 +114,8 @@ class RolloutWorker:
         task: the task (``reward(prompt_text, response_text, answer) -> Reward``, never raises).
         decode: token ids -> text (the tokenizer's ``decode``).
         queue: a ``TaskQueue`` or a proxy with its ``lease``/``heartbeat``/``release`` methods.
-        buffer: an ``ExperienceBuffer``, or a proxy with ``put_many(groups, timeout)`` (blocking) and
-            optionally ``put_many_async(groups, timeout) -> Pending`` (delivery off the critical path).
+        buffer: an ``ExperienceBuffer`` (``put_many``), or a proxy with ``put_many_async(groups,
+            timeout) -> Pending`` (delivery off the critical path).
         cfg: rollout config (group size, sampling, slots, ``lease_ahead_groups``).
         stop_token_ids: generation ends after one of these (the tokenizer's eos).
         weights: where newer weights come from (polled between scheduler steps); None: never updated.
@@ -264,20 +263,12 @@ class RolloutWorker:
         """Start one delivery of ``groups``; its result lists the buffer's decision per group in order,
         ``None`` from the first that timed out on a full buffer on.
 
-        A buffer behind an actor offers ``put_many_async`` (one round trip for the lot, not waited for)
-        or ``put_many``; a local one is called group by group.
+        A buffer behind an actor offers ``put_many_async`` (one round trip for the lot, not waited for);
+        a local one (``ExperienceBuffer.put_many``) is called at once.
         """
         if hasattr(self.buffer, "put_many_async"):
             return self.buffer.put_many_async(groups, timeout=self.put_timeout_s)
-        if hasattr(self.buffer, "put_many"):
-            return Ready(self.buffer.put_many(groups, timeout=self.put_timeout_s))
-        results: list[PutResult | None] = []
-        for group in groups:
-            try:
-                results.append(self.buffer.put(group, trainer_version=None, timeout=self.put_timeout_s))
-            except TimeoutError:
-                return Ready(results + [None] * (len(groups) - len(results)))
-        return Ready(results)
+        return Ready(self.buffer.put_many(groups, timeout=self.put_timeout_s))
 
     def _collect(self, *, wait: bool) -> tuple[list[PutResult], bool]:
         """Record the outstanding delivery's outcome if it is done (or wait for it).

@@ -3,7 +3,6 @@
 ``LocalFleet`` runs the queue, the buffer and one ``RolloutWorker`` in this process (sync mode,
 generate-then-train); ``LocalWeights`` hands the trainer's weights over in process; ``StoreWeights``
 polls a ``WeightStore`` (a Ray worker's fallback when no weights were offered through the object store).
-Also importable from ``moerl.runtime.worker``.
 """
 
 from __future__ import annotations
@@ -125,13 +124,12 @@ class LocalFleet:
         """``FleetState`` for the run's accounting."""
         from moerl.runtime.setup import FleetState
 
-        queue_state, buffer_state = self.queue.state_dict(), self.buffer.state_dict()
-        return FleetState(
-            queue=self.queue.stats(),
-            buffer=self.buffer.metrics(),
-            queued_task_ids=tuple(t["task_id"] for t in queue_state["tasks"]),
-            buffered_task_ids=tuple(g["task"]["task_id"] for g in buffer_state["groups"]),
-            reward_errors=self.worker.stats.reward_errors,
+        return FleetState.from_states(
+            self.queue.stats(),
+            self.buffer.metrics(),
+            self.queue.state_dict(),
+            self.buffer.state_dict(),
+            self.worker.stats.reward_errors,
         )
 
     def close(self) -> None:

@@ -110,6 +110,15 @@ def test_put_blocks_when_full_then_times_out():
     assert m.put_wait_s >= 0.05
 
 
+def test_put_many_stops_at_the_first_timeout_and_offers_nothing_after_it():
+    buf = ExperienceBuffer(2, max_staleness=0)
+    results = buf.put_many([group("a"), group("b"), group("c"), group("d")], timeout=0.01)
+    assert results == [PutResult.ADMITTED, PutResult.ADMITTED, None, None]
+    m = buf.metrics()
+    assert (m.depth, m.put_timeouts, m.admitted) == (2, 1, 2)  # "d" was never offered
+    assert buf.put_many([], timeout=0.01) == []
+
+
 def test_producer_flood_keeps_depth_bounded():
     buf = ExperienceBuffer(3, max_staleness=0)
     num_groups = 40

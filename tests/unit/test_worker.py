@@ -8,7 +8,8 @@ from moerl.config import RolloutConfig
 from moerl.rollout import Engine
 from moerl.runtime.buffer import ExperienceBuffer
 from moerl.runtime.queue import TaskQueue
-from moerl.runtime.worker import LocalFleet, LocalWeights, RolloutWorker, sample_seed
+from moerl.runtime.worker import RolloutWorker, sample_seed
+from moerl.runtime.worker_local import LocalFleet, LocalWeights
 from moerl.tasks import Prompt, Reward, load_tokenizer
 
 TOK = load_tokenizer(None)
