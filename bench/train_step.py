@@ -39,7 +39,8 @@ from bench.common import (  # noqa: E402
 )
 from bench.common import write_json as _write_json  # noqa: E402
 from moerl.config import AlgorithmConfig, TrainerConfig  # noqa: E402
-from moerl.runtime.trainer import TrainBatch, Trainer  # noqa: E402
+from moerl.runtime.batch import TrainBatch  # noqa: E402
+from moerl.runtime.trainer import Trainer  # noqa: E402
 
 
 def make_batch(batch: int, seq_len: int, vocab: int, prompt_len: int, group_size: int = 4) -> TrainBatch:

@@ -310,6 +310,10 @@ class TrainerConfig:
     """Coefficient of the MoE load-balancing loss."""
     recompute_proximal: bool = False
     """Recompute proximal (old) log-probs before the update instead of using the behaviour ones."""
+    share_prompt: bool = True
+    """Forward each group's prompt once instead of once per sample (shared-prefix forward, Prefix
+    Grouper, Liu et al. 2025): the same log-probs up to float rounding, for fewer tokens. Off while
+    ``aux_loss_coef > 0``, whose load-balancing loss is not additive over the two passes' tokens."""
     publish_every: int = 1
     """Publish weights every this many steps."""
     background_publish: bool = False

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,12 +29,13 @@ import torch
 from moerl.config import AlgorithmConfig, ConfigError, RunConfig, TrainerConfig
 from moerl.rl import (
     entropy_from_logits,
-    group_advantages,
     policy_loss,
     preset_from_config,
     token_logprobs,
 )
+from moerl.runtime.batch import TrainBatch, build_train_batch
 from moerl.runtime.checkpoint import capture_rng_state, save_checkpoint
+from moerl.runtime.shared_prefix import shared_prefix_forward, split_shared_prefix
 from moerl.runtime.types import Group, WeightVersion
 from moerl.runtime.weights import WeightStore
 
@@ -43,125 +44,6 @@ IGNORE_INDEX = -100
 
 class NonFiniteLossError(RuntimeError):
     """``trainer.max_nan_steps`` consecutive steps had a non-finite loss or gradient; the run stops."""
-
-
-@dataclass(frozen=True, slots=True)
-class TrainBatch:
-    """A step's groups as padded tensors plus the step's global loss normalizers.
-
-    Rows are the samples of the groups in order (group g holds rows ``g*n .. g*n + n - 1`` for
-    equal group sizes). Sequences are right-padded with ``pad_id``.
-    """
-
-    input_ids: torch.Tensor
-    """[B, T] int64: prompt then response tokens, right-padded."""
-    attention_mask: torch.Tensor
-    """[B, T] int64: 1 at prompt and response tokens, 0 at padding."""
-    loss_mask: torch.Tensor
-    """[B, T] bool: True at response tokens that enter the loss (``Sample.loss_mask``)."""
-    behaviour_logprobs: torch.Tensor
-    """[B, T] float32: rollout-engine log-probs of the response tokens; 0 elsewhere."""
-    advantages: torch.Tensor
-    """[B] float32: one advantage per sequence (``moerl.rl.group_advantages``)."""
-    rewards: torch.Tensor
-    """[B] float32: the samples' rewards."""
-    group_ids: torch.Tensor
-    """[B] int64: index of the sample's group in the batch."""
-    policy_versions: torch.Tensor
-    """[B] int64: oldest policy version that generated each sample."""
-    num_tokens: int
-    """Loss tokens (``loss_mask`` set) over the whole step: the token-mean normalizer."""
-    num_seqs: int
-    """Sequences of the step with at least one loss token: the sequence-mean normalizer."""
-    task_ids: tuple[str, ...]
-    """Task id of each group, in group order."""
-    lease_tokens: tuple[int, ...]
-    """Fencing token under which each group was delivered."""
-    group_versions: tuple[int, ...]
-    """``min_policy_version`` of each group."""
-
-    @property
-    def num_sequences(self) -> int:
-        """Rows B (sequences, padded or not)."""
-        return self.input_ids.shape[0]
-
-    def micro_batches(self, size: int) -> Iterator[TrainBatch]:
-        """Consecutive slices of at most ``size`` rows, each cut to its own longest sequence.
-
-        The slices keep the step's global ``num_tokens`` / ``num_seqs``, so their losses add up to
-        the step's loss.
-        """
-        for start in range(0, self.num_sequences, size):
-            rows = slice(start, start + size)
-            length = int(self.attention_mask[rows].sum(dim=1).max())
-            cols = slice(0, max(length, 2))
-            yield replace(
-                self,
-                input_ids=self.input_ids[rows, cols],
-                attention_mask=self.attention_mask[rows, cols],
-                loss_mask=self.loss_mask[rows, cols],
-                behaviour_logprobs=self.behaviour_logprobs[rows, cols],
-                advantages=self.advantages[rows],
-                rewards=self.rewards[rows],
-                group_ids=self.group_ids[rows],
-                policy_versions=self.policy_versions[rows],
-            )
-
-
-def build_train_batch(groups: Sequence[Group], *, pad_id: int, estimator: str = "grpo") -> TrainBatch:
-    """Pad the groups' samples into a ``TrainBatch`` and compute group-relative advantages.
-
-    Args:
-        groups: the step's groups (at least one).
-        pad_id: token id used for right padding (never trained: attention_mask 0, loss_mask False).
-        estimator: ``moerl.rl.group_advantages`` estimator: grpo, dr_grpo or rloo.
-
-    Raises:
-        ValueError: no groups, or an estimator that needs a value model (gae).
-    """
-    if not groups:
-        raise ValueError("build_train_batch: no groups")
-    samples = [s for g in groups for s in g.samples]
-    num = len(samples)
-    prompt_len = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.int64)  # (B,)
-    response_len = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.int64)  # (B,)
-    seq_len = prompt_len + response_len
-    length = max(int(seq_len.max()), 2)
-    cols = torch.arange(length)
-    # Boolean-mask assignment fills True cells in row-major order, i.e. sample after sample, which is
-    # the order of the flat token lists below: one tensor op per field instead of a loop over rows.
-    is_token = cols < seq_len[:, None]  # (B, T)
-    is_response = is_token & (cols >= prompt_len[:, None])  # (B, T)
-    input_ids = torch.full((num, length), pad_id, dtype=torch.int64)
-    input_ids[is_token] = torch.tensor(
-        [t for s in samples for t in (*s.prompt_ids, *s.response_ids)], dtype=torch.int64
-    )
-    loss_mask = torch.zeros(num, length, dtype=torch.bool)
-    loss_mask[is_response] = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.bool)
-    behaviour = torch.zeros(num, length, dtype=torch.float32)
-    behaviour[is_response] = torch.tensor(
-        [x for s in samples for x in s.response_logprobs], dtype=torch.float32
-    )
-    attention_mask = is_token.long()
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    group_ids = torch.repeat_interleave(
-        torch.arange(len(groups)), torch.tensor([len(g.samples) for g in groups], dtype=torch.int64)
-    )
-    return TrainBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        loss_mask=loss_mask,
-        behaviour_logprobs=behaviour,
-        advantages=group_advantages(rewards, group_ids, estimator=estimator),
-        rewards=rewards,
-        group_ids=group_ids,
-        policy_versions=torch.tensor([s.min_policy_version for s in samples], dtype=torch.int64),
-        num_tokens=int(loss_mask.sum()),
-        num_seqs=int(loss_mask.any(dim=1).sum()),
-        task_ids=tuple(g.task_id for g in groups),
-        lease_tokens=tuple(g.lease_token for g in groups),
-        group_versions=tuple(g.min_policy_version for g in groups),
-    )
 
 
 def expert_load_cv(routed_experts: torch.Tensor, token_mask: torch.Tensor, num_experts: int) -> float:
@@ -187,6 +69,22 @@ def expert_load_cv(routed_experts: torch.Tensor, token_mask: torch.Tensor, num_e
         counts = torch.bincount(picked[:, layer].reshape(-1), minlength=num_experts).double()
         cvs.append(float(counts.std(unbiased=False) / counts.mean()))
     return sum(cvs) / len(cvs)
+
+
+@dataclass(frozen=True, slots=True)
+class _Forward:
+    """One micro-batch's forward, as the loss and the metrics use it."""
+
+    logp: torch.Tensor
+    """[B, T] float32 token log-probs in the batch layout (0 where not trained)."""
+    logits: torch.Tensor
+    """[B, T', V] logits aligned with ``labels`` (T' = T, or the suffix length S when shared)."""
+    labels: torch.Tensor
+    """[B, T'] int64 trained tokens, ``IGNORE_INDEX`` elsewhere."""
+    aux_loss: torch.Tensor
+    """scalar float32 load-balancing loss."""
+    routed_experts: torch.Tensor | None
+    """[B, T, L_moe, k] int64 or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,20 +210,35 @@ class Trainer:
         """``build_train_batch`` with this trainer's advantage estimator."""
         return build_train_batch(groups, pad_id=pad_id, estimator=self.preset.estimator)
 
-    def _forward(self, mb: TrainBatch, *, with_grad: bool):
+    def _forward(self, mb: TrainBatch, *, with_grad: bool) -> _Forward:
+        """Token log-probs of ``mb`` under the current weights; each group's prompt runs once when
+        ``trainer.share_prompt`` allows it (``moerl.runtime.shared_prefix``)."""
         ids = mb.input_ids.to(self.device)
         attn = mb.attention_mask.to(self.device)
         labels = torch.where(mb.loss_mask.to(self.device), ids, IGNORE_INDEX)
+        routed = with_grad and self.num_experts > 0
+        split = None
+        if self.cfg.share_prompt and self.cfg.aux_loss_coef == 0 and mb.prompt_lens is not None:
+            split = split_shared_prefix(
+                ids, attn, mb.prompt_lens.to(self.device), mb.group_ids.to(self.device)
+            )
         with torch.set_grad_enabled(with_grad):
-            out = self.model(ids, attn, return_routed_experts=with_grad and self.num_experts > 0)
-            logp = token_logprobs(out.logits, labels, self.temperature)
-        return out, logp, labels
+            if split is None:
+                out = self.model(ids, attn, return_routed_experts=routed)
+                logp = token_logprobs(out.logits, labels, self.temperature)
+                return _Forward(logp, out.logits, labels, out.aux_loss, out.routed_experts)
+            shared = shared_prefix_forward(self.model, split, ids.shape[1], return_routed_experts=routed)
+            suffix_labels = split.to_suffix(labels, IGNORE_INDEX)  # (B, S), aligned with shared.logits
+            logp = split.to_batch(
+                token_logprobs(shared.logits, suffix_labels, self.temperature), ids.shape[1]
+            )
+            return _Forward(logp, shared.logits, suffix_labels, shared.aux_loss, shared.routed_experts)
 
     @torch.no_grad()
     def _proximal_logprobs(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Log-probs of the current weights before the update (decoupled PPO's proximal policy)."""
         return [
-            self._forward(mb, with_grad=False)[1] for mb in batch.micro_batches(self.cfg.micro_batch_size)
+            self._forward(mb, with_grad=False).logp for mb in batch.micro_batches(self.cfg.micro_batch_size)
         ]
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
@@ -344,11 +257,11 @@ class Trainer:
         is_finite = True
         micro = list(batch.micro_batches(self.cfg.micro_batch_size))
         for i, mb in enumerate(micro):
-            out, logp, labels = self._forward(mb, with_grad=True)
+            out = self._forward(mb, with_grad=True)
             mask = mb.loss_mask.to(self.device)
             behav = mb.behaviour_logprobs.to(self.device)
             loss, m = policy_loss(
-                logp,
+                out.logp,
                 proximal[i] if proximal is not None else behav,
                 mb.advantages.to(self.device),
                 mask,
@@ -362,8 +275,9 @@ class Trainer:
             if self.cfg.aux_loss_coef > 0:
                 loss = loss + self.cfg.aux_loss_coef * share * out.aux_loss
             if self.algorithm.entropy_coef > 0:
-                ent = entropy_from_logits(out.logits, labels, temperature=self.temperature)
-                loss = loss - self.algorithm.entropy_coef * (ent * mask).sum() / max(batch.num_tokens, 1)
+                ent = entropy_from_logits(out.logits, out.labels, temperature=self.temperature)
+                trained = out.labels != IGNORE_INDEX  # the loss tokens, in the logits' layout
+                loss = loss - self.algorithm.entropy_coef * (ent * trained).sum() / max(batch.num_tokens, 1)
             is_finite = is_finite and bool(torch.isfinite(loss))
             if is_finite:
                 loss.backward()
@@ -372,7 +286,9 @@ class Trainer:
                 sums["pg_loss"] += m["pg_loss"]
                 sums["pg_clipfrac"] += m["pg_clipfrac"] * tok_share
                 sums["ppo_kl"] += m["ppo_kl"] * tok_share
-                sums["entropy"] += self._entropy_sum(out.logits.detach(), labels) / max(batch.num_tokens, 1)
+                sums["entropy"] += self._entropy_sum(out.logits.detach(), out.labels) / max(
+                    batch.num_tokens, 1
+                )
                 sums["aux_loss"] += float(out.aux_loss) * share
                 if out.routed_experts is not None:
                     cv = expert_load_cv(

@@ -7,9 +7,10 @@ import torch
 
 from moerl.config import load_config
 from moerl.models import build_model
+from moerl.runtime.batch import build_train_batch
 from moerl.runtime.recovery import StepJournal, recover_trainer
 from moerl.runtime.run_dir import LedgerEntry, RunDir
-from moerl.runtime.trainer import Trainer, build_train_batch
+from moerl.runtime.trainer import Trainer
 from moerl.runtime.types import Group, Lease, RolloutTask, Sample
 from moerl.runtime.weights import WeightStore
 

@@ -8,8 +8,9 @@ from _tiny import tiny_model
 
 from moerl.config import AlgorithmConfig, ConfigError, TrainerConfig
 from moerl.rl import entropy_from_logits
+from moerl.runtime.batch import build_train_batch
 from moerl.runtime.checkpoint import load_checkpoint
-from moerl.runtime.trainer import NonFiniteLossError, Trainer, build_train_batch, expert_load_cv
+from moerl.runtime.trainer import NonFiniteLossError, Trainer, expert_load_cv
 from moerl.runtime.types import Group, Lease, RolloutTask, Sample
 
 VOCAB = 16
