@@ -440,6 +440,11 @@ class RunConfig:
     def __post_init__(self) -> None:
         from moerl.rl.presets import preset_from_config
 
+        if not self.name or self.name in (".", "..") or any(c in self.name for c in "/\\"):
+            raise ConfigError(
+                f"name={self.name!r} must be a plain folder name (no '/' or '\\'); "
+                "set output_dir to put runs elsewhere"
+            )
         try:
             estimator = preset_from_config(self.algorithm).estimator
         except ValueError as e:  # a combination the per-field checks cannot see

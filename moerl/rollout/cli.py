@@ -54,11 +54,15 @@ def _write_jsonl_atomic(path: str | Path, rows: list[dict]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.fchmod(fd, 0o644)  # mkstemp creates 0600; the output is shared like any other file
-    with os.fdopen(fd, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp creates 0600; the output is shared like any other file
+        with os.fdopen(fd, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _row(c: Completion, prompt: str, tokenizer, version: int) -> dict:
@@ -100,6 +104,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.dtype not in _DTYPES:
         raise ValueError(f"--dtype={args.dtype!r}; choose one of {sorted(_DTYPES)}")
+    if Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a folder; give the path of a .jsonl file to write")
+    if not Path(args.model).is_dir():
+        raise FileNotFoundError(
+            f"--model {args.model}: no such folder (a Hugging Face model folder is expected)"
+        )
+    if not Path(args.prompts).is_file():
+        raise FileNotFoundError(f"--prompts {args.prompts}: no such file")
     tokenizer = load_tokenizer(getattr(args, "tokenizer", None) or args.model)
     model = from_pretrained(args.model, dtype=_DTYPES[args.dtype], device=args.device)
     prompts = read_prompts(args.prompts)

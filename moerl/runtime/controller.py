@@ -63,14 +63,18 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
     if not (Path(run_dir) / "config.yaml").exists():  # checked first: RunDir() creates the folder
         raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
     run = RunDir(run_dir)
-    ckpt = latest_checkpoint(run.path)
-    if ckpt is None:
-        raise FileNotFoundError(f"{run_dir} has no complete checkpoint to resume from")
     cfg = load_config(run.config, overrides)
     done = run.read_summary()
     if done and done.get("status") == "completed" and done.get("steps", 0) >= cfg.trainer.steps:
         print(f"{run_dir} is already complete ({done['steps']} steps); raise trainer.steps to continue it")
         return done
+    ckpt = latest_checkpoint(run.path)
+    if ckpt is None:
+        every = cfg.trainer.checkpoint_every
+        raise FileNotFoundError(
+            f"{run_dir} has no complete checkpoint to resume from (trainer.checkpoint_every={every}: "
+            + ("checkpoints are off)" if every == 0 else f"the first is written at step {every})")
+        )
     try:
         return _run(cfg, run, checkpoint=ckpt, live=live)
     except KeyboardInterrupt as e:
@@ -196,10 +200,15 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
     if run.metrics.exists():
         plot_report(run.path)
     view.message(
-        f"done: accuracy {summary['start_eval_accuracy']:.3f} -> {summary['final_eval_accuracy']}, "
+        f"done: accuracy {summary['start_eval_accuracy']:.3f} -> {_accuracy(summary['final_eval_accuracy'])}, "
         f"{summary['wall_time_s']:.0f} s; {run.path}"
     )
     return summary
+
+
+def _accuracy(value: float | None) -> str:
+    """An accuracy with three decimals, or "not evaluated"."""
+    return "not evaluated" if value is None else f"{value:.3f}"
 
 
 def _summary(cfg: RunConfig, run: RunDir, trainer: Trainer, state: dict, fleet_state, stop_reason) -> dict:

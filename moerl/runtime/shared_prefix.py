@@ -10,7 +10,8 @@ up to float rounding. This is the shared-prefix forward of Prefix Grouper (Liu e
 arXiv:2506.05433, sec. 3), here through the model's KV-cache seam (``moerl.models.layers.KVCache``).
 
 The last prompt token stays in the suffix because its logits predict the first response token, and
-the suffix pass is the one whose logits are kept.
+the suffix pass is the one whose logits are kept. The two passes are two forwards: under expert
+parallelism (``moerl.ep``) each runs its own dispatch/combine, so every EP rank must take the same path.
 
 Shapes: B rows (samples) of the micro-batch, T its padded length, G groups in it, Pp the longest prefix
 (prompt length - 1), S the longest suffix (1 + response length), V vocabulary, L_moe MoE layers, k top-k.
@@ -37,10 +38,9 @@ class PrefixSplit:
     """[B, S] int64: each sample's last prompt token, then its response, right-padded."""
     suffix_mask: torch.Tensor
     """[B, S] int64: 1 at suffix tokens, 0 at padding."""
-    suffix_positions: torch.Tensor
-    """[B, S] int64: position ids, P_b - 1 + j (0 at padding)."""
     columns: torch.Tensor
-    """[B, S] int64: column of each suffix token in the [B, T] batch (0 at padding)."""
+    """[B, S] int64: column of each suffix token in the [B, T] batch, P_b - 1 + j (0 at padding). Rows
+    are right-padded, so this is also the token's position id."""
     row_group: torch.Tensor
     """[B] int64: each row's group, an index into the G prefixes."""
 
@@ -109,7 +109,6 @@ def split_shared_prefix(
         prefix_mask=prefix_mask.long(),
         suffix_ids=torch.where(valid, input_ids.gather(1, columns), 0),
         suffix_mask=valid.long(),
-        suffix_positions=columns,
         columns=columns,
         row_group=row_group,
     )
@@ -180,7 +179,7 @@ def shared_prefix_forward(
     suf = model(
         split.suffix_ids,
         split.suffix_mask,
-        split.suffix_positions,
+        split.columns,  # position ids
         cache=_SharedPrefixCache(capture.kv, split),
         return_routed_experts=return_routed_experts,
     )

@@ -8,7 +8,8 @@ aligned with ``input_ids`` as ``moerl.rl.token_logprobs`` returns them: position
 One step (``Trainer.train_step``)::
 
     [proximal log-probs, no grad, if recompute_proximal]
-    for each micro-batch: forward -> token log-probs -> policy_loss (global num_tokens / num_seqs)
+    for each micro-batch: forward (each group's prompt once: moerl.runtime.shared_prefix)
+                          -> token log-probs -> policy_loss (global num_tokens / num_seqs)
                           + aux_loss_coef * aux_loss -> backward (gradients accumulate)
     non-finite loss or gradient norm -> skip the update, count it, stop after max_nan_steps in a row
     clip the global gradient norm -> AdamW step -> LR schedule step

@@ -56,3 +56,13 @@ def test_group_estimators_need_groups_of_two_or_more():
     with pytest.raises(ConfigError, match=r"rollout.group_size=1: the rloo estimator"):
         load_config(None, ["rollout.group_size=1", "algorithm.estimator=rloo"])
     assert load_config(None, ["rollout.group_size=2"]).rollout.group_size == 2
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "..", "", "x\\y"])
+def test_run_name_is_one_folder_name(name):
+    with pytest.raises(ConfigError, match="must be a plain folder name"):
+        load_config(None, [f"name={name!r}"])
+
+
+def test_plain_run_name_is_kept():
+    assert load_config(None, ["name=final-sync_2"]).name == "final-sync_2"

@@ -61,3 +61,39 @@ def test_generate_cli_writes_one_line_per_sample(tmp_path):
         main(["generate", "--model", str(tmp_path / "nope"), "--prompts", str(prompts), "--out", str(out)])
         == 2
     )
+
+
+def test_generate_cli_bad_paths_are_one_line_errors_and_leave_nothing(tmp_path, capsys):
+    tok = load_tokenizer(None)
+    save_pretrained(build_model(ModelConfig(max_position_embeddings=64), tok.vocab_size), tmp_path / "m")
+    tok.save(tmp_path / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+2="}) + "\n")
+    before = sorted(p.name for p in (tmp_path / "m").iterdir())
+    cases = [
+        (
+            ["--model", str(tmp_path / "m"), "--prompts", str(prompts), "--out", str(tmp_path / "m")],
+            "is a folder",
+        ),
+        (
+            ["--model", str(tmp_path / "nope"), "--prompts", str(prompts), "--out", str(tmp_path / "o")],
+            "no such folder",
+        ),
+        (
+            [
+                "--model",
+                str(tmp_path / "m"),
+                "--prompts",
+                str(tmp_path / "x.jsonl"),
+                "--out",
+                str(tmp_path / "o"),
+            ],
+            "no such file",
+        ),
+    ]
+    for args, message in cases:
+        assert main(["generate", *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == before  # no temp file left in the folder
+    assert not (tmp_path / "o").exists()

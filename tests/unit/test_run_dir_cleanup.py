@@ -61,3 +61,18 @@ def test_train_with_a_bad_init_from_leaves_no_folder_and_resume_creates_none(tmp
     with pytest.raises(FileNotFoundError, match="not a run folder"):
         resume(tmp_path / "typo", live=False)
     assert not (tmp_path / "typo").exists()
+
+
+def test_resume_of_a_short_finished_run_says_it_is_complete_and_without_a_checkpoint_says_why(
+    tmp_path, capsys
+):
+    from moerl.runtime.controller import resume
+
+    run = RunDir.create(RunConfig(output_dir=str(tmp_path)))  # trainer.steps=40, checkpoint_every=10
+    run.write_summary({"status": "completed", "steps": 40})
+    assert resume(run.path, live=False)["steps"] == 40
+    assert "already complete (40 steps)" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match=r"checkpoint_every=10: the first is written at step 10"):
+        resume(run.path, ["trainer.steps=80"], live=False)
+    with pytest.raises(FileNotFoundError, match=r"checkpoint_every=0: checkpoints are off"):
+        resume(run.path, ["trainer.steps=80", "trainer.checkpoint_every=0"], live=False)

@@ -64,7 +64,7 @@ def test_split_by_hand():
     assert s.suffix_mask[6].tolist() == [1, 0, 0, 0, 0]
     assert s.columns[0].tolist() == [2, 3, 4, 0, 0]
     assert s.columns[5].tolist() == [4, 5, 0, 0, 0]
-    assert s.suffix_positions[4].tolist() == [0, 1, 0, 0, 0]
+    assert s.columns[4].tolist() == [0, 1, 0, 0, 0]  # also the position ids
     x = torch.arange(batch.input_ids.numel()).view(batch.input_ids.shape)
     back = s.to_batch(s.to_suffix(x, -1), batch.input_ids.shape[1])
     assert back[0].tolist() == [0, 0, 2, 3, 4, 0, 0]  # the suffix columns, zeros elsewhere
