@@ -275,10 +275,10 @@ class Trainer:
             share = mb.num_sequences / batch.num_sequences
             if self.cfg.aux_loss_coef > 0:
                 loss = loss + self.cfg.aux_loss_coef * share * out.aux_loss
-            if self.algorithm.entropy_coef > 0:
+            ent = None
+            if self.algorithm.entropy_coef > 0:  # 0 where not trained: the sum is over loss tokens
                 ent = entropy_from_logits(out.logits, out.labels, temperature=self.temperature)
-                trained = out.labels != IGNORE_INDEX  # the loss tokens, in the logits' layout
-                loss = loss - self.algorithm.entropy_coef * (ent * trained).sum() / max(batch.num_tokens, 1)
+                loss = loss - self.algorithm.entropy_coef * ent.sum() / max(batch.num_tokens, 1)
             is_finite = is_finite and bool(torch.isfinite(loss))
             if is_finite:
                 loss.backward()
@@ -287,9 +287,8 @@ class Trainer:
                 sums["pg_loss"] += m["pg_loss"]
                 sums["pg_clipfrac"] += m["pg_clipfrac"] * tok_share
                 sums["ppo_kl"] += m["ppo_kl"] * tok_share
-                sums["entropy"] += self._entropy_sum(out.logits.detach(), out.labels) / max(
-                    batch.num_tokens, 1
-                )
+                ent_sum = float(ent.sum()) if ent is not None else self._entropy_sum(out.logits, out.labels)
+                sums["entropy"] += ent_sum / max(batch.num_tokens, 1)
                 sums["aux_loss"] += float(out.aux_loss) * share
                 if out.routed_experts is not None:
                     cv = expert_load_cv(
@@ -310,16 +309,11 @@ class Trainer:
         )
 
     def _entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> float:
-        """Sum of the next-token entropy of softmax(logits / temperature) over the trained positions, i.e.
-        ``entropy_from_logits(...).sum()`` over ``labels != IGNORE_INDEX`` computed on those positions'
-        logits only (no [B, T, V] float32 pass). logits [B, T, V], labels [B, T] int64; returns nats."""
-        trained = labels[:, 1:] != IGNORE_INDEX  # (B, T - 1): logits at t - 1 predict labels at t
-        if not bool(trained.any()):
-            return 0.0
-        dtype = torch.promote_types(logits.dtype, torch.float32)  # as entropy_from_logits computes
-        z = logits[:, :-1][trained].to(dtype) / self.temperature  # (N, V)
-        logp = z.log_softmax(-1)
-        return float(-(logp.exp() * logp).sum())  # Shannon entropy H(p) = -sum_v p_v log p_v, nats
+        """Sum over the trained positions (``labels != IGNORE_INDEX``) of the next-token entropy of
+        softmax(logits / temperature), in nats: ``moerl.rl.entropy_from_logits``, which computes only those
+        positions. logits [B, T, V], labels [B, T] int64."""
+        with torch.no_grad():
+            return float(entropy_from_logits(logits, labels, temperature=self.temperature).sum())
 
     def _clip_and_step(self, is_finite: bool) -> float:
         """Clip, step optimizer and schedule; on a non-finite loss/gradient skip and count. Returns the norm."""

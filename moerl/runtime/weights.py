@@ -397,6 +397,6 @@ def unpack_weights(packed: PackedWeights) -> dict[str, torch.Tensor]:
     data = torch.from_numpy(np.array(packed.data))  # the object store hands out read-only arrays
     out = {}
     for name, dtype, shape, start in packed.entries:
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         out[name] = data[start : start + size].view(dtype).view(shape)
     return out

@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 from _tiny import tiny_model
+from test_models import tiny
 
-from moerl.config import AlgorithmConfig, ModelConfig, TrainerConfig
-from moerl.models import build_model
+from moerl.config import AlgorithmConfig, TrainerConfig
 from moerl.rl import token_logprobs
 from moerl.runtime.batch import build_train_batch
 from moerl.runtime.shared_prefix import shared_prefix_forward, split_shared_prefix
@@ -73,25 +73,7 @@ def test_split_by_hand():
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_log_probs_gradients_and_routing_equal_the_unshared_forward(family):
     torch.manual_seed(0)
-    if family == "qwen3_moe":
-        model = tiny_model(VOCAB, max_position_embeddings=64)
-    else:  # MLA attention and a dense first layer go through the same cache seam
-        cfg = ModelConfig(
-            family=family,
-            hidden_size=32,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=4,
-            head_dim=8,
-            num_experts=4,
-            top_k=2,
-            moe_intermediate_size=16,
-        )
-        model = build_model(cfg, VOCAB)
-    with torch.no_grad():  # O(1) weights: routing and attention far from uniform
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, p.shape[-1] ** -0.5)
+    model = tiny(family)  # deepseek_v3: MLA attention and a dense first layer, through the same cache seam
     batch = build_train_batch(_groups(RAGGED), pad_id=PAD)
     labels = torch.where(batch.loss_mask, batch.input_ids, -100)
     t = batch.input_ids.shape[1]
