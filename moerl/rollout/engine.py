@@ -480,13 +480,20 @@ class Engine:
         freed = torch.tensor([s.slot for s in finished], dtype=torch.int64, device=self.device)
         self._active[freed] = 0
         self._seq_len[freed] = 1
-        for src, dst in self.scheduler.release(finished):
-            length = self.scheduler.running[dst].seq_len
-            self.cache.copy_slots([src], [dst], length)
-            for state in self._slot_state:
-                state[dst] = state[src]
-            self._active[src] = 0
-            self._seq_len[src] = 1
+        moves = self.scheduler.release(finished)
+        if not moves:
+            return
+        # One batched copy for all moves: sources (>= the running count) and destinations (< it) are
+        # disjoint. Copying up to the longest mover's length is safe: cache positions past a slot's
+        # own length are never attended.
+        src, dst = [m[0] for m in moves], [m[1] for m in moves]
+        self.cache.copy_slots(src, dst, max(self.scheduler.running[d].seq_len for d in dst))
+        src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        for state in self._slot_state:
+            state[dst_t] = state[src_t]
+        self._active[src_t] = 0
+        self._seq_len[src_t] = 1
 
     def _drop_waiting(self) -> None:
         """Forget queued requests (used when ``generate`` rejects a batch before running it)."""

@@ -41,6 +41,7 @@ from collections.abc import Mapping
 import torch
 
 from moerl.config import ConfigError, RunConfig
+from moerl.runtime.allocator import keep_freed_memory
 from moerl.runtime.buffer import BufferClosed
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.drain import Drainer
@@ -58,6 +59,7 @@ def _remote_call(handle, method: str, *args, **kwargs):
 
 def _set_threads() -> None:
     torch.set_num_threads(int(os.environ.get("MOERL_ACTOR_THREADS", "1")))
+    keep_freed_memory()  # no page faults on each step's activations (moerl.runtime.allocator)
 
 
 class _RayPending:
@@ -147,6 +149,7 @@ class RolloutWorkerActorImpl:
         self._pause = threading.Event()
         self._paused = threading.Event()
         self._stop = threading.Event()
+        self._offered = threading.Event()  # set by ``offer_weights``; the idle loop waits on it
         self.worker = make_worker(
             cfg,
             worker_id,
@@ -180,7 +183,8 @@ class RolloutWorkerActorImpl:
             while not self._stop.is_set() and not self.watcher.is_set():
                 self.worker.step()
                 if not self.worker.num_in_flight:  # queue empty or gated; a delivery may be on its way
-                    time.sleep(0.01)
+                    self._offered.wait(0.01)  # new weights open the staleness gate: wake at once
+                    self._offered.clear()
             if self.watcher.is_set() and not self._stop.is_set():
                 reason, report = "drained", self.drainer.drain(self.worker, self.watcher.notice)
         except BufferClosed:
@@ -224,6 +228,7 @@ class RolloutWorkerActorImpl:
         """Weights of ``version`` in the object store (``refs[0]``), applied between scheduler steps."""
         with self.weights.lock:
             self.weights.offer = (version, refs[0])
+        self._offered.set()
 
     def stats(self):
         return self.worker.stats

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from moerl.config import ConfigError, RunConfig, load_config
+from moerl.runtime.allocator import keep_freed_memory
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
 from moerl.runtime.recovery import StepJournal, recover_trainer
@@ -104,6 +105,7 @@ def _seed_everything(seed: int) -> None:
 
 def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) -> dict:
     process_start = time.perf_counter()
+    keep_freed_memory()  # no page faults on each step's activations (moerl.runtime.allocator)
     _seed_everything(cfg.seed)
     view = LiveView(cfg.trainer.steps, enabled=live)
     try:

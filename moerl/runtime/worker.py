@@ -17,7 +17,9 @@ Round trips off the critical path (async mode): a buffer that offers ``put_many_
 ``Pending`` call, and the worker keeps decoding while it runs; its outcome is collected at a later
 step (or waited for when there is nothing else to do), and the groups finished meanwhile go out
 together in the next delivery. Leasing ahead lets one (blocking) ``lease`` call fill several groups'
-slots and keeps the engine's queue non-empty, so lease round trips are rare. A local buffer (sync
+slots and keeps the engine's queue non-empty, so lease round trips are rare; after a lease that got
+nothing (the staleness gate is closed), a busy worker asks again only once its weights changed or
+``lease_retry_s`` passed, not at every decode step. A local buffer (sync
 mode) answers at once, so the sync loop keeps its order: lease, step, deliver, every step.
 
 Interruption hooks for the fleet (drain on notice, requeue on loss): ``stop(drain=...)`` stops
@@ -123,6 +125,8 @@ class RolloutWorker:
         lease_ttl_s: lease lifetime; leases are renewed every ttl / 3.
         put_timeout_s: most seconds one ``put`` waits on a full buffer before retrying (keeps
             heartbeats going while blocked by backpressure).
+        lease_retry_s: seconds a worker with work in flight waits before asking again after a lease
+            that got nothing, unless its weights changed meanwhile (``_is_backing_off``).
         pause_point: called between scheduler steps and between ``put`` retries, where the worker
             holds no half-delivered group; a Ray actor blocks there while paused (checkpoints).
     """
@@ -142,6 +146,7 @@ class RolloutWorker:
         run_seed: int = 0,
         lease_ttl_s: float = 60.0,
         put_timeout_s: float = 1.0,
+        lease_retry_s: float = 0.05,
         pause_point: Callable[[], None] | None = None,
     ):
         self.worker_id = worker_id
@@ -156,6 +161,7 @@ class RolloutWorker:
         self.run_seed = run_seed
         self.lease_ttl_s = lease_ttl_s
         self.put_timeout_s = put_timeout_s
+        self.lease_retry_s = lease_retry_s
         self.pause_point = pause_point
         self.max_groups_in_flight = max(1, engine.num_slots // cfg.group_size)
         ahead = self.max_groups_in_flight if cfg.lease_ahead_groups is None else cfg.lease_ahead_groups
@@ -168,6 +174,7 @@ class RolloutWorker:
         self._is_leasing = True
         self._is_stopping = False
         self._last_heartbeat = time.monotonic()
+        self._empty_lease: tuple[int, float] | None = None  # (weights version, time) of a lease that got nothing
 
     @property
     def version(self) -> int:
@@ -212,7 +219,11 @@ class RolloutWorker:
             free, wanted = min(free, budget), min(wanted, budget)
         if not self._is_leasing or free <= 0 or (free < wanted and self.num_in_flight):
             return
-        for lease in self.queue.lease(self.worker_id, self.lease_ttl_s, free):
+        if self.num_in_flight and self._is_backing_off():
+            return
+        leases = self.queue.lease(self.worker_id, self.lease_ttl_s, free)
+        self._empty_lease = None if leases else (self.version, time.monotonic())
+        for lease in leases:
             request_id = f"{lease.task_id}#{lease.token}"
             job, params = _InFlight(lease, time.perf_counter()), self._params(lease)
             requests = [Request(request_id=request_id, prompt_ids=list(lease.task.prompt_ids), params=params)]
@@ -236,6 +247,20 @@ class RolloutWorker:
             job.request_ids = tuple(r.request_id for r in requests) or (request_id,)
             for rid in job.request_ids:
                 self._in_flight[rid] = job
+
+    def _is_backing_off(self) -> bool:
+        """True while a busy worker should not ask again after a lease that got nothing.
+
+        A staleness-gated queue (``moerl.runtime.exchange.rollout_allowance``) refuses a worker until a
+        new policy version is published; asking at every scheduler step costs one blocking round trip per
+        decode step. So after an empty lease the worker asks again once its weights changed, or after
+        ``lease_retry_s`` (tasks requeued meanwhile). Only while it has work in flight: an idle worker
+        asks at every step.
+        """
+        if self._empty_lease is None:
+            return False
+        version, at = self._empty_lease
+        return version == self.version and time.monotonic() - at < self.lease_retry_s
 
     def _to_sample(self, lease: Lease, c: Completion) -> Sample:
         reward = self.task.reward(lease.task.prompt_text, self.decode(c.token_ids), lease.task.answer)

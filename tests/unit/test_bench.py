@@ -88,3 +88,17 @@ def test_benchmarks_run_on_cpu_and_summarize(tmp_path, capsys):
         and "MoE layer 64 tokens" in table
         and "train step moerl/b2" in table
     )
+
+
+def test_async_bound_runs_on_cpu(tmp_path, capsys):
+    from bench import async_bound
+
+    small = ["trainer.batch_groups=2", "rollout.group_size=2", "rollout.max_slots=8", "task.num_eval=4"]
+    args = ["--rounds", "1", "--out-dir", str(tmp_path)] + [a for kv in small for a in ("--set", kv)]
+    out = async_bound.main(args)
+    m = out["median_s"]
+    assert out["sync_step_s"] == pytest.approx(m["G2"] + m["T2"] + m["P"])
+    assert out["async_step_floor_s"] == pytest.approx(max(m["G1"], m["T1"] + m["P"]))
+    assert out["sharing_slowdown"] > 0 and set(out["train_1_thread_s"]) == {"alone", "beside_generation"}
+    assert json.loads((tmp_path / "async_bound.json").read_text())["rounds"] == 1
+    assert "async/sync samples/s at most" in capsys.readouterr().out

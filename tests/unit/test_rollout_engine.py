@@ -99,6 +99,33 @@ def test_batch_invariance_greedy_and_seeded(model):
         assert len(done) == 1 + 2 + 2 * 3
 
 
+def test_compaction_moves_several_slots_at_once(model):
+    # 8 slots: the three short requests (slots 0-2) finish in the same step, so the long ones in slots 5-7
+    # move down to 0-2 in one batched copy, each with its own cached length (prompts of 3 to 10 tokens)
+    prompts = _prompts([3, 4, 5, 6, 7, 8, 9, 10], seed=9)
+    lengths = [2, 2, 2, 12, 12, 12, 12, 12]
+    alone = [
+        Engine(model, max_slots=1, kv_token_budget=48).generate(
+            [_req(f"r{i}", p, max_new_tokens=n, temperature=0.0)]
+        )[0]
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    engine = Engine(model, max_slots=8, kv_token_budget=8 * 48)
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        engine.add_request(_req(f"r{i}", p, max_new_tokens=n, temperature=0.0))
+    moves = []
+    release = engine.scheduler.release
+    engine.scheduler.release = lambda finished: moves.append(release(finished)) or moves[-1]
+    done = []
+    while engine.num_unfinished:
+        done += engine.step()
+    assert sorted(len(m) for m in moves if m) == [3]  # the batched path ran with several moves
+    got = {c.request_id: c for c in done}
+    for i, want in enumerate(alone):
+        assert got[f"r{i}"].token_ids == want.token_ids
+        assert torch.allclose(torch.tensor(got[f"r{i}"].logprobs), torch.tensor(want.logprobs), atol=1e-5)
+
+
 def test_sync_every_and_buckets_do_not_change_outputs(model):
     prompts = _prompts([5, 8, 3, 10])
     reqs = [

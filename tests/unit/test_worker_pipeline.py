@@ -83,14 +83,14 @@ class CountingQueue:
         return getattr(self.queue, name)
 
 
-def _setup(*, lease_ahead=None, capacity=16, async_buffer=False, num_prompts=40):
+def _setup(*, lease_ahead=None, capacity=16, async_buffer=False, num_prompts=40, max_new_tokens=4):
     torch.manual_seed(0)
     model = tiny_model(TOK.vocab_size)
     prompts = (Prompt(id=f"p{i}", text=f"{i}+1=", answer="1") for i in range(num_prompts))
     queue = TaskQueue(prompts, num_samples=3, tokenize=TOK.encode)
     buffer = ExperienceBuffer(capacity, max_staleness=0, settle=queue.settle, requeue=queue.requeue)
     cfg = RolloutConfig(
-        group_size=3, max_new_tokens=4, max_slots=6, kv_token_budget=6 * 64, lease_ahead_groups=lease_ahead
+        group_size=3, max_new_tokens=max_new_tokens, max_slots=6, kv_token_budget=6 * 64, lease_ahead_groups=lease_ahead
     )
     engine = Engine(model, max_slots=cfg.max_slots, kv_token_budget=cfg.kv_token_budget)
     wq = CountingQueue(queue)
@@ -205,3 +205,48 @@ def test_exchange_gates_leases_by_staleness_window_and_worker_version():
     assert len(ex.lease("w", 60.0, 10, policy_version=1)) == 2  # up to date: 2 x 2 - 2 outstanding
     with pytest.raises(ValueError, match="current version"):
         ex.set_version(0)
+
+
+class GatedQueue(CountingQueue):
+    """Leases at most ``allowed`` more tasks in all (a closed staleness gate answers ``[]``)."""
+
+    def __init__(self, queue, allowed):
+        super().__init__(queue)
+        self.allowed = allowed
+
+    def lease(self, worker_id, ttl_s, max_tasks=1):
+        self.lease_calls.append(max_tasks)
+        leases = self.queue.lease(worker_id, ttl_s, min(max_tasks, self.allowed)) if self.allowed else []
+        self.allowed -= len(leases)
+        return leases
+
+
+def test_busy_worker_asks_a_closed_gate_again_only_after_new_weights_or_the_retry_time():
+    queue, _, _, _, worker = _setup(lease_ahead=2, max_new_tokens=16)  # 2 groups decode, room for 2 more
+    gate = worker.queue = GatedQueue(queue, allowed=2)
+    worker.lease_retry_s = 60.0
+    worker.step()
+    worker.step()  # room for 2 more: asks, the gate is closed
+    assert gate.lease_calls == [4, 2] and worker.num_in_flight == 2
+    for _ in range(2):
+        worker.step()  # still decoding, same weights: no round trip
+    assert len(gate.lease_calls) == 2
+    gate.allowed = 2
+    worker.engine.update_weights(dict(worker.engine.model.named_parameters()), version=1)
+    worker.step()  # new weights: asks at once and gets 2
+    assert len(gate.lease_calls) == 3 and worker.num_in_flight == 4
+    worker.lease_retry_s = 0.0  # the retry time has passed: asks at every step while there is room
+    while worker.num_in_flight == 4:
+        worker.step()
+    calls = len(gate.lease_calls)
+    worker.step()
+    assert len(gate.lease_calls) == calls + 1
+
+
+def test_idle_worker_asks_at_every_step():
+    queue, _, _, _, worker = _setup()
+    gate = worker.queue = GatedQueue(queue, allowed=0)
+    worker.lease_retry_s = 60.0
+    for _ in range(3):
+        worker.step()
+    assert len(gate.lease_calls) == 3 and worker.num_in_flight == 0

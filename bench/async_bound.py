@@ -1,0 +1,179 @@
+"""How much faster async can be than sync on this machine's cores: the bound set by 1-thread work.
+
+    python bench/async_bound.py                                   # default config, fresh policy
+    python bench/async_bound.py --init-from runs/<run>/sft        # the main job's warm-start checkpoint
+
+On C cores, sync mode runs generation and then training, each with C torch threads, so one step takes
+``G_C + T_C + P`` (generate a batch, train on it, publish). Async mode (``runtime.mode=async``, local
+Ray) runs the rollout worker and the trainer side by side, each with ``C / 2`` threads on 2 cores, so
+even with perfect overlap and no Ray overhead a step takes at least ``max(G_1, T_1 + P)``. The ratio
+``(G_2 + T_2 + P) / max(G_1, T_1 + P)`` is therefore an upper bound on async/sync samples/s for 2
+cores. The timings alternate between 1 and 2 threads batch by batch in one process, so that the
+machine's drift (large on shared VMs) hits both thread counts alike.
+
+The bound assumes that the two processes do not slow each other down. The second part measures that:
+a helper process generates batches at 1 thread in a loop, switched on and off, while this process
+times 1-thread train steps; ``T1 beside generation / T1 alone`` is the slowdown the trainer suffers
+from sharing the machine with a rollout worker (caches, memory bandwidth, and on a VM the host's
+placement of its virtual CPUs), and ``async_over_sync_bound_shared`` redoes the bound with it.
+
+Writes ``<out-dir>/async_bound.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import write_json  # noqa: E402
+from moerl.config import load_config  # noqa: E402
+from moerl.runtime.allocator import keep_freed_memory  # noqa: E402
+from moerl.runtime.setup import build_components  # noqa: E402
+from moerl.runtime.trainer import Trainer  # noqa: E402
+from moerl.runtime.weights import WeightStore  # noqa: E402
+
+
+def measure(config: str | None, overrides: list[str], init_from: str | None, rounds: int) -> dict:
+    """Median seconds of one batch's generation (G), train step (T) at 1 and 2 threads, and publish (P)."""
+    keep_freed_memory()  # as the CLI and the actors do
+    cfg = load_config(config, ["runtime.mode=sync", *overrides])
+    torch.manual_seed(cfg.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = WeightStore(tmp, keep=2)
+        comp = build_components(cfg, init_from, store)
+        trainer = Trainer.from_run_config(comp.model, cfg)
+        fleet = comp.start_fleet(0, None)
+        times: dict[str, list[float]] = {"G1": [], "G2": [], "T1": [], "T2": [], "P": []}
+        for i in range(2 * rounds + 2):  # the first two (one per thread count) are warm-up
+            threads = 1 + i % 2
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            groups, _, _ = fleet.next_groups(cfg.trainer.batch_groups)
+            t1 = time.perf_counter()
+            trainer.train_step(trainer.build_batch(groups, comp.tokenizer.pad_id))
+            t2 = time.perf_counter()
+            trainer.publish(store)
+            fleet.push_weights(trainer.version, trainer.named_weights())
+            t3 = time.perf_counter()
+            if i >= 2:
+                times[f"G{threads}"].append(t1 - t0)
+                times[f"T{threads}"].append(t2 - t1)
+                times["P"].append(t3 - t2)
+        fleet.close()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _generate_forever(config, overrides, init_from, is_on, is_ready) -> None:
+    """Helper process: generate batches at 1 thread while ``is_on`` is set (a stand-in rollout worker)."""
+    torch.set_num_threads(1)
+    keep_freed_memory()
+    cfg = load_config(config, ["runtime.mode=sync", *overrides])
+    torch.manual_seed(cfg.seed + 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        fleet = build_components(cfg, init_from, WeightStore(tmp, keep=2)).start_fleet(0, None)
+        fleet.next_groups(cfg.trainer.batch_groups)  # warm-up
+        is_ready.set()
+        while True:
+            is_on.wait()
+            fleet.next_groups(cfg.trainer.batch_groups)
+
+
+def measure_sharing(config: str | None, overrides: list[str], init_from: str | None, rounds: int) -> dict:
+    """Median seconds of a 1-thread train step alone and beside a 1-thread generation loop, alternating."""
+    import multiprocessing as mp
+
+    cfg = load_config(config, ["runtime.mode=sync", *overrides])
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    ctx = mp.get_context("spawn")
+    is_on, is_ready = ctx.Event(), ctx.Event()
+    helper = ctx.Process(
+        target=_generate_forever, args=(config, overrides, init_from, is_on, is_ready), daemon=True
+    )
+    helper.start()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            comp = build_components(cfg, init_from, WeightStore(tmp, keep=2))
+            trainer = Trainer.from_run_config(comp.model, cfg)
+            fleet = comp.start_fleet(0, None)
+            batches = [
+                trainer.build_batch(fleet.next_groups(cfg.trainer.batch_groups)[0], comp.tokenizer.pad_id)
+                for _ in range(4)
+            ]
+            if not is_ready.wait(timeout=300):
+                raise RuntimeError("the generation helper process did not start within 300 s")
+            times: dict[str, list[float]] = {"alone": [], "beside_generation": []}
+            for i in range(2 * rounds + 2):
+                is_beside = i % 2 == 1
+                (is_on.set if is_beside else is_on.clear)()
+                time.sleep(0.2)  # the helper finishes its batch / starts its loop
+                t0 = time.perf_counter()
+                trainer.train_step(batches[i % len(batches)])
+                if i >= 2:
+                    times["beside_generation" if is_beside else "alone"].append(time.perf_counter() - t0)
+    finally:
+        helper.kill()
+        helper.join()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-c", "--config", default="configs/default.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--init-from", default=None, help="HF checkpoint folder of the policy (default: fresh)")
+    p.add_argument("--rounds", type=int, default=20, help="batches timed per thread count")
+    p.add_argument("--out-dir", default="bench/results")
+    args = p.parse_args(argv)
+    threads = torch.get_num_threads()
+    try:
+        m = measure(args.config, args.overrides, args.init_from, args.rounds)
+        shared = measure_sharing(args.config, args.overrides, args.init_from, args.rounds)
+    finally:
+        torch.set_num_threads(threads)
+    slowdown = shared["beside_generation"] / shared["alone"]
+    sync_step = m["G2"] + m["T2"] + m["P"]
+    async_floor = max(m["G1"], m["T1"] + m["P"])
+    async_floor_shared = max(m["G1"] * slowdown, m["T1"] * slowdown + m["P"])
+    result = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "init_from": args.init_from,
+        "rounds": args.rounds,
+        "median_s": m,
+        "sync_step_s": sync_step,
+        "async_step_floor_s": async_floor,
+        "async_over_sync_bound": sync_step / async_floor,
+        "thread_speedup": {"generate": m["G1"] / m["G2"], "train": m["T1"] / m["T2"]},
+        "train_1_thread_s": shared,
+        "sharing_slowdown": slowdown,
+        "async_over_sync_bound_shared": sync_step / async_floor_shared,
+    }
+    print(f"{'':10s} {'1 thread':>10s} {'2 threads':>10s}")
+    for name, key in (("generate", "G"), ("train", "T")):
+        print(f"{name:10s} {m[key + '1'] * 1e3:8.1f}ms {m[key + '2'] * 1e3:8.1f}ms")
+    print(f"publish    {m['P'] * 1e3:8.1f}ms")
+    print(
+        f"sync step G2+T2+P = {sync_step * 1e3:.1f} ms; async floor max(G1, T1+P) = {async_floor * 1e3:.1f} ms; "
+        f"async/sync samples/s at most {result['async_over_sync_bound']:.2f}x"
+    )
+    print(
+        f"train step at 1 thread: {shared['alone'] * 1e3:.1f} ms alone, {shared['beside_generation'] * 1e3:.1f} ms "
+        f"beside a generating process ({slowdown:.2f}x); with that slowdown on both sides async/sync is at most "
+        f"{result['async_over_sync_bound_shared']:.2f}x"
+    )
+    write_json("async_bound", result, args.out_dir)
+    return result
+
+
+if __name__ == "__main__":
+    main()
