@@ -11,22 +11,31 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def status_line(record: dict, total_steps: int) -> str:
-    """One line: step, reward, accuracy, tokens/s, buffer depth, policy version."""
+def status_line(record: dict, total_steps: int, *, eval_step: int | None = None) -> str:
+    """One line: step, mean reward, held-out accuracy, tokens/s, buffer depth, policy version.
+
+    ``acc`` is ``record["eval/accuracy"]``; ``eval_step``, when given, is the step that accuracy was
+    measured at and is shown as ``@step`` (the live view repeats the last eval between evals). ``buffer``
+    is ``buffer/depth``: groups waiting in the experience buffer after the trainer took its batch.
+    """
+    acc = _fmt(record.get("eval/accuracy"), ".3f")
+    if eval_step is not None and record.get("eval/accuracy") is not None:
+        acc += f" @{eval_step}"
     return (
         f"step {record['step']}/{total_steps}  reward {_fmt(record.get('rollout/reward_mean'), '.3f')}  "
-        f"acc {_fmt(record.get('eval/accuracy'), '.3f')}  "
+        f"acc {acc}  "
         f"rollout tok/s {_fmt(record.get('perf/rollout_tokens_per_s'), '.0f')}  "
         f"train tok/s {_fmt(record.get('perf/train_tokens_per_s'), '.0f')}  "
-        f"buffer {_fmt(record.get('buffer/depth'), '.0f')}  v{_fmt(record.get('policy_version'), '.0f')}"
+        f"buffer {_fmt(record.get('buffer/depth'), '.0f')} groups  v{_fmt(record.get('policy_version'), '.0f')}"
     )
 
 
 class LiveView:
     """Shows each step's record as it is written.
 
-    On a TTY: a rich progress bar whose description is the latest status line. Otherwise: one
-    plain, timestamped line per step on ``stream`` (so logs of batch jobs stay greppable).
+    On a TTY: a rich progress bar whose description is the latest status line. Otherwise: plain,
+    timestamped lines on ``stream`` (so logs of batch jobs stay greppable) at step 1, every
+    ``max(1, total_steps // 100)`` steps, at every step with an eval and at the last step.
 
     Args:
         total_steps: trainer steps of the run (progress bar length).
@@ -41,6 +50,7 @@ class LiveView:
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.last_accuracy: float | None = None
+        self.last_eval_step: int | None = None
         self._progress = None
         self._task = None
         self._sft_task = None
@@ -98,17 +108,18 @@ class LiveView:
 
     def update(self, record: dict) -> None:
         """Show a metrics record (see moerl.telemetry.metrics.make_record)."""
-        if record.get("eval/accuracy") is not None:
-            self.last_accuracy = record["eval/accuracy"]
+        step, has_eval = record["step"], record.get("eval/accuracy") is not None
+        if has_eval:
+            self.last_accuracy, self.last_eval_step = record["eval/accuracy"], step
         shown = dict(record)
-        if shown.get("eval/accuracy") is None:
+        if not has_eval:
             shown["eval/accuracy"] = self.last_accuracy
-        line = status_line(shown, self.total_steps)
+        line = status_line(shown, self.total_steps, eval_step=self.last_eval_step)
         if not self.enabled:
             return
         if self._progress is not None:
-            self._progress.update(self._task, completed=record["step"], description=line)
-        else:
+            self._progress.update(self._task, completed=step, description=line)
+        elif has_eval or step in (1, self.total_steps) or step % max(1, self.total_steps // 100) == 0:
             print(f"[{time.strftime('%H:%M:%S')}] {line}", file=self.stream, flush=True)
 
     def close(self) -> None:

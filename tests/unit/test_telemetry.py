@@ -76,9 +76,19 @@ def test_live_view_plain_lines_carry_last_accuracy():
     stream = io.StringIO()
     view = LiveView(10, stream=stream)
     view.update(make_record(1, 1.0, {"rollout/reward_mean": 0.25, "eval/accuracy": 0.4}))
-    view.update(make_record(2, 2.0, {"rollout/reward_mean": 0.5}))
+    view.update(make_record(2, 2.0, {"rollout/reward_mean": 0.5, "buffer/depth": 3}))
     view.close()
     lines = stream.getvalue().splitlines()
     assert len(lines) == 2
-    assert "step 2/10" in lines[1] and "reward 0.500" in lines[1] and "acc 0.400" in lines[1]
+    assert "step 2/10" in lines[1] and "reward 0.500" in lines[1] and "acc 0.400 @1" in lines[1]
+    assert "buffer 3 groups" in lines[1]
     assert "acc -" in status_line(make_record(1, 0.0, {}), 5)
+
+
+def test_live_view_plain_lines_every_hundredth_of_the_run_and_at_evals():
+    stream = io.StringIO()
+    view = LiveView(1000, stream=stream)
+    for step in range(1, 1001):
+        view.update(make_record(step, float(step), {"eval/accuracy": 0.5} if step == 55 else {}))
+    steps = [int(line.split("step ")[1].split("/")[0]) for line in stream.getvalue().splitlines()]
+    assert steps == sorted({1, 55, *range(10, 1001, 10)})
