@@ -23,7 +23,6 @@ Writes ``<out-dir>/async_bound.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile

@@ -24,9 +24,7 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's ceiling on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 
 
-def keep_freed_memory(
-    *, mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: int = 1024**3
-) -> bool:
+def keep_freed_memory(*, mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: int = 1024**3) -> bool:
     """Raise glibc's mmap and trim thresholds for this process (mallopt(3)).
 
     Args:

@@ -174,7 +174,9 @@ class RolloutWorker:
         self._is_leasing = True
         self._is_stopping = False
         self._last_heartbeat = time.monotonic()
-        self._empty_lease: tuple[int, float] | None = None  # (weights version, time) of a lease that got nothing
+        self._empty_lease: tuple[int, float] | None = (
+            None  # (weights version, time) of a lease that got nothing
+        )
 
     @property
     def version(self) -> int:

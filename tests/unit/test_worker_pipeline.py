@@ -90,7 +90,11 @@ def _setup(*, lease_ahead=None, capacity=16, async_buffer=False, num_prompts=40,
     queue = TaskQueue(prompts, num_samples=3, tokenize=TOK.encode)
     buffer = ExperienceBuffer(capacity, max_staleness=0, settle=queue.settle, requeue=queue.requeue)
     cfg = RolloutConfig(
-        group_size=3, max_new_tokens=max_new_tokens, max_slots=6, kv_token_budget=6 * 64, lease_ahead_groups=lease_ahead
+        group_size=3,
+        max_new_tokens=max_new_tokens,
+        max_slots=6,
+        kv_token_budget=6 * 64,
+        lease_ahead_groups=lease_ahead,
     )
     engine = Engine(model, max_slots=cfg.max_slots, kv_token_budget=cfg.kv_token_budget)
     wq = CountingQueue(queue)
