@@ -174,9 +174,8 @@ class RolloutWorker:
         self._is_leasing = True
         self._is_stopping = False
         self._last_heartbeat = time.monotonic()
-        self._empty_lease: tuple[int, float] | None = (
-            None  # (weights version, time) of a lease that got nothing
-        )
+        # (weights version, monotonic time) of the last lease that got nothing; None after one that did
+        self._empty_lease: tuple[int, float] | None = None
 
     @property
     def version(self) -> int:
