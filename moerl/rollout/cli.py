@@ -115,6 +115,8 @@ def _generate(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(getattr(args, "tokenizer", None) or args.model)
     model = from_pretrained(args.model, dtype=_DTYPES[args.dtype], device=args.device)
     prompts = read_prompts(args.prompts)
+    if not prompts:
+        raise ValueError(f"--prompts {args.prompts}: no prompts in it (one JSON object per line)")
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,

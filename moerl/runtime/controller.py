@@ -10,7 +10,10 @@ trainer only through the bounded buffer, the queue and the weight store). Everyt
 
 from __future__ import annotations
 
+import contextlib
 import random
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -47,7 +50,10 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
     """
     run = RunDir.create(cfg)
     try:
-        with run.discarded_on_early_failure():  # a failure before step 1 leaves no half-written folder
+        with (
+            _sigterm_interrupts(),
+            run.discarded_on_early_failure(),
+        ):  # a failure before step 1 leaves no folder
             return _run(cfg, run, checkpoint=None, live=live)
     except KeyboardInterrupt as e:
         e.run_dir = _resumable(run.path)  # for the CLI's hint
@@ -67,7 +73,10 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
     cfg = load_config(run.config, overrides)
     done = run.read_summary()
     if done and done.get("status") == "completed" and done.get("steps", 0) >= cfg.trainer.steps:
-        print(f"{run_dir} is already complete ({done['steps']} steps); raise trainer.steps to continue it")
+        print(
+            f"moerl: {run_dir} is already complete ({done['steps']} steps); to continue it: "
+            f"moerl train --resume {run_dir} --set trainer.steps=N (N > {done['steps']})"
+        )
         return done
     ckpt = latest_checkpoint(run.path)
     if ckpt is None:
@@ -77,10 +86,30 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
             + ("checkpoints are off)" if every == 0 else f"the first is written at step {every})")
         )
     try:
-        return _run(cfg, run, checkpoint=ckpt, live=live)
+        with _sigterm_interrupts():
+            return _run(cfg, run, checkpoint=ckpt, live=live)
     except KeyboardInterrupt as e:
         e.run_dir = _resumable(run.path)
         raise
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """While a run lasts, SIGTERM (a scheduler or ``kill`` stopping the job) stops it as Ctrl-C does:
+    workers are stopped, the newest checkpoint stays, and the CLI prints the ``--resume`` hint and exits
+    130. The previous handler comes back afterwards. Only from the main thread (Python's rule)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _resumable(path: Path) -> Path | None:
@@ -136,6 +165,8 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
     if cfg.runtime.mode == "async" and cfg.fleet.notice_file is None:  # where workers look for notices
         cfg.fleet.notice_file = str(run.path / "notices" / "{worker_id}.json")
     fleet = comp.start_fleet(trainer.version, parts)
+    if cfg.runtime.mode == "async" and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init replaced it with its own (sys.exit)
     chaos, journal, restarts = ChaosMonkey(cfg.chaos), StepJournal(), 0
     if parts is not None:
         restore_rng_state(parts["rng"])

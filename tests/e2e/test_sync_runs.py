@@ -172,6 +172,32 @@ def test_interrupt_names_the_run_to_resume_only_when_it_can_be_resumed(tmp_path,
     assert info.value.partial_run_dir == partial
 
 
+def test_sigterm_stops_the_run_like_ctrl_c(tmp_path, tiny_init, monkeypatch):
+    import os
+    import signal
+
+    from moerl.runtime.trainer import Trainer
+
+    real_step = Trainer.train_step
+    sent = []
+
+    def step_then_sigterm(self, batch):
+        if self.step == 2 and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler stopping the job would
+        return real_step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_sigterm)
+    before = signal.getsignal(signal.SIGTERM)
+    cfg = short_config(tmp_path, tiny_init, "trainer.steps=6", "trainer.checkpoint_every=2")
+    with pytest.raises(KeyboardInterrupt) as info:
+        train(cfg, live=False)
+    (run_path,) = Path(cfg.output_dir).glob("run-*")
+    assert info.value.run_dir == run_path and list_checkpoints(run_path)[0][0] == 2
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the run's only
+    assert resume(run_path, live=False)["steps"] == 6
+
+
 def test_cli_interrupt_hint_names_the_real_folder(monkeypatch, capsys, tmp_path):
     import moerl.runtime.controller as controller
 

@@ -69,6 +69,8 @@ def test_generate_cli_bad_paths_are_one_line_errors_and_leave_nothing(tmp_path, 
     tok.save(tmp_path / "m")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "1+2="}) + "\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
     before = sorted(p.name for p in (tmp_path / "m").iterdir())
     cases = [
         (
@@ -89,6 +91,10 @@ def test_generate_cli_bad_paths_are_one_line_errors_and_leave_nothing(tmp_path, 
                 str(tmp_path / "o"),
             ],
             "no such file",
+        ),
+        (
+            ["--model", str(tmp_path / "m"), "--prompts", str(empty), "--out", str(tmp_path / "o")],
+            "no prompts in it",
         ),
     ]
     for args, message in cases:

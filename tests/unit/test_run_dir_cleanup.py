@@ -71,7 +71,8 @@ def test_resume_of_a_short_finished_run_says_it_is_complete_and_without_a_checkp
     run = RunDir.create(RunConfig(output_dir=str(tmp_path)))  # trainer.steps=40, checkpoint_every=10
     run.write_summary({"status": "completed", "steps": 40})
     assert resume(run.path, live=False)["steps"] == 40
-    assert "already complete (40 steps)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "already complete (40 steps)" in out and "--set trainer.steps=N" in out
     with pytest.raises(FileNotFoundError, match=r"checkpoint_every=10: the first is written at step 10"):
         resume(run.path, ["trainer.steps=80"], live=False)
     with pytest.raises(FileNotFoundError, match=r"checkpoint_every=0: checkpoints are off"):
