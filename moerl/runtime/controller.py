@@ -50,10 +50,8 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
     """
     run = RunDir.create(cfg)
     try:
-        with (
-            _sigterm_interrupts(),
-            run.discarded_on_early_failure(),
-        ):  # a failure before step 1 leaves no folder
+        # a failure before step 1 leaves no half-written folder
+        with _sigterm_interrupts(), run.discarded_on_early_failure():
             return _run(cfg, run, checkpoint=None, live=live)
     except KeyboardInterrupt as e:
         e.run_dir = _resumable(run.path)  # for the CLI's hint
