@@ -41,16 +41,23 @@ from moerl.runtime.trainer import Trainer  # noqa: E402
 from moerl.runtime.weights import WeightStore  # noqa: E402
 
 
-def measure(config: str | None, overrides: list[str], init_from: str | None, rounds: int) -> dict:
-    """Median seconds of one batch's generation (G), train step (T) at 1 and 2 threads, and publish (P)."""
+def _sync_parts(
+    config: str | None, overrides: list[str], init_from: str | None, store_dir: str, seed_offset=0
+):
+    """The sync-mode run config, components (policy, tokenizer, store in ``store_dir``) and fleet, as
+    ``moerl train --set runtime.mode=sync`` builds them."""
     keep_freed_memory()  # as the CLI and the actors do
     cfg = load_config(config, ["runtime.mode=sync", *overrides])
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed + seed_offset)
+    comp = build_components(cfg, init_from, WeightStore(store_dir, keep=2))
+    return cfg, comp, comp.start_fleet(0, None)
+
+
+def measure(config: str | None, overrides: list[str], init_from: str | None, rounds: int) -> dict:
+    """Median seconds of one batch's generation (G), train step (T) at 1 and 2 threads, and publish (P)."""
     with tempfile.TemporaryDirectory() as tmp:
-        store = WeightStore(tmp, keep=2)
-        comp = build_components(cfg, init_from, store)
-        trainer = Trainer.from_run_config(comp.model, cfg)
-        fleet = comp.start_fleet(0, None)
+        cfg, comp, fleet = _sync_parts(config, overrides, init_from, tmp)
+        trainer, store = Trainer.from_run_config(comp.model, cfg), comp.store
         times: dict[str, list[float]] = {"G1": [], "G2": [], "T1": [], "T2": [], "P": []}
         for i in range(2 * rounds + 2):  # the first two (one per thread count) are warm-up
             threads = 1 + i % 2
@@ -74,11 +81,8 @@ def measure(config: str | None, overrides: list[str], init_from: str | None, rou
 def _generate_forever(config, overrides, init_from, is_on, is_ready) -> None:
     """Helper process: generate batches at 1 thread while ``is_on`` is set (a stand-in rollout worker)."""
     torch.set_num_threads(1)
-    keep_freed_memory()
-    cfg = load_config(config, ["runtime.mode=sync", *overrides])
-    torch.manual_seed(cfg.seed + 1)
     with tempfile.TemporaryDirectory() as tmp:
-        fleet = build_components(cfg, init_from, WeightStore(tmp, keep=2)).start_fleet(0, None)
+        cfg, _, fleet = _sync_parts(config, overrides, init_from, tmp, seed_offset=1)
         fleet.next_groups(cfg.trainer.batch_groups)  # warm-up
         is_ready.set()
         while True:
@@ -90,9 +94,7 @@ def measure_sharing(config: str | None, overrides: list[str], init_from: str | N
     """Median seconds of a 1-thread train step alone and beside a 1-thread generation loop, alternating."""
     import multiprocessing as mp
 
-    cfg = load_config(config, ["runtime.mode=sync", *overrides])
     torch.set_num_threads(1)
-    torch.manual_seed(cfg.seed)
     ctx = mp.get_context("spawn")
     is_on, is_ready = ctx.Event(), ctx.Event()
     helper = ctx.Process(
@@ -101,9 +103,8 @@ def measure_sharing(config: str | None, overrides: list[str], init_from: str | N
     helper.start()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            comp = build_components(cfg, init_from, WeightStore(tmp, keep=2))
+            cfg, comp, fleet = _sync_parts(config, overrides, init_from, tmp)
             trainer = Trainer.from_run_config(comp.model, cfg)
-            fleet = comp.start_fleet(0, None)
             batches = [
                 trainer.build_batch(fleet.next_groups(cfg.trainer.batch_groups)[0], comp.tokenizer.pad_id)
                 for _ in range(4)

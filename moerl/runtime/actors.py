@@ -33,6 +33,7 @@ Methods that return object refs are prefixed ``async_``.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -262,6 +263,29 @@ def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
         raise ConfigError(f"runtime.ray_address={address!r}: cannot reach {host}:{port} ({e})") from e
 
 
+def _init_ray(cfg: RunConfig) -> None:
+    """Connect to ``runtime.ray_address`` or start a local Ray instance, keeping this process's SIGTERM
+    handler: ``ray.init`` installs its own (``sys.exit``), which would bypass the controller's (a SIGTERM
+    stops a run like Ctrl-C)."""
+    import ray
+
+    is_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if is_main else None
+    if cfg.runtime.ray_address:
+        ray.init(address=cfg.runtime.ray_address, log_to_driver=True)
+    else:
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, cfg.rollout.num_workers),
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+        )
+        # the trainer (this process) gets the cores the local workers do not use
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg.rollout.num_workers))
+    if is_main and previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class RayFleet:
     """The async-mode fleet (see the module docstring); same interface as ``LocalFleet``.
 
@@ -281,17 +305,7 @@ class RayFleet:
         from moerl.tasks.tokenizer import tokenizer_path_for
 
         if not ray.is_initialized():
-            if cfg.runtime.ray_address:
-                ray.init(address=cfg.runtime.ray_address, log_to_driver=True)
-            else:
-                ray.init(
-                    num_cpus=max(os.cpu_count() or 1, cfg.rollout.num_workers),
-                    include_dashboard=False,
-                    log_to_driver=True,
-                    configure_logging=False,
-                )
-                # the trainer (this process) gets the cores the local workers do not use
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg.rollout.num_workers))
+            _init_ray(cfg)
         tok_path = tokenizer_path_for(cfg.task.tokenizer, init_path or cfg.model.path)
         exchange_cls = ray.remote(num_cpus=0, max_concurrency=cfg.rollout.num_workers * 2 + 16)(
             ExchangeActorImpl

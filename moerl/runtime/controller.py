@@ -99,7 +99,8 @@ def _raise_interrupt(signum, frame) -> None:
 def _sigterm_interrupts():
     """While a run lasts, SIGTERM (a scheduler or ``kill`` stopping the job) stops it as Ctrl-C does:
     workers are stopped, the newest checkpoint stays, and the CLI prints the ``--resume`` hint and exits
-    130. The previous handler comes back afterwards. Only from the main thread (Python's rule)."""
+    130. The previous handler comes back afterwards. Only from the main thread (Python's rule). ``RayFleet``
+    keeps it across ``ray.init``, which would install Ray's own."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -163,8 +164,6 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
     if cfg.runtime.mode == "async" and cfg.fleet.notice_file is None:  # where workers look for notices
         cfg.fleet.notice_file = str(run.path / "notices" / "{worker_id}.json")
     fleet = comp.start_fleet(trainer.version, parts)
-    if cfg.runtime.mode == "async" and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init replaced it with its own (sys.exit)
     chaos, journal, restarts = ChaosMonkey(cfg.chaos), StepJournal(), 0
     if parts is not None:
         restore_rng_state(parts["rng"])
