@@ -103,6 +103,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return report_main(args.run_dir)
 
 
+def _cmd_cluster_render(args: argparse.Namespace) -> int:
+    from moerl.cluster.render import render_main
+
+    return render_main(_config(args), args.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moerl", description="RL post-training (GRPO, PPO and variants) of Mixture-of-Experts LMs."
@@ -151,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="plot a run's curves and print its summary")
     p.add_argument("run_dir")
     p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser("cluster", help="deploy on Kubernetes (EKS + KubeRay)")
+    cluster_sub = p.add_subparsers(dest="cluster_command", required=True)
+    p = cluster_sub.add_parser("render", help="write the manifests of a run config's cluster: section")
+    _add_config_args(p)
+    p.add_argument("--out", required=True, help="output folder of the manifests")
+    p.set_defaults(func=_cmd_cluster_render)
     return parser
 
 

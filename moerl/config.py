@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from moerl.config_cluster import ClusterConfig, StorageConfig  # noqa: F401 - re-exported
 from moerl.config_fleet import ChaosConfig, FleetConfig  # noqa: F401 - re-exported
 from moerl.configlib import (  # noqa: F401 - re-exported: the config API lives here
     ConfigError,
@@ -436,6 +437,8 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
         from moerl.rl.presets import preset_from_config

@@ -1,0 +1,70 @@
+"""The Ray custom resources that map moerl's actors onto node groups.
+
+Each worker group of a cluster (``moerl.config_cluster``) starts its Ray nodes with one custom resource;
+an actor that requests it can only be placed on that group's nodes. A laptop's local Ray instance has
+none of them, and then nothing is requested (``actor_resources`` returns ``{}``), so the same code runs
+on both.
+
+    group     Ray resource   per node                        requested by
+    train     train          GPUs of the node (one per rank)  trainer ranks (1 each), the job's driver
+    rollout   rollout        rollout workers the node holds   rollout workers (a small fraction each)
+    cpu       env            vCPUs of the node                environments, preprocessing
+    memory    exchange       1                                the exchange actor (queue + buffer)
+
+Ray's own ``CPU``/``GPU``/``memory`` resources still bound how many actors fit a node; the custom
+resource only says where. The names avoid Ray's built-in ``memory`` resource.
+"""
+
+from __future__ import annotations
+
+from moerl.config_cluster import ClusterConfig
+
+GROUPS = ("train", "rollout", "cpu", "memory")
+"""Worker groups, in the order they are rendered."""
+
+RAY_RESOURCE = {"train": "train", "rollout": "rollout", "cpu": "env", "memory": "exchange"}
+"""Ray custom resource advertised by each worker group's nodes."""
+
+ACTOR_REQUEST = {"train": 1.0, "rollout": 0.001, "cpu": 0.001, "memory": 0.001}
+"""Amount of its group's resource one actor requests: a trainer rank takes a whole unit (one GPU's
+worth), the others a token amount (only placement matters)."""
+
+DRIVER_REQUEST = {"train": 0.001}
+"""What the job's driver (``moerl train``, the trainer's process) requests: a training node."""
+
+
+def node_resources(cluster: ClusterConfig, group: str) -> dict[str, float]:
+    """The custom resources one Ray node of ``group`` advertises (``ray start --resources``).
+
+    Raises:
+        KeyError: ``group`` is not one of ``GROUPS``.
+    """
+    spec = getattr(cluster, group) if group in GROUPS else None
+    if spec is None:
+        raise KeyError(f"unknown worker group {group!r}; expected one of {list(GROUPS)}")
+    amount = {
+        "train": spec.gpus_per_node,
+        "rollout": spec.gpus_per_node // cluster.rollout_ep_size,
+        "cpu": spec.cpus_per_node,
+        "memory": 1,
+    }[group]
+    return {RAY_RESOURCE[group]: float(amount)}
+
+
+def actor_resources(group: str, available: dict[str, float] | None = None) -> dict[str, float]:
+    """The ``resources=`` an actor of ``group`` requests, if the cluster defines the group's resource.
+
+    Args:
+        group: one of ``GROUPS``.
+        available: the cluster's resources (``ray.cluster_resources()``); None: read them from the
+            connected Ray instance (``ray.init`` must have run).
+
+    Returns:
+        ``{name: amount}``, or ``{}`` on a Ray instance without the resource (a laptop).
+    """
+    name = RAY_RESOURCE[group]
+    if available is None:
+        import ray  # lazy: the render and the config do not need Ray
+
+        available = ray.cluster_resources()
+    return {name: ACTOR_REQUEST[group]} if name in available else {}
