@@ -159,6 +159,9 @@ class ClusterConfig:
         "602401143452.dkr.ecr.us-west-2.amazonaws.com/eks/aws-efa-k8s-device-plugin:v0.5.8"
     )
     """Image of the EFA Kubernetes device plugin DaemonSet."""
+    taint_gpu_nodes: bool = True
+    """Taint the GPU node groups ``nvidia.com/gpu=true:NoSchedule`` (the RayJob's GPU pods tolerate it);
+    False when submitting with TorchX, whose Kubernetes scheduler sets no tolerations."""
     alert_rules: str | None = "deploy/prometheus/rules.yaml"
     """Prometheus rule file (``groups:``) wrapped into a ``PrometheusRule``; skipped when the file is absent;
     None: no PrometheusRule."""

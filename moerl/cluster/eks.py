@@ -38,7 +38,7 @@ def managed_node_group(cfg: RunConfig, group: str) -> dict:
         },
         "iam": {"withAddonPolicies": {"autoScaler": True, "cloudWatch": True}},
     }
-    if spec.gpus_per_node:
+    if spec.gpus_per_node and cluster.taint_gpu_nodes:
         node_group["taints"] = [dict(GPU_TAINT)]
     if spec.efa_interfaces:
         node_group["efaEnabled"] = True
