@@ -35,6 +35,12 @@ class FleetConfig:
     notice_url: str | None = None
     """HTTP endpoint polled for a spot ``instance-action`` document (e.g.
     ``http://169.254.169.254/latest/meta-data/spot/instance-action``); 404 means no notice."""
+    imds_url: str | None = None
+    """EC2 instance metadata service polled with IMDSv2 session tokens for ``spot/instance-action`` (and
+    rebalance recommendations), e.g. ``http://169.254.169.254``; None: not polled. ``moerl cluster render``
+    sets it for cluster runs."""
+    imds_rebalance: bool = True
+    """With ``imds_url``: an EC2 rebalance recommendation is a termination notice too (drain early)."""
     notice_poll_s: float = 5.0
     """Seconds between polls of ``notice_file`` / ``notice_url``."""
 
@@ -48,6 +54,8 @@ class FleetConfig:
         check_range("fleet.notice_poll_s", self.notice_poll_s, 0.0, lo_open=True)
         if self.notice_url is not None and not self.notice_url.startswith(("http://", "https://")):
             raise ConfigError(f"fleet.notice_url={self.notice_url!r} must start with http:// or https://")
+        if self.imds_url is not None and not self.imds_url.startswith(("http://", "https://")):
+            raise ConfigError(f"fleet.imds_url={self.imds_url!r} must start with http:// or https://")
 
 
 @dataclass(kw_only=True, slots=True)

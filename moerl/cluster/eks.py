@@ -29,6 +29,7 @@ def managed_node_group(cfg: RunConfig, group: str) -> dict:
         "desiredCapacity": spec.min_nodes,
         "availabilityZones": [cluster.zone],
         "privateNetworking": True,
+        "disableIMDSv1": True,  # IMDSv2 only; the workers poll it with session tokens
         "volumeSize": spec.volume_gib,
         "spot": spec.spot,
         "labels": {GROUP_LABEL: group},

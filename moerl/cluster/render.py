@@ -26,6 +26,8 @@ from moerl.cluster.kuberay import NOTICE_FILE, config_map_name, ray_job
 from moerl.config import ConfigError, RunConfig, from_dict, to_dict
 
 RUN_CONFIG_KEY = "run.yaml"
+IMDS_URL = "http://169.254.169.254"
+"""The EC2 instance metadata service (IMDSv2), polled by the rollout workers for Spot notices."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +89,8 @@ def _check(cfg: RunConfig) -> None:
 
 def cluster_run_config(cfg: RunConfig) -> RunConfig:
     """The run config as the cluster runs it: async on the job's Ray cluster (``ray_address: auto``),
-    the model on CUDA, the rollout pods' notice file, everything else as given.
+    the model on CUDA, the rollout pods' notice file and the instance metadata service (IMDSv2) as
+    notice sources, everything else as given.
 
     Raises:
         ConfigError: see ``_check``.
@@ -97,6 +100,7 @@ def cluster_run_config(cfg: RunConfig) -> RunConfig:
     data["runtime"].update(mode="async", ray_address="auto")
     data["model"]["device"] = "cuda"
     data["fleet"]["notice_file"] = NOTICE_FILE
+    data["fleet"]["imds_url"] = data["fleet"]["imds_url"] or IMDS_URL
     return from_dict(RunConfig, data)
 
 

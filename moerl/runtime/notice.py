@@ -1,9 +1,13 @@
 """Termination notices: how a rollout worker learns that its machine is about to go away.
 
-A spot (preemptible) machine gets a short warning before it is reclaimed. moerl watches three kinds of
+A spot (preemptible) machine gets a short warning before it is reclaimed. moerl watches four kinds of
 source, each a ``NoticeSource`` with a non-blocking ``check()``:
 
-- ``SigtermNotice``: the process received SIGTERM (what a node drain, ``kill`` or Kubernetes sends).
+- ``SigtermNotice``: the process received SIGTERM (what a node drain, ``kill`` or Kubernetes sends when
+  it terminates a pod: SIGTERM, then SIGKILL after the pod's ``terminationGracePeriodSeconds``).
+- ``ImdsNotice``: the EC2 instance metadata service, IMDSv2 (a session token from ``PUT
+  /latest/api/token``, then ``spot/instance-action`` and ``events/recommendations/rebalance`` with it);
+  IMDSv2-only instances, the default for new ones, answer a request without a token with 401.
 - ``FileNotice``: a file appeared (a node agent, a test or ``moerl.runtime.chaos`` writes it).
 - ``HttpNotice``: an HTTP endpoint answers with a cloud spot ``instance-action`` document, e.g. EC2's
   ``http://169.254.169.254/latest/meta-data/spot/instance-action`` returns
@@ -42,9 +46,10 @@ class TerminationNotice:
     """A received notice that this worker's machine will be reclaimed."""
 
     source: str
-    """Where it came from: ``"sigterm"``, ``"file"``, ``"http"`` or ``"manual"``."""
+    """Where it came from: ``"sigterm"``, ``"file"``, ``"http"``, ``"imds"`` or ``"manual"``."""
     action: str
-    """What will happen to the machine: ``"terminate"``, ``"stop"`` or ``"hibernate"``."""
+    """What will happen to the machine: ``"terminate"``, ``"stop"`` or ``"hibernate"``; ``"rebalance"``
+    for EC2's rebalance recommendation (an early sign of reclaim, no deadline)."""
     received_at: float
     """``time.monotonic()`` when the notice was seen, in seconds."""
     deadline_epoch_s: float | None = None
@@ -173,6 +178,95 @@ class HttpNotice:
     def _error(self, what: str) -> None:
         if self.num_errors == 0:
             log.warning("notice endpoint %s: %s (further errors are counted, not logged)", self.url, what)
+        self.num_errors += 1
+
+
+class ImdsNotice:
+    """Polls the EC2 instance metadata service with IMDSv2 session tokens.
+
+    One poll: a token (``PUT /latest/api/token`` with ``X-aws-ec2-metadata-token-ttl-seconds``, reused
+    until shortly before its TTL ends, fetched again after a 401), then ``GET
+    /latest/meta-data/spot/instance-action`` with the token (200: an ``instance-action`` document, a
+    notice; 404: none), then, if ``rebalance``, ``GET /latest/meta-data/events/recommendations/rebalance``
+    (200 with ``{"noticeTime": ...}``: a notice with action ``rebalance``; 404: none). Errors are counted
+    in ``num_errors`` and logged once, never notices (as ``HttpNotice``).
+
+    Args:
+        base_url: the service, ``http://169.254.169.254`` on EC2 (a pod reaches it when the node's
+            metadata hop limit is 2).
+        rebalance: treat a rebalance recommendation as a notice.
+        token_ttl_s: lifetime asked for each token, seconds (IMDS allows 1 to 21600).
+        timeout_s: socket timeout of one request, seconds.
+    """
+
+    name = "imds"
+    TOKEN_PATH = "/latest/api/token"
+    ACTION_PATH = "/latest/meta-data/spot/instance-action"
+    REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
+
+    def __init__(
+        self, base_url: str, *, rebalance: bool = True, token_ttl_s: int = 21600, timeout_s: float = 2.0
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"ImdsNotice: base_url {base_url!r} must start with http:// or https://")
+        if not 1 <= token_ttl_s <= 21600:
+            raise ValueError(f"ImdsNotice: token_ttl_s={token_ttl_s} must be in [1, 21600] seconds")
+        self.base_url = base_url.rstrip("/")
+        self.rebalance = rebalance
+        self.token_ttl_s = token_ttl_s
+        self.timeout_s = timeout_s
+        self.num_errors = 0
+        self._token: str | None = None
+        self._token_expires = 0.0  # time.monotonic() after which the token is fetched again
+
+    def _fetch_token(self) -> str:
+        req = urllib.request.Request(
+            self.base_url + self.TOKEN_PATH,
+            method="PUT",
+            headers={"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl_s)},
+        )
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            token = resp.read().decode("ascii", errors="replace").strip()
+        self._token = token
+        self._token_expires = time.monotonic() + 0.9 * self.token_ttl_s
+        return token
+
+    def _get(self, path: str) -> str | None:
+        """The body at ``path`` (200), or None (404); a 401 fetches a new token and asks once more."""
+        for attempt in range(2):
+            if self._token is None or time.monotonic() >= self._token_expires or attempt:
+                self._fetch_token()
+            req = urllib.request.Request(
+                self.base_url + path, headers={"X-aws-ec2-metadata-token": self._token}
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    return resp.read().decode("utf-8", errors="replace")
+            except urllib.error.HTTPError as e:
+                if e.code == 404:
+                    return None
+                if e.code != 401 or attempt:
+                    raise
+        return None  # pragma: no cover - the loop returns or raises
+
+    def check(self) -> TerminationNotice | None:
+        try:
+            body = self._get(self.ACTION_PATH)
+            if body is not None:
+                return parse_instance_action(body, source=self.name, received_at=time.monotonic())
+            if self.rebalance and self._get(self.REBALANCE_PATH) is not None:
+                return TerminationNotice(self.name, "rebalance", time.monotonic())
+        except urllib.error.HTTPError as e:
+            self._error(f"HTTP {e.code}")
+        except (urllib.error.URLError, OSError) as e:
+            self._error(repr(e))
+        except ValueError as e:
+            self._error(str(e))
+        return None
+
+    def _error(self, what: str) -> None:
+        if self.num_errors == 0:
+            log.warning("IMDS %s: %s (further errors are counted, not logged)", self.base_url, what)
         self.num_errors += 1
 
 
@@ -339,4 +433,6 @@ def watcher_from_config(
         sources.append(FileNotice(path))
     if cfg.notice_url is not None:
         sources.append(HttpNotice(cfg.notice_url))
+    if cfg.imds_url is not None:
+        sources.append(ImdsNotice(cfg.imds_url, rebalance=cfg.imds_rebalance))
     return NoticeWatcher(sources, poll_s=cfg.notice_poll_s, on_notice=on_notice)

@@ -164,6 +164,7 @@ def test_groups_map_the_run(rendered):
     # the run config the job reads watches the file the preStop hook writes, and runs on the job's Ray
     run = yaml.safe_load(docs["k8s/20-run-config.yaml"]["data"]["run.yaml"])
     assert run["fleet"]["notice_file"] == NOTICE_FILE and run["runtime"]["ray_address"] == "auto"
+    assert run["fleet"]["imds_url"] == "http://169.254.169.254"
     assert run["storage"]["url"].startswith("s3://") and run["model"]["device"] == "cuda"
     assert json.loads(rayjob["spec"]["entrypointResources"]) == {"train": 0.001}
     eks = {g["name"]: g for g in docs["eksctl-cluster.yaml"]["managedNodeGroups"]}
