@@ -1,0 +1,97 @@
+"""The Ray resource mapping of a rendered cluster, on a local three-node Ray cluster.
+
+The nodes start with the custom resources ``moerl cluster render`` declares for the memory (the head),
+train and rollout groups. Rollout workers request theirs the way ``RayFleet`` does
+(``moerl.runtime.actors._labels``), trainer ranks and the exchange through ``actor_resources``; each
+lands only on its group's node, and a rollout worker that does not fit waits instead of spilling onto
+the training node. The fleet's scaling hint reaches the Ray autoscaler as a resource request.
+"""
+
+import json
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from moerl.cluster.autoscale import RolloutCapacity  # noqa: E402
+from moerl.cluster.render import cluster_run_config  # noqa: E402
+from moerl.cluster.resources import actor_resources, node_resources  # noqa: E402
+from moerl.config import load_config  # noqa: E402
+from moerl.runtime.actors import _labels  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@ray.remote
+class Probe:
+    """Stands in for an actor of a group: reports the node it was placed on."""
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cfg = cluster_run_config(load_config("configs/cluster_qwen3_30b_1node.yaml"))
+    c = cfg.cluster
+    head = {"num_cpus": 1, "resources": node_resources(c, "memory")}
+    train = {"num_cpus": 2, "resources": node_resources(c, "train")}
+    # the rollout node holds 2 workers of 1 CPU (g6e.12xlarge: 4 GPUs / rollout_ep_size 2)
+    rollout = {"num_cpus": 2, "resources": node_resources(c, "rollout")}
+    cl = Cluster(initialize_head=True, head_node_args={**head, "include_dashboard": False})
+    nodes = {"memory": cl.head_node, "train": cl.add_node(**train), "rollout": cl.add_node(**rollout)}
+    ray.init(address=cl.address, configure_logging=False, log_to_driver=False)
+    cl.wait_for_nodes()
+    yield cfg, {name: node.node_id for name, node in nodes.items()}
+    ray.shutdown()
+    cl.shutdown()
+
+
+def test_each_actor_lands_on_its_groups_node(cluster):
+    cfg, node_of = cluster
+    assert ray.cluster_resources()["train"] == cfg.cluster.train.gpus_per_node
+    ranks = [Probe.options(num_cpus=0, resources=actor_resources("train")).remote() for _ in range(4)]
+    workers = [Probe.options(num_cpus=1, resources=_labels("rollout")).remote() for _ in range(2)]
+    exchange = Probe.options(num_cpus=0, resources=actor_resources("memory")).remote()
+    assert set(ray.get([a.node.remote() for a in ranks])) == {node_of["train"]}
+    assert set(ray.get([a.node.remote() for a in workers])) == {node_of["rollout"]}
+    assert ray.get(exchange.node.remote()) == node_of["memory"]
+    # a third worker does not fit the rollout node: it waits, although the training node has free CPUs
+    extra = Probe.options(num_cpus=1, resources=_labels("rollout")).remote()
+    ready, _ = ray.wait([extra.node.remote()], timeout=3.0)
+    assert ready == []
+    ray.kill(workers[0])
+    assert ray.get(extra.node.remote(), timeout=60) == node_of["rollout"]
+    # no more ranks than the train resource allows: one rank per GPU
+    ranks += [Probe.options(num_cpus=0, resources=actor_resources("train")).remote() for _ in range(4)]
+    ready, _ = ray.wait([a.node.remote() for a in ranks], num_returns=len(ranks), timeout=30)
+    assert len(ready) == 8
+    ninth = Probe.options(num_cpus=0, resources=actor_resources("train")).remote()
+    assert ray.wait([ninth.node.remote()], timeout=3.0)[0] == []
+    for actor in [*ranks, *workers[1:], exchange, extra, ninth]:
+        ray.kill(actor)
+
+
+def test_scaling_hint_requests_rollout_capacity_from_the_autoscaler(cluster):
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    cfg, _ = cluster
+    capacity = RolloutCapacity.for_ray(
+        gpus_per_worker=cfg.cluster.rollout_ep_size, min_workers=cfg.fleet.min_workers, max_workers=cfg.fleet.max_workers
+    )
+    assert capacity is not None
+
+    def requested():
+        return json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL))
+
+    assert capacity.update(3) == 3  # a real request_resources call on the connected Ray
+    assert requested() == [{"CPU": 1.0, "rollout": 0.001, "GPU": 2.0}] * 3
+    assert capacity.update(3) is None and capacity.num_requests == 1  # unchanged hint: no new request
+    assert capacity.update(100) == cfg.fleet.max_workers == len(requested())  # clamped to the group's max
+    assert capacity.update(0) == cfg.fleet.min_workers == len(requested())  # released down to the min
+    assert RolloutCapacity.for_ray(gpus_per_worker=0, min_workers=0, max_workers=1, request=print).bundle == {
+        "CPU": 1.0,
+        "rollout": 0.001,
+    }
