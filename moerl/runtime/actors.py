@@ -41,6 +41,7 @@ from collections.abc import Mapping
 
 import torch
 
+from moerl.cluster.autoscale import RolloutCapacity
 from moerl.config import ConfigError, RunConfig
 from moerl.runtime.allocator import keep_freed_memory
 from moerl.runtime.buffer import BufferClosed
@@ -325,6 +326,10 @@ class RayFleet:
             notice_path=lambda wid: notice_file_for(cfg.fleet, wid, None),
         )
         self.manager = FleetManager.from_config(cfg.fleet, cfg.rollout.num_workers, self.backend)
+        # on a cluster with a rollout node group: the scaling hint asks the Ray autoscaler for nodes
+        self.capacity = RolloutCapacity.for_ray(
+            gpus_per_worker=gpus, min_workers=self.manager.min_workers, max_workers=self.manager.max_workers
+        )
         self.chaos = ChaosMonkey(cfg.chaos)
         self.manager.start()
         self._last_batch = time.perf_counter()
@@ -393,11 +398,15 @@ class RayFleet:
         __import__("ray").get(self.queue.call.remote("requeue", task))
 
     def fleet_values(self, batch_groups: int) -> dict:
-        """The step's ``fleet/*`` metrics, with the scaling hint from queue and buffer depth."""
+        """The step's ``fleet/*`` metrics, with the scaling hint from queue and buffer depth; on a cluster
+        with a ``rollout`` resource the hint also requests rollout nodes from the Ray autoscaler and
+        resizes the fleet to it (``moerl.cluster.autoscale``)."""
         if self._snapshot is None:
             self.queue_stats()
         pending, depth = self._snapshot[0].pending, self._snapshot[1].depth
-        self.manager.scaling_hint(queue_pending=pending, buffer_depth=depth, batch_groups=batch_groups)
+        hint = self.manager.scaling_hint(queue_pending=pending, buffer_depth=depth, batch_groups=batch_groups)
+        if self.capacity is not None and self.capacity.update(hint.desired_workers) is not None:
+            self.manager.scale_to(self.capacity.requested)  # newcomers wait for the new nodes
         return self.manager.metrics().as_metrics()
 
     def fleet_summary(self) -> dict:
