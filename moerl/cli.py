@@ -7,6 +7,7 @@ import json
 import sys
 
 from moerl.config import ConfigError, load_config
+from moerl.runtime.storage import StorageError
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -118,7 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run RL training (the main job)")
     _add_config_args(p)
     p.add_argument(
-        "--resume", metavar="RUN_DIR", default=None, help="continue a run from its last checkpoint"
+        "--resume",
+        metavar="RUN_DIR",
+        default=None,
+        help="continue a run from its last checkpoint (a run folder, or its storage URL s3://...)",
     )
     p.add_argument("--ray-address", default=None, help="connect to an existing Ray cluster")
     p.set_defaults(func=_cmd_train)
@@ -179,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         message = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
         print(f"moerl: {message}", file=sys.stderr)
         return 2
+    except StorageError as e:  # an upload that failed after its retries: one line, the local copy is whole
+        print(f"moerl: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         run_dir, partial = getattr(e, "run_dir", None), getattr(e, "partial_run_dir", None)
         hint = f"; continue with: moerl train --resume {run_dir}" if run_dir else ""

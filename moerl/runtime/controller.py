@@ -34,6 +34,7 @@ from moerl.runtime.setup import (
     evaluate,
     warm_start,
 )
+from moerl.runtime.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
 from moerl.runtime.trainer import NonFiniteLossError, Trainer
 from moerl.runtime.weights import StoreNotWritableError, WeightStore
 from moerl.telemetry.live import LiveView
@@ -48,6 +49,7 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
     Raises:
         ConfigError: an invalid combination of settings, or a weight store URL that cannot be written.
     """
+    use_local_storage(cfg)
     run = RunDir.create(cfg)
     try:
         # a failure before step 1 leaves no half-written folder
@@ -62,9 +64,15 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
 def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: bool = True) -> dict:
     """Continue the run in ``run_dir`` from its newest checkpoint (config overrides allowed).
 
+    ``run_dir`` may be a stored run's URL (``s3://bucket/prefix/<run>``): its files and newest committed
+    checkpoint are fetched to ``<output_dir>/<run>`` first (``moerl.runtime.storage.fetch_run``).
+
     Raises:
         FileNotFoundError: no run folder or no complete checkpoint in it.
+        StorageError: the stored run could not be fetched.
     """
+    if is_remote(str(run_dir)):
+        run_dir = fetch_for_resume(str(run_dir), overrides)
     if not (Path(run_dir) / "config.yaml").exists():  # checked first: RunDir() creates the folder
         raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
     run = RunDir(run_dir)
@@ -136,8 +144,11 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
     keep_freed_memory()  # no page faults on each step's activations (moerl.runtime.allocator)
     _seed_everything(cfg.seed)
     view = LiveView(cfg.trainer.steps, enabled=live)
+    mirror = RunMirror.from_config(cfg, run.path)  # storage.url in an object store: copy the run there
+    store_url = cfg.runtime.store_url or (mirror.weights_url if mirror else str(run.weights))
+    options = cfg.storage.options if is_remote(store_url) else None
     try:
-        store = WeightStore(cfg.runtime.store_url or str(run.weights), keep=cfg.runtime.keep_versions)
+        store = WeightStore(store_url, keep=cfg.runtime.keep_versions, storage_options=options)
     except StoreNotWritableError as e:
         raise ConfigError(f"runtime.store_url: {e}") from e
     if cfg.runtime.mode == "async" and cfg.runtime.ray_address:  # before the warm start, not after
@@ -212,6 +223,8 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
                     run.path, {"controller": state, **fleet.state_dict()}, keep=cfg.runtime.keep_checkpoints
                 )
                 journal.commit(stats.step)
+                if mirror is not None:
+                    mirror.checkpoint(stats.step)
     except NonFiniteLossError as e:
         stop_reason = str(e)
         view.message(f"stopping: {e}")
@@ -226,9 +239,13 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
     summary = {**_summary(cfg, run, trainer, state, fleet_state, stop_reason), "fleet": fleet_summary}
     summary["policy"] = str(export_policy(trainer.model, comp.tokenizer, run.path / "policy"))
     summary["process_wall_s"] = time.perf_counter() - process_start  # this process: warm start + evals + RL
+    if mirror is not None:
+        summary["storage_url"] = mirror.url
     run.write_summary(summary)
     if run.metrics.exists():
         plot_report(run.path)
+    if mirror is not None:
+        mirror.finish()
     view.message(
         f"done: accuracy {summary['start_eval_accuracy']:.3f} -> {_accuracy(summary['final_eval_accuracy'])}, "
         f"{summary['wall_time_s']:.0f} s; {run.path}"
