@@ -51,6 +51,7 @@ from moerl.runtime.exchange import ExchangeActorImpl
 from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager, WorkerExit, WorkerHealth
 from moerl.runtime.fleet_ray import RayWorkerBackend
 from moerl.runtime.notice import notice_file_for, watcher_from_config
+from moerl.runtime.storage import is_remote
 from moerl.runtime.types import Group
 from moerl.runtime.weights import pack_weights, unpack_weights
 
@@ -147,7 +148,9 @@ class RolloutWorkerActorImpl:
         torch.manual_seed(cfg.seed)
         tokenizer = load_tokenizer(tokenizer_path_for(cfg.task.tokenizer, init_path or cfg.model.path))
         model = load_policy(cfg, init_path, tokenizer.vocab_size)
-        self.weights = _OfferedWeights(StoreWeights(WeightStore(store_url, keep=cfg.runtime.keep_versions)))
+        options = cfg.storage.options if is_remote(store_url) else None  # endpoint, region, profile
+        store = WeightStore(store_url, keep=cfg.runtime.keep_versions, storage_options=options)
+        self.weights = _OfferedWeights(StoreWeights(store))
         self._pause = threading.Event()
         self._paused = threading.Event()
         self._stop = threading.Event()

@@ -127,6 +127,9 @@ def test_train_and_resume_through_s3_while_uploads_fail(tmp_path, tiny_init, s3)
         reader.stop.set()
         reader.join(timeout=30)
     injected = sum(s3.injected.values()) - sum(before.values())
+    print(
+        f"injected {s3.injected}; reader loaded {len(reader.checkpoints)} checkpoints, {len(reader.versions)} versions"
+    )
     assert injected >= 5, s3.injected  # the uploads did fail, and the run retried through them
     assert reader.errors == []
     assert reader.checkpoints and reader.versions  # the reader did see complete ones while the run ran
