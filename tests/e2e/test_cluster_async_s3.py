@@ -1,0 +1,92 @@
+"""An async run on a local three-node Ray cluster shaped like the render's, with its storage in S3.
+
+The nodes advertise the render's custom resources (head: ``exchange``; a ``train`` node; a ``rollout``
+node of two workers). ``moerl train`` connects to the cluster; the rollout workers are placed only on
+the rollout node, take their weight versions from S3 (the run shares no folder with them), and the
+run's checkpoints and summary land in the bucket. The rollout resource also turns the fleet's scaling
+hint into Ray autoscaler requests, within ``fleet.min_workers``/``fleet.max_workers``.
+"""
+
+import json
+import os
+
+import pytest
+from conftest import short_config
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("s3fs")
+import boto3  # noqa: E402
+from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.experimental.internal_kv import _internal_kv_get  # noqa: E402
+from s3_faults import S3WithFaults  # noqa: E402
+
+from moerl.cluster.resources import node_resources  # noqa: E402
+from moerl.config import load_config  # noqa: E402
+from moerl.runtime.controller import train  # noqa: E402
+from moerl.runtime.storage import RunStorage  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+BUCKET = "moerl-cluster"
+
+
+@pytest.fixture
+def s3_env(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with S3WithFaults() as s3:
+        boto3.client("s3", endpoint_url=s3.endpoint_url).create_bucket(Bucket=BUCKET)
+        yield s3
+
+
+def test_async_run_on_a_rendered_cluster_shape_with_s3_storage(tmp_path, tiny_init, s3_env, monkeypatch):
+    recipe = load_config("configs/cluster_qwen3_30b_1node.yaml").cluster
+    e2e = os.path.dirname(__file__)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (e2e, os.environ.get("PYTHONPATH")) if p))
+    cl = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "resources": node_resources(recipe, "memory"),
+            "include_dashboard": False,
+        },
+    )
+    try:
+        nodes = {
+            "train": cl.add_node(num_cpus=1, resources=node_resources(recipe, "train")).node_id,
+            "rollout": cl.add_node(num_cpus=2, resources=node_resources(recipe, "rollout")).node_id,
+        }
+        cl.wait_for_nodes()
+        options = json.dumps({"endpoint_url": s3_env.endpoint_url})
+        cfg = short_config(
+            tmp_path,
+            tiny_init,
+            "runtime.mode=async",
+            f"runtime.ray_address={cl.address}",
+            "rollout.num_workers=2",
+            "fleet.min_workers=1",
+            "fleet.max_workers=2",
+            "trainer.steps=4",
+            "trainer.checkpoint_every=2",
+            f"storage.url=s3://{BUCKET}/runs",
+            f"storage.options={options}",
+        )
+        summary = train(cfg, live=False)
+        workers = [
+            a for a in ray._private.state.actors().values() if a["ActorClassName"] == "RolloutWorkerActorImpl"
+        ]
+        assert workers and {a["Address"]["NodeID"] for a in workers} == {nodes["rollout"]}
+        # the scaling hint went to the autoscaler as rollout-worker bundles, within [1, 2] workers
+        requested = json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL))
+        assert 1 <= len(requested) <= 2 and all(b == {"CPU": 1.0, "rollout": 0.001} for b in requested)
+    finally:
+        ray.shutdown()
+        cl.shutdown()
+    assert summary["status"] == "completed" and summary["tasks_lost"] == summary["tasks_duplicated"] == 0
+    assert summary["storage_url"].startswith(f"s3://{BUCKET}/runs/")
+    remote = RunStorage(summary["storage_url"], options=json.loads(options))
+    assert [s for s, _ in remote.complete_checkpoints()] == [2, 4]
+    assert remote.exists("summary.json") and remote.exists("weights")
+    local = next(tmp_path.glob("run-*"))
+    assert not (local / "weights").exists()  # the workers had no folder to share: versions went to S3
