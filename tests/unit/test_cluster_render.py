@@ -8,6 +8,8 @@ templates inside the RayJob are validated as core ``PodTemplate`` objects too.
 
 import copy
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -220,3 +222,29 @@ def test_missing_alert_rules_are_skipped_with_a_note():
     docs, skipped = manifests(cfg)
     assert "k8s/40-prometheus-rule.yaml" not in docs
     assert skipped == ["k8s/40-prometheus-rule.yaml: cluster.alert_rules='/nonexistent/rules.yaml' not found"]
+
+
+REPO_RULES = ROOT / "deploy" / "prometheus" / "rules.yaml"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+@pytest.mark.parametrize("source", ["fixture", "repo"])
+def test_prometheus_rule_groups_pass_promtool(rendered, source, tmp_path):
+    cfg, docs, _ = rendered
+    if source == "repo":
+        if not REPO_RULES.is_file():
+            pytest.skip("deploy/prometheus/rules.yaml is not in this checkout yet")
+        cfg.cluster.alert_rules = str(REPO_RULES)
+        rule = manifests(cfg)[0]["k8s/40-prometheus-rule.yaml"]
+        assert rule["spec"]["groups"] == yaml.safe_load(REPO_RULES.read_text())["groups"]
+    else:
+        rule = docs["k8s/40-prometheus-rule.yaml"]
+    assert (rule["apiVersion"], rule["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    path = tmp_path / "groups.yaml"
+    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    proc = subprocess.run(
+        ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    path.write_text(yaml.safe_dump({"groups": [{"name": "x", "rules": [{"alert": "A", "expr": "up =="}]}]}))
+    assert subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True).returncode != 0
