@@ -7,6 +7,7 @@ templates inside the RayJob are validated as core ``PodTemplate`` objects too.
 """
 
 import copy
+import functools
 import json
 import shutil
 import subprocess
@@ -52,8 +53,10 @@ def _strict(schema):
     return schema
 
 
+@functools.cache
 def _crd_validator(file_name, version="v1"):
-    crd = yaml.safe_load((SCHEMAS / "kuberay" / file_name).read_text())
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are large: libyaml when present
+    crd = yaml.load((SCHEMAS / "kuberay" / file_name).read_text(), Loader=loader)
     (spec,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
     return jsonschema.Draft7Validator(_strict(spec["schema"]["openAPIV3Schema"]))
 
