@@ -165,6 +165,9 @@ class ClusterConfig:
     alert_rules: str | None = "deploy/prometheus/rules.yaml"
     """Prometheus rule file (``groups:``) wrapped into a ``PrometheusRule``; skipped when the file is absent;
     None: no PrometheusRule."""
+    resume_from: str | None = None
+    """URL of a stored run (``s3://bucket/prefix/<name>-<timestamp>``) the RayJob continues with
+    ``moerl train --resume``; None: a new run."""
     num_trainer_ranks: int | None = None
     """Trainer ranks (one per GPU); None: every GPU of the train group's ``max_nodes`` nodes. Stands in
     for the distributed trainer's ``trainer.num_ranks`` until that field exists."""
@@ -195,6 +198,8 @@ class ClusterConfig:
                 raise ConfigError(
                     f"cluster.availability_zones: {zone!r} is not in cluster.region={self.region!r}"
                 )
+        if self.resume_from is not None and not self.resume_from.startswith("s3://"):
+            raise ConfigError(f"cluster.resume_from={self.resume_from!r} must be a stored run's s3:// URL")
         if not self.image:
             raise ConfigError("cluster.image must name a container image with moerl installed")
         for group in ("train", "rollout", "cpu", "memory"):

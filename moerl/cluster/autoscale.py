@@ -42,7 +42,9 @@ class RolloutCapacity:
         request: RequestFn | None = None,
     ) -> None:
         if not 0 <= min_workers <= max_workers:
-            raise ValueError(f"RolloutCapacity: need 0 <= min_workers={min_workers} <= max_workers={max_workers}")
+            raise ValueError(
+                f"RolloutCapacity: need 0 <= min_workers={min_workers} <= max_workers={max_workers}"
+            )
         self.bundle = dict(bundle)
         self.min_workers = min_workers
         self.max_workers = max_workers

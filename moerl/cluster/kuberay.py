@@ -149,6 +149,9 @@ def ray_job(cfg: RunConfig, run_config_file: str = "run.yaml") -> dict:
         run_config_file: key of the run config in the ConfigMap.
     """
     cluster = cfg.cluster
+    entrypoint = f"moerl train --config {CONFIG_DIR}/{run_config_file}"
+    if cluster.resume_from is not None:  # the stored run's own config, on this job's Ray cluster
+        entrypoint = f"moerl train --resume {cluster.resume_from} --ray-address auto"
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
@@ -158,7 +161,7 @@ def ray_job(cfg: RunConfig, run_config_file: str = "run.yaml") -> dict:
             "labels": {"app.kubernetes.io/name": "moerl"},
         },
         "spec": {
-            "entrypoint": f"moerl train --config {CONFIG_DIR}/{run_config_file}",
+            "entrypoint": entrypoint,
             "entrypointResources": json.dumps(DRIVER_REQUEST),
             "submissionMode": "K8sJobMode",
             "shutdownAfterJobFinishes": True,

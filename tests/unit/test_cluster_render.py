@@ -220,6 +220,16 @@ def test_cli_writes_nothing_on_a_config_error(tmp_path, capsys):
     assert (out / "k8s" / "30-rayjob.yaml").is_file() and not list(out.rglob(".*tmp*"))
 
 
+def test_resume_from_a_stored_run():
+    url = "s3://my-moerl-bucket/runs/qwen3-30b-a3b-20261201-101500"
+    docs, _ = manifests(load_config(RECIPES[1], [f"cluster.resume_from={url}"]))
+    assert (
+        docs["k8s/30-rayjob.yaml"]["spec"]["entrypoint"] == f"moerl train --resume {url} --ray-address auto"
+    )
+    with pytest.raises(ConfigError, match="resume_from"):
+        load_config(RECIPES[1], ["cluster.resume_from=/local/run"])
+
+
 def test_missing_alert_rules_are_skipped_with_a_note():
     cfg = load_config(RECIPES[1], ["cluster.alert_rules=/nonexistent/rules.yaml"])
     docs, skipped = manifests(cfg)
