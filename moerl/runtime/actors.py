@@ -9,7 +9,8 @@
 Resources declared per actor (a cluster maps them onto node groups):
 
 - ``ExchangeActor`` (``moerl.runtime.exchange``): the ``TaskQueue`` and the ``ExperienceBuffer`` in
-  one lightweight actor (``num_cpus=0``, I/O bound), so that settling a delivered group in the queue
+  one lightweight actor (``num_cpus=0``, I/O bound; the custom resource ``exchange`` of the memory node
+  group when the cluster defines it, ``moerl.cluster.resources``), so that settling a delivered group in the queue
   is a local call. Threaded (``max_concurrency``) because producers block in ``put`` on a full buffer
   (backpressure) while the trainer's ``get`` must still run; both classes are thread-safe. Its
   ``lease`` is gated (``rollout_allowance``): no rollout starts that would arrive too stale to train.
@@ -311,9 +312,9 @@ class RayFleet:
         if not ray.is_initialized():
             _init_ray(cfg)
         tok_path = tokenizer_path_for(cfg.task.tokenizer, init_path or cfg.model.path)
-        exchange_cls = ray.remote(num_cpus=0, max_concurrency=cfg.rollout.num_workers * 2 + 16)(
-            ExchangeActorImpl
-        )
+        exchange_cls = ray.remote(
+            num_cpus=0, max_concurrency=cfg.rollout.num_workers * 2 + 16, resources=_labels("exchange")
+        )(ExchangeActorImpl)
         self.buffer = exchange_cls.remote(cfg, tok_path, version)
         self.queue = self.buffer  # one actor serves both (queue methods via ``call``)
         if parts is not None:

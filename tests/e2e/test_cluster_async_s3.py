@@ -73,10 +73,11 @@ def test_async_run_on_a_rendered_cluster_shape_with_s3_storage(tmp_path, tiny_in
             f"storage.options={options}",
         )
         summary = train(cfg, live=False)
-        workers = [
-            a for a in ray._private.state.actors().values() if a["ActorClassName"] == "RolloutWorkerActorImpl"
-        ]
+        actors = ray._private.state.actors().values()
+        workers = [a for a in actors if a["ActorClassName"] == "RolloutWorkerActorImpl"]
         assert workers and {a["Address"]["NodeID"] for a in workers} == {nodes["rollout"]}
+        (exchange,) = [a for a in actors if a["ActorClassName"] == "ExchangeActorImpl"]
+        assert exchange["Address"]["NodeID"] == cl.head_node.node_id  # the memory group's node
         # the scaling hint went to the autoscaler as rollout-worker bundles, within [1, 2] workers
         requested = json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL))
         assert 1 <= len(requested) <= 2 and all(b == {"CPU": 1.0, "rollout": 0.001} for b in requested)
