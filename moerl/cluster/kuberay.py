@@ -55,10 +55,7 @@ def _container(cluster: ClusterConfig, name: str, spec: NodeGroupConfig, *, cpus
         "image": cluster.image,
         "imagePullPolicy": "IfNotPresent",
         "resources": {"requests": dict(limits), "limits": dict(limits)},
-        "env": [
-            {"name": "AWS_REGION", "value": cluster.region},
-            {"name": "MOERL_ACTOR_THREADS", "value": "4"},
-        ],
+        "env": [{"name": "AWS_REGION", "value": cluster.region}],
         "volumeMounts": mounts,
     }
 

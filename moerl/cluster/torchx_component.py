@@ -25,6 +25,7 @@ import math
 import torchx.specs as specs
 import yaml
 
+from moerl.cluster.render import cluster_run_config
 from moerl.cluster.resources import GROUPS, node_resources
 from moerl.config import RunConfig, load_config, to_dict
 from moerl.config_cluster import NodeGroupConfig
@@ -33,14 +34,14 @@ RAY_PORT = 6379
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 
 
-def _run_overrides(num_rollout_workers: int, checkpoint_dir: str) -> list[str]:
+def _run_overrides(config: str, num_rollout_workers: int, checkpoint_dir: str) -> list[str]:
+    """``num_rollout_workers`` workers (the fleet's most, its fewest lowered to it if larger)."""
+    fewest = min(load_config(config).fleet.min_workers, num_rollout_workers)
     return [
         f"rollout.num_workers={num_rollout_workers}",
         f"fleet.max_workers={num_rollout_workers}",
+        f"fleet.min_workers={fewest}",
         f"storage.url={json.dumps(checkpoint_dir)}",
-        "runtime.mode=async",
-        'runtime.ray_address="auto"',
-        "model.device=cuda",
     ]
 
 
@@ -101,7 +102,9 @@ def moerl(
         image: container image with moerl and Ray; empty: ``cluster.image`` of the config.
         max_retries: TorchX retries of each role.
     """
-    cfg = load_config(config, _run_overrides(num_rollout_workers, checkpoint_dir))
+    # the same checks and cluster settings as ``moerl cluster render`` (async on the job's Ray, CUDA,
+    # IMDSv2 notices, S3 storage)
+    cfg = cluster_run_config(load_config(config, _run_overrides(config, num_rollout_workers, checkpoint_dir)))
     run_yaml = yaml.safe_dump(to_dict(cfg), sort_keys=False)
     env = {"MOERL_RUN_CONFIG": base64.b64encode(run_yaml.encode()).decode(), "AWS_REGION": cfg.cluster.region}
     image = image or cfg.cluster.image

@@ -64,6 +64,7 @@ def test_readme_line_renders_the_mission_job():
     assert run["rollout"]["num_workers"] == 32 and run["fleet"]["max_workers"] == 32
     assert run["storage"]["url"] == argv[argv.index("--checkpoint_dir") + 1]
     assert run["runtime"]["ray_address"] == "auto" and run["cluster"]["train"]["max_nodes"] == 16
+    assert run["fleet"]["imds_url"] == "http://169.254.169.254" and run["model"]["device"] == "cuda"
 
 
 def test_fewer_rollout_workers_fewer_pods():
