@@ -6,13 +6,14 @@ none of them, and then nothing is requested (``actor_resources`` returns ``{}``)
 on both.
 
     group     Ray resource   per node                        requested by
-    train     train          GPUs of the node (one per rank)  trainer ranks (1 each), the job's driver
-    rollout   rollout        rollout workers the node holds   rollout workers (a small fraction each)
+    train     train          GPUs of the node                 trainer ranks, the job's driver
+    rollout   rollout        rollout workers the node holds   rollout workers
     cpu       env            vCPUs of the node                environments, preprocessing
     memory    exchange       1                                the exchange actor (queue + buffer)
 
-Ray's own ``CPU``/``GPU``/``memory`` resources still bound how many actors fit a node; the custom
-resource only says where. The names avoid Ray's built-in ``memory`` resource.
+Every actor requests a token amount (0.001) of its group's resource: the custom resource only says
+where, Ray's own ``CPU``/``GPU`` requests bound how many actors fit a node (a trainer rank takes one
+GPU, as ``moerl.distributed.ray_ranks`` asks). The names avoid Ray's built-in ``memory`` resource.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ GROUPS = ("train", "rollout", "cpu", "memory")
 RAY_RESOURCE = {"train": "train", "rollout": "rollout", "cpu": "env", "memory": "exchange"}
 """Ray custom resource advertised by each worker group's nodes."""
 
-ACTOR_REQUEST = {"train": 1.0, "rollout": 0.001, "cpu": 0.001, "memory": 0.001}
-"""Amount of its group's resource one actor requests: a trainer rank takes a whole unit (one GPU's
-worth), the others a token amount (only placement matters)."""
+ACTOR_REQUEST = {"train": 0.001, "rollout": 0.001, "cpu": 0.001, "memory": 0.001}
+"""Amount of its group's resource one actor requests: a token amount (only placement matters)."""
 
 DRIVER_REQUEST = {"train": 0.001}
 """What the job's driver (``moerl train``, the trainer's process) requests: a training node."""
