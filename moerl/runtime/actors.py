@@ -52,7 +52,7 @@ from moerl.runtime.exchange import ExchangeActorImpl
 from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager, WorkerExit, WorkerHealth
 from moerl.runtime.fleet_ray import RayWorkerBackend
 from moerl.runtime.notice import notice_file_for, watcher_from_config
-from moerl.runtime.storage import is_remote
+from moerl.runtime.storage import is_remote, local_model_folder, stage_model_folder
 from moerl.runtime.types import Group
 from moerl.runtime.weights import pack_weights, unpack_weights
 
@@ -147,6 +147,7 @@ class RolloutWorkerActorImpl:
         from moerl.tasks.tokenizer import tokenizer_path_for
 
         torch.manual_seed(cfg.seed)
+        init_path = local_model_folder(init_path, cfg.storage.options)  # staged in the store: a local copy
         tokenizer = load_tokenizer(tokenizer_path_for(cfg.task.tokenizer, init_path or cfg.model.path))
         model = load_policy(cfg, init_path, tokenizer.vocab_size)
         options = cfg.storage.options if is_remote(store_url) else None  # endpoint, region, profile
@@ -312,6 +313,9 @@ class RayFleet:
         if not ray.is_initialized():
             _init_ray(cfg)
         tok_path = tokenizer_path_for(cfg.task.tokenizer, init_path or cfg.model.path)
+        # a remote store: the model folder goes there too, so actors on other machines share no folder
+        staged = stage_model_folder(init_path, store_url, cfg.storage.options)
+        tok_path, init_path = (staged if tok_path == init_path else tok_path), staged
         exchange_cls = ray.remote(
             num_cpus=0, max_concurrency=cfg.rollout.num_workers * 2 + 16, resources=_labels("exchange")
         )(ExchangeActorImpl)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 from moerl.config import RunConfig
+from moerl.runtime.storage import local_model_folder
 from moerl.runtime.types import Group
 
 
@@ -45,7 +46,8 @@ class ExchangeActorImpl:
         from moerl.runtime.setup import make_buffer, make_queue
         from moerl.tasks import load_tokenizer, make_task
 
-        self.queue = make_queue(cfg, make_task(cfg.task), load_tokenizer(tokenizer_path))
+        tokenizer = load_tokenizer(local_model_folder(tokenizer_path, cfg.storage.options))  # may be staged
+        self.queue = make_queue(cfg, make_task(cfg.task), tokenizer)
         self.buffer = make_buffer(cfg, self.queue, version=version)
         self.per_version = cfg.trainer.batch_groups * cfg.trainer.publish_every
         self.max_staleness = max(1, cfg.runtime.max_staleness)  # 0 still needs one batch in flight

@@ -3,13 +3,15 @@
 The trainer writes its run folder on local disk as always (``moerl.runtime.run_dir``); ``RunMirror``
 copies it to ``<storage.url>/<run folder name>/`` as it goes, and the weight store writes its versions
 there directly (``<run>/weights``, ``moerl.runtime.weights``), so rollout workers on other machines read
-them from the store. ``fetch_run`` brings a stored run back to local disk for ``moerl train --resume
+them from the store; the model folder the actors build their policy from is staged beside the
+versions (``stage_model_folder``) and copied to each actor's machine (``local_model_folder``). ``fetch_run`` brings a stored run back to local disk for ``moerl train --resume
 s3://...``.
 
     <storage.url>/<name>-<timestamp>/
         config.yaml, metrics.jsonl, ledger.jsonl      after every checkpoint (and at the end)
         checkpoints/step_N/...  + COMPLETE.json       the step folder's files, then its marker
         weights/vNNNNNNNN/...   + manifest.json       the weight store's own commit protocol
+        weights/init/...        + COMPLETE.json       async runs: the model folder the actors build from
         policy/...              + COMPLETE.json       the exported policy (Hugging Face folder)
         report.png, summary.json                      at the end; summary.json last
 
@@ -316,3 +318,41 @@ def fetch_for_resume(url: str, overrides: list[str] | None) -> Path:
     overrides (the stored config cannot be read before the options are known)."""
     base = load_config(None, overrides)
     return fetch_run(url, base.output_dir, options=base.storage.options, retries=base.storage.retries)
+
+
+STAGED_MODEL = "init"
+"""Name of the staged model folder beside the weight versions (``<store_url>/init``)."""
+_LOCAL_COPIES: dict[str, str] = {}  # staged URL -> local copy, one download per process
+
+
+def stage_model_folder(path: str | None, store_url: str, options: dict | None = None) -> str | None:
+    """Where actors on other machines find the model folder ``path`` (the policy the workers build
+    before loading weight versions, with its tokenizer): uploaded as a committed folder to
+    ``<store_url>/init`` when the weight store is remote, so no filesystem is shared; ``path`` itself
+    when the store is local, ``path`` is None or already a URL.
+
+    Raises:
+        StorageError: the upload failed after its retries.
+    """
+    if path is None or not is_remote(store_url) or is_remote(path):
+        return path
+    RunStorage(store_url, options=options).put_tree(Path(path), STAGED_MODEL)
+    return f"{store_url.rstrip('/')}/{STAGED_MODEL}"
+
+
+def local_model_folder(path: str | None, options: dict | None = None) -> str | None:
+    """A local folder for ``path``: itself, or for a staged URL (``stage_model_folder``) a local copy,
+    downloaded once per process into a temp folder and checked against its marker's sha256.
+
+    Raises:
+        FileNotFoundError: nothing committed at the URL.
+        StorageError: a download failed or a file does not match its digest.
+    """
+    if path is None or not is_remote(path):
+        return path
+    if path not in _LOCAL_COPIES:
+        parent, name = path.rstrip("/").rsplit("/", 1)
+        target = Path(tempfile.mkdtemp(prefix="moerl-model-")) / name
+        RunStorage(parent, options=options).get_tree(name, target)
+        _LOCAL_COPIES[path] = str(target)
+    return _LOCAL_COPIES[path]

@@ -89,5 +89,9 @@ def test_async_run_on_a_rendered_cluster_shape_with_s3_storage(tmp_path, tiny_in
     remote = RunStorage(summary["storage_url"], options=json.loads(options))
     assert [s for s, _ in remote.complete_checkpoints()] == [2, 4]
     assert remote.exists("summary.json") and remote.exists("weights")
+    # the workers built their policy from a copy of the model folder staged beside the weight versions
+    assert RunStorage(f"{summary['storage_url']}/weights", options=json.loads(options)).committed_files(
+        "init"
+    )
     local = next(tmp_path.glob("run-*"))
     assert not (local / "weights").exists()  # the workers had no folder to share: versions went to S3

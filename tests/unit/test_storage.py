@@ -14,6 +14,8 @@ from moerl.runtime.storage import (
     StorageError,
     fetch_run,
     is_remote,
+    local_model_folder,
+    stage_model_folder,
     use_local_storage,
 )
 
@@ -112,3 +114,20 @@ def test_local_and_remote_urls(tmp_path):
     assert cfg.output_dir == f"{tmp_path}/runs" and RunMirror.from_config(cfg, tmp_path / "r") is None
     cfg = load_config(None, ["storage.url=memory://bucket/runs"])
     assert RunMirror.from_config(cfg, tmp_path / "run-7").url == "memory://bucket/runs/run-7"
+
+
+def test_model_folder_is_staged_beside_a_remote_store_and_copied_back(store, tmp_path):
+    folder = _folder(
+        tmp_path, "policy", {"config.json": b"{}", "tokenizer.json": b"tok", "model.safetensors": b"w"}
+    )
+    weights = f"{store.url}/weights"
+    assert stage_model_folder(str(folder), str(tmp_path / "local-store")) == str(folder)  # local: unchanged
+    assert stage_model_folder(None, weights) is None
+    url = stage_model_folder(str(folder), weights)
+    assert url == f"{weights}/init" and RunStorage(weights).committed_files("init") is not None
+    local = local_model_folder(url)
+    assert local != str(folder) and (Path(local) / "tokenizer.json").read_bytes() == b"tok"
+    assert local_model_folder(url) == local  # one download per process
+    assert local_model_folder(str(folder)) == str(folder)
+    with pytest.raises(FileNotFoundError):
+        local_model_folder(f"{store.url}/nothing/init")
