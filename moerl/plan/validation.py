@@ -1,0 +1,95 @@
+"""Predictions of the planner against bench/results: the fitted points (in-sample) and the held-out ones.
+
+``compare(cal, folder)`` returns one row per point: quantity, measured, predicted, relative error, and
+whether the point was used for fitting (``calibrate`` module docstring lists which).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moerl.ep import ExpertPlacement, Topology
+from moerl.plan import timing
+from moerl.plan.calibrate import H200, constants
+from moerl.plan.models import MODELS
+from moerl.plan.traffic import RowBytes, expected_traffic
+
+
+def _row(name: str, measured: float, predicted: float, role: str, unit: str) -> dict:
+    return {"quantity": name, "unit": unit, "measured": measured, "predicted": predicted,
+            "rel_err": predicted / measured - 1.0, "role": role}  # fmt: skip
+
+
+def moerl_round_trip_s(cal: dict, method: str, work_bytes: float) -> float:
+    """Fitted round trip (dispatch + combine) of moerl's dispatcher ``method`` over ``work_bytes``."""
+    imp = cal["ep_impls"][method]
+    return imp["call_s"] + work_bytes / (imp["proc_gb_s"] * 1e9)
+
+
+def expected_work_bytes(method: str, placement: ExpertPlacement, tokens: float, rows: RowBytes) -> float:
+    """Work bytes of one round trip on a rank (as ``calibrate.dispatch_points`` counts them), expected under
+    uniform routing: flat 2 T k (row_d + row_c); hierarchical 2 T sum_d P(needs d) (row_h + row_c) + 4 T k H."""
+    k = rows.top_k
+    if method == "alltoall":
+        return 2 * tokens * k * (rows.flat_dispatch + rows.combine)
+    tr = expected_traffic(placement, tokens, rows)["hier_dispatch"]  # only to get P(needs d) via messages
+    del tr
+    e, r = placement.num_experts, placement.topology.world_size
+    p_rank = 1 - _comb_ratio(e - e // r, e, k)
+    return 2 * tokens * r * p_rank * (rows.hier_dispatch + rows.combine) + tokens * k * 2 * rows.hidden
+
+
+def _comb_ratio(a: int, b: int, k: int) -> float:
+    from math import comb
+
+    return comb(a, k) / comb(b, k)
+
+
+def compare(cal: dict, folder: Path) -> list[dict]:
+    """All rows (module docstring)."""
+    c, hw, ref, epm = constants(cal), H200, MODELS["reference"], MODELS["ep-bench"]
+    read = lambda n: json.loads((folder / f"{n}.json").read_text())  # noqa: E731
+    roll, train, moe, ep = read("rollout_gpu"), read("train_step"), read("moe_layer"), read("ep_multi_gpu")
+    rows = []
+    b, p, n = roll["batch"], roll["prompt_len"], roll["new_tokens"]
+    gen_s = timing.prefill_s(ref, hw, c, b * p, p, 2) + (n - 1) * timing.decode_step_s(ref, hw, c, b, p + n / 2, 1, 2)
+    rows.append(_row("decode tok/s, reference B=256 128+128 (graphs)", roll["results"]["moerl"]["tokens_per_s"],
+                     b * n / gen_s, "fitted", "tok/s"))  # fmt: skip
+    d1 = ep["model"]["decode"]["ep1_graphs"]
+    gen1 = timing.prefill_s(epm, hw, c, 64 * p, p, 2) + (n - 1) * timing.decode_step_s(epm, hw, c, 64, p + n / 2, 1, 2)
+    rows.append(_row("decode tok/s, ep-bench 4 layers B=64 (graphs)", d1["tokens_per_s"], 64 * n / gen1, "fitted", "tok/s"))
+    seq = train["seq_len"]
+    for batch in (8, 16, 24):
+        t = timing.train_compute_s(ref, hw, c, batch * seq, seq) + timing.optimizer_s(hw, c, ref.num_params)
+        role = "held out" if batch == 16 else "fitted"
+        rows.append(_row(f"train step s, reference b{batch} x {seq}", train["results"][f"moerl/b{batch}"]["median_step_s"], t, role, "s"))
+    t_ep1 = timing.train_compute_s(epm, hw, c, 8 * 1024, 1024) + timing.optimizer_s(hw, c, epm.num_params)
+    rows.append(_row("train step s, ep-bench EP=1 8 x 1024", ep["model"]["train"]["ep1"]["step_ms"] / 1e3, t_ep1, "held out", "s"))
+    fwd = moe["flops_fwd"] / (c.moe_matmul_fraction * hw.bf16_tflops * 1e12)
+    rows.append(_row("MoE layer fwd ms, 16384 tokens", moe["results"]["moerl"]["fwd"]["median_ms"], 1e3 * fwd, "fitted", "ms"))
+    rows.append(_row("MoE layer fwd+bwd ms, 16384 tokens", moe["results"]["moerl"]["fwd_bwd"]["median_ms"], 3e3 * fwd, "held out", "ms"))
+    for q in cal["dispatch_points"]:
+        if q["method"] == "floor_a2a":
+            continue
+        role = "fitted" if q["topology"] == "2x1" else "held out"
+        pred = 1e3 * moerl_round_trip_s(cal, q["method"], q["work_bytes"])
+        name = f"EP dispatch+combine ms, {q['method']} {q['topology']} H={q['hidden']} {q['routing']}"
+        rows.append(_row(name, q["total_ms"], pred, role, "ms"))
+    rows += _ep2_training(cal, c, ep, epm, t_ep1)
+    return rows
+
+
+def _ep2_training(cal: dict, c: timing.Constants, ep: dict, epm, t_ep1: float) -> list[dict]:
+    """EP = 2 training step: the EP = 1 step with half the experts' optimizer work, plus 2 round trips per
+    MoE layer at 8192 tokens per GPU and the all-reduce of the replicated (non-expert) gradients."""
+    topo = Topology(2, 2)
+    placement, rb = ExpertPlacement(epm.num_experts, topo), RowBytes(2 * epm.hidden_size, epm.top_k)
+    opt_saved = timing.optimizer_s(H200, c, epm.routed_expert_params / 2)
+    reduce = timing.allreduce_s(2 * epm.non_expert_params, 2, H200.nvlink_gb_s, cal["nvlink_fraction_all_to_all"])
+    out = []
+    for method in ("alltoall", "hierarchical"):
+        rt = moerl_round_trip_s(cal, method, expected_work_bytes(method, placement, 8192, rb))
+        pred = t_ep1 - opt_saved + 2 * epm.num_moe_layers * rt + reduce
+        out.append(_row(f"train step s, ep-bench EP=2 {method}", ep["model"]["train"][method]["step_ms"] / 1e3, pred, "held out", "s"))
+    return out
