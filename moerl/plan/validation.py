@@ -7,13 +7,14 @@ whether the point was used for fitting (``calibrate`` module docstring lists whi
 from __future__ import annotations
 
 import json
+from math import comb
 from pathlib import Path
 
 from moerl.ep import ExpertPlacement, Topology
 from moerl.plan import timing
 from moerl.plan.calibrate import H200, constants
 from moerl.plan.models import MODELS
-from moerl.plan.traffic import RowBytes, expected_traffic
+from moerl.plan.traffic import RowBytes
 
 
 def _row(name: str, measured: float, predicted: float, role: str, unit: str) -> dict:
@@ -33,16 +34,12 @@ def expected_work_bytes(method: str, placement: ExpertPlacement, tokens: float, 
     k = rows.top_k
     if method == "alltoall":
         return 2 * tokens * k * (rows.flat_dispatch + rows.combine)
-    tr = expected_traffic(placement, tokens, rows)["hier_dispatch"]  # only to get P(needs d) via messages
-    del tr
     e, r = placement.num_experts, placement.topology.world_size
     p_rank = 1 - _comb_ratio(e - e // r, e, k)
     return 2 * tokens * r * p_rank * (rows.hier_dispatch + rows.combine) + tokens * k * 2 * rows.hidden
 
 
 def _comb_ratio(a: int, b: int, k: int) -> float:
-    from math import comb
-
     return comb(a, k) / comb(b, k)
 
 
