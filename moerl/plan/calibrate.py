@@ -36,7 +36,9 @@ from moerl.plan.models import MODELS
 from moerl.plan.traffic import RowBytes, exact_traffic
 
 DEFAULT_OUT = Path(__file__).with_name("calibration.json")
-H200 = get_hardware("p5en")  # H200 datasheet peaks; the bench GPUs' NVLink pair: NV18 = 450 GB/s per direction
+H200 = get_hardware(
+    "p5en"
+)  # H200 datasheet peaks; the bench GPUs' NVLink pair: NV18 = 450 GB/s per direction
 
 
 def _load(folder: Path, name: str) -> dict:
@@ -65,17 +67,26 @@ def dispatch_points(ep: dict) -> list[dict]:
         n, g = (int(v) for v in row["topology"].split("x"))
         topo, h = Topology(n * g, g), row["hidden"]
         placement, rb = ExpertPlacement(e, topo), RowBytes(2 * h, k)
-        idx = [bench_routing(t, e, k, row["routing"], 1000 * r + h + (row["routing"] == "zipf")) for r in range(n * g)]
+        idx = [
+            bench_routing(t, e, k, row["routing"], 1000 * r + h + (row["routing"] == "zipf"))
+            for r in range(n * g)
+        ]
         lays = [compute_layout(i, placement) for i in idx]
         copies = torch.stack([copies_per_rank(lay, n * g) for lay in lays])
         dedup = torch.stack([lay.tokens_per_rank for lay in lays])
         if row["method"] == "hierarchical":
-            work = ((dedup.sum(1) + dedup.sum(0)) * (rb.hier_dispatch + rb.combine) + copies.sum(0) * 4 * h).max()
+            work = (
+                (dedup.sum(1) + dedup.sum(0)) * (rb.hier_dispatch + rb.combine) + copies.sum(0) * 4 * h
+            ).max()
         else:
             work = ((copies.sum(1) + copies.sum(0)) * (rb.flat_dispatch + rb.combine)).max()
         label = "hier" if row["method"] == "hierarchical" else "flat"
         tr = exact_traffic(idx, placement, rb)
-        sent = sum(x.intra_node_bytes + x.inter_node_bytes for p in ("dispatch", "combine") for x in tr[f"{label}_{p}"])
+        sent = sum(
+            x.intra_node_bytes + x.inter_node_bytes
+            for p in ("dispatch", "combine")
+            for x in tr[f"{label}_{p}"]
+        )
         wire = int(max(copies[0, 1], copies[1, 0])) * (rb.flat_dispatch + rb.combine)
         out.append({**{f: row[f] for f in ("topology", "hidden", "routing", "method", "total_ms")},
                     "bytes_measured": row["bytes_sent_all_ranks"], "bytes_planned": int(sent),
@@ -91,7 +102,9 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def fit(folder: Path) -> dict:
     """All constants with provenance (module docstring)."""
-    roll, train, moe, ep = (_load(folder, n) for n in ("rollout_gpu", "train_step", "moe_layer", "ep_multi_gpu"))
+    roll, train, moe, ep = (
+        _load(folder, n) for n in ("rollout_gpu", "train_step", "moe_layer", "ep_multi_gpu")
+    )
     ref, epm, hw = MODELS["reference"], MODELS["ep-bench"], H200
     b, p, n_new = roll["batch"], roll["prompt_len"], roll["new_tokens"]
     prefill_flops = b * p * ref.forward_flops_per_token(p / 2)
@@ -109,10 +122,14 @@ def fit(folder: Path) -> dict:
     )
     tr = train["results"]
     seq = train["seq_len"]
-    fixed, s_per_token = _line([8 * seq, 24 * seq], [tr["moerl/b8"]["median_step_s"], tr["moerl/b24"]["median_step_s"]])
+    fixed, s_per_token = _line(
+        [8 * seq, 24 * seq], [tr["moerl/b8"]["median_step_s"], tr["moerl/b24"]["median_step_s"]]
+    )
     train_frac = ref.train_flops_per_token(seq) / s_per_token / (hw.bf16_tflops * 1e12)
     opt_frac = ref.num_params * 14.0 / fixed / (hw.hbm_tb_s * 1e12)
-    moe_frac = moe["flops_fwd"] / (moe["results"]["moerl"]["fwd"]["median_ms"] / 1e3) / (hw.bf16_tflops * 1e12)
+    moe_frac = (
+        moe["flops_fwd"] / (moe["results"]["moerl"]["fwd"]["median_ms"] / 1e3) / (hw.bf16_tflops * 1e12)
+    )
     pts = dispatch_points(ep)
     impls = {}
     for method in ("alltoall", "hierarchical"):

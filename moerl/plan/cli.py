@@ -48,7 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", action="append", default=[], metavar="PARAM=V1,V2,...", help="repeatable: grid")
     p.add_argument("--json", default=None, help="write all points to this JSON file")
     p.add_argument("--csv", default=None, help="write all points to this CSV file")
-    p.add_argument("--plot", default=None, help="PNG: rollout tok/s and $/1000 episodes against the first sweep")
+    p.add_argument(
+        "--plot", default=None, help="PNG: rollout tok/s and $/1000 episodes against the first sweep"
+    )
     p.add_argument("--calibration", default=str(calibrate.DEFAULT_OUT))
     p.add_argument("--validate", action="store_true", help="compare with bench/results and exit")
 
@@ -118,7 +120,11 @@ def _atomic(path: str, text: str) -> None:
 
 
 def _write_csv(path: str, points: list[dict]) -> None:
-    rows = [{**pt["plan"], **pr, "ratio": pt["ratio_rollout_hier_over_flat"]} for pt in points for pr in pt["predictions"]]
+    rows = [
+        {**pt["plan"], **pr, "ratio": pt["ratio_rollout_hier_over_flat"]}
+        for pt in points
+        for pr in pt["predictions"]
+    ]
     tmp = f"{path}.tmp"
     with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -153,8 +159,15 @@ def assumptions(plan: Plan, cal: dict) -> list[str]:
     """Every input of a prediction, one line each, with its source."""
     hw = get_hardware(plan.hardware)
     lines = [f"plan.{f.name} = {getattr(plan, f.name)}" for f in fields(Plan)]
-    lines += [f"hardware.{k} = {v} ({hw.sources.get(k, 'catalog')})" for k, v in asdict(hw).items() if k != "sources"]
-    lines += [f"calibrated.{k} = {v:.4g} ({cal['sources'].get(k, cal['sources']['ep'])})" for k, v in cal["constants"].items()]
+    lines += [
+        f"hardware.{k} = {v} ({hw.sources.get(k, 'catalog')})"
+        for k, v in asdict(hw).items()
+        if k != "sources"
+    ]
+    lines += [
+        f"calibrated.{k} = {v:.4g} ({cal['sources'].get(k, cal['sources']['ep'])})"
+        for k, v in cal["constants"].items()
+    ]
     return lines
 
 
@@ -164,7 +177,13 @@ def validation_table(cal: dict, folder: Path) -> Table:
     for c in ("role", "quantity", "measured", "predicted", "error"):
         t.add_column(c, justify="right" if c != "quantity" else "left")
     for r in compare(cal, folder):
-        t.add_row(r["role"], r["quantity"], f"{r['measured']:.4g}", f"{r['predicted']:.4g}", f"{100 * r['rel_err']:+.1f}%")
+        t.add_row(
+            r["role"],
+            r["quantity"],
+            f"{r['measured']:.4g}",
+            f"{r['predicted']:.4g}",
+            f"{100 * r['rel_err']:+.1f}%",
+        )
     return t
 
 

@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass, field
 
 from moerl.configlib import ConfigError
 
-_A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s bf16 dense; 40 GB 1555 GB/s, 80 GB 2039 GB/s"
+_A100 = (
+    "NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s bf16 dense; 40 GB 1555 GB/s, 80 GB 2039 GB/s"
+)
 _H100 = "NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense, 1979 FP8 dense, 80 GB HBM3 at 3.35 TB/s"
 _H200 = "NVIDIA H200 datasheet (SXM): 989 TFLOP/s bf16 dense, 1979 FP8 dense, 141 GB HBM3e at 4.8 TB/s"
 _B200 = "NVIDIA B200 (HGX B200 datasheet): 2250 TFLOP/s bf16 dense, 4500 FP8 dense, 8 TB/s; AWS lists 179 GB per GPU"
@@ -66,7 +68,15 @@ class Hardware:
     """Field name -> where the figure comes from."""
 
     def __post_init__(self) -> None:
-        for f in ("gpus_per_node", "bf16_tflops", "fp8_tflops", "hbm_tb_s", "hbm_gb", "nvlink_gb_s", "net_gb_s"):
+        for f in (
+            "gpus_per_node",
+            "bf16_tflops",
+            "fp8_tflops",
+            "hbm_tb_s",
+            "hbm_gb",
+            "nvlink_gb_s",
+            "net_gb_s",
+        ):
             if getattr(self, f) <= 0:
                 raise ConfigError(f"hardware.{f} must be > 0, got {getattr(self, f)}")
         if self.price_on_demand < 0 or not 0 <= self.spot_fraction <= 1 or self.interruptions_per_hour < 0:
@@ -87,14 +97,18 @@ class Hardware:
         return asdict(self)
 
 
-def _node(name: str, gpu: str, chip: str, nvl: str, gbps: float, price: float, price_src: str, **kw) -> Hardware:
+def _node(
+    name: str, gpu: str, chip: str, nvl: str, gbps: float, price: float, price_src: str, **kw
+) -> Hardware:
     src = {
         "bf16_tflops": chip, "fp8_tflops": chip, "hbm_tb_s": chip, "hbm_gb": chip, "nvlink_gb_s": nvl,
         "net_gb_s": f"{_EFA}: {gbps:g} Gbps EFA per instance", "gpus_per_node": _EFA,
         "net_message_us": _MSG, "price_on_demand": price_src, "spot_fraction": _SPOT,
         "interruptions_per_hour": _INT,
     }  # fmt: skip
-    return Hardware(name=name, gpu=gpu, gpus_per_node=8, net_gb_s=gbps / 8, price_on_demand=price, sources=src, **kw)
+    return Hardware(
+        name=name, gpu=gpu, gpus_per_node=8, net_gb_s=gbps / 8, price_on_demand=price, sources=src, **kw
+    )
 
 
 _P4_PRICE = f"{_CB}: p4d.24xlarge $14.75 (US East Ohio)"

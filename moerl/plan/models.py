@@ -84,7 +84,9 @@ class ModelShape:
             return h * self.head_dim * (2 * nh + 2 * nkv)
         qk = self.qk_nope_dim + self.qk_rope_dim
         q = h * self.q_lora_rank + self.q_lora_rank * nh * qk if self.q_lora_rank else h * nh * qk
-        kv = h * (self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank * nh * (self.qk_nope_dim + self.v_head_dim)
+        kv = h * (self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank * nh * (
+            self.qk_nope_dim + self.v_head_dim
+        )
         return q + kv + nh * self.v_head_dim * h
 
     @property
@@ -101,7 +103,9 @@ class ModelShape:
     def dense_params_per_moe_layer(self) -> int:
         """Parameters of an MoE layer that every token uses: attention, router H x E, shared experts."""
         h = self.hidden_size
-        return self.attn_params_per_layer + h * self.num_experts + self.num_shared_experts * self.expert_params
+        return (
+            self.attn_params_per_layer + h * self.num_experts + self.num_shared_experts * self.expert_params
+        )
 
     @property
     def dense_layer_params(self) -> int:
@@ -116,7 +120,10 @@ class ModelShape:
     @property
     def num_params(self) -> int:
         """Total parameters (norms neglected: < 0.01%)."""
-        dense = self.num_dense_layers * self.dense_layer_params + self.num_moe_layers * self.dense_params_per_moe_layer
+        dense = (
+            self.num_dense_layers * self.dense_layer_params
+            + self.num_moe_layers * self.dense_params_per_moe_layer
+        )
         return dense + self.routed_expert_params + self.embedding_params
 
     @property
@@ -181,47 +188,113 @@ def _qwen3(name: str, **kw) -> ModelShape:
 MODELS: dict[str, ModelShape] = {
     # DeepSeek-V3 config.json (huggingface.co/deepseek-ai/DeepSeek-V3): 671 B total, 37 B active.
     "deepseek-v3": ModelShape(
-        name="deepseek-v3", vocab_size=129280, hidden_size=7168, num_layers=61, num_dense_layers=3,
-        dense_intermediate_size=18432, attention="mla", num_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-        qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, num_experts=256, top_k=8, num_shared_experts=1,
+        name="deepseek-v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        num_layers=61,
+        num_dense_layers=3,
+        dense_intermediate_size=18432,
+        attention="mla",
+        num_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=128,
+        num_experts=256,
+        top_k=8,
+        num_shared_experts=1,
         moe_intermediate_size=2048,
     ),  # fmt: skip
     # Qwen3-30B-A3B config.json (huggingface.co/Qwen/Qwen3-30B-A3B): 30.5 B total, 3.3 B active.
     "qwen3-30b-a3b": _qwen3(
-        "qwen3-30b-a3b", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
-        num_experts=128, top_k=8, moe_intermediate_size=768,
+        "qwen3-30b-a3b",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        num_experts=128,
+        top_k=8,
+        moe_intermediate_size=768,
     ),  # fmt: skip
     # Qwen3-235B-A22B config.json (huggingface.co/Qwen/Qwen3-235B-A22B): 235 B total, 22 B active.
     "qwen3-235b-a22b": _qwen3(
-        "qwen3-235b-a22b", vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
-        num_experts=128, top_k=8, moe_intermediate_size=1536,
+        "qwen3-235b-a22b",
+        vocab_size=151936,
+        hidden_size=4096,
+        num_layers=94,
+        num_heads=64,
+        num_kv_heads=4,
+        num_experts=128,
+        top_k=8,
+        moe_intermediate_size=1536,
     ),  # fmt: skip
     # GLM-5-like: the GLM-5 technical report's table (arXiv:2602.15763, as tabulated at
     # glennklockwood.com/garden/GLM-5): 3 dense + 75 MoE layers, hidden 6144, MLA (q_lora 2048, kv_lora 512,
     # qk head 192 = 128 + 64 rotary, v head 256), 64 heads, 256 experts top-8 + 1 shared of width 2048,
     # dense FFN 12288, vocabulary 154880. DeepSeek Sparse Attention and the MTP layer are not modelled.
     "glm5-744b-a40b": ModelShape(
-        name="glm5-744b-a40b", vocab_size=154880, hidden_size=6144, num_layers=78, num_dense_layers=3,
-        dense_intermediate_size=12288, attention="mla", num_heads=64, q_lora_rank=2048, kv_lora_rank=512,
-        qk_nope_dim=128, qk_rope_dim=64, v_head_dim=256, num_experts=256, top_k=8, num_shared_experts=1,
+        name="glm5-744b-a40b",
+        vocab_size=154880,
+        hidden_size=6144,
+        num_layers=78,
+        num_dense_layers=3,
+        dense_intermediate_size=12288,
+        attention="mla",
+        num_heads=64,
+        q_lora_rank=2048,
+        kv_lora_rank=512,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=256,
+        num_experts=256,
+        top_k=8,
+        num_shared_experts=1,
         moe_intermediate_size=2048,
     ),  # fmt: skip
     # moerl's bench models (bench/common.py SPECS; bench/ep_multi_gpu.py BIG.model).
     "reference": _qwen3(
-        "reference", vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=16,
-        num_experts=64, top_k=8, moe_intermediate_size=1024,
+        "reference",
+        vocab_size=50304,
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=16,
+        num_experts=64,
+        top_k=8,
+        moe_intermediate_size=1024,
     ),  # fmt: skip
     "reference4": _qwen3(
-        "reference4", vocab_size=50304, hidden_size=2048, num_layers=4, num_heads=16,
-        num_experts=64, top_k=8, moe_intermediate_size=1024,
+        "reference4",
+        vocab_size=50304,
+        hidden_size=2048,
+        num_layers=4,
+        num_heads=16,
+        num_experts=64,
+        top_k=8,
+        moe_intermediate_size=1024,
     ),  # fmt: skip
     "ep-bench": _qwen3(
-        "ep-bench", vocab_size=50304, hidden_size=2048, num_layers=4, num_heads=16, num_kv_heads=4,
-        num_experts=64, top_k=8, moe_intermediate_size=1024,
+        "ep-bench",
+        vocab_size=50304,
+        hidden_size=2048,
+        num_layers=4,
+        num_heads=16,
+        num_kv_heads=4,
+        num_experts=64,
+        top_k=8,
+        moe_intermediate_size=1024,
     ),  # fmt: skip
     "tiny": ModelShape(
-        name="tiny", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, head_dim=16,
-        num_experts=8, top_k=2, moe_intermediate_size=32,
+        name="tiny",
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        head_dim=16,
+        num_experts=8,
+        top_k=2,
+        moe_intermediate_size=32,
     ),  # fmt: skip
 }
 

@@ -27,6 +27,7 @@ returns one ``Prediction`` per dispatcher (flat all-to-all, hierarchical). Formu
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from math import ceil
 
 from moerl.configlib import ConfigError
 from moerl.ep import ExpertPlacement, Topology
@@ -49,6 +50,8 @@ class Plan:
     """Experts per token; 0 = the model's own."""
     total_nodes: int = 48
     train_nodes: int = 16
+    train_share: float = 0.0
+    """> 0: train_nodes = the share of total_nodes (rounded so the rollout nodes fill whole replicas)."""
     rollout_ep_nodes: int = 2
     """Nodes per rollout replica (its EP group spans them)."""
     rollout_rows_per_gpu: int = 128
@@ -84,6 +87,12 @@ class Plan:
     """< 0 = the catalog's rate."""
 
     def __post_init__(self) -> None:
+        if self.train_share > 0:  # at least the nodes that hold the training state (12 B per parameter)
+            hw, m = get_hardware(self.hardware), get_model(self.model)
+            need = ceil(m.num_params * 12 / (0.9 * hw.hbm_gb * 1e9 * hw.gpus_per_node))
+            train = max(need, round(self.total_nodes * self.train_share))
+            rollout = (self.total_nodes - train) // self.rollout_ep_nodes * self.rollout_ep_nodes
+            object.__setattr__(self, "train_nodes", self.total_nodes - max(rollout, self.rollout_ep_nodes))
         if self.placement not in ("grouped", "round_robin"):
             raise ConfigError(f"placement must be grouped or round_robin, got {self.placement!r}")
         if self.ep_impl not in ("kernel", "moerl"):
@@ -91,13 +100,28 @@ class Plan:
         if self.mode not in ("async", "sync"):
             raise ConfigError(f"mode must be async or sync, got {self.mode!r}")
         if not 1 <= self.train_nodes < self.total_nodes:
-            raise ConfigError(f"train_nodes must be in [1, total_nodes), got {self.train_nodes} of {self.total_nodes}")
+            raise ConfigError(
+                f"train_nodes must be in [1, total_nodes), got {self.train_nodes} of {self.total_nodes}"
+            )
         if self.rollout_ep_nodes < 1 or (self.total_nodes - self.train_nodes) % self.rollout_ep_nodes:
-            raise ConfigError(f"rollout nodes ({self.total_nodes - self.train_nodes}) must be a multiple of rollout_ep_nodes={self.rollout_ep_nodes}")
-        for f in ("rollout_rows_per_gpu", "prompts_per_step", "group_size", "prompt_len", "response_len", "checkpoint_every"):
+            raise ConfigError(
+                f"rollout nodes ({self.total_nodes - self.train_nodes}) must be a multiple of rollout_ep_nodes={self.rollout_ep_nodes}"
+            )
+        for f in (
+            "rollout_rows_per_gpu",
+            "prompts_per_step",
+            "group_size",
+            "prompt_len",
+            "response_len",
+            "checkpoint_every",
+        ):
             if getattr(self, f) <= 0:
                 raise ConfigError(f"{f} must be > 0, got {getattr(self, f)}")
-        if not 0 < self.net_fraction <= 1 or not 0 < self.nvlink_fraction <= 1 or not 0 <= self.sync_overlap <= 1:
+        if (
+            not 0 < self.net_fraction <= 1
+            or not 0 < self.nvlink_fraction <= 1
+            or not 0 <= self.sync_overlap <= 1
+        ):
             raise ConfigError("net_fraction and nvlink_fraction must be in (0, 1], sync_overlap in [0, 1]")
         get_hardware(self.hardware), get_model(self.model)  # noqa: B018 - raise on unknown names
 
@@ -140,13 +164,19 @@ def set_param(plan: Plan, name: str, value: str | float | int | bool) -> Plan:
     kind = type(getattr(Plan(), name))
     if isinstance(value, str):
         try:
-            value = {"True": True, "true": True, "False": False, "false": False}[value] if kind is bool else kind(value)
+            value = (
+                {"True": True, "true": True, "False": False, "false": False}[value]
+                if kind is bool
+                else kind(value)
+            )
         except (ValueError, KeyError):
             raise ConfigError(f"{name}: {value!r} is not a valid {kind.__name__}") from None
     return replace(plan, **{name: value})
 
 
-def _ep_s(p: Plan, hw, placement: ExpertPlacement, tokens: float, rows: RowBytes, dispatcher: str, cal: dict) -> tuple[float, float]:
+def _ep_s(
+    p: Plan, hw, placement: ExpertPlacement, tokens: float, rows: RowBytes, dispatcher: str, cal: dict
+) -> tuple[float, float]:
     """(round-trip seconds, inter-node bytes of one dispatch) of ``tokens`` tokens per GPU."""
     groups, kept = (p.router_groups, p.topk_groups) if p.router_groups > 1 else (1, 1)
     tr = expected_traffic(placement, tokens, rows, groups, kept)
@@ -159,9 +189,16 @@ def _ep_s(p: Plan, hw, placement: ExpertPlacement, tokens: float, rows: RowBytes
         fit = cal["ep_impls"]["alltoall" if dispatcher == "flat" else "hierarchical"]
         impl = timing.EPImpl(name="moerl", call_s=fit["call_s"], proc_gb_s=fit["proc_gb_s"],
                              net_fraction=p.net_fraction, nvlink_fraction=1e9, overlap_links=False)  # fmt: skip
-        work = expected_work_bytes("alltoall" if dispatcher == "flat" else "hierarchical", placement, tokens, rows) / 2
+        work = (
+            expected_work_bytes(
+                "alltoall" if dispatcher == "flat" else "hierarchical", placement, tokens, rows
+            )
+            / 2
+        )
     msg = hw.net_message_us * 1e-6
-    return timing.ep_transfer_s(d, work, hw, impl, msg) + timing.ep_transfer_s(c, work, hw, impl, msg), d.inter_node_bytes
+    return timing.ep_transfer_s(d, work, hw, impl, msg) + timing.ep_transfer_s(
+        c, work, hw, impl, msg
+    ), d.inter_node_bytes
 
 
 def _replica(p: Plan, hw, m, cal: dict, dispatcher: str) -> tuple[float, float, float]:
@@ -170,9 +207,16 @@ def _replica(p: Plan, hw, m, cal: dict, dispatcher: str) -> tuple[float, float, 
     c = calibrate.constants(cal)
     ctx = p.prompt_len + 0.5 * p.response_len * (1 + p.response_cv**2)
     rows = RowBytes(hidden=int(m.hidden_size * 2), top_k=m.top_k)
-    placement = ExpertPlacement(m.num_experts, Topology(r, g), "contiguous" if p.placement == "grouped" else "round_robin")
-    ep_rt, inter = (0.0, 0.0) if r == 1 else _ep_s(p, hw, placement, p.rollout_rows_per_gpu, rows, dispatcher, cal)
-    step = timing.decode_step_s(m, hw, c, p.rollout_rows_per_gpu, ctx, r, p.weight_bytes) + m.num_moe_layers * ep_rt
+    placement = ExpertPlacement(
+        m.num_experts, Topology(r, g), "contiguous" if p.placement == "grouped" else "round_robin"
+    )
+    ep_rt, inter = (
+        (0.0, 0.0) if r == 1 else _ep_s(p, hw, placement, p.rollout_rows_per_gpu, rows, dispatcher, cal)
+    )
+    step = (
+        timing.decode_step_s(m, hw, c, p.rollout_rows_per_gpu, ctx, r, p.weight_bytes)
+        + m.num_moe_layers * ep_rt
+    )
     prefill = timing.prefill_s(m, hw, c, p.rollout_rows_per_gpu * p.prompt_len, p.prompt_len, p.weight_bytes)
     per_gpu = p.rollout_rows_per_gpu * p.response_len / (prefill + p.response_len * step)
     return per_gpu * g * p.rollout_nodes, step, m.num_moe_layers * ep_rt, inter
@@ -187,13 +231,26 @@ def _train_step_s(p: Plan, hw, m, cal: dict, dispatcher: str) -> float:
     while m.num_experts % ep or ep % hw.gpus_per_node and ep > hw.gpus_per_node:
         ep -= 1
     g = min(hw.gpus_per_node, ep)
-    placement = ExpertPlacement(m.num_experts, Topology(ep, g), "contiguous" if p.placement == "grouped" else "round_robin")
+    placement = ExpertPlacement(
+        m.num_experts, Topology(ep, g), "contiguous" if p.placement == "grouped" else "round_robin"
+    )
     rows = RowBytes(hidden=2 * m.hidden_size, top_k=m.top_k)
-    rt = 0.0 if ep == 1 else _ep_s(p, hw, placement, min(tokens, 16384), rows, dispatcher, cal)[0] * tokens / min(tokens, 16384)
+    rt = (
+        0.0
+        if ep == 1
+        else _ep_s(p, hw, placement, min(tokens, 16384), rows, dispatcher, cal)[0]
+        * tokens
+        / min(tokens, 16384)
+    )
     local = m.non_expert_params / gpus + m.routed_expert_params / gpus  # FSDP-sharded optimizer state
     dp_bytes = 2 * (m.non_expert_params + m.routed_expert_params * ep / gpus)
     reduce = timing.allreduce_s(dp_bytes, gpus // ep, hw.net_gb_s_per_gpu, p.net_fraction)
-    return timing.train_compute_s(m, hw, c, tokens, seq) + timing.optimizer_s(hw, c, local) + 2 * m.num_moe_layers * rt + reduce
+    return (
+        timing.train_compute_s(m, hw, c, tokens, seq)
+        + timing.optimizer_s(hw, c, local)
+        + 2 * m.num_moe_layers * rt
+        + reduce
+    )
 
 
 def predict(p: Plan, cal: dict) -> list[Prediction]:
@@ -235,7 +292,9 @@ def _check_fits(p: Plan, hw, m) -> None:
     r = hw.gpus_per_node * p.rollout_ep_nodes
     per_gpu = p.weight_bytes * (m.non_expert_params + m.routed_expert_params / r) / 1e9
     if per_gpu > 0.9 * hw.hbm_gb:
-        raise ConfigError(f"rollout weights need {per_gpu:.0f} GB per GPU of {hw.hbm_gb:g}; raise rollout_ep_nodes")
+        raise ConfigError(
+            f"rollout weights need {per_gpu:.0f} GB per GPU of {hw.hbm_gb:g}; raise rollout_ep_nodes"
+        )
     train = m.num_params * (2 + 2 + 4 + 4) / (p.train_nodes * hw.gpus_per_node) / 1e9
     if train > 0.9 * hw.hbm_gb:
         raise ConfigError(f"training state needs {train:.0f} GB per GPU of {hw.hbm_gb:g}; raise train_nodes")

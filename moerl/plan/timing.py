@@ -83,14 +83,18 @@ def decode_step_s(
     m: ModelShape, hw: Hardware, c: Constants, rows: float, context: float, ep_size: int, elem_bytes: float
 ) -> float:
     """Decode step without EP traffic: roofline of bytes and FLOPs plus the per-step fixed cost."""
-    mem = decode_weight_bytes(m, rows, ep_size, elem_bytes) + rows * context * m.kv_bytes_per_token(elem_bytes)
+    mem = decode_weight_bytes(m, rows, ep_size, elem_bytes) + rows * context * m.kv_bytes_per_token(
+        elem_bytes
+    )
     t_mem = mem / (c.decode_hbm_fraction * hw.hbm_tb_s * 1e12)
     peak = hw.fp8_tflops if elem_bytes <= 1 else hw.bf16_tflops
     t_flop = rows * m.forward_flops_per_token(context) / (c.prefill_matmul_fraction * peak * 1e12)
     return max(t_mem, t_flop) + c.decode_step_s
 
 
-def prefill_s(m: ModelShape, hw: Hardware, c: Constants, tokens: float, prompt_len: float, elem_bytes: float) -> float:
+def prefill_s(
+    m: ModelShape, hw: Hardware, c: Constants, tokens: float, prompt_len: float, elem_bytes: float
+) -> float:
     """Prefill of ``tokens`` prompt tokens (prompts of ``prompt_len``), compute-bound."""
     peak = hw.fp8_tflops if elem_bytes <= 1 else hw.bf16_tflops
     return tokens * m.forward_flops_per_token(prompt_len / 2) / (c.prefill_matmul_fraction * peak * 1e12)

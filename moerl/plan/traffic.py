@@ -78,8 +78,12 @@ def exact_traffic(
     for me in range(r):
         node, li = topo.node_of(me), topo.local_index(me)
         rail, local = topo.rail_ranks(li), topo.node_ranks(node)
-        out["flat_dispatch"].append(send_traffic(topo, me, list(range(r)), copies[me].tolist(), rows.flat_dispatch))
-        out["flat_combine"].append(send_traffic(topo, me, list(range(r)), copies[:, me].tolist(), rows.combine))
+        out["flat_dispatch"].append(
+            send_traffic(topo, me, list(range(r)), copies[me].tolist(), rows.flat_dispatch)
+        )
+        out["flat_combine"].append(
+            send_traffic(topo, me, list(range(r)), copies[:, me].tolist(), rows.combine)
+        )
         stage1 = send_traffic(topo, me, rail, per_node[me].tolist(), rows.hier_dispatch)
         stage2 = send_traffic(topo, me, local, fwd[li][node], rows.hier_dispatch)
         out["hier_dispatch"].append(stage1 + stage2)
@@ -104,7 +108,12 @@ def _forwarded_rows(layouts: list, topo: Topology) -> list[list[list[int]]]:
 
 
 def sample_group_limited_routing(
-    num_tokens: int, num_experts: int, top_k: int, num_groups: int, topk_groups: int, generator: torch.Generator
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    generator: torch.Generator,
 ) -> torch.Tensor:
     """[T, k] int64 expert ids: M = ``topk_groups`` of the Gr contiguous id groups uniformly at random, then k
     distinct experts uniformly among their experts. Gr = M = 1 gives uniform top-k over all E.
@@ -113,7 +122,9 @@ def sample_group_limited_routing(
         ValueError: E not a multiple of Gr, M not in [1, Gr], or k > M E / Gr.
     """
     if num_experts % num_groups or not 1 <= topk_groups <= num_groups:
-        raise ValueError(f"need E % Gr == 0 and 1 <= M <= Gr; got E={num_experts}, Gr={num_groups}, M={topk_groups}")
+        raise ValueError(
+            f"need E % Gr == 0 and 1 <= M <= Gr; got E={num_experts}, Gr={num_groups}, M={topk_groups}"
+        )
     per = num_experts // num_groups
     if not 1 <= top_k <= topk_groups * per:
         raise ValueError(f"top_k={top_k} must be in [1, {topk_groups * per}]")
@@ -124,7 +135,9 @@ def sample_group_limited_routing(
     return scores.topk(top_k, dim=-1).indices
 
 
-def miss_probability(expert_ids: list[int], num_experts: int, top_k: int, num_groups: int, topk_groups: int) -> float:
+def miss_probability(
+    expert_ids: list[int], num_experts: int, top_k: int, num_groups: int, topk_groups: int
+) -> float:
     """P(a token's k experts avoid every expert in ``expert_ids``) under group-limited routing (module docstring)."""
     per = num_experts // num_groups
     in_group = [0] * num_groups
@@ -139,7 +152,10 @@ def miss_probability(expert_ids: list[int], num_experts: int, top_k: int, num_gr
             for c in range(cap, s - 1, -1):
                 dp[m][c] += dp[m - 1][c - s]
     pool, total = topk_groups * per, comb(num_groups, topk_groups)
-    return sum(ways * comb(pool - c, top_k) / comb(pool, top_k) for c, ways in enumerate(dp[topk_groups])) / total
+    return (
+        sum(ways * comb(pool - c, top_k) / comb(pool, top_k) for c, ways in enumerate(dp[topk_groups]))
+        / total
+    )
 
 
 def expected_traffic(
@@ -158,7 +174,10 @@ def expected_traffic(
     ranks = placement.expert_rank.tolist()
     sets_r = [[x for x in range(e) if ranks[x] == d] for d in range(r)]
     p_rank = [1 - miss_probability(s, e, k, num_groups, topk_groups) for s in sets_r]
-    p_node = [1 - miss_probability(sum(sets_r[m * g : (m + 1) * g], []), e, k, num_groups, topk_groups) for m in range(n)]
+    p_node = [
+        1 - miss_probability(sum(sets_r[m * g : (m + 1) * g], []), e, k, num_groups, topk_groups)
+        for m in range(n)
+    ]
     acc = {p: [0.0, 0.0, 0.0, 0.0] for p in PHASES}  # intra bytes, inter bytes, intra msgs, inter msgs
 
     def add(phase: str, same_node: bool, count: float, row: int, p_any: float) -> None:
@@ -177,8 +196,20 @@ def expected_traffic(
             back = tokens * k * len(sets_r[me]) / e  # copies source d sent me, returned in combine
             add("flat_combine", same, back, rows.combine, 1 - (1 - p_rank[me]) ** tokens)
             if same:  # stage 2 (forwarder me -> d) and its reverse (me -> forwarder d)
-                add("hier_dispatch", True, n * tokens * p_rank[d], rows.hier_dispatch, 1 - (1 - p_rank[d]) ** (n * tokens))
-                add("hier_combine", True, n * tokens * p_rank[me], rows.combine, 1 - (1 - p_rank[me]) ** (n * tokens))
+                add(
+                    "hier_dispatch",
+                    True,
+                    n * tokens * p_rank[d],
+                    rows.hier_dispatch,
+                    1 - (1 - p_rank[d]) ** (n * tokens),
+                )
+                add(
+                    "hier_combine",
+                    True,
+                    n * tokens * p_rank[me],
+                    rows.combine,
+                    1 - (1 - p_rank[me]) ** (n * tokens),
+                )
         for m in range(n):
             if m == node:
                 continue

@@ -50,22 +50,66 @@ def compare(cal: dict, folder: Path) -> list[dict]:
     roll, train, moe, ep = read("rollout_gpu"), read("train_step"), read("moe_layer"), read("ep_multi_gpu")
     rows = []
     b, p, n = roll["batch"], roll["prompt_len"], roll["new_tokens"]
-    gen_s = timing.prefill_s(ref, hw, c, b * p, p, 2) + (n - 1) * timing.decode_step_s(ref, hw, c, b, p + n / 2, 1, 2)
+    gen_s = timing.prefill_s(ref, hw, c, b * p, p, 2) + (n - 1) * timing.decode_step_s(
+        ref, hw, c, b, p + n / 2, 1, 2
+    )
     rows.append(_row("decode tok/s, reference B=256 128+128 (graphs)", roll["results"]["moerl"]["tokens_per_s"],
                      b * n / gen_s, "fitted", "tok/s"))  # fmt: skip
     d1 = ep["model"]["decode"]["ep1_graphs"]
-    gen1 = timing.prefill_s(epm, hw, c, 64 * p, p, 2) + (n - 1) * timing.decode_step_s(epm, hw, c, 64, p + n / 2, 1, 2)
-    rows.append(_row("decode tok/s, ep-bench 4 layers B=64 (graphs)", d1["tokens_per_s"], 64 * n / gen1, "fitted", "tok/s"))
+    gen1 = timing.prefill_s(epm, hw, c, 64 * p, p, 2) + (n - 1) * timing.decode_step_s(
+        epm, hw, c, 64, p + n / 2, 1, 2
+    )
+    rows.append(
+        _row(
+            "decode tok/s, ep-bench 4 layers B=64 (graphs)",
+            d1["tokens_per_s"],
+            64 * n / gen1,
+            "fitted",
+            "tok/s",
+        )
+    )
     seq = train["seq_len"]
     for batch in (8, 16, 24):
         t = timing.train_compute_s(ref, hw, c, batch * seq, seq) + timing.optimizer_s(hw, c, ref.num_params)
         role = "held out" if batch == 16 else "fitted"
-        rows.append(_row(f"train step s, reference b{batch} x {seq}", train["results"][f"moerl/b{batch}"]["median_step_s"], t, role, "s"))
+        rows.append(
+            _row(
+                f"train step s, reference b{batch} x {seq}",
+                train["results"][f"moerl/b{batch}"]["median_step_s"],
+                t,
+                role,
+                "s",
+            )
+        )
     t_ep1 = timing.train_compute_s(epm, hw, c, 8 * 1024, 1024) + timing.optimizer_s(hw, c, epm.num_params)
-    rows.append(_row("train step s, ep-bench EP=1 8 x 1024", ep["model"]["train"]["ep1"]["step_ms"] / 1e3, t_ep1, "held out", "s"))
+    rows.append(
+        _row(
+            "train step s, ep-bench EP=1 8 x 1024",
+            ep["model"]["train"]["ep1"]["step_ms"] / 1e3,
+            t_ep1,
+            "held out",
+            "s",
+        )
+    )
     fwd = moe["flops_fwd"] / (c.moe_matmul_fraction * hw.bf16_tflops * 1e12)
-    rows.append(_row("MoE layer fwd ms, 16384 tokens", moe["results"]["moerl"]["fwd"]["median_ms"], 1e3 * fwd, "fitted", "ms"))
-    rows.append(_row("MoE layer fwd+bwd ms, 16384 tokens", moe["results"]["moerl"]["fwd_bwd"]["median_ms"], 3e3 * fwd, "held out", "ms"))
+    rows.append(
+        _row(
+            "MoE layer fwd ms, 16384 tokens",
+            moe["results"]["moerl"]["fwd"]["median_ms"],
+            1e3 * fwd,
+            "fitted",
+            "ms",
+        )
+    )
+    rows.append(
+        _row(
+            "MoE layer fwd+bwd ms, 16384 tokens",
+            moe["results"]["moerl"]["fwd_bwd"]["median_ms"],
+            3e3 * fwd,
+            "held out",
+            "ms",
+        )
+    )
     for q in cal["dispatch_points"]:
         if q["method"] == "floor_a2a":
             continue
@@ -83,10 +127,20 @@ def _ep2_training(cal: dict, c: timing.Constants, ep: dict, epm, t_ep1: float) -
     topo = Topology(2, 2)
     placement, rb = ExpertPlacement(epm.num_experts, topo), RowBytes(2 * epm.hidden_size, epm.top_k)
     opt_saved = timing.optimizer_s(H200, c, epm.routed_expert_params / 2)
-    reduce = timing.allreduce_s(2 * epm.non_expert_params, 2, H200.nvlink_gb_s, cal["nvlink_fraction_all_to_all"])
+    reduce = timing.allreduce_s(
+        2 * epm.non_expert_params, 2, H200.nvlink_gb_s, cal["nvlink_fraction_all_to_all"]
+    )
     out = []
     for method in ("alltoall", "hierarchical"):
         rt = moerl_round_trip_s(cal, method, expected_work_bytes(method, placement, 8192, rb))
         pred = t_ep1 - opt_saved + 2 * epm.num_moe_layers * rt + reduce
-        out.append(_row(f"train step s, ep-bench EP=2 {method}", ep["model"]["train"][method]["step_ms"] / 1e3, pred, "held out", "s"))
+        out.append(
+            _row(
+                f"train step s, ep-bench EP=2 {method}",
+                ep["model"]["train"][method]["step_ms"] / 1e3,
+                pred,
+                "held out",
+                "s",
+            )
+        )
     return out
