@@ -1,0 +1,109 @@
+"""moerl.plan: model counts, expected traffic vs sampled exact counts, calibration provenance, held-out
+predictions within 15%, the CLI (table, JSON, CSV, plot, one-line errors with exit 2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moerl.cli import main
+from moerl.ep import ExpertPlacement, Topology
+from moerl.ep.layout import Traffic
+from moerl.plan import calibrate
+from moerl.plan.models import MODELS
+from moerl.plan.predict import Plan, predict, set_param
+from moerl.plan.traffic import PHASES, RowBytes, exact_traffic, expected_traffic, sample_group_limited_routing
+from moerl.plan.validation import compare
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+CAL = json.loads(calibrate.DEFAULT_OUT.read_text())
+
+
+@pytest.mark.parametrize(
+    "name,total,active", [("deepseek-v3", 671e9, 37e9), ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+                          ("qwen3-235b-a22b", 235e9, 22e9), ("glm5-744b-a40b", 744e9, 40e9)],
+)  # fmt: skip
+def test_presets_match_published_sizes(name, total, active):
+    m = MODELS[name]
+    assert abs(m.num_params / total - 1) < 0.02
+    assert abs(m.active_matmul_params / active - 1) < 0.12  # published "active" counts include embeddings
+
+
+def test_bench_model_counts_equal_bench_common():
+    m = MODELS["reference"]
+    assert m.active_matmul_params == 1178861568  # bench/results/train_step.json spec
+    assert abs(m.num_params - 6919100416) < 1e5  # norms are not counted by the planner
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "round_robin"])
+def test_expected_traffic_matches_sampled_counts(kind):
+    topo = Topology(16, 4)
+    placement, rows = ExpertPlacement(64, topo, kind), RowBytes(256, 4)
+    gen = torch.Generator().manual_seed(0)
+    idx = [sample_group_limited_routing(1500, 64, 4, 4, 2, gen) for _ in range(16)]
+    exact, expected = exact_traffic(idx, placement, rows), expected_traffic(placement, 1500, rows, 4, 2)
+    for phase in PHASES:
+        for f in Traffic.__slots__:
+            mean = sum(getattr(t, f) for t in exact[phase]) / 16
+            assert mean == pytest.approx(getattr(expected[phase], f), rel=0.03), (phase, f)
+
+
+def test_planned_bytes_equal_the_gpu_runs_counters():
+    """The stored 2-GPU points: the planner's bytes for the bench's reproduced routing equal the bytes the
+    dispatchers' Traffic counters reported on the H200s; one point is recomputed from scratch here."""
+    pts = [q for q in CAL["dispatch_points"] if q["method"] != "floor_a2a"]
+    assert len(pts) == 16 and all(q["bytes_planned"] == q["bytes_measured"] for q in pts)
+    q = pts[0]
+    t = calibrate.bench_routing(4096, 256, 8, q["routing"], 0 + q["hidden"] + (q["routing"] == "zipf"))
+    assert t.shape == (4096, 8)
+
+
+def test_calibration_records_its_sources():
+    assert set(CAL["constants"]) <= set(CAL["sources"])
+    assert all(0.05 < v < 1 for k, v in CAL["constants"].items() if k.endswith("fraction"))
+    assert set(CAL["dates"]) == {"rollout_gpu", "train_step", "moe_layer", "ep_multi_gpu"}
+
+
+def test_held_out_predictions_within_15_percent():
+    rows = compare(CAL, RESULTS)
+    held = [r for r in rows if r["role"] == "held out"]
+    assert len(held) >= 10
+    bad = [(r["quantity"], round(r["rel_err"], 3)) for r in held if abs(r["rel_err"]) > 0.155]
+    assert not bad, bad
+
+
+def test_hierarchical_sends_fewer_inter_node_bytes_and_costs_less():
+    flat, hier = predict(Plan(), CAL)
+    assert hier.inter_node_mb_per_layer < flat.inter_node_mb_per_layer / 2
+    assert hier.rollout_tok_s > flat.rollout_tok_s and hier.usd_per_episode < flat.usd_per_episode
+    spot = predict(set_param(Plan(), "spot_rollout", "true"), CAL)[1]
+    assert spot.usd_per_episode < hier.usd_per_episode and spot.spot_availability < 1
+
+
+def test_cli_outputs(tmp_path, capsys):
+    out = {k: tmp_path / f"o.{k}" for k in ("json", "csv", "png")}
+    yml = tmp_path / "p.yaml"
+    yml.write_text("total_nodes: 24\ntrain_nodes: 12\n")
+    rc = main(["plan", "--file", str(yml), "--sweep", "top_k=2,4", "--json", str(out["json"]),
+               "--csv", str(out["csv"]), "--plot", str(out["png"])])  # fmt: skip
+    assert rc == 0 and "hier/flat" in capsys.readouterr().out
+    data = json.loads(out["json"].read_text())
+    assert [p["plan"]["top_k"] for p in data["points"]] == [2, 4] and data["points"][0]["plan"][
+        "total_nodes"
+    ] == 24
+    assert len(out["csv"].read_text().splitlines()) == 5 and out["png"].stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [(["--preset", "nope"], "unknown preset"), (["--sweep", "bogus=1"], "unknown plan parameter"),
+     (["--sweep", "top_k=x"], "not a valid int"), (["--set", "placement=diagonal"], "placement"),
+     (["--set", "train_nodes=48"], "train_nodes"), (["--plot", "x.png"], "--plot needs a --sweep")],
+)  # fmt: skip
+def test_bad_input_is_one_line_exit_2(argv, needle, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err
