@@ -13,6 +13,8 @@ Fits (H200 datasheet peaks as the denominators, so the fractions carry to other 
 - train_matmul_fraction, optimizer_hbm_fraction: ``train_step.json`` moerl/b8 and moerl/b24 (step time
   linear in tokens); held out: moerl/b16 and ``ep_multi_gpu.json`` model.train.ep1.
 - moe_matmul_fraction: ``moe_layer.json`` moerl forward; held out: forward + backward (3x the FLOPs).
+- eager_layer_s: ``ep_multi_gpu.json`` model.decode ep1 (eager) against ep1_graphs; held out: the EP = 2
+  decode runs (eager step + one fitted round trip per MoE layer at 64 tokens per GPU).
 - EP round trip per dispatcher (call_s, proc_gb_s): ``ep_multi_gpu.json`` dispatch rows of topology 2x1
   (H 7168 / 4096, uniform / zipf); held out: the four 1x2 rows of each dispatcher. nvlink_fraction: the
   2x1 ``floor_a2a`` rows (plain all_to_all_single of the same bytes).
@@ -120,6 +122,9 @@ def fit(folder: Path) -> dict:
         [bytes_ref, bytes_ep],
         [roll["results"]["moerl"]["decode_s"] / steps, (dec1["generate_ms"] / 1e3 - pre1) / steps],
     )
+    # eager decode (no CUDA graphs, as under EP): the extra time per layer of ep1 without graphs
+    eager = ep["model"]["decode"]["ep1"]
+    eager_layer_s = ((eager["generate_ms"] - dec1["generate_ms"]) / 1e3 / steps) / epm.num_layers
     tr = train["results"]
     seq = train["seq_len"]
     fixed, s_per_token = _line(
@@ -146,6 +151,7 @@ def fit(folder: Path) -> dict:
         "train_matmul_fraction": "train_step.json results moerl/b8 and moerl/b24 (slope)",
         "optimizer_hbm_fraction": "train_step.json results moerl/b8 and moerl/b24 (intercept: optimizer + fixed)",
         "moe_matmul_fraction": "moe_layer.json results.moerl.fwd (16384 tokens)",
+        "eager_layer_s": "ep_multi_gpu.json model.decode ep1 (eager) minus ep1_graphs, per layer and step",
         "ep": "ep_multi_gpu.json dispatch rows, topology 2x1 (4 per dispatcher); nvlink_fraction: 2x1 floor_a2a",
     }
     return {
@@ -153,6 +159,7 @@ def fit(folder: Path) -> dict:
             "decode_hbm_fraction": 1.0 / (s_per_byte * hw.hbm_tb_s * 1e12), "decode_step_s": c_step,
             "prefill_matmul_fraction": prefill_frac, "train_matmul_fraction": train_frac,
             "moe_matmul_fraction": moe_frac, "optimizer_hbm_fraction": opt_frac,
+            "eager_layer_s": eager_layer_s,
         },
         "ep_impls": impls,
         "nvlink_fraction_all_to_all": nvl_frac,

@@ -25,7 +25,8 @@ from rich.table import Table
 from moerl.configlib import ConfigError
 from moerl.plan import calibrate
 from moerl.plan.hardware import get_hardware
-from moerl.plan.predict import Plan, as_rows, predict, set_param
+from moerl.plan.predict import Plan, as_rows, best_split, predict, set_param
+from moerl.plan.sensitivity import tornado
 from moerl.plan.validation import compare
 
 PRESETS: dict[str, dict] = {
@@ -53,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--calibration", default=str(calibrate.DEFAULT_OUT))
     p.add_argument("--validate", action="store_true", help="compare with bench/results and exit")
+    p.add_argument(
+        "--sensitivity", action="store_true", help="one-at-a-time sensitivity of the hier/flat ratio"
+    )
 
 
 def _split(item: str, flag: str) -> tuple[str, str]:
@@ -101,14 +105,14 @@ def sweep_points(base: Plan, sweeps: list[str]) -> list[tuple[dict, Plan]]:
 def _table(points: list[dict], swept: list[str]) -> Table:
     t = Table(title="moerl plan (per dispatcher; hier/flat = rollout tok/s ratio)")
     cols = [*swept, "dispatcher", "rollout tok/s", "decode ms", "EP ms/step", "inter MB/layer", "train s",
-            "useful ep/s", "$/1000 ep", "hier/flat"]  # fmt: skip
+            "useful ep/s", "balance", "$/1000 ep", "hier/flat"]  # fmt: skip
     for c in cols:
         t.add_column(c, justify="right")
     for pt in points:
         for pr in pt["predictions"]:
             t.add_row(*[str(pt["swept"][s]) for s in swept], pr["dispatcher"], f"{pr['rollout_tok_s']:,.0f}",
                       f"{pr['decode_step_ms']:.1f}", f"{pr['ep_ms_per_step']:.1f}", f"{pr['inter_node_mb_per_layer']:.2f}",
-                      f"{pr['train_step_s']:.1f}", f"{pr['useful_episodes_s']:.2f}", f"{pr['usd_per_1000_episodes']:.2f}",
+                      f"{pr['train_step_s']:.1f}", f"{pr['useful_episodes_s']:.2f}", f"{pr['balance']:.2f}", f"{pr['usd_per_1000_episodes']:.2f}",
                       f"{pt['ratio_rollout_hier_over_flat']:.3f}")  # fmt: skip
     return t
 
@@ -171,6 +175,30 @@ def assumptions(plan: Plan, cal: dict) -> list[str]:
     return lines
 
 
+def _summary(plan: Plan, point: dict, cal: dict) -> str:
+    flat, hier = point["predictions"]
+    train, useful = best_split(plan, cal)
+    return "\n".join([
+        f"hierarchical / flat rollout tok/s: {point['ratio_rollout_hier_over_flat']:.3f}",
+        f"async iteration {hier['async_iter_s']:.1f} s vs sync {hier['sync_iter_s']:.1f} s (hierarchical); "
+        f"rollout supply / training demand = {hier['balance']:.2f}",
+        f"best split of {plan.total_nodes} nodes: {train} training + {plan.total_nodes - train} rollout "
+        f"({useful:.2f} useful episodes/s, hierarchical)",
+        f"$ per useful episode: flat {flat['usd_per_episode']:.4f}, hierarchical {hier['usd_per_episode']:.4f}; "
+        f"per 1000: {flat['usd_per_1000_episodes']:.2f} / {hier['usd_per_1000_episodes']:.2f}",
+    ])  # fmt: skip
+
+
+def _tornado_table(rows: list[dict]) -> Table:
+    t = Table(title=f"sensitivity of hier/flat rollout tok/s (base {rows[0]['base']:.3f})")
+    for c in ("assumption", "low", "high", "ratio at low", "ratio at high", "meaning"):
+        t.add_column(c, justify="left" if c in ("assumption", "meaning") else "right")
+    fmt = lambda r: "invalid" if r is None else f"{r:.3f}"  # noqa: E731
+    for r in rows:
+        t.add_row(r["param"], r["low"], r["high"], fmt(r["ratio_low"]), fmt(r["ratio_high"]), r["what"])
+    return t
+
+
 def validation_table(cal: dict, folder: Path) -> Table:
     """Predictions against bench/results, fitted and held-out points."""
     t = Table(title="moerl plan --validate: predictions vs bench/results")
@@ -203,6 +231,9 @@ def plan_main(args: argparse.Namespace) -> int:
     console.print(_table(points, swept))
     if not args.sweep:
         console.print("\n".join(["assumptions:", *assumptions(base, cal)]), highlight=False)
+        console.print(_summary(base, points[0], cal), highlight=False)
+    if args.sensitivity:
+        console.print(_tornado_table(tornado(base, cal)))
     if args.json:
         _atomic(args.json, json.dumps({"calibration": cal["constants"], "points": points}, indent=2))
     if args.csv:

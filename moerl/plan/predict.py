@@ -52,6 +52,8 @@ class Plan:
     train_nodes: int = 16
     train_share: float = 0.0
     """> 0: train_nodes = the share of total_nodes (rounded so the rollout nodes fill whole replicas)."""
+    train_ep_nodes: int = 1
+    """Nodes per training EP group (the rest of the training GPUs are data/FSDP-parallel copies)."""
     rollout_ep_nodes: int = 2
     """Nodes per rollout replica (its EP group spans them)."""
     rollout_rows_per_gpu: int = 128
@@ -64,8 +66,18 @@ class Plan:
     """``kernel``: fused dispatch kernels (DeepEP-like / NCCL); ``moerl``: moerl.ep today (fitted costs)."""
     kernel_call_us: float = 30.0
     net_fraction: float = 0.8
+    """Achieved fraction of EFA bandwidth (DeepEP normal kernels: 43-58 GB/s of ~50 GB/s on CX7, README)."""
     nvlink_fraction: float = 0.8
+    flat_net_fraction: float = 0.0
+    """EFA fraction of the flat all-to-all; 0 = ``net_fraction`` (same fabric efficiency for both)."""
+    flat_message_factor: float = 1.0
+    """Per-message cost of the flat all-to-all relative to the hardware's ``net_message_us``."""
+    ep_overlap: float = 0.0
+    """Fraction of EP time hidden behind compute (two-micro-batch overlap, DeepSeek-V3 sec. 3.2.2)."""
     weight_bytes: float = 2.0
+    """Rollout weights and KV cache bytes per element (2 bf16, 1 FP8)."""
+    dispatch_bytes: float = 2.0
+    """Bytes per hidden element on the EP wire (moerl sends x's dtype; DeepEP can dispatch FP8)."""
     prompts_per_step: int = 256
     group_size: int = 16
     prompt_len: float = 1024
@@ -102,6 +114,10 @@ class Plan:
         if not 1 <= self.train_nodes < self.total_nodes:
             raise ConfigError(
                 f"train_nodes must be in [1, total_nodes), got {self.train_nodes} of {self.total_nodes}"
+            )
+        if not 1 <= self.train_ep_nodes <= self.train_nodes:
+            raise ConfigError(
+                f"train_ep_nodes must be in [1, train_nodes={self.train_nodes}], got {self.train_ep_nodes}"
             )
         if self.rollout_ep_nodes < 1 or (self.total_nodes - self.train_nodes) % self.rollout_ep_nodes:
             raise ConfigError(
@@ -146,6 +162,10 @@ class Prediction:
     supply_episodes_s: float
     demand_episodes_s: float
     useful_episodes_s: float
+    balance: float
+    """Rollout supply / training demand (1 = both busy)."""
+    async_iter_s: float
+    sync_iter_s: float
     usd_per_hour: float
     usd_per_episode: float
     usd_per_1000_episodes: float
@@ -181,21 +201,23 @@ def _ep_s(
     groups, kept = (p.router_groups, p.topk_groups) if p.router_groups > 1 else (1, 1)
     tr = expected_traffic(placement, tokens, rows, groups, kept)
     d, c = tr[f"{dispatcher[:4]}_dispatch"], tr[f"{dispatcher[:4]}_combine"]
+    flat = dispatcher == "flat"
+    net = (p.flat_net_fraction or p.net_fraction) if flat else p.net_fraction
     if p.ep_impl == "kernel":
         impl = timing.EPImpl(name="kernel", call_s=2e-6 * p.kernel_call_us, proc_gb_s=float("inf"),
-                             net_fraction=p.net_fraction, nvlink_fraction=p.nvlink_fraction, overlap_links=True)  # fmt: skip
+                             net_fraction=net, nvlink_fraction=p.nvlink_fraction, overlap_links=True)  # fmt: skip
         work = 0.0
     else:
         fit = cal["ep_impls"]["alltoall" if dispatcher == "flat" else "hierarchical"]
         impl = timing.EPImpl(name="moerl", call_s=fit["call_s"], proc_gb_s=fit["proc_gb_s"],
-                             net_fraction=p.net_fraction, nvlink_fraction=1e9, overlap_links=False)  # fmt: skip
+                             net_fraction=net, nvlink_fraction=1e9, overlap_links=False)  # fmt: skip
         work = (
             expected_work_bytes(
                 "alltoall" if dispatcher == "flat" else "hierarchical", placement, tokens, rows
             )
             / 2
         )
-    msg = hw.net_message_us * 1e-6
+    msg = hw.net_message_us * 1e-6 * (p.flat_message_factor if flat else 1.0)
     return timing.ep_transfer_s(d, work, hw, impl, msg) + timing.ep_transfer_s(
         c, work, hw, impl, msg
     ), d.inter_node_bytes
@@ -206,7 +228,7 @@ def _replica(p: Plan, hw, m, cal: dict, dispatcher: str) -> tuple[float, float, 
     g, r = hw.gpus_per_node, hw.gpus_per_node * p.rollout_ep_nodes
     c = calibrate.constants(cal)
     ctx = p.prompt_len + 0.5 * p.response_len * (1 + p.response_cv**2)
-    rows = RowBytes(hidden=int(m.hidden_size * 2), top_k=m.top_k)
+    rows = RowBytes(hidden=int(m.hidden_size * p.dispatch_bytes), top_k=m.top_k)
     placement = ExpertPlacement(
         m.num_experts, Topology(r, g), "contiguous" if p.placement == "grouped" else "round_robin"
     )
@@ -215,7 +237,7 @@ def _replica(p: Plan, hw, m, cal: dict, dispatcher: str) -> tuple[float, float, 
     )
     step = (
         timing.decode_step_s(m, hw, c, p.rollout_rows_per_gpu, ctx, r, p.weight_bytes)
-        + m.num_moe_layers * ep_rt
+        + (1 - p.ep_overlap) * m.num_moe_layers * ep_rt
     )
     prefill = timing.prefill_s(m, hw, c, p.rollout_rows_per_gpu * p.prompt_len, p.prompt_len, p.weight_bytes)
     per_gpu = p.rollout_rows_per_gpu * p.response_len / (prefill + p.response_len * step)
@@ -227,14 +249,14 @@ def _train_step_s(p: Plan, hw, m, cal: dict, dispatcher: str) -> float:
     gpus = p.train_nodes * hw.gpus_per_node
     seq = p.prompt_len + p.response_len
     tokens = p.prompts_per_step * p.group_size * seq / gpus
-    ep = min(gpus, m.num_experts)
-    while m.num_experts % ep or ep % hw.gpus_per_node and ep > hw.gpus_per_node:
+    ep = min(gpus, hw.gpus_per_node * p.train_ep_nodes, m.num_experts)
+    while m.num_experts % ep or gpus % ep:
         ep -= 1
     g = min(hw.gpus_per_node, ep)
     placement = ExpertPlacement(
         m.num_experts, Topology(ep, g), "contiguous" if p.placement == "grouped" else "round_robin"
     )
-    rows = RowBytes(hidden=2 * m.hidden_size, top_k=m.top_k)
+    rows = RowBytes(hidden=int(p.dispatch_bytes * m.hidden_size), top_k=m.top_k)
     rt = (
         0.0
         if ep == 1
@@ -242,13 +264,16 @@ def _train_step_s(p: Plan, hw, m, cal: dict, dispatcher: str) -> float:
         * tokens
         / min(tokens, 16384)
     )
-    local = m.non_expert_params / gpus + m.routed_expert_params / gpus  # FSDP-sharded optimizer state
-    dp_bytes = 2 * (m.non_expert_params + m.routed_expert_params * ep / gpus)
-    reduce = timing.allreduce_s(dp_bytes, gpus // ep, hw.net_gb_s_per_gpu, p.net_fraction)
+    local = m.num_params / gpus  # FSDP-sharded optimizer state
+    # bf16 gradients: non-expert ones reduced over all GPUs, each expert shard over its gpus / ep copies
+    reduce = timing.allreduce_s(2 * m.non_expert_params, gpus, hw.net_gb_s_per_gpu, p.net_fraction)
+    reduce += timing.allreduce_s(
+        2 * m.routed_expert_params / ep, gpus // ep, hw.net_gb_s_per_gpu, p.net_fraction
+    )
     return (
         timing.train_compute_s(m, hw, c, tokens, seq)
         + timing.optimizer_s(hw, c, local)
-        + 2 * m.num_moe_layers * rt
+        + (1 - p.ep_overlap) * 2 * m.num_moe_layers * rt
         + reduce
     )
 
@@ -271,19 +296,22 @@ def predict(p: Plan, cal: dict) -> list[Prediction]:
     for disp in DISPATCHERS:
         tok_s, step, ep_s, inter = _replica(p, hw, m, cal, disp)
         t_train = _train_step_s(p, hw, m, cal, disp) + ckpt_s / p.checkpoint_every
-        t_seq = p.prompt_len * 0 + p.response_len * step
+        t_seq = p.response_len * step
         lost = max(0.0, t_seq - p.notice_s) ** 2 / (2 * t_seq)
-        avail = max(0.0, 1 - lam * (lost + p.replace_s))
+        avail = max(1e-9, 1 - lam * (lost + p.replace_s))
         t_gen = episodes * p.response_len / (tok_s * avail)
         supply = episodes / (t_gen + (1 - p.sync_overlap) * sync_s)
         demand = episodes / t_train
-        useful = min(supply, demand) if p.mode == "async" else episodes / (t_gen + t_train + sync_s)
+        sync_iter = t_gen + t_train + sync_s
+        is_async = p.mode == "async" and p.max_staleness >= 1  # staleness 0: the trainer waits for fresh data
+        useful = min(supply, demand) if is_async else episodes / sync_iter
         price_roll = hw.price_spot if p.spot_rollout else hw.price_on_demand
         usd_h = p.train_nodes * hw.price_on_demand + p.rollout_nodes * price_roll
         per_ep = usd_h / 3600 / useful
         out.append(Prediction(disp, 1e3 * step, 1e3 * ep_s, inter / 1e6, tok_s * avail, t_train, sync_s,
-                              ckpt_s / p.checkpoint_every, avail, supply, demand, useful, usd_h, per_ep,
-                              1e3 * per_ep, per_ep * episodes * p.steps_to_converge))  # fmt: skip
+                              ckpt_s / p.checkpoint_every, avail, supply, demand, useful, supply / demand,
+                              episodes / min(supply, demand), sync_iter, usd_h, per_ep, 1e3 * per_ep,
+                              per_ep * episodes * p.steps_to_converge))  # fmt: skip
     return out
 
 
@@ -305,3 +333,17 @@ def as_rows(p: Plan, preds: list[Prediction]) -> dict:
     by = {x.dispatcher: x for x in preds}
     return {"plan": asdict(p), "ratio_rollout_hier_over_flat": by["hierarchical"].rollout_tok_s / by["flat"].rollout_tok_s,
             "predictions": [asdict(x) for x in preds]}  # fmt: skip
+
+
+def best_split(p: Plan, cal: dict, dispatcher: str = "hierarchical") -> tuple[int, float]:
+    """(train_nodes, useful episodes/s) of the split of ``total_nodes`` that maximizes useful episodes/s."""
+    best = (p.train_nodes, 0.0)
+    for train in range(1, p.total_nodes):
+        try:
+            q = replace(p, train_nodes=train, train_share=0.0)
+            pred = next(x for x in predict(q, cal) if x.dispatcher == dispatcher)
+        except ConfigError:  # does not fit, or rollout nodes not whole replicas
+            continue
+        if pred.useful_episodes_s > best[1]:
+            best = (train, pred.useful_episodes_s)
+    return best

@@ -58,6 +58,8 @@ class Constants:
     train_matmul_fraction: float
     moe_matmul_fraction: float
     optimizer_hbm_fraction: float
+    eager_layer_s: float = 0.0
+    """Extra time per layer and decode step without CUDA graphs (kernel launches)."""
     opt_bytes_per_param: float = 14.0
     """bf16 p, g, m, v read (8 B) and p, m, v written (6 B): moerl's fused AdamW with bf16 moments."""
 

@@ -153,7 +153,9 @@ def miss_probability(
                 dp[m][c] += dp[m - 1][c - s]
     pool, total = topk_groups * per, comb(num_groups, topk_groups)
     return (
-        sum(ways * comb(pool - c, top_k) / comb(pool, top_k) for c, ways in enumerate(dp[topk_groups]))
+        sum(
+            ways * comb(max(pool - c, 0), top_k) / comb(pool, top_k) for c, ways in enumerate(dp[topk_groups])
+        )
         / total
     )
 

@@ -118,7 +118,24 @@ def compare(cal: dict, folder: Path) -> list[dict]:
         name = f"EP dispatch+combine ms, {q['method']} {q['topology']} H={q['hidden']} {q['routing']}"
         rows.append(_row(name, q["total_ms"], pred, role, "ms"))
     rows += _ep2_training(cal, c, ep, epm, t_ep1)
+    rows += _ep2_decode(cal, c, ep, epm, p, n)
     return rows
+
+
+def _ep2_decode(cal: dict, c: timing.Constants, ep: dict, epm, p: int, n: int) -> list[dict]:
+    """EP = 2 eager decode, 64 requests per GPU: eager step (half the experts per GPU) + one round trip per
+    MoE layer at 64 tokens per GPU, with the round-trip cost fitted on the large dispatch bench."""
+    placement, rb = ExpertPlacement(epm.num_experts, Topology(2, 2)), RowBytes(2 * epm.hidden_size, epm.top_k)
+    step = timing.decode_step_s(epm, H200, c, 64, p + n / 2, 2, 2) + epm.num_layers * c.eager_layer_s
+    out = []
+    for method in ("alltoall", "hierarchical"):
+        rt = moerl_round_trip_s(cal, method, expected_work_bytes(method, placement, 64, rb))
+        gen = timing.prefill_s(epm, H200, c, 64 * p, p, 2) + (n - 1) * (step + epm.num_moe_layers * rt)
+        name = f"decode tok/s, ep-bench EP=2 {method} (eager)"
+        out.append(
+            _row(name, ep["model"]["decode"][method]["tokens_per_s"], 2 * 64 * n / gen, "held out", "tok/s")
+        )
+    return out
 
 
 def _ep2_training(cal: dict, c: timing.Constants, ep: dict, epm, t_ep1: float) -> list[dict]:
