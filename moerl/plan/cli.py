@@ -25,7 +25,7 @@ from rich.table import Table
 from moerl.configlib import ConfigError
 from moerl.plan import calibrate
 from moerl.plan.hardware import get_hardware
-from moerl.plan.predict import Plan, as_rows, best_split, predict, set_param
+from moerl.plan.predict import Plan, as_rows, best_split, run, set_param
 from moerl.plan.sensitivity import tornado
 from moerl.plan.validation import compare
 
@@ -104,13 +104,14 @@ def sweep_points(base: Plan, sweeps: list[str]) -> list[tuple[dict, Plan]]:
 
 def _table(points: list[dict], swept: list[str]) -> Table:
     t = Table(title="moerl plan (per dispatcher; hier/flat = rollout tok/s ratio)")
-    cols = [*swept, "dispatcher", "rollout tok/s", "decode ms", "EP ms/step", "inter MB/layer", "train s",
+    cols = [*swept, "dispatcher", "train/rollout nodes", "rollout tok/s", "decode ms", "EP ms/step", "inter MB/layer", "train s",
             "useful ep/s", "balance", "$/1000 ep", "hier/flat"]  # fmt: skip
     for c in cols:
         t.add_column(c, justify="right")
     for pt in points:
         for pr in pt["predictions"]:
-            t.add_row(*[str(pt["swept"][s]) for s in swept], pr["dispatcher"], f"{pr['rollout_tok_s']:,.0f}",
+            t.add_row(*[str(pt["swept"][s]) for s in swept], pr["dispatcher"],
+                      f"{pr['train_nodes']}/{pt['plan']['total_nodes'] - pr['train_nodes']}", f"{pr['rollout_tok_s']:,.0f}",
                       f"{pr['decode_step_ms']:.1f}", f"{pr['ep_ms_per_step']:.1f}", f"{pr['inter_node_mb_per_layer']:.2f}",
                       f"{pr['train_step_s']:.1f}", f"{pr['useful_episodes_s']:.2f}", f"{pr['balance']:.2f}", f"{pr['usd_per_1000_episodes']:.2f}",
                       f"{pt['ratio_rollout_hier_over_flat']:.3f}")  # fmt: skip
@@ -227,7 +228,7 @@ def plan_main(args: argparse.Namespace) -> int:
     base = build_plan(args.preset, args.file, args.overrides)
     grid = sweep_points(base, args.sweep)  # every point validated before the first prediction
     swept = [_split(s, "--sweep")[0] for s in args.sweep]
-    points = [{"swept": sw, **as_rows(p, predict(p, cal))} for sw, p in grid]
+    points = [{"swept": sw, **as_rows(p, run(p, cal))} for sw, p in grid]
     console.print(_table(points, swept))
     if not args.sweep:
         console.print("\n".join(["assumptions:", *assumptions(base, cal)]), highlight=False)

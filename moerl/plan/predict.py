@@ -51,6 +51,8 @@ class Plan:
     total_nodes: int = 48
     train_nodes: int = 16
     train_share: float = 0.0
+    auto_split: bool = False
+    """True: each dispatcher gets the training/rollout split of total_nodes that maximizes useful episodes/s."""
     """> 0: train_nodes = the share of total_nodes (rounded so the rollout nodes fill whole replicas)."""
     train_ep_nodes: int = 1
     """Nodes per training EP group (the rest of the training GPUs are data/FSDP-parallel copies)."""
@@ -99,6 +101,8 @@ class Plan:
     """< 0 = the catalog's rate."""
 
     def __post_init__(self) -> None:
+        if self.auto_split and not self.train_share:  # a valid starting split; run() searches the rest
+            object.__setattr__(self, "train_share", 1 / 3)
         if self.train_share > 0:  # at least the nodes that hold the training state (12 B per parameter)
             hw, m = get_hardware(self.hardware), get_model(self.model)
             need = ceil(m.num_params * 12 / (0.9 * hw.hbm_gb * 1e9 * hw.gpus_per_node))
@@ -151,6 +155,7 @@ class Prediction:
     """Outputs for one dispatcher (units in the names)."""
 
     dispatcher: str
+    train_nodes: int
     decode_step_ms: float
     ep_ms_per_step: float
     inter_node_mb_per_layer: float
@@ -308,7 +313,7 @@ def predict(p: Plan, cal: dict) -> list[Prediction]:
         price_roll = hw.price_spot if p.spot_rollout else hw.price_on_demand
         usd_h = p.train_nodes * hw.price_on_demand + p.rollout_nodes * price_roll
         per_ep = usd_h / 3600 / useful
-        out.append(Prediction(disp, 1e3 * step, 1e3 * ep_s, inter / 1e6, tok_s * avail, t_train, sync_s,
+        out.append(Prediction(disp, p.train_nodes, 1e3 * step, 1e3 * ep_s, inter / 1e6, tok_s * avail, t_train, sync_s,
                               ckpt_s / p.checkpoint_every, avail, supply, demand, useful, supply / demand,
                               episodes / min(supply, demand), sync_iter, usd_h, per_ep, 1e3 * per_ep,
                               per_ep * episodes * p.steps_to_converge))  # fmt: skip
@@ -329,21 +334,36 @@ def _check_fits(p: Plan, hw, m) -> None:
 
 
 def as_rows(p: Plan, preds: list[Prediction]) -> dict:
-    """The plan and its predictions, with the hierarchical / flat rollout throughput ratio."""
-    by = {x.dispatcher: x for x in preds}
-    return {"plan": asdict(p), "ratio_rollout_hier_over_flat": by["hierarchical"].rollout_tok_s / by["flat"].rollout_tok_s,
+    """The plan and its predictions, with the hierarchical / flat rollout throughput ratio per rollout node
+    (equal to the fleet ratio when both dispatchers run the same split)."""
+    flat, hier = preds
+    per_node = [x.rollout_tok_s / (p.total_nodes - x.train_nodes) for x in (flat, hier)]
+    return {"plan": asdict(p), "ratio_rollout_hier_over_flat": per_node[1] / per_node[0],
             "predictions": [asdict(x) for x in preds]}  # fmt: skip
 
 
 def best_split(p: Plan, cal: dict, dispatcher: str = "hierarchical") -> tuple[int, float]:
     """(train_nodes, useful episodes/s) of the split of ``total_nodes`` that maximizes useful episodes/s."""
-    best = (p.train_nodes, 0.0)
+    best = _best_predictions(p, cal)[DISPATCHERS.index(dispatcher)]
+    return best.train_nodes, best.useful_episodes_s
+
+
+def _best_predictions(p: Plan, cal: dict) -> list[Prediction]:
+    best: list[Prediction | None] = [None, None]
     for train in range(1, p.total_nodes):
         try:
-            q = replace(p, train_nodes=train, train_share=0.0)
-            pred = next(x for x in predict(q, cal) if x.dispatcher == dispatcher)
-        except ConfigError:  # does not fit, or rollout nodes not whole replicas
+            preds = predict(replace(p, train_nodes=train, train_share=0.0, auto_split=False), cal)
+        except ConfigError:  # does not fit, or the rollout nodes are not whole replicas
             continue
-        if pred.useful_episodes_s > best[1]:
-            best = (train, pred.useful_episodes_s)
+        best = [
+            x if b is None or x.useful_episodes_s > b.useful_episodes_s else b
+            for x, b in zip(preds, best, strict=True)
+        ]
+    if best[0] is None:
+        raise ConfigError(f"no split of total_nodes={p.total_nodes} fits the model")
     return best
+
+
+def run(p: Plan, cal: dict) -> list[Prediction]:
+    """``predict``, or with ``auto_split`` each dispatcher at its own best split (``best_split``)."""
+    return _best_predictions(p, cal) if p.auto_split else predict(p, cal)

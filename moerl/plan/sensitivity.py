@@ -8,7 +8,7 @@ argued with: ``--set`` and ``--sweep`` reach every one of them.
 from __future__ import annotations
 
 from moerl.configlib import ConfigError
-from moerl.plan.predict import Plan, predict, set_param
+from moerl.plan.predict import Plan, run, set_param
 
 RANGES: list[tuple[str, str, str, str]] = [
     ("top_k", "1", "4", "experts per token (the mission's sweep; the model's own is 8)"),
@@ -43,7 +43,7 @@ def tornado(plan: Plan, cal: dict) -> list[dict]:
 
 
 def _ratio(plan: Plan, cal: dict) -> float:
-    flat, hier = predict(plan, cal)
+    flat, hier = run(plan, cal)
     return hier.rollout_tok_s / flat.rollout_tok_s
 
 
