@@ -150,8 +150,9 @@ def plot(points: list[dict], axis: str, path: str) -> None:
     for i, (name, style) in enumerate((("flat all-to-all", "o-"), ("hierarchical", "s-"))):
         a.plot(xs, [pt["predictions"][i]["rollout_tok_s"] / 1e3 for pt in points], style, label=name)
         b.plot(xs, [pt["predictions"][i]["usd_per_1000_episodes"] for pt in points], style, label=name)
-    a.set(xlabel=axis, ylabel="rollout k tok/s (all rollout GPUs)", title="Rollout throughput")
-    b.set(xlabel=axis, ylabel="$ per 1000 useful episodes", title="Cost")
+    label = f"{axis} (8 GPUs each)" if axis == "total_nodes" else axis
+    a.set(xlabel=label, ylabel="rollout k tok/s (all rollout GPUs)", title="Rollout throughput")
+    b.set(xlabel=label, ylabel="$ per 1000 useful episodes", title="Cost")
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend()
