@@ -25,7 +25,7 @@ from rich.table import Table
 from moerl.configlib import ConfigError
 from moerl.plan import calibrate
 from moerl.plan.hardware import get_hardware
-from moerl.plan.predict import Plan, as_rows, best_split, run, set_param
+from moerl.plan.predict import Plan, as_rows, best_split, run, with_params
 from moerl.plan.sensitivity import tornado
 from moerl.plan.validation import compare
 
@@ -76,12 +76,8 @@ def build_plan(preset: str | None, file: str | None, overrides: list[str]) -> Pl
         if not isinstance(loaded, dict):
             raise ConfigError(f"{file}: a plan file is a mapping of parameters")
         values.update(loaded)
-    plan = Plan()
-    for k, v in values.items():
-        plan = set_param(plan, k, v if isinstance(v, str) else v)
-    for item in overrides:
-        plan = set_param(plan, *_split(item, "--set"))
-    return plan
+    values.update(_split(item, "--set") for item in overrides)
+    return with_params(Plan(), values)
 
 
 def sweep_points(base: Plan, sweeps: list[str]) -> list[tuple[dict, Plan]]:
@@ -93,13 +89,7 @@ def sweep_points(base: Plan, sweeps: list[str]) -> list[tuple[dict, Plan]]:
         if not values:
             raise ConfigError(f"--sweep {item!r}: no values")
         axes.append([(k, x) for x in values])
-    out = []
-    for combo in itertools.product(*axes) if axes else [()]:
-        plan = base
-        for k, x in combo:
-            plan = set_param(plan, k, x)
-        out.append((dict(combo), plan))
-    return out
+    return [(dict(combo), with_params(base, dict(combo))) for combo in itertools.product(*axes)]
 
 
 def _table(points: list[dict], swept: list[str]) -> Table:

@@ -177,26 +177,34 @@ class Prediction:
     usd_per_converged_policy: float
 
 
-def set_param(plan: Plan, name: str, value: str | float | int | bool) -> Plan:
-    """A copy of ``plan`` with field ``name`` = ``value`` (strings parsed to the field's type).
+def parse_param(name: str, value: object) -> object:
+    """``value`` (a string from the command line, or a YAML value) as the type of Plan field ``name``.
 
     Raises:
         ConfigError: unknown field (naming the fields) or a value of the wrong type.
     """
-    types = {f.name: f.type for f in fields(Plan)}
-    if name not in types:
-        raise ConfigError(f"unknown plan parameter {name!r}; parameters: {', '.join(types)}")
+    names = [f.name for f in fields(Plan)]
+    if name not in names:
+        raise ConfigError(f"unknown plan parameter {name!r}; parameters: {', '.join(names)}")
     kind = type(getattr(Plan(), name))
-    if isinstance(value, str):
-        try:
-            value = (
-                {"True": True, "true": True, "False": False, "false": False}[value]
-                if kind is bool
-                else kind(value)
-            )
-        except (ValueError, KeyError):
-            raise ConfigError(f"{name}: {value!r} is not a valid {kind.__name__}") from None
-    return replace(plan, **{name: value})
+    text = str(value)  # YAML values too: 2.5 for an int field is an error, not a silent float
+    try:
+        return (
+            {"True": True, "true": True, "False": False, "false": False}[text] if kind is bool else kind(text)
+        )
+    except (ValueError, KeyError):
+        raise ConfigError(f"{name}: {text!r} is not a valid {kind.__name__}") from None
+
+
+def with_params(plan: Plan, values: dict[str, object]) -> Plan:
+    """A copy of ``plan`` with all ``values`` applied at once (validated together, so that e.g. total_nodes
+    and train_nodes can change in one step). Raises ConfigError as ``parse_param`` and ``Plan``."""
+    return replace(plan, **{k: parse_param(k, v) for k, v in values.items()})
+
+
+def set_param(plan: Plan, name: str, value: object) -> Plan:
+    """``with_params`` for one field."""
+    return with_params(plan, {name: value})
 
 
 def _ep_s(

@@ -130,3 +130,12 @@ def test_bad_input_is_one_line_exit_2(argv, needle, capsys):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err
+
+
+def test_every_catalog_figure_has_a_source():
+    from moerl.plan.hardware import HARDWARE
+
+    figures = {"bf16_tflops", "fp8_tflops", "hbm_tb_s", "hbm_gb", "nvlink_gb_s", "net_gb_s", "net_message_us",
+               "price_on_demand", "spot_fraction", "interruptions_per_hour", "gpus_per_node"}  # fmt: skip
+    for hw in HARDWARE.values():
+        assert figures <= set(hw.sources), hw.name
