@@ -45,70 +45,13 @@ def _comb_ratio(a: int, b: int, k: int) -> float:
 
 def compare(cal: dict, folder: Path) -> list[dict]:
     """All rows (module docstring)."""
-    c, hw, ref, epm = constants(cal), H200, MODELS["reference"], MODELS["ep-bench"]
+    c = constants(cal)
     read = lambda n: json.loads((folder / f"{n}.json").read_text())  # noqa: E731
-    roll, train, moe, ep = read("rollout_gpu"), read("train_step"), read("moe_layer"), read("ep_multi_gpu")
-    rows = []
-    b, p, n = roll["batch"], roll["prompt_len"], roll["new_tokens"]
-    gen_s = timing.prefill_s(ref, hw, c, b * p, p, 2) + (n - 1) * timing.decode_step_s(
-        ref, hw, c, b, p + n / 2, 1, 2
-    )
-    rows.append(_row("decode tok/s, reference B=256 128+128 (graphs)", roll["results"]["moerl"]["tokens_per_s"],
-                     b * n / gen_s, "fitted", "tok/s"))  # fmt: skip
-    d1 = ep["model"]["decode"]["ep1_graphs"]
-    gen1 = timing.prefill_s(epm, hw, c, 64 * p, p, 2) + (n - 1) * timing.decode_step_s(
-        epm, hw, c, 64, p + n / 2, 1, 2
-    )
-    rows.append(
-        _row(
-            "decode tok/s, ep-bench 4 layers B=64 (graphs)",
-            d1["tokens_per_s"],
-            64 * n / gen1,
-            "fitted",
-            "tok/s",
-        )
-    )
-    seq = train["seq_len"]
-    for batch in (8, 16, 24):
-        t = timing.train_compute_s(ref, hw, c, batch * seq, seq) + timing.optimizer_s(hw, c, ref.num_params)
-        role = "held out" if batch == 16 else "fitted"
-        rows.append(
-            _row(
-                f"train step s, reference b{batch} x {seq}",
-                train["results"][f"moerl/b{batch}"]["median_step_s"],
-                t,
-                role,
-                "s",
-            )
-        )
-    t_ep1 = timing.train_compute_s(epm, hw, c, 8 * 1024, 1024) + timing.optimizer_s(hw, c, epm.num_params)
-    rows.append(
-        _row(
-            "train step s, ep-bench EP=1 8 x 1024",
-            ep["model"]["train"]["ep1"]["step_ms"] / 1e3,
-            t_ep1,
-            "held out",
-            "s",
-        )
-    )
-    fwd = moe["flops_fwd"] / (c.moe_matmul_fraction * hw.bf16_tflops * 1e12)
-    rows.append(
-        _row(
-            "MoE layer fwd ms, 16384 tokens",
-            moe["results"]["moerl"]["fwd"]["median_ms"],
-            1e3 * fwd,
-            "fitted",
-            "ms",
-        )
-    )
-    rows.append(
-        _row(
-            "MoE layer fwd+bwd ms, 16384 tokens",
-            moe["results"]["moerl"]["fwd_bwd"]["median_ms"],
-            3e3 * fwd,
-            "held out",
-            "ms",
-        )
+    ep = read("ep_multi_gpu")
+    rows = (
+        _decode(c, read("rollout_gpu"), ep)
+        + _training(c, read("train_step"), ep)
+        + _moe(c, read("moe_layer"))
     )
     for q in cal["dispatch_points"]:
         if q["method"] == "floor_a2a":
@@ -117,24 +60,76 @@ def compare(cal: dict, folder: Path) -> list[dict]:
         pred = 1e3 * moerl_round_trip_s(cal, q["method"], q["work_bytes"])
         name = f"EP dispatch+combine ms, {q['method']} {q['topology']} H={q['hidden']} {q['routing']}"
         rows.append(_row(name, q["total_ms"], pred, role, "ms"))
-    rows += _ep2_training(cal, c, ep, epm, t_ep1)
-    rows += _ep2_decode(cal, c, ep, epm, p, n)
+    t_ep1 = next(r["predicted"] for r in rows if r["quantity"].startswith("train step s, ep-bench EP=1"))
+    rows += _ep2_training(cal, c, ep, MODELS["ep-bench"], t_ep1)
+    rows += _ep2_decode(cal, c, ep, MODELS["ep-bench"], 128, 128)
+    rows += _ep_smoke(cal, read("ep_smoke"))
     return rows
 
 
-def _ep2_decode(cal: dict, c: timing.Constants, ep: dict, epm, p: int, n: int) -> list[dict]:
-    """EP = 2 eager decode, 64 requests per GPU: eager step (half the experts per GPU) + one round trip per
-    MoE layer at 64 tokens per GPU, with the round-trip cost fitted on the large dispatch bench."""
-    placement, rb = ExpertPlacement(epm.num_experts, Topology(2, 2)), RowBytes(2 * epm.hidden_size, epm.top_k)
-    step = timing.decode_step_s(epm, H200, c, 64, p + n / 2, 2, 2) + epm.num_layers * c.eager_layer_s
+def _decode(c: timing.Constants, roll: dict, ep: dict) -> list[dict]:
+    """The two CUDA-graph decode runs (both fitted): prefill + (N - 1) decode steps."""
+    b, p, n = roll["batch"], roll["prompt_len"], roll["new_tokens"]
     out = []
-    for method in ("alltoall", "hierarchical"):
-        rt = moerl_round_trip_s(cal, method, expected_work_bytes(method, placement, 64, rb))
-        gen = timing.prefill_s(epm, H200, c, 64 * p, p, 2) + (n - 1) * (step + epm.num_moe_layers * rt)
-        name = f"decode tok/s, ep-bench EP=2 {method} (eager)"
-        out.append(
-            _row(name, ep["model"]["decode"][method]["tokens_per_s"], 2 * 64 * n / gen, "held out", "tok/s")
+    for model, rows, measured in (
+        (MODELS["reference"], b, roll["results"]["moerl"]["tokens_per_s"]),
+        (MODELS["ep-bench"], 64, ep["model"]["decode"]["ep1_graphs"]["tokens_per_s"]),
+    ):
+        step = timing.decode_step_s(model, H200, c, rows, p + n / 2, 1, 2)
+        gen = timing.prefill_s(model, H200, c, rows * p, p, 2) + (n - 1) * step
+        name = f"decode tok/s, {model.name} {model.num_layers} layers B={rows} {p}+{n} (graphs)"
+        out.append(_row(name, measured, rows * n / gen, "fitted", "tok/s"))
+    return out
+
+
+def _training(c: timing.Constants, train: dict, ep: dict) -> list[dict]:
+    """train_step.json batches 8 and 24 (fitted), 16 (held out); the EP bench model at EP = 1 (held out)."""
+    ref, epm, seq, out = MODELS["reference"], MODELS["ep-bench"], train["seq_len"], []
+    for batch in (8, 16, 24):
+        t = timing.train_compute_s(ref, H200, c, batch * seq, seq) + timing.optimizer_s(
+            H200, c, ref.num_params
         )
+        measured = train["results"][f"moerl/b{batch}"]["median_step_s"]
+        out.append(
+            _row(
+                f"train step s, reference b{batch} x {seq}",
+                measured,
+                t,
+                "held out" if batch == 16 else "fitted",
+                "s",
+            )
+        )
+    t = timing.train_compute_s(epm, H200, c, 8 * 1024, 1024) + timing.optimizer_s(H200, c, epm.num_params)
+    out.append(
+        _row(
+            "train step s, ep-bench EP=1 8 x 1024",
+            ep["model"]["train"]["ep1"]["step_ms"] / 1e3,
+            t,
+            "held out",
+            "s",
+        )
+    )
+    return out
+
+
+def _moe(c: timing.Constants, moe: dict) -> list[dict]:
+    """moe_layer.json: forward fitted, forward + backward (3x the FLOPs) held out."""
+    fwd = moe["flops_fwd"] / (c.moe_matmul_fraction * H200.bf16_tflops * 1e12)
+    res = moe["results"]["moerl"]
+    return [_row("MoE layer fwd ms, 16384 tokens", res["fwd"]["median_ms"], 1e3 * fwd, "fitted", "ms"),
+            _row("MoE layer fwd+bwd ms, 16384 tokens", res["fwd_bwd"]["median_ms"], 3e3 * fwd, "held out", "ms")]  # fmt: skip
+
+
+def _ep_smoke(cal: dict, smoke: dict) -> list[dict]:
+    """ep_smoke.json: both dispatchers at EP world size 1 (no peer), outside the 2-GPU regime fitted."""
+    placement = ExpertPlacement(smoke["experts"], Topology(1, 1))
+    rows, out = RowBytes(2 * smoke["hidden"], smoke["top_k"]), []
+    for method, key in (("alltoall", "AllToAllDispatcher"), ("hierarchical", "HierarchicalDispatcher")):
+        pred = 1e3 * moerl_round_trip_s(
+            cal, method, expected_work_bytes(method, placement, smoke["tokens"], rows)
+        )
+        name = f"EP dispatch+combine ms, {method} world size 1 (1 GPU, no peer)"
+        out.append(_row(name, smoke["results"][key]["dispatch_combine_ms"], pred, "held out", "ms"))
     return out
 
 
@@ -159,5 +154,21 @@ def _ep2_training(cal: dict, c: timing.Constants, ep: dict, epm, t_ep1: float) -
                 "held out",
                 "s",
             )
+        )
+    return out
+
+
+def _ep2_decode(cal: dict, c: timing.Constants, ep: dict, epm, p: int, n: int) -> list[dict]:
+    """EP = 2 eager decode, 64 requests per GPU: eager step (half the experts per GPU) + one round trip per
+    MoE layer at 64 tokens per GPU, with the round-trip cost fitted on the large dispatch bench."""
+    placement, rb = ExpertPlacement(epm.num_experts, Topology(2, 2)), RowBytes(2 * epm.hidden_size, epm.top_k)
+    step = timing.decode_step_s(epm, H200, c, 64, p + n / 2, 2, 2) + epm.num_layers * c.eager_layer_s
+    out = []
+    for method in ("alltoall", "hierarchical"):
+        rt = moerl_round_trip_s(cal, method, expected_work_bytes(method, placement, 64, rb))
+        gen = timing.prefill_s(epm, H200, c, 64 * p, p, 2) + (n - 1) * (step + epm.num_moe_layers * rt)
+        name = f"decode tok/s, ep-bench EP=2 {method} (eager)"
+        out.append(
+            _row(name, ep["model"]["decode"][method]["tokens_per_s"], 2 * 64 * n / gen, "held out", "tok/s")
         )
     return out
