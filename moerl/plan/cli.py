@@ -30,7 +30,8 @@ from moerl.plan.sensitivity import tornado
 from moerl.plan.validation import compare
 
 PRESETS: dict[str, dict] = {
-    # The mission: 48 p5en (16 training, 32 rollout), a GLM-5-744B-A40B-like super-sparse MoE, EP over 2 nodes.
+    # The mission: 48 p5en (16 training, 32 rollout), a GLM-5-744B-A40B-like super-sparse MoE (top-8 of 256),
+    # EP over 2 nodes per rollout replica, group-limited routing assumed as DeepSeek-V3's (4 of 8 groups).
     "mission": {},
     "mission-spot": {"spot_rollout": True},
     # moerl's reference bench model on one p5en node (EP inside the node: no inter-node traffic).
@@ -147,8 +148,10 @@ def plot(points: list[dict], axis: str, path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    tmp = f"{path}.tmp"
+    fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
+    os.replace(tmp, path)
 
 
 def assumptions(plan: Plan, cal: dict) -> list[str]:

@@ -123,6 +123,15 @@ def test_cli_outputs(tmp_path, capsys):
     assert len(out["csv"].read_text().splitlines()) == 5 and out["png"].stat().st_size > 1000
 
 
+def test_cli_validate_and_sensitivity(capsys):
+    assert main(["plan", "--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "held out" in out and "train step s, reference b16" in out
+    assert main(["plan", "--preset", "mission", "--sensitivity"]) == 0
+    out = capsys.readouterr().out
+    assert "sensitivity of hier/flat" in out and "best split of 48 nodes" in out
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [(["--preset", "nope"], "unknown preset"), (["--sweep", "bogus=1"], "unknown plan parameter"),
