@@ -7,7 +7,9 @@ returns one ``Prediction`` per dispatcher (flat all-to-all, hierarchical). Formu
 - Mean context of a generated token under continuous batching: P + E[r (r + 1) / 2] / E[r]
   ~ P + (E[r] / 2)(1 + cv^2) (a token at position i of a response of length r; length-biased mean).
 - Rollout tok/s per replica = R B E[r] / (prefill of R B prompts + E[r] decode steps); decode step = ``timing.
-  decode_step_s`` + 2 L_m EP transfers of B tokens (``traffic.expected_traffic``, group-limited routing).
+  decode_step_s`` + 2 L_m EP transfers of B tokens (``traffic.expected_traffic``, group-limited routing);
+  prefill = its FLOPs + the EP round trips of its B P tokens per GPU in chunks of ``PREFILL_CHUNK``.
+  ``ep_overlap`` of every EP time is hidden behind compute.
 - Training step over the training GPUs: tokens = prompts x group x (P + E[r]) spread evenly; EP spans the
   training GPUs up to E; 2 round trips per MoE layer; gradient all-reduce over the data-parallel copies.
 - Weight sync per policy version: the rollout copy of the weights (``weight_bytes`` per parameter) streamed
@@ -38,6 +40,8 @@ from moerl.plan.traffic import RowBytes, expected_traffic
 from moerl.plan.validation import expected_work_bytes
 
 DISPATCHERS = ("flat", "hierarchical")
+PREFILL_CHUNK = 8192
+"""Tokens per GPU of one prefill (and training) EP dispatch; longer batches are dispatched in chunks."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -252,7 +256,12 @@ def _replica(p: Plan, hw, m, cal: dict, dispatcher: str) -> tuple[float, float, 
         timing.decode_step_s(m, hw, c, p.rollout_rows_per_gpu, ctx, r, p.weight_bytes)
         + (1 - p.ep_overlap) * m.num_moe_layers * ep_rt
     )
-    prefill = timing.prefill_s(m, hw, c, p.rollout_rows_per_gpu * p.prompt_len, p.prompt_len, p.weight_bytes)
+    prefill_tokens = p.rollout_rows_per_gpu * p.prompt_len
+    prefill = timing.prefill_s(m, hw, c, prefill_tokens, p.prompt_len, p.weight_bytes)
+    if r > 1:  # prefill's MoE layers dispatch too, in chunks of at most PREFILL_CHUNK tokens per GPU
+        chunk = min(prefill_tokens, PREFILL_CHUNK)
+        rt = _ep_s(p, hw, placement, chunk, rows, dispatcher, cal)[0]
+        prefill += (1 - p.ep_overlap) * m.num_moe_layers * rt * prefill_tokens / chunk
     per_gpu = p.rollout_rows_per_gpu * p.response_len / (prefill + p.response_len * step)
     return per_gpu * g * p.rollout_nodes, step, m.num_moe_layers * ep_rt, inter
 
@@ -273,9 +282,9 @@ def _train_step_s(p: Plan, hw, m, cal: dict, dispatcher: str) -> float:
     rt = (
         0.0
         if ep == 1
-        else _ep_s(p, hw, placement, min(tokens, 16384), rows, dispatcher, cal)[0]
+        else _ep_s(p, hw, placement, min(tokens, PREFILL_CHUNK), rows, dispatcher, cal)[0]
         * tokens
-        / min(tokens, 16384)
+        / min(tokens, PREFILL_CHUNK)
     )
     local = m.num_params / gpus  # FSDP-sharded optimizer state
     # bf16 gradients: non-expert ones reduced over all GPUs, each expert shard over its gpus / ep copies
