@@ -110,8 +110,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _add_plan_parser(sub) -> None:
-    """``moerl plan``: predict an async MoE RL cluster run (options in ``moerl.plan.cli``)."""
-    from moerl.plan.cli import add_arguments
+    """``moerl plan``: predict an async MoE RL cluster run (options in ``moerl.plan.args``)."""
+    from moerl.plan.args import add_arguments
 
     p = sub.add_parser("plan", help="predict throughput, balance and cost of a cluster run (no GPU needed)")
     add_arguments(p)

@@ -33,11 +33,12 @@ import torch
 from moerl.ep import ExpertPlacement, Topology, compute_layout
 from moerl.ep.layout import copies_per_rank
 from moerl.plan import timing
+from moerl.plan.args import CALIBRATION
 from moerl.plan.hardware import get_hardware
 from moerl.plan.models import MODELS
 from moerl.plan.traffic import RowBytes, exact_traffic
 
-DEFAULT_OUT = Path(__file__).with_name("calibration.json")
+DEFAULT_OUT = CALIBRATION
 H200 = get_hardware(
     "p5en"
 )  # H200 datasheet peaks; the bench GPUs' NVLink pair: NV18 = 450 GB/s per direction

@@ -23,41 +23,11 @@ from rich.console import Console
 from rich.table import Table
 
 from moerl.configlib import ConfigError
-from moerl.plan import calibrate
+from moerl.plan.args import PRESETS
 from moerl.plan.hardware import get_hardware
 from moerl.plan.predict import Plan, as_rows, best_split, run, with_params
 from moerl.plan.sensitivity import tornado
 from moerl.plan.validation import compare
-
-PRESETS: dict[str, dict] = {
-    # The mission: 48 p5en (16 training, 32 rollout), a GLM-5-744B-A40B-like super-sparse MoE (top-8 of 256),
-    # EP over 2 nodes per rollout replica, group-limited routing assumed as DeepSeek-V3's (4 of 8 groups).
-    "mission": {},
-    "mission-spot": {"spot_rollout": True},
-    # moerl's reference bench model on one p5en node (EP inside the node: no inter-node traffic).
-    "bench-reference": {"model": "reference", "total_nodes": 2, "train_nodes": 1, "rollout_ep_nodes": 1,
-                        "prompts_per_step": 32, "group_size": 8, "prompt_len": 128, "response_len": 128},
-    "qwen3-235b": {"model": "qwen3-235b-a22b", "router_groups": 1, "topk_groups": 1},
-    "deepseek-v3": {"model": "deepseek-v3"},
-}  # fmt: skip
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The subcommand's options (``moerl/cli.py`` calls this)."""
-    p.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: mission)")
-    p.add_argument("--file", default=None, help="YAML plan: a mapping of plan parameters")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PARAM=VALUE")
-    p.add_argument("--sweep", action="append", default=[], metavar="PARAM=V1,V2,...", help="repeatable: grid")
-    p.add_argument("--json", default=None, help="write all points to this JSON file")
-    p.add_argument("--csv", default=None, help="write all points to this CSV file")
-    p.add_argument(
-        "--plot", default=None, help="PNG: rollout tok/s and $/1000 episodes against the first sweep"
-    )
-    p.add_argument("--calibration", default=str(calibrate.DEFAULT_OUT))
-    p.add_argument("--validate", action="store_true", help="compare with bench/results and exit")
-    p.add_argument(
-        "--sensitivity", action="store_true", help="one-at-a-time sensitivity of the hier/flat ratio"
-    )
 
 
 def _split(item: str, flag: str) -> tuple[str, str]:
@@ -215,7 +185,7 @@ def plan_main(args: argparse.Namespace) -> int:
     cal = json.loads(Path(args.calibration).read_text())
     console = Console(width=170)
     if args.validate:
-        console.print(validation_table(cal, Path("bench/results")))
+        console.print(validation_table(cal, Path(args.results)))
         return 0
     if args.plot and not args.sweep:
         raise ConfigError("--plot needs a --sweep (its first parameter is the x axis)")
