@@ -11,7 +11,8 @@ returns one ``Prediction`` per dispatcher (flat all-to-all, hierarchical). Formu
   prefill = its FLOPs + the EP round trips of its B P tokens per GPU in chunks of ``PREFILL_CHUNK``.
   ``ep_overlap`` of every EP time is hidden behind compute.
 - Training step over the training GPUs: tokens = prompts x group x (P + E[r]) spread evenly; EP spans the
-  training GPUs up to E; 2 round trips per MoE layer; gradient all-reduce over the data-parallel copies.
+  ``train_ep_nodes`` nodes; 2 round trips per MoE layer; FSDP traffic over the data-parallel copies
+  (1.5x an all-reduce, ZeRO sec. 7.2.2).
 - Weight sync per policy version: the rollout copy of the weights (``weight_bytes`` per parameter) streamed
   to every rollout node from a broadcast tree: (bytes / ``rollout_ep_nodes``) / node EFA bandwidth; the
   rollout pauses for (1 - ``sync_overlap``) of it.
@@ -287,9 +288,11 @@ def _train_step_s(p: Plan, hw, m, cal: dict, dispatcher: str) -> float:
         / min(tokens, PREFILL_CHUNK)
     )
     local = m.num_params / gpus  # FSDP-sharded optimizer state
-    # bf16 gradients: non-expert ones reduced over all GPUs, each expert shard over its gpus / ep copies
-    reduce = timing.allreduce_s(2 * m.non_expert_params, gpus, hw.net_gb_s_per_gpu, p.net_fraction)
-    reduce += timing.allreduce_s(
+    # FSDP (ZeRO-3) over bf16 parameters: non-expert ones over all GPUs, each expert shard over its gpus / ep
+    # copies; 1.5x an all-reduce's volume (two all-gathers + one reduce-scatter; Rajbhandari et al. 2020, ZeRO,
+    # sec. 7.2.2), once per step (micro-batches share the gathered parameters), not overlapped with compute.
+    reduce = 1.5 * timing.allreduce_s(2 * m.non_expert_params, gpus, hw.net_gb_s_per_gpu, p.net_fraction)
+    reduce += 1.5 * timing.allreduce_s(
         2 * m.routed_expert_params / ep, gpus // ep, hw.net_gb_s_per_gpu, p.net_fraction
     )
     return (
