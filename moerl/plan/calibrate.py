@@ -185,6 +185,7 @@ def write(cal: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m moerl.plan.calibrate``: fit, write ``calibration.json``, print the constants."""
     parser = argparse.ArgumentParser(description="fit moerl.plan's constants on bench/results")
     parser.add_argument("--results", default="bench/results")
     parser.add_argument("--out", default=str(DEFAULT_OUT))

@@ -152,6 +152,7 @@ class Plan:
 
     @property
     def rollout_nodes(self) -> int:
+        """total_nodes - train_nodes."""
         return self.total_nodes - self.train_nodes
 
 

@@ -45,14 +45,17 @@ class RowBytes:
 
     @property
     def flat_dispatch(self) -> int:
+        """Flat all-to-all dispatch row: hidden + one weight."""
         return self.hidden + self.weight
 
     @property
     def hier_dispatch(self) -> int:
+        """Hierarchical dispatch row (both stages): hidden + k int32 ids + k weights."""
         return self.hidden + 4 * self.top_k + self.weight * self.top_k
 
     @property
     def combine(self) -> int:
+        """Combine row (both dispatchers): the expert output or partial sum, hidden bytes."""
         return self.hidden
 
 
