@@ -123,6 +123,12 @@ def test_cli_outputs(tmp_path, capsys):
     assert len(out["csv"].read_text().splitlines()) == 5 and out["png"].stat().st_size > 1000
 
 
+def test_example_plan_file_runs(capsys):
+    example = RESULTS.parents[1] / "docs" / "plan_example.yaml"
+    assert main(["plan", "--file", str(example)]) == 0
+    assert "plan.spot_rollout = True" in capsys.readouterr().out
+
+
 def test_cli_validate_and_sensitivity(capsys):
     assert main(["plan", "--validate"]) == 0
     out = capsys.readouterr().out
