@@ -7,7 +7,7 @@ import json
 import sys
 
 from moerl.config import ConfigError, load_config
-from moerl.runtime.storage import StorageError
+from moerl.errors import StorageError
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -110,6 +110,21 @@ def _cmd_cluster_render(args: argparse.Namespace) -> int:
     return render_main(_config(args), args.out)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from moerl.plan.cli import plan_main
+
+    return plan_main(args)
+
+
+def _add_plan_parser(sub) -> None:
+    """``moerl plan``: predict an async MoE RL cluster run (options in ``moerl.plan.args``)."""
+    from moerl.plan.args import add_arguments
+
+    p = sub.add_parser("plan", help="predict throughput, balance and cost of a cluster run (no GPU needed)")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moerl", description="RL post-training (GRPO, PPO and variants) of Mixture-of-Experts LMs."
@@ -168,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--out", required=True, help="output folder of the manifests")
     p.set_defaults(func=_cmd_cluster_render)
+    _add_plan_parser(sub)
     return parser
 
 

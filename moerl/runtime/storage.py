@@ -38,16 +38,13 @@ from pathlib import Path
 import fsspec
 
 from moerl.config import RunConfig, load_config
+from moerl.errors import StorageError  # noqa: F401 - re-exported: raised here
 
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE.json"
 RUN_FILES = ("config.yaml", "metrics.jsonl", "ledger.jsonl")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class StorageError(OSError):
-    """An upload or download failed after its retries; the message is one line naming the file."""
 
 
 def is_remote(url: str | None) -> bool:
