@@ -4,7 +4,9 @@ One managed node group per worker group, all in the first Availability Zone of
 ``cluster.availability_zones`` (EFA and GPUDirect RDMA need the training nodes in one zone and one
 placement group; eksctl makes the placement group for an ``efaEnabled`` group). GPU groups are tainted
 ``nvidia.com/gpu=true:NoSchedule``; the rollout group is Spot capacity. The pods' service account gets
-an IAM role for S3 through IRSA (``iam.withOIDC``).
+an IAM role for S3 through IRSA (``iam.withOIDC``). Nodes come and go with the Kubernetes Cluster
+Autoscaler (``withAddonPolicies.autoScaler``; the README installs it), which follows the Ray pods the
+KubeRay autoscaler adds or removes.
 """
 
 from __future__ import annotations

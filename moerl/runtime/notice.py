@@ -163,7 +163,9 @@ class HttpNotice:
             with urllib.request.urlopen(self.url, timeout=self.timeout_s) as resp:
                 body = resp.read().decode("utf-8", errors="replace")
         except urllib.error.HTTPError as e:
-            if e.code != 404:
+            if e.code == 401:  # IMDSv2 wants a session token: ImdsNotice does the token exchange
+                self._error("HTTP 401 (an IMDSv2-only metadata service: set fleet.imds_url instead)")
+            elif e.code != 404:
                 self._error(f"HTTP {e.code}")
             return None
         except (urllib.error.URLError, OSError) as e:

@@ -84,7 +84,7 @@ def imds():
     server.server_close()
 
 
-def test_the_server_requires_a_token_like_imdsv2(imds):
+def test_the_server_requires_a_token_like_imdsv2(imds, caplog):
     handler, url = imds
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(url + "/latest/meta-data/spot/instance-action", timeout=2)
@@ -92,7 +92,9 @@ def test_the_server_requires_a_token_like_imdsv2(imds):
     # the plain-GET poller gets 401 on an IMDSv2-only instance: an error, never a notice
     plain = HttpNotice(url + "/latest/meta-data/spot/instance-action")
     handler.action = instance_action_document("terminate", 120.0)
-    assert plain.check() is None and plain.num_errors == 1
+    with caplog.at_level("WARNING", logger="moerl.runtime.notice"):
+        assert plain.check() is None and plain.num_errors == 1
+    assert "set fleet.imds_url" in caplog.text
 
 
 def test_imds_notice_404_then_instance_action(imds):
