@@ -261,3 +261,13 @@ def test_prometheus_rule_groups_pass_promtool(rendered, source, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     path.write_text(yaml.safe_dump({"groups": [{"name": "x", "rules": [{"alert": "A", "expr": "up =="}]}]}))
     assert subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True).returncode != 0
+
+
+def test_without_efa_there_is_no_device_plugin_and_no_efa_request():
+    cfg = load_config(RECIPES[1], ["cluster.train.efa_interfaces=0", "cluster.alert_rules=null"])
+    docs, skipped = manifests(cfg)
+    assert "k8s/10-efa-device-plugin.yaml" not in docs
+    assert skipped == ["k8s/10-efa-device-plugin.yaml: no group has EFA interfaces"]
+    train = docs["k8s/30-rayjob.yaml"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    assert "vpc.amazonaws.com/efa" not in train["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert "efaEnabled" not in docs["eksctl-cluster.yaml"]["managedNodeGroups"][0]
