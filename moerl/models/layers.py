@@ -14,7 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.models.config import MoeConfig, RopeScaling
-from moerl.models.layer_kernels import fused_rmsnorm, fused_rmsnorm_supported
+from moerl.models.layer_kernels import (
+    fused_rmsnorm,
+    fused_rmsnorm_supported,
+    fused_rotary,
+    fused_rotary_supported,
+)
 
 
 class KVCache(Protocol):
@@ -108,6 +113,8 @@ def apply_rotary(
     ``interleave``: pairs are (x0, x1), (x2, x3)... and the output lists the rotated evens then odds
     (DeepSeek's layout); otherwise pairs are (x_i, x_{i+R/2}).
     """
+    if fused_rotary_supported(x, cos, sin, interleave):  # one Triton kernel on CUDA (layer_kernels)
+        return fused_rotary(x, cos, sin)
     r = cos.shape[-1]
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, R)
     x_rot, x_pass = x[..., :r], x[..., r:]

@@ -94,7 +94,9 @@ def route(
     if norm_topk_prob:
         denom = weights.sum(-1, keepdim=True)
         weights = weights / (denom + 1e-20 if scoring_func == "sigmoid" else denom)
-    return RouterOutput(router_logits=logits, topk_idx=topk_idx, topk_weights=weights * routed_scaling_factor)
+    if routed_scaling_factor != 1.0:  # skipped at 1: one kernel fewer per layer in a decode step
+        weights = weights * routed_scaling_factor
+    return RouterOutput(router_logits=logits, topk_idx=topk_idx, topk_weights=weights)
 
 
 def load_balancing_loss(
@@ -232,14 +234,26 @@ class Experts(nn.Module):
 
 @dataclass(frozen=True, slots=True)
 class MoeLayerStats:
-    """Per-layer router results collected by the model."""
+    """Per-layer router results collected by the model. The two losses are computed when read, so a
+    forward whose caller never reads them (the rollout engine's decode step) launches none of their
+    kernels."""
 
     topk_idx: torch.Tensor
     """[N, k] int64."""
-    aux_loss: torch.Tensor
-    """scalar float32, ``load_balancing_loss`` of this layer."""
-    z_loss: torch.Tensor
-    """scalar float32, ``router_z_loss`` of this layer."""
+    router_logits: torch.Tensor
+    """[N, E] float32 raw router logits."""
+    token_mask: torch.Tensor | None = None
+    """[N] bool, False = padding (excluded from the losses); None = all tokens."""
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """scalar float32, ``load_balancing_loss`` of this layer (computed on each read)."""
+        return load_balancing_loss(self.router_logits, self.topk_idx, self.token_mask)
+
+    @property
+    def z_loss(self) -> torch.Tensor:
+        """scalar float32, ``router_z_loss`` of this layer (computed on each read)."""
+        return router_z_loss(self.router_logits, self.token_mask)
 
 
 class Router(nn.Module):
@@ -300,9 +314,5 @@ class MoeBlock(nn.Module):
             if self.shared_expert_gate is not None:
                 s = torch.sigmoid(self.shared_expert_gate(x)) * s
             y = y + s
-        stats = MoeLayerStats(
-            topk_idx=r.topk_idx,
-            aux_loss=load_balancing_loss(r.router_logits, r.topk_idx, token_mask),
-            z_loss=router_z_loss(r.router_logits, token_mask),
-        )
+        stats = MoeLayerStats(topk_idx=r.topk_idx, router_logits=r.router_logits, token_mask=token_mask)
         return y.view(shape), stats
