@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import rel_err  # noqa: E402
+from moerl.ep import rows as ep_rows  # noqa: E402
 from moerl.models import kernels, layer_kernels  # noqa: E402
 from moerl.models.config import RopeScaling  # noqa: E402
 from moerl.models.layers import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
@@ -89,6 +90,55 @@ def check_swiglu(device: torch.device) -> None:
         check(f"swiglu {dtype} grad vs float64", rel_err(d, d_ref), tol)
 
 
+def check_weighted_swiglu(device: torch.device) -> None:
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3)):
+        gu = torch.randn(3000, 2 * 1024, device=device).to(dtype).requires_grad_(True)
+        w = torch.rand(3000, device=device, requires_grad=True)
+        g, u = gu.double().chunk(2, dim=-1)
+        w64 = w.detach().double().requires_grad_(True)
+        ref = torch.nn.functional.silu(g) * u * w64[:, None]
+        da = torch.randn(ref.shape, device=device, dtype=torch.float64)
+        d_ref = torch.autograd.grad(ref, [gu, w64], da)
+        out = kernels.swiglu(gu, w)
+        d = torch.autograd.grad(out, [gu, w], da.to(dtype))
+        check(f"weighted swiglu {dtype} out vs float64", rel_err(out, ref), tol)
+        check(f"weighted swiglu {dtype} grad gu vs float64", rel_err(d[0], d_ref[0]), tol)
+        check(f"weighted swiglu {dtype} grad w vs float64", rel_err(d[1], d_ref[1]), tol)
+
+
+def check_ep_rows(device: torch.device) -> None:
+    """moerl.ep.rows kernels against their tensor-op paths (run on CPU copies), fresh random inputs."""
+    for dtype in (torch.float32, torch.bfloat16):
+        h, na, nb, t, k = 2048, 3000, 1000, 600, 8
+        a = torch.randn(na, h, device=device).to(dtype)
+        b = torch.randn(nb, h, device=device).to(dtype)
+        src = torch.randint(0, na + nb, (5000,), device=device)
+        cpu = [z.cpu() for z in (a, b, src)]
+        check(f"rows gather2 {dtype}", rel_err(ep_rows.gather_rows2(a, b, src), ep_rows.gather_rows2(*cpu)), 1e-7)
+        sc = torch.rand(na + nb, device=device)
+        got = ep_rows.gather_rows2(a, b, src, scale=sc, out_dtype=torch.float32)
+        want = ep_rows.gather_rows2(*cpu, scale=sc.cpu(), out_dtype=torch.float32)
+        check(f"rows gather2 scaled {dtype}", rel_err(got, want), 1e-6)
+        slots = torch.cat([torch.randperm(na + nb), torch.full((t * k - na - nb,), -1)])
+        pos = slots[torch.randperm(t * k)].view(t, k).to(device)
+        w = torch.rand(t, k, device=device)
+        ref = ep_rows.gather_sum2(a.cpu(), b.cpu(), pos.cpu(), w.cpu())
+        check(f"rows gather_sum2 {dtype}", rel_err(ep_rows.gather_sum2(a, b, pos, w), ref), 1e-6)
+        ref = ep_rows.gather_sum2(a.cpu(), b.cpu(), pos.cpu())
+        check(f"rows gather_sum2 unweighted {dtype}", rel_err(ep_rows.gather_sum2(a, b, pos), ref), 1e-6)
+        g = torch.randn(t, h, device=device)
+        got = ep_rows.gather_sum2_backward(g, a, b, pos, w)
+        want = ep_rows.gather_sum2_backward(g.cpu(), a.cpu(), b.cpu(), pos.cpu(), w.cpu())
+        for name, x, y in zip(("a", "b", "w"), got, want, strict=True):
+            check(f"rows gather_sum2 backward grad_{name} {dtype}", rel_err(x, y), 1e-5)
+    x = torch.randn(512, 2048, device=device, dtype=torch.bfloat16)
+    q, scale = ep_rows.quantize_rows_fp8(x)
+    back = ep_rows.gather_rows2(
+        q, q[:0], torch.arange(512, device=device), scale=scale, out_dtype=torch.bfloat16
+    )
+    check("fp8 per-row quantize + dequantizing gather", rel_err(back, x), 6e-2)
+
+
 def check_experts(device: torch.device) -> None:
     n, h, i, e, k = 1000, 256, 128, 16, 4
     ex = Experts(e, h, i).to(device, torch.bfloat16)
@@ -148,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     check_rmsnorm(device)
     check_swiglu(device)
+    check_weighted_swiglu(device)
+    check_ep_rows(device)
     check_rotary(device)
     check_experts(device)
     check_graph_runner(device)
