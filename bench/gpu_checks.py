@@ -18,12 +18,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import rel_err  # noqa: E402
+from bench.common import SPECS, build_hf, moerl_from_hf, rel_err  # noqa: E402
 from moerl.ep import rows as ep_rows  # noqa: E402
 from moerl.models import kernels, layer_kernels  # noqa: E402
 from moerl.models.config import RopeScaling  # noqa: E402
 from moerl.models.layers import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
-from moerl.models.moe import Experts  # noqa: E402
+from moerl.models.moe import Experts, route  # noqa: E402
 from moerl.rollout.cuda_graphs import GraphRunner  # noqa: E402
 
 FAILED: list[str] = []
@@ -114,7 +114,11 @@ def check_ep_rows(device: torch.device) -> None:
         b = torch.randn(nb, h, device=device).to(dtype)
         src = torch.randint(0, na + nb, (5000,), device=device)
         cpu = [z.cpu() for z in (a, b, src)]
-        check(f"rows gather2 {dtype}", rel_err(ep_rows.gather_rows2(a, b, src), ep_rows.gather_rows2(*cpu)), 1e-7)
+        check(
+            f"rows gather2 {dtype}",
+            rel_err(ep_rows.gather_rows2(a, b, src), ep_rows.gather_rows2(*cpu)),
+            1e-7,
+        )
         sc = torch.rand(na + nb, device=device)
         got = ep_rows.gather_rows2(a, b, src, scale=sc, out_dtype=torch.float32)
         want = ep_rows.gather_rows2(*cpu, scale=sc.cpu(), out_dtype=torch.float32)
@@ -137,6 +141,51 @@ def check_ep_rows(device: torch.device) -> None:
         q, q[:0], torch.arange(512, device=device), scale=scale, out_dtype=torch.bfloat16
     )
     check("fp8 per-row quantize + dequantizing gather", rel_err(back, x), 6e-2)
+
+
+def check_routing(device: torch.device) -> None:
+    """expert_layout's counting sort, fused_route and the bf16 router GEMM against their references."""
+    for n, k, e in ((2048 // 8, 8, 64), (16384, 8, 64), (1000, 6, 160)):
+        idx = torch.randint(0, e, (n, k), device=device)
+        w = torch.rand(n, k, device=device)
+        got = kernels.expert_layout(idx, w, e)
+        want = kernels._expert_layout_reference(idx, w, e)
+        same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        check(f"expert_layout == sort reference n={n} k={k} E={e}", 0.0 if same else 1.0, 0.5)
+        logits = torch.randn(n, e, device=device)
+        with torch.no_grad():
+            fi, fw = kernels.fused_route(logits, k, True)
+            with kernels.fast_paths(False):
+                r = route(logits, top_k=k, norm_topk_prob=True)
+        check(
+            f"fused_route ids == eager n={n} E={e} (fraction differing)",
+            float((fi != r.topk_idx).float().mean()),
+            1e-3,
+        )
+        check(f"fused_route weights n={n} E={e}", rel_err(fw, r.topk_weights), 1e-5)
+    x = torch.randn(4096, 2048, device=device).to(torch.bfloat16)
+    wt = (0.02 * torch.randn(64, 2048, device=device)).to(torch.bfloat16)
+    with torch.no_grad():
+        got = kernels.router_logits_from_bf16(x, wt)
+        want = torch.nn.functional.linear(x.float(), wt.float())
+    check("router logits bf16 GEMM -> float32 available", 0.0 if got is not None else 1.0, 0.5)
+    if got is not None:
+        check("router logits bf16 GEMM vs float32 GEMM", rel_err(got, want), 1e-5)
+
+
+def check_causal_attention(device: torch.device) -> None:
+    """The model's no-padding path (SDPA is_causal) against the explicit causal mask."""
+    hf = build_hf(SPECS["tiny"], device, torch.bfloat16, seed=0)
+    model = moerl_from_hf(hf, device, torch.bfloat16)
+    del hf
+    ids = torch.randint(0, 256, (3, 100), device=device)
+    ones = torch.ones_like(ids)
+    with torch.no_grad():
+        fast = model(ids, ones).logits  # no padding: is_causal
+        pad = ones.clone()
+        pad[0, 0] = 0  # one padding token: the explicit causal + padding mask for the whole batch
+        masked = model(ids, pad).logits
+    check("causal fast path vs explicit mask (rows without padding)", rel_err(fast[1:], masked[1:]), 2e-2)
 
 
 def check_experts(device: torch.device) -> None:
@@ -200,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     check_swiglu(device)
     check_weighted_swiglu(device)
     check_ep_rows(device)
+    check_routing(device)
+    check_causal_attention(device)
     check_rotary(device)
     check_experts(device)
     check_graph_runner(device)

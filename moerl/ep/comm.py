@@ -64,20 +64,29 @@ def exchange_counts(
     """
     r, n = topology.world_size, topology.num_nodes
     width = _HEADER + num_experts + r + n
+    head = torch.zeros(6, dtype=torch.int64)
     if problem is None:
         codes = [_DTYPES.index(d) if d in _DTYPES else len(_DTYPES) for d in dtypes]
-        head = torch.tensor([0, x_shape[0], x_shape[1], k, *codes], dtype=torch.int64).to(device)
+        head = torch.tensor([0, x_shape[0], x_shape[1], k, *codes], dtype=torch.int64)
         if topk_idx is not None and topk_idx.numel():
             span = torch.stack([topk_idx.min(), topk_idx.max()])
         else:
-            span = torch.tensor([-1, -1], dtype=torch.int64).to(device)
-        mine = torch.cat([head, span, *(c.to(device) for c in local_counts)])
+            span = torch.full((2,), -1, dtype=torch.int64, device=device)
+        body = torch.cat([span, *(c.to(device) for c in local_counts)])
     else:
-        mine = torch.zeros(width, dtype=torch.int64, device=device)
-        mine[0] = 1
-    parts = [torch.empty_like(mine) for _ in range(r)]
-    dist.all_gather(parts, mine, group=group)  # collective: every rank, even one with bad input
-    table = torch.stack(parts).cpu()  # device sync
+        head[0] = 1
+        body = torch.zeros(width - 6, dtype=torch.int64, device=device)
+    if r == 1:  # a world of one: nothing to gather; the header never leaves the host
+        table = torch.cat([head, body.cpu()])[None]  # device sync
+    else:
+        # pinned + non_blocking: a pageable host-to-device copy would wait for the device's queue
+        on_device = (
+            head.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else head.to(device)
+        )
+        mine = torch.cat([on_device, body])
+        parts = [torch.empty_like(mine) for _ in range(r)]
+        dist.all_gather(parts, mine, group=group)  # collective: every rank, even one with bad input
+        table = torch.stack(parts).cpu()  # device sync
     _raise_on_problems(table, problem, dist.get_rank(group), num_experts)
     e_end = _HEADER + num_experts
     return GlobalCounts(

@@ -18,6 +18,8 @@ kernels against them on a GPU.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:  # Triton is optional: CPU installs use the tensor-op paths.
@@ -156,7 +158,7 @@ def _meta(h: int, k: int) -> dict:
 
 
 def _flat(rows: torch.Tensor) -> torch.Tensor:
-    return rows.reshape(rows.shape[0], -1).contiguous()
+    return rows.reshape(rows.shape[0], math.prod(rows.shape[1:])).contiguous()
 
 
 def gather_rows2(

@@ -67,7 +67,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         cache: KVCache | None,
         token_mask: torch.Tensor | None,
         forced_idx: torch.Tensor | None,
@@ -176,10 +176,10 @@ class MoeForCausalLM(nn.Module):
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected {(b, t)}")
         if cache is not None:  # a row with no key to attend would make SDPA return NaN: let it see all
             mask = cache.attn_mask | ~cache.attn_mask.any(-1, keepdim=True)
-        elif attention_mask is not None:
+        elif attention_mask is not None and not bool(attention_mask.all()):  # device sync (no cache)
             mask = causal_padding_mask(attention_mask)
-        else:
-            mask = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()[None, None]
+        else:  # no padding: None = plain causal attention (SDPA's is_causal, flash kernels on CUDA)
+            mask = None
         token_mask = attention_mask.reshape(-1).bool() if attention_mask is not None else None
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)

@@ -17,7 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.models.config import MoeConfig
-from moerl.models.kernels import fused_experts, fused_experts_supported
+from moerl.models.kernels import (
+    fused_experts,
+    fused_experts_supported,
+    fused_route,
+    fused_route_supported,
+    router_logits_from_bf16,
+)
 from moerl.models.layers import DenseMLP
 
 
@@ -72,6 +78,12 @@ def route(
     """
     n, e = router_logits.shape
     logits = router_logits.float()
+    plain = scoring_func == "softmax" and correction_bias is None and n_group == 1 and forced_idx is None
+    if plain and fused_route_supported(logits, top_k):  # inference on CUDA: one Triton kernel
+        topk_idx, weights = fused_route(logits, top_k, norm_topk_prob)
+        if routed_scaling_factor != 1.0:
+            weights = weights * routed_scaling_factor
+        return RouterOutput(router_logits=logits, topk_idx=topk_idx, topk_weights=weights)
     scores = softmax_rows(logits) if scoring_func == "softmax" else logits.sigmoid()
     if forced_idx is not None:
         if forced_idx.shape != (n, top_k):
@@ -272,7 +284,9 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, forced_idx: torch.Tensor | None = None) -> RouterOutput:
         """x [N, H] -> ``RouterOutput``; see ``route``."""
         c = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        logits = router_logits_from_bf16(x, self.weight)  # inference on CUDA: one GEMM, no casts
+        if logits is None:
+            logits = F.linear(x.float(), self.weight.float())
         return route(
             logits,
             top_k=c.num_experts_per_tok,
