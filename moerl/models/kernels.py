@@ -512,9 +512,13 @@ def fused_experts(
     if topk_weights.requires_grad and torch.is_grad_enabled():  # the gradient needs a differentiable gather
         row_weights = topk_weights.reshape(-1).float().index_select(0, order)
     x_sorted = _PermuteRows.apply(x, token, inverse, k)
-    gate_up_out = torch._grouped_mm(x_sorted, gate_up.transpose(-2, -1), offs=offsets)
-    act = swiglu(gate_up_out, row_weights)  # [M, I] = w * silu(gate) * up, w the copy's combine weight
-    y = torch._grouped_mm(act, down.transpose(-2, -1), offs=offsets)
+    if small_grouped_mm_supported(x_sorted, gate_up):  # decode: few rows per expert, no gradient
+        act = swiglu(small_grouped_mm(x_sorted, gate_up, offsets), row_weights)
+        y = small_grouped_mm(act, down, offsets)
+    else:
+        gate_up_out = torch._grouped_mm(x_sorted, gate_up.transpose(-2, -1), offs=offsets)
+        act = swiglu(gate_up_out, row_weights)  # [M, I] = w * silu(gate) * up, w the copy's combine weight
+        y = torch._grouped_mm(act, down.transpose(-2, -1), offs=offsets)
     return _SumRows.apply(y, token, inverse, k)
 
 
@@ -625,3 +629,91 @@ def router_logits_from_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     except (RuntimeError, NotImplementedError, TypeError):  # an older torch without mm's out_dtype
         _MM_OUT_DTYPE["ok"] = False
         return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped GEMM for few rows per expert (decode): weight-streaming Triton kernel
+
+if triton is not None:
+
+    @triton.jit
+    def _small_grouped_mm_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        offs_ptr,
+        N,
+        K,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # Program (n tile, expert e): out[rows of e, n tile] = x[rows of e] @ w[e, n tile, :]^T, float32
+        # accumulation; the weight tile streams from memory once per BLOCK_M rows of the expert.
+        pid_n = tl.program_id(0)
+        e = tl.program_id(1)
+        end = tl.load(offs_ptr + e).to(tl.int64)
+        start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0).to(tl.int64)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < N
+        kk = tl.arange(0, BLOCK_K)
+        w_base = w_ptr + e.to(tl.int64) * N * K + n[:, None].to(tl.int64) * K
+        for m0 in range(start, end, BLOCK_M):
+            m = m0 + tl.arange(0, BLOCK_M)
+            mm = m < end
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                km = (k0 + kk) < K
+                a = tl.load(
+                    x_ptr + m[:, None] * K + (k0 + kk)[None, :], mask=mm[:, None] & km[None, :], other=0.0
+                )
+                b = tl.load(w_base + (k0 + kk)[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+                acc = tl.dot(a, tl.trans(b), acc)
+            tl.store(
+                out_ptr + m[:, None] * N + n[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=mm[:, None] & nm[None, :],
+            )
+
+
+SMALL_GROUPED_MM = {
+    "max_rows_per_expert": 64,
+    "block_m": 64,
+    "block_n": 64,
+    "block_k": 128,
+    "stages": 4,
+    "warps": 4,
+}
+"""Configuration of ``small_grouped_mm`` (measured on an H200, bench/NOTES.md) and the largest mean
+number of rows per expert for which ``fused_experts`` uses it (0 turns it off)."""
+
+
+def small_grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``fused_experts`` should use ``small_grouped_mm`` for x [M, K] @ w[e]^T: fast paths on,
+    CUDA bfloat16, no gradient needed, at most ``SMALL_GROUPED_MM["max_rows_per_expert"]`` rows per expert
+    on average (decode batches; larger batches use ``torch._grouped_mm``)."""
+    limit = SMALL_GROUPED_MM["max_rows_per_expert"]
+    return (
+        _use_triton(x)
+        and x.dtype == w.dtype == torch.bfloat16
+        and x.shape[0] <= limit * w.shape[0]
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+    )
+
+
+def small_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, **config) -> torch.Tensor:
+    """out[m] = x[m] @ w[e(m)]^T for expert-sorted rows: x [M, K], w [E, N, K] (contiguous), offsets [E]
+    int32 cumulative row ends -> [M, N] in x's dtype; ``torch._grouped_mm(x, w.transpose(-2, -1),
+    offs=offsets)`` up to float32 summation order. No autograd. ``config`` overrides
+    ``SMALL_GROUPED_MM`` (block_m, block_n, block_k, stages, warps)."""
+    cfg = {**SMALL_GROUPED_MM, **config}
+    m, k = x.shape
+    e, n, _ = w.shape
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _small_grouped_mm_kernel[(triton.cdiv(n, cfg["block_n"]), e)](
+            x.contiguous(), w.contiguous(), out, offsets, n, k,
+            BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+            num_stages=cfg["stages"], num_warps=cfg["warps"],
+        )  # fmt: skip
+    return out

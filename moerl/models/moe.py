@@ -126,14 +126,17 @@ def load_balancing_loss(
     """
     e = router_logits.shape[-1]
     probs = softmax_rows(router_logits.float())
-    counts = F.one_hot(topk_idx, e).sum(1).float()  # (N, E)
     if token_mask is not None:
-        w = token_mask.float()[:, None]
-        probs, counts = probs * w, counts * w
+        w = token_mask.float()
+        probs = probs * w[:, None]
         n = token_mask.sum().clamp(min=1)
     else:
+        w = probs.new_ones(router_logits.shape[0])
         n = max(router_logits.shape[0], 1)
-    return e * ((counts.sum(0) / n) * (probs.sum(0) / n)).sum()
+    # Copies per expert: integer sums, exact in float32 in any order (no [N, k, E] one-hot tensor).
+    slot_w = w[:, None].expand(topk_idx.shape).reshape(-1)
+    counts = probs.new_zeros(e).index_add_(0, topk_idx.reshape(-1), slot_w)
+    return e * ((counts / n) * (probs.sum(0) / n)).sum()
 
 
 def router_z_loss(router_logits: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
