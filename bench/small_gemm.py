@@ -22,7 +22,7 @@ from bench.common import device_info, measure_ceilings, print_table, rel_err, wr
 from moerl.models import kernels  # noqa: E402
 
 CONFIGS = [
-    {"block_m": 64, "block_n": 64, "block_k": 128, "stages": 4, "warps": 4},
+    {"block_m": 64, "block_n": 64, "block_k": 128, "stages": 4, "warps": 4},  # the first default
     {"block_m": 64, "block_n": 128, "block_k": 64, "stages": 4, "warps": 4},
     {"block_m": 32, "block_n": 64, "block_k": 128, "stages": 4, "warps": 4},
     {"block_m": 64, "block_n": 64, "block_k": 64, "stages": 5, "warps": 4},

@@ -97,6 +97,11 @@ class AllToAllDispatcher(Dispatcher):
         """Host-side split sizes and block offsets, all from the exchanged counts (no device read)."""
         r, me = self.topology.world_size, self.rank
         per_expert = counts.tokens_per_expert
+        if r == 1:  # plain Python for the one-rank group: every copy is local
+            total = int(per_expert.sum())
+            c = per_expert[:, self.local_experts]
+            return {"c": c, "num_sent": total, "self_start": 0, "num_self": total, "recv_self_start": 0,
+                    "send_splits": [0], "recv_splits": [0], "m": total}  # fmt: skip
         sent = torch.zeros(r, dtype=torch.int64).index_add_(0, self.placement.expert_rank, per_expert[me])
         c = per_expert[:, self.local_experts]  # [R, L] copies from source s for local expert l
         recv = c.sum(1)

@@ -98,16 +98,17 @@ def exchange_counts(
 
 
 def _raise_on_problems(table: torch.Tensor, problem: str | None, rank: int, num_experts: int) -> None:
-    lo, hi = table[:, 6], table[:, 7]
-    out_of_range = (table[:, 0] == 0) & ((lo < -1) | (hi >= num_experts))
-    if problem is None and bool(out_of_range[rank]):
-        problem = f"topk_idx has ids in [{int(lo[rank])}, {int(hi[rank])}]; allowed [0, {num_experts}) and -1 for none"
-    bad = torch.nonzero((table[:, 0] != 0) | out_of_range).flatten().tolist()
+    heads = [row[:_HEADER] for row in table[:, :_HEADER].tolist()]  # plain Python: a few rows of 8 ints
+    out_of_range = [h[0] == 0 and (h[6] < -1 or h[7] >= num_experts) for h in heads]
+    if problem is None and out_of_range[rank]:
+        lo, hi = heads[rank][6], heads[rank][7]
+        problem = f"topk_idx has ids in [{lo}, {hi}]; allowed [0, {num_experts}) and -1 for none"
+    bad = [i for i, h in enumerate(heads) if h[0] != 0 or out_of_range[i]]
     if bad:
         here = f"; on this rank ({rank}): {problem}" if problem else ""
         raise EPInputError(f"EP dispatch: invalid inputs on rank(s) {bad}{here}")
     for col, name in ((2, "hidden size H"), (3, "top-k"), (4, "x dtype"), (5, "topk_weights dtype")):
-        values = table[:, col].tolist()
+        values = [h[col] for h in heads]
         if len(set(values)) > 1:
             shown = [str(_DTYPES[v]) if col >= 4 and v < len(_DTYPES) else v for v in values]
             raise EPInputError(f"EP dispatch: ranks disagree on {name}: per rank {shown}")
