@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moerl.ep.comm import GlobalCounts, accumulation_dtype
+from moerl.ep.comm import GlobalCounts, SingleRankCounts, accumulation_dtype
 from moerl.ep.dispatcher import Dispatcher
 from moerl.ep.layout import Layout
 from moerl.ep.placement import ExpertPlacement
@@ -79,6 +79,7 @@ class AllToAllDispatcher(Dispatcher):
     """
 
     _combine_at_source = True
+    _single_rank_fast = True
 
     def __init__(
         self,
@@ -140,6 +141,14 @@ class AllToAllDispatcher(Dispatcher):
         t, k = topk_idx.shape
         num_local = self.placement.num_local_experts
         dev = x.device
+        if isinstance(counts, SingleRankCounts):  # a group of one rank: the plan is one sort
+            _, local_index, local_experts = self._on(dev)
+            key = torch.where(topk_idx >= 0, local_index[topk_idx.clamp(min=0)], num_local).reshape(-1)
+            order = torch.sort(key, stable=True).indices[: counts.num_copies]
+            plan = self._single_rank_plan(order, t, k, counts.tokens_per_expert[local_experts])
+            w_flat = topk_weights.reshape(-1).to(accumulation_dtype(topk_weights.dtype))
+            recv_x, recv_w = self._send_payload(x, w_flat, plan)
+            return recv_x, recv_w, plan
         sp = self._splits(counts)
         m, n_self, s0 = sp["m"], sp["num_self"], sp["self_start"]
         tokens_per_local_expert = sp["c"].sum(0).to(dev)  # right after the counts sync: no wait

@@ -26,7 +26,13 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from moerl.ep.comm import GlobalCounts, Link, accumulation_dtype, exchange_counts
+from moerl.ep.comm import (
+    GlobalCounts,
+    Link,
+    accumulation_dtype,
+    check_single_rank,
+    exchange_counts,
+)
 from moerl.ep.layout import Layout, Traffic, check_topk_idx, compute_layout
 from moerl.ep.placement import ExpertPlacement
 from moerl.ep.topology import Topology
@@ -106,9 +112,12 @@ class Dispatcher:
         self.total_traffic = Traffic()
         """Traffic this rank sent since construction, backward passes included."""
         self._links: list[Link] = []
+        self._placement_cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     _combine_at_source = False
     """Whether combine weights at the source (see the module docstring)."""
+    _single_rank_fast = False
+    """Whether ``_dispatch_rows`` takes a ``SingleRankCounts`` in a group of one rank (no layout, no table)."""
 
     # ------------------------------------------------------------------ public API
 
@@ -131,13 +140,20 @@ class Dispatcher:
         problem = check_topk_idx(
             tuple(x.shape), topk_idx, topk_weights, self.num_experts, x.device, check_range=False
         )
+        k = topk_idx.shape[-1] if topk_idx.dim() else 0
+        if self.topology.world_size == 1 and self._single_rank_fast:
+            # A group of one rank: no layout and no counts table, one device read (ids and copy count).
+            counts = check_single_rank(
+                problem, tuple(x.shape), k, (x.dtype, topk_weights.dtype), topk_idx, self.num_experts
+            )
+            recv_x, recv_w, plan = _DispatchFn.apply(x, topk_weights, topk_idx, None, counts, self)
+            return recv_x, plan.tokens_per_local_expert, self._handle(plan, recv_w, x, topk_weights)
         layout = None if problem is not None else compute_layout(topk_idx, self.placement)
         local = (
             None
             if layout is None
             else (layout.tokens_per_expert, layout.tokens_per_rank, layout.tokens_per_node)
         )
-        k = topk_idx.shape[-1] if topk_idx.dim() else 0
         counts = exchange_counts(
             problem,
             tuple(x.shape),
@@ -153,14 +169,18 @@ class Dispatcher:
         start = self._traffic_now()
         recv_x, recv_w, plan = _DispatchFn.apply(x, topk_weights, topk_idx, layout, counts, self)
         self._finish(start)
-        handle = DispatchHandle(
+        return recv_x, plan.tokens_per_local_expert, self._handle(plan, recv_w, x, topk_weights)
+
+    def _handle(
+        self, plan: Plan, recv_w: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchHandle:
+        return DispatchHandle(
             plan=plan,
             recv_weights=recv_w,
             num_tokens=x.shape[0],
             tokens_per_local_expert=plan.tokens_per_local_expert,
             topk_weights=topk_weights,
         )
-        return recv_x, plan.tokens_per_local_expert, handle
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Return expert outputs to their tokens: out[t] = sum_j w[t, j] * y[copy of (t, j)].
@@ -184,6 +204,16 @@ class Dispatcher:
             out = _CombineFn.apply(y, handle.recv_weights, handle.plan, self)
         self._finish(start)
         return out
+
+    def _on(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The placement's expert_rank [E], expert_local_index [E] and this rank's local_experts [L] on
+        ``dev``, copied once per device (a host-to-device copy per call would wait for the device)."""
+        if dev not in self._placement_cache:
+            p = self.placement
+            self._placement_cache[dev] = tuple(
+                t.to(dev) for t in (p.expert_rank, p.expert_local_index, self.local_experts)
+            )
+        return self._placement_cache[dev]
 
     # ------------------------------------------------------------------ subclass hooks
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moerl.ep.alltoall import AllToAllDispatcher
 from moerl.ep.comm import (
     GlobalCounts,
     accumulation_dtype,
@@ -33,7 +34,7 @@ from moerl.ep.comm import (
     pack_rows,
     unpack_rows,
 )
-from moerl.ep.dispatcher import Dispatcher
+from moerl.ep.dispatcher import Dispatcher, DispatchHandle
 from moerl.ep.layout import Layout, rows_in_ranks
 from moerl.ep.placement import ExpertPlacement
 from moerl.ep.rows import positions_of_true
@@ -82,8 +83,28 @@ class HierarchicalDispatcher(Dispatcher):
         super().__init__(topology, num_experts, group, placement=placement)
         groups = topology.build_groups(self.group)
         self._cross = self._link(groups.cross_node, topology.rail_ranks(groups.local_index))
-        self._placement_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._intra = self._link(groups.intra_node, topology.node_ranks(groups.node))
+        self._flat = (
+            AllToAllDispatcher(topology, num_experts, self.group, placement=self.placement)
+            if topology.world_size == 1
+            else None
+        )
+        """A group of one rank has nothing hierarchical to move: dispatch and combine take the flat
+        dispatcher's single-rank path (same recv order, no traffic)."""
+
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """See ``Dispatcher.dispatch``."""
+        if self._flat is not None:
+            return self._flat.dispatch(x, topk_idx, topk_weights)
+        return super().dispatch(x, topk_idx, topk_weights)
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """See ``Dispatcher.combine``."""
+        if self._flat is not None:
+            return self._flat.combine(y, handle)
+        return super().combine(y, handle)
 
     def _dispatch_rows(
         self,
@@ -147,15 +168,6 @@ class HierarchicalDispatcher(Dispatcher):
             **expanded,
         )
         return x2[plan.copy_row], w2.reshape(-1)[order], plan
-
-    def _on(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The placement's (expert_rank, expert_local_index) [E] on ``dev``, copied once per device."""
-        if dev not in self._placement_cache:
-            self._placement_cache[dev] = (
-                self.placement.expert_rank.to(dev),
-                self.placement.expert_local_index.to(dev),
-            )
-        return self._placement_cache[dev]
 
     def _slot_ranks(self, idx: torch.Tensor) -> torch.Tensor:
         """[Q, k] expert ids (-1 = none) -> [Q, k] owning EP rank (-1 = none)."""
