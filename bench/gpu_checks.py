@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import SPECS, build_hf, moerl_from_hf, rel_err  # noqa: E402
 from moerl.ep import rows as ep_rows  # noqa: E402
-from moerl.models import kernels, layer_kernels  # noqa: E402
+from moerl.models import kernels, layer_kernels, moe_kernels  # noqa: E402
 from moerl.models.config import RopeScaling  # noqa: E402
 from moerl.models.layers import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
 from moerl.models.moe import Experts, route  # noqa: E402
@@ -148,13 +148,13 @@ def check_routing(device: torch.device) -> None:
     for n, k, e in ((2048 // 8, 8, 64), (16384, 8, 64), (1000, 6, 160)):
         idx = torch.randint(0, e, (n, k), device=device)
         w = torch.rand(n, k, device=device)
-        got = kernels.expert_layout(idx, w, e)
-        want = kernels._expert_layout_reference(idx, w, e)
+        got = moe_kernels.expert_layout(idx, w, e)
+        want = moe_kernels._expert_layout_reference(idx, w, e)
         same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         check(f"expert_layout == sort reference n={n} k={k} E={e}", 0.0 if same else 1.0, 0.5)
         logits = torch.randn(n, e, device=device)
         with torch.no_grad():
-            fi, fw = kernels.fused_route(logits, k, True)
+            fi, fw = moe_kernels.fused_route(logits, k, True)
             with kernels.fast_paths(False):
                 r = route(logits, top_k=k, norm_topk_prob=True)
         check(
@@ -166,7 +166,7 @@ def check_routing(device: torch.device) -> None:
     x = torch.randn(4096, 2048, device=device).to(torch.bfloat16)
     wt = (0.02 * torch.randn(64, 2048, device=device)).to(torch.bfloat16)
     with torch.no_grad():
-        got = kernels.router_logits_from_bf16(x, wt)
+        got = moe_kernels.router_logits_from_bf16(x, wt)
         want = torch.nn.functional.linear(x.float(), wt.float())
     check("router logits bf16 GEMM -> float32 available", 0.0 if got is not None else 1.0, 0.5)
     if got is not None:

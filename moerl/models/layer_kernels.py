@@ -10,7 +10,7 @@ in one kernel each way instead of five, with float32 math and one rounding.
 
 ``moerl.models.layers.RMSNorm`` calls ``fused_rmsnorm`` when ``fused_rmsnorm_supported`` passes and
 ``moerl.models.layers.apply_rotary`` calls ``fused_rotary`` when ``fused_rotary_supported`` passes (CUDA,
-Triton, fast paths on: ``moerl.models.kernels.fast_paths``); otherwise the eager code runs, which is
+Triton, fast paths on: ``moerl.models.fast_paths``); otherwise the eager code runs, which is
 the reference ``bench/gpu_checks.py`` checks the kernels against.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from moerl.models.kernels import fast_paths_enabled
+from moerl.models.fast_paths import fast_paths_enabled
 
 try:  # optional, as in moerl.models.kernels
     import triton

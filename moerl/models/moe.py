@@ -17,14 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.models.config import MoeConfig
-from moerl.models.kernels import (
-    fused_experts,
-    fused_experts_supported,
-    fused_route,
-    fused_route_supported,
-    router_logits_from_bf16,
-)
+from moerl.models.kernels import fused_experts, fused_experts_supported
 from moerl.models.layers import DenseMLP
+from moerl.models.moe_kernels import fused_route, fused_route_supported, router_logits_from_bf16
 
 
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:
