@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moerl.tasks.base import Prompt, Task
+from moerl.tasks.examples import collate, encode_example
 from moerl.tasks.tokenizer import Tokenizer
 
 
@@ -107,8 +108,6 @@ def teacher_forced_exact_match(
     Raises:
         ValueError: a prompt has no ``solution``.
     """
-    from moerl.tasks.sft import collate, encode_example
-
     was_training = model.training
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     model.eval()
