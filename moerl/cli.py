@@ -46,9 +46,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         )
     except run.RunInterrupted as e:
         if e.resumable:
-            hint = f"; continue with: moerl train --resume {e.run_dir}"
-        elif e.run_dir is not None:
-            hint = f" before the first checkpoint: {e.run_dir} holds the metrics so far but cannot be resumed"
+            hint = f"; continue with: moerl train --resume {e.folder}"
+        elif e.folder is not None:
+            hint = f" before the first checkpoint: {e.folder} holds the metrics so far but cannot be resumed"
         else:
             hint = ""
         print(f"moerl: interrupted{hint}", file=sys.stderr)

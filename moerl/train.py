@@ -50,15 +50,25 @@ from moerl.telemetry.step import StepTimings, step_values
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM stopped a run; workers were stopped and the newest checkpoint stays.
 
-    Attributes:
-        run_dir: the run folder, or None when it was removed (stopped before its first step).
-        resumable: True when ``run_dir`` holds a checkpoint that ``resume`` continues from.
+    Args:
+        folder: the run folder, or None when it was removed (stopped before its first step).
+        resumable: True when ``folder`` holds a checkpoint that ``resume`` continues from.
     """
 
-    def __init__(self, run_dir: Path | None, resumable: bool) -> None:
-        super().__init__(f"run interrupted: {run_dir}")
-        self.run_dir = run_dir
+    def __init__(self, folder: Path | None, resumable: bool) -> None:
+        super().__init__(f"run interrupted: {folder}")
+        self.folder = folder
         self.resumable = resumable
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The folder to pass to ``resume`` (``moerl train --resume``), or None when it cannot be resumed."""
+        return self.folder if self.resumable else None
+
+    @property
+    def partial_run_dir(self) -> Path | None:
+        """The folder holding the metrics so far, resumable or not; None when it was removed."""
+        return self.folder
 
     @classmethod
     def of(cls, path: Path) -> RunInterrupted:
