@@ -15,12 +15,12 @@ before anything is written: every ``ConfigError`` names the field.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from moerl.atomic import atomic_write_text
 from moerl.cluster.eks import efa_device_plugin, eksctl_cluster_config
 from moerl.cluster.kuberay import NOTICE_FILE, config_map_name, ray_job
 from moerl.config import ConfigError, RunConfig, from_dict, to_dict
@@ -175,15 +175,6 @@ def manifests(cfg: RunConfig) -> tuple[dict[str, dict], list[str]]:
     return out, skipped
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file in the same folder and a rename: a reader sees
-    the old file or the whole new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def render(cfg: RunConfig, out_dir: str | Path) -> Rendered:
     """Write the manifests of ``cfg`` under ``out_dir`` (created; files of the same names replaced).
 
@@ -198,7 +189,7 @@ def render(cfg: RunConfig, out_dir: str | Path) -> Rendered:
     files = []
     for name, doc in docs.items():
         path = out_dir / name
-        write_atomic(path, yaml.safe_dump(doc, sort_keys=False, width=110))
+        atomic_write_text(path, yaml.safe_dump(doc, sort_keys=False, width=110))
         files.append(path)
     return Rendered(tuple(files), tuple(skipped))
 

@@ -23,8 +23,8 @@ from s3_faults import S3WithFaults  # noqa: E402
 
 from moerl.cluster.resources import node_resources  # noqa: E402
 from moerl.config import load_config  # noqa: E402
-from moerl.runtime.controller import train  # noqa: E402
 from moerl.runtime.storage import RunStorage  # noqa: E402
+from moerl.train import train  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 BUCKET = "moerl-cluster"
@@ -74,9 +74,9 @@ def test_async_run_on_a_rendered_cluster_shape_with_s3_storage(tmp_path, tiny_in
         )
         summary = train(cfg, live=False)
         actors = ray._private.state.actors().values()
-        workers = [a for a in actors if a["ActorClassName"] == "RolloutWorkerActorImpl"]
+        workers = [a for a in actors if a["ActorClassName"] == "RolloutWorkerActor"]
         assert workers and {a["Address"]["NodeID"] for a in workers} == {nodes["rollout"]}
-        (exchange,) = [a for a in actors if a["ActorClassName"] == "ExchangeActorImpl"]
+        (exchange,) = [a for a in actors if a["ActorClassName"] == "ExchangeActor"]
         assert exchange["Address"]["NodeID"] == cl.head_node.node_id  # the memory group's node
         # the scaling hint went to the autoscaler as rollout-worker bundles, within [1, 2] workers
         requested = json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL))

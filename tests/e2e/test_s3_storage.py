@@ -24,11 +24,11 @@ from s3_faults import S3WithFaults  # noqa: E402
 from moerl.cli import main as cli_main  # noqa: E402
 from moerl.config import save_config  # noqa: E402
 from moerl.runtime.checkpoint import list_checkpoints, load_checkpoint  # noqa: E402
-from moerl.runtime.controller import train  # noqa: E402
 from moerl.runtime.run_dir import read_jsonl  # noqa: E402
 from moerl.runtime.storage import RunStorage  # noqa: E402
 from moerl.runtime.weights import StoreNotWritableError, WeightStore  # noqa: E402
 from moerl.telemetry.metrics import without_wall_clock  # noqa: E402
+from moerl.train import train  # noqa: E402
 
 BUCKET = "moerl-runs"
 pytestmark = pytest.mark.timeout(240)

@@ -43,7 +43,7 @@ def new_worker(worker_id, queue, buffer, model=None):
 
 
 def run_until_notice(worker, watcher, *, on_step=None, max_steps=100_000):
-    """The actor's loop (``RolloutWorkerActorImpl.run``): step until the watcher has a notice."""
+    """The actor's loop (``RolloutWorkerActor.run``): step until the watcher has a notice."""
     steps = 0
     while not watcher.is_set() and steps < max_steps:
         worker.step()

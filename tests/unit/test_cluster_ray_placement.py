@@ -1,8 +1,8 @@
 """The Ray resource mapping of a rendered cluster, on a local three-node Ray cluster.
 
 The nodes start with the custom resources ``moerl cluster render`` declares for the memory (the head),
-train and rollout groups. Rollout workers request theirs the way ``RayFleet`` does
-(``moerl.runtime.actors._labels``), trainer ranks and the exchange through ``actor_resources``; each
+train and rollout groups. Rollout workers request theirs the way ``RayRollouts`` does
+(``moerl.runtime.ray.rollouts._labels``), trainer ranks and the exchange through ``actor_resources``; each
 lands only on its group's node, and a rollout worker that does not fit waits instead of spilling onto
 the training node. The fleet's scaling hint reaches the Ray autoscaler as a resource request.
 """
@@ -18,7 +18,7 @@ from moerl.cluster.autoscale import RolloutCapacity  # noqa: E402
 from moerl.cluster.render import cluster_run_config  # noqa: E402
 from moerl.cluster.resources import actor_resources, node_resources  # noqa: E402
 from moerl.config import load_config  # noqa: E402
-from moerl.runtime.actors import _labels  # noqa: E402
+from moerl.runtime.ray.rollouts import _labels  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
