@@ -12,7 +12,7 @@ sync``; extra ``wandb``), under the metric families users of verl and slime know
     timing/   seconds of generation, training, publication, waiting
     eval/     held-out accuracy
 
-Per-worker entries of ``rollout/workers`` become one scalar each: ``rollout/worker_<id>_tokens_per_s``.
+Per-worker entries of ``rollout/workers`` become one scalar per field: ``rollout/worker_<id>_tokens_per_s``, ...
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from moerl.config import ConfigError, TelemetryConfig
+from moerl.telemetry.metrics import WORKER_FIELDS, WORKERS_KEY
 
 FAMILIES = ("rollout/", "train/", "perf/", "timing/", "eval/")
 """Prefixes of every name a logger receives."""
@@ -33,9 +34,6 @@ _RENAMES = {
     "fleet/": "rollout/fleet_",
     "ep/": "perf/ep_",
 }
-
-WORKER_FIELDS = ("tokens_per_s", "groups_per_s", "policy_lag", "spot_notices", "is_up")
-"""Per-worker fields that the loggers receive (as ``rollout/worker_<id>_<field>``)."""
 
 
 def logger_name(key: str) -> str:
@@ -63,7 +61,7 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     for key, value in record.items():
         if key in ("step", "wall_s") or value is None:
             continue
-        if key == "rollout/workers":
+        if key == WORKERS_KEY:
             for wid, entry in sorted(value.items()):
                 for name in WORKER_FIELDS:
                     if entry.get(name) is not None:

@@ -30,7 +30,6 @@ Series (``SERIES``; the alert rules and the Grafana dashboard use only these):
 from __future__ import annotations
 
 import errno
-import os
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +40,8 @@ from prometheus_client.registry import Collector
 
 from moerl.configlib import ConfigError
 from moerl.ep.layout import Traffic
+from moerl.telemetry.counters import COMM_ERROR_KINDS, comm_error_counts, count_comm_error  # noqa: F401 - re-exported
+from moerl.telemetry.gpu import GpuSample
 
 SERIES: dict[str, str] = {
     "moerl_rollout_tokens_total": "counter",
@@ -69,32 +70,12 @@ SERIES: dict[str, str] = {
 }
 """Every series the exporter defines, with its Prometheus type (the names are used by other checks)."""
 
-COMM_ERROR_KINDS: tuple[str, ...] = ("timeout", "transport", "rpc")
-"""``kind`` label values of ``moerl_comm_errors_total``, exported from 0 so that ``increase`` sees the
-first error: ``timeout`` (a collective or RPC that ran past its deadline), ``transport`` (an NCCL,
-gloo or libfabric error raised by torch.distributed), ``rpc`` (a Ray call that failed for a reason
-other than its actor's death)."""
-
 STEP_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 """Histogram buckets of ``moerl_trainer_step_seconds`` and ``moerl_weight_sync_seconds``, seconds."""
 
 
 class MetricsPortError(ConfigError):
     """The metrics endpoint cannot listen on the requested address and port (in use, not allowed)."""
-
-
-@dataclass(frozen=True, slots=True)
-class GpuSample:
-    """One GPU as NVML reports it."""
-
-    index: int
-    """NVML device index (the physical GPU, not the CUDA-visible one)."""
-    utilization: float
-    """Fraction of the last sample period in which a kernel ran, in [0, 1]."""
-    memory_used_bytes: int
-    """Device memory in use, bytes (all processes)."""
-    memory_total_bytes: int
-    """Device memory, bytes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +94,8 @@ class WorkerSeries:
     """It answers liveness pings."""
     gpus: tuple[GpuSample, ...] = ()
     """Its GPUs (empty without a GPU or without NVML)."""
+    comm_errors: tuple[tuple[str, int], ...] = ()
+    """Communication errors it caught, ``(kind, count)`` cumulative (``moerl.telemetry.counters``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +128,7 @@ class RunTotals:
 class _State:
     workers: dict[str, WorkerSeries] = field(default_factory=dict)
     totals: RunTotals = field(default_factory=RunTotals)
-    comm_errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COMM_ERROR_KINDS, 0))
+    gpus: dict[str, tuple[GpuSample, ...]] = field(default_factory=dict)
     ep_bytes: dict[tuple[str, str], int] = field(
         default_factory=lambda: {(link, d): 0 for link in ("intra", "inter") for d in ("dispatch", "combine")}
     )
@@ -164,6 +147,7 @@ class MetricsExporter(Collector):
         self.max_staleness = int(max_staleness)
         self._lock = threading.Lock()
         self._state = _State()
+        self._comm_base = comm_error_counts()  # this process's errors before the run are not the run's
         self.registry.register(self)
         self.step_seconds = Histogram(
             "moerl_trainer_step_seconds",
@@ -203,16 +187,19 @@ class MetricsExporter(Collector):
         if weight_sync_s is not None:
             self.weight_sync_seconds.observe(weight_sync_s)
 
-    def count_comm_error(self, kind: str, n: int = 1) -> None:
-        """Count ``n`` communication errors of ``kind`` (one of ``COMM_ERROR_KINDS``) where caught.
+    def update_gpus(self, owner: str, gpus: tuple[GpuSample, ...]) -> None:
+        """GPUs of a process that is not a rollout worker (``owner`` "trainer"), as ``moerl_gpu_*``."""
+        with self._lock:
+            self._state.gpus[owner] = tuple(gpus)
+
+    @staticmethod
+    def count_comm_error(kind: str, n: int = 1) -> None:
+        """``moerl.telemetry.counters.count_comm_error``: count errors of ``kind`` caught in this process.
 
         Raises:
             ValueError: unknown kind.
         """
-        if kind not in COMM_ERROR_KINDS:
-            raise ValueError(f"comm error kind {kind!r}: expected one of {COMM_ERROR_KINDS}")
-        with self._lock:
-            self._state.comm_errors[kind] += n
+        count_comm_error(kind, n)
 
     def add_ep_traffic(self, direction: str, traffic: Traffic) -> None:
         """Add the bytes of an EP ``dispatch`` or ``combine`` (``moerl.ep`` ``Traffic``, e.g. the
@@ -237,9 +224,15 @@ class MetricsExporter(Collector):
         with self._lock:
             workers = dict(self._state.workers)
             totals = self._state.totals
-            comm = dict(self._state.comm_errors)
+            gpus = dict(self._state.gpus)
             ep = dict(self._state.ep_bytes)
+        comm = {k: n - self._comm_base[k] for k, n in comm_error_counts().items()}
+        for w in workers.values():
+            for kind, n in w.comm_errors:
+                comm[kind] = comm.get(kind, 0) + n
+        gpus.update({wid: w.gpus for wid, w in workers.items() if w.gpus})
         yield from _worker_families(workers, totals.policy_version)
+        yield from _gpu_families(gpus)
         yield from _total_families(totals, self.max_staleness)
         errors = CounterMetricFamily(
             "moerl_comm_errors", "Collective timeouts and transport errors, where caught.", labels=["kind"]
@@ -274,10 +267,6 @@ def _worker_families(workers: Mapping[str, WorkerSeries], trainer_version: int) 
         "moerl_worker_policy_lag", "Trainer version minus the worker's weights version.", labels=["worker"]
     )
     notices = CounterMetricFamily("moerl_spot_notices", "Termination notices received.", labels=["worker"])
-    gpu_labels = ["worker", "gpu"]
-    util = GaugeMetricFamily("moerl_gpu_utilization_ratio", "NVML GPU utilization, 0-1.", labels=gpu_labels)
-    used = GaugeMetricFamily("moerl_gpu_memory_used_bytes", "NVML GPU memory used.", labels=gpu_labels)
-    total = GaugeMetricFamily("moerl_gpu_memory_total_bytes", "NVML GPU memory.", labels=gpu_labels)
     for wid, w in sorted(workers.items()):
         tokens.add_metric([wid], w.tokens_total)
         groups.add_metric([wid], w.groups_total)
@@ -285,11 +274,20 @@ def _worker_families(workers: Mapping[str, WorkerSeries], trainer_version: int) 
         if w.policy_version >= 0:
             lag.add_metric([wid], max(trainer_version - w.policy_version, 0))
         notices.add_metric([wid], w.spot_notices_total)
-        for g in w.gpus:
-            util.add_metric([wid, str(g.index)], g.utilization)
-            used.add_metric([wid, str(g.index)], g.memory_used_bytes)
-            total.add_metric([wid, str(g.index)], g.memory_total_bytes)
-    yield from (tokens, groups, up, lag, notices, util, used, total)
+    yield from (tokens, groups, up, lag, notices)
+
+
+def _gpu_families(gpus: Mapping[str, tuple[GpuSample, ...]]) -> Iterator:
+    labels = ["worker", "gpu"]
+    util = GaugeMetricFamily("moerl_gpu_utilization_ratio", "NVML GPU utilization, 0-1.", labels=labels)
+    used = GaugeMetricFamily("moerl_gpu_memory_used_bytes", "NVML GPU memory used.", labels=labels)
+    total = GaugeMetricFamily("moerl_gpu_memory_total_bytes", "NVML GPU memory.", labels=labels)
+    for owner, samples in sorted(gpus.items()):
+        for g in samples:
+            util.add_metric([owner, str(g.index)], g.utilization)
+            used.add_metric([owner, str(g.index)], g.memory_used_bytes)
+            total.add_metric([owner, str(g.index)], g.memory_total_bytes)
+    yield from (util, used, total)
 
 
 def _total_families(t: RunTotals, max_staleness: int) -> Iterator:
@@ -364,35 +362,3 @@ def start_metrics_server(
             "pick another port or 0 to turn the endpoint off"
         ) from e
     return MetricsServer(httpd, thread)
-
-
-def read_gpus() -> tuple[GpuSample, ...]:
-    """The GPUs this process may use, through NVML (``pynvml`` from the ``gpu`` extra).
-
-    ``CUDA_VISIBLE_DEVICES`` (integer form) picks which NVML devices belong to this process; unset:
-    all. Empty when pynvml is not installed, no NVIDIA driver is loaded, or there is no GPU.
-    """
-    try:
-        import pynvml  # optional dependency (nvidia-ml-py), absent on CPU machines
-    except ImportError:
-        return ()
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return ()
-    try:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        indices = range(pynvml.nvmlDeviceGetCount())
-        if visible is not None and all(p.strip().isdigit() for p in visible.split(",") if p.strip()):
-            indices = [int(p) for p in visible.split(",") if p.strip()]
-        out = []
-        for i in indices:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            util = pynvml.nvmlDeviceGetUtilizationRates(handle)
-            out.append(GpuSample(i, util.gpu / 100.0, int(mem.used), int(mem.total)))
-        return tuple(out)
-    except pynvml.NVMLError:
-        return ()
-    finally:
-        pynvml.nvmlShutdown()

@@ -12,14 +12,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from moerl.config import ConfigError
 from moerl.ep.layout import Traffic
+from moerl.telemetry.counters import classify_comm_error, count_comm_error
+from moerl.telemetry.gpu import GpuSample, read_gpus
 from moerl.telemetry.prometheus import (
     SERIES,
-    GpuSample,
     MetricsExporter,
     MetricsPortError,
     RunTotals,
     WorkerSeries,
-    read_gpus,
     start_metrics_server,
 )
 
@@ -39,7 +39,11 @@ def _exporter() -> MetricsExporter:
         {
             "rollout-0": WorkerSeries(tokens_total=640, groups_total=5, policy_version=4, gpus=(gpu,)),
             "rollout-1": WorkerSeries(
-                tokens_total=320, groups_total=2, policy_version=6, spot_notices_total=1
+                tokens_total=320,
+                groups_total=2,
+                policy_version=6,
+                spot_notices_total=1,
+                comm_errors=(("timeout", 2), ("rpc", 1)),
             ),
         }
     )
@@ -60,7 +64,10 @@ def _exporter() -> MetricsExporter:
     e.add_ep_traffic("dispatch", Traffic(intra_node_bytes=1000, inter_node_bytes=24))
     e.add_ep_traffic("combine", Traffic(intra_node_bytes=500, inter_node_bytes=12))
     e.add_ep_traffic("dispatch", Traffic(intra_node_bytes=1, inter_node_bytes=1))
-    e.count_comm_error("timeout")
+    e.count_comm_error("timeout")  # caught in the driver
+    e.update_gpus(
+        "trainer", (GpuSample(index=0, utilization=1.0, memory_used_bytes=5, memory_total_bytes=9),)
+    )
     return e
 
 
@@ -86,12 +93,31 @@ def test_values_come_from_heartbeats_and_totals():
     assert s["moerl_trainer_step_seconds_count", ()] == 2 and s["moerl_trainer_step_seconds_sum", ()] == 3.3
     assert s["moerl_trainer_step_seconds_bucket", (("le", "0.5"),)] == 1
     assert s["moerl_weight_sync_seconds_count", ()] == 1
-    assert s["moerl_comm_errors_total", (("kind", "timeout"),)] == 1
+    assert s["moerl_comm_errors_total", (("kind", "timeout"),)] == 3  # driver + rollout-1's heartbeat
+    assert s["moerl_comm_errors_total", (("kind", "rpc"),)] == 1
     assert s["moerl_comm_errors_total", (("kind", "transport"),)] == 0  # exported from 0
     assert s["moerl_ep_bytes_total", (("direction", "dispatch"), ("link", "intra"))] == 1001
     assert s["moerl_ep_bytes_total", (("direction", "combine"), ("link", "inter"))] == 12
     g = (("gpu", "3"), ("worker", "rollout-0"))
     assert s["moerl_gpu_utilization_ratio", g] == 0.5 and s["moerl_gpu_memory_total_bytes", g] == 8 << 30
+    assert s["moerl_gpu_memory_used_bytes", (("gpu", "0"), ("worker", "trainer"))] == 5
+
+
+def test_comm_errors_count_from_the_exporters_start():
+    count_comm_error("transport")  # before the run: not the run's
+    e = MetricsExporter()
+    count_comm_error("transport")
+    s = _samples(e.render().decode())
+    assert s["moerl_comm_errors_total", (("kind", "transport"),)] == 1
+
+
+def test_classify_comm_error():
+    import torch.distributed as dist
+
+    assert classify_comm_error(TimeoutError("x")) == "timeout"
+    assert classify_comm_error(dist.DistError("Socket Timeout")) == "timeout"
+    assert classify_comm_error(dist.DistBackendError("NCCL error: unhandled system error")) == "transport"
+    assert classify_comm_error(RuntimeError("object lost")) == "rpc"
 
 
 def test_gone_worker_keeps_its_totals_and_is_down():
