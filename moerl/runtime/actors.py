@@ -44,7 +44,7 @@ import torch
 from moerl.config import ConfigError, RunConfig
 from moerl.runtime.allocator import keep_freed_memory
 from moerl.runtime.buffer import BufferClosed
-from moerl.runtime.chaos import ChaosMonkey
+from moerl.runtime.chaos import ChaosMonkey, Slowdown
 from moerl.runtime.drain import Drainer
 from moerl.runtime.exchange import ExchangeActorImpl
 from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager, WorkerExit, WorkerHealth
@@ -52,6 +52,8 @@ from moerl.runtime.fleet_ray import RayWorkerBackend
 from moerl.runtime.notice import notice_file_for, watcher_from_config
 from moerl.runtime.types import Group
 from moerl.runtime.weights import pack_weights, unpack_weights
+from moerl.telemetry.counters import comm_error_counts
+from moerl.telemetry.gpu import read_gpus
 
 
 def _remote_call(handle, method: str, *args, **kwargs):
@@ -167,6 +169,8 @@ class RolloutWorkerActorImpl:
         self.worker.sync_weights()  # the newest published version before the first lease
         self.watcher = watcher_from_config(cfg.fleet, worker_id).start()  # termination notices
         self.drainer = Drainer(cfg.fleet.drain_grace_s, keep_partial=cfg.fleet.keep_partial)
+        self.slowdown = Slowdown.from_config(cfg.chaos, worker_id)
+        self._has_gpu = cfg.model.device.startswith("cuda")
 
     def _pause_point(self) -> None:
         if self._pause.is_set() and not self._stop.is_set():
@@ -182,7 +186,9 @@ class RolloutWorkerActorImpl:
         reason, report = "stopped", None
         try:
             while not self._stop.is_set() and not self.watcher.is_set():
+                started = time.perf_counter()
                 self.worker.step()
+                self.slowdown.after_step(time.perf_counter() - started)  # chaos.slow_worker (off: no-op)
                 if not self.worker.num_in_flight:  # queue empty or gated; a delivery may be on its way
                     self._offered.wait(0.01)  # new weights open the staleness gate: wake at once
                     self._offered.clear()
@@ -207,6 +213,9 @@ class RolloutWorkerActorImpl:
             is_draining=self.watcher.is_set(),
             pid=os.getpid(),
             hostname=socket.gethostname(),
+            groups_delivered=self.worker.stats.groups_put,
+            gpus=read_gpus() if self._has_gpu else (),
+            comm_errors=tuple(comm_error_counts().items()),
         )
 
     def notify(self) -> None:
@@ -399,6 +408,10 @@ class RayFleet:
         pending, depth = self._snapshot[0].pending, self._snapshot[1].depth
         self.manager.scaling_hint(queue_pending=pending, buffer_depth=depth, batch_groups=batch_groups)
         return self.manager.metrics().as_metrics()
+
+    def worker_records(self) -> list:
+        """The fleet manager's ``WorkerRecord`` of every worker seen (state and last heartbeat)."""
+        return list(self.manager.records.values())
 
     def fleet_summary(self) -> dict:
         """Fleet figures for ``summary.json``."""

@@ -37,8 +37,8 @@ from moerl.runtime.setup import (
 from moerl.runtime.trainer import NonFiniteLossError, Trainer
 from moerl.runtime.weights import StoreNotWritableError, WeightStore
 from moerl.telemetry.live import LiveView
-from moerl.telemetry.metrics import MetricsWriter
 from moerl.telemetry.report import plot_report
+from moerl.telemetry.run import RunTelemetry
 from moerl.telemetry.step import StepTimings, step_values
 
 
@@ -135,7 +135,26 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
     process_start = time.perf_counter()
     keep_freed_memory()  # no page faults on each step's activations (moerl.runtime.allocator)
     _seed_everything(cfg.seed)
+    # the endpoint first: a taken --metrics-port fails before any training
+    telemetry = RunTelemetry.start(cfg, run.path, run.metrics)
+    try:
+        return _train_loop(cfg, run, telemetry, checkpoint=checkpoint, live=live, process_start=process_start)
+    finally:
+        telemetry.close()  # the endpoint goes away with the run
+
+
+def _train_loop(
+    cfg: RunConfig,
+    run: RunDir,
+    telemetry: RunTelemetry,
+    *,
+    checkpoint: Path | None,
+    live: bool,
+    process_start: float,
+) -> dict:
     view = LiveView(cfg.trainer.steps, enabled=live)
+    if telemetry.url:
+        view.message(f"metrics at {telemetry.url}")
     try:
         store = WeightStore(cfg.runtime.store_url or str(run.weights), keep=cfg.runtime.keep_versions)
     except StoreNotWritableError as e:
@@ -167,8 +186,8 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
     chaos, journal, restarts = ChaosMonkey(cfg.chaos), StepJournal(), 0
     if parts is not None:
         restore_rng_state(parts["rng"])
-    metrics = MetricsWriter(run.metrics)
     start, wall0, stop_reason, acc = time.perf_counter(), state["wall_s"], None, None
+    telemetry.reload_ledger(e.task_id for e in run.read_ledger())  # a resumed run's, rewound to its step
     try:
         while trainer.step < cfg.trainer.steps:
             t0 = time.perf_counter()
@@ -181,6 +200,7 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
             journal.record(stats.step, [g.task for g in groups])
             if chaos.should_kill_trainer(stats.step):  # dies before publishing; the fleet keeps generating
                 trainer, report = recover_trainer(cfg, comp, run, store, fleet, journal, stats.step)
+                telemetry.reload_ledger(e.task_id for e in run.read_ledger())
                 restarts += 1
                 view.message(
                     f"trainer killed after step {stats.step}: restarted from step {report.restored_step}, "
@@ -188,7 +208,8 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
                 )
                 continue
             t1 = time.perf_counter()
-            if stats.step % cfg.trainer.publish_every == 0 or stats.step == cfg.trainer.steps:
+            is_publish = stats.step % cfg.trainer.publish_every == 0 or stats.step == cfg.trainer.steps
+            if is_publish:
                 trainer.publish(store)
                 fleet.push_weights(trainer.version, trainer.named_weights())
             publish_s = time.perf_counter() - t1
@@ -197,14 +218,24 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
             timings = StepTimings(
                 gen_s=gen_s, wait_s=wait_s, publish_s=publish_s, step_s=time.perf_counter() - t0
             )
-            values = step_values(
-                groups, stats, timings, fleet.queue_stats(), fleet.buffer_metrics(), accuracy=acc
-            )
+            queue_stats, buffer_metrics = fleet.queue_stats(), fleet.buffer_metrics()  # one round trip
+            values = step_values(groups, stats, timings, queue_stats, buffer_metrics, accuracy=acc)
             values.update(fleet.fleet_values(cfg.trainer.batch_groups), policy_version=trainer.version)
             state["samples"] += batch.num_sequences
             state["loop_s"] += time.perf_counter() - t0
             state["wall_s"] = wall0 + time.perf_counter() - start
-            view.update(metrics.write(stats.step, state["wall_s"], values))
+            record = telemetry.write_step(
+                stats.step,
+                state["wall_s"],
+                values,
+                groups=groups,
+                workers=fleet.worker_records(),
+                queue=queue_stats,
+                buffer=buffer_metrics,
+                step_s=timings.step_s,
+                weight_sync_s=publish_s if is_publish else None,
+            )
+            view.update(record)
             if acc is not None:
                 state["final_accuracy"] = acc
             if cfg.trainer.checkpoint_every and stats.step % cfg.trainer.checkpoint_every == 0:

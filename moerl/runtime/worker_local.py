@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moerl.runtime.fleet import WorkerHealth, WorkerRecord, WorkerState
+
 if TYPE_CHECKING:
     from moerl.runtime.types import Group
     from moerl.runtime.worker import RolloutWorker, WorkerStats
@@ -106,6 +108,16 @@ class LocalFleet:
             ("fleet/interruptions", "fleet/drained", "fleet/killed", "fleet/lost_work_frac"), 0
         )
         return {**never, "fleet/workers_alive": 1, "fleet/desired_workers": 1}
+
+    def worker_records(self) -> list:
+        """A ``WorkerRecord`` of the in-process worker (always alive), as ``RayFleet`` reports its workers."""
+        stats = self.worker.stats
+        health = WorkerHealth(
+            tokens_delivered=stats.tokens_generated,
+            groups_delivered=stats.groups_put,
+            policy_version=self.worker.version,
+        )
+        return [WorkerRecord(self.worker.worker_id, 0.0, WorkerState.ALIVE, health=health)]
 
     def fleet_summary(self) -> dict:
         """Fleet figures for ``summary.json`` (nothing to report in-process)."""

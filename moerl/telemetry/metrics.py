@@ -85,8 +85,9 @@ WORKER_FIELDS: tuple[str, ...] = (
 )
 """Fields of each ``rollout/workers`` entry, in order."""
 
-WORKER_WALL_FIELDS = ("tokens_per_s", "groups_per_s")
-"""Per-worker fields that depend on wall-clock time."""
+WORKER_WALL_FIELDS = ("tokens_per_s", "groups_per_s", "tokens_total", "groups_total")
+"""Per-worker fields left out when two runs are compared: the rates depend on wall-clock time, the
+totals on the worker process's life (a resumed run's workers start again from 0)."""
 
 
 def _clean(value: float | int | None) -> float | int | None:
