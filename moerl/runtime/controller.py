@@ -183,6 +183,7 @@ def _train_loop(
     if cfg.runtime.mode == "async" and cfg.fleet.notice_file is None:  # where workers look for notices
         cfg.fleet.notice_file = str(run.path / "notices" / "{worker_id}.json")
     fleet = comp.start_fleet(trainer.version, parts)
+    telemetry.watch_fleet(fleet)  # scrapes read the workers' latest heartbeats
     chaos, journal, restarts = ChaosMonkey(cfg.chaos), StepJournal(), 0
     if parts is not None:
         restore_rng_state(parts["rng"])

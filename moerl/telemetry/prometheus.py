@@ -30,8 +30,9 @@ Series (``SERIES``; the alert rules and the Grafana dashboard use only these):
 from __future__ import annotations
 
 import errno
+import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server
@@ -69,6 +70,8 @@ SERIES: dict[str, str] = {
     "moerl_gpu_memory_total_bytes": "gauge",
 }
 """Every series the exporter defines, with its Prometheus type (the names are used by other checks)."""
+
+log = logging.getLogger(__name__)
 
 STEP_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 """Histogram buckets of ``moerl_trainer_step_seconds`` and ``moerl_weight_sync_seconds``, seconds."""
@@ -148,6 +151,8 @@ class MetricsExporter(Collector):
         self._lock = threading.Lock()
         self._state = _State()
         self._comm_base = comm_error_counts()  # this process's errors before the run are not the run's
+        self._worker_source: Callable[[], Mapping[str, WorkerSeries]] | None = None
+        self._source_failed = False
         self.registry.register(self)
         self.step_seconds = Histogram(
             "moerl_trainer_step_seconds",
@@ -168,6 +173,12 @@ class MetricsExporter(Collector):
         """Replace the per-worker values of the workers in ``workers``; others keep their last ones."""
         with self._lock:
             self._state.workers.update(workers)
+
+    def set_worker_source(self, source: Callable[[], Mapping[str, WorkerSeries]] | None) -> None:
+        """Read the per-worker values from ``source`` at each scrape (the fleet manager's latest
+        heartbeats, fresher than the last step's ``update_workers``). ``source`` runs on the server's
+        thread: it must only read. If it raises, the scrape serves the values handed last (logged once)."""
+        self._worker_source = source
 
     def mark_down(self, worker_ids) -> None:
         """Export ``moerl_worker_up 0`` for these workers (gone: drained, killed, stopped)."""
@@ -221,6 +232,15 @@ class MetricsExporter(Collector):
     def collect(self) -> Iterator:
         """The series other than the histograms, from the values handed last (prometheus_client's
         ``Collector`` protocol; called on each scrape)."""
+        if self._worker_source is not None:
+            try:
+                self.update_workers(self._worker_source())
+            except Exception as e:  # a scrape must never fail the run
+                if not self._source_failed:
+                    log.warning(
+                        "metrics: reading the workers' heartbeats failed (%r); serving the last values", e
+                    )
+                self._source_failed = True
         with self._lock:
             workers = dict(self._state.workers)
             totals = self._state.totals

@@ -114,6 +114,16 @@ class RunTelemetry:
         """The endpoint's URL (None: off)."""
         return self.server.url if self.server is not None else None
 
+    def watch_fleet(self, fleet) -> None:
+        """Serve the fleet's latest heartbeats at each scrape (``fleet.worker_records()``, read-only),
+        between steps too; ``None`` stops it (before the fleet is closed)."""
+        if fleet is None:
+            self.exporter.set_worker_source(None)
+            return
+        self.exporter.set_worker_source(
+            lambda: {r.worker_id: worker_series(r) for r in fleet.worker_records()}
+        )
+
     def reload_ledger(self, trained_task_ids: Iterable) -> None:
         """Start the trained-task count again from the ledger (after a trainer restart rewound it)."""
         self._trained = Counter(trained_task_ids)
@@ -204,6 +214,7 @@ class RunTelemetry:
 
     def close(self) -> None:
         """Stop the endpoint (its port is free afterwards) and close the loggers (idempotent)."""
+        self.exporter.set_worker_source(None)
         if self.server is not None:
             self.server.close()
         if self.loggers is not None:

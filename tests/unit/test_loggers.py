@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,7 @@ def _wandb_records(path: Path):
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind == 0:
+        if kind == 0 or len(chunk) < length:  # end of the data written so far
             break
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
@@ -109,7 +110,13 @@ def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
     loggers.close()
     assert run_dir.name.startswith("offline-run-")
     (log,) = run_dir.glob("run-*.wandb")
-    records = _wandb_records(log)
+    deadline = time.monotonic() + 30  # wandb-core (its own process) may still be writing after finish()
+    while True:
+        records = _wandb_records(log)
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            break
+        assert time.monotonic() < deadline, "the W&B run was never finished"
+        time.sleep(0.2)
     history = [
         {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
         for r in records
