@@ -11,8 +11,9 @@ The alerts (one rule group ``moerl``):
                              its own rate over the ``baseline_window`` before it, for ``rate_drop_for``
     MoerlWorkerRateSpread    a worker's rate is more than ``spread`` below the fastest worker's, for
                              ``spread_for`` (fires per laggard; present iff (max - min) / max > spread)
-    MoerlBufferBacklog       buffer depth grows (``deriv`` over ``backlog_window`` > 0) or sits at the
-                             buffer's capacity, for ``backlog_for``: producers outpace the trainer
+    MoerlBufferBacklog       the buffer's lowest depth over ``backlog_window`` rose above the window's
+                             before it, or it never had room (lowest depth at capacity), for
+                             ``backlog_for``: producers outpace the trainer
     MoerlTrainerStarved      the trainer waits for batches more than ``starvation_wait_frac`` of wall
                              time over ``starvation_window``, for ``starvation_for``
     MoerlCommErrors          any communication error (collective timeout, transport, RPC) within
@@ -61,7 +62,7 @@ class AlertParams:
     spread_for: str = "5m"
     """How long the spread must last."""
     backlog_window: str = "10m"
-    """Window of ``deriv(moerl_buffer_depth_groups[...])``."""
+    """Window of ``min_over_time(moerl_buffer_depth_groups[...])`` (and the offset of the one before)."""
     backlog_for: str = "10m"
     """How long the buffer must keep growing (or stay full) before the alert fires."""
     starvation_wait_frac: float = 0.5
@@ -109,6 +110,9 @@ def rule_groups(p: AlertParams) -> dict:
     """The rule file as a dict (``{"groups": [...]}``; also the ``spec`` of a ``PrometheusRule``)."""
     drop, spread = round(1.0 - p.rate_drop, 6), round(1.0 - p.spread, 6)
     pct = lambda x: f"{x * 100:g}%"
+    # the backlog is the depth the buffer never drains below: robust to the step-by-step sawtooth
+    low = f"min_over_time(moerl_buffer_depth_groups[{p.backlog_window}])"
+    low_before = f"min_over_time(moerl_buffer_depth_groups[{p.backlog_window}] offset {p.backlog_window})"
     rules = [
         _rule(
             "MoerlWorkerRateDrop",
@@ -131,12 +135,12 @@ def rule_groups(p: AlertParams) -> dict:
         ),
         _rule(
             "MoerlBufferBacklog",
-            f"deriv(moerl_buffer_depth_groups[{p.backlog_window}]) > 0 or "
-            "(moerl_buffer_depth_groups >= moerl_buffer_capacity_groups and moerl_buffer_capacity_groups > 0)",
+            f"{low} > {low_before} or ({low} >= moerl_buffer_capacity_groups and moerl_buffer_capacity_groups > 0)",
             p.backlog_for,
             "warning",
             "The experience buffer keeps filling: rollout outpaces the trainer",
-            f"Buffer depth growing over {p.backlog_window} or at capacity for {p.backlog_for}; "
+            f"The buffer's lowest depth over {p.backlog_window} rose above the {p.backlog_window} before, or "
+            f"it never had room, for {p.backlog_for}; "
             "workers block on backpressure and their groups age (fewer workers, or a faster trainer).",
         ),
         _rule(
