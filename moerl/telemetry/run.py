@@ -197,7 +197,7 @@ class RunTelemetry:
         self.exporter.update_totals(
             RunTotals(
                 buffer_depth_groups=buffer.depth,
-                buffer_capacity_groups=self.cfg.runtime.buffer_groups,
+                buffer_capacity_groups=buffer.capacity,
                 queue_depth_tasks=queue.pending,
                 num_requeued=queue.requeued,
                 num_lost=tasks_lost(queue, buffer, len(self._trained)),
