@@ -167,3 +167,33 @@ def test_port_in_use_is_a_clear_config_error():
 def test_no_gpu_reads_as_empty(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert read_gpus() == ()
+
+
+def test_nvml_readings_follow_cuda_visible_devices(monkeypatch):
+    import sys
+    import types
+
+    class NVMLError(Exception):
+        pass
+
+    mem = types.SimpleNamespace(used=3 << 30, total=80 << 30)
+    fake = types.SimpleNamespace(
+        NVMLError=NVMLError,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 8,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetMemoryInfo=lambda h: mem,
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=10 * h),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    assert read_gpus() == (GpuSample(2, 0.2, 3 << 30, 80 << 30), GpuSample(5, 0.5, 3 << 30, 80 << 30))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert len(read_gpus()) == 8
+
+    def no_driver():
+        raise NVMLError("Driver Not Loaded")
+
+    fake.nvmlInit = no_driver
+    assert read_gpus() == ()
