@@ -75,8 +75,8 @@ WALL_KEYS = (
 WORKERS_KEY = "rollout/workers"
 
 WORKER_FIELDS: tuple[str, ...] = (
-    "tokens_per_s",  # response tokens delivered per second since the previous record (null: first record)
-    "groups_per_s",  # groups delivered per second since the previous record (null: first record)
+    "tokens_per_s",  # response tokens delivered per second over the trailing 10 s (null: first record)
+    "groups_per_s",  # groups delivered per second over the trailing 10 s (null: first record)
     "tokens_total",  # response tokens delivered (cumulative, this worker's life)
     "groups_total",  # groups delivered (cumulative)
     "policy_lag",  # trainer version - the worker's weights version (null: no weights loaded yet)

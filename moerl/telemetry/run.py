@@ -13,7 +13,7 @@ dispatcher (``moerl.ep``'s ``Traffic``).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -33,6 +33,9 @@ from moerl.telemetry.prometheus import (
     WorkerSeries,
     start_metrics_server,
 )
+
+RATE_WINDOW_S = 10.0
+"""Trailing window of the per-worker rates in ``metrics.jsonl`` (seconds of run wall time)."""
 
 
 def worker_series(rec: WorkerRecord) -> WorkerSeries:
@@ -82,7 +85,7 @@ class RunTelemetry:
         self.server: MetricsServer | None = None
         self.loggers: Loggers | None = None
         self._trained: Counter = Counter(trained_task_ids)
-        self._previous: dict[str, tuple[float, int, int]] = {}  # worker -> (wall_s, tokens, groups)
+        self._history: dict[str, deque] = {}  # worker -> (wall_s, tokens, groups) over RATE_WINDOW_S
         self._wait_s = 0.0
         self._ep: Traffic | None = None
 
@@ -175,20 +178,25 @@ class RunTelemetry:
         return record
 
     def _worker_entries(self, wall_s: float, series: Mapping[str, WorkerSeries], version: int) -> dict:
+        """Per-worker fields; rates over the trailing ``RATE_WINDOW_S`` (heartbeats move the totals
+        about once a second, so a rate between two close records would be mostly 0 or a spike)."""
         entries = {}
         for wid, w in series.items():
-            prev = self._previous.get(wid)
-            dt = wall_s - prev[0] if prev is not None else 0.0
+            history = self._history.setdefault(wid, deque())
+            while len(history) > 1 and wall_s - history[1][0] >= RATE_WINDOW_S:
+                history.popleft()  # keep one point at least RATE_WINDOW_S old
+            first = history[0] if history else None
+            dt = wall_s - first[0] if first is not None else 0.0
             entries[wid] = {
-                "tokens_per_s": (w.tokens_total - prev[1]) / dt if dt > 0 else None,
-                "groups_per_s": (w.groups_total - prev[2]) / dt if dt > 0 else None,
+                "tokens_per_s": (w.tokens_total - first[1]) / dt if dt > 0 else None,
+                "groups_per_s": (w.groups_total - first[2]) / dt if dt > 0 else None,
                 "tokens_total": w.tokens_total,
                 "groups_total": w.groups_total,
                 "policy_lag": max(version - w.policy_version, 0) if w.policy_version >= 0 else None,
                 "spot_notices": w.spot_notices_total,
                 "is_up": int(w.is_up),
             }
-            self._previous[wid] = (wall_s, w.tokens_total, w.groups_total)
+            history.append((wall_s, w.tokens_total, w.groups_total))
         return entries
 
     def _export(self, record: dict, series, queue: QueueStats, buffer: BufferMetrics, step_s, weight_sync_s):

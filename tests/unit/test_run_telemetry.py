@@ -131,3 +131,24 @@ def test_endpoint_serves_during_and_closes_with_the_run(tmp_path):
         raise AssertionError("still serving after close")
     except OSError:
         pass
+
+
+def test_worker_rates_are_over_the_trailing_window(tmp_path):
+    t = RunTelemetry.start(load_config(None, []), tmp_path, tmp_path / "metrics.jsonl")
+    rates = []
+    for wall, tokens in [(0.0, 0), (4.0, 400), (11.0, 1100), (12.0, 1100), (30.0, 1100)]:
+        record = t.write_step(
+            1,
+            wall,
+            {"policy_version": 1},
+            groups=[],
+            workers=[_rec("rollout-0", tokens, 0, 1)],
+            queue=_queue(),
+            buffer=_buffer(),
+            step_s=0.1,
+            weight_sync_s=None,
+        )
+        rates.append(record["rollout/workers"]["rollout-0"]["tokens_per_s"])
+    # from the newest record at least 10 s old: 0 s, 0 s, 0 s, then 0 s (4 s is only 8 s old), then 12 s
+    assert rates == [None, 100.0, 100.0, 1100 / 12, 0.0]
+    t.close()
