@@ -16,7 +16,7 @@ The alerts (one rule group ``moerl``):
                              ``backlog_for``: producers outpace the trainer
     MoerlTrainerStarved      the trainer waits for batches more than ``starvation_wait_frac`` of wall
                              time over ``starvation_window``, for ``starvation_for``
-    MoerlCommErrors          any communication error (collective timeout, transport, RPC) within
+    MoerlCommErrors          any communication error (collective timeout, transport, RPC, provider) within
                              ``comm_error_window``; fires at once
     MoerlSpotNoticeBurst     at least ``spot_notices`` termination notices over all workers within
                              ``spot_window``: clustered preemptions
@@ -158,7 +158,8 @@ def rule_groups(p: AlertParams) -> dict:
             "0s",
             "critical",
             "Communication errors of kind {{ $labels.kind }}",
-            f"Collective timeouts or transport errors (NCCL, gloo, libfabric, Ray) within {p.comm_error_window}.",
+            f"Collective timeouts, transport errors (NCCL, gloo, libfabric, Ray) or provider errors within "
+            f"{p.comm_error_window}.",
         ),
         _rule(
             "MoerlSpotNoticeBurst",

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import threading
 
-COMM_ERROR_KINDS: tuple[str, ...] = ("timeout", "transport", "rpc")
+COMM_ERROR_KINDS: tuple[str, ...] = ("timeout", "transport", "rpc", "provider")
 """Kinds of communication error: ``timeout`` (a collective or RPC that ran past its deadline),
 ``transport`` (an NCCL, gloo or libfabric error raised by torch.distributed), ``rpc`` (a Ray call that
-failed for a reason other than its actor's death)."""
+failed for a reason other than its actor's death), ``provider`` (a cloud provider endpoint that failed:
+the spot-notice endpoint, ``moerl.runtime.notice.HttpNotice``)."""
 
 _lock = threading.Lock()
 _counts = dict.fromkeys(COMM_ERROR_KINDS, 0)
