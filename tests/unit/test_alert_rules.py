@@ -116,3 +116,10 @@ def test_unit_tests_fail_without_the_alert(tmp_path, alert):
 def test_unit_tests_fail_with_looser_thresholds(tmp_path, loose):
     result = _run_with(tmp_path, rule_groups(AlertParams(**loose)))
     assert result.returncode != 0, f"{loose}: promtool tests still pass"
+
+
+@needs_promtool
+def test_example_server_config_is_valid():
+    result = _promtool("check", "config", str(RULES.with_name("prometheus.yml")))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 1 rule files found" in result.stdout
