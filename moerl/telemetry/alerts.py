@@ -106,21 +106,21 @@ def _live_rate(window: str) -> str:
     return f"(rate({TOKENS}[{window}]) and {UP})"
 
 
-def rule_groups(p: AlertParams) -> dict:
-    """The rule file as a dict (``{"groups": [...]}``; also the ``spec`` of a ``PrometheusRule``)."""
+def _pct(x: float) -> str:
+    return f"{x * 100:g}%"
+
+
+def _worker_rules(p: AlertParams) -> list[dict]:
+    """Rate drop and spread, per live worker."""
     drop, spread = round(1.0 - p.rate_drop, 6), round(1.0 - p.spread, 6)
-    pct = lambda x: f"{x * 100:g}%"
-    # the backlog is the depth the buffer never drains below: robust to the step-by-step sawtooth
-    low = f"min_over_time(moerl_buffer_depth_groups[{p.backlog_window}])"
-    low_before = f"min_over_time(moerl_buffer_depth_groups[{p.backlog_window}] offset {p.backlog_window})"
-    rules = [
+    return [
         _rule(
             "MoerlWorkerRateDrop",
             f"{_live_rate(p.rate_window)} < {drop} * rate({TOKENS}[{p.baseline_window}] offset {p.rate_window})",
             p.rate_drop_for,
             "warning",
             "Rollout worker {{ $labels.worker }} is generating slower than its own baseline",
-            f"Token rate over {p.rate_window} more than {pct(p.rate_drop)} below the worker's rate over the "
+            f"Token rate over {p.rate_window} more than {_pct(p.rate_drop)} below the worker's rate over the "
             f"{p.baseline_window} before, for {p.rate_drop_for} (slow node, throttled GPU, noisy neighbour).",
         ),
         _rule(
@@ -130,9 +130,18 @@ def rule_groups(p: AlertParams) -> dict:
             p.spread_for,
             "warning",
             "Rollout worker {{ $labels.worker }} lags the fastest worker",
-            f"Token rate over {p.rate_window} more than {pct(p.spread)} below the fastest live worker's, "
+            f"Token rate over {p.rate_window} more than {_pct(p.spread)} below the fastest live worker's, "
             f"for {p.spread_for}.",
         ),
+    ]
+
+
+def _run_rules(p: AlertParams) -> list[dict]:
+    """Backlog, starvation, comm errors, notice bursts, staleness."""
+    # the backlog is the depth the buffer never drains below: robust to the step-by-step sawtooth
+    low = f"min_over_time(moerl_buffer_depth_groups[{p.backlog_window}])"
+    low_before = f"min_over_time(moerl_buffer_depth_groups[{p.backlog_window}] offset {p.backlog_window})"
+    return [
         _rule(
             "MoerlBufferBacklog",
             f"{low} > {low_before} or ({low} >= moerl_buffer_capacity_groups and moerl_buffer_capacity_groups > 0)",
@@ -149,7 +158,7 @@ def rule_groups(p: AlertParams) -> dict:
             p.starvation_for,
             "warning",
             "The trainer is waiting for batches",
-            f"The trainer waited for the buffer more than {pct(p.starvation_wait_frac)} of the time over "
+            f"The trainer waited for the buffer more than {_pct(p.starvation_wait_frac)} of the time over "
             f"{p.starvation_window}, for {p.starvation_for} (too few rollout workers).",
         ),
         _rule(
@@ -179,7 +188,11 @@ def rule_groups(p: AlertParams) -> dict:
             "or the worker misses new versions, and its groups risk being refused as stale.",
         ),
     ]
-    return {"groups": [{"name": "moerl", "rules": rules}]}
+
+
+def rule_groups(p: AlertParams) -> dict:
+    """The rule file as a dict (``{"groups": [...]}``; also the ``spec`` of a ``PrometheusRule``)."""
+    return {"groups": [{"name": "moerl", "rules": [*_worker_rules(p), *_run_rules(p)]}]}
 
 
 HEADER = (

@@ -59,7 +59,7 @@ def _quantiles(series: str) -> list[tuple[str, str]]:
     ]
 
 
-def _rows() -> list[tuple[str, list[dict]]]:
+def _rollout_row() -> list[dict]:
     tok = f"rate(moerl_rollout_tokens_total{{{SEL}}}[{RATE}])"
     live_tok = f"({tok} and moerl_worker_up{{{SEL}}} == 1)"
     rollout = [
@@ -87,7 +87,11 @@ def _rows() -> list[tuple[str, list[dict]]]:
             description="Trainer version minus the worker's weights version (versions).",
         ),
     ]
-    buffer = [
+    return rollout
+
+
+def _buffer_row() -> list[dict]:
+    return [
         _ts(
             "Experience buffer (groups)",
             "short",
@@ -102,12 +106,18 @@ def _rows() -> list[tuple[str, list[dict]]]:
             description="Fraction of wall time the trainer waited for the buffer; starvation alert above 0.5.",
         ),
     ]
-    trainer = [
+
+
+def _trainer_row() -> list[dict]:
+    return [
         _ts("Trainer step seconds", "s", *_quantiles("moerl_trainer_step_seconds")),
         _ts("Weight sync seconds", "s", *_quantiles("moerl_weight_sync_seconds")),
         _ts("Policy version", "short", (f"moerl_policy_version{{{SEL}}}", "{{instance}}")),
     ]
-    faults = [
+
+
+def _faults_row() -> list[dict]:
+    return [
         _ts(
             "Spot notices, kills and requeues",
             "short",
@@ -128,7 +138,10 @@ def _rows() -> list[tuple[str, list[dict]]]:
             (f"sum by (kind) (increase(moerl_comm_errors_total{{{SEL}}}[{RATE}]))", "{{kind}}"),
         ),
     ]
-    hardware = [
+
+
+def _hardware_row() -> list[dict]:
+    return [
         _ts(
             "EP bytes/s by link class",
             "Bps",
@@ -150,12 +163,15 @@ def _rows() -> list[tuple[str, list[dict]]]:
             (f"moerl_gpu_memory_total_bytes{{{SEL}}}", "{{worker}} gpu{{gpu}} total"),
         ),
     ]
+
+
+def _rows() -> list[tuple[str, list[dict]]]:
     return [
-        ("Rollout", rollout),
-        ("Buffer and queue", buffer),
-        ("Trainer", trainer),
-        ("Faults", faults),
-        ("EP traffic and GPUs", hardware),
+        ("Rollout", _rollout_row()),
+        ("Buffer and queue", _buffer_row()),
+        ("Trainer", _trainer_row()),
+        ("Faults", _faults_row()),
+        ("EP traffic and GPUs", _hardware_row()),
     ]
 
 
