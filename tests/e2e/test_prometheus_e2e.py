@@ -161,6 +161,18 @@ def _worker_rates(prom: Prometheus, instance: str) -> dict[str, float]:
     return {r["metric"]["worker"]: float(r["value"][1]) for r in rows}
 
 
+def _dashboard_queries(prom: Prometheus) -> dict[str, list]:
+    """Every expression of deploy/grafana/moerl.json evaluated by the server (Grafana's variables
+    replaced: all instances, a 15 s rate interval), by panel title; a syntax error fails the query."""
+    board = json.loads((Path(__file__).resolve().parents[2] / "deploy/grafana/moerl.json").read_text())
+    out = {}
+    for panel in board["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"].replace("$instance", ".*").replace("$__rate_interval", "15s")
+            out.setdefault(panel["title"], []).extend(prom.query(expr))
+    return out
+
+
 @pytest.mark.timeout(300)
 def test_prometheus_sees_the_slowed_worker_and_nothing_without_it(tmp_path, tiny_init):
     slow_port, steady_port = _free_port(), _free_port()
@@ -199,6 +211,11 @@ def test_prometheus_sees_the_slowed_worker_and_nothing_without_it(tmp_path, tiny
         assert set(rates) == {"rollout-0", "rollout-1"} and all(r > 0 for r in rates.values()), rates
         assert rates["rollout-1"] < rates["rollout-0"], rates
         print(f"slowed run: {seen['labels']['alertname']} {seen['state']} for rollout-1; rates {rates}")
+        answered = _dashboard_queries(prom)  # the dashboard's PromQL evaluates on a live run
+        assert len(answered["Rollout tokens/s per worker"]) == 2, answered
+        print(
+            f"dashboard: {len(answered)} panels' expressions evaluated, {sum(map(bool, answered.values()))} with data"
+        )
         assert _stop(proc) == 130  # SIGTERM stops a run like Ctrl-C
         assert not _answers(f"http://{slow}/metrics")  # gone with the run
 
