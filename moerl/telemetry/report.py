@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from moerl.atomic import atomic_path
 from moerl.runtime.run_dir import RunDir, read_jsonl
 
 
@@ -205,9 +206,8 @@ def plot_report(run_dir: str | Path) -> Path:
 
 
 def _save(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=90)  # a bare Figure renders with Agg: no display needed in workers and CI
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=90, format="png")  # a bare Figure renders with Agg: no display needed
 
 
 def summary_table(summary: dict, records: list[dict]):
