@@ -41,6 +41,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     if args.ray_address:  # as an override: validated with the rest, and honoured by --resume too
         args.overrides.append(f"runtime.ray_address={json.dumps(args.ray_address)}")
+    if args.metrics_port is not None:
+        args.overrides.append(f"telemetry.metrics_port={args.metrics_port}")
+    if args.metrics_address is not None:
+        args.overrides.append(f"telemetry.metrics_address={json.dumps(args.metrics_address)}")
     try:
         summary = (
             run.resume(args.resume, overrides=args.overrides) if args.resume else run.train(_config(args))
@@ -149,6 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue a run from its last checkpoint (a run folder, or its storage URL s3://...)",
     )
     p.add_argument("--ray-address", default=None, help="connect to an existing Ray cluster")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve Prometheus metrics on this port while training (default: telemetry.metrics_port, 0: off)",
+    )
+    p.add_argument(
+        "--metrics-address",
+        default=None,
+        help="interface of the metrics endpoint (default: telemetry.metrics_address, 127.0.0.1)",
+    )
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("sft", help="supervised warm start on task solutions")

@@ -427,6 +427,42 @@ class EvalConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class TelemetryConfig:
+    """Where a run's metrics go (``moerl.telemetry``): loggers and the Prometheus endpoint."""
+
+    loggers: tuple[str, ...] = ("jsonl",)
+    """Step-record sinks: ``jsonl`` (``metrics.jsonl``, required: report and resume read it),
+    ``tensorboard`` (``RUN_DIR/tensorboard``, extra ``tensorboard``), ``wandb`` (extra ``wandb``)."""
+    metrics_port: int = 0
+    """TCP port of the Prometheus endpoint served while ``moerl train`` runs (``--metrics-port``);
+    0: no endpoint. Off by default so that concurrent runs on one host never collide; 9464 is the
+    port the deploy/ files use."""
+    metrics_address: str = "127.0.0.1"
+    """Interface the endpoint binds; ``0.0.0.0`` exposes it to other hosts (a cluster's Prometheus)."""
+    wandb_project: str = "moerl"
+    """W&B project name."""
+    wandb_mode: str = "offline"
+    """W&B mode: ``offline`` (files under ``RUN_DIR/wandb``, upload later with ``wandb sync``) or
+    ``online`` (needs ``wandb login`` and network)."""
+
+    def __post_init__(self) -> None:
+        self.loggers = tuple(self.loggers)
+        for name in self.loggers:
+            check_choice("telemetry.loggers", name, ["jsonl", "tensorboard", "wandb"])
+        if "jsonl" not in self.loggers:
+            raise ConfigError(
+                f"telemetry.loggers={list(self.loggers)} must include jsonl "
+                "(metrics.jsonl is the run's record that moerl report and --resume read)"
+            )
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError(f"telemetry.loggers={list(self.loggers)} names a logger twice")
+        check_range("telemetry.metrics_port", self.metrics_port, 0, 65535)
+        if not self.metrics_address:
+            raise ConfigError("telemetry.metrics_address must not be empty (e.g. 127.0.0.1 or 0.0.0.0)")
+        check_choice("telemetry.wandb_mode", self.wandb_mode, ["offline", "online"])
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     """A whole run: the components plus the run's name, seed and output folder."""
 
@@ -450,6 +486,7 @@ class RunConfig:
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
         # lazy: moerl.rl imports torch, and the config must load without it (``moerl --help``, YAML checks);

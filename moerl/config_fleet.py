@@ -78,10 +78,19 @@ class ChaosConfig:
     full checkpoint. 0 disables."""
     seed: int = 0
     """Seed of the fault times and of the choice of victims."""
+    slow_worker: str | None = None
+    """Id of a rollout worker (e.g. ``rollout-0``) that generates at ``slow_factor`` of its speed: it
+    sleeps after each scheduler step for (1 / slow_factor - 1) x the step's seconds. ``None``: off.
+    For rehearsing the rate-drop and spread alerts (``deploy/prometheus/rules.yaml``)."""
+    slow_factor: float = 0.5
+    """Speed of ``slow_worker`` relative to its own, in (0, 1]; 0.5: half speed."""
 
     def __post_init__(self) -> None:
         for name in ("kill_rollout_every_s", "notice_rollout_every_s", "start_after_s"):
             check_range(f"chaos.{name}", getattr(self, name), 0.0)
+        check_range("chaos.slow_factor", self.slow_factor, 0.0, 1.0, lo_open=True)
+        if self.slow_worker is not None and not self.slow_worker:
+            raise ConfigError("chaos.slow_worker must be a worker id such as rollout-0, or null")
         for name in ("max_kills", "max_notices", "kill_trainer_at_step"):
             check_range(f"chaos.{name}", getattr(self, name), 0)
 

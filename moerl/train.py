@@ -43,8 +43,8 @@ from moerl.runtime.types import Group
 from moerl.runtime.warm_start import warm_start
 from moerl.runtime.weights import StoreNotWritableError, WeightStore
 from moerl.telemetry.live import LiveView
-from moerl.telemetry.metrics import MetricsWriter
 from moerl.telemetry.report import plot_report
+from moerl.telemetry.run import RunTelemetry
 from moerl.telemetry.step import StepTimings, step_values
 
 
@@ -100,9 +100,21 @@ class Run:
         the rollouts.
 
         Raises:
-            ConfigError: an unwritable weight store, an unreachable Ray address, a bad ``init_from``.
+            ConfigError: an unwritable weight store, an unreachable Ray address, a bad ``init_from``,
+                a taken ``--metrics-port`` (``MetricsPortError``, before anything else).
         """
+        # the endpoint first: a taken --metrics-port fails before any training
+        self.telemetry = RunTelemetry.start(self.cfg, self.dir.path, self.dir.metrics)
+        try:
+            self._start(checkpoint)
+        except BaseException:
+            self.telemetry.close()
+            raise
+
+    def _start(self, checkpoint: Path | None) -> None:
         cfg = self.cfg
+        if self.telemetry.url:
+            self.view.message(f"metrics at {self.telemetry.url}")
         keep_freed_memory()  # no page faults on each step's activations (moerl.runtime.allocator)
         _seed_everything(cfg.seed)
         self.store = _open_store(cfg, self.dir, self.mirror)
@@ -114,10 +126,11 @@ class Run:
         self.trainer = Trainer.from_run_config(self.comp.model, cfg)
         self.state = self._begin(parts, checkpoint)
         self.rollouts = self._start_rollouts(parts)
+        self.telemetry.watch_fleet(self.rollouts)  # scrapes read the workers' latest heartbeats
+        self.telemetry.reload_ledger(e.task_id for e in self.dir.read_ledger())  # resumed: rewound
         self.chaos, self.journal = ChaosMonkey(cfg.chaos), StepJournal()
         if parts is not None:
             restore_rng_state(parts["rng"])
-        self.metrics = MetricsWriter(self.dir.metrics)
         self.clock0, self.wall0 = time.perf_counter(), self.state["wall_s"]
 
     def step(self) -> None:
@@ -159,6 +172,7 @@ class Run:
             self.cfg, self.comp, self.dir, self.store, self.rollouts, self.journal, failed_step
         )
         self.restarts += 1
+        self.telemetry.reload_ledger(e.task_id for e in self.dir.read_ledger())  # rewound by the recovery
         self.view.message(
             f"trainer killed after step {failed_step}: restarted from step {report.restored_step}, "
             f"{report.tasks_requeued} tasks requeued, weights published as v{report.version}"
@@ -191,6 +205,7 @@ class Run:
         """Stop the rollouts and the console view."""
         self.rollouts.close()
         self.view.close()
+        self.telemetry.close()  # the endpoint goes away with the run; its port is free afterwards
 
     # -- the parts of start and step -------------------------------------------------------------
 
@@ -233,10 +248,13 @@ class Run:
     def _publish(self, step: int) -> float:
         """Publish the weights every ``publish_every`` steps and at the end; returns the seconds it took."""
         t1 = time.perf_counter()
-        if step % self.cfg.trainer.publish_every == 0 or step == self.cfg.trainer.steps:
+        if self._is_publish_step(step):
             self.trainer.publish(self.store)
             self.rollouts.push_weights(self.trainer.version, self.trainer.named_weights())
         return time.perf_counter() - t1
+
+    def _is_publish_step(self, step: int) -> bool:
+        return step % self.cfg.trainer.publish_every == 0 or step == self.cfg.trainer.steps
 
     def _evaluate(self, step: int) -> float | None:
         """Held-out accuracy every ``eval.every`` steps and at the end, else None."""
@@ -248,13 +266,25 @@ class Run:
         self, groups: list[Group], stats: TrainStats, timings: StepTimings, accuracy, samples: int, t0: float
     ) -> None:
         r = self.rollouts
-        values = step_values(groups, stats, timings, r.queue_stats(), r.buffer_metrics(), accuracy=accuracy)
+        queue, buffer = r.queue_stats(), r.buffer_metrics()
+        values = step_values(groups, stats, timings, queue, buffer, accuracy=accuracy)
         values.update(r.fleet_values(self.cfg.trainer.batch_groups), policy_version=self.trainer.version)
         s = self.state
         s["samples"] += samples
         s["loop_s"] += time.perf_counter() - t0
         s["wall_s"] = self.wall0 + time.perf_counter() - self.clock0
-        self.view.update(self.metrics.write(stats.step, s["wall_s"], values))
+        record = self.telemetry.write_step(
+            stats.step,
+            s["wall_s"],
+            values,
+            groups=groups,
+            workers=r.worker_records(),
+            queue=queue,
+            buffer=buffer,
+            step_s=timings.step_s,
+            weight_sync_s=timings.publish_s if self._is_publish_step(stats.step) else None,
+        )
+        self.view.update(record)
         if accuracy is not None:
             s["final_accuracy"] = accuracy
 

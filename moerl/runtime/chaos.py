@@ -1,5 +1,5 @@
 """Fault injection for tests and rehearsals: SIGKILL random rollout workers, send spot-style notices,
-kill the trainer. Off by default (``moerl.config.ChaosConfig``); turn it on with e.g.
+kill the trainer, slow one rollout worker down. Off by default (``moerl.config.ChaosConfig``); turn it on with e.g.
 ``--set chaos.kill_rollout_every_s=20 --set chaos.notice_rollout_every_s=30``.
 
 ``ChaosMonkey`` only decides *when* and *whom* (seeded, with an injectable clock); the driver
@@ -159,3 +159,33 @@ def write_notice(path: str | Path, *, seconds_from_now: float = 120.0, action: s
     path = Path(path)
     atomic_write_text(path, instance_action_document(action, seconds_from_now))
     return path
+
+
+class Slowdown:
+    """``chaos.slow_worker`` at ``chaos.slow_factor`` of its speed: after each scheduler step of
+    ``step_s`` seconds the worker sleeps ``step_s * (1 / slow_factor - 1)``, so its token rate is
+    ``slow_factor`` of what it would be (0.5: half). A no-op for every other worker.
+
+    Args:
+        factor: speed relative to its own, in (0, 1]; 1 disables.
+        sleep: injectable for tests.
+    """
+
+    def __init__(self, factor: float = 1.0, sleep: Callable[[float], None] = time.sleep) -> None:
+        if not 0.0 < factor <= 1.0:
+            raise ValueError(f"slow_factor must be in (0, 1], got {factor}")
+        self.factor, self._sleep = factor, sleep
+        self.slept_s = 0.0
+        """Seconds slept so far."""
+
+    @classmethod
+    def from_config(cls, cfg: ChaosConfig, worker_id: str) -> Slowdown:
+        """Slowed when ``worker_id`` is ``cfg.slow_worker``, else a no-op."""
+        return cls(cfg.slow_factor if cfg.slow_worker == worker_id else 1.0)
+
+    def after_step(self, step_s: float) -> None:
+        """Sleep to bring this step down to ``factor`` of its speed."""
+        if self.factor < 1.0 and step_s > 0:
+            pause = step_s * (1.0 / self.factor - 1.0)
+            self._sleep(pause)
+            self.slept_s += pause

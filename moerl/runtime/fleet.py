@@ -74,6 +74,12 @@ class WorkerHealth:
     """Its process id (0: unknown); chaos SIGKILLs it by this on the same host."""
     hostname: str = ""
     """Host it runs on (``socket.gethostname()``)."""
+    groups_delivered: int = 0
+    """Groups it handed to the buffer so far (cumulative, whatever the buffer decided)."""
+    gpus: tuple = ()
+    """Its GPUs' utilization and memory (``moerl.telemetry.gpu.GpuSample``; empty without a GPU)."""
+    comm_errors: tuple[tuple[str, int], ...] = ()
+    """Communication errors it caught, ``(kind, count)`` cumulative (``moerl.telemetry.counters``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +184,7 @@ class FleetMetrics:
             "fleet/lost_work_frac": self.lost_work_frac,
             "fleet/time_to_replace_s": self.time_to_replace_s,
             "fleet/desired_workers": self.desired_workers,
+            "fleet/lost_work_tokens": self.tokens_discarded,
         }
 
 

@@ -17,6 +17,7 @@ from moerl.config import RunConfig
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics, ExperienceBuffer
 from moerl.runtime.build import Components, make_buffer, make_queue, make_worker
+from moerl.runtime.fleet import WorkerHealth, WorkerRecord, WorkerState
 from moerl.runtime.queue import QueueStats, TaskQueue
 from moerl.runtime.types import Group, RolloutTask
 from moerl.runtime.weight_sources import LocalWeights
@@ -96,6 +97,16 @@ class LocalRollouts:
     def fleet_values(self, batch_groups: int) -> dict[str, float]:
         """The step's ``fleet/*`` metrics: one in-process worker, never interrupted."""
         return {**dict.fromkeys(_NEVER, 0), "fleet/workers_alive": 1, "fleet/desired_workers": 1}
+
+    def worker_records(self) -> list[WorkerRecord]:
+        """A record of the in-process worker (always alive), as ``RayRollouts`` reports its workers."""
+        stats = self.worker.stats
+        health = WorkerHealth(
+            tokens_delivered=stats.tokens_generated,
+            groups_delivered=stats.groups_put,
+            policy_version=self.worker.version,
+        )
+        return [WorkerRecord(self.worker.worker_id, 0.0, WorkerState.ALIVE, health=health)]
 
     def fleet_summary(self) -> dict:
         """Fleet figures for ``summary.json`` (nothing to report in-process)."""

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Protocol
 
 from moerl.config import FleetConfig
+from moerl.telemetry.counters import count_comm_error
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ class HttpNotice:
         if self.num_errors == 0:
             log.warning("notice endpoint %s: %s (further errors are counted, not logged)", self.url, what)
         self.num_errors += 1
+        count_comm_error("provider")  # moerl_comm_errors_total{kind="provider"}, via the heartbeat
 
 
 class ImdsNotice:

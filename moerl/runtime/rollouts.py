@@ -21,6 +21,7 @@ import torch
 
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
+from moerl.runtime.fleet import WorkerRecord
 from moerl.runtime.queue import QueueStats
 from moerl.runtime.types import Group, RolloutTask
 from moerl.runtime.worker import WorkerStats
@@ -60,6 +61,11 @@ class Rollouts(Protocol):
 
     def fleet_values(self, batch_groups: int) -> dict[str, float]:
         """The step's ``fleet/*`` metrics (workers alive and wanted, interruptions, lost work)."""
+        ...
+
+    def worker_records(self) -> list[WorkerRecord]:
+        """Every worker seen: its state and last heartbeat (``WorkerHealth``). Read-only, no remote call:
+        the metrics endpoint calls it from its own thread at each scrape."""
         ...
 
     def fleet_summary(self) -> dict:

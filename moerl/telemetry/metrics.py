@@ -4,6 +4,11 @@ One JSON record per trainer step. Every record has ``step`` (1-based trainer ste
 (seconds since the run started, restarting runs continue the count) and every key of
 ``METRIC_KEYS``; a metric that was not measured at that step (``eval/accuracy`` between evals) is
 ``null``. Unknown keys are refused so that the schema stays fixed.
+
+All values are numbers or ``null`` except ``rollout/workers``: one entry per rollout worker seen so far
+(``{worker_id: {field: number or null}}`` with exactly the fields of ``WORKER_FIELDS``; a worker that
+went away keeps its last totals with ``is_up`` 0). The same per-worker series are served by the
+Prometheus endpoint (``moerl.telemetry.prometheus``).
 """
 
 from __future__ import annotations
@@ -47,6 +52,11 @@ METRIC_KEYS: tuple[str, ...] = (
     "fleet/lost_work_frac",  # generated tokens discarded by interruptions / generated tokens
     "fleet/time_to_replace_s",  # mean seconds from detecting a lost worker to its replacement answering
     "fleet/desired_workers",  # scaling hint for an external autoscaler (moerl.runtime.fleet)
+    "fleet/spot_notices",  # termination notices received by rollout workers (cumulative)
+    "fleet/lost_work_tokens",  # generated tokens discarded by interruptions (cumulative)
+    "ep/intra_node_bytes",  # bytes EP ranks sent within a node, dispatch + combine (cumulative; null: no EP)
+    "ep/inter_node_bytes",  # bytes EP ranks sent across nodes (cumulative; null: no EP)
+    "rollout/workers",  # per-worker record: {worker_id: {WORKER_FIELDS}} (see the module docstring)
 )
 """The fixed metric names, in the order they are written."""
 
@@ -61,6 +71,23 @@ WALL_KEYS = (
     "timing/wait_s",
 )
 """Fields that depend on wall-clock time (excluded when comparing two runs for equality)."""
+
+WORKERS_KEY = "rollout/workers"
+
+WORKER_FIELDS: tuple[str, ...] = (
+    "tokens_per_s",  # response tokens delivered per second over the trailing 10 s (null: first record)
+    "groups_per_s",  # groups delivered per second over the trailing 10 s (null: first record)
+    "tokens_total",  # response tokens delivered (cumulative, this worker's life)
+    "groups_total",  # groups delivered (cumulative)
+    "policy_lag",  # trainer version - the worker's weights version (null: no weights loaded yet)
+    "spot_notices",  # termination notices it received (cumulative)
+    "is_up",  # 1 while it answers liveness pings, 0 once gone
+)
+"""Fields of each ``rollout/workers`` entry, in order."""
+
+WORKER_WALL_FIELDS = ("tokens_per_s", "groups_per_s", "tokens_total", "groups_total")
+"""Per-worker fields left out when two runs are compared: the rates depend on wall-clock time, the
+totals on the worker process's life (a resumed run's workers start again from 0)."""
 
 
 def _clean(value: float | int | None) -> float | int | None:
@@ -86,8 +113,25 @@ def make_record(
         raise KeyError(f"metrics outside the fixed schema: {unknown}; allowed: {list(METRIC_KEYS)}")
     record: dict[str, float | int | None] = {"step": int(step), "wall_s": round(float(wall_s), 4)}
     for key in METRIC_KEYS:
-        record[key] = _clean(values.get(key))
+        record[key] = _clean_workers(values.get(key)) if key == WORKERS_KEY else _clean(values.get(key))
     return record
+
+
+def _clean_workers(workers: dict | None) -> dict | None:
+    """A ``rollout/workers`` value with exactly ``WORKER_FIELDS`` per worker (missing fields: None)."""
+    if workers is None:
+        return None
+    if not isinstance(workers, dict):
+        raise TypeError(f"{WORKERS_KEY} must be a dict of worker id -> fields, got {type(workers).__name__}")
+    out = {}
+    for wid, entry in sorted(workers.items()):
+        unknown = sorted(set(entry) - set(WORKER_FIELDS))
+        if unknown:
+            raise KeyError(
+                f"{WORKERS_KEY}[{wid!r}]: fields outside the schema: {unknown}; allowed: {list(WORKER_FIELDS)}"
+            )
+        out[str(wid)] = {name: _clean(entry.get(name)) for name in WORKER_FIELDS}
+    return out
 
 
 class MetricsWriter:
@@ -111,4 +155,10 @@ class MetricsWriter:
 
 def without_wall_clock(record: dict) -> dict:
     """The record minus the fields that depend on wall-clock time (for run-to-run equality)."""
-    return {k: v for k, v in record.items() if k not in WALL_KEYS}
+    out = {k: v for k, v in record.items() if k not in WALL_KEYS}
+    if out.get(WORKERS_KEY):
+        out[WORKERS_KEY] = {
+            wid: {f: v for f, v in entry.items() if f not in WORKER_WALL_FIELDS}
+            for wid, entry in out[WORKERS_KEY].items()
+        }
+    return out

@@ -3,6 +3,10 @@
 The figure has two rows of three panels: reward and eval accuracy, throughput (rollout and train
 tokens/s) and buffer/queue depth, plotted against trainer step (top, integer ticks) and wall time in
 seconds (bottom). Every axis is labelled with its units.
+
+``report_fleet.png`` (``fleet_figure``) puts the rollout fleet on the wall-time axis: each worker's
+rollout rate (tokens/s, from ``rollout/workers``), buffer depth, requeues, spot notices and worker kills
+(cumulative), and, when the run had EP traffic, bytes/s per link class (``ep/*``).
 """
 
 from __future__ import annotations
@@ -98,8 +102,92 @@ def report_figure(records: list[dict], *, start_accuracy: float | None = None, t
     return fig
 
 
+FLEET_REPORT = "report_fleet.png"
+"""File name of the fleet figure in the run folder."""
+
+
+def _worker_rates(records: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """(wall s, tokens/s) points per worker from the ``rollout/workers`` entries."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for r in records:
+        for wid, entry in (r.get("rollout/workers") or {}).items():
+            if entry.get("tokens_per_s") is not None:
+                out.setdefault(wid, []).append((r["wall_s"], entry["tokens_per_s"]))
+    return out
+
+
+def _ep_rates(records: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """(wall s, bytes/s) points per link class from the cumulative ``ep/*_node_bytes``."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for link in ("intra", "inter"):
+        key = f"ep/{link}_node_bytes"
+        pts = [(r["wall_s"], r[key]) for r in records if r.get(key) is not None]
+        rates = [
+            (t1, (b1 - b0) / (t1 - t0)) for (t0, b0), (t1, b1) in zip(pts, pts[1:], strict=False) if t1 > t0
+        ]
+        if rates:
+            out[f"{link}-node"] = rates
+    return out
+
+
+def _points(records: list[dict], key: str) -> list[tuple[float, float]]:
+    """(wall s, value) of ``key`` where recorded."""
+    return [(r["wall_s"], r[key]) for r in records if r.get(key) is not None]
+
+
+def fleet_panels(records: list[dict]) -> list[tuple[str, str, dict, bool]]:
+    """(title, y label with units, {legend: points}, is_count) of each ``fleet_figure`` panel; the EP
+    panel only when the records have EP traffic."""
+    panels = [
+        ("Rollout rate per worker", "rollout rate (tokens/s)", _worker_rates(records), False),
+        ("Buffer depth", "depth (groups)", {"buffer depth": _points(records, "buffer/depth")}, True),
+        (
+            "Requeues, notices, kills",
+            "count (cumulative)",
+            {
+                "tasks requeued": _points(records, "queue/requeued"),
+                "spot notices": _points(records, "fleet/spot_notices"),
+                "workers killed": _points(records, "fleet/killed"),
+            },
+            True,
+        ),
+    ]
+    if ep := _ep_rates(records):
+        panels.append(("EP traffic per link class", "EP bytes/s (sent)", ep, False))
+    return panels
+
+
+def fleet_figure(records: list[dict], *, title: str = "moerl fleet"):
+    """The fleet over wall time as a matplotlib ``Figure`` (``fleet_panels``: per-worker rollout rate,
+    buffer depth, requeues / notices / kills, EP bytes/s per link class when present; 3 or 4 axes).
+    Every axis is labelled with its units; a panel with nothing recorded says so."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    panels = fleet_panels(records)
+    fig = Figure(figsize=(5 * len(panels), 4.5), layout="constrained")
+    for ax, (name, y_label, lines, is_count) in zip(fig.subplots(1, len(panels)), panels, strict=True):
+        for label, pts in sorted(lines.items()):
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, markersize=3, label=label)
+        ax.set_title(f"{name} by wall time", fontsize=12)
+        ax.set_xlabel("wall time (s)", fontsize=10)
+        ax.set_ylabel(y_label, fontsize=10)
+        if is_count:
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=9)
+        else:
+            ax.text(0.5, 0.5, "not recorded in this run", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(title, fontsize=14)
+    return fig
+
+
 def plot_report(run_dir: str | Path) -> Path:
-    """Draw ``report.png`` (``report_figure``) from ``metrics.jsonl``; returns its path.
+    """Draw ``report.png`` (``report_figure``) and ``report_fleet.png`` (``fleet_figure``) from
+    ``metrics.jsonl``; returns the path of ``report.png``.
 
     Raises:
         FileNotFoundError: the folder does not exist or has no ``metrics.jsonl`` records.
@@ -112,9 +200,14 @@ def plot_report(run_dir: str | Path) -> Path:
         raise FileNotFoundError(f"{run.metrics} has no records: nothing to plot")
     start_accuracy = (run.read_summary() or {}).get("start_eval_accuracy")
     fig = report_figure(records, start_accuracy=start_accuracy, title=f"moerl run {run.path.name}")
-    with atomic_path(run.report) as tmp:
-        fig.savefig(tmp, dpi=90, format="png")  # a bare Figure renders with Agg: no display needed
+    _save(fig, run.report)
+    _save(fleet_figure(records, title=f"moerl fleet {run.path.name}"), run.path / FLEET_REPORT)
     return run.report
+
+
+def _save(fig, path: Path) -> None:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=90, format="png")  # a bare Figure renders with Agg: no display needed
 
 
 def summary_table(summary: dict, records: list[dict]):
@@ -160,5 +253,5 @@ def report_main(run_dir: str | Path) -> int:
     png = plot_report(run.path)
     summary = run.read_summary() or {"status": "unfinished", "steps": records[-1]["step"]}
     console.print(summary_table(summary, records))
-    console.print(f"figure: {png}")
+    console.print(f"figures: {png}, {png.with_name(FLEET_REPORT)}")
     return 0

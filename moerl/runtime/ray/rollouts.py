@@ -44,7 +44,7 @@ from moerl.config import ConfigError, RunConfig
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.chaos import ChaosMonkey
-from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager
+from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager, WorkerRecord
 from moerl.runtime.notice import notice_file_for
 from moerl.runtime.queue import QueueStats
 from moerl.runtime.ray.backend import RayWorkerBackend
@@ -238,6 +238,10 @@ class RayRollouts:
         if self.capacity is not None and self.capacity.update(hint.desired_workers) is not None:
             self.manager.scale_to(self.capacity.requested)  # newcomers wait for the new nodes
         return self.manager.metrics().as_metrics()
+
+    def worker_records(self) -> list[WorkerRecord]:
+        """The fleet manager's record of every worker seen (state and last heartbeat); only reads."""
+        return list(self.manager.records.values())
 
     def fleet_summary(self) -> dict:
         """Fleet figures for ``summary.json``."""

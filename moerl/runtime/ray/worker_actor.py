@@ -25,6 +25,7 @@ from moerl.config import RunConfig
 from moerl.runtime.allocator import keep_freed_memory
 from moerl.runtime.buffer import BufferClosed
 from moerl.runtime.build import load_policy, make_worker
+from moerl.runtime.chaos import Slowdown
 from moerl.runtime.drain import Drainer
 from moerl.runtime.fleet import WorkerExit, WorkerHealth
 from moerl.runtime.notice import watcher_from_config
@@ -34,6 +35,8 @@ from moerl.runtime.weight_sources import StoreWeights
 from moerl.runtime.weights import WeightStore, unpack_weights
 from moerl.tasks import make_task
 from moerl.tasks.tokenizer import load_run_tokenizer
+from moerl.telemetry.counters import comm_error_counts
+from moerl.telemetry.gpu import read_gpus
 
 
 def _ray():
@@ -170,6 +173,8 @@ class RolloutWorkerActor:
         self.worker.sync_weights()  # the newest published version before the first lease
         self.watcher = watcher_from_config(cfg.fleet, worker_id, default_notice_dir=notice_dir).start()
         self.drainer = Drainer(cfg.fleet.drain_grace_s, keep_partial=cfg.fleet.keep_partial)
+        self.slowdown = Slowdown.from_config(cfg.chaos, worker_id)
+        self._has_gpu = cfg.model.device.startswith("cuda")
 
     def _weights_version(self) -> int:
         return self.worker.version
@@ -188,7 +193,9 @@ class RolloutWorkerActor:
         reason, report = "stopped", None
         try:
             while not self._stop.is_set() and not self.watcher.is_set():
+                started = time.perf_counter()
                 self.worker.step()
+                self.slowdown.after_step(time.perf_counter() - started)  # chaos.slow_worker (off: no-op)
                 if not self.worker.num_in_flight:  # queue empty or gated; a delivery may be on its way
                     self._offered.wait(0.01)  # new weights open the staleness gate: wake at once
                     self._offered.clear()
@@ -213,6 +220,9 @@ class RolloutWorkerActor:
             is_draining=self.watcher.is_set(),
             pid=os.getpid(),
             hostname=socket.gethostname(),
+            groups_delivered=self.worker.stats.groups_put,
+            gpus=read_gpus() if self._has_gpu else (),
+            comm_errors=tuple(comm_error_counts().items()),
         )
 
     def notify(self) -> None:
