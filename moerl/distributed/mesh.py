@@ -43,6 +43,10 @@ class TrainMesh:
     """2-D mesh ("dp", "ep") of shape (R / P, P)."""
     topology: Topology
     """Node layout of this rank's EP group (P ranks, ``min(gpus_per_node, P)`` per node)."""
+    ep_major: DeviceMesh
+    """2-D mesh ("ep", "dp") of shape (P, R / P), the transpose of ``mesh_2d``: an expert tensor
+    [E, ...] placed ``(Shard(0), Shard(0))`` on it is split over EP ranks first, then FSDP2-style over
+    dp, which is exactly how the experts are held (the global view checkpoints use)."""
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -96,6 +100,8 @@ def build_mesh(ep_size: int, gpus_per_node: int, device_type: str = "cpu") -> Tr
         raise ValueError(f"ep_size={ep_size} does not divide the {num_ranks} ranks of the training group")
     ranks = torch.arange(num_ranks)
     world = DeviceMesh(device_type, ranks, mesh_dim_names=("fsdp",))
-    mesh_2d = DeviceMesh(device_type, ranks.view(num_ranks // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
+    grid = ranks.view(num_ranks // ep_size, ep_size)
+    mesh_2d = DeviceMesh(device_type, grid, mesh_dim_names=("dp", "ep"))
+    ep_major = DeviceMesh(device_type, grid.t().contiguous(), mesh_dim_names=("ep", "dp"))
     topology = Topology(ep_size, min(gpus_per_node, ep_size))
-    return TrainMesh(rank, num_ranks, ep_size, world, mesh_2d, topology)
+    return TrainMesh(rank, num_ranks, ep_size, world, mesh_2d, topology, ep_major)

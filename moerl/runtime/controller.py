@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from moerl.config import ConfigError, RunConfig, load_config
+from moerl.distributed.factory import check_trainer_resources, load_trainer_state, make_trainer
+from moerl.distributed.group import TrainerGroup
 from moerl.runtime.allocator import keep_freed_memory
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
@@ -140,6 +142,7 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
         store = WeightStore(cfg.runtime.store_url or str(run.weights), keep=cfg.runtime.keep_versions)
     except StoreNotWritableError as e:
         raise ConfigError(f"runtime.store_url: {e}") from e
+    check_trainer_resources(cfg)  # before the warm start, like every bad-input check
     if cfg.runtime.mode == "async" and cfg.runtime.ray_address:  # before the warm start, not after
         from moerl.runtime.actors import check_ray_address
 
@@ -147,14 +150,22 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
     init_path = warm_start(cfg, run, view)
     parts = load_checkpoint(checkpoint) if checkpoint is not None else None
     comp: Components = build_components(cfg, init_path, store)
-    trainer = Trainer.from_run_config(comp.model, cfg)
+    trainer = make_trainer(cfg, comp.model, init_path, run.path)
+    try:
+        return _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process_start)
+    finally:
+        if isinstance(trainer, TrainerGroup):
+            trainer.close()
+
+
+def _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process_start) -> dict:
     if parts is None:
         trainer.publish(store)  # version 0: what the workers start from
         acc = evaluate(comp)
         state = {"start_accuracy": acc, "wall_s": 0.0, "loop_s": 0.0, "samples": 0}
         view.message(f"warm-start eval accuracy {acc:.3f}; run folder {run.path}")
     else:
-        trainer.load_state_dict(parts)
+        load_trainer_state(trainer, checkpoint, parts)
         state = dict(parts["controller"])
         run.rewind(trainer.step)
         discard_versions_after(store, trainer.version)

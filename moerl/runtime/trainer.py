@@ -263,6 +263,7 @@ class Trainer:
             ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "aux_loss", "expert_load_cv"), 0.0
         )
         is_finite = True
+        num_rows = int(self._sum_over_ranks([batch.num_sequences])[0])  # B over all data-parallel ranks
         micro = list(batch.micro_batches(self.cfg.micro_batch_size))
         for i, mb in enumerate(micro):
             out = self._forward(mb, with_grad=True)
@@ -279,7 +280,7 @@ class Trainer:
                 num_seqs=max(batch.num_seqs, 1),
                 norm_length=self.norm_length,
             )
-            share = mb.num_sequences / batch.num_sequences
+            share = mb.num_sequences / num_rows
             if self.cfg.aux_loss_coef > 0:
                 loss = loss + self.cfg.aux_loss_coef * share * out.aux_loss
             ent = None
@@ -304,7 +305,9 @@ class Trainer:
                     sums["expert_load_cv"] += cv * share
         lr = self.optimizer.param_groups[0]["lr"]
         keys = sorted(sums)
-        totals = self._sum_over_ranks([*(sums[k] for k in keys), float(batch.attention_mask.sum()), is_finite])
+        totals = self._sum_over_ranks(
+            [*(sums[k] for k in keys), float(batch.attention_mask.sum()), is_finite]
+        )
         sums = dict(zip(keys, totals, strict=False))
         grad_norm = self._clip_and_step(totals[-1] == self._num_ranks())
         self.step += 1
