@@ -51,7 +51,7 @@ def run_config(out: Path, init: Path, name: str, *overrides: str):
             "trainer.micro_batch_size=8",
             "trainer.lr=1e-4",  # the default; Adam moves near-zero-gradient weights by ~lr, so their
             # float32 rounding differences grow with lr (measured 1.06e-5 relative at 1e-3, lm_head)
-            "trainer.checkpoint_every=0",
+            "trainer.checkpoint_every=3",
             "rollout.group_size=4",
             "rollout.max_new_tokens=6",
             "rollout.max_slots=16",
