@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -49,6 +50,14 @@ def make_trainer(
 
         init_path = str(scratch / "trainer_init")
         save_pretrained(model, init_path)
+    if cfg.runtime.mode == "async":
+        import ray
+
+        from moerl.runtime.actors import _init_ray  # lazy: Ray only in async mode
+
+        if not ray.is_initialized():  # the rollout fleet joins the same instance
+            _init_ray(cfg)
+        return TrainerGroup(cfg, init_path, model, ranks="ray")
     return TrainerGroup(cfg, init_path, model)
 
 
@@ -84,3 +93,10 @@ def load_trainer_state(trainer: Trainer | TrainerGroup, folder: Path, parts: dic
         counters["num_skipped"],
     )
     trainer.version_offset = counters.get("version_offset", 0)
+
+
+def trainer_summary(trainer: Trainer | TrainerGroup) -> dict:
+    """``trainer_ranks`` and ``trainer_rank_pids`` (the driver's pid for the one-process trainer)."""
+    if isinstance(trainer, TrainerGroup):
+        return {"trainer_ranks": trainer.num_ranks, "trainer_rank_pids": trainer.pids}
+    return {"trainer_ranks": 1, "trainer_rank_pids": [os.getpid()]}

@@ -140,7 +140,7 @@ class TrainerGroup:
         model: the driver's copy of the policy (eval and export use it); refreshed from every
             published version. None: no copy kept.
         timeout_s: collective timeout of the ranks; the driver waits this plus ``startup_s`` at most.
-        ranks: a started rank transport (``LocalRanks`` or Ray actors); None starts local processes.
+        ranks: ``"local"``: local processes (sync mode); ``"ray"``: Ray actors in a placement group.
 
     Raises:
         TrainerRankError: a rank failed to start (its traceback is in the message).
@@ -154,7 +154,7 @@ class TrainerGroup:
         *,
         timeout_s: float = COLLECTIVE_TIMEOUT_S,
         startup_s: float = 120.0,
-        ranks=None,
+        ranks: str = "local",
     ) -> None:
         self.cfg, self.model = cfg, model
         self.num_ranks = cfg.trainer.num_ranks
@@ -165,7 +165,12 @@ class TrainerGroup:
             RankSpec(r, self.num_ranks, write_file_url(self._rendezvous), cfg, str(init_path), timeout_s)
             for r in range(self.num_ranks)
         ]
-        self.ranks = ranks if ranks is not None else LocalRanks(specs)
+        if ranks == "ray":
+            from moerl.distributed.ray_ranks import RayRanks  # lazy: Ray only in async mode
+
+            self.ranks = RayRanks(cfg, specs)
+        else:
+            self.ranks = LocalRanks(specs)
         try:
             self._counters = self.ranks.gather(self.timeout_s)[0]
         except BaseException:

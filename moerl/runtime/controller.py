@@ -21,7 +21,12 @@ import numpy as np
 import torch
 
 from moerl.config import ConfigError, RunConfig, load_config
-from moerl.distributed.factory import check_trainer_resources, load_trainer_state, make_trainer
+from moerl.distributed.factory import (
+    check_trainer_resources,
+    load_trainer_state,
+    make_trainer,
+    trainer_summary,
+)
 from moerl.distributed.group import TrainerGroup
 from moerl.runtime.allocator import keep_freed_memory
 from moerl.runtime.chaos import ChaosMonkey
@@ -235,6 +240,7 @@ def _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process
     fleet.close()
     view.close()
     summary = {**_summary(cfg, run, trainer, state, fleet_state, stop_reason), "fleet": fleet_summary}
+    summary.update(trainer_summary(trainer))
     summary["policy"] = str(export_policy(trainer.model, comp.tokenizer, run.path / "policy"))
     summary["process_wall_s"] = time.perf_counter() - process_start  # this process: warm start + evals + RL
     run.write_summary(summary)
