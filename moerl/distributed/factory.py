@@ -45,11 +45,12 @@ def make_trainer(
     """
     if cfg.trainer.num_ranks == 1:
         return Trainer.from_run_config(model, cfg)
-    if init_path is None:
+    if init_path is None:  # a fresh policy: saved once, so that a restarted group loads the same weights
         from moerl.models import save_pretrained
 
         init_path = str(scratch / "trainer_init")
-        save_pretrained(model, init_path)
+        if not (Path(init_path) / "config.json").exists():
+            save_pretrained(model, init_path)
     if cfg.runtime.mode == "async":
         import ray
 
@@ -100,3 +101,20 @@ def trainer_summary(trainer: Trainer | TrainerGroup) -> dict:
     if isinstance(trainer, TrainerGroup):
         return {"trainer_ranks": trainer.num_ranks, "trainer_rank_pids": trainer.pids}
     return {"trainer_ranks": 1, "trainer_rank_pids": [os.getpid()]}
+
+
+def record_ranks(trainer: Trainer | TrainerGroup, run_dir: Path) -> None:
+    """Write ``RUN_DIR/trainer_ranks.json`` ({"num_ranks", "pids"}) atomically: which processes train."""
+    import json
+
+    path = Path(run_dir) / "trainer_ranks.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(
+        json.dumps(
+            {
+                "num_ranks": trainer_summary(trainer)["trainer_ranks"],
+                "pids": trainer_summary(trainer)["trainer_rank_pids"],
+            }
+        )
+    )
+    tmp.replace(path)

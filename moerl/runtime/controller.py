@@ -25,9 +25,11 @@ from moerl.distributed.factory import (
     check_trainer_resources,
     load_trainer_state,
     make_trainer,
+    record_ranks,
     trainer_summary,
 )
-from moerl.distributed.group import TrainerGroup
+from moerl.distributed.group import TrainerGroup, TrainerRankError
+from moerl.distributed.recovery import restart_group
 from moerl.runtime.allocator import keep_freed_memory
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
@@ -156,11 +158,12 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
     parts = load_checkpoint(checkpoint) if checkpoint is not None else None
     comp: Components = build_components(cfg, init_path, store)
     trainer = make_trainer(cfg, comp.model, init_path, run.path)
+    record_ranks(trainer, run.path)
     try:
         return _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process_start)
     finally:
         if isinstance(trainer, TrainerGroup):
-            trainer.close()
+            trainer.close()  # a restarted group closes itself in the loop
 
 
 def _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process_start) -> dict:
@@ -190,7 +193,12 @@ def _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process
             t0 = time.perf_counter()
             groups, gen_s, wait_s = fleet.next_groups(cfg.trainer.batch_groups)
             batch = trainer.build_batch(groups, comp.tokenizer.pad_id)
-            stats = trainer.train_step(batch)
+            try:
+                stats = trainer.train_step(batch)
+            except TrainerRankError as e:  # a rank died or hung: new group from the newest checkpoint
+                trainer = _restart(cfg, comp, run, store, fleet, journal, trainer, groups, e, view)
+                restarts += 1
+                continue
             run.append_ledger(
                 [LedgerEntry(g.task_id, stats.step, g.min_policy_version, g.lease_token) for g in groups]
             )
@@ -205,7 +213,12 @@ def _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process
                 continue
             t1 = time.perf_counter()
             if stats.step % cfg.trainer.publish_every == 0 or stats.step == cfg.trainer.steps:
-                trainer.publish(store)
+                try:
+                    trainer.publish(store)
+                except TrainerRankError as e:
+                    trainer = _restart(cfg, comp, run, store, fleet, journal, trainer, (), e, view)
+                    restarts += 1
+                    continue
                 fleet.push_weights(trainer.version, trainer.named_weights())
             publish_s = time.perf_counter() - t1
             is_eval = stats.step == cfg.trainer.steps or (cfg.eval.every and stats.step % cfg.eval.every == 0)
@@ -224,9 +237,16 @@ def _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process
             if acc is not None:
                 state["final_accuracy"] = acc
             if cfg.trainer.checkpoint_every and stats.step % cfg.trainer.checkpoint_every == 0:
-                trainer.checkpoint(
-                    run.path, {"controller": state, **fleet.state_dict()}, keep=cfg.runtime.keep_checkpoints
-                )
+                try:
+                    trainer.checkpoint(
+                        run.path,
+                        {"controller": state, **fleet.state_dict()},
+                        keep=cfg.runtime.keep_checkpoints,
+                    )
+                except TrainerRankError as e:
+                    trainer = _restart(cfg, comp, run, store, fleet, journal, trainer, (), e, view)
+                    restarts += 1
+                    continue
                 journal.commit(stats.step)
     except NonFiniteLossError as e:
         stop_reason = str(e)
@@ -234,6 +254,7 @@ def _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process
     except BaseException:
         fleet.close()
         view.close()
+        _close_group(trainer)
         raise
     fleet_state = fleet.final_state()
     fleet_summary = {**fleet.fleet_summary(), "trainer_restarts": restarts}
@@ -242,6 +263,7 @@ def _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process
     summary = {**_summary(cfg, run, trainer, state, fleet_state, stop_reason), "fleet": fleet_summary}
     summary.update(trainer_summary(trainer))
     summary["policy"] = str(export_policy(trainer.model, comp.tokenizer, run.path / "policy"))
+    _close_group(trainer)
     summary["process_wall_s"] = time.perf_counter() - process_start  # this process: warm start + evals + RL
     run.write_summary(summary)
     if run.metrics.exists():
@@ -251,6 +273,23 @@ def _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process
         f"{summary['wall_time_s']:.0f} s; {run.path}"
     )
     return summary
+
+
+def _close_group(trainer) -> None:
+    """Stop a trainer group's ranks (the one-process trainer has none)."""
+    if isinstance(trainer, TrainerGroup):
+        trainer.close()
+
+
+def _restart(cfg, comp, run, store, fleet, journal, trainer, lost, error, view):
+    """``restart_group`` after ``error``, with a console line; returns the new group."""
+    view.message(f"trainer group failed ({error}); restarting it from the newest checkpoint")
+    trainer, report = restart_group(cfg, comp, run, store, fleet, journal, trainer, lost)
+    view.message(
+        f"trainer group restarted from step {report.restored_step} (failed after step {report.failed_step}), "
+        f"{report.tasks_requeued + len(lost)} tasks requeued, weights published as v{report.version}"
+    )
+    return trainer
 
 
 def _accuracy(value: float | None) -> str:
