@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from moerl.config import ConfigError, RunConfig
-from moerl.distributed.checkpoint import load_sharded, set_lr_from_scheduler
+from moerl.distributed.checkpoint import ShardedCheckpointError, load_sharded, set_lr_from_scheduler
 from moerl.distributed.group import TrainerGroup
 from moerl.runtime.trainer import Trainer
 
@@ -67,9 +67,18 @@ def load_trainer_state(trainer: Trainer | TrainerGroup, folder: Path, parts: dic
     of ranks wrote it.
 
     Raises:
-        moerl.distributed.checkpoint.ShardedCheckpointError: the shards do not match the model.
-        ConfigError: a one-rank checkpoint resumed with ``trainer.num_ranks > 1`` (not supported yet).
+        ConfigError: the checkpoint's shards do not match the model (names the tensor and both shapes),
+            or a one-rank checkpoint resumed with ``trainer.num_ranks > 1`` (not supported yet).
     """
+    try:
+        _load_trainer_state(trainer, Path(folder), parts)
+    except ShardedCheckpointError as e:
+        raise ConfigError(
+            f"{e} (resume with the run's own model: the checkpoint's shards do not fit this one)"
+        ) from None
+
+
+def _load_trainer_state(trainer: Trainer | TrainerGroup, folder: Path, parts: dict) -> None:
     sharded = parts.get("sharded")
     if isinstance(trainer, TrainerGroup):
         if sharded is None:

@@ -17,7 +17,12 @@ import torch
 import torch.distributed as dist
 
 from moerl.config import RunConfig
-from moerl.distributed.checkpoint import load_sharded, save_sharded, set_lr_from_scheduler
+from moerl.distributed.checkpoint import (
+    ShardedCheckpointError,
+    load_sharded,
+    save_sharded,
+    set_lr_from_scheduler,
+)
 from moerl.distributed.mesh import COLLECTIVE_TIMEOUT_S, build_mesh, init_group
 from moerl.distributed.parallelize import build_sharded_policy
 from moerl.distributed.publish import iter_full_tensors, publish_sharded
@@ -167,7 +172,7 @@ def serve(spec: RankSpec, conn) -> None:
             return
         try:
             _reply(conn, "ok", getattr(rank, method)(*args))
-        except NonFiniteLossError as e:
+        except (NonFiniteLossError, ShardedCheckpointError) as e:  # the driver re-raises these as they are
             _reply(conn, "raise", e)
         except BaseException:
             _reply(conn, "error", f"trainer rank {spec.rank}, {method}:\n{traceback.format_exc()}")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from moerl.config import RunConfig
+from moerl.distributed.checkpoint import ShardedCheckpointError
 from moerl.distributed.rank import RankSpec, RankTrainer
 from moerl.runtime.trainer import NonFiniteLossError
 
@@ -61,7 +62,7 @@ class RankActorImpl:
         """Run ``RankTrainer.<method>(*args)``."""
         try:
             return "ok", getattr(self.rank, method)(*args)
-        except NonFiniteLossError as e:
+        except (NonFiniteLossError, ShardedCheckpointError) as e:  # re-raised as they are by the driver
             return "raise", e
         except Exception:
             return (

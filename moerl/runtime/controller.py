@@ -158,7 +158,6 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
     parts = load_checkpoint(checkpoint) if checkpoint is not None else None
     comp: Components = build_components(cfg, init_path, store)
     trainer = make_trainer(cfg, comp.model, init_path, run.path)
-    record_ranks(trainer, run.path)
     try:
         return _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process_start)
     finally:
@@ -180,6 +179,7 @@ def _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process
         if (latest := store.latest()) is None or latest.version < trainer.version:
             trainer.publish(store)  # pruned meanwhile: workers must start from the checkpoint's weights
         view.message(f"resumed at step {trainer.step} from {checkpoint}")
+    record_ranks(trainer, run.path)
     if cfg.runtime.mode == "async" and cfg.fleet.notice_file is None:  # where workers look for notices
         cfg.fleet.notice_file = str(run.path / "notices" / "{worker_id}.json")
     fleet = comp.start_fleet(trainer.version, parts)
