@@ -139,7 +139,11 @@ class TrainerGroup:
         init_path: Hugging Face folder the ranks load their shards from.
         model: the driver's copy of the policy (eval and export use it); refreshed from every
             published version. None: no copy kept.
-        timeout_s: collective timeout of the ranks; the driver waits this plus ``startup_s`` at most.
+        timeout_s: collective timeout of the ranks: a rank waiting longer for a peer (hung or dead)
+            raises, and its error reaches the driver.
+        startup_s: how long the driver waits for the ranks to start (imports, rendezvous, loading).
+        reply_timeout_s: how long the driver waits for any other command's replies (a whole step);
+            None: 10 x ``timeout_s``.
         ranks: ``"local"``: local processes (sync mode); ``"ray"``: Ray actors in a placement group.
 
     Raises:
@@ -154,12 +158,13 @@ class TrainerGroup:
         *,
         timeout_s: float = COLLECTIVE_TIMEOUT_S,
         startup_s: float = 120.0,
+        reply_timeout_s: float | None = None,
         ranks: str = "local",
     ) -> None:
         self.cfg, self.model = cfg, model
         self.num_ranks = cfg.trainer.num_ranks
         self.preset = preset_from_config(cfg.algorithm)
-        self.timeout_s = timeout_s + startup_s
+        self.timeout_s = reply_timeout_s if reply_timeout_s is not None else 10 * timeout_s
         self._rendezvous = Path(tempfile.mkdtemp(prefix="moerl-trainer-"))
         specs = [
             RankSpec(r, self.num_ranks, write_file_url(self._rendezvous), cfg, str(init_path), timeout_s)
@@ -172,7 +177,7 @@ class TrainerGroup:
         else:
             self.ranks = LocalRanks(specs)
         try:
-            self._counters = self.ranks.gather(self.timeout_s)[0]
+            self._counters = self.ranks.gather(timeout_s + startup_s)[0]
         except BaseException:
             self.close()
             raise
