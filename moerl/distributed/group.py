@@ -18,7 +18,8 @@ import multiprocessing as mp
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -280,6 +281,28 @@ class TrainerGroup:
         """Load a step folder written by ``checkpoint`` at any number of ranks."""
         shards = folder.parent / parts["sharded"]["path"]
         self._counters = self._all("load", str(shards), parts["scheduler"], parts["trainer"])[0]
+
+    def export_policy(self, folder: str | Path, extra: Callable[[Path], None] | None = None) -> Path:
+        """Write the current policy as a Hugging Face folder, streamed from the shards (rank 0 writes one
+        bucket at a time), ``extra(tmp)`` adding files (the tokenizer); replaces ``folder`` atomically."""
+        folder = Path(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            self._all("export", str(tmp))
+            if extra is not None:
+                extra(tmp)
+            for f in tmp.iterdir():  # shared outputs: readable by all, whatever the writer's umask
+                f.chmod(0o644)
+            old = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"
+            if folder.exists():
+                folder.rename(old)
+            tmp.rename(folder)
+            shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return folder
 
     def close(self) -> None:
         """Stop the ranks (idempotent)."""

@@ -23,6 +23,7 @@ from moerl.distributed.checkpoint import (
     save_sharded,
     set_lr_from_scheduler,
 )
+from moerl.distributed.export import export_sharded
 from moerl.distributed.mesh import COLLECTIVE_TIMEOUT_S, build_mesh, init_group
 from moerl.distributed.parallelize import build_sharded_policy
 from moerl.distributed.publish import iter_full_tensors, publish_sharded
@@ -114,6 +115,12 @@ class RankTrainer:
             if self.mesh.rank == 0:
                 out[name] = t
         return out if self.mesh.rank == 0 else None
+
+    def export(self, folder: str) -> None:
+        """Write the policy as a Hugging Face folder at ``folder`` (rank 0 writes, bucket by bucket)."""
+        export_sharded(
+            self.trainer.model, folder, is_writer=self.mesh.rank == 0, bucket_bytes=self.bucket_bytes
+        )
 
     def save(self, folder: str) -> dict:
         """Write this rank's shards of the model and optimizer into the DCP folder ``folder``."""

@@ -125,12 +125,15 @@ def _resumable(path: Path) -> Path | None:
     return path if path.is_dir() and latest_checkpoint(path) is not None else None
 
 
-def export_policy(model: torch.nn.Module, tokenizer, folder: Path) -> Path:
+def export_policy(trainer, tokenizer, folder: Path) -> Path:
     """Save the policy as a Hugging Face folder with its tokenizer (what ``moerl generate`` and
-    transformers load), replacing ``folder`` atomically (``save_pretrained``)."""
+    transformers load), replacing ``folder`` atomically: ``save_pretrained`` of the one-process trainer's
+    model, or streamed from the shards of a trainer group (``TrainerGroup.export_policy``)."""
+    if isinstance(trainer, TrainerGroup):
+        return trainer.export_policy(folder, extra=tokenizer.save)
     from moerl.models import save_pretrained
 
-    save_pretrained(model, folder, extra=tokenizer.save)
+    save_pretrained(trainer.model, folder, extra=tokenizer.save)
     return folder
 
 
@@ -262,7 +265,7 @@ def _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process
     view.close()
     summary = {**_summary(cfg, run, trainer, state, fleet_state, stop_reason), "fleet": fleet_summary}
     summary.update(trainer_summary(trainer))
-    summary["policy"] = str(export_policy(trainer.model, comp.tokenizer, run.path / "policy"))
+    summary["policy"] = str(export_policy(trainer, comp.tokenizer, run.path / "policy"))
     _close_group(trainer)
     summary["process_wall_s"] = time.perf_counter() - process_start  # this process: warm start + evals + RL
     run.write_summary(summary)

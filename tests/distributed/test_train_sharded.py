@@ -11,8 +11,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 import train_cases
 
+from moerl.models import from_pretrained
 from moerl.runtime.controller import resume
 from moerl.runtime.run_dir import read_jsonl
 from moerl.runtime.weights import WeightStore
@@ -77,6 +79,11 @@ def test_sharded_run_equals_one_rank(one_rank, layout):
     assert sum(abs(m["train/pg_loss"]) > 1e-3 for m in ref["metrics"]) >= 2  # a real loss, not float noise
     assert got["version"] == ref["version"] == 5
     _assert_same_run(got["metrics"], got["weights"], ref, layout)
+    # the exported policy/ (streamed from the shards) loads as a Hugging Face folder with the same weights
+    exported = from_pretrained(got["folder"] / "policy").state_dict()
+    assert (got["folder"] / "policy" / "tokenizer.json").is_file()
+    assert exported.keys() == got["weights"].keys()
+    assert all(torch.equal(exported[k], w) for k, w in got["weights"].items())
 
 
 @pytest.mark.parametrize("num_ranks", [2, 1])
