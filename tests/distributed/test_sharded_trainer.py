@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import trainer_cases
 from dist_harness import run_world
 
@@ -56,5 +57,8 @@ def test_sharded_steps_and_weights_equal_one_rank(policy, layout):
     print(f"{layout}: weights max relative error {max(errors.values()):.2e}")
     bad = {k: v for k, v in errors.items() if not v <= 1e-5}
     assert not bad, f"relative errors above 1e-5: {bad}"
+    published = results[0]["published"]  # bucketed publish: the WeightStore format readers use
+    assert results[0]["num_files"] > 1 and published.keys() == weights.keys()
+    assert all(torch.equal(published[k], w) for k, w in weights.items())
     moved = max(float((ref["weights"][n] - w).abs().max()) for n, w in weights.items())
     assert moved > 0

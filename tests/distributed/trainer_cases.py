@@ -14,12 +14,13 @@ from moerl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from moerl.distributed.batching import split_by_groups
 from moerl.distributed.mesh import build_mesh
 from moerl.distributed.parallelize import build_sharded_policy
-from moerl.distributed.publish import iter_full_tensors
+from moerl.distributed.publish import iter_full_tensors, publish_sharded
 from moerl.distributed.sharded import ShardedTrainer
 from moerl.models import build_model, from_pretrained, save_pretrained
 from moerl.runtime.batch import build_train_batch
 from moerl.runtime.trainer import Trainer
 from moerl.runtime.types import Group, Lease, RolloutTask, Sample
+from moerl.runtime.weights import WeightStore
 
 VOCAB = 40
 STEPS = 5
@@ -100,7 +101,11 @@ def run_sharded(
     trainer = ShardedTrainer(model, trainer_config(**overrides), AlgorithmConfig(), mesh)
     stats = [trainer.train_step(split_by_groups(b, world)[rank]) for b in batches()]
     weights = dict(iter_full_tensors(model))
+    store = WeightStore(f"{folder}/store-{world}-{ep_size}") if rank == 0 else None
+    published = publish_sharded(model, mesh, store, 5, bucket_bytes=16 * 1024)  # small buckets: many files
     return {
+        "num_files": len(published.manifest.files) if published else None,
+        "published": store.load(5) if store else None,
         "pg_loss": [s.pg_loss for s in stats],
         "grad_norm": [s.grad_norm for s in stats],
         "weights": weights if rank == 0 else None,
