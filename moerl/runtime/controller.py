@@ -206,7 +206,12 @@ def _train_loop(cfg, run, comp, store, trainer, parts, checkpoint, view, process
                 [LedgerEntry(g.task_id, stats.step, g.min_policy_version, g.lease_token) for g in groups]
             )
             journal.record(stats.step, [g.task for g in groups])
-            if chaos.should_kill_trainer(stats.step):  # dies before publishing; the fleet keeps generating
+            is_killed = chaos.should_kill_trainer(stats.step)  # dies before publishing; workers go on
+            if is_killed and isinstance(trainer, TrainerGroup):
+                trainer = _restart(cfg, comp, run, store, fleet, journal, trainer, (), "chaos kill", view)
+                restarts += 1
+                continue
+            if is_killed:
                 trainer, report = recover_trainer(cfg, comp, run, store, fleet, journal, stats.step)
                 restarts += 1
                 view.message(
