@@ -4,7 +4,7 @@ The driver (the controller's process) holds no shard. Each step it builds the ba
 the whole batch), cuts it into R slices of whole groups (``split_by_groups``), sends rank r its
 slice and waits for all R replies. Publishing, checkpointing and loading are commands every rank
 runs together (their collectives line up). In sync mode the ranks are local processes started here
-(``multiprocessing`` spawn, no Ray); ``runtime.mode=async`` uses Ray actors (``moerl.distributed.ray``)
+(``multiprocessing`` spawn, no Ray); ``runtime.mode=async`` uses Ray actors (``moerl.distributed.ray_ranks``)
 behind the same ``RankHandle`` interface.
 
 Failure: a rank that exits, or a reply that does not come within the collective timeout plus a
@@ -29,7 +29,8 @@ import torch
 from moerl.config import RunConfig
 from moerl.distributed.batching import split_by_groups
 from moerl.distributed.mesh import COLLECTIVE_TIMEOUT_S
-from moerl.distributed.rank import RankSpec, serve, write_file_url
+from moerl.distributed.rank import RankSpec, TrainerRankError, serve, unwrap_reply, write_file_url
+from moerl.distributed.ray_ranks import RayRanks
 from moerl.rl import preset_from_config
 from moerl.runtime.batch import TrainBatch, build_train_batch
 from moerl.runtime.checkpoint import capture_rng_state, list_checkpoints, save_checkpoint
@@ -39,10 +40,6 @@ from moerl.runtime.weights import WeightStore
 
 SHARDS_DIR = "shards"
 """Sub-folder of ``RUN_DIR/checkpoints`` with the DCP folder of each checkpoint step."""
-
-
-class TrainerRankError(RuntimeError):
-    """A training rank died, hung past the collective timeout, or failed (the message names it)."""
 
 
 class LocalRanks:
@@ -87,7 +84,7 @@ class LocalRanks:
                 if obj in waiting:
                     r = waiting[obj]
                     try:
-                        replies[r] = _unwrap(r, obj.recv())
+                        replies[r] = unwrap_reply(obj.recv())
                     except EOFError:
                         raise self._died(r) from None
             for obj in ready:
@@ -121,15 +118,6 @@ class LocalRanks:
                 proc.join()
         for conn in self.conns:
             conn.close()
-
-
-def _unwrap(rank: int, reply: tuple[str, Any]) -> Any:
-    kind, value = reply
-    if kind == "ok":
-        return value
-    if kind == "raise":
-        raise value
-    raise TrainerRankError(value)
 
 
 class TrainerGroup:
@@ -171,9 +159,7 @@ class TrainerGroup:
             RankSpec(r, self.num_ranks, write_file_url(self._rendezvous), cfg, str(init_path), timeout_s)
             for r in range(self.num_ranks)
         ]
-        if ranks == "ray":
-            from moerl.distributed.ray_ranks import RayRanks  # lazy: Ray only in async mode
-
+        if ranks == "ray":  # RayRanks imports Ray only when built
             self.ranks = RayRanks(cfg, specs)
         else:
             self.ranks = LocalRanks(specs)

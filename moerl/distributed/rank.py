@@ -35,6 +35,21 @@ from moerl.runtime.weights import WeightStore
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+class TrainerRankError(RuntimeError):
+    """A training rank died, hung past the collective timeout, or failed (the message names it)."""
+
+
+def unwrap_reply(reply: tuple[str, Any]) -> Any:
+    """The value of a rank's ``("ok", value)`` reply; re-raises a ``("raise", exception)``; raises
+    ``TrainerRankError`` with the rank's traceback text for ``("error", text)``."""
+    kind, value = reply
+    if kind == "ok":
+        return value
+    if kind == "raise":
+        raise value
+    raise TrainerRankError(value)
+
+
 @dataclass(frozen=True, slots=True)
 class RankSpec:
     """What a rank process needs to join the group and build its shard."""

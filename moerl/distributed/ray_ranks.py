@@ -25,7 +25,7 @@ import torch
 
 from moerl.config import RunConfig
 from moerl.distributed.checkpoint import ShardedCheckpointError
-from moerl.distributed.rank import RankSpec, RankTrainer
+from moerl.distributed.rank import RankSpec, RankTrainer, TrainerRankError, unwrap_reply
 from moerl.runtime.trainer import NonFiniteLossError
 
 
@@ -102,8 +102,6 @@ class RayRanks:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from moerl.distributed.group import TrainerRankError
-
         self._ray, self._remove_pg, self._error = ray, remove_placement_group, TrainerRankError
         bundle = _bundle(cfg, len(specs))
         self.pg = placement_group([bundle] * len(specs), strategy="PACK")
@@ -143,8 +141,6 @@ class RayRanks:
 
     def gather(self, timeout_s: float) -> list[Any]:
         """Every rank's reply; ``TrainerRankError`` on an actor death, an error or a timeout."""
-        from moerl.distributed.group import _unwrap
-
         ray = self._ray
         deadline = time.monotonic() + timeout_s
         pending, replies = list(self.pending), {}
@@ -158,7 +154,7 @@ class RayRanks:
                 )
             i = pending.index(done[0])
             try:
-                replies[i] = _unwrap(i, ray.get(done[0]))
+                replies[i] = unwrap_reply(ray.get(done[0]))
             except ray.exceptions.RayActorError:
                 raise self._error(f"trainer rank {i} (pid {self._pids[i]}) died") from None
         return [replies[i] for i in range(len(pending))]

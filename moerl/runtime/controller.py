@@ -28,7 +28,8 @@ from moerl.distributed.factory import (
     record_ranks,
     trainer_summary,
 )
-from moerl.distributed.group import TrainerGroup, TrainerRankError
+from moerl.distributed.group import TrainerGroup
+from moerl.distributed.rank import TrainerRankError
 from moerl.distributed.recovery import restart_group
 from moerl.runtime.allocator import keep_freed_memory
 from moerl.runtime.chaos import ChaosMonkey
