@@ -54,10 +54,10 @@ def make_trainer(
     if cfg.runtime.mode == "async":
         import ray
 
-        from moerl.runtime.actors import _init_ray  # lazy: Ray only in async mode
+        from moerl.runtime.ray.rollouts import init_ray  # lazy: Ray only in async mode
 
         if not ray.is_initialized():  # the rollout fleet joins the same instance
-            _init_ray(cfg)
+            init_ray(cfg)
         return TrainerGroup(cfg, init_path, model, ranks="ray")
     return TrainerGroup(cfg, init_path, model)
 

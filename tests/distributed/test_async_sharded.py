@@ -10,8 +10,8 @@ import torch
 
 from moerl.config import load_config
 from moerl.models import build_model, save_pretrained
-from moerl.runtime.controller import train
 from moerl.tasks import load_tokenizer
+from moerl.train import train
 
 ray = pytest.importorskip("ray")
 DEFAULT = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"

@@ -15,9 +15,9 @@ import torch
 import train_cases
 
 from moerl.models import from_pretrained
-from moerl.runtime.controller import resume
 from moerl.runtime.run_dir import read_jsonl
 from moerl.runtime.weights import WeightStore
+from moerl.train import resume
 
 LAYOUTS = {
     "R2-EP2": ["trainer.num_ranks=2", "trainer.ep_size=2"],

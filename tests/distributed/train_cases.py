@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from moerl.config import load_config
-from moerl.runtime.controller import train
 from moerl.runtime.run_dir import read_jsonl
 from moerl.runtime.weights import WeightStore
 from moerl.tasks.sft import run_sft
+from moerl.train import train
 
 TINY_MOE = [
     "model.hidden_size=32",
