@@ -3,6 +3,8 @@ Hugging Face transformers training step on the same weights, in the same process
 
     python bench/train_step.py                                                        # CPU smoke (tiny)
     python bench/train_step.py --spec reference --batches 8,16 --seq-len 1024 --device cuda   # H200
+    python bench/train_step.py --spec reference --batches 8,16,24,32 --seq-len 1024 --device cuda \
+        --activation-checkpointing --no-baseline      # the trainer.num_ranks=1 memory settings
 
 A step is forward + backward + gradient clipping + AdamW over ``batch x seq_len`` tokens, every parameter
 trained (bf16 weights, gradients and AdamW moments on CUDA). moerl runs its RL step (GRPO loss on the
@@ -100,13 +102,28 @@ def bench_transformers(hf, batch: TrainBatch, steps: int, device) -> list[float]
 
 
 def bench_moerl(
-    model, batch: TrainBatch, steps: int, device, profile: list | None = None
+    model,
+    batch: TrainBatch,
+    steps: int,
+    device,
+    profile: list | None = None,
+    *,
+    activation_checkpointing: bool = False,
+    micro_batch_size: int | None = None,
 ) -> tuple[list[float], list[float]]:
-    """Timed ``Trainer.train_step`` calls (one micro-batch = the whole batch); also returns grad norms.
+    """Timed ``Trainer.train_step`` calls (the trainer of ``trainer.num_ranks=1``); also returns grad norms.
 
-    The trainer's own optimizer is used: ``torch.optim.AdamW(fused=True)`` on CUDA.
+    One micro-batch = the whole batch unless ``micro_batch_size``; ``activation_checkpointing`` is
+    ``trainer.activation_checkpointing`` (each decoder layer recomputed in the backward pass). Log-probs
+    and entropies are always computed in float32 chunks (``moerl.rl.token_logprobs``). The trainer's own
+    optimizer is used: ``torch.optim.AdamW(fused=True)`` on CUDA.
     """
-    cfg = TrainerConfig(micro_batch_size=batch.num_sequences, lr=1e-5, grad_clip=1.0)
+    cfg = TrainerConfig(
+        micro_batch_size=micro_batch_size or batch.num_sequences,
+        lr=1e-5,
+        grad_clip=1.0,
+        activation_checkpointing=activation_checkpointing,
+    )
     trainer = Trainer(model, cfg, AlgorithmConfig(preset="grpo"), temperature=1.0)
     norms: list[float] = []
     wall_time(lambda: norms.append(trainer.train_step(batch).grad_norm), device)
@@ -129,6 +146,8 @@ def run(
     baseline: bool = True,
     out_dir: str | None = None,
     profile: bool = False,
+    activation_checkpointing: bool = False,
+    micro_batch_size: int | None = None,
 ) -> dict:
     """transformers (at the first batch size) then moerl at every batch size; returns the payload."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -156,7 +175,13 @@ def run(
         try:
             prof = [] if profile and b == batches[0] else None
             times, norms = bench_moerl(
-                ours, make_batch(b, seq_len, spec.vocab_size, seq_len // 8), steps, device, prof
+                ours,
+                make_batch(b, seq_len, spec.vocab_size, seq_len // 8),
+                steps,
+                device,
+                prof,
+                activation_checkpointing=activation_checkpointing,
+                micro_batch_size=micro_batch_size,
             )
             results[f"moerl/b{b}"] = {
                 **_summary(times, b * seq_len, flops_tok, ceilings.matmul_tflop_s, device),
@@ -172,6 +197,8 @@ def run(
         "seq_len": seq_len,
         "dtype": str(dtype),
         "optimizer": "torch.optim.AdamW (fused on CUDA, bf16 moments), grad clip 1.0",
+        "activation_checkpointing": activation_checkpointing,
+        "micro_batch_size": micro_batch_size,
         "flops_per_token": flops_tok,
         "ceilings": ceilings.as_dict(),
         "results": results,
@@ -208,6 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--profile", action="store_true", help="kernel breakdown of one moerl step (CUDA)")
+    ap.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="trainer.activation_checkpointing: recompute each decoder layer in the backward pass",
+    )
+    ap.add_argument(
+        "--micro-batch-size", type=int, default=None, help="trainer.micro_batch_size (default: B)"
+    )
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     run(
@@ -219,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         baseline=not args.no_baseline,
         out_dir=args.out_dir,
         profile=args.profile,
+        activation_checkpointing=args.activation_checkpointing,
+        micro_batch_size=args.micro_batch_size,
     )
     return 0
 

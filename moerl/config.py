@@ -10,6 +10,7 @@ one field, its value parsed as YAML. Unknown keys are an error that suggests the
 
 from __future__ import annotations
 
+import json
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -337,6 +338,24 @@ class TrainerConfig:
     """Write a full checkpoint every this many steps; 0 disables."""
     max_nan_steps: int = 3
     """Stop the run after this many consecutive steps with a non-finite loss."""
+    num_ranks: int = 1
+    """Size of the training group (torch.distributed ranks; one GPU each on a GPU machine, gloo
+    processes on CPU). 1: today's one-process trainer. Every rank is a data-parallel rank: dense
+    parameters are sharded with FSDP2 over all of them (``moerl.distributed``)."""
+    ep_size: int = 1
+    """Expert-parallel degree: the routed experts of every MoE layer are split over groups of this many
+    consecutive ranks (EP ranks), and each EP shard is FSDP2-sharded over the ``num_ranks / ep_size``
+    ranks that hold the same experts. Divides ``num_ranks`` and the number of experts."""
+    ep_dispatcher: str = "alltoall"
+    """Token dispatch/combine between EP ranks: ``alltoall`` (one flat all-to-all) or ``hierarchical``
+    (intra-node gather, one cross-node transfer per node pair; ``moerl.ep``)."""
+    gpus_per_node: int = 8
+    """Ranks per node: the node topology the hierarchical dispatcher and the placement use (on CPU it
+    simulates nodes). An EP group of more ranks than this spans ``ep_size / gpus_per_node`` nodes."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them
+    (per-layer activation checkpointing, Chen et al. 2016, "Training Deep Nets with Sublinear Memory
+    Cost"): less memory for one more forward pass."""
 
     def __post_init__(self) -> None:
         check_range("trainer.steps", self.steps, 1)
@@ -351,6 +370,32 @@ class TrainerConfig:
         check_range("trainer.publish_every", self.publish_every, 1)
         check_range("trainer.checkpoint_every", self.checkpoint_every, 0)
         check_range("trainer.max_nan_steps", self.max_nan_steps, 1)
+        check_range("trainer.num_ranks", self.num_ranks, 1)
+        check_range("trainer.ep_size", self.ep_size, 1)
+        check_choice("trainer.ep_dispatcher", self.ep_dispatcher, ["alltoall", "hierarchical"])
+        check_range("trainer.gpus_per_node", self.gpus_per_node, 1)
+        if self.num_ranks % self.ep_size:
+            raise ConfigError(
+                f"trainer.ep_size={self.ep_size} does not divide trainer.num_ranks={self.num_ranks}; "
+                "EP groups are ep_size consecutive ranks"
+            )
+        ranks_per_node = min(self.gpus_per_node, self.ep_size)
+        if self.ep_size % ranks_per_node:
+            raise ConfigError(
+                f"trainer.ep_size={self.ep_size} is not a multiple of trainer.gpus_per_node="
+                f"{self.gpus_per_node}: an EP group spans whole nodes"
+            )
+        if self.batch_groups % self.num_ranks:
+            raise ConfigError(
+                f"trainer.batch_groups={self.batch_groups} is not a multiple of trainer.num_ranks="
+                f"{self.num_ranks}: every data-parallel rank trains the same number of whole groups"
+            )
+        if self.num_ranks > 1 and self.aux_loss_coef > 0:
+            raise ConfigError(
+                f"trainer.aux_loss_coef={self.aux_loss_coef} with trainer.num_ranks={self.num_ranks}: the "
+                "sharded trainer does not compute the load-balancing loss over the global batch yet; "
+                "set trainer.aux_loss_coef=0 or trainer.num_ranks=1"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -377,6 +422,10 @@ class RuntimeConfig:
     """Most tasks the task queue holds at once (pending + leased); bounds its memory."""
     keep_checkpoints: int = 2
     """Full checkpoints kept in RUN_DIR/checkpoints (newest by step)."""
+    publish_bucket_mb: float = 256.0
+    """With ``trainer.num_ranks > 1``: a published version is gathered from the shards and written
+    in buckets of about this many MiB of full tensors (one safetensors file each), so no process
+    holds more than one bucket of gathered weights at a time."""
 
     def __post_init__(self) -> None:
         check_choice("runtime.mode", self.mode, ["async", "sync"])
@@ -387,6 +436,7 @@ class RuntimeConfig:
         check_range("runtime.keep_versions", self.keep_versions, 1)
         check_range("runtime.max_materialized_tasks", self.max_materialized_tasks, 1)
         check_range("runtime.keep_checkpoints", self.keep_checkpoints, 1)
+        check_range("runtime.publish_bucket_mb", self.publish_bucket_mb, 0.0, lo_open=True)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -502,11 +552,39 @@ class RunConfig:
             estimator = preset_from_config(self.algorithm).estimator
         except ValueError as e:  # a combination the per-field checks cannot see
             raise ConfigError(f"algorithm: {e}") from e
+        _check_expert_parallel(self)
         if estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.group_size < 2:
             raise ConfigError(
                 f"rollout.group_size={self.rollout.group_size}: the {estimator} estimator compares samples "
                 "of one prompt, so a group needs at least 2 (every advantage would be 0)"
             )
+
+
+def _num_experts(cfg: RunConfig) -> int | None:
+    """Routed experts of the run's policy: from ``init_from``'s or ``model.path``'s config.json when
+    the folder exists, else ``model.num_experts`` (a fresh model or an SFT warm start of it)."""
+    for folder in (cfg.init_from, cfg.model.path):
+        if folder is not None and (Path(folder) / "config.json").is_file():
+            try:
+                hf = json.loads((Path(folder) / "config.json").read_text())
+            except (OSError, ValueError):
+                return None  # the loader reports a broken folder with its own message
+            for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+                if isinstance(hf.get(key), int):
+                    return hf[key]
+            return None
+    return cfg.model.num_experts
+
+
+def _check_expert_parallel(cfg: RunConfig) -> None:
+    """``trainer.ep_size`` must divide the routed experts of the policy (``ConfigError`` otherwise)."""
+    t = cfg.trainer
+    num_experts = _num_experts(cfg)
+    if t.ep_size > 1 and num_experts is not None and num_experts % t.ep_size:
+        raise ConfigError(
+            f"trainer.ep_size={t.ep_size} does not divide the policy's {num_experts} routed experts; "
+            "every EP rank holds the same number of experts"
+        )
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -26,6 +26,16 @@ import numpy as np
 import torch
 
 from moerl.config import ConfigError, RunConfig, load_config
+from moerl.distributed.factory import (
+    check_trainer_resources,
+    load_trainer_state,
+    make_trainer,
+    record_ranks,
+    trainer_summary,
+)
+from moerl.distributed.group import TrainerGroup
+from moerl.distributed.rank import TrainerRankError
+from moerl.distributed.recovery import restart_group
 from moerl.models import save_pretrained
 from moerl.runtime.accounting import FleetState, accounting
 from moerl.runtime.allocator import keep_freed_memory
@@ -118,13 +128,20 @@ class Run:
         keep_freed_memory()  # no page faults on each step's activations (moerl.runtime.allocator)
         _seed_everything(cfg.seed)
         self.store = _open_store(cfg, self.dir, self.mirror)
+        check_trainer_resources(cfg)  # before the warm start, like every bad-input check
         if cfg.runtime.mode == "async" and cfg.runtime.ray_address:  # before the warm start, not after
             check_ray_address(cfg.runtime.ray_address)
         init_path = warm_start(cfg, self.dir, self.view)
         parts = load_checkpoint(checkpoint) if checkpoint is not None else None
         self.comp = build_components(cfg, init_path, self.store)
-        self.trainer = Trainer.from_run_config(self.comp.model, cfg)
-        self.state = self._begin(parts, checkpoint)
+        # one rank: today's Trainer; more: a TrainerGroup (moerl.distributed), same interface
+        self.trainer: Trainer | TrainerGroup = make_trainer(cfg, self.comp.model, init_path, self.dir.path)
+        try:
+            self.state = self._begin(parts, checkpoint)
+        except BaseException:
+            self.close_trainer()
+            raise
+        record_ranks(self.trainer, self.dir.path)
         self.rollouts = self._start_rollouts(parts)
         self.telemetry.watch_fleet(self.rollouts)  # scrapes read the workers' latest heartbeats
         self.telemetry.reload_ledger(e.task_id for e in self.dir.read_ledger())  # resumed: rewound
@@ -139,18 +156,29 @@ class Run:
         t0 = time.perf_counter()
         groups, gen_s, wait_s = self.rollouts.next_groups(self.cfg.trainer.batch_groups)
         batch = self.trainer.build_batch(groups, self.comp.tokenizer.pad_id)
-        stats = self.trainer.train_step(batch)
+        try:
+            stats = self.trainer.train_step(batch)
+        except TrainerRankError as e:  # a rank died or hung: a new group from the newest checkpoint
+            self.restart_group(e, lost=groups)
+            return
         self._record(groups, stats.step)
         if self.chaos.should_kill_trainer(stats.step):  # dies before publishing; the rollouts go on
             self.recover(stats.step)
             return
-        publish_s = self._publish(stats.step)
+        try:
+            publish_s = self._publish(stats.step)
+        except TrainerRankError as e:
+            self.restart_group(e)
+            return
         accuracy = self._evaluate(stats.step)
         timings = StepTimings(
             gen_s=gen_s, wait_s=wait_s, publish_s=publish_s, step_s=time.perf_counter() - t0
         )
         self._log(groups, stats, timings, accuracy, batch.num_sequences, t0)
-        self._checkpoint(stats.step)
+        try:
+            self._checkpoint(stats.step)
+        except TrainerRankError as e:
+            self.restart_group(e)
 
     def run(self) -> dict:
         """Steps until ``trainer.steps`` (or a non-finite loss), then ``finish``; returns the summary."""
@@ -163,11 +191,29 @@ class Run:
             self.view.message(f"stopping: {e}")
         except BaseException:
             self.close()
+            self.close_trainer()
             raise
         return self.finish(stop_reason)
 
+    def restart_group(self, error: BaseException | str, lost: list[Group] | tuple = ()) -> None:
+        """Replace a trainer group whose rank died, hung or failed (``moerl.distributed.recovery``);
+        ``lost`` are the groups of a step that did not complete (requeued)."""
+        self.view.message(f"trainer group failed ({error}); restarting it from the newest checkpoint")
+        self.trainer, report = restart_group(
+            self.cfg, self.comp, self.dir, self.store, self.rollouts, self.journal, self.trainer, lost
+        )
+        self.restarts += 1
+        self.view.message(
+            f"trainer group restarted from step {report.restored_step} (failed after step "
+            f"{report.failed_step}), {report.tasks_requeued + len(lost)} tasks requeued, weights published "
+            f"as v{report.version}"
+        )
+
     def recover(self, failed_step: int) -> None:
         """Replace the trainer that died after ``failed_step`` (``moerl.runtime.recovery``)."""
+        if isinstance(self.trainer, TrainerGroup):  # chaos kill of a group: a new group
+            self.restart_group("chaos kill")
+            return
         self.trainer, report = recover_trainer(
             self.cfg, self.comp, self.dir, self.store, self.rollouts, self.journal, failed_step
         )
@@ -184,9 +230,9 @@ class Run:
         fleet_summary = {**self.rollouts.fleet_summary(), "trainer_restarts": self.restarts}
         self.close()
         summary = {**self._summary(fleet_state, stop_reason), "fleet": fleet_summary}
-        summary["policy"] = str(
-            export_policy(self.trainer.model, self.comp.tokenizer, self.dir.path / "policy")
-        )
+        summary.update(trainer_summary(self.trainer))
+        summary["policy"] = str(export_policy(self.trainer, self.comp.tokenizer, self.dir.path / "policy"))
+        self.close_trainer()
         summary["process_wall_s"] = time.perf_counter() - self.process_start  # warm start + evals + RL
         if self.mirror is not None:
             summary["storage_url"] = self.mirror.url
@@ -207,6 +253,11 @@ class Run:
         self.view.close()
         self.telemetry.close()  # the endpoint goes away with the run; its port is free afterwards
 
+    def close_trainer(self) -> None:
+        """Stop a trainer group's ranks (idempotent; the one-process trainer has none)."""
+        if isinstance(getattr(self, "trainer", None), TrainerGroup):
+            self.trainer.close()
+
     # -- the parts of start and step -------------------------------------------------------------
 
     def _begin(self, parts: dict | None, checkpoint: Path | None) -> dict:
@@ -217,7 +268,7 @@ class Run:
             acc = self.comp.evaluate()
             self.view.message(f"warm-start eval accuracy {acc:.3f}; run folder {self.dir.path}")
             return {"start_accuracy": acc, "wall_s": 0.0, "loop_s": 0.0, "samples": 0}
-        self.trainer.load_state_dict(parts)
+        load_trainer_state(self.trainer, checkpoint, parts)  # written at any number of ranks
         self.dir.rewind(self.trainer.step)
         self.store.discard_after(self.trainer.version)
         if (latest := self.store.latest()) is None or latest.version < self.trainer.version:
@@ -371,10 +422,13 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
         raise RunInterrupted.of(folder.path) from e
 
 
-def export_policy(model: torch.nn.Module, tokenizer, folder: Path) -> Path:
+def export_policy(trainer: Trainer | TrainerGroup, tokenizer, folder: Path) -> Path:
     """Save the policy as a Hugging Face folder with its tokenizer (what ``moerl generate`` and
-    transformers load), replacing ``folder`` atomically (``save_pretrained``)."""
-    save_pretrained(model, folder, extra=tokenizer.save)
+    transformers load), replacing ``folder`` atomically: ``save_pretrained`` of the one-process trainer's
+    model, or streamed from the shards of a trainer group (``TrainerGroup.export_policy``)."""
+    if isinstance(trainer, TrainerGroup):
+        return trainer.export_policy(folder, extra=tokenizer.save)
+    save_pretrained(trainer.model, folder, extra=tokenizer.save)
     return folder
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moerl.models.config import MoeConfig
 from moerl.models.layers import Attention, DenseMLP, KVCache, MLAttention, RMSNorm, RotaryEmbedding
@@ -110,6 +111,8 @@ class MoeForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.rotary = self.build_rotary()
+        self.activation_checkpointing = False
+        """Recompute each decoder layer in the backward pass (only while gradients are enabled)."""
 
     def tie_weights(self) -> None:
         """Share ``lm_head.weight`` with ``embed_tokens.weight`` when ``tie_word_embeddings`` (again after
@@ -188,7 +191,11 @@ class MoeForCausalLM(nn.Module):
             forced = None
             if forced_experts is not None and isinstance(layer.mlp, MoeBlock):
                 forced = forced_experts[:, :, len(stats)].flatten(0, 1)  # (B*T, k); B may be 0
-            x, s = layer(x, cos, sin, mask, cache, token_mask, forced)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # per-layer activation checkpointing: only the layer's input is kept for backward
+                x, s = checkpoint(layer, x, cos, sin, mask, cache, token_mask, forced, use_reentrant=False)
+            else:
+                x, s = layer(x, cos, sin, mask, cache, token_mask, forced)
             if s is not None:
                 stats.append(s)
         logits = self.lm_head(self.norm(x))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from moerl.config import AlgorithmConfig, ConfigError, RunConfig, TrainerConfig
 from moerl.lr_schedule import warmup_cosine_lr
@@ -170,9 +171,14 @@ class Trainer:
         self.algorithm = algorithm
         self.temperature = temperature if temperature > 0 else 1.0
         self.norm_length = norm_length
+        if hasattr(model, "activation_checkpointing"):
+            model.activation_checkpointing = cfg.activation_checkpointing
         # fused=True: one kernel per step instead of the foreach chain on CUDA (bench/NOTES.md, section 4)
         # and instead of ~10 dispatched ops per parameter on CPU (1.5 ms -> 0.5 ms a step, default model).
-        is_fusable = next(model.parameters()).device.type in ("cuda", "cpu")
+        # Sharded (DTensor) parameters take the foreach path.
+        is_fusable = next(model.parameters()).device.type in ("cuda", "cpu") and not any(
+            isinstance(p, DTensor) for p in model.parameters()
+        )
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=is_fusable or None
         )
@@ -248,12 +254,14 @@ class Trainer:
         """
         start = time.perf_counter()
         self.model.train()
+        batch = self._with_global_normalizers(batch)
         proximal = self._proximal_logprobs(batch) if self.cfg.recompute_proximal else None
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(
             ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "aux_loss", "expert_load_cv"), 0.0
         )
         is_finite = True
+        num_rows = int(self._sum_over_ranks([batch.num_sequences])[0])  # B over all data-parallel ranks
         micro = list(batch.micro_batches(self.cfg.micro_batch_size))
         for i, mb in enumerate(micro):
             out = self._forward(mb, with_grad=True)
@@ -270,7 +278,7 @@ class Trainer:
                 num_seqs=max(batch.num_seqs, 1),
                 norm_length=self.norm_length,
             )
-            share = mb.num_sequences / batch.num_sequences
+            share = mb.num_sequences / num_rows
             if self.cfg.aux_loss_coef > 0:
                 loss = loss + self.cfg.aux_loss_coef * share * out.aux_loss
             ent = None
@@ -278,7 +286,7 @@ class Trainer:
                 ent = entropy_from_logits(out.logits, out.labels, temperature=self.temperature)
                 loss = loss - self.algorithm.entropy_coef * ent.sum() / max(batch.num_tokens, 1)
             is_finite = is_finite and bool(torch.isfinite(loss))
-            if is_finite:
+            if is_finite or self._num_ranks() > 1:  # sharded: every rank runs the backward collectives
                 loss.backward()
             with torch.no_grad():
                 tok_share = float(mask.sum()) / max(batch.num_tokens, 1)
@@ -294,12 +302,17 @@ class Trainer:
                     )
                     sums["expert_load_cv"] += cv * share
         lr = self.optimizer.param_groups[0]["lr"]
-        grad_norm = self._clip_and_step(is_finite)
+        keys = sorted(sums)
+        totals = self._sum_over_ranks(
+            [*(sums[k] for k in keys), float(batch.attention_mask.sum()), is_finite]
+        )
+        sums = dict(zip(keys, totals, strict=False))
+        grad_norm = self._clip_and_step(totals[-1] == self._num_ranks())
         self.step += 1
         return TrainStats(
             step=self.step,
             grad_norm=grad_norm,
-            num_tokens=int(batch.attention_mask.sum()),
+            num_tokens=int(totals[-2]),
             train_s=time.perf_counter() - start,
             lr=lr,
             is_skipped=math.isnan(grad_norm),
@@ -313,12 +326,30 @@ class Trainer:
         with torch.no_grad():
             return float(entropy_from_logits(logits, labels, temperature=self.temperature).sum())
 
+    # -- hooks of a data-parallel trainer (``moerl.distributed.ShardedTrainer``); one rank: identities
+
+    def _num_ranks(self) -> int:
+        """Data-parallel ranks whose batches together make the step (1 here)."""
+        return 1
+
+    def _with_global_normalizers(self, batch: TrainBatch) -> TrainBatch:
+        """``batch`` with ``num_tokens`` / ``num_seqs`` over the whole step (here: its own)."""
+        return batch
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        """Each value summed over the data-parallel ranks (here: unchanged)."""
+        return [float(v) for v in values]
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm of all gradients before clipping, after scaling them to at most ``max_norm``."""
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+
     def _clip_and_step(self, is_finite: bool) -> float:
         """Clip, step optimizer and schedule; on a non-finite loss/gradient skip and count. Returns the norm."""
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = float("nan")
         if is_finite:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+            grad_norm = self._clip_grad_norm(max_norm)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             self.nan_streak += 1

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -186,6 +186,65 @@ class WeightStore:
             self._pending.append(future)
         return future
 
+    def publish_buckets(
+        self, version: int, buckets: Iterator[list[tuple[str, torch.Tensor]]], *, num_buckets: int
+    ) -> WeightVersion:
+        """Write version ``version`` from ``num_buckets`` buckets of (name, tensor), one file each, taking
+        each bucket only when the previous one is written (a sharded trainer gathers it meanwhile), so
+        that at most one bucket is held. Same files and manifest as ``publish`` with one shard per
+        bucket; names must come in sorted order.
+
+        Raises:
+            ValueError: no tensors, ``version`` not above the newest complete version, names out of
+                order, or a bucket count other than ``num_buckets``.
+        """
+        self.flush()
+        with self._publish_lock:
+            self._check_new_version(version)
+            vdir = self._dir(version)
+            self._fs.makedirs(vdir, exist_ok=True)
+            files, entries, last = [], [], ""
+            for i, bucket in enumerate(buckets):
+                named = [(n, t.detach().to("cpu").contiguous()) for n, t in bucket]
+                if (
+                    i >= num_buckets
+                    or not named
+                    or named[0][0] < last
+                    or [n for n, _ in named] != sorted(n for n, _ in named)
+                ):
+                    raise ValueError(
+                        "WeightStore.publish_buckets: buckets must be non-empty, sorted by name, num_buckets of them"
+                    )
+                last = named[-1][0]
+                name = (
+                    "model.safetensors"
+                    if num_buckets == 1
+                    else f"model-{i + 1:05d}-of-{num_buckets:05d}.safetensors"
+                )
+                file, tensors = self._write_file(vdir, name, named)
+                files.append(file)
+                entries += tensors
+            if len(files) != num_buckets:
+                raise ValueError(
+                    f"WeightStore.publish_buckets: got {len(files)} buckets, expected {num_buckets}"
+                )
+            manifest = WeightManifest(
+                version=version, created_at=time.time(), files=tuple(files), tensors=tuple(entries)
+            )
+            self._write_manifest(version, manifest)
+            self._prune()
+        return WeightVersion(version, self._uri(version), manifest, manifest.created_at)
+
+    def _check_new_version(self, version: int) -> None:
+        """Raise ValueError unless ``version`` is above every complete one; clear a crashed write's folder."""
+        complete = self._complete_versions()
+        if complete and version <= complete[-1]:
+            raise ValueError(
+                f"WeightStore.publish: version {version} must be > newest stored version {complete[-1]}"
+            )
+        if self._fs.exists(self._dir(version)):  # left unfinished by a crashed publisher
+            self._fs.rm(self._dir(version), recursive=True)
+
     def flush(self) -> None:
         """Wait until every ``publish_in_background`` write has finished.
 
@@ -209,13 +268,7 @@ class WeightStore:
         self, version: int, named_tensors: Mapping[str, torch.Tensor], max_shard_bytes: int | None
     ) -> WeightVersion:
         with self._publish_lock:
-            complete = self._complete_versions()
-            if complete and version <= complete[-1]:
-                raise ValueError(
-                    f"WeightStore.publish: version {version} must be > newest stored version {complete[-1]}"
-                )
-            if self._fs.exists(self._dir(version)):  # left unfinished by a crashed publisher
-                self._fs.rm(self._dir(version), recursive=True)
+            self._check_new_version(version)
             named = sorted((n, t.detach().to("cpu").contiguous()) for n, t in named_tensors.items())
             manifest = self._write_files(version, _shard(named, max_shard_bytes))
             self._write_manifest(version, manifest)
@@ -232,20 +285,28 @@ class WeightStore:
                 if len(shards) == 1
                 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             )
-            # safetensors refuses tensors that share storage; clone those (tied embeddings).
-            seen: set[int] = set()
-            flat = {}
-            for tname, t in shard:
-                ptr = t.untyped_storage().data_ptr()
-                flat[tname] = t.clone() if ptr in seen and t.numel() else t
-                seen.add(ptr)
-            data = st_save(flat)
-            self._fs.pipe_file(f"{vdir}/{name}", data)
-            files.append(FileEntry(name, _sha256(data), len(data)))
-            tensors += [TensorEntry(n, tuple(t.shape), _dtype_name(t.dtype), name) for n, t in shard]
+            file, entries = self._write_file(vdir, name, shard)
+            files.append(file)
+            tensors += entries
         return WeightManifest(
             version=version, created_at=time.time(), files=tuple(files), tensors=tuple(tensors)
         )
+
+    def _write_file(
+        self, vdir: str, name: str, shard: list[tuple[str, torch.Tensor]]
+    ) -> tuple[FileEntry, list[TensorEntry]]:
+        """Write one safetensors data file of a version; its manifest entries."""
+        # safetensors refuses tensors that share storage; clone those (tied embeddings).
+        seen: set[int] = set()
+        flat = {}
+        for tname, t in shard:
+            ptr = t.untyped_storage().data_ptr()
+            flat[tname] = t.clone() if ptr in seen and t.numel() else t
+            seen.add(ptr)
+        data = st_save(flat)
+        self._fs.pipe_file(f"{vdir}/{name}", data)
+        entries = [TensorEntry(n, tuple(t.shape), _dtype_name(t.dtype), name) for n, t in shard]
+        return FileEntry(name, _sha256(data), len(data)), entries
 
     def _write_manifest(self, version: int, manifest: WeightManifest) -> None:
         final = f"{self._dir(version)}/{MANIFEST}"

@@ -75,6 +75,21 @@ def test_benchmarks_run_on_cpu_and_summarize(tmp_path, capsys):
     assert moe["agreement_vs_float32"]["moerl"]["out"] < 1e-5  # float32 on CPU
     tr = train_step.run("tiny", [2], 32, CPU, steps=1, out_dir=tmp_path)
     assert tr["results"]["moerl/b2"]["tokens_per_s"] > 0 and "transformers/b2" in tr["results"]
+    ac = train_step.run(
+        "tiny",
+        [2],
+        32,
+        CPU,
+        steps=1,
+        baseline=False,
+        out_dir=tmp_path / "ac",
+        activation_checkpointing=True,
+        micro_batch_size=1,
+    )
+    assert ac["activation_checkpointing"] and ac["results"]["moerl/b2"]["tokens_per_s"] > 0
+    assert ac["results"]["moerl/b2"]["grad_norms"][0] == pytest.approx(
+        tr["results"]["moerl/b2"]["grad_norms"][0], rel=1e-4
+    )
     ro = rollout_gpu.run("tiny", 2, 4, 3, CPU, runs=1, out_dir=tmp_path)
     assert ro["results"]["moerl"]["tokens"] == 6 and ro["results"]["transformers"]["tokens"] == 6
     assert ro["agreement"]["engine_vs_trainer_logprobs"]["mean_abs_diff"] < 1e-4  # float32

@@ -289,3 +289,18 @@ def test_entropy_metric_equals_masked_mean_of_entropy_from_logits():
     p = (logits[1, 2] / 0.7).softmax(-1)
     assert float(full[1, 3]) == pytest.approx(float(-(p * p.log()).sum()), rel=1e-5)
     assert trainer._entropy_sum(logits, torch.full_like(labels, -100)) == 0.0
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_activation_checkpointing_gives_the_same_step(share_prompt):
+    """Per-layer recomputation in the backward pass changes memory, not the step's values or weights."""
+    results = []
+    for ac in (False, True):
+        torch.manual_seed(0)
+        cfg = TrainerConfig(lr=1e-2, share_prompt=share_prompt, activation_checkpointing=ac)
+        trainer = Trainer(_model(), cfg, AlgorithmConfig())
+        stats = trainer.train_step(build_train_batch(_groups(), pad_id=PAD))
+        results.append((stats.pg_loss, stats.grad_norm, trainer.named_weights()))
+    (loss0, norm0, w0), (loss1, norm1, w1) = results
+    assert loss1 == pytest.approx(loss0, rel=1e-6) and norm1 == pytest.approx(norm0, rel=1e-6)
+    assert all(torch.allclose(w0[k], w1[k], rtol=1e-5, atol=1e-7) for k in w0)

@@ -1,0 +1,12 @@
+"""Reward functions of the distributed end-to-end tests (importable by name: ``dist_rewards:...``)."""
+
+
+def odd_length(prompt: str, response: str, answer: str) -> float:
+    """1 for a response of odd length: varies within a group and with the length, so that the token-mean
+    policy-gradient loss is far from 0 even on-policy, and a few steps cannot saturate it."""
+    return float(len(response) % 2)
+
+
+def first_is_digit(prompt: str, response: str, answer: str) -> float:
+    """1 when the response starts with a digit: a signal even a random policy gets half the time."""
+    return float(response[:1].isdigit())

@@ -1,0 +1,114 @@
+"""The sharded trainer run inside a gloo world, and the one-rank reference it must equal.
+
+A tiny Qwen3-MoE policy (2 layers, 8 experts, top-2) saved as a Hugging Face folder; 5 steps of
+random GRPO groups (4 groups x 4 samples, ragged lengths); the same batches for every world size.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from moerl.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from moerl.distributed.batching import split_by_groups
+from moerl.distributed.mesh import build_mesh
+from moerl.distributed.parallelize import build_sharded_policy
+from moerl.distributed.publish import iter_full_tensors, publish_sharded
+from moerl.distributed.sharded import ShardedTrainer
+from moerl.models import build_model, from_pretrained, save_pretrained
+from moerl.runtime.batch import build_train_batch
+from moerl.runtime.trainer import Trainer
+from moerl.runtime.types import Group, Lease, RolloutTask, Sample
+from moerl.runtime.weights import WeightStore
+
+VOCAB = 40
+STEPS = 5
+MODEL = ModelConfig(
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    num_experts=8,
+    top_k=2,
+    moe_intermediate_size=16,
+    max_position_embeddings=64,
+)
+
+
+def trainer_config(**overrides) -> TrainerConfig:
+    """The step's trainer config (lr high enough that 5 steps move the weights visibly)."""
+    return TrainerConfig(
+        **{"lr": 1e-3, "micro_batch_size": 4, "batch_groups": 4, "steps": STEPS, **overrides}
+    )
+
+
+def save_policy(folder) -> None:
+    """The tiny policy as a Hugging Face folder."""
+    torch.manual_seed(0)
+    save_pretrained(build_model(MODEL, VOCAB), folder)
+
+
+def _group(rng: random.Random, index: int, step: int) -> Group:
+    prompt = tuple(rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 6)))
+    task = RolloutTask(
+        task_id=f"s{step}g{index}", prompt_ids=prompt, prompt_text="p", answer="a", num_samples=4
+    )
+    samples = []
+    for _ in range(4):
+        n = rng.randint(1, 8)
+        samples.append(
+            Sample(
+                prompt_ids=prompt,
+                response_ids=tuple(rng.randrange(1, VOCAB) for _ in range(n)),
+                response_logprobs=tuple(-rng.uniform(0.5, 4.0) for _ in range(n)),
+                loss_mask=(1,) * n,
+                finish_reason="stop",
+                policy_versions=(step,) * n,
+                reward=float(rng.random() < 0.5),
+            )
+        )
+    return Group.from_lease(Lease(task, "w", index + 1, 0.0), samples, 0.1)
+
+
+def batches():
+    """The 5 steps' batches (same on every call)."""
+    rng = random.Random(7)
+    return [build_train_batch([_group(rng, g, s) for g in range(4)], pad_id=0) for s in range(STEPS)]
+
+
+def reference(folder, **overrides) -> dict:
+    """One process, today's ``Trainer``: per-step pg_loss and grad_norm, final weights."""
+    model = from_pretrained(folder)
+    trainer = Trainer(model, trainer_config(**overrides), AlgorithmConfig())
+    stats = [trainer.train_step(b) for b in batches()]
+    return {
+        "pg_loss": [s.pg_loss for s in stats],
+        "grad_norm": [s.grad_norm for s in stats],
+        "weights": {k: v.clone() for k, v in trainer.named_weights().items()},
+    }
+
+
+def run_sharded(
+    rank: int, world: int, folder: str, ep_size: int, dispatcher: str, gpus_per_node: int, overrides: dict
+) -> dict:
+    """One rank of the sharded trainer on the same batches; rank 0 returns the gathered weights."""
+    torch.manual_seed(0)
+    mesh = build_mesh(ep_size, gpus_per_node)
+    model = build_sharded_policy(folder, mesh, ep_dispatcher=dispatcher)
+    local_numel = sum(p.to_local().numel() for p in model.parameters())
+    trainer = ShardedTrainer(model, trainer_config(**overrides), AlgorithmConfig(), mesh)
+    stats = [trainer.train_step(split_by_groups(b, world)[rank]) for b in batches()]
+    weights = dict(iter_full_tensors(model))
+    store = WeightStore(f"{folder}/store-{world}-{ep_size}") if rank == 0 else None
+    published = publish_sharded(model, mesh, store, 5, bucket_bytes=16 * 1024)  # small buckets: many files
+    return {
+        "num_files": len(published.manifest.files) if published else None,
+        "published": store.load(5) if store else None,
+        "pg_loss": [s.pg_loss for s in stats],
+        "grad_norm": [s.grad_norm for s in stats],
+        "weights": weights if rank == 0 else None,
+        "local_numel": local_numel,
+        "full_numel": sum(v.numel() for v in weights.values()),
+    }
