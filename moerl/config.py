@@ -10,6 +10,7 @@ one field, its value parsed as YAML. Unknown keys are an error that suggests the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,19 +219,32 @@ class AlgorithmConfig:
     norm_length: int | None = None
     """Constant length (tokens) of seq-mean-token-sum-norm (Dr. GRPO); None: rollout.max_new_tokens."""
     tis_mode: str | None = None
-    """Train/rollout mismatch correction: none, truncate (truncated IS) or mask; None: the preset's (truncate)."""
+    """Train/rollout mismatch correction from the engine's behaviour log-probs (``moerl.rl.mismatch``):
+    none; truncate (TIS, Yao et al. 2025: weight min(rho, C)); mask (MIS, Liu et al. 2025: drop tokens or
+    sequences with rho outside [C_low, C]); icepop (IcePop, Ling Team 2025: token-level two-sided mask
+    with bounds [0.5, 5] unless tis_cap / tis_cap_low are set). None: the preset's (truncate, token, C=2)."""
     tis_level: str | None = None
     """Mismatch ratio level: token, or sequence (geometric mean over the sequence); None: the preset's (token)."""
     tis_cap: float | None = None
-    """IS cap C >= 1 (truncate) or upper bound (mask); None: the preset's (2.0)."""
+    """IS cap C >= 1 (truncate) or upper bound (mask, icepop); None: the preset's (2.0; icepop 5.0)."""
     tis_cap_low: float | None = None
-    """Lower IS bound in [0, 1] of mask mode; None: the preset's (0.5)."""
+    """Lower IS bound in [0, 1] of mask and icepop modes; None: the preset's (0.5)."""
+    routing_replay: str = "off"
+    """Rollout routing replay: ``off``, or ``r3`` (Ma et al. 2025, "Stabilizing MoE Reinforcement Learning
+    by Aligning Training and Inference Routers"): the engine records the experts it routed every token to
+    (``rollout.return_routed_experts`` is switched on), and the trainer's forwards replay them
+    (``MoeForCausalLM.forward(forced_experts=...)``), so that train and rollout log-probs come from the
+    same experts. Off by default: on CPU the engine and the trainer run the same float32 model and
+    kernels, so their expert choices already agree; see the README for the measured cost and gain."""
     kl_coef: float = 0.0
-    """Coefficient of the KL penalty against the reference policy; 0 disables it (no reference model)."""
+    """Coefficient beta of the KL penalty against a frozen reference policy (a copy of the policy the RL
+    run starts from: the warm start or ``init_from``); 0 disables it and builds no reference model."""
     kl_kind: str = "k3"
-    """KL estimator: k1, k2, k3 (Schulman 2020)."""
+    """KL estimator: k1, k2, k3 (Schulman 2020, "Approximating KL divergence"; ``moerl.rl.kl_estimate``)."""
     kl_in_reward: bool = False
-    """Fold the KL penalty into the per-token reward (PPO with GAE) instead of adding it to the loss."""
+    """Fold the KL penalty into the reward instead of adding it to the loss: per token (estimator gae,
+    Ziegler et al. 2019) or summed over the response and subtracted from the sequence reward before the
+    group advantages (grpo, dr_grpo, rloo). The KL is then between the behaviour and reference log-probs."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     dynamic_sampling: bool | None = None
@@ -247,6 +261,7 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         check_choice("algorithm.preset", self.preset, ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"])
         check_choice("algorithm.kl_kind", self.kl_kind, ["k1", "k2", "k3"])
+        check_choice("algorithm.routing_replay", self.routing_replay, ["off", "r3"])
         check_range("algorithm.kl_coef", self.kl_coef, 0.0)
         check_range("algorithm.entropy_coef", self.entropy_coef, 0.0)
         choices = {
@@ -257,7 +272,7 @@ class AlgorithmConfig:
                 "seq-mean-token-sum",
                 "seq-mean-token-sum-norm",
             ],
-            "tis_mode": ["none", "truncate", "mask"],
+            "tis_mode": ["none", "truncate", "mask", "icepop"],
             "tis_level": ["token", "sequence"],
         }
         for name, allowed in choices.items():
@@ -308,8 +323,29 @@ class TrainerConfig:
     """Clip the global gradient norm to this value; 0 disables."""
     aux_loss_coef: float = 0.0
     """Coefficient of the MoE load-balancing loss."""
+    aux_loss_level: str = "batch"
+    """Load-balancing loss over the micro-batch's tokens (``batch``: Switch, Fedus et al. 2021, eq. 4-6) or
+    per sequence and averaged (``sequence``: DeepSeek-V3's complementary sequence-wise loss, arXiv:2412.19437
+    eq. 17-20). ``sequence`` needs ``aux_loss_coef > 0``."""
+    bias_update_rate: float = 0.0
+    """Aux-loss-free load balancing (DeepSeek-V3, arXiv:2412.19437 sec. 2.1.2): after every optimizer step
+    each router's ``e_score_correction_bias`` moves by this rate gamma times the sign of its expert's load
+    error (mean load - load). 0 disables it; DeepSeek-V3 used 0.001. Needs a model with the bias
+    (families deepseek_v3, glm4_moe)."""
     recompute_proximal: bool = False
-    """Recompute proximal (old) log-probs before the update instead of using the behaviour ones."""
+    """Recompute proximal (old) log-probs with an extra no-grad forward before the update. Off: the
+    proximal policy is the trainer's weights at the step's start, read from the first forward (exact for
+    one update per step), and the mismatch correction uses the engine's behaviour log-probs without any
+    extra forward. Needed for ``ppo_epochs * mini_batches > 1`` with a mismatch correction."""
+    ppo_epochs: int = 1
+    """Passes over each step's batch (PPO epochs, Schulman et al. 2017, Alg. 1); each pass makes
+    ``mini_batches`` optimizer steps. The policy version still advances by one per trainer step."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch: the batch's groups are split into this many mini-batches (each with its
+    own token/sequence normalizers); at most ``batch_groups``."""
+    critic_lr: float | None = None
+    """Peak learning rate of the critic's AdamW (estimator gae); None: ``10 x lr``, since the value head
+    starts from zero while the trunk is the warm-started policy's."""
     share_prompt: bool = True
     """Forward each group's prompt once instead of once per sample (shared-prefix forward, Prefix
     Grouper, Liu et al. 2025): the same log-probs up to float rounding, for fewer tokens. Off while
@@ -336,6 +372,14 @@ class TrainerConfig:
         check_choice("trainer.lr_schedule", self.lr_schedule, ["constant", "cosine"])
         check_range("trainer.grad_clip", self.grad_clip, 0.0)
         check_range("trainer.aux_loss_coef", self.aux_loss_coef, 0.0)
+        check_choice("trainer.aux_loss_level", self.aux_loss_level, ["batch", "sequence"])
+        check_range("trainer.bias_update_rate", self.bias_update_rate, 0.0)
+        check_range("trainer.ppo_epochs", self.ppo_epochs, 1)
+        check_range("trainer.mini_batches", self.mini_batches, 1)
+        if self.critic_lr is not None:
+            check_range("trainer.critic_lr", self.critic_lr, 0.0, 1.0, lo_open=True)
+        if self.aux_loss_level == "sequence" and self.aux_loss_coef == 0:
+            raise ConfigError("trainer.aux_loss_level='sequence' needs trainer.aux_loss_coef > 0")
         check_range("trainer.publish_every", self.publish_every, 1)
         check_range("trainer.checkpoint_every", self.checkpoint_every, 0)
         check_range("trainer.max_nan_steps", self.max_nan_steps, 1)
@@ -446,14 +490,68 @@ class RunConfig:
                 "set output_dir to put runs elsewhere"
             )
         try:
-            estimator = preset_from_config(self.algorithm).estimator
+            preset = preset_from_config(self.algorithm)
         except ValueError as e:  # a combination the per-field checks cannot see
             raise ConfigError(f"algorithm: {e}") from e
+        estimator = preset.estimator
+        _check_algorithm_combination(self, preset)
+        if self.algorithm.routing_replay == "r3":  # R3 replays what the engine records
+            self.rollout.return_routed_experts = True
         if estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.group_size < 2:
             raise ConfigError(
                 f"rollout.group_size={self.rollout.group_size}: the {estimator} estimator compares samples "
                 "of one prompt, so a group needs at least 2 (every advantage would be 0)"
             )
+
+
+_BIAS_FAMILIES = ("deepseek_v3", "glm4_moe")
+"""Model families whose routers carry ``e_score_correction_bias`` (aux-loss-free balancing)."""
+
+
+def _model_family(cfg: RunConfig) -> str:
+    """The policy's family: the ``model_type`` of the checkpoint RL starts from when it is a folder with a
+    config.json (``init_from``, else ``model.path``), else ``model.family`` (the fresh or SFT model)."""
+    for folder in (cfg.init_from, cfg.model.path):
+        if folder is not None and (Path(folder) / "config.json").is_file():
+            try:
+                return str(json.loads((Path(folder) / "config.json").read_text()).get("model_type", ""))
+            except (OSError, ValueError):
+                return ""  # unreadable here: the model loader names the problem later
+    return cfg.model.family
+
+
+def _check_algorithm_combination(cfg: RunConfig, preset) -> None:
+    """Combinations of algorithm and trainer settings that cannot run, refused when the config is
+    loaded (before any warm start). ``preset``: the resolved ``moerl.rl.LossPreset``.
+
+    Raises:
+        ConfigError: naming the settings and what to change.
+    """
+    alg, tr = cfg.algorithm, cfg.trainer
+    if alg.kl_coef > 0 and not preset.allows_kl:
+        raise ConfigError(
+            f"algorithm.kl_coef={alg.kl_coef} with algorithm.preset={alg.preset!r}: that preset has no KL "
+            "penalty (DAPO, Yu et al. 2025, Sec. 2.3, removes it); set algorithm.kl_coef=0 or another preset"
+        )
+    if tr.mini_batches > tr.batch_groups:
+        raise ConfigError(
+            f"trainer.mini_batches={tr.mini_batches} is more than trainer.batch_groups={tr.batch_groups}: "
+            "each mini-batch needs at least one group"
+        )
+    updates = tr.ppo_epochs * tr.mini_batches
+    if updates > 1 and preset.mismatch_mode != "none" and not tr.recompute_proximal:
+        raise ConfigError(
+            f"trainer.ppo_epochs={tr.ppo_epochs} x trainer.mini_batches={tr.mini_batches} optimizer steps per "
+            f"batch with algorithm.tis_mode={preset.mismatch_mode!r}: after the first update the trainer's "
+            "log-probs are no longer the proximal policy's; set trainer.recompute_proximal=true (one extra "
+            "forward) or algorithm.tis_mode=none"
+        )
+    if tr.bias_update_rate > 0 and _model_family(cfg) not in _BIAS_FAMILIES:
+        raise ConfigError(
+            f"trainer.bias_update_rate={tr.bias_update_rate} needs routers with an e_score_correction_bias "
+            f"(model families {list(_BIAS_FAMILIES)}); this model is {_model_family(cfg)!r}: set "
+            "trainer.bias_update_rate=0 or use trainer.aux_loss_coef"
+        )
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
