@@ -102,12 +102,16 @@ class AlgoParts:
         algorithm: AlgorithmConfig,
         preset: LossPreset,
         lr_lambda,
+        *,
+        start_policy: torch.nn.Module | None = None,
     ) -> AlgoParts:
-        """The parts ``algorithm`` asks for, for ``model`` as RL starts (copied for reference and critic).
+        """The parts ``algorithm`` asks for, for the policy ``model``; the reference policy and the critic's
+        trunk copy ``start_policy`` (the policy as RL started; default ``model``).
 
         Raises:
             ValueError: ``bias_update_rate > 0`` on a model whose routers have no correction bias.
         """
+        start = model if start_policy is None else start_policy
         blocks = list(model.moe_blocks()) if hasattr(model, "moe_blocks") else []
         for block in blocks:
             block.aux_loss_level = cfg.aux_loss_level
@@ -120,8 +124,8 @@ class AlgoParts:
             cfg,
             algorithm,
             preset,
-            reference=ReferencePolicy(model) if algorithm.kl_coef > 0 else None,
-            critic=Critic(model, cfg, algorithm, lr_lambda) if preset.estimator == "gae" else None,
+            reference=ReferencePolicy(start) if algorithm.kl_coef > 0 else None,
+            critic=Critic(start, cfg, algorithm, lr_lambda) if preset.estimator == "gae" else None,
             bias_blocks=bias_blocks,
             num_experts=int(getattr(getattr(model, "config", None), "num_experts", 0) or 0),
         )

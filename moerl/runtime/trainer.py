@@ -149,6 +149,8 @@ class Trainer:
             uses 1.
         norm_length: constant length of the ``seq-mean-token-sum-norm`` aggregation (Dr. GRPO),
             normally ``rollout.max_new_tokens``.
+        start_policy: the policy RL started from, which the reference policy and the critic's trunk
+            copy; None: ``model`` (right unless ``model`` holds other weights now, as in a restart).
 
     Builds, as the algorithm asks (``moerl.runtime.algorithms.AlgoParts``): a frozen reference policy
     (``kl_coef > 0``), a critic (estimator ``gae``), routing replay (``routing_replay=r3``).
@@ -162,6 +164,7 @@ class Trainer:
         *,
         temperature: float = 1.0,
         norm_length: int | None = None,
+        start_policy: torch.nn.Module | None = None,
     ):
         self.preset = preset_from_config(algorithm)
         self.model = model
@@ -188,11 +191,13 @@ class Trainer:
         self._background_store: WeightStore | None = None
         # Reference policy, critic, routing replay, balancing: moerl.runtime.algorithms.
         self.algo = algorithms.AlgoParts.build(
-            model, cfg, algorithm, self.preset, lambda s: lr_factor(cfg, s)
+            model, cfg, algorithm, self.preset, lambda s: lr_factor(cfg, s), start_policy=start_policy
         )
 
     @classmethod
-    def from_run_config(cls, model: torch.nn.Module, cfg: RunConfig) -> Trainer:
+    def from_run_config(
+        cls, model: torch.nn.Module, cfg: RunConfig, *, start_policy: torch.nn.Module | None = None
+    ) -> Trainer:
         """The run's trainer: ``cfg.trainer`` and ``cfg.algorithm``, log-probs at the rollout temperature,
         length normalization over ``algorithm.norm_length`` or else ``rollout.max_new_tokens``."""
         return cls(
@@ -201,7 +206,13 @@ class Trainer:
             cfg.algorithm,
             temperature=cfg.rollout.temperature,
             norm_length=cfg.algorithm.norm_length or cfg.rollout.max_new_tokens,
+            start_policy=start_policy,
         )
+
+    @staticmethod
+    def needs_value_model(algorithm: AlgorithmConfig) -> bool:
+        """Whether ``algorithm`` trains a critic (the ``gae`` estimator)."""
+        return preset_from_config(algorithm).estimator == "gae"
 
     @property
     def version(self) -> int:
