@@ -33,7 +33,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "queue/requeued",  # tasks put back (expiry, release, staleness) so far (cumulative)
     "train/pg_loss",  # policy-gradient loss
     "train/pg_clipfrac",  # fraction of tokens whose ratio was clipped
-    "train/ppo_kl",  # mean (behaviour/proximal log-prob - current log-prob) over tokens
+    "train/ppo_kl",  # mean (proximal log-prob - current log-prob) over tokens (0 with one update per step)
     "train/entropy",  # mean token entropy of the current policy
     "train/grad_norm",  # global gradient norm before clipping
     "train/aux_loss",  # MoE load-balancing loss
