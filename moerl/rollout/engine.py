@@ -69,8 +69,7 @@ class Engine:
         kv_layout_override: the KV geometry, when it cannot be derived from ``model.config``.
         cuda_graphs: on CUDA, replay decode steps from CUDA graphs captured once per (B, R, sampling
             flags) key (``moerl.rollout.cuda_graphs``; with ``batch_buckets`` few keys recur); False runs
-            every step eagerly. Steps that record routed experts (R3) are captured too: they write the
-            cache's preallocated ``routed`` buffer inside the graph.
+            every step eagerly (steps that record routed experts, R3, are captured too).
 
     Raises:
         ValueError: sizes that leave no cache slot of two tokens; a non-positive sync/prefill/length setting.
@@ -368,11 +367,8 @@ class Engine:
         b = self._bucket(a)
         m = self.attn_len_multiple
         read_len = min(self.max_seq_len, -(-max(s.seq_len for s in seqs) // m) * m)
-        want_routed = any(s.request.params.return_routed_experts for s in seqs)
-        rows = self._rows(slice(0, b), seqs)
-        # Recording routed experts (R3) is graph-safe once its static buffer exists: the step writes the
-        # buffer in place (an index_put at device-side positions, no host sync). The first prefill that
-        # records allocates it, so a decode step that records always finds it.
+        want_routed = any(s.request.params.return_routed_experts for s in seqs)  # R3: graph-safe once
+        rows = self._rows(slice(0, b), seqs)  # a prefill allocated the static buffer (in place, no sync)
         if self._graphs is not None and (not want_routed or self.cache.routed is not None):
             key = (b, read_len, rows.all_greedy, rows.any_truncation, want_routed)
             tokens, logprobs = self._graphs.run(
