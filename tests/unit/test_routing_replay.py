@@ -131,3 +131,27 @@ def test_replay_without_recorded_experts_is_a_clear_error():
     )
     with pytest.raises(ValueError, match="routed_experts"):
         _trainer(policy, "r3").train_step(stripped)
+
+
+def test_recording_decode_steps_go_through_the_graph_runner():
+    """On CUDA the engine captures decode steps in graphs; a stand-in runner (CPU has none) shows that
+    steps recording experts are handed to it too, keyed apart, once the static buffer exists."""
+
+    class Runner:
+        def __init__(self):
+            self.keys = []
+
+        def run(self, key, fn):
+            self.keys.append(key)
+            return fn()
+
+    policy = _policy()
+    engine = Engine(policy, max_slots=8, kv_token_budget=8 * 32)
+    engine._graphs = Runner()
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=1, return_routed_experts=True)
+    out = engine.generate([Request(request_id="a", prompt_ids=[1, 2, 3], params=params)])
+    assert engine._graphs.keys and all(k[-1] is True for k in engine._graphs.keys)  # every decode step
+    with torch.no_grad():  # and the record is still the full forward's choice
+        seq = torch.tensor(out[0].prompt_ids + out[0].token_ids[:-1])[None]
+        ref = policy(seq, return_routed_experts=True).routed_experts[0]
+    assert torch.equal(out[0].routed_experts.sort(-1).values, ref.sort(-1).values)
