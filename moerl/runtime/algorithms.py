@@ -200,6 +200,16 @@ class AlgoParts:
             )
         return mb.routed_experts.to(device)
 
+    def load_mask(self, mb: TrainBatch) -> torch.Tensor:
+        """[B, T] bool: the tokens whose experts count in the load figures. Under replay the routed
+        experts are the engine's, which never fed a row's last token (``TrainBatch.routed_experts``
+        fills it with 0..k-1): that token is left out."""
+        mask = mb.attention_mask.bool()
+        if self.is_replay:
+            mask = mask.clone()
+            mask[torch.arange(mask.shape[0]), (mask.sum(dim=1) - 1).clamp_min(0)] = False
+        return mask
+
     def loss_inputs(self, mb: TrainBatch, device: torch.device, *, is_single_update: bool) -> dict:
         """Keyword arguments of ``moerl.rl.policy_loss`` besides logp / advantages / mask / normalizers."""
         behav = mb.behaviour_logprobs.to(device)
@@ -256,7 +266,7 @@ class AlgoParts:
         train = mb.proximal_logprobs.to(logp.device) if mb.proximal_logprobs is not None else logp.detach()
         self._rollout += rollout_mismatch_sums(train, mb.behaviour_logprobs.to(logp.device), mask).cpu()
         if routed is not None and routed.shape[2] > 0 and self.num_experts > 0:
-            picked = routed[mb.attention_mask.to(routed.device).bool()]  # (N, L_moe, k)
+            picked = routed[self.load_mask(mb).to(routed.device)]  # (N, L_moe, k)
             flat = picked.permute(1, 0, 2).reshape(picked.shape[1], -1)  # (L_moe, N k)
             counts = torch.zeros(flat.shape[0], self.num_experts, dtype=torch.float64, device=flat.device)
             counts.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.float64))

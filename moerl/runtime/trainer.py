@@ -347,7 +347,7 @@ class Trainer:
                 sums["aux_loss"] += float(out.aux_loss) * share
                 if out.routed_experts is not None:
                     cv = expert_load_cv(
-                        out.routed_experts, mb.attention_mask.to(self.device), self.num_experts
+                        out.routed_experts, self.algo.load_mask(mb).to(self.device), self.num_experts
                     )
                     sums["expert_load_cv"] += cv * share
                 self.algo.observe(

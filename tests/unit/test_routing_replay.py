@@ -155,3 +155,15 @@ def test_recording_decode_steps_go_through_the_graph_runner():
         seq = torch.tensor(out[0].prompt_ids + out[0].token_ids[:-1])[None]
         ref = policy(seq, return_routed_experts=True).routed_experts[0]
     assert torch.equal(out[0].routed_experts.sort(-1).values, ref.sort(-1).values)
+
+
+def test_expert_load_figures_under_replay_leave_out_the_never_fed_last_token():
+    policy = _policy()
+    batch = build_train_batch(_engine_groups(policy, num_prompts=2), pad_id=0)
+    lengths = batch.attention_mask.sum(1)
+    free = _trainer(copy.deepcopy(policy), "off").algo.load_mask(batch)
+    replay = _trainer(copy.deepcopy(policy), "r3").algo.load_mask(batch)
+    assert torch.equal(free, batch.attention_mask.bool())
+    rows = torch.arange(len(lengths))
+    assert not replay[rows, lengths - 1].any() and torch.equal(replay.sum(1), lengths - 1)
+    assert _trainer(policy, "r3").train_step(batch).algo.expert_load_max_min >= 1.0
