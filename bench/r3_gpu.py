@@ -143,7 +143,7 @@ def replay_agreement(model, completions, trainer_dtype: torch.dtype, micro_batch
         trainer = Trainer(
             trainer_model,
             TrainerConfig(micro_batch_size=micro_batch),
-            AlgorithmConfig(routing_replay=mode, tis_mode="none"),
+            AlgorithmConfig(routing_replay=mode, mismatch_mode="none"),
         )
         logp = trainer.no_grad_logprobs(batch).cpu()
         sums = rollout_mismatch_sums(logp, batch.behaviour_logprobs, batch.loss_mask)

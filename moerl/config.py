@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from moerl.atomic import atomic_write_text
+from moerl.choices import DTYPE_NAMES, MODEL_FAMILIES
 from moerl.config_algorithm import AlgorithmConfig, check_algorithm_combination  # noqa: F401 - re-exported
 from moerl.config_fleet import ChaosConfig, FleetConfig  # noqa: F401 - re-exported
 from moerl.configlib import (  # noqa: F401 - re-exported: the config API lives here
@@ -65,12 +67,8 @@ class ModelConfig:
     """Device for the trainer's and the sync-mode engine's model: cpu, cuda, cuda:N."""
 
     def __post_init__(self) -> None:
-        check_choice("model.dtype", self.dtype, ["float32", "bfloat16"])
-        check_choice(
-            "model.family",
-            self.family,
-            ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe"],
-        )
+        check_choice("model.dtype", self.dtype, list(DTYPE_NAMES))
+        check_choice("model.family", self.family, list(MODEL_FAMILIES))
         for name in (
             "hidden_size",
             "num_layers",
@@ -379,6 +377,8 @@ class RunConfig:
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
 
     def __post_init__(self) -> None:
+        # lazy: moerl.rl imports torch, and the config must load without it (``moerl --help``, YAML checks);
+        # not a cycle: moerl.rl.presets needs this module only for type checking
         from moerl.rl.presets import preset_from_config
 
         if not self.name or self.name in (".", "..") or any(c in self.name for c in "/\\"):
@@ -428,8 +428,5 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    """Write the resolved config as YAML (atomically: temp file then rename)."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tmp.replace(path)
+    """Write the resolved config as YAML (atomically: ``moerl.atomic``)."""
+    atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -4,7 +4,7 @@ that ``RunConfig`` runs when it is loaded; re-exported by ``moerl.config``, whic
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,17 +36,26 @@ class AlgorithmConfig:
     """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm; None: the preset's."""
     norm_length: int | None = None
     """Constant length (tokens) of seq-mean-token-sum-norm (Dr. GRPO); None: rollout.max_new_tokens."""
-    tis_mode: str | None = None
+    mismatch_mode: str | None = None
     """Train/rollout mismatch correction from the engine's behaviour log-probs (``moerl.rl.mismatch``):
     none; truncate (TIS, Yao et al. 2025: weight min(rho, C)); mask (MIS, Liu et al. 2025: drop tokens or
     sequences with rho outside [C_low, C]); icepop (IcePop, Ling Team 2025: token-level two-sided mask
-    with bounds [0.5, 5] unless tis_cap / tis_cap_low are set). None: the preset's (truncate, token, C=2)."""
-    tis_level: str | None = None
+    with bounds [0.5, 5] unless mismatch_cap / mismatch_cap_low are set). None: the preset's (truncate,
+    token, C=2)."""
+    mismatch_level: str | None = None
     """Mismatch ratio level: token, or sequence (geometric mean over the sequence); None: the preset's (token)."""
-    tis_cap: float | None = None
+    mismatch_cap: float | None = None
     """IS cap C >= 1 (truncate) or upper bound (mask, icepop); None: the preset's (2.0; icepop 5.0)."""
-    tis_cap_low: float | None = None
+    mismatch_cap_low: float | None = None
     """Lower IS bound in [0, 1] of mask and icepop modes; None: the preset's (0.5)."""
+    tis_mode: InitVar[str | None] = None
+    """Former name of ``mismatch_mode`` (keyword only, not a YAML key)."""
+    tis_level: InitVar[str | None] = None
+    """Former name of ``mismatch_level``."""
+    tis_cap: InitVar[float | None] = None
+    """Former name of ``mismatch_cap``."""
+    tis_cap_low: InitVar[float | None] = None
+    """Former name of ``mismatch_cap_low``."""
     routing_replay: str = "off"
     """Rollout routing replay: ``off``, or ``r3`` (Ma et al. 2025, "Stabilizing MoE Reinforcement Learning
     by Aligning Training and Inference Routers"): the engine records the experts it routed every token to
@@ -76,7 +85,11 @@ class AlgorithmConfig:
     value_coef: float = 0.5
     """Coefficient of the value loss (estimator gae)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, tis_mode=None, tis_level=None, tis_cap=None, tis_cap_low=None) -> None:
+        former = {"mode": tis_mode, "level": tis_level, "cap": tis_cap, "cap_low": tis_cap_low}
+        for suffix, value in former.items():
+            if value is not None:
+                setattr(self, f"mismatch_{suffix}", value)
         check_choice("algorithm.preset", self.preset, ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"])
         check_choice("algorithm.kl_kind", self.kl_kind, ["k1", "k2", "k3"])
         check_choice("algorithm.routing_replay", self.routing_replay, ["off", "r3"])
@@ -90,8 +103,8 @@ class AlgorithmConfig:
                 "seq-mean-token-sum",
                 "seq-mean-token-sum-norm",
             ],
-            "tis_mode": ["none", "truncate", "mask", "icepop"],
-            "tis_level": ["token", "sequence"],
+            "mismatch_mode": ["none", "truncate", "mask", "icepop"],
+            "mismatch_level": ["token", "sequence"],
         }
         for name, allowed in choices.items():
             if getattr(self, name) is not None:
@@ -99,8 +112,8 @@ class AlgorithmConfig:
         ranges = {
             "eps_low": (0.0, 1.0),
             "eps_high": (0.0, None),
-            "tis_cap": (1.0, None),
-            "tis_cap_low": (0.0, 1.0),
+            "mismatch_cap": (1.0, None),
+            "mismatch_cap_low": (0.0, 1.0),
             "norm_length": (1, None),
         }
         for name, (lo, hi) in ranges.items():
@@ -155,9 +168,9 @@ def check_algorithm_combination(cfg: RunConfig, preset) -> None:
     if updates > 1 and preset.mismatch_mode != "none" and not tr.recompute_proximal:
         raise ConfigError(
             f"trainer.ppo_epochs={tr.ppo_epochs} x trainer.mini_batches={tr.mini_batches} optimizer steps per "
-            f"batch with algorithm.tis_mode={preset.mismatch_mode!r}: after the first update the trainer's "
+            f"batch with algorithm.mismatch_mode={preset.mismatch_mode!r}: after the first update the trainer's "
             "log-probs are no longer the proximal policy's; set trainer.recompute_proximal=true (one extra "
-            "forward) or algorithm.tis_mode=none"
+            "forward) or algorithm.mismatch_mode=none"
         )
     if tr.bias_update_rate > 0 and _model_family(cfg) not in _BIAS_FAMILIES:
         raise ConfigError(

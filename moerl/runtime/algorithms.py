@@ -18,7 +18,7 @@ Mismatch correction (``moerl.rl.mismatch``) needs no extra forward: with one upd
 ``recompute_proximal`` off, pi_old is the policy at the step's start, which is what the training forward
 computes; ``policy_loss`` gets ``old_logp=None`` (ratio 1, the detached current log-probs) and the
 engine's log-probs as ``behav_logp``. With several updates per step the proximal log-probs are recomputed
-(``recompute_proximal``) or, with ``tis_mode=none``, the engine's log-probs are the PPO ``old`` (the
+(``recompute_proximal``) or, with ``mismatch_mode=none``, the engine's log-probs are the PPO ``old`` (the
 config refuses the other combinations).
 
 Sharded trainer (``trainer.num_ranks > 1``): everything here is per-token math on the rank's rows with
@@ -218,7 +218,7 @@ class AlgoParts:
         elif is_single_update:
             old, behav_in = None, behav  # pi_old = the current weights (no update yet this step)
         else:
-            old, behav_in = behav, None  # several updates, tis_mode none (the config enforces it)
+            old, behav_in = behav, None  # several updates, mismatch_mode none (the config enforces it)
         ref = None if mb.ref_logprobs is None else mb.ref_logprobs.to(device)
         in_loss = ref is not None and not self.algorithm.kl_in_reward
         return {

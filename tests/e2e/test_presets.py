@@ -7,8 +7,8 @@ import pytest
 from conftest import short_config
 
 from moerl.cli import main as cli_main
-from moerl.runtime.controller import train
 from moerl.runtime.run_dir import RunDir, read_jsonl
+from moerl.train import train
 
 MAIN_TASK = ["task.min_digits=2", "task.max_digits=2", "task.operations=[+]"]
 # The tiny random policy never answers right (reward 0 everywhere: no advantage, and DAPO's dynamic

@@ -2,9 +2,9 @@
 
 import pytest
 
-import moerl.runtime.controller as controller
-import moerl.runtime.setup as setup
+import moerl.runtime.warm_start as warm_start_module
 import moerl.tasks.sft as sft
+import moerl.train as train_module
 from moerl.cli import main
 from moerl.config import ConfigError, load_config
 
@@ -14,11 +14,11 @@ BAD = [
     (["trainer.mini_batches=2", "algorithm.preset=gspo"], "recompute_proximal"),
     (["trainer.batch_groups=2", "trainer.mini_batches=3"], "at least one group"),
     (["trainer.bias_update_rate=0.001"], "e_score_correction_bias"),
-    (["algorithm.tis_mode=icepop", "algorithm.tis_level=sequence"], "token-level"),
+    (["algorithm.mismatch_mode=icepop", "algorithm.mismatch_level=sequence"], "token-level"),
     (["trainer.aux_loss_level=sequence"], "aux_loss_coef"),
     (["algorithm.kl_in_reward=true"], "kl_coef"),
     (["algorithm.routing_replay=r2"], "routing_replay"),
-    (["algorithm.tis_mode=clip"], "tis_mode"),
+    (["algorithm.mismatch_mode=clip"], "mismatch_mode"),
 ]
 
 GOOD = [
@@ -28,11 +28,11 @@ GOOD = [
         "trainer.mini_batches=4",
         "trainer.recompute_proximal=true",
     ],
-    ["trainer.ppo_epochs=2", "algorithm.tis_mode=none"],
+    ["trainer.ppo_epochs=2", "algorithm.mismatch_mode=none"],
     ["algorithm.kl_coef=0.01", "algorithm.kl_kind=k2", "algorithm.kl_in_reward=true"],
     ["model.family=deepseek_v3", "trainer.bias_update_rate=0.001"],
     ["trainer.aux_loss_coef=0.001", "trainer.aux_loss_level=sequence"],
-    ["algorithm.tis_mode=icepop"],
+    ["algorithm.mismatch_mode=icepop"],
 ]
 
 
@@ -55,7 +55,7 @@ def test_routing_replay_switches_the_engines_recording_on():
 def test_icepop_takes_its_papers_bounds():
     from moerl.rl import preset_from_config
 
-    p = preset_from_config(load_config(None, ["algorithm.tis_mode=icepop"]).algorithm)
+    p = preset_from_config(load_config(None, ["algorithm.mismatch_mode=icepop"]).algorithm)
     assert (p.mismatch_cap_low, p.mismatch_cap) == (0.5, 5.0)
 
 
@@ -63,8 +63,8 @@ def test_moerl_train_refuses_before_the_warm_start(monkeypatch, tmp_path, capsys
     def forbidden(*a, **k):
         raise AssertionError("the warm start ran")
 
-    monkeypatch.setattr(setup, "warm_start", forbidden)
-    monkeypatch.setattr(controller, "warm_start", forbidden)
+    monkeypatch.setattr(warm_start_module, "warm_start", forbidden)
+    monkeypatch.setattr(train_module, "warm_start", forbidden)
     monkeypatch.setattr(sft, "run_sft", forbidden)
     monkeypatch.chdir(tmp_path)
     code = main(["train", "--set", "algorithm.preset=dapo", "--set", "algorithm.kl_coef=0.01"])
