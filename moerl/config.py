@@ -11,7 +11,7 @@ one field, its value parsed as YAML. Unknown keys are an error that suggests the
 from __future__ import annotations
 
 import json
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import yaml
 
 from moerl.atomic import atomic_write_text
 from moerl.choices import DTYPE_NAMES, MODEL_FAMILIES
+from moerl.config_algorithm import AlgorithmConfig, check_algorithm_combination  # noqa: F401 - re-exported
 from moerl.config_cluster import ClusterConfig, StorageConfig  # noqa: F401 - re-exported
 from moerl.config_fleet import ChaosConfig, FleetConfig  # noqa: F401 - re-exported
 from moerl.configlib import (  # noqa: F401 - re-exported: the config API lives here
@@ -196,108 +197,6 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class AlgorithmConfig:
-    """The RL objective: advantage estimator, policy loss preset and its coefficients (moerl.rl).
-
-    Fields left at ``None`` take the preset's value (``moerl.rl.PRESETS``); resolve the effective
-    loss with ``moerl.rl.preset_from_config(cfg)``.
-    """
-
-    preset: str = "grpo"
-    """Loss preset: grpo, dr_grpo, dapo, gspo, cispo, ppo."""
-    estimator: str | None = None
-    """Advantage estimator: grpo, dr_grpo, rloo (group-relative) or gae (value head); None: the preset's."""
-    eps_low: float | None = None
-    """Lower clip offset in [0, 1]: the ratio is clipped below at 1 - eps_low; None: the preset's."""
-    eps_high: float | None = None
-    """Upper clip offset >= 0 (clip-higher when > eps_low): clipped above at 1 + eps_high; None: the preset's."""
-    dual_clip_c: float | None = None
-    """Dual-clip constant c > 1: where A < 0 the token loss is capped at -c A; None: the preset's (off)."""
-    aggregation: str | None = None
-    """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm; None: the preset's."""
-    norm_length: int | None = None
-    """Constant length (tokens) of seq-mean-token-sum-norm (Dr. GRPO); None: rollout.max_new_tokens."""
-    mismatch_mode: str | None = None
-    """Train/rollout mismatch correction (importance weights old/behaviour, ``moerl.rl.mismatch``): none,
-    truncate (truncated IS) or mask; None: the preset's (truncate)."""
-    mismatch_level: str | None = None
-    """Mismatch ratio level: token, or sequence (geometric mean over the sequence); None: the preset's (token)."""
-    mismatch_cap: float | None = None
-    """IS cap C >= 1 (truncate) or upper bound (mask); None: the preset's (2.0)."""
-    mismatch_cap_low: float | None = None
-    """Lower IS bound in [0, 1] of mask mode; None: the preset's (0.5)."""
-    tis_mode: InitVar[str | None] = None
-    """Former name of ``mismatch_mode`` (keyword only, not a YAML key)."""
-    tis_level: InitVar[str | None] = None
-    """Former name of ``mismatch_level``."""
-    tis_cap: InitVar[float | None] = None
-    """Former name of ``mismatch_cap``."""
-    tis_cap_low: InitVar[float | None] = None
-    """Former name of ``mismatch_cap_low``."""
-    kl_coef: float = 0.0
-    """Coefficient of the KL penalty against the reference policy; 0 disables it (no reference model)."""
-    kl_kind: str = "k3"
-    """KL estimator: k1, k2, k3 (Schulman 2020)."""
-    kl_in_reward: bool = False
-    """Fold the KL penalty into the per-token reward (PPO with GAE) instead of adding it to the loss."""
-    entropy_coef: float = 0.0
-    """Entropy bonus coefficient."""
-    dynamic_sampling: bool | None = None
-    """DAPO dynamic sampling: drop groups whose rewards are all equal at buffer admission; None: the preset's."""
-    gae_gamma: float = 1.0
-    """GAE discount gamma in [0, 1] (estimator gae)."""
-    gae_lambda: float = 0.95
-    """GAE lambda in [0, 1] (estimator gae)."""
-    value_clip: float | None = 0.2
-    """Value-loss clip range around the rollout-time values (estimator gae); None disables clipping."""
-    value_coef: float = 0.5
-    """Coefficient of the value loss (estimator gae)."""
-
-    def __post_init__(self, tis_mode=None, tis_level=None, tis_cap=None, tis_cap_low=None) -> None:
-        former = {"mode": tis_mode, "level": tis_level, "cap": tis_cap, "cap_low": tis_cap_low}
-        for suffix, value in former.items():
-            if value is not None:
-                setattr(self, f"mismatch_{suffix}", value)
-        check_choice("algorithm.preset", self.preset, ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"])
-        check_choice("algorithm.kl_kind", self.kl_kind, ["k1", "k2", "k3"])
-        check_range("algorithm.kl_coef", self.kl_coef, 0.0)
-        check_range("algorithm.entropy_coef", self.entropy_coef, 0.0)
-        choices = {
-            "estimator": ["grpo", "dr_grpo", "rloo", "gae"],
-            "aggregation": [
-                "token-mean",
-                "seq-mean-token-mean",
-                "seq-mean-token-sum",
-                "seq-mean-token-sum-norm",
-            ],
-            "mismatch_mode": ["none", "truncate", "mask"],
-            "mismatch_level": ["token", "sequence"],
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) is not None:
-                check_choice(f"algorithm.{name}", getattr(self, name), allowed)
-        ranges = {
-            "eps_low": (0.0, 1.0),
-            "eps_high": (0.0, None),
-            "mismatch_cap": (1.0, None),
-            "mismatch_cap_low": (0.0, 1.0),
-            "norm_length": (1, None),
-        }
-        for name, (lo, hi) in ranges.items():
-            if getattr(self, name) is not None:
-                check_range(f"algorithm.{name}", getattr(self, name), lo, hi)
-        if self.dual_clip_c is not None:
-            check_range("algorithm.dual_clip_c", self.dual_clip_c, 1.0, lo_open=True)
-        if self.value_clip is not None:
-            check_range("algorithm.value_clip", self.value_clip, 0.0, lo_open=True)
-        check_range("algorithm.gae_gamma", self.gae_gamma, 0.0, 1.0)
-        check_range("algorithm.gae_lambda", self.gae_lambda, 0.0, 1.0)
-        check_range("algorithm.value_coef", self.value_coef, 0.0)
-        if self.kl_in_reward and self.kl_coef == 0.0:
-            raise ConfigError("algorithm.kl_in_reward=True needs algorithm.kl_coef > 0")
-
-
-@dataclass(kw_only=True, slots=True)
 class TrainerConfig:
     """Policy optimization: AdamW, LR schedule, batch sizes, publishing and checkpointing."""
 
@@ -321,8 +220,29 @@ class TrainerConfig:
     """Clip the global gradient norm to this value; 0 disables."""
     aux_loss_coef: float = 0.0
     """Coefficient of the MoE load-balancing loss."""
+    aux_loss_level: str = "batch"
+    """Load-balancing loss over the micro-batch's tokens (``batch``: Switch, Fedus et al. 2021, eq. 4-6) or
+    per sequence and averaged (``sequence``: DeepSeek-V3's complementary sequence-wise loss, arXiv:2412.19437
+    eq. 17-20). ``sequence`` needs ``aux_loss_coef > 0``."""
+    bias_update_rate: float = 0.0
+    """Aux-loss-free load balancing (DeepSeek-V3, arXiv:2412.19437 sec. 2.1.2): after every optimizer step
+    each router's ``e_score_correction_bias`` moves by this rate gamma times the sign of its expert's load
+    error (mean load - load). 0 disables it; DeepSeek-V3 used 0.001. Needs a model with the bias
+    (families deepseek_v3, glm4_moe)."""
     recompute_proximal: bool = False
-    """Recompute proximal (old) log-probs before the update instead of using the behaviour ones."""
+    """Recompute proximal (old) log-probs with an extra no-grad forward before the update. Off: the
+    proximal policy is the trainer's weights at the step's start, read from the first forward (exact for
+    one update per step), and the mismatch correction uses the engine's behaviour log-probs without any
+    extra forward. Needed for ``ppo_epochs * mini_batches > 1`` with a mismatch correction."""
+    ppo_epochs: int = 1
+    """Passes over each step's batch (PPO epochs, Schulman et al. 2017, Alg. 1); each pass makes
+    ``mini_batches`` optimizer steps. The policy version still advances by one per trainer step."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch: the batch's groups are split into this many mini-batches (each with its
+    own token/sequence normalizers); at most ``batch_groups``."""
+    critic_lr: float | None = None
+    """Peak learning rate of the critic's AdamW (estimator gae); None: ``10 x lr``, since the value head
+    starts from zero while the trunk is the warm-started policy's."""
     share_prompt: bool = True
     """Forward each group's prompt once instead of once per sample (shared-prefix forward, Prefix
     Grouper, Liu et al. 2025): the same log-probs up to float rounding, for fewer tokens. Off while
@@ -367,6 +287,14 @@ class TrainerConfig:
         check_choice("trainer.lr_schedule", self.lr_schedule, ["constant", "cosine"])
         check_range("trainer.grad_clip", self.grad_clip, 0.0)
         check_range("trainer.aux_loss_coef", self.aux_loss_coef, 0.0)
+        check_choice("trainer.aux_loss_level", self.aux_loss_level, ["batch", "sequence"])
+        check_range("trainer.bias_update_rate", self.bias_update_rate, 0.0)
+        check_range("trainer.ppo_epochs", self.ppo_epochs, 1)
+        check_range("trainer.mini_batches", self.mini_batches, 1)
+        if self.critic_lr is not None:
+            check_range("trainer.critic_lr", self.critic_lr, 0.0, 1.0, lo_open=True)
+        if self.aux_loss_level == "sequence" and self.aux_loss_coef == 0:
+            raise ConfigError("trainer.aux_loss_level='sequence' needs trainer.aux_loss_coef > 0")
         check_range("trainer.publish_every", self.publish_every, 1)
         check_range("trainer.checkpoint_every", self.checkpoint_every, 0)
         check_range("trainer.max_nan_steps", self.max_nan_steps, 1)
@@ -549,9 +477,13 @@ class RunConfig:
                 "set output_dir to put runs elsewhere"
             )
         try:
-            estimator = preset_from_config(self.algorithm).estimator
+            preset = preset_from_config(self.algorithm)
         except ValueError as e:  # a combination the per-field checks cannot see
             raise ConfigError(f"algorithm: {e}") from e
+        estimator = preset.estimator
+        check_algorithm_combination(self, preset)
+        if self.algorithm.routing_replay == "r3":  # R3 replays what the engine records
+            self.rollout.return_routed_experts = True
         _check_expert_parallel(self)
         if estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.group_size < 2:
             raise ConfigError(

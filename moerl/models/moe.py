@@ -134,6 +134,63 @@ def load_balancing_loss(
     return e * ((counts / n) * (probs.sum(0) / n)).sum()
 
 
+def sequence_balance_loss(
+    router_logits: torch.Tensor,
+    topk_idx: torch.Tensor,
+    token_mask: torch.Tensor | None,
+    batch_size: int,
+    *,
+    scoring_func: str = "softmax",
+) -> torch.Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss, averaged over the sequences.
+
+    Per sequence of T' real tokens (arXiv:2412.19437 eq. 17-20): ``L = sum_i f_i P_i`` with
+    ``f_i = E / (k T') sum_t 1[i in top-k(t)]`` and ``P_i = 1/T' sum_t s'_{i,t}``, where
+    ``s'_{i,t} = s_{i,t} / sum_j s_{j,t}`` are the token's normalized scores (softmax or sigmoid of the
+    raw router logits). Perfectly balanced routing gives 1 per sequence. The coefficient alpha is the
+    trainer's ``aux_loss_coef``.
+
+    Args:
+        router_logits: [N, E] float32 with N = batch_size * T. topk_idx: [N, k] int64.
+        token_mask: [N] bool (False = padding) or None. batch_size: B.
+        scoring_func: ``softmax`` or ``sigmoid``.
+
+    Returns:
+        scalar float32, the mean over sequences with at least one token (0 when there is none).
+    """
+    n, e = router_logits.shape
+    k = topk_idx.shape[-1]
+    logits = router_logits.float()
+    scores = softmax_rows(logits) if scoring_func == "softmax" else logits.sigmoid()
+    scores = scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
+    w = torch.ones(n, device=logits.device) if token_mask is None else token_mask.float()
+    w = w.view(batch_size, -1, 1)  # (B, T, 1)
+    counts = (F.one_hot(topk_idx, e).sum(1).float().view(batch_size, -1, e) * w).sum(1)  # (B, E)
+    tokens = w.sum(1)  # (B, 1)
+    f = counts * e / (k * tokens.clamp_min(1))
+    p = (scores.view(batch_size, -1, e) * w).sum(1) / tokens.clamp_min(1)
+    per_seq = (f * p).sum(-1)  # (B,)
+    has = tokens[:, 0] > 0
+    return (per_seq * has).sum() / has.sum().clamp_min(1)
+
+
+@torch.no_grad()
+def update_correction_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> None:
+    """Aux-loss-free balancing step: ``b_i += rate * sign(mean_j c_j - c_i)`` in place.
+
+    An overloaded expert (more tokens than the mean) gets a lower selection bias, an underloaded one a
+    higher; the bias only affects which experts are chosen, never the combine weights (``route``).
+    Source: DeepSeek-V3, arXiv:2412.19437 sec. 2.1.2 (bias update speed gamma).
+
+    Args:
+        bias: [E] float32 ``e_score_correction_bias``, updated in place.
+        counts: [E] tokens routed to each expert over the step (all ranks' tokens on a sharded trainer).
+        rate: gamma >= 0.
+    """
+    c = counts.to(bias.device, torch.float32)
+    bias.add_(rate * torch.sign(c.mean() - c))
+
+
 def router_z_loss(router_logits: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Router z-loss mean_tokens (logsumexp_i logits_i)^2 (Zoph et al. 2022, ST-MoE Eq. 5); scalar float32."""
     z = torch.logsumexp(router_logits.float(), dim=-1).pow(2)
@@ -254,10 +311,24 @@ class MoeLayerStats:
     """[N, E] float32 raw router logits."""
     token_mask: torch.Tensor | None = None
     """[N] bool, False = padding (excluded from the losses); None = all tokens."""
+    balance_level: str = "batch"
+    """``batch``: ``load_balancing_loss``; ``sequence``: ``sequence_balance_loss`` (``MoeBlock.aux_loss_level``)."""
+    batch_size: int = 1
+    """B of the N = B * T tokens (for ``sequence``)."""
+    scoring_func: str = "softmax"
+    """The router's scoring function (for ``sequence``)."""
 
     @property
     def aux_loss(self) -> torch.Tensor:
-        """scalar float32, ``load_balancing_loss`` of this layer (computed on each read)."""
+        """scalar float32, the balance loss of this layer at ``balance_level`` (computed on each read)."""
+        if self.balance_level == "sequence":
+            return sequence_balance_loss(
+                self.router_logits,
+                self.topk_idx,
+                self.token_mask,
+                self.batch_size,
+                scoring_func=self.scoring_func,
+            )
         return load_balancing_loss(self.router_logits, self.topk_idx, self.token_mask)
 
     @property
@@ -299,10 +370,15 @@ class Router(nn.Module):
 
 
 class MoeBlock(nn.Module):
-    """router -> experts (+ shared experts, optionally gated by sigmoid(w . x)); x [B, T, H] -> [B, T, H]."""
+    """router -> experts (+ shared experts, optionally gated by sigmoid(w . x)); x [B, T, H] -> [B, T, H].
+
+    ``aux_loss_level``: ``"batch"`` (``load_balancing_loss`` over all tokens) or ``"sequence"``
+    (``sequence_balance_loss``); set by the trainer from ``trainer.aux_loss_level``.
+    """
 
     def __init__(self, cfg: MoeConfig) -> None:
         super().__init__()
+        self.aux_loss_level = "batch"
         self.router = Router(cfg)
         self.experts: nn.Module = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = (
@@ -326,5 +402,12 @@ class MoeBlock(nn.Module):
             if self.shared_expert_gate is not None:
                 s = torch.sigmoid(self.shared_expert_gate(x)) * s
             y = y + s
-        stats = MoeLayerStats(topk_idx=r.topk_idx, router_logits=r.router_logits, token_mask=token_mask)
+        stats = MoeLayerStats(
+            topk_idx=r.topk_idx,
+            router_logits=r.router_logits,
+            token_mask=token_mask,
+            balance_level=self.aux_loss_level,
+            batch_size=shape[0],
+            scoring_func=self.router.cfg.scoring_func,
+        )
         return y.view(shape), stats

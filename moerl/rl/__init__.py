@@ -19,7 +19,9 @@ Public API:
 - ``policy_loss(logp, old_logp, advantages, mask, *, preset="grpo", behav_logp=None, ref_logp=None,
   kl_coef=0.0, kl_kind="k3", entropy=None, entropy_coef=0.0, num_tokens=None, num_seqs=None,
   norm_length=None) -> (loss, metrics: dict[str, float])``
-- ``mismatch_weights(old_logp, behav_logp, mask, preset) -> MismatchWeights``
+- ``mismatch_weights(old_logp, behav_logp, mask, preset) -> MismatchWeights`` and
+  ``rollout_mismatch_sums(train_logp, behav_logp, mask) -> [2]`` (|diff| and k3 sums)
+- ``whiten(x [B, T], mask) -> [B, T]``, ``explained_variance(values, returns, mask) -> float``
 - ``token_logprobs(logits [B, T, V], labels [B, T], temperature=1.0) -> [B, T]`` and
   ``entropy_from_logits(logits [B, T, V], labels [B, T], ignore_index=-100) -> [B, T]``
 - ``LossPreset``, ``PRESETS``, ``resolve_preset(preset, **overrides)``,
@@ -28,11 +30,11 @@ Public API:
 
 from moerl.rl.advantages import GROUP_ESTIMATORS, group_advantages, is_group_informative
 from moerl.rl.aggregate import AGGREGATION_MODES, aggregate
-from moerl.rl.gae import gae_advantages, token_rewards, value_loss
+from moerl.rl.gae import explained_variance, gae_advantages, token_rewards, value_loss, whiten
 from moerl.rl.kl import KL_ESTIMATORS, kl_estimate
 from moerl.rl.logprobs import entropy_from_logits, token_logprobs
 from moerl.rl.losses import policy_loss
-from moerl.rl.mismatch import MismatchWeights, mismatch_weights
+from moerl.rl.mismatch import MismatchWeights, mismatch_weights, rollout_mismatch_sums
 from moerl.rl.presets import PRESETS, LossPreset, preset_from_config, resolve_preset
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "MismatchWeights",
     "aggregate",
     "entropy_from_logits",
+    "explained_variance",
     "gae_advantages",
     "group_advantages",
     "is_group_informative",
@@ -52,7 +55,9 @@ __all__ = [
     "policy_loss",
     "preset_from_config",
     "resolve_preset",
+    "rollout_mismatch_sums",
     "token_logprobs",
     "token_rewards",
     "value_loss",
+    "whiten",
 ]

@@ -140,3 +140,45 @@ def value_loss(
         raise ValueError(f"clip_eps={clip_eps} must be > 0 (or None to disable)")
     clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
     return 0.5 * torch.maximum(unclipped, (clipped - returns).square())
+
+
+@torch.no_grad()
+def whiten(x: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) / (std + eps)`` over the masked-in entries (population std), 0 elsewhere.
+
+    The per-batch advantage normalization of PPO implementations (Andrychowicz et al. 2021, "What Matters
+    in On-Policy Reinforcement Learning?", Sec. 3.5 and the PPO2 baseline); over all tokens of the batch.
+
+    Args:
+        x: [B, T] float. mask: [B, T] bool or 0/1.
+
+    Returns:
+        [B, T] in ``x``'s dtype; all zeros when no entry is masked in.
+    """
+    check_same_shape(x=x, mask=mask)
+    mask = as_mask("mask", mask)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    n = mask.sum().clamp_min(1)
+    mean = torch.where(mask, x, zero).sum() / n
+    var = torch.where(mask, (x - mean).square(), zero).sum() / n
+    return torch.where(mask, (x - mean) / (var.sqrt() + eps), zero)
+
+
+@torch.no_grad()
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """``1 - Var[returns - values] / Var[returns]`` over the masked-in entries: 1 for a perfect critic,
+    0 for one that predicts the mean, negative for worse (the PPO2 baseline's diagnostic,
+    ``explained_variance`` of OpenAI Baselines, Dhariwal et al. 2017). NaN when Var[returns] is 0.
+
+    Args:
+        values, returns, mask: [B, T]; values and returns float.
+    """
+    check_same_shape(values=values, returns=returns, mask=mask)
+    mask = as_mask("mask", mask)
+    v, r = values[mask].double(), returns[mask].double()
+    if r.numel() == 0:
+        return float("nan")
+    var_r = r.var(unbiased=False)
+    if float(var_r) == 0.0:
+        return float("nan")
+    return float(1.0 - (r - v).var(unbiased=False) / var_r)

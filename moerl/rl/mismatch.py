@@ -7,8 +7,17 @@ reweighted by a detached weight w (Yao et al. 2025, "Your Efficient RL Framework
 You Off-Policy RL Training", truncated importance sampling):
 
 - ``truncate``: ``w = min(rho, C)``;
-- ``mask``: ``w = rho`` where ``C_low <= rho <= C_high``, else the token is dropped (``w = 0``);
+- ``mask`` (masked IS, MIS; Liu et al. 2025, "When Speed Kills Stability: Demystifying RL Collapse
+  from the Training-Inference Mismatch"): ``w = rho`` where ``C_low <= rho <= C_high``, else the token
+  (at sequence level: the whole sequence) is dropped (``w = 0``);
+- ``icepop`` (Ling Team 2025, "Every Step Evolves: Scaling RL for Trillion-Scale Thinking Model",
+  arXiv:2510.18855, Sec. 3.1, IcePop): the two-sided mask ``M(rho; alpha, beta) = rho`` inside
+  ``[alpha, beta]``, else 0, always per token, with bounds ``[C_low, C_high]`` (IcePop's: [0.5, 5]);
 - ``none``: ``w = 1``.
+
+Token-level TIS is the default (``LossPreset.mismatch_mode``); with ``trainer.recompute_proximal`` off
+pi_old is the trainer's current policy (read from the training forward, detached), so the correction
+costs no extra forward.
 
 At ``sequence`` level, rho is the geometric mean of the sequence's token ratios,
 ``exp(mean_t log rho_t)``, shared by all its tokens (the length normalization of GSPO,
@@ -65,10 +74,33 @@ def mismatch_weights(
     if preset.mismatch_mode == "truncate":
         is_clipped = mask & (rho > preset.mismatch_cap)
         weights = rho.clamp_max(preset.mismatch_cap)
-    elif preset.mismatch_mode == "mask":
+    elif preset.mismatch_mode in ("mask", "icepop"):  # icepop: token level, enforced by LossPreset
         is_clipped = mask & ((rho < preset.mismatch_cap_low) | (rho > preset.mismatch_cap))
         weights = torch.where(is_clipped, zero, rho)
     else:
         is_clipped = torch.zeros_like(mask)
         weights = torch.ones_like(rho)
     return MismatchWeights(weights=torch.where(mask, weights, zero), is_clipped=is_clipped, log_rho=log_rho)
+
+
+@torch.no_grad()
+def rollout_mismatch_sums(
+    train_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Sums over masked-in tokens of the train/rollout log-prob gap, for step-wide means.
+
+    ``abs_diff``: sum of ``|log pi_train(y_t) - log pi_behav(y_t)|``; ``k3``: sum of the k3 estimate
+    (Schulman 2020) of KL(pi_behav || pi_train) from the sampled tokens, ``expm1(-x) + x`` with
+    ``x = log pi_behav - log pi_train`` (the tokens were sampled from pi_behav). Sums, not means, so that
+    a trainer divides by its global token count (also across ranks).
+
+    Args:
+        train_logp: [B, T] the trainer's log-probs (detached). behav_logp: [B, T] the engine's.
+        mask: [B, T] bool, True at trained tokens.
+
+    Returns:
+        [2] float64: (abs_diff sum, k3 sum).
+    """
+    zero = torch.zeros((), dtype=torch.float64, device=train_logp.device)
+    x = torch.where(mask, behav_logp.double() - train_logp.double(), zero)
+    return torch.stack([x.abs().sum(), (torch.expm1(-x) + x).sum()])

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 SURROGATES = ("ppo_clip", "cispo")
 RATIO_LEVELS = ("token", "sequence")
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "gae")
-MISMATCH_MODES = ("none", "truncate", "mask")
+MISMATCH_MODES = ("none", "truncate", "mask", "icepop")
+ICEPOP_CAP = 5.0
+"""IcePop's upper bound beta (Ling Team 2025, arXiv:2510.18855, Sec. 3.1: [alpha, beta] = [0.5, 5])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +52,20 @@ class LossPreset:
     """Drop groups whose rewards are all equal at buffer admission (DAPO, ``is_group_informative``)."""
     mismatch_mode: str = "truncate"
     """Train/rollout mismatch correction with behaviour log-probs: ``none``, ``truncate`` (truncated
-    IS, weight min(rho, cap); Yao et al. 2025) or ``mask`` (drop tokens with rho outside
-    [cap_low, cap]). rho = pi_old / pi_behav. Without behaviour log-probs no correction is applied."""
+    IS, weight min(rho, cap); Yao et al. 2025), ``mask`` (masked IS: drop tokens, or whole sequences at
+    sequence level, with rho outside [cap_low, cap]; Liu et al. 2025) or ``icepop`` (token-level
+    two-sided mask, IcePop, Ling Team 2025; token level only). rho = pi_old / pi_behav. Without behaviour
+    log-probs no correction is applied. Default ``truncate`` at token level with C = 2: it keeps every
+    token (no sample is lost when the engine and trainer agree, as on CPU) and bounds the weight of
+    the tokens the trainer finds likelier than the engine did, which is Yao et al.'s recommendation."""
     mismatch_level: str = "token"
     """``token``: one rho per token; ``sequence``: the geometric mean of the sequence's token rhos."""
     mismatch_cap: float = 2.0
     """Truncation cap C (``truncate``) or upper bound C_high (``mask``), >= 1."""
     mismatch_cap_low: float = 0.5
-    """Lower bound C_low of ``mask`` mode, in [0, 1]."""
+    """Lower bound C_low of ``mask`` and ``icepop`` modes, in [0, 1]."""
+    allows_kl: bool = True
+    """Whether a KL penalty to a reference policy may be added (``kl_coef > 0``); DAPO removes it."""
 
     def __post_init__(self) -> None:
         choices = {
@@ -83,6 +91,10 @@ class LossPreset:
             raise ValueError(f"{self.name}: mismatch_cap={self.mismatch_cap} must be >= 1")
         if not 0.0 <= self.mismatch_cap_low <= 1.0:
             raise ValueError(f"{self.name}: mismatch_cap_low={self.mismatch_cap_low} must be in [0, 1]")
+        if self.mismatch_mode == "icepop" and self.mismatch_level != "token":
+            raise ValueError(
+                f"{self.name}: mismatch_mode='icepop' is token-level; set mismatch_level='token'"
+            )
 
 
 PRESETS: dict[str, LossPreset] = {
@@ -91,8 +103,10 @@ PRESETS: dict[str, LossPreset] = {
     # Liu et al. 2025, Dr. GRPO, Sec. 3.1: no 1/|o_i| and no std normalization.
     "dr_grpo": LossPreset(name="dr_grpo", aggregation="seq-mean-token-sum-norm", estimator="dr_grpo"),
     # Yu et al. 2025, DAPO, eq. 8-11 and Sec. 3.1-3.3: clip-higher (0.2, 0.28), token-level loss,
-    # dynamic sampling.
-    "dapo": LossPreset(name="dapo", eps_high=0.28, aggregation="token-mean", dynamic_sampling=True),
+    # dynamic sampling; Sec. 2.3 removes the KL penalty.
+    "dapo": LossPreset(
+        name="dapo", eps_high=0.28, aggregation="token-mean", dynamic_sampling=True, allows_kl=False
+    ),
     # Zheng et al. 2025, GSPO, Sec. 4 (sequence ratio, GSPO-token form) and Sec. 5 (clip 3e-4, 4e-4).
     "gspo": LossPreset(name="gspo", ratio_level="sequence", eps_low=3e-4, eps_high=4e-4),
     # MiniMax-M1 2025, eq. 4-5: clipped stop-gradient IS weight, token-level mean; no lower bound
@@ -135,6 +149,8 @@ def preset_from_config(cfg: AlgorithmConfig) -> LossPreset:
         dynamic_sampling=cfg.dynamic_sampling,
         mismatch_mode=cfg.mismatch_mode,
         mismatch_level=cfg.mismatch_level,
-        mismatch_cap=cfg.mismatch_cap,
+        mismatch_cap=(
+            cfg.mismatch_cap if cfg.mismatch_cap is not None or cfg.mismatch_mode != "icepop" else ICEPOP_CAP
+        ),
         mismatch_cap_low=cfg.mismatch_cap_low,
     )

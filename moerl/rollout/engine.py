@@ -69,7 +69,7 @@ class Engine:
         kv_layout_override: the KV geometry, when it cannot be derived from ``model.config``.
         cuda_graphs: on CUDA, replay decode steps from CUDA graphs captured once per (B, R, sampling
             flags) key (``moerl.rollout.cuda_graphs``; with ``batch_buckets`` few keys recur); False runs
-            every step eagerly. Steps that return routed experts always run eagerly.
+            every step eagerly (steps that record routed experts, R3, are captured too).
 
     Raises:
         ValueError: sizes that leave no cache slot of two tokens; a non-positive sync/prefill/length setting.
@@ -367,12 +367,12 @@ class Engine:
         b = self._bucket(a)
         m = self.attn_len_multiple
         read_len = min(self.max_seq_len, -(-max(s.seq_len for s in seqs) // m) * m)
-        want_routed = any(s.request.params.return_routed_experts for s in seqs)
-        rows = self._rows(slice(0, b), seqs)
-        if self._graphs is not None and not want_routed:
-            key = (b, read_len, rows.all_greedy, rows.any_truncation)
+        want_routed = any(s.request.params.return_routed_experts for s in seqs)  # R3: graph-safe once
+        rows = self._rows(slice(0, b), seqs)  # a prefill allocated the static buffer (in place, no sync)
+        if self._graphs is not None and (not want_routed or self.cache.routed is not None):
+            key = (b, read_len, rows.all_greedy, rows.any_truncation, want_routed)
             tokens, logprobs = self._graphs.run(
-                key, lambda: self._decode_forward_no_sync(b, read_len, rows, False)
+                key, lambda: self._decode_forward_no_sync(b, read_len, rows, want_routed)
             )
         else:
             tokens, logprobs = self._decode_forward_no_sync(b, read_len, rows, want_routed)

@@ -151,7 +151,10 @@ def recover_trainer(
     with torch.no_grad():  # the dead trainer's weights are gone with it
         for p in comp.model.parameters():
             p.fill_(float("nan"))
-    trainer = Trainer.from_run_config(comp.model, cfg)
+    # A reference policy (kl_coef > 0) and a critic's trunk (gae) copy the policy RL started from.
+    needs_start = cfg.algorithm.kl_coef > 0 or Trainer.needs_value_model(cfg.algorithm)
+    start = load_policy(cfg, comp.init_path, comp.tokenizer.vocab_size) if needs_start else None
+    trainer = Trainer.from_run_config(comp.model, cfg, start_policy=start)
 
     def load() -> int:
         ckpt = latest_checkpoint(run.path)

@@ -158,7 +158,12 @@ class SharedForward:
 
 
 def shared_prefix_forward(
-    model: torch.nn.Module, split: PrefixSplit, length: int, *, return_routed_experts: bool = False
+    model: torch.nn.Module,
+    split: PrefixSplit,
+    length: int,
+    *,
+    return_routed_experts: bool = False,
+    forced_experts: torch.Tensor | None = None,
 ) -> SharedForward:
     """Run ``model`` (a ``MoeForCausalLM``) on ``split``: the prefix pass, then the suffix pass.
 
@@ -167,13 +172,24 @@ def shared_prefix_forward(
         split: from ``split_shared_prefix``.
         length: T, the batch's padded length (for ``routed_experts``).
         return_routed_experts: also return the routed experts in batch layout.
+        forced_experts: [B, T, L_moe, k] int64 experts to replay (R3) in batch layout; the prefix pass
+            takes a group's prompt experts from its rows (the engine prefills a group's prompt once, so
+            they are equal), the suffix pass each row's own.
     """
+    pre_forced = suf_forced = None
+    if forced_experts is not None:
+        width = split.prefix_ids.shape[1]
+        pre_forced = forced_experts.new_zeros(split.prefix_ids.shape[0], width, *forced_experts.shape[2:])
+        pre_forced[split.row_group] = forced_experts[:, :width]  # rows of one group agree
+        rows = torch.arange(split.columns.shape[0], device=split.columns.device)[:, None]
+        suf_forced = forced_experts[rows, split.columns]  # (B, S, L_moe, k)
     capture = _PrefixCapture(split.prefix_mask)
     pre = model(
         split.prefix_ids,
         split.prefix_mask,
         positions_from_mask(split.prefix_mask),
         cache=capture,
+        forced_experts=pre_forced,
         return_routed_experts=return_routed_experts,
     )
     suf = model(
@@ -181,6 +197,7 @@ def shared_prefix_forward(
         split.suffix_mask,
         split.columns,  # position ids
         cache=_SharedPrefixCache(capture.kv, split),
+        forced_experts=suf_forced,
         return_routed_experts=return_routed_experts,
     )
     prefix_tokens = split.prefix_mask[split.row_group].sum()  # each sample's copy of its prefix

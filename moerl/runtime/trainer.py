@@ -7,12 +7,17 @@ aligned with ``input_ids`` as ``moerl.rl.token_logprobs`` returns them: position
 
 One step (``Trainer.train_step``)::
 
-    [proximal log-probs, no grad, if recompute_proximal]
-    for each micro-batch: forward (each group's prompt once: moerl.runtime.shared_prefix)
-                          -> token log-probs -> policy_loss (global num_tokens / num_seqs)
-                          + aux_loss_coef * aux_loss -> backward (gradients accumulate)
-    non-finite loss or gradient norm -> skip the update, count it, stop after max_nan_steps in a row
-    clip the global gradient norm -> AdamW step -> LR schedule step
+    prepare (no grad, moerl.runtime.algorithms): [proximal log-probs if recompute_proximal]
+        [reference log-probs if kl_coef > 0] [critic values -> GAE advantages if estimator gae]
+    for each of ppo_epochs, for each of mini_batches (one optimizer step each):
+        for each micro-batch: forward (each group's prompt once: moerl.runtime.shared_prefix; the
+                              engine's experts replayed with routing_replay=r3)
+                              -> token log-probs -> policy_loss (mini-batch num_tokens / num_seqs,
+                              mismatch correction from the engine's behaviour log-probs)
+                              + aux_loss_coef * aux_loss [+ value loss] -> backward
+        non-finite loss or gradient norm -> skip the update, count it, stop after max_nan_steps in a row
+        clip the global gradient norm -> AdamW step [critic step]
+    LR schedule step; [correction-bias update if bias_update_rate > 0]
 
 The policy version is the number of trainer steps taken: weights after step s are version s.
 """
@@ -28,7 +33,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from moerl.config import AlgorithmConfig, ConfigError, RunConfig, TrainerConfig
+from moerl.config import AlgorithmConfig, RunConfig, TrainerConfig
 from moerl.lr_schedule import warmup_cosine_lr
 from moerl.rl import (
     entropy_from_logits,
@@ -36,6 +41,7 @@ from moerl.rl import (
     preset_from_config,
     token_logprobs,
 )
+from moerl.runtime import algorithms
 from moerl.runtime.batch import TrainBatch, build_train_batch
 from moerl.runtime.checkpoint import capture_rng_state, save_checkpoint
 from moerl.runtime.shared_prefix import shared_prefix_forward, split_shared_prefix
@@ -118,6 +124,8 @@ class TrainStats:
     """Learning rate used by the step."""
     is_skipped: bool
     """True when the loss or gradient was non-finite and no update was made."""
+    algo: algorithms.AlgoStats = algorithms.AlgoStats()
+    """Mismatch, KL, critic and expert-load figures of the step (``moerl.runtime.algorithms``)."""
 
 
 def lr_factor(cfg: TrainerConfig, step: int) -> float:
@@ -140,10 +148,11 @@ class Trainer:
             uses 1.
         norm_length: constant length of the ``seq-mean-token-sum-norm`` aggregation (Dr. GRPO),
             normally ``rollout.max_new_tokens``.
+        start_policy: the policy RL started from, which the reference policy and the critic's trunk
+            copy; None: ``model`` (right unless ``model`` holds other weights now, as in a restart).
 
-    Raises:
-        ConfigError: an algorithm this trainer cannot run (the ``gae`` estimator needs a value model,
-            ``kl_coef > 0`` needs a reference model; neither is built here).
+    Builds, as the algorithm asks (``moerl.runtime.algorithms.AlgoParts``): a frozen reference policy
+    (``kl_coef > 0``), a critic (estimator ``gae``), routing replay (``routing_replay=r3``).
     """
 
     def __init__(
@@ -154,18 +163,9 @@ class Trainer:
         *,
         temperature: float = 1.0,
         norm_length: int | None = None,
+        start_policy: torch.nn.Module | None = None,
     ):
         self.preset = preset_from_config(algorithm)
-        if self.preset.estimator == "gae":
-            raise ConfigError(
-                f"algorithm.preset={algorithm.preset!r} uses the gae estimator, which needs a value "
-                "model; the trainer supports grpo, dr_grpo and rloo (set algorithm.estimator)"
-            )
-        if algorithm.kl_coef > 0:
-            raise ConfigError(
-                "algorithm.kl_coef > 0 needs a reference model, which the trainer does not build yet; "
-                "set algorithm.kl_coef=0"
-            )
         self.model = model
         self.cfg = cfg
         self.algorithm = algorithm
@@ -193,9 +193,15 @@ class Trainer:
         self.num_experts = int(getattr(getattr(model, "config", None), "num_experts", 0) or 0)
         self._has_published = False
         self._background_store: WeightStore | None = None
+        # Reference policy, critic, routing replay, balancing: moerl.runtime.algorithms.
+        self.algo = algorithms.AlgoParts.build(
+            model, cfg, algorithm, self.preset, lambda s: lr_factor(cfg, s), start_policy=start_policy
+        )
 
     @classmethod
-    def from_run_config(cls, model: torch.nn.Module, cfg: RunConfig) -> Trainer:
+    def from_run_config(
+        cls, model: torch.nn.Module, cfg: RunConfig, *, start_policy: torch.nn.Module | None = None
+    ) -> Trainer:
         """The run's trainer: ``cfg.trainer`` and ``cfg.algorithm``, log-probs at the rollout temperature,
         length normalization over ``algorithm.norm_length`` or else ``rollout.max_new_tokens``."""
         return cls(
@@ -204,7 +210,13 @@ class Trainer:
             cfg.algorithm,
             temperature=cfg.rollout.temperature,
             norm_length=cfg.algorithm.norm_length or cfg.rollout.max_new_tokens,
+            start_policy=start_policy,
         )
+
+    @staticmethod
+    def needs_value_model(algorithm: AlgorithmConfig) -> bool:
+        """Whether ``algorithm`` trains a critic (the ``gae`` estimator)."""
+        return preset_from_config(algorithm).estimator == "gae"
 
     @property
     def version(self) -> int:
@@ -215,13 +227,16 @@ class Trainer:
         """``build_train_batch`` with this trainer's advantage estimator."""
         return build_train_batch(groups, pad_id=pad_id, estimator=self.preset.estimator)
 
-    def _forward(self, mb: TrainBatch, *, with_grad: bool) -> _Forward:
-        """Token log-probs of ``mb`` under the current weights; each group's prompt runs once when
-        ``trainer.share_prompt`` allows it (``moerl.runtime.shared_prefix``)."""
+    def _forward(self, mb: TrainBatch, *, with_grad: bool, model: torch.nn.Module | None = None) -> _Forward:
+        """Token log-probs of ``mb`` under ``model`` (default: the policy's current weights); each group's
+        prompt runs once when ``trainer.share_prompt`` allows it (``moerl.runtime.shared_prefix``); with
+        ``routing_replay=r3`` the engine's recorded experts are replayed (``algorithms.forced_experts``)."""
+        model = self.model if model is None else model
         ids = mb.input_ids.to(self.device)
         attn = mb.attention_mask.to(self.device)
         labels = torch.where(mb.loss_mask.to(self.device), ids, IGNORE_INDEX)
         routed = with_grad and self.num_experts > 0
+        forced = self.algo.forced_experts(mb, self.device)
         split = None
         if self.cfg.share_prompt and self.cfg.aux_loss_coef == 0 and mb.prompt_lens is not None:
             split = split_shared_prefix(
@@ -229,10 +244,12 @@ class Trainer:
             )
         with torch.set_grad_enabled(with_grad):
             if split is None:
-                out = self.model(ids, attn, return_routed_experts=routed)
+                out = model(ids, attn, forced_experts=forced, return_routed_experts=routed)
                 logp = token_logprobs(out.logits, labels, self.temperature)
                 return _Forward(logp, out.logits, labels, out.aux_loss, out.routed_experts)
-            shared = shared_prefix_forward(self.model, split, ids.shape[1], return_routed_experts=routed)
+            shared = shared_prefix_forward(
+                model, split, ids.shape[1], return_routed_experts=routed, forced_experts=forced
+            )
             suffix_labels = split.to_suffix(labels, IGNORE_INDEX)  # (B, S), aligned with shared.logits
             logp = split.to_batch(
                 token_logprobs(shared.logits, suffix_labels, self.temperature), ids.shape[1]
@@ -240,43 +257,81 @@ class Trainer:
             return _Forward(logp, shared.logits, suffix_labels, shared.aux_loss, shared.routed_experts)
 
     @torch.no_grad()
+    def no_grad_logprobs(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """[B, T] float32 token log-probs of ``batch`` under ``model`` (default: the policy), no gradient,
+        micro-batch by micro-batch (the proximal policy, or the reference policy)."""
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
+        row = 0
+        for mb in batch.micro_batches(self.cfg.micro_batch_size):
+            logp = self._forward(mb, with_grad=False, model=model).logp
+            out[row : row + logp.shape[0], : logp.shape[1]] = logp
+            row += logp.shape[0]
+        return out
+
+    @torch.no_grad()
     def _proximal_logprobs(self, batch: TrainBatch) -> list[torch.Tensor]:
-        """Log-probs of the current weights before the update (decoupled PPO's proximal policy)."""
+        """Log-probs of the current weights before the update (decoupled PPO's proximal policy), one
+        [b, t] tensor per micro-batch."""
         return [
             self._forward(mb, with_grad=False).logp for mb in batch.micro_batches(self.cfg.micro_batch_size)
         ]
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
-        """One optimizer step on ``batch`` (see the module docstring).
+        """One trainer step on ``batch``: ``ppo_epochs x mini_batches`` optimizer steps (see the module
+        docstring); the policy version advances by one.
 
         Raises:
-            NonFiniteLossError: this is the ``max_nan_steps``-th non-finite step in a row.
+            NonFiniteLossError: this is the ``max_nan_steps``-th non-finite update in a row.
         """
         start = time.perf_counter()
         self.model.train()
-        batch = self._with_global_normalizers(batch)
-        proximal = self._proximal_logprobs(batch) if self.cfg.recompute_proximal else None
-        self.optimizer.zero_grad(set_to_none=True)
+        batch = self.algo.prepare(self, batch)
         sums = dict.fromkeys(
             ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "aux_loss", "expert_load_cv"), 0.0
         )
+        lr = self.optimizer.param_groups[0]["lr"]
+        norms = []
+        minis = batch.mini_batches(self.cfg.mini_batches)
+        for epoch in range(self.cfg.ppo_epochs):
+            for mini in minis:
+                norms.append(self._update(mini, sums, is_first_epoch=epoch == 0))
+        for key in sums:
+            sums[key] /= len(norms)
+        if any(math.isfinite(n) for n in norms):
+            self.scheduler.step()
+        self.algo.end_step()
+        self.step += 1
+        return TrainStats(
+            step=self.step,
+            grad_norm=norms[-1],
+            num_tokens=int(self._sum_over_ranks([batch.attention_mask.sum()])[0]),
+            train_s=time.perf_counter() - start,
+            lr=lr,
+            is_skipped=any(math.isnan(n) for n in norms),
+            algo=self.algo.stats(batch),
+            **sums,
+        )
+
+    def _update(self, mini: TrainBatch, sums: dict[str, float], *, is_first_epoch: bool) -> float:
+        """One optimizer step on a mini-batch (gradients accumulated over its micro-batches, normalized by
+        the mini-batch's ``num_tokens`` / ``num_seqs``); adds its metrics to ``sums``. Returns the norm."""
+        self.optimizer.zero_grad(set_to_none=True)
         is_finite = True
-        num_rows = int(self._sum_over_ranks([batch.num_sequences])[0])  # B over all data-parallel ranks
-        micro = list(batch.micro_batches(self.cfg.micro_batch_size))
-        for i, mb in enumerate(micro):
+        mini = self._with_global_normalizers(mini)  # num_tokens / num_seqs over all data-parallel ranks
+        num_rows = int(self._sum_over_ranks([mini.num_sequences])[0])  # rows over all data-parallel ranks
+        part = dict.fromkeys(sums, 0.0)  # this update's metrics, summed over the ranks below
+        for mb in mini.micro_batches(self.cfg.micro_batch_size):
             out = self._forward(mb, with_grad=True)
             mask = mb.loss_mask.to(self.device)
-            behav = mb.behaviour_logprobs.to(self.device)
             loss, m = policy_loss(
                 out.logp,
-                proximal[i] if proximal is not None else behav,
-                mb.advantages.to(self.device),
-                mask,
+                advantages=mb.advantages.to(self.device),
+                mask=mask,
                 preset=self.preset,
-                behav_logp=behav if proximal is not None else None,
-                num_tokens=max(batch.num_tokens, 1),
-                num_seqs=max(batch.num_seqs, 1),
+                num_tokens=max(mini.num_tokens, 1),
+                num_seqs=max(mini.num_seqs, 1),
                 norm_length=self.norm_length,
+                **self.algo.loss_inputs(mb, self.device, is_single_update=self.algo.num_updates == 1),
             )
             share = mb.num_sequences / num_rows
             if self.cfg.aux_loss_coef > 0:
@@ -284,40 +339,34 @@ class Trainer:
             ent = None
             if self.algorithm.entropy_coef > 0:  # 0 where not trained: the sum is over loss tokens
                 ent = entropy_from_logits(out.logits, out.labels, temperature=self.temperature)
-                loss = loss - self.algorithm.entropy_coef * ent.sum() / max(batch.num_tokens, 1)
+                loss = loss - self.algorithm.entropy_coef * ent.sum() / max(mini.num_tokens, 1)
+            loss = loss + self.algo.critic_loss(mb, mini.num_tokens)
             is_finite = is_finite and bool(torch.isfinite(loss))
             if is_finite or self._num_ranks() > 1:  # sharded: every rank runs the backward collectives
                 loss.backward()
             with torch.no_grad():
-                tok_share = float(mask.sum()) / max(batch.num_tokens, 1)
-                sums["pg_loss"] += m["pg_loss"]
-                sums["pg_clipfrac"] += m["pg_clipfrac"] * tok_share
-                sums["ppo_kl"] += m["ppo_kl"] * tok_share
+                tok_share = float(mask.sum()) / max(mini.num_tokens, 1)
+                part["pg_loss"] += m["pg_loss"]
+                part["pg_clipfrac"] += m["pg_clipfrac"] * tok_share
+                part["ppo_kl"] += m["ppo_kl"] * tok_share
                 ent_sum = float(ent.sum()) if ent is not None else self._entropy_sum(out.logits, out.labels)
-                sums["entropy"] += ent_sum / max(batch.num_tokens, 1)
-                sums["aux_loss"] += float(out.aux_loss) * share
+                part["entropy"] += ent_sum / max(mini.num_tokens, 1)
+                part["aux_loss"] += float(out.aux_loss) * share
                 if out.routed_experts is not None:
                     cv = expert_load_cv(
-                        out.routed_experts, mb.attention_mask.to(self.device), self.num_experts
+                        out.routed_experts, self.algo.load_mask(mb).to(self.device), self.num_experts
                     )
-                    sums["expert_load_cv"] += cv * share
-        lr = self.optimizer.param_groups[0]["lr"]
-        keys = sorted(sums)
-        totals = self._sum_over_ranks(
-            [*(sums[k] for k in keys), float(batch.attention_mask.sum()), is_finite]
-        )
-        sums = dict(zip(keys, totals, strict=False))
-        grad_norm = self._clip_and_step(totals[-1] == self._num_ranks())
-        self.step += 1
-        return TrainStats(
-            step=self.step,
-            grad_norm=grad_norm,
-            num_tokens=int(totals[-2]),
-            train_s=time.perf_counter() - start,
-            lr=lr,
-            is_skipped=math.isnan(grad_norm),
-            **sums,
-        )
+                    part["expert_load_cv"] += cv * share
+                self.algo.observe(
+                    mb, out.logp, out.routed_experts, m, tok_share, is_first_epoch=is_first_epoch
+                )
+        keys = sorted(part)
+        totals = self._sum_over_ranks([*(part[k] for k in keys), is_finite])
+        for key, total in zip(keys, totals, strict=False):
+            sums[key] += total
+        norm = self._clip_and_step(totals[-1] == self._num_ranks())
+        self.algo.critic_step(math.isfinite(norm))
+        return norm
 
     def _entropy_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> float:
         """Sum over the trained positions (``labels != IGNORE_INDEX``) of the next-token entropy of
@@ -345,7 +394,8 @@ class Trainer:
         return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
 
     def _clip_and_step(self, is_finite: bool) -> float:
-        """Clip, step optimizer and schedule; on a non-finite loss/gradient skip and count. Returns the norm."""
+        """Clip and step the optimizer (the LR schedule steps once per trainer step, in ``train_step``); on
+        a non-finite loss/gradient skip and count. Returns the norm."""
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = float("nan")
         if is_finite:
@@ -363,7 +413,6 @@ class Trainer:
             return float("nan")
         self.nan_streak = 0
         self.optimizer.step()
-        self.scheduler.step()
         return grad_norm
 
     # -- weights and state ---------------------------------------------------------------------
@@ -399,6 +448,7 @@ class Trainer:
                 "num_skipped": self.num_skipped,
                 "version_offset": self.version_offset,
             },
+            **self.algo.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -413,6 +463,7 @@ class Trainer:
             counters["num_skipped"],
         )
         self.version_offset = counters.get("version_offset", 0)
+        self.algo.load_state_dict(state)
 
     def checkpoint(self, run_dir: str | Path, extra: dict, *, keep: int = 2) -> Path:
         """Save the full run state after this step: trainer parts, RNG streams and ``extra`` parts

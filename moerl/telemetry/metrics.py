@@ -38,11 +38,19 @@ METRIC_KEYS: tuple[str, ...] = (
     "queue/requeued",  # tasks put back (expiry, release, staleness) so far (cumulative)
     "train/pg_loss",  # policy-gradient loss
     "train/pg_clipfrac",  # fraction of tokens whose ratio was clipped
-    "train/ppo_kl",  # mean (behaviour/proximal log-prob - current log-prob) over tokens
+    "train/ppo_kl",  # mean (proximal log-prob - current log-prob) over tokens (0 with one update per step)
     "train/entropy",  # mean token entropy of the current policy
     "train/grad_norm",  # global gradient norm before clipping
     "train/aux_loss",  # MoE load-balancing loss
     "train/expert_load_cv",  # coefficient of variation of tokens per expert, mean over MoE layers
+    "train/expert_load_max_min",  # worst MoE layer's (max tokens of an expert) / max(1, min tokens)
+    "train/is_weight_mean",  # mean train/rollout mismatch importance weight over loss tokens
+    "train/is_clipfrac",  # fraction of loss tokens whose mismatch weight was truncated or masked
+    "train/rollout_logprob_abs_diff",  # mean |trainer - engine log-prob| over loss tokens (nats)
+    "train/rollout_kl",  # k3 estimate of KL(engine || trainer) per loss token (nats)
+    "train/kl_ref",  # KL(policy || reference) per loss token, algorithm.kl_kind estimator (kl_coef > 0)
+    "train/value_loss",  # critic's clipped value loss (estimator gae)
+    "train/value_explained_var",  # explained variance of the GAE returns by the critic (estimator gae)
     "eval/accuracy",  # held-out exact-match accuracy (only on eval steps)
     "policy_version",  # trainer's weight version after the step
     "fleet/workers_alive",  # rollout workers answering liveness pings (async mode)

@@ -210,6 +210,20 @@ def _save(fig, path: Path) -> None:
         fig.savefig(tmp, dpi=90, format="png")  # a bare Figure renders with Agg: no display needed
 
 
+ALGO_KEYS = (
+    "train/is_weight_mean",
+    "train/is_clipfrac",
+    "train/rollout_logprob_abs_diff",
+    "train/rollout_kl",
+    "train/kl_ref",
+    "train/value_loss",
+    "train/value_explained_var",
+    "train/expert_load_cv",
+    "train/expert_load_max_min",
+)
+"""Algorithm metrics (``moerl.runtime.algorithms``) shown for the last step when the run logged them."""
+
+
 def summary_table(summary: dict, records: list[dict]):
     """A ``rich.table.Table`` with the summary's figures and the first/last step's key metrics."""
     from rich.table import Table
@@ -226,7 +240,12 @@ def summary_table(summary: dict, records: list[dict]):
         table.add_row(key, str(value))
     if records:
         last = records[-1]
-        for key in ("rollout/reward_mean", "perf/rollout_tokens_per_s", "perf/train_tokens_per_s"):
+        for key in (
+            "rollout/reward_mean",
+            "perf/rollout_tokens_per_s",
+            "perf/train_tokens_per_s",
+            *ALGO_KEYS,
+        ):
             if last.get(key) is not None:
                 table.add_row(f"last step {key}", f"{last[key]:.4g}")
     return table

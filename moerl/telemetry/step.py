@@ -40,6 +40,21 @@ def rollout_values(groups: Sequence[Group]) -> dict[str, float]:
     }
 
 
+def algo_values(stats: TrainStats) -> dict[str, float]:
+    """The step's algorithm figures (``moerl.runtime.algorithms.AlgoStats``) under their metric names."""
+    a = stats.algo
+    return {
+        "train/expert_load_max_min": a.expert_load_max_min,
+        "train/is_weight_mean": a.is_weight_mean,
+        "train/is_clipfrac": a.is_clipfrac,
+        "train/rollout_logprob_abs_diff": a.rollout_logprob_abs_diff,
+        "train/rollout_kl": a.rollout_kl,
+        "train/kl_ref": a.kl_ref,
+        "train/value_loss": a.value_loss,
+        "train/value_explained_var": a.value_explained_var,
+    }
+
+
 def step_values(
     groups: Sequence[Group],
     stats: TrainStats,
@@ -74,6 +89,7 @@ def step_values(
             "train/grad_norm": stats.grad_norm,
             "train/aux_loss": stats.aux_loss,
             "train/expert_load_cv": stats.expert_load_cv,
+            **algo_values(stats),
             "eval/accuracy": accuracy,
             "policy_version": stats.step,
         }

@@ -91,3 +91,18 @@ def test_plot_report_writes_png_and_never_creates_a_missing_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a folder"):
         plot_report(missing)
     assert not missing.exists()
+
+
+def test_summary_table_shows_the_last_steps_algorithm_metrics():
+    from rich.console import Console
+
+    from moerl.telemetry.report import summary_table
+
+    record = make_record(
+        1, 1.0, {"train/kl_ref": 0.0123, "train/rollout_kl": 2.5e-7, "train/value_explained_var": 0.42}
+    )
+    console = Console(width=200, record=True)
+    console.print(summary_table({"steps": 1}, [record]))
+    text = console.export_text()
+    assert "last step train/kl_ref" in text and "0.0123" in text and "2.5e-07" in text
+    assert "last step train/value_explained_var" in text and "train/value_loss" not in text  # null: left out

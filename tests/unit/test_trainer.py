@@ -223,11 +223,12 @@ def test_state_round_trip_through_a_checkpoint(tmp_path):
         assert torch.equal(v, clone.model.state_dict()[k])
 
 
-def test_unsupported_algorithms_are_config_errors():
-    with pytest.raises(ConfigError, match="value model"):
-        Trainer(_model(), TrainerConfig(), AlgorithmConfig(preset="ppo"))
-    with pytest.raises(ConfigError, match="kl_coef"):
-        Trainer(_model(), TrainerConfig(), AlgorithmConfig(kl_coef=0.1))
+def test_ppo_builds_a_critic_and_kl_coef_a_frozen_reference():
+    ppo = Trainer(_model(), TrainerConfig(), AlgorithmConfig(preset="ppo"))
+    assert ppo.algo.critic is not None and ppo.algo.reference is None
+    kl = Trainer(_model(), TrainerConfig(), AlgorithmConfig(kl_coef=0.1))
+    assert kl.algo.reference is not None and kl.algo.critic is None
+    assert not any(p.requires_grad for p in kl.algo.reference.model.parameters())
 
 
 @pytest.mark.parametrize("background", [False, True])
