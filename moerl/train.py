@@ -94,6 +94,7 @@ class Run:
         _seed_everything(cfg.seed)
         self.view = LiveView(cfg.trainer.steps, enabled=live)
         self.restarts = 0
+        self.pushed_version = 0  # newest version sent to the rollouts (recovery publishes past it)
 
     def start(self, checkpoint: Path | None) -> None:
         """Warm start, build policy and trainer, publish version 0 (or restore ``checkpoint``), start
@@ -154,7 +155,14 @@ class Run:
     def recover(self, failed_step: int) -> None:
         """Replace the trainer that died after ``failed_step`` (``moerl.runtime.recovery``)."""
         self.trainer, report = recover_trainer(
-            self.cfg, self.comp, self.dir, self.store, self.rollouts, self.journal, failed_step
+            self.cfg,
+            self.comp,
+            self.dir,
+            self.store,
+            self.rollouts,
+            self.journal,
+            failed_step,
+            newest_pushed=self.pushed_version,
         )
         self.restarts += 1
         self.view.message(
@@ -215,6 +223,7 @@ class Run:
             version=version,
             parts=parts,
             notice_dir=self.dir.path / "notices",  # where workers look for notices (fleet.notice_file unset)
+            store=self.store,
         )
 
     def _record(self, groups: list[Group], step: int) -> None:
@@ -227,9 +236,19 @@ class Run:
     def _publish(self, step: int) -> float:
         """Publish the weights every ``publish_every`` steps and at the end; returns the seconds it took."""
         t1 = time.perf_counter()
-        if step % self.cfg.trainer.publish_every == 0 or step == self.cfg.trainer.steps:
-            self.trainer.publish(self.store)
+        cfg = self.cfg
+        if step % cfg.trainer.publish_every == 0 or step == cfg.trainer.steps:
+            # object_store: buckets straight to the workers; the store is written in the background
+            # every runtime.durable_every versions (moerl.runtime.weight_sync), and at the end
+            is_streamed = cfg.runtime.mode == "async" and cfg.runtime.weight_sync == "object_store"
+            if not is_streamed:
+                self.trainer.publish(self.store)
             self.rollouts.push_weights(self.trainer.version, self.trainer.named_weights())
+            self.pushed_version = self.trainer.version
+            if is_streamed and step == cfg.trainer.steps:
+                self.store.flush()
+                if (latest := self.store.latest()) is None or latest.version < self.trainer.version:
+                    self.trainer.publish(self.store)
         return time.perf_counter() - t1
 
     def _evaluate(self, step: int) -> float | None:

@@ -74,6 +74,11 @@ class WorkerHealth:
     """Its process id (0: unknown); chaos SIGKILLs it by this on the same host."""
     hostname: str = ""
     """Host it runs on (``socket.gethostname()``)."""
+    weight_sync_s: float | None = None
+    """Seconds from the first bucket's offer of its current version to that version running in its
+    engine (``runtime.weight_sync=object_store``; None: not measured)."""
+    weight_bytes: int = 0
+    """Bytes of weights it received for its current version."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,11 @@ METRIC_KEYS: tuple[str, ...] = (
     "fleet/lost_work_frac",  # generated tokens discarded by interruptions / generated tokens
     "fleet/time_to_replace_s",  # mean seconds from detecting a lost worker to its replacement answering
     "fleet/desired_workers",  # scaling hint for an external autoscaler (moerl.runtime.fleet)
+    "timing/weight_sync_s",  # trainer side: seconds to send the step's new version (async mode)
+    "timing/weight_sync_worker_s",  # worker side: slowest first-bucket-offered -> version running, s
+    "weights/sync_bytes",  # bytes of weights moved by the step's sync (per worker x workers)
+    "weights/version_lag_max",  # max over live workers of trainer version - engine version
+    "weights/version_lag_mean",  # mean of the same
 )
 """The fixed metric names, in the order they are written."""
 
@@ -59,6 +64,8 @@ WALL_KEYS = (
     "timing/train_s",
     "timing/publish_s",
     "timing/wait_s",
+    "timing/weight_sync_s",
+    "timing/weight_sync_worker_s",
 )
 """Fields that depend on wall-clock time (excluded when comparing two runs for equality)."""
 

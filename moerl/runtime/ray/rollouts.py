@@ -50,7 +50,8 @@ from moerl.runtime.ray.backend import RayWorkerBackend
 from moerl.runtime.ray.exchange import ExchangeActor
 from moerl.runtime.ray.worker_actor import RolloutWorkerActor
 from moerl.runtime.types import Group, RolloutTask
-from moerl.runtime.weights import pack_weights
+from moerl.runtime.weight_sync import BucketPublisher, bucket_bytes_of
+from moerl.runtime.weights import WeightStore, pack_weights
 from moerl.runtime.worker import WorkerStats
 
 
@@ -116,6 +117,8 @@ class RayRollouts:
         parts: checkpoint parts with ``queue`` and ``buffer`` state to restore, or None.
         notice_dir: the folder of the workers' notice files (``<worker_id>.json``) when
             ``fleet.notice_file`` is unset; None: notices by actor call only.
+        store: the run's weight store, written in the background every ``runtime.durable_every``
+            versions with ``runtime.weight_sync=object_store`` (None: never written from here).
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class RayRollouts:
         version: int,
         parts: dict | None,
         notice_dir: str | Path | None = None,
+        store: WeightStore | None = None,
     ):
         import ray
 
@@ -155,6 +159,14 @@ class RayRollouts:
         self._next_check = 0.0
         self._version = version  # the trainer's policy version, sent with each batch request
         self._snapshot: tuple[QueueStats, BufferMetrics] | None = None  # this step's, from ``snapshot``
+        self.publisher = BucketPublisher(
+            bucket_bytes_of(cfg.runtime.publish_bucket_mb),
+            ray.put,
+            ray.get,
+            store,
+            durable_every=cfg.runtime.durable_every,
+        )
+        self._sync_values: dict[str, float] = {}  # the last push's trainer-side figures
 
     def check_fleet(self, *, force: bool = False) -> None:
         """Every ``fleet.check_every_s``: liveness and replacements (``FleetManager.check``), chaos faults.
@@ -207,9 +219,39 @@ class RayRollouts:
 
         self._version, self._snapshot = version, None
         self.exchange.set_version.remote(version)
-        ref = ray.put(pack_weights(tensors))  # one flat buffer: the fast out-of-band serialization
-        for w in self.backend.alive_handles():
-            w.offer_weights.remote(version, [ref])
+        workers = self.backend.alive_handles()
+        t0 = time.perf_counter()
+        if self.cfg.runtime.weight_sync == "object_store":  # buckets, one ref each (weight_sync.py)
+            offers = [_bucket_offer(w) for w in workers]
+            report = self.publisher.publish(version, tensors, offers)
+            moved = report.bytes_moved
+        else:
+            packed = pack_weights(tensors)  # one flat buffer: the fast out-of-band serialization
+            ref = ray.put(packed)
+            for w in workers:
+                w.offer_weights.remote(version, [ref])
+            moved = packed.data.nbytes * len(workers)
+        self._sync_values = {"timing/weight_sync_s": time.perf_counter() - t0, "weights/sync_bytes": moved}
+
+    def sync_values(self) -> dict[str, float]:
+        """The step's weight-sync metrics: trainer side of the last push (``timing/weight_sync_s``,
+        ``weights/sync_bytes``), and from the workers' last liveness answers the slowest worker-side
+        sync (``timing/weight_sync_worker_s``) and the version lag (trainer version minus the worker's
+        engine version; ``weights/version_lag_max``, ``weights/version_lag_mean``)."""
+        alive = set(self.manager.active_ids())
+        healths = [
+            r.health
+            for r in self.manager.records.values()
+            if r.worker_id in alive and r.health.policy_version >= 0
+        ]
+        lags = [self._version - h.policy_version for h in healths]
+        syncs = [h.weight_sync_s for h in healths if h.weight_sync_s is not None]
+        return {
+            **self._sync_values,
+            "timing/weight_sync_worker_s": max(syncs) if syncs else None,
+            "weights/version_lag_max": max(lags) if lags else None,
+            "weights/version_lag_mean": sum(lags) / len(lags) if lags else None,
+        }
 
     def requeue(self, task: RolloutTask) -> None:
         """Hand a trained task back to the queue (its training was lost with a trainer restart)."""
@@ -219,11 +261,12 @@ class RayRollouts:
         ray.get(self.exchange.requeue.remote(task))
 
     def fleet_values(self, batch_groups: int) -> dict[str, float]:
-        """The step's ``fleet/*`` metrics, with the scaling hint from queue and buffer depth."""
+        """The step's ``fleet/*`` metrics, with the scaling hint from queue and buffer depth, and the
+        weight-sync metrics (``sync_values``)."""
         queue, buffer = self._current_snapshot()
         pending, depth = queue.pending, buffer.depth
         self.manager.scaling_hint(queue_pending=pending, buffer_depth=depth, batch_groups=batch_groups)
-        return self.manager.metrics().as_metrics()
+        return {**self.manager.metrics().as_metrics(), **self.sync_values()}
 
     def fleet_summary(self) -> dict:
         """Fleet figures for ``summary.json``."""
@@ -314,6 +357,12 @@ class RayRollouts:
         ray.wait(exits, num_returns=len(exits), timeout=5.0)
         for actor in actors:
             ray.kill(actor)  # no-op for an actor that has exited
+
+
+def _bucket_offer(worker):
+    """``(version, index, num_buckets, ref) -> None``: offer a bucket to ``worker`` without waiting (the
+    ref goes in a list so that Ray passes the ref itself, not its value)."""
+    return lambda version, index, n, ref: worker.offer_bucket.remote(version, index, n, [ref])
 
 
 def _get_alive(refs: list) -> list:
