@@ -177,6 +177,12 @@ class RolloutConfig:
     """Groups a worker leases beyond its engine's slots (they wait in the engine's queue), so that one
     ``lease`` round trip fills several groups' slots and freed slots are refilled without one;
     0 leases only for free slots; None: one engine's worth (``max_slots // group_size``)."""
+    ep_size: int = 1
+    """Expert-parallel ranks of one rollout worker (``moerl.rollout.ep_engine.EPEngine``: experts sharded,
+    attention and KV cache data-parallel, decode steps in lockstep). Only 1 in runs so far: the EP
+    worker group is not wired into the fleet yet; ``moerl generate --ep-size N`` runs the EP engine."""
+    ep_dispatcher: str = "alltoall"
+    """Token dispatch/combine of the EP engine: ``alltoall`` or ``hierarchical`` (``moerl.ep``)."""
     on_weight_update: str = "continue"
     """What a worker does with its sequences in flight when it switches to a new policy version:
     ``continue`` decodes on over the KV cache computed by the old weights (tokens then carry mixed
@@ -198,6 +204,12 @@ class RolloutConfig:
         check_range("rollout.kv_token_budget", self.kv_token_budget, 1)
         check_range("rollout.max_prefill_tokens", self.max_prefill_tokens, 1)
         check_range("rollout.sync_every", self.sync_every, 1)
+        check_choice("rollout.ep_dispatcher", self.ep_dispatcher, ["alltoall", "hierarchical"])
+        if self.ep_size != 1:
+            raise ConfigError(
+                f"rollout.ep_size={self.ep_size}: runs support only 1 so far (the EP rollout worker group "
+                "is not wired into the fleet yet); `moerl generate --ep-size N` runs the EP engine"
+            )
         check_choice("rollout.on_weight_update", self.on_weight_update, ["continue", "recompute", "abort"])
 
 
