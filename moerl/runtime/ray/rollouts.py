@@ -148,8 +148,21 @@ class RayRollouts:
         )
         notices = None if notice_dir is None else str(notice_dir)
         self.cfg = cfg
+        self.publisher = BucketPublisher(
+            bucket_bytes_of(cfg.runtime.publish_bucket_mb),
+            ray.put,
+            ray.get,
+            store,
+            durable_every=cfg.runtime.durable_every,
+        )
+
+        def spawn(wid: str):
+            handle = worker_cls.remote(cfg, wid, init_path, store_url, self.exchange, notices)
+            self._offer_newest(handle)  # after its own store load: a version newer than the store's
+            return handle
+
         self.backend = RayWorkerBackend(
-            lambda wid: worker_cls.remote(cfg, wid, init_path, store_url, self.exchange, notices),
+            spawn,
             notice_path=lambda wid: notice_file_for(cfg.fleet, wid, notices),
         )
         self.manager = FleetManager.from_config(cfg.fleet, cfg.rollout.num_workers, self.backend)
@@ -159,13 +172,6 @@ class RayRollouts:
         self._next_check = 0.0
         self._version = version  # the trainer's policy version, sent with each batch request
         self._snapshot: tuple[QueueStats, BufferMetrics] | None = None  # this step's, from ``snapshot``
-        self.publisher = BucketPublisher(
-            bucket_bytes_of(cfg.runtime.publish_bucket_mb),
-            ray.put,
-            ray.get,
-            store,
-            durable_every=cfg.runtime.durable_every,
-        )
         self._sync_values: dict[str, float] = {}  # the last push's trainer-side figures
 
     def check_fleet(self, *, force: bool = False) -> None:
@@ -232,6 +238,16 @@ class RayRollouts:
                 w.offer_weights.remote(version, [ref])
             moved = packed.data.nbytes * len(workers)
         self._sync_values = {"timing/weight_sync_s": time.perf_counter() - t0, "weights/sync_bytes": moved}
+
+    def _offer_newest(self, worker) -> None:
+        """Offer a (new) worker the buckets of the newest streamed version, if any: with
+        ``runtime.durable_every > 1`` the store it loads at start may be older."""
+        last = self.publisher.last
+        if last is None or self.cfg.runtime.weight_sync != "object_store":
+            return
+        offer = _bucket_offer(worker)
+        for i, ref in enumerate(self.publisher.refs):
+            offer(last.version, i, last.num_buckets, ref)
 
     def sync_values(self) -> dict[str, float]:
         """The step's weight-sync metrics: trainer side of the last push (``timing/weight_sync_s``,
