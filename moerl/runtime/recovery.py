@@ -176,5 +176,5 @@ def recover_trainer(
         newest_version=max(latest.version if latest is not None else 0, newest_pushed),
     )
     trainer.publish(store)
-    rollouts.push_weights(trainer.version, trainer.named_weights())
+    rollouts.push_weights(trainer.version, trainer.named_weights(), is_stored=True)
     return trainer, report

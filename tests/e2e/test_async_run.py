@@ -20,11 +20,13 @@ def ray_session():
 
 
 @pytest.mark.timeout(300)
-def test_async_run_trains_every_task_exactly_once(tmp_path, tiny_init, ray_session):
+@pytest.mark.parametrize("weight_sync", ["object_store", "store"])
+def test_async_run_trains_every_task_exactly_once(tmp_path, tiny_init, ray_session, weight_sync):
     cfg = short_config(
         tmp_path,
         tiny_init,
         "runtime.mode=async",
+        f"runtime.weight_sync={weight_sync}",
         "rollout.num_workers=2",
         "trainer.steps=4",
         "trainer.batch_groups=2",

@@ -215,7 +215,9 @@ class RayRollouts:
         self._snapshot = None
         return groups, gen_s, now - start
 
-    def push_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def push_weights(
+        self, version: int, tensors: Mapping[str, torch.Tensor], *, is_stored: bool = False
+    ) -> None:
         """Advance the staleness clock and offer the new weights via the object store.
 
         The version goes to the exchange without waiting (workers' admissions see it a round trip
@@ -229,7 +231,7 @@ class RayRollouts:
         t0 = time.perf_counter()
         if self.cfg.runtime.weight_sync == "object_store":  # buckets, one ref each (weight_sync.py)
             offers = [_bucket_offer(w) for w in workers]
-            report = self.publisher.publish(version, tensors, offers)
+            report = self.publisher.publish(version, tensors, offers, durable=False if is_stored else None)
             moved = report.bytes_moved
         else:
             packed = pack_weights(tensors)  # one flat buffer: the fast out-of-band serialization
