@@ -94,9 +94,17 @@ def split_buckets(
 
 
 def pack_bucket(
-    version: int, index: int, num_buckets: int, tensors: list[tuple[str, torch.Tensor]]
+    version: int,
+    index: int,
+    num_buckets: int,
+    tensors: list[tuple[str, torch.Tensor]],
+    staging: torch.Tensor | None = None,
 ) -> WeightBucket:
     """Copy ``tensors`` (any device and dtype) into one flat CPU buffer with its checksum.
+
+    Args:
+        staging: a [>= nbytes] uint8 CPU buffer to pack into (reused across buckets by a publisher whose
+            ``put`` copies; pinned on CUDA); None: a new buffer. The bucket's ``data`` is a view of it.
 
     On CUDA the copies go through pinned memory and one synchronize at the end (the only device sync).
     """
@@ -105,7 +113,11 @@ def pack_bucket(
         entries.append((name, t.dtype, tuple(t.shape), offset))
         offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     on_cuda = any(t.is_cuda for _, t in tensors)
-    data = torch.zeros(offset, dtype=torch.uint8, pin_memory=on_cuda)
+    if staging is not None and staging.numel() >= offset:
+        data = staging[:offset]
+    else:
+        data = torch.empty(offset, dtype=torch.uint8, pin_memory=on_cuda)
+    data.zero_()  # the alignment padding is hashed too
     for (_, _, _, start), (_, t) in zip(entries, tensors, strict=True):
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         data[start : start + raw.numel()].copy_(raw, non_blocking=on_cuda)
@@ -139,11 +151,18 @@ def unpack_bucket(bucket: WeightBucket, *, verify: bool = True) -> list[tuple[st
     return out
 
 
-def iter_packed(version: int, named: Mapping[str, torch.Tensor], bucket_bytes: int) -> Iterable[WeightBucket]:
-    """``pack_bucket`` of each of ``split_buckets``, one at a time (the caller drops each before the next)."""
+def iter_packed(
+    version: int, named: Mapping[str, torch.Tensor], bucket_bytes: int, *, reuse: bool = False
+) -> Iterable[WeightBucket]:
+    """``pack_bucket`` of each of ``split_buckets``, one at a time. ``reuse``: every bucket is packed
+    into the same staging buffer, so each must be consumed (copied) before the next is taken."""
     plan = split_buckets(named, bucket_bytes)
+    staging = None
     for i, tensors in enumerate(plan):
-        yield pack_bucket(version, i, len(plan), tensors)
+        bucket = pack_bucket(version, i, len(plan), tensors, staging)
+        if reuse and (staging is None or staging.numel() < bucket.nbytes):
+            staging = torch.from_numpy(bucket.data)  # grown to the largest bucket so far
+        yield bucket
 
 
 @dataclass(slots=True)
@@ -296,7 +315,7 @@ class BucketPublisher:
 
     Args:
         bucket_bytes: bucket size (``bucket_bytes_of(runtime.publish_bucket_mb)``).
-        put: ``WeightBucket -> ref`` (``ray.put``).
+        put: ``WeightBucket -> ref`` (``ray.put``); must copy the bucket's bytes (its buffer is reused).
         get: ``ref -> WeightBucket`` (``ray.get``: a zero-copy view of the object store's copy), used to
             hand the durable write the buffers already packed.
         store: the durable ``WeightStore``, or None.
@@ -334,8 +353,8 @@ class BucketPublisher:
         t0 = time.perf_counter()
         self.refs = []
         nbytes = 0
-        for bucket in iter_packed(version, named, self.bucket_bytes):
-            ref = self.put(bucket)
+        for bucket in iter_packed(version, named, self.bucket_bytes, reuse=True):
+            ref = self.put(bucket)  # copies (ray.put): the staging buffer is reused for the next bucket
             for offer in offers:
                 offer(version, bucket.index, bucket.num_buckets, ref)
             self.refs.append(ref)

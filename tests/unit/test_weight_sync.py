@@ -3,11 +3,14 @@ durable store written in the background from the packed buckets."""
 
 import dataclasses
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from moerl.runtime.fleet import WorkerHealth, WorkerRecord
+from moerl.runtime.ray.rollouts import RayRollouts
 from moerl.runtime.weight_sync import (
     BucketAssembler,
     BucketPublisher,
@@ -148,3 +151,26 @@ def test_pack_bucket_makes_its_own_copy():
     b = pack_bucket(0, 0, 1, list(t.items()))
     t["x"].add_(1)
     assert np.frombuffer(b.data.tobytes(), dtype=np.float32)[:4].tolist() == [1.0] * 4 and b.nbytes == 64
+
+
+def test_sync_values_from_liveness_answers():
+    """RayRollouts.sync_values: trainer-side figures of the last push; lag and worker-side sync time
+    from the live workers' last health answers (a dead worker's and a never-answered one's left out)."""
+    records = {
+        "w0": WorkerRecord("w0", 0.0, health=WorkerHealth(policy_version=5, weight_sync_s=0.2)),
+        "w1": WorkerRecord("w1", 0.0, health=WorkerHealth(policy_version=3, weight_sync_s=0.5)),
+        "w2": WorkerRecord("w2", 0.0, health=WorkerHealth(policy_version=0, weight_sync_s=9.0)),  # gone
+        "w3": WorkerRecord("w3", 0.0),  # no answer yet: version -1
+    }
+    manager = SimpleNamespace(records=records, active_ids=lambda: ["w0", "w1", "w3"])
+    fake = SimpleNamespace(
+        manager=manager, _version=6, _sync_values={"timing/weight_sync_s": 0.1, "weights/sync_bytes": 10}
+    )
+    values = RayRollouts.sync_values(fake)
+    assert values == {
+        "timing/weight_sync_s": 0.1,
+        "weights/sync_bytes": 10,
+        "timing/weight_sync_worker_s": 0.5,
+        "weights/version_lag_max": 3,
+        "weights/version_lag_mean": 2.0,
+    }

@@ -95,6 +95,7 @@ def init_ray(cfg: RunConfig) -> None:
         ray.init(address=cfg.runtime.ray_address, log_to_driver=True)
     else:
         ray.init(
+            address="local",  # a new instance, as documented: never another process's running cluster
             num_cpus=max(os.cpu_count() or 1, cfg.rollout.num_workers),
             include_dashboard=False,
             log_to_driver=True,
