@@ -112,6 +112,21 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return report_main(args.run_dir)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from moerl.plan.cli import plan_main
+
+    return plan_main(args)
+
+
+def _add_plan_parser(sub) -> None:
+    """``moerl plan``: predict an async MoE RL cluster run (options in ``moerl.plan.args``)."""
+    from moerl.plan.args import add_arguments
+
+    p = sub.add_parser("plan", help="predict throughput, balance and cost of a cluster run (no GPU needed)")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moerl", description="RL post-training (GRPO, PPO and variants) of Mixture-of-Experts LMs."
@@ -163,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="plot a run's curves and print its summary")
     p.add_argument("run_dir")
     p.set_defaults(func=_cmd_report)
+    _add_plan_parser(sub)
     return parser
 
 

@@ -90,8 +90,6 @@ class Run:
     def __init__(self, cfg: RunConfig, run_dir: RunDir, *, live: bool = True) -> None:
         self.cfg, self.dir = cfg, run_dir
         self.process_start = time.perf_counter()
-        keep_freed_memory()  # no page faults on each step's activations (moerl.runtime.allocator)
-        _seed_everything(cfg.seed)
         self.view = LiveView(cfg.trainer.steps, enabled=live)
         self.restarts = 0
         self.pushed_version = 0  # newest version sent to the rollouts (recovery publishes past it)
@@ -104,6 +102,8 @@ class Run:
             ConfigError: an unwritable weight store, an unreachable Ray address, a bad ``init_from``.
         """
         cfg = self.cfg
+        keep_freed_memory()  # no page faults on each step's activations (moerl.runtime.allocator)
+        _seed_everything(cfg.seed)
         self.store = _open_store(cfg, self.dir)
         if cfg.runtime.mode == "async" and cfg.runtime.ray_address:  # before the warm start, not after
             check_ray_address(cfg.runtime.ray_address)

@@ -16,10 +16,12 @@ from pathlib import Path
 
 from moerl.atomic import atomic_write_text
 from moerl.choices import DTYPE_NAMES
+from moerl.models import from_pretrained
 from moerl.models.dtypes import torch_dtype
 from moerl.rollout.engine import Engine
 from moerl.rollout.ep_generate import EPGenerateSpec, generate_ep
 from moerl.rollout.params import FINISH_ERROR, FINISH_STOP, Completion, Request, SamplingParams
+from moerl.tasks import load_tokenizer
 
 
 def read_prompts(path: str | Path) -> list[tuple[str, str]]:
@@ -87,9 +89,6 @@ def generate_main(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from moerl.models import from_pretrained
-    from moerl.tasks import load_tokenizer
-
     if args.dtype not in DTYPE_NAMES:
         raise ValueError(f"--dtype={args.dtype!r}; choose one of {sorted(DTYPE_NAMES)}")
     if Path(args.out).is_dir():

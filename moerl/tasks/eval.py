@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moerl.rollout import Engine, Request, SamplingParams
 from moerl.tasks.base import Prompt, Task
 from moerl.tasks.examples import collate, encode_example
 from moerl.tasks.tokenizer import Tokenizer
@@ -65,8 +66,6 @@ def evaluate(
     Raises:
         ValueError: no prompts to evaluate.
     """
-    from moerl.rollout import Engine, Request, SamplingParams
-
     prompts = task.eval_prompts() if prompts is None else prompts
     if not prompts:
         raise ValueError("no prompts to evaluate")
