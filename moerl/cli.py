@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="KV cache tokens over all slots (default: longest prompt + max-new-tokens per slot)",
     )
+    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks (local processes)")
+    p.add_argument("--ep-dispatcher", default="alltoall", choices=["alltoall", "hierarchical"])
+    p.add_argument("--ep-ranks-per-node", type=int, default=None, help="simulated node size (hierarchical)")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("report", help="plot a run's curves and print its summary")

@@ -180,6 +180,19 @@ class RolloutConfig:
     """Groups a worker leases beyond its engine's slots (they wait in the engine's queue), so that one
     ``lease`` round trip fills several groups' slots and freed slots are refilled without one;
     0 leases only for free slots; None: one engine's worth (``max_slots // group_size``)."""
+    ep_size: int = 1
+    """Expert-parallel ranks of one rollout worker (``moerl.rollout.ep_engine.EPEngine``: experts sharded,
+    attention and KV cache data-parallel, decode steps in lockstep). Only 1 in runs so far: the EP
+    worker group is not wired into the fleet yet; ``moerl generate --ep-size N`` runs the EP engine."""
+    ep_dispatcher: str = "alltoall"
+    """Token dispatch/combine of the EP engine: ``alltoall`` or ``hierarchical`` (``moerl.ep``)."""
+    on_weight_update: str = "continue"
+    """What a worker does with its sequences in flight when it switches to a new policy version:
+    ``continue`` decodes on over the KV cache computed by the old weights (tokens then carry mixed
+    per-token versions); ``recompute`` re-prefills every running prefix under the new weights first
+    (as partial rollout does), so later tokens are those a fresh prefill would give; ``abort`` releases
+    the in-flight tasks to the queue (requeued, their tokens discarded). Per-token policy versions are
+    recorded in every case (``moerl.runtime.weight_sync``)."""
 
     def __post_init__(self) -> None:
         if self.lease_ahead_groups is not None:
@@ -194,6 +207,13 @@ class RolloutConfig:
         check_range("rollout.kv_token_budget", self.kv_token_budget, 1)
         check_range("rollout.max_prefill_tokens", self.max_prefill_tokens, 1)
         check_range("rollout.sync_every", self.sync_every, 1)
+        check_choice("rollout.ep_dispatcher", self.ep_dispatcher, ["alltoall", "hierarchical"])
+        if self.ep_size != 1:
+            raise ConfigError(
+                f"rollout.ep_size={self.ep_size}: runs support only 1 so far (the EP rollout worker group "
+                "is not wired into the fleet yet); `moerl generate --ep-size N` runs the EP engine"
+            )
+        check_choice("rollout.on_weight_update", self.on_weight_update, ["continue", "recompute", "abort"])
 
 
 @dataclass(kw_only=True, slots=True)
@@ -344,6 +364,16 @@ class RuntimeConfig:
     """Task lease lifetime in seconds; workers renew it by heartbeat."""
     store_url: str | None = None
     """Weight store URL (fsspec): local folder or ``s3://bucket/prefix``; ``None``: RUN_DIR/weights."""
+    weight_sync: str = "object_store"
+    """How async-mode workers get each new version (``moerl.runtime.weight_sync``): ``object_store``
+    streams it in buckets of ``publish_bucket_mb`` through Ray's object store (one ref per bucket, a
+    version and a checksum per bucket, no whole-model copy) and writes the durable store in the
+    background every ``durable_every`` versions; ``store``: every version is written to the weight
+    store and offered whole (the serialize-and-load path)."""
+    durable_every: int = 1
+    """With ``weight_sync=object_store``: every this many versions (and version 0, the last one and
+    each checkpoint's) also go to the weight store, on its background writer thread. The store stays
+    the source of truth for recovery and for workers that start later."""
     keep_versions: int = 3
     """Weight versions kept in the store."""
     max_materialized_tasks: int = 1024
@@ -361,6 +391,8 @@ class RuntimeConfig:
         check_range("runtime.buffer_groups", self.buffer_groups, 1)
         check_range("runtime.max_staleness", self.max_staleness, 0)
         check_range("runtime.lease_ttl_s", self.lease_ttl_s, 0.0, lo_open=True)
+        check_choice("runtime.weight_sync", self.weight_sync, ["object_store", "store"])
+        check_range("runtime.durable_every", self.durable_every, 1)
         check_range("runtime.keep_versions", self.keep_versions, 1)
         check_range("runtime.max_materialized_tasks", self.max_materialized_tasks, 1)
         check_range("runtime.keep_checkpoints", self.keep_checkpoints, 1)

@@ -104,6 +104,7 @@ class Run:
         self.view = LiveView(cfg.trainer.steps, enabled=live)
         self.restarts = 0
         self.mirror = RunMirror.from_config(cfg, run_dir.path)  # storage.url in an object store: copy there
+        self.pushed_version = 0  # newest version sent to the rollouts (recovery publishes past it)
 
     def start(self, checkpoint: Path | None) -> None:
         """Warm start, build policy and trainer, publish version 0 (or restore ``checkpoint``), start
@@ -215,7 +216,14 @@ class Run:
             self.restart_group("chaos kill")
             return
         self.trainer, report = recover_trainer(
-            self.cfg, self.comp, self.dir, self.store, self.rollouts, self.journal, failed_step
+            self.cfg,
+            self.comp,
+            self.dir,
+            self.store,
+            self.rollouts,
+            self.journal,
+            failed_step,
+            newest_pushed=self.pushed_version,
         )
         self.restarts += 1
         self.telemetry.reload_ledger(e.task_id for e in self.dir.read_ledger())  # rewound by the recovery
@@ -287,6 +295,7 @@ class Run:
             version=version,
             parts=parts,
             notice_dir=self.dir.path / "notices",  # where workers look for notices (fleet.notice_file unset)
+            store=self.store,
         )
 
     def _record(self, groups: list[Group], step: int) -> None:
@@ -299,9 +308,24 @@ class Run:
     def _publish(self, step: int) -> float:
         """Publish the weights every ``publish_every`` steps and at the end; returns the seconds it took."""
         t1 = time.perf_counter()
+        cfg = self.cfg
         if self._is_publish_step(step):
-            self.trainer.publish(self.store)
+            # object_store: buckets straight to the workers; the store is written in the background
+            # every runtime.durable_every versions (moerl.runtime.weight_sync), and at the end. A trainer
+            # group refreshes the driver's copy (named_weights) by publishing, so it always publishes.
+            is_streamed = (
+                cfg.runtime.mode == "async"
+                and cfg.runtime.weight_sync == "object_store"
+                and not isinstance(self.trainer, TrainerGroup)
+            )
+            if not is_streamed:
+                self.trainer.publish(self.store)
             self.rollouts.push_weights(self.trainer.version, self.trainer.named_weights())
+            self.pushed_version = self.trainer.version
+            if is_streamed and step == cfg.trainer.steps:
+                self.store.flush()
+                if (latest := self.store.latest()) is None or latest.version < self.trainer.version:
+                    self.trainer.publish(self.store)
         return time.perf_counter() - t1
 
     def _is_publish_step(self, step: int) -> bool:

@@ -19,6 +19,7 @@ from moerl.choices import DTYPE_NAMES
 from moerl.models import from_pretrained
 from moerl.models.dtypes import torch_dtype
 from moerl.rollout.engine import Engine
+from moerl.rollout.ep_generate import EPGenerateSpec, generate_ep
 from moerl.rollout.params import FINISH_ERROR, FINISH_STOP, Completion, Request, SamplingParams
 from moerl.tasks import load_tokenizer
 
@@ -77,7 +78,8 @@ def generate_main(args: argparse.Namespace) -> int:
     Args:
         args: ``model``, ``prompts``, ``out``, ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
             ``n``, ``seed``, ``dtype``, ``device``, and optionally ``tokenizer``, ``max_slots``,
-            ``kv_token_budget`` (default: room for the longest prompt + max_new_tokens in every slot).
+            ``kv_token_budget`` (default: room for the longest prompt + max_new_tokens in every slot),
+            ``ep_size`` / ``ep_dispatcher`` / ``ep_ranks_per_node`` (expert-parallel ranks; 1: one engine).
     """
     try:
         return _generate(args)
@@ -125,14 +127,28 @@ def _generate(args: argparse.Namespace) -> int:
     budget = getattr(args, "kv_token_budget", None) or max_slots * min(
         longest, model.config.max_position_embeddings
     )
-    engine = Engine(model, max_slots=max_slots, kv_token_budget=budget, seed=args.seed)
     requests = [
         Request(request_id=pid, prompt_ids=ids, params=params_for(ids))
         for (pid, _), ids in zip(prompts, encoded, strict=True)
     ]
-    completions = engine.generate(requests, on_error="return")
+    ep_size = getattr(args, "ep_size", 1) or 1
+    if ep_size > 1:  # the experts sharded over ep_size local ranks (moerl.rollout.ep_generate)
+        spec = EPGenerateSpec(
+            model=args.model,
+            dtype=torch_dtype(args.dtype),
+            device=args.device,
+            max_slots=max_slots,
+            kv_token_budget=budget,
+            seed=args.seed,
+            dispatcher=getattr(args, "ep_dispatcher", None) or "alltoall",
+            ranks_per_node=getattr(args, "ep_ranks_per_node", None),
+        )
+        completions, version = generate_ep(spec, requests, ep_size), 0
+    else:
+        engine = Engine(model, max_slots=max_slots, kv_token_budget=budget, seed=args.seed)
+        completions, version = engine.generate(requests, on_error="return"), engine.version
     text_of = dict(prompts)
-    rows = [_row(c, text_of[c.request_id], tokenizer, engine.version) for c in completions]
+    rows = [_row(c, text_of[c.request_id], tokenizer, version) for c in completions]
     _write_jsonl_atomic(args.out, rows)
     failed = [c for c in completions if c.finish_reason == FINISH_ERROR]
     for c in failed:

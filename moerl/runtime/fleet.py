@@ -80,6 +80,11 @@ class WorkerHealth:
     """Its GPUs' utilization and memory (``moerl.telemetry.gpu.GpuSample``; empty without a GPU)."""
     comm_errors: tuple[tuple[str, int], ...] = ()
     """Communication errors it caught, ``(kind, count)`` cumulative (``moerl.telemetry.counters``)."""
+    weight_sync_s: float | None = None
+    """Seconds from the first bucket's offer of its current version to that version running in its
+    engine (``runtime.weight_sync=object_store``; None: not measured)."""
+    weight_bytes: int = 0
+    """Bytes of weights it received for its current version."""
 
 
 @dataclass(frozen=True, slots=True)

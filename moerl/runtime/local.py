@@ -73,8 +73,11 @@ class LocalRollouts:
         gen_s = time.perf_counter() - start
         return self.buffer.get(n, timeout=0), gen_s, 0.0
 
-    def push_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Hand the trainer's new weights to the worker and advance the staleness clock."""
+    def push_weights(
+        self, version: int, tensors: Mapping[str, torch.Tensor], *, is_stored: bool = False
+    ) -> None:
+        """Hand the trainer's new weights to the worker and advance the staleness clock (``is_stored``
+        does not matter here: sync mode never writes the store from the rollouts)."""
         self.weights.push(version, tensors)
         self.buffer.set_version(version)
 

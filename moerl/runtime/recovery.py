@@ -132,6 +132,7 @@ def recover_trainer(
     rollouts: Rollouts,
     journal: StepJournal,
     failed_step: int,
+    newest_pushed: int = 0,
 ) -> tuple[Trainer, RestartReport]:
     """Replace the trainer that died after ``failed_step`` by a new one (module docstring), in place.
 
@@ -141,6 +142,8 @@ def recover_trainer(
             new trainer trains (its weights are overwritten: nothing of the dead trainer survives).
         run: the run folder (``RunDir``): checkpoints, ledger and metrics.
         store: the ``WeightStore``.
+        newest_pushed: newest version sent to the workers (with ``runtime.weight_sync=object_store``
+            the store may hold only every ``durable_every``-th); the restored weights get a newer one.
         rollouts: the rollout side (``requeue``, ``push_weights``).
         journal: tasks consumed per step since the last full checkpoint.
         failed_step: last step the dead trainer finished.
@@ -173,8 +176,8 @@ def recover_trainer(
         journal=journal,
         requeue=rollouts.requeue,
         rewind=run.rewind,
-        newest_version=latest.version if latest is not None else 0,
+        newest_version=max(latest.version if latest is not None else 0, newest_pushed),
     )
     trainer.publish(store)
-    rollouts.push_weights(trainer.version, trainer.named_weights())
+    rollouts.push_weights(trainer.version, trainer.named_weights(), is_stored=True)
     return trainer, report

@@ -38,9 +38,12 @@ class Rollouts(Protocol):
         """
         ...
 
-    def push_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Offer the trainer's weights of policy ``version`` (already published) and advance the buffer's
-        staleness clock to it."""
+    def push_weights(
+        self, version: int, tensors: Mapping[str, torch.Tensor], *, is_stored: bool = False
+    ) -> None:
+        """Offer the trainer's weights of policy ``version`` and advance the buffer's staleness clock to
+        it. ``is_stored``: the caller already wrote this version to the weight store (trainer recovery),
+        so a streaming implementation must not write it again."""
         ...
 
     def requeue(self, task: RolloutTask) -> None:

@@ -163,10 +163,16 @@ class WeightStore:
         return self._publish_now(version, named_tensors, max_shard_bytes)
 
     def publish_in_background(
-        self, version: int, named_tensors: Mapping[str, torch.Tensor], *, max_shard_bytes: int | None = None
+        self,
+        version: int,
+        named_tensors: Mapping[str, torch.Tensor],
+        *,
+        max_shard_bytes: int | None = None,
+        copy: bool = True,
     ) -> Future:
         """``publish`` on the store's writer thread, from CPU copies of ``named_tensors`` taken now (the
         caller may update its tensors in place right after). Returns a ``Future`` of the ``WeightVersion``.
+        ``copy=False`` takes the tensors as they are, for buffers nobody writes (``moerl.runtime.weight_sync``).
 
         Writes commit in call order, with ``publish``'s atomicity. Until one commits, other processes see
         the previous version; this object's ``versions``, ``latest``, ``manifest``, ``load`` and
@@ -178,7 +184,7 @@ class WeightStore:
         """
         if not named_tensors:
             raise ValueError("WeightStore.publish_in_background: no tensors to publish")
-        snapshot = {n: t.detach().to("cpu", copy=True) for n, t in named_tensors.items()}
+        snapshot = {n: t.detach().to("cpu", copy=copy) for n, t in named_tensors.items()}
         with self._pending_lock:
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moerl-weight-store")

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from moerl.config import RolloutConfig
 from moerl.rollout import Completion, Engine, InvalidRequestError, Request, SamplingParams
+from moerl.rollout.weight_update import cancel_all, recompute_running
 from moerl.runtime.buffer import BufferClosed, PutResult
 from moerl.runtime.delivery import GroupSink, Outbox
 from moerl.runtime.drain import InFlightGroup, ResumePlan, group_progress
@@ -78,6 +79,13 @@ class WorkerStats:
     """Samples whose reward function raised (scored 0)."""
     invalid_tasks: int = 0
     """Tasks the engine refused (e.g. prompt + max_new_tokens longer than a slot); settled as filtered."""
+    last_weight_load_s: float | None = None
+    """Seconds the last weight update took in this worker: the copy into the engine, plus the re-prefill
+    (``on_weight_update=recompute``) or the release of the tasks in flight (``abort``)."""
+    groups_aborted: int = 0
+    """Groups released because new weights arrived (``on_weight_update=abort``)."""
+    tokens_aborted: int = 0
+    """Tokens discarded with them."""
 
 
 class RolloutWorker:
@@ -140,6 +148,7 @@ class RolloutWorker:
         self.max_groups_held = self.max_groups_in_flight + ahead  # leased and not yet delivered
         self.stats = WorkerStats()
         self._in_flight: dict[str, _InFlight] = {}  # request id -> group (several ids for a resumed group)
+        self._early: list[Completion] = []  # finished by a weight update's sync (recompute), not by step()
         self.outbox: Outbox[_InFlight] = Outbox(buffer, put_timeout_s)  # scored groups not yet in the buffer
         self._is_leasing = True
         self._is_stopping = False
@@ -153,16 +162,35 @@ class RolloutWorker:
         return self.engine.version
 
     def sync_weights(self) -> bool:
-        """Load newer weights into the engine if the source has them; True if it did."""
+        """Load newer weights into the engine if the source has them, then treat the sequences in flight
+        as ``rollout.on_weight_update`` says (``moerl.rollout.weight_update``); True if it did."""
         if self.weights is None:
             return False
         found = self.weights.poll(self.engine.version)
         if found is None:
             return False
+        t0 = time.perf_counter()
         version, tensors = found
         self.engine.update_weights(tensors, version)
+        policy = self.cfg.on_weight_update
+        if policy == "recompute" and self._in_flight:
+            self._early += recompute_running(self.engine)
+        elif policy == "abort" and self._in_flight:
+            self._abort_in_flight()
         self.stats.weight_updates += 1
+        self.stats.last_weight_load_s = time.perf_counter() - t0
         return True
+
+    def _abort_in_flight(self) -> None:
+        """``on_weight_update=abort``: drop the engine's requests and release their leases (requeued)."""
+        running = self.engine.running_by_request()
+        self.stats.tokens_aborted += sum(len(s.token_ids) for seqs in running.values() for s in seqs)
+        cancel_all(self.engine)
+        self._early.clear()
+        for job in self._jobs():
+            self.queue.release(job.lease)
+            self.stats.groups_aborted += 1
+        self._in_flight.clear()
 
     def _params(self, lease: Lease) -> SamplingParams:
         c = self.cfg
@@ -322,7 +350,8 @@ class RolloutWorker:
         self._lease_more(budget)
         if self._in_flight:
             finished = [job for job in self._jobs() if len(job.completions) == job.lease.task.num_samples]
-            for c in self.engine.step():
+            early, self._early = self._early, []
+            for c in early + self.engine.step():
                 job = self._in_flight.get(c.request_id)
                 if job is None:  # its group was abandoned by a drain: the tokens are discarded
                     continue

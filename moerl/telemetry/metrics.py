@@ -65,6 +65,11 @@ METRIC_KEYS: tuple[str, ...] = (
     "ep/intra_node_bytes",  # bytes EP ranks sent within a node, dispatch + combine (cumulative; null: no EP)
     "ep/inter_node_bytes",  # bytes EP ranks sent across nodes (cumulative; null: no EP)
     "rollout/workers",  # per-worker record: {worker_id: {WORKER_FIELDS}} (see the module docstring)
+    "timing/weight_sync_s",  # trainer side: seconds to send the step's new version (async mode)
+    "timing/weight_sync_worker_s",  # worker side: slowest first-bucket-offered -> version running, s
+    "weights/sync_bytes",  # bytes of weights moved by the step's sync (per worker x workers)
+    "weights/version_lag_max",  # max over live workers of trainer version - engine version
+    "weights/version_lag_mean",  # mean of the same
 )
 """The fixed metric names, in the order they are written."""
 
@@ -77,6 +82,8 @@ WALL_KEYS = (
     "timing/train_s",
     "timing/publish_s",
     "timing/wait_s",
+    "timing/weight_sync_s",
+    "timing/weight_sync_worker_s",
 )
 """Fields that depend on wall-clock time (excluded when comparing two runs for equality)."""
 

@@ -24,7 +24,7 @@ class FakeFleet:
     def requeue(self, task):
         self.requeued.append(task.task_id)
 
-    def push_weights(self, version, tensors):
+    def push_weights(self, version, tensors, *, is_stored=False):
         self.pushed.append(version)
 
 

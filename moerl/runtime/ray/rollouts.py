@@ -52,7 +52,8 @@ from moerl.runtime.ray.exchange import ExchangeActor
 from moerl.runtime.ray.worker_actor import RolloutWorkerActor
 from moerl.runtime.storage import stage_model_folder
 from moerl.runtime.types import Group, RolloutTask
-from moerl.runtime.weights import pack_weights
+from moerl.runtime.weight_sync import BucketPublisher, bucket_bytes_of
+from moerl.runtime.weights import WeightStore, pack_weights
 from moerl.runtime.worker import WorkerStats
 
 
@@ -96,6 +97,7 @@ def init_ray(cfg: RunConfig) -> None:
         ray.init(address=cfg.runtime.ray_address, log_to_driver=True)
     else:
         ray.init(
+            address="local",  # a new instance, as documented: never another process's running cluster
             num_cpus=max(os.cpu_count() or 1, cfg.rollout.num_workers),
             include_dashboard=False,
             log_to_driver=True,
@@ -118,6 +120,8 @@ class RayRollouts:
         parts: checkpoint parts with ``queue`` and ``buffer`` state to restore, or None.
         notice_dir: the folder of the workers' notice files (``<worker_id>.json``) when
             ``fleet.notice_file`` is unset; None: notices by actor call only.
+        store: the run's weight store, written in the background every ``runtime.durable_every``
+            versions with ``runtime.weight_sync=object_store`` (None: never written from here).
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class RayRollouts:
         version: int,
         parts: dict | None,
         notice_dir: str | Path | None = None,
+        store: WeightStore | None = None,
     ):
         import ray
 
@@ -150,8 +155,21 @@ class RayRollouts:
         )
         notices = None if notice_dir is None else str(notice_dir)
         self.cfg = cfg
+        self.publisher = BucketPublisher(
+            bucket_bytes_of(cfg.runtime.publish_bucket_mb),
+            ray.put,
+            ray.get,
+            store,
+            durable_every=cfg.runtime.durable_every,
+        )
+
+        def spawn(wid: str):
+            handle = worker_cls.remote(cfg, wid, init_path, store_url, self.exchange, notices)
+            self._offer_newest(handle)  # after its own store load: a version newer than the store's
+            return handle
+
         self.backend = RayWorkerBackend(
-            lambda wid: worker_cls.remote(cfg, wid, init_path, store_url, self.exchange, notices),
+            spawn,
             notice_path=lambda wid: notice_file_for(cfg.fleet, wid, notices),
         )
         self.manager = FleetManager.from_config(cfg.fleet, cfg.rollout.num_workers, self.backend)
@@ -165,6 +183,7 @@ class RayRollouts:
         self._next_check = 0.0
         self._version = version  # the trainer's policy version, sent with each batch request
         self._snapshot: tuple[QueueStats, BufferMetrics] | None = None  # this step's, from ``snapshot``
+        self._sync_values: dict[str, float] = {}  # the last push's trainer-side figures
 
     def check_fleet(self, *, force: bool = False) -> None:
         """Every ``fleet.check_every_s``: liveness and replacements (``FleetManager.check``), chaos faults.
@@ -207,7 +226,9 @@ class RayRollouts:
         self._snapshot = None
         return groups, gen_s, now - start
 
-    def push_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def push_weights(
+        self, version: int, tensors: Mapping[str, torch.Tensor], *, is_stored: bool = False
+    ) -> None:
         """Advance the staleness clock and offer the new weights via the object store.
 
         The version goes to the exchange without waiting (workers' admissions see it a round trip
@@ -217,9 +238,49 @@ class RayRollouts:
 
         self._version, self._snapshot = version, None
         self.exchange.set_version.remote(version)
-        ref = ray.put(pack_weights(tensors))  # one flat buffer: the fast out-of-band serialization
-        for w in self.backend.alive_handles():
-            w.offer_weights.remote(version, [ref])
+        workers = self.backend.alive_handles()
+        t0 = time.perf_counter()
+        if self.cfg.runtime.weight_sync == "object_store":  # buckets, one ref each (weight_sync.py)
+            offers = [_bucket_offer(w) for w in workers]
+            report = self.publisher.publish(version, tensors, offers, durable=False if is_stored else None)
+            moved = report.bytes_moved
+        else:
+            packed = pack_weights(tensors)  # one flat buffer: the fast out-of-band serialization
+            ref = ray.put(packed)
+            for w in workers:
+                w.offer_weights.remote(version, [ref])
+            moved = packed.data.nbytes * len(workers)
+        self._sync_values = {"timing/weight_sync_s": time.perf_counter() - t0, "weights/sync_bytes": moved}
+
+    def _offer_newest(self, worker) -> None:
+        """Offer a (new) worker the buckets of the newest streamed version, if any: with
+        ``runtime.durable_every > 1`` the store it loads at start may be older."""
+        last = self.publisher.last
+        if last is None or self.cfg.runtime.weight_sync != "object_store":
+            return
+        offer = _bucket_offer(worker)
+        for i, ref in enumerate(self.publisher.refs):
+            offer(last.version, i, last.num_buckets, ref)
+
+    def sync_values(self) -> dict[str, float]:
+        """The step's weight-sync metrics: trainer side of the last push (``timing/weight_sync_s``,
+        ``weights/sync_bytes``), and from the workers' last liveness answers the slowest worker-side
+        sync (``timing/weight_sync_worker_s``) and the version lag (trainer version minus the worker's
+        engine version; ``weights/version_lag_max``, ``weights/version_lag_mean``)."""
+        alive = set(self.manager.active_ids())
+        healths = [
+            r.health
+            for r in self.manager.records.values()
+            if r.worker_id in alive and r.health.policy_version >= 0
+        ]
+        lags = [self._version - h.policy_version for h in healths]
+        syncs = [h.weight_sync_s for h in healths if h.weight_sync_s is not None]
+        return {
+            **self._sync_values,
+            "timing/weight_sync_worker_s": max(syncs) if syncs else None,
+            "weights/version_lag_max": max(lags) if lags else None,
+            "weights/version_lag_mean": sum(lags) / len(lags) if lags else None,
+        }
 
     def requeue(self, task: RolloutTask) -> None:
         """Hand a trained task back to the queue (its training was lost with a trainer restart)."""
@@ -231,13 +292,13 @@ class RayRollouts:
     def fleet_values(self, batch_groups: int) -> dict[str, float]:
         """The step's ``fleet/*`` metrics, with the scaling hint from queue and buffer depth; on a cluster
         with a ``rollout`` resource the hint also requests rollout nodes from the Ray autoscaler and
-        resizes the fleet to it (``moerl.cluster.autoscale``)."""
+        resizes the fleet to it (``moerl.cluster.autoscale``); and the weight-sync metrics (``sync_values``)."""
         queue, buffer = self._current_snapshot()
         pending, depth = queue.pending, buffer.depth
         hint = self.manager.scaling_hint(queue_pending=pending, buffer_depth=depth, batch_groups=batch_groups)
         if self.capacity is not None and self.capacity.update(hint.desired_workers) is not None:
             self.manager.scale_to(self.capacity.requested)  # newcomers wait for the new nodes
-        return self.manager.metrics().as_metrics()
+        return {**self.manager.metrics().as_metrics(), **self.sync_values()}
 
     def worker_records(self) -> list[WorkerRecord]:
         """The fleet manager's record of every worker seen (state and last heartbeat); only reads."""
@@ -332,6 +393,12 @@ class RayRollouts:
         ray.wait(exits, num_returns=len(exits), timeout=5.0)
         for actor in actors:
             ray.kill(actor)  # no-op for an actor that has exited
+
+
+def _bucket_offer(worker):
+    """``(version, index, num_buckets, ref) -> None``: offer a bucket to ``worker`` without waiting (the
+    ref goes in a list so that Ray passes the ref itself, not its value)."""
+    return lambda version, index, n, ref: worker.offer_bucket.remote(version, index, n, [ref])
 
 
 def _get_alive(refs: list) -> list:

@@ -32,6 +32,7 @@ from moerl.runtime.notice import watcher_from_config
 from moerl.runtime.storage import is_remote, local_model_folder
 from moerl.runtime.types import Group, Lease, PartialResponse, Settlement
 from moerl.runtime.weight_sources import StoreWeights
+from moerl.runtime.weight_sync import BucketAssembler
 from moerl.runtime.weights import WeightStore, unpack_weights
 from moerl.tasks import make_task
 from moerl.tasks.tokenizer import load_run_tokenizer
@@ -154,6 +155,8 @@ class RolloutWorkerActor:
         options = cfg.storage.options if is_remote(store_url) else None  # endpoint, region, profile
         store = WeightStore(store_url, keep=cfg.runtime.keep_versions, storage_options=options)
         self.weights = OfferedWeights(StoreWeights(store))
+        # runtime.weight_sync=object_store: buckets fetched on a thread, applied once a version is whole
+        self.buckets = BucketAssembler(_ray().get, fallback=self.weights)
         self._pause = threading.Event()
         self._paused = threading.Event()
         self._stop = threading.Event()
@@ -166,7 +169,7 @@ class RolloutWorkerActor:
             tokenizer,
             QueueProxy(exchange, version_of=self._weights_version),
             BufferProxy(exchange),
-            self.weights,
+            self.buckets if cfg.runtime.weight_sync == "object_store" else self.weights,
             version=-1,
             pause_point=self._pause_point,
         )
@@ -223,7 +226,15 @@ class RolloutWorkerActor:
             groups_delivered=self.worker.stats.groups_put,
             gpus=read_gpus() if self._has_gpu else (),
             comm_errors=tuple(comm_error_counts().items()),
+            **self._sync_figures(),
         )
+
+    def _sync_figures(self) -> dict:
+        """``WorkerHealth.weight_sync_s`` / ``weight_bytes`` of the version now in the engine."""
+        s, load_s = self.buckets.stats, self.worker.stats.last_weight_load_s
+        if s.last_sync_s is None or load_s is None:
+            return {}
+        return {"weight_sync_s": s.last_sync_s + load_s, "weight_bytes": s.last_bytes}
 
     def notify(self) -> None:
         """A termination notice by actor call (when no notice file is configured)."""
@@ -248,6 +259,13 @@ class RolloutWorkerActor:
         itself), applied between scheduler steps."""
         self.weights.offer(version, refs[0])
         self._offered.set()
+
+    def offer_bucket(self, version: int, index: int, num_buckets: int, refs: list) -> None:
+        """Bucket ``index`` of ``num_buckets`` of ``version`` in the object store (``refs[0]``: a
+        ``WeightBucket``), fetched on the assembler's thread; applied once the version is whole."""
+        self.buckets.offer(version, index, num_buckets, refs[0])
+        if index == num_buckets - 1:
+            self._offered.set()
 
     def worker_stats(self):
         """The worker's ``WorkerStats``."""

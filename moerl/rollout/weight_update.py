@@ -1,0 +1,92 @@
+"""What happens to sequences in flight when an engine switches to new weights (``rollout.on_weight_update``).
+
+- ``continue``: nothing; later tokens attend over keys/values computed by the old weights, and every
+  token carries the version of the weights that computed its logits (mixed per-token versions).
+- ``recompute`` (``recompute_running``): the keys/values of every running sequence's prefix (prompt and
+  the tokens generated so far but the last, which the next decode step feeds) are computed again under
+  the new weights, as partial rollout's resume does with a fresh prefill. The next decode step then sees
+  exactly the cache that a fresh prefill of the prefix under the new weights would have written, so the
+  tokens after the update are those of a fresh prefill (greedy); tokens sampled before it keep their
+  old version.
+- ``abort`` (``cancel_all``): every request is dropped from the engine; the worker releases their leases
+  (the tasks are requeued) and discards the tokens.
+
+These run between ``Engine.step`` calls, never inside one. Shapes: R rows re-prefilled at once, T padded
+prefix length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moerl.rollout.engine import Engine
+from moerl.rollout.params import Completion
+from moerl.rollout.scheduler import Sequence
+
+ON_WEIGHT_UPDATE = ("continue", "recompute", "abort")
+"""The choices of ``rollout.on_weight_update``."""
+
+
+@torch.no_grad()
+def recompute_running(engine: Engine) -> list[Completion]:
+    """Re-prefill the KV cache of every running sequence under the engine's current weights.
+
+    Tokens sampled but not yet copied to the host are synced first; sequences that this sync finishes
+    are returned as completions (the caller handles them as it would ``step()``'s).
+
+    Returns:
+        Completions finished by the sync (empty when nothing was pending).
+    """
+    done = engine._sync() if engine._pending else []
+    seqs = list(engine.scheduler.running)
+    budget = engine.scheduler.max_prefill_tokens
+    chunk: list[Sequence] = []
+    tokens = 0
+    for seq in seqs:
+        n = seq.seq_len - 1
+        if chunk and tokens + n > budget:
+            _reprefill(engine, chunk)
+            chunk, tokens = [], 0
+        chunk.append(seq)
+        tokens += n
+    if chunk:
+        _reprefill(engine, chunk)
+    return done
+
+
+def _reprefill(engine: Engine, seqs: list[Sequence]) -> None:
+    """One prefill forward of the prefixes of ``seqs`` into their own slots; logits are discarded."""
+    dev = engine.device
+    # the cache holds positions 0..seq_len-2; the last generated token is the next decode input
+    prefixes = [list(s.request.prompt_ids) + s.token_ids[:-1] for s in seqs]
+    lens = [len(p) for p in prefixes]
+    t = max(lens)
+    ids = torch.zeros(len(seqs), t, dtype=torch.int64)
+    for r, p in enumerate(prefixes):
+        ids[r, : lens[r]] = torch.tensor(p, dtype=torch.int64)
+    slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=dev)
+    want_routed = any(s.request.params.return_routed_experts for s in seqs)
+    engine.cache.bind_prefill(slots, torch.tensor(lens, dtype=torch.int64, device=dev), t)
+    pos = torch.arange(t, device=dev).expand(len(seqs), t)
+    out = engine.model(ids.to(dev), None, pos, cache=engine.cache, return_routed_experts=want_routed)
+    engine.cache.unbind()
+    if want_routed:
+        routed = out.routed_experts  # [R, T, Lm, K]
+        buf = engine.cache.ensure_routed(routed.shape[2], routed.shape[3])
+        buf[slots, :t] = routed.to(torch.int32)
+
+
+def cancel_all(engine: Engine) -> int:
+    """Drop every waiting and running request from the engine (tokens not yet synced are discarded).
+
+    Returns:
+        Running sequences dropped.
+    """
+    engine._pending.clear()
+    engine._steps_since_sync = 0
+    running = list(engine.scheduler.running)
+    for seq in running:
+        seq.finish_reason = "abort"
+    engine._release(running)
+    engine._drop_waiting()
+    return len(running)
