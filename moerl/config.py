@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from moerl.config_env import EnvConfig  # noqa: F401 - re-exported
 from moerl.config_fleet import ChaosConfig, FleetConfig  # noqa: F401 - re-exported
 from moerl.configlib import (  # noqa: F401 - re-exported: the config API lives here
     ConfigError,
@@ -94,7 +95,8 @@ class TaskConfig:
     """Where prompts and rewards come from."""
 
     name: str = "arithmetic"
-    """Built-in task (arithmetic, countdown) or ``jsonl`` for a dataset file."""
+    """Built-in task (arithmetic, countdown), ``jsonl`` for a dataset file, or ``env`` for multi-turn
+    episodes with the environment of the ``env:`` section."""
     path: str | None = None
     """JSONL dataset file when ``name == "jsonl"``."""
     layout: str = "gsm8k"
@@ -128,7 +130,7 @@ class TaskConfig:
     (arithmetic ``"{prompt}="``, countdown ``"{prompt}:"``, jsonl ``"Question: {prompt}\nAnswer:"``)."""
 
     def __post_init__(self) -> None:
-        check_choice("task.name", self.name, ["arithmetic", "countdown", "jsonl"])
+        check_choice("task.name", self.name, ["arithmetic", "countdown", "jsonl", "env"])
         check_range("task.num_eval", self.num_eval, 1)
         check_range("task.countdown_min_numbers", self.countdown_min_numbers, 2)
         check_range("task.countdown_max_numbers", self.countdown_max_numbers, self.countdown_min_numbers)
@@ -436,6 +438,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
         from moerl.rl.presets import preset_from_config

@@ -155,7 +155,7 @@ class RolloutWorkerActorImpl:
             cfg,
             worker_id,
             model,
-            make_task(cfg.task),
+            make_task(cfg.task, cfg.env),
             tokenizer,
             queue_proxy := _QueueProxy(queue_handle),
             _BufferProxy(buffer_handle),

@@ -45,7 +45,7 @@ class ExchangeActorImpl:
         from moerl.runtime.setup import make_buffer, make_queue
         from moerl.tasks import load_tokenizer, make_task
 
-        self.queue = make_queue(cfg, make_task(cfg.task), load_tokenizer(tokenizer_path))
+        self.queue = make_queue(cfg, make_task(cfg.task, cfg.env), load_tokenizer(tokenizer_path))
         self.buffer = make_buffer(cfg, self.queue, version=version)
         self.per_version = cfg.trainer.batch_groups * cfg.trainer.publish_every
         self.max_staleness = max(1, cfg.runtime.max_staleness)  # 0 still needs one batch in flight

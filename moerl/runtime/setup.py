@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from moerl.config import ConfigError, RunConfig
+from moerl.envs.worker import episode_worker
 from moerl.models import build_model, from_pretrained
 from moerl.rollout import Engine
 from moerl.runtime.buffer import BufferMetrics, ExperienceBuffer, has_reward_variance
@@ -106,7 +107,10 @@ def make_buffer(cfg: RunConfig, queue, *, version: int = 0) -> ExperienceBuffer:
 def make_worker(
     cfg: RunConfig, worker_id: str, model, task, tokenizer, queue, buffer, weights, *, version: int = 0
 ) -> RolloutWorker:
-    """A rollout worker with its own engine over ``model``."""
+    """A rollout worker with its own engine over ``model`` (an ``EpisodeWorker`` for ``task.name: env``)."""
+    if cfg.task.name == "env":
+        engine = make_engine(model, cfg, version=version)
+        return episode_worker(cfg, worker_id, engine, task, tokenizer, queue, buffer, weights)
     return RolloutWorker(
         worker_id,
         make_engine(model, cfg, version=version),
@@ -203,7 +207,7 @@ class Components:
 def build_components(cfg: RunConfig, init_path: str | None, store) -> Components:
     """Tokenizer, task and policy of a run (the policy seeded by the torch RNG when fresh)."""
     tokenizer = load_tokenizer(tokenizer_path_for(cfg.task.tokenizer, init_path or cfg.model.path))
-    task = make_task(cfg.task)
+    task = make_task(cfg.task, cfg.env)
     model = load_policy(cfg, init_path, tokenizer.vocab_size)
     return Components(cfg, init_path, store, tokenizer, task, model)
 

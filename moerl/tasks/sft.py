@@ -36,10 +36,13 @@ SUMMARY_FILE = "sft_summary.json"
 
 @dataclass(frozen=True, slots=True)
 class Example:
-    """One tokenized SFT example: ``ids`` = prompt + solution + eos; ``num_prompt`` prompt tokens."""
+    """One tokenized SFT example: ``ids`` = prompt + solution + eos; ``num_prompt`` prompt tokens.
+    ``mask`` (length ``len(ids)``, 1 = trained) replaces "everything after the prompt" when given, e.g.
+    for multi-turn demonstrations whose observations are not trained (``moerl.envs.task``)."""
 
     ids: list[int]
     num_prompt: int
+    mask: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +103,10 @@ def collate(examples: list[Example], pad_id: int, device: torch.device | str = "
     for i, e in enumerate(examples):
         input_ids[i, : len(e.ids)] = torch.tensor(e.ids)
         attention_mask[i, : len(e.ids)] = 1
-        loss_mask[i, e.num_prompt : len(e.ids)] = 1.0
+        if e.mask is None:
+            loss_mask[i, e.num_prompt : len(e.ids)] = 1.0
+        else:
+            loss_mask[i, : len(e.ids)] = torch.tensor(e.mask, dtype=torch.float32)
     return SFTBatch(input_ids.to(device), attention_mask.to(device), loss_mask.to(device))
 
 
@@ -124,8 +130,8 @@ def lr_at(step: int, num_steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
-def _examples(cfg: RunConfig, tokenizer: Tokenizer, prompts: list[Prompt]) -> list[Example]:
-    examples = [encode_example(tokenizer, p) for p in prompts]
+def _examples(cfg: RunConfig, tokenizer: Tokenizer, prompts: list[Prompt], encode=encode_example) -> list[Example]:
+    examples = [encode(tokenizer, p) for p in prompts]
     limit = cfg.model.max_position_embeddings
     too_long = sum(len(e.ids) > limit for e in examples)
     if too_long == len(examples):
@@ -142,15 +148,17 @@ def train_sft(
     cfg: RunConfig,
     log_every: int = 100,
     progress: Callable[[int, int, float], None] | None = None,
+    encode: Callable[[Tokenizer, Prompt], Example] = encode_example,
 ) -> float:
     """Fine-tune ``model`` in place on ``train`` for ``cfg.sft.steps`` steps; returns the final loss.
 
     Batches are ``cfg.sft.batch_size`` examples drawn in shuffled epochs (seeded by ``cfg.seed``).
     ``progress(step, num_steps, loss)`` is called after each optimizer step (step 1-based, loss the
     step's completion NLL in nats/token), e.g. ``moerl.telemetry.live.LiveView.warm_start_progress``.
+    ``encode(tokenizer, prompt) -> Example`` tokenizes one prompt (a task's ``sft_example`` when it has one).
     """
     sft = cfg.sft
-    examples = _examples(cfg, tokenizer, train)
+    examples = _examples(cfg, tokenizer, train, encode)
     rng = random.Random(cfg.seed)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -205,7 +213,7 @@ def run_sft(
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(tokenizer_path_for(cfg.task.tokenizer, cfg.model.path))
-    task = make_task(cfg.task)
+    task = make_task(cfg.task, cfg.env)
     model = build_model(cfg.model, tokenizer.vocab_size)
     held_out = task.eval_prompts()
     eval_kwargs = dict(
@@ -217,7 +225,9 @@ def run_sft(
     log.info("sft: held-out accuracy before %.3f (%d prompts)", before, len(held_out))
     train = list(itertools.islice(task.train_prompts(cfg.seed), cfg.sft.num_examples))
     t0 = time.perf_counter()
-    final_loss = train_sft(model, tokenizer, train, cfg, progress=progress)
+    final_loss = train_sft(
+        model, tokenizer, train, cfg, progress=progress, encode=getattr(task, "sft_example", encode_example)
+    )
     train_seconds = time.perf_counter() - t0
     after = evaluate(model, tokenizer, task, held_out, **eval_kwargs).accuracy
     out = Path(out_dir)
