@@ -216,11 +216,11 @@ class _PoolBase:
         )
 
     def _lose(self, worker: _Worker, error: str, message: str) -> None:
-        """Kill and replace ``worker``; every episode it hosted ends (``error`` for the calls it was
-        running, ``lost`` for the others)."""
+        """Kill and replace ``worker``; every episode it hosted ends (``error`` for the one whose call it
+        was serving, ``lost`` for the others)."""
         self.stats.record_loss(error)
         self._kill(worker)
-        running = {call.episode for call, _, _ in worker.outstanding}
+        running = {worker.outstanding[0][0].episode} if worker.outstanding else set()  # served first
         for episode in sorted(worker.episodes):
             kind = "lost" if episode not in running else error
             self._replies.append(EnvReply(episode, STEP, None, kind, message))
