@@ -81,3 +81,20 @@ def merge(stats: list[EnvStats]) -> dict:
         "parked_max": max((s.parked_max for s in stats), default=0),
         "backlog_max": max((s.backlog_max for s in stats), default=0),
     }
+
+
+def step_values(groups, worker_stats: list) -> dict:
+    """The step's ``env/*`` metrics (``moerl.telemetry.metrics.METRIC_KEYS``): turns per episode of the
+    step's samples, and latency percentiles, faults and parking from the workers' ``EnvStats``
+    (``worker_stats``: their ``EpisodeWorkerStats``; workers without ``env`` are skipped)."""
+    turns = [s.reward_info.get("turns") for g in groups for s in g.samples]
+    turns = [t for t in turns if t is not None]
+    merged = merge([w.env for w in worker_stats if hasattr(w, "env")])
+    return {
+        "env/turns_mean": sum(turns) / len(turns) if turns else None,
+        "env/latency_p50_s": merged["latency_p50_s"],
+        "env/latency_p99_s": merged["latency_p99_s"],
+        "env/errors": merged["errors"],
+        "env/timeouts": merged["timeouts"],
+        "env/parked_max": merged["parked_max"],
+    }

@@ -441,6 +441,10 @@ class RayFleet:
         """Object refs of each worker's ``WorkerStats``."""
         return [w.stats.remote() for w in self.backend.alive_handles()]
 
+    def worker_stats(self) -> list:
+        """Each live worker's ``WorkerStats`` (one round trip per worker)."""
+        return _get_alive(self.async_worker_stats())
+
     def state_dict(self) -> dict:
         """Queue and buffer state, taken while every worker is paused (no delivery in progress)."""
         import ray

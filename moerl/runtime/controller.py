@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from moerl.config import ConfigError, RunConfig, load_config
+from moerl.envs.stats import merge as env_merge
+from moerl.envs.stats import step_values as env_step_values
 from moerl.runtime.allocator import keep_freed_memory
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
@@ -201,6 +203,8 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
                 groups, stats, timings, fleet.queue_stats(), fleet.buffer_metrics(), accuracy=acc
             )
             values.update(fleet.fleet_values(cfg.trainer.batch_groups), policy_version=trainer.version)
+            if cfg.task.name == "env":  # multi-turn episodes (moerl.envs)
+                values.update(env_step_values(groups, fleet.worker_stats()))
             state["samples"] += batch.num_sequences
             state["loop_s"] += time.perf_counter() - t0
             state["wall_s"] = wall0 + time.perf_counter() - start
@@ -221,9 +225,12 @@ def _run(cfg: RunConfig, run: RunDir, *, checkpoint: Path | None, live: bool) ->
         raise
     fleet_state = fleet.final_state()
     fleet_summary = {**fleet.fleet_summary(), "trainer_restarts": restarts}
+    env_summary = env_merge([w.env for w in fleet.worker_stats()]) if cfg.task.name == "env" else None
     fleet.close()
     view.close()
     summary = {**_summary(cfg, run, trainer, state, fleet_state, stop_reason), "fleet": fleet_summary}
+    if env_summary is not None:
+        summary["env"] = env_summary
     summary["policy"] = str(export_policy(trainer.model, comp.tokenizer, run.path / "policy"))
     summary["process_wall_s"] = time.perf_counter() - process_start  # this process: warm start + evals + RL
     run.write_summary(summary)
