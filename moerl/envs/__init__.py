@@ -10,7 +10,7 @@
 Design notes: ``moerl/envs/README.md``.
 """
 
-from moerl.envs.base import Environment, EnvContractError, StepResult, load_env_class
+from moerl.envs.base import EnvContractError, Environment, StepResult, load_env_class
 from moerl.envs.episodes import EpisodeCompletion, EpisodeEngine
 from moerl.envs.pool import EnvCall, EnvReply, LocalEnvPool
 from moerl.envs.stats import EnvStats

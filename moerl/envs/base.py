@@ -98,7 +98,9 @@ def checked_result(value) -> StepResult:
         EnvContractError: not a 4-tuple, a non-string observation, a non-finite reward, a non-dict info.
     """
     if not isinstance(value, tuple) or len(value) != 4:
-        raise EnvContractError(f"step() returned {type(value).__name__}; expected (observation, reward, done, info)")
+        raise EnvContractError(
+            f"step() returned {type(value).__name__}; expected (observation, reward, done, info)"
+        )
     obs, reward, done, info = value
     if not isinstance(obs, str):
         raise EnvContractError(f"step() observation is {type(obs).__name__}, not str")

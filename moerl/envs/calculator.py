@@ -76,7 +76,9 @@ class CalculatorEnv(Environment):
 
     @classmethod
     def make_task(cls, cfg: EnvConfig, *, num_eval: int, seed: int) -> EnvTask:
-        return EnvTask(cls, cfg, lambda rng: draw_problem(cfg, rng), name="calculator", num_eval=num_eval, seed=seed)
+        return EnvTask(
+            cls, cfg, lambda rng: draw_problem(cfg, rng), name="calculator", num_eval=num_eval, seed=seed
+        )
 
     @classmethod
     def demonstration(cls, cfg: EnvConfig, task: Prompt) -> list[str]:

@@ -196,12 +196,11 @@ class _PoolBase:
         if error == "died":
             self._lose(worker, "died", str(value))
             return
-        for i, (call, at, tok) in enumerate(worker.outstanding):
-            if tok == token:
-                del worker.outstanding[i]
-                break
-        else:
+        match = next((i for i, (_, _, tok) in enumerate(worker.outstanding) if tok == token), None)
+        if match is None:
             return
+        call, at, _ = worker.outstanding[match]
+        del worker.outstanding[match]
         worker.busy_since = time.monotonic()
         latency = now - at
         if call.kind == CLOSE:
@@ -212,7 +211,9 @@ class _PoolBase:
         if done:
             self._forget(call.episode)
         self._replies.append(
-            EnvReply(call.episode, call.kind, None if error else value, error, value if error else "", latency)
+            EnvReply(
+                call.episode, call.kind, None if error else value, error, value if error else "", latency
+            )
         )
 
     def _lose(self, worker: _Worker, error: str, message: str) -> None:
@@ -252,7 +253,9 @@ class LocalEnvPool(_PoolBase):
         self.factory = factory
         self._answers: queue.Queue = queue.Queue()
         self._next_token = 0
-        super().__init__(num_workers, step_timeout_s=step_timeout_s, max_pending_per_worker=max_pending_per_worker)
+        super().__init__(
+            num_workers, step_timeout_s=step_timeout_s, max_pending_per_worker=max_pending_per_worker
+        )
 
     def _spawn(self, index: int) -> _Worker:
         inbox: queue.Queue = queue.Queue()

@@ -69,10 +69,21 @@ def percentile(values: list[float], q: float) -> float | None:
 def merge(stats: list[EnvStats]) -> dict:
     """Run-level figures of several workers' ``EnvStats`` (``summary.json``'s ``env`` section)."""
     lat = [x for s in stats for x in s.latencies_s]
-    total = {k: sum(getattr(s, k) for s in stats) for k in (
-        "calls", "errors", "raised", "timeouts", "died", "lost", "workers_lost", "episodes", "turns",
-        "decode_steps_parked",
-    )}
+    total = {
+        k: sum(getattr(s, k) for s in stats)
+        for k in (
+            "calls",
+            "errors",
+            "raised",
+            "timeouts",
+            "died",
+            "lost",
+            "workers_lost",
+            "episodes",
+            "turns",
+            "decode_steps_parked",
+        )
+    }
     return {
         **total,
         "turns_per_episode": total["turns"] / total["episodes"] if total["episodes"] else None,

@@ -79,7 +79,7 @@ class EnvTask(GeneratedTask):
         num_prompt = len(ids)
         mask = [0] * num_prompt
         actions = self.env_cls.demonstration(self.cfg, prompt)
-        for turn, action in enumerate(actions[: self.cfg.max_turns]):
+        for action in actions[: self.cfg.max_turns]:
             a = tokenizer.encode(action + self.env_cls.turn_stop)
             ids, mask = ids + a, mask + [1] * len(a)
             obs, _, done, _ = env.step(action)
@@ -122,7 +122,9 @@ class EnvTask(GeneratedTask):
             max_tokens=self.cfg.max_tokens,
             turn_stop_ids=turn_stop_ids(tokenizer, self.env_cls),
         )
-        params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_id,))
+        params = SamplingParams(
+            temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_id,)
+        )
         pending = list(enumerate(prompts))
         done, errors = [], 0
         try:
@@ -130,7 +132,9 @@ class EnvTask(GeneratedTask):
                 while pending and episodes.num_unfinished < episodes.num_slots:
                     i, p = pending.pop(0)
                     episodes.bind_task(f"eval-{i}", p)
-                    episodes.add_request(Request(request_id=f"eval-{i}", prompt_ids=[tokenizer.eos_id], params=params))
+                    episodes.add_request(
+                        Request(request_id=f"eval-{i}", prompt_ids=[tokenizer.eos_id], params=params)
+                    )
                 done += episodes.step()
                 errors += len(episodes.pop_failed())
         finally:

@@ -50,7 +50,8 @@ class EpisodeWorker(RolloutWorker):
         # RolloutWorker._lease_more names the request f"{task_id}#{token}" right before calling this
         task = lease.task
         self.engine.bind_task(
-            f"{lease.task_id}#{lease.token}", Prompt(id=task.task_id, text=task.prompt_text, answer=task.answer)
+            f"{lease.task_id}#{lease.token}",
+            Prompt(id=task.task_id, text=task.prompt_text, answer=task.answer),
         )
         return super()._params(lease)
 

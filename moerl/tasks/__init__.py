@@ -79,6 +79,8 @@ def make_task(cfg: TaskConfig, env: EnvConfig | None = None) -> Task:
             raise ValueError("task.name='env' needs the run's env section: make_task(cfg.task, cfg.env)")
         env_cls = load_reward_fn(env.import_path, what="env.name")  # the registry is the import path
         if not hasattr(env_cls, "make_task"):
-            raise ValueError(f"env.name={env.name!r} is not an moerl.envs.Environment subclass (no make_task)")
+            raise ValueError(
+                f"env.name={env.name!r} is not an moerl.envs.Environment subclass (no make_task)"
+            )
         return env_cls.make_task(env, num_eval=cfg.num_eval, seed=cfg.seed)
     raise ValueError(f"task.name={cfg.name!r}: choose arithmetic, countdown, jsonl or env")

@@ -74,7 +74,12 @@ def evaluate(
         raise ValueError("no prompts to evaluate")
     if hasattr(task, "evaluate_episodes"):
         return task.evaluate_episodes(
-            model, tokenizer, prompts, max_new_tokens=max_new_tokens, max_slots=max_slots, kv_token_budget=kv_token_budget
+            model,
+            tokenizer,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            max_slots=max_slots,
+            kv_token_budget=kv_token_budget,
         )
     params = SamplingParams(
         temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_id,)

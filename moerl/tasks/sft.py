@@ -130,7 +130,9 @@ def lr_at(step: int, num_steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
-def _examples(cfg: RunConfig, tokenizer: Tokenizer, prompts: list[Prompt], encode=encode_example) -> list[Example]:
+def _examples(
+    cfg: RunConfig, tokenizer: Tokenizer, prompts: list[Prompt], encode=encode_example
+) -> list[Example]:
     examples = [encode(tokenizer, p) for p in prompts]
     limit = cfg.model.max_position_embeddings
     too_long = sum(len(e.ids) > limit for e in examples)

@@ -44,12 +44,20 @@ def test_sync_run_with_a_flaky_environment_requeues_failed_groups(tmp_path, tiny
     assert env["turns_per_episode"] == 2.0 and env["latency_p50_s"] is not None
     (metrics,) = Path(tmp_path).glob("*/metrics.jsonl")
     rec = read_jsonl(metrics)[-1]
-    assert rec["env/turns_mean"] == 2.0 and rec["env/errors"] >= 1 and rec["env/latency_p99_s"] >= rec["env/latency_p50_s"]
+    assert (
+        rec["env/turns_mean"] == 2.0
+        and rec["env/errors"] >= 1
+        and rec["env/latency_p99_s"] >= rec["env/latency_p50_s"]
+    )
 
 
 def _env_worker_pids() -> list[int]:
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if "EnvWorkerActorImpl" in line and "ps -eo" not in line]
+    return [
+        int(line.split()[0])
+        for line in out.splitlines()
+        if "EnvWorkerActorImpl" in line and "ps -eo" not in line
+    ]
 
 
 @pytest.mark.timeout(300)
@@ -58,8 +66,14 @@ def test_async_run_survives_an_environment_worker_killed_by_pid(tmp_path, tiny_i
     old = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(E2E_DIR), old) if p)
     cfg = short_config(
-        tmp_path, tiny_init, *ENV_RUN, "env.name=e2e_envs:SlowEchoEnv", "runtime.mode=async", "trainer.steps=8",
-        "rollout.num_workers=1", "runtime.max_staleness=2",
+        tmp_path,
+        tiny_init,
+        *ENV_RUN,
+        "env.name=e2e_envs:SlowEchoEnv",
+        "runtime.mode=async",
+        "trainer.steps=8",
+        "rollout.num_workers=1",
+        "runtime.max_staleness=2",
     )
     killed: list[int] = []
 
@@ -82,7 +96,10 @@ def test_async_run_survives_an_environment_worker_killed_by_pid(tmp_path, tiny_i
         ray.shutdown()
         os.environ["PYTHONPATH"] = old
     killer.join(timeout=1)
-    print(json.dumps({k: summary[k] for k in ("tasks_requeued", "tasks_duplicated", "tasks_lost")}), summary["env"])
+    print(
+        json.dumps({k: summary[k] for k in ("tasks_requeued", "tasks_duplicated", "tasks_lost")}),
+        summary["env"],
+    )
     assert killed, "no environment worker was found to kill"
     _check_accounting(summary)
     env = summary["env"]

@@ -1,6 +1,5 @@
 """Episodes on the engine: parking while an environment works, loss masks, faults."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -22,17 +21,23 @@ NL = TOK.encode("\n")[0]
 
 def _episodes(env_cls, *, num_workers=2, timeout=30.0, max_turns=4, max_pending=4, model=None):
     torch.manual_seed(0)
-    engine = Engine(model or tiny_model(TOK.vocab_size), max_slots=16, kv_token_budget=16 * 128, cuda_graphs=False)
+    engine = Engine(
+        model or tiny_model(TOK.vocab_size), max_slots=16, kv_token_budget=16 * 128, cuda_graphs=False
+    )
     pool = LocalEnvPool(
         lambda: env_cls(EnvConfig()), num_workers, step_timeout_s=timeout, max_pending_per_worker=max_pending
     )
-    eps = EpisodeEngine(engine, pool, TOK.encode, TOK.decode, max_turns=max_turns, max_tokens=100, turn_stop_ids=(NL,))
+    eps = EpisodeEngine(
+        engine, pool, TOK.encode, TOK.decode, max_turns=max_turns, max_tokens=100, turn_stop_ids=(NL,)
+    )
     return eps, pool
 
 
 def _start(eps, rid, text, *, n=1, turns=3, max_new_tokens=6, seed=1):
     eps.bind_task(rid, Prompt(id=rid, text=text, answer=str(turns)))
-    params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, stop_token_ids=(TOK.eos_id,), n=n, seed=seed)
+    params = SamplingParams(
+        temperature=1.0, max_new_tokens=max_new_tokens, stop_token_ids=(TOK.eos_id,), n=n, seed=seed
+    )
     eps.add_request(Request(request_id=rid, prompt_ids=[1], params=params))
 
 
@@ -58,7 +63,9 @@ def test_episode_tokens_masks_and_versions():
         # two observations, each "ok\n" with loss mask 0 and log-prob 0; every other token is the policy's
         obs = [i for i, m in enumerate(c.loss_mask) if m == 0]
         assert len(obs) == 2 * len(ok) and [c.token_ids[i] for i in obs] == ok * 2
-        assert all(c.logprobs[i] == 0.0 for i in obs) and all(c.logprobs[i] < 0 for i in range(len(c.loss_mask)) if c.loss_mask[i])
+        assert all(c.logprobs[i] == 0.0 for i in obs) and all(
+            c.logprobs[i] < 0 for i in range(len(c.loss_mask)) if c.loss_mask[i]
+        )
         assert set(c.policy_versions) == {0}
 
 
@@ -88,8 +95,18 @@ def test_engine_keeps_decoding_while_an_episode_is_parked_on_a_slow_environment(
     pool.close()
     during_wait = marks["end"] - marks["start"]
     print(f"decode steps while the slow episode was parked: {during_wait}")
-    assert marks["start"] < 15 and during_wait >= 10  # parked early; the fast episodes' decode steps came meanwhile
-    assert sorted({c.request_id for c in done}) == ["fast0", "fast1", "fast2", "fast3", "fast4", "fast5", "slow"]
+    assert (
+        marks["start"] < 15 and during_wait >= 10
+    )  # parked early; the fast episodes' decode steps came meanwhile
+    assert sorted({c.request_id for c in done}) == [
+        "fast0",
+        "fast1",
+        "fast2",
+        "fast3",
+        "fast4",
+        "fast5",
+        "slow",
+    ]
     assert eps.stats.parked_max >= 1 and eps.stats.decode_steps_parked >= during_wait
 
 
@@ -99,7 +116,9 @@ def test_observation_tokens_get_no_gradient_and_policy_tokens_do():
     _start(eps, "r", "hi\n", n=2, turns=3)
     done = sorted(_run(eps), key=lambda c: c.sample_index)
     pool.close()
-    task = RolloutTask(task_id="t", prompt_ids=done[0].prompt_ids, prompt_text="hi\n", answer="3", num_samples=2)
+    task = RolloutTask(
+        task_id="t", prompt_ids=done[0].prompt_ids, prompt_text="hi\n", answer="3", num_samples=2
+    )
     samples = [
         Sample(
             prompt_ids=c.prompt_ids,
@@ -112,9 +131,19 @@ def test_observation_tokens_get_no_gradient_and_policy_tokens_do():
         )
         for i, c in enumerate(done)
     ]
-    group = Group(task=task, lease_token=1, worker_id="w", samples=samples, min_policy_version=0, gen_seconds=0.0, num_tokens=0)
+    group = Group(
+        task=task,
+        lease_token=1,
+        worker_id="w",
+        samples=samples,
+        min_policy_version=0,
+        gen_seconds=0.0,
+        num_tokens=0,
+    )
     batch = build_train_batch([group], pad_id=TOK.pad_id)
-    trainer = Trainer(model, TrainerConfig(micro_batch_size=8, share_prompt=False), AlgorithmConfig(preset="grpo"))
+    trainer = Trainer(
+        model, TrainerConfig(micro_batch_size=8, share_prompt=False), AlgorithmConfig(preset="grpo")
+    )
     captured = []
 
     def keep_logits(module, args, out):

@@ -1,0 +1,113 @@
+"""Async against sync samples/s on tool-use episodes with a long-tailed number of turns.
+
+    python bench/env_async.py                       # warm start (SFT) once, then a sync and an async run
+    python bench/env_async.py --init-from DIR       # reuse a warm-start checkpoint
+    python bench/env_async.py --steps 30 --tool-latency-s 0.05
+
+The task is ``moerl.envs.calculator`` with 2..8 operands of ``+``/``-`` (P(k operands) ~ 1/(k - 1),
+``env.terms_zipf=1``); the warm start always calls the tool once per operator, so an episode takes
+k turns (k - 1 tool calls and the answer) and the turns are long-tailed. Every tool call sleeps
+``--tool-latency-s`` (a stand-in for a sandbox or a remote tool). Both runs use the same config,
+seed, checkpoint and machine; only ``runtime.mode`` differs. The figure is ``samples_per_s`` from
+each run's ``summary.json`` (trained samples / seconds of the training loop) and the ratio
+async / sync. Writes ``<out-dir>/env_async.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import print_table, write_json  # noqa: E402
+from moerl.config import load_config  # noqa: E402
+from moerl.runtime.controller import train  # noqa: E402
+from moerl.tasks.sft import run_sft  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "env_calculator.yaml"
+
+
+def overrides(args, out: str) -> list[str]:
+    """The long-tailed tool-use config shared by both runs."""
+    return [
+        f"output_dir={out}",
+        "env.ops=+-",
+        "env.min_terms=2",
+        "env.max_terms=8",
+        "env.terms_zipf=1.0",
+        "env.max_turns=10",
+        "env.max_tokens=160",
+        "env.demo_tool_frac=1.0",
+        f"env.step_latency_s={args.tool_latency_s}",
+        "model.max_position_embeddings=192",
+        "rollout.max_new_tokens=12",
+        "rollout.max_slots=64",
+        "rollout.kv_token_budget=12288",
+        f"trainer.steps={args.steps}",
+        "trainer.batch_groups=8",
+        "trainer.lr=1.0e-4",
+        "task.num_eval=20",
+        "eval.every=0",
+        "sft.steps=300",
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--init-from", default=None, help="warm-start checkpoint (default: SFT one first)")
+    p.add_argument("--steps", type=int, default=20, help="trainer steps of each run")
+    p.add_argument("--tool-latency-s", type=float, default=0.02, help="seconds each tool call sleeps")
+    p.add_argument("--out-dir", default=None, help="folder of env_async.json (default bench/results)")
+    args = p.parse_args()
+    work = tempfile.mkdtemp(prefix="env_async-")
+    base = overrides(args, work)
+    init = args.init_from
+    if init is None:
+        init = str(run_sft(load_config(CONFIG, base), out_dir=Path(work) / "sft"))
+    rows, runs = [], {}
+    for mode in ("sync", "async"):
+        cfg = load_config(CONFIG, [*base, f"init_from={init}", f"runtime.mode={mode}", f"name=bench-{mode}"])
+        s = train(cfg, live=False)
+        env = s["env"]
+        runs[mode] = {
+            "samples_per_s": s["samples_per_s"],
+            "wall_time_s": s["wall_time_s"],
+            "samples_trained": s["samples_trained"],
+            "turns_per_episode": env["turns_per_episode"],
+            "latency_p50_s": env["latency_p50_s"],
+            "latency_p99_s": env["latency_p99_s"],
+            "parked_max": env["parked_max"],
+            "tasks_duplicated": s["tasks_duplicated"],
+            "tasks_lost": s["tasks_lost"],
+        }
+        r = runs[mode]
+        rows.append(
+            [
+                mode,
+                f"{r['samples_per_s']:.1f}",
+                f"{r['wall_time_s']:.1f}",
+                f"{r['turns_per_episode']:.2f}",
+                f"{1e3 * r['latency_p50_s']:.1f}",
+                f"{1e3 * r['latency_p99_s']:.1f}",
+                r["parked_max"],
+            ]
+        )
+    ratio = runs["async"]["samples_per_s"] / runs["sync"]["samples_per_s"]
+    print_table(
+        f"tool-use episodes, long-tailed turns: async/sync samples/s = {ratio:.2f}",
+        ["mode", "samples/s", "loop s", "turns/episode", "env p50 ms", "env p99 ms", "parked max"],
+        rows,
+    )
+    path = write_json(
+        "env_async",
+        {"config": str(CONFIG), "overrides": base, "init_from": init, "runs": runs, "async_over_sync": ratio},
+        args.out_dir,
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
