@@ -67,6 +67,9 @@ class EnvConfig:
     """guess: most numbers in the secret's range."""
     max_value: int = 99
     """guess: largest number of any range."""
+    demo_scan_frac: float = 0.0
+    """guess: share of warm-start demonstrations that scan up from the low end (``lo``, ``lo + 1``, ...)
+    instead of guessing midpoints; a scan rarely finds the secret within ``max_turns``."""
 
     def __post_init__(self) -> None:
         if not self.name or (self.name not in BUILTIN_ENVS and ":" not in self.name):
@@ -90,6 +93,7 @@ class EnvConfig:
         check_range("env.min_width", self.min_width, 2)
         check_range("env.max_width", self.max_width, self.min_width)
         check_range("env.max_value", self.max_value, self.max_width)
+        check_range("env.demo_scan_frac", self.demo_scan_frac, 0.0, 1.0)
 
     @property
     def import_path(self) -> str:

@@ -8,7 +8,8 @@
 The feedback restates the range left, so a policy that guesses the midpoint of the last range needs
 at most ceil(log2(width + 1)) turns; ``env.max_turns`` caps the episode (reward 0 when reached).
 A malformed action ends the episode with reward 0 (``format`` 0). Ranges are ``env.min_width`` ..
-``env.max_width`` numbers inside 0..``env.max_value``; the demonstrations guess midpoints.
+``env.max_width`` numbers inside 0..``env.max_value``; the demonstrations guess midpoints (or, for a
+share ``env.demo_scan_frac``, scan up from the low end: easy to imitate, rarely in time).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import re
 from moerl.config_env import EnvConfig
 from moerl.envs.base import Environment, StepResult
 from moerl.envs.task import EnvTask
-from moerl.tasks.base import Prompt
+from moerl.tasks.base import Prompt, stable_hash
 
 _RANGE = re.compile(r"guess (\d+)\.\.(\d+)")
 
@@ -63,9 +64,13 @@ class GuessEnv(Environment):
 
     @classmethod
     def demonstration(cls, cfg: EnvConfig, task: Prompt) -> list[str]:
-        """Midpoint guesses of the range left until the secret is hit."""
+        """Midpoint guesses of the range left until the secret is hit; for a share ``env.demo_scan_frac``
+        of tasks (by a hash of the task id) guesses from the low end up instead, for at most
+        ``env.max_turns`` turns."""
         m = _RANGE.match(task.text)
         lo, hi, secret = int(m[1]), int(m[2]), int(task.answer)
+        if stable_hash(f"demo:{task.id}") % 1000 < cfg.demo_scan_frac * 1000:
+            return [f"g {g}" for g in range(lo, min(secret, lo + cfg.max_turns - 1) + 1)]
         actions = []
         while True:
             mid = (lo + hi) // 2

@@ -9,6 +9,7 @@ is never used: episodes are scored by their environment.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 
@@ -69,12 +70,9 @@ class EnvTask(GeneratedTask):
 
     def sft_example(self, tokenizer: Tokenizer, prompt: Prompt) -> Example:
         """A demonstration played through the environment: the reset observation, then each action
-        with its turn delimiter (loss 1) and each observation (loss 0).
-
-        Raises:
-            ValueError: the demonstration does not finish the episode within ``env.max_turns``.
-        """
-        env = self.make_env()
+        with its turn delimiter (loss 1) and each observation (loss 0), for at most ``env.max_turns``
+        actions (a demonstration may fail)."""
+        env = self.env_cls(dataclasses.replace(self.cfg, step_latency_s=0.0))  # no simulated tool latency
         ids = tokenizer.encode(env.reset(prompt))
         num_prompt = len(ids)
         mask = [0] * num_prompt
@@ -87,7 +85,7 @@ class EnvTask(GeneratedTask):
                 return Example(ids, num_prompt, tuple(mask))
             o = tokenizer.encode(obs)
             ids, mask = ids + o, mask + [0] * len(o)
-        raise ValueError(f"{self.name}: the demonstration of {prompt.id!r} does not end within env.max_turns")
+        return Example(ids, num_prompt, tuple(mask))  # cut at env.max_turns: the episode fails there
 
     @torch.no_grad()
     def evaluate_episodes(
