@@ -2,12 +2,13 @@
 
     python bench/env_async.py                       # warm start (SFT) once, then a sync and an async run
     python bench/env_async.py --init-from DIR       # reuse a warm-start checkpoint
-    python bench/env_async.py --steps 30 --tool-latency-s 0.05
+    python bench/env_async.py --steps 30 --tool-latency-s 0.05 --env-workers 4
 
 The task is ``moerl.envs.calculator`` with 2..8 operands of ``+``/``-`` (P(k operands) ~ 1/(k - 1),
 ``env.terms_zipf=1``); the warm start always calls the tool once per operator, so an episode takes
 k turns (k - 1 tool calls and the answer) and the turns are long-tailed. Every tool call sleeps
-``--tool-latency-s`` (a stand-in for a sandbox or a remote tool). Both runs use the same config,
+``--tool-latency-s`` (a stand-in for a sandbox or a remote tool); ``--env-workers`` workers serve
+``--env-concurrency`` calls each at once. Both runs use the same config,
 seed, checkpoint and machine; only ``runtime.mode`` differs. The figure is ``samples_per_s`` from
 each run's ``summary.json`` (trained samples / seconds of the training loop) and the ratio
 async / sync. Writes ``<out-dir>/env_async.json``.
@@ -42,6 +43,8 @@ def overrides(args, out: str) -> list[str]:
         "env.max_tokens=160",
         "env.demo_tool_frac=1.0",
         f"env.step_latency_s={args.tool_latency_s}",
+        f"env.num_workers={args.env_workers}",
+        f"env.max_pending_per_worker={args.env_concurrency}",
         "model.max_position_embeddings=192",
         "rollout.max_new_tokens=12",
         "rollout.max_slots=64",
@@ -59,7 +62,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--init-from", default=None, help="warm-start checkpoint (default: SFT one first)")
     p.add_argument("--steps", type=int, default=20, help="trainer steps of each run")
-    p.add_argument("--tool-latency-s", type=float, default=0.02, help="seconds each tool call sleeps")
+    p.add_argument("--tool-latency-s", type=float, default=0.1, help="seconds each tool call sleeps")
+    p.add_argument("--env-workers", type=int, default=2, help="environment workers per rollout worker")
+    p.add_argument(
+        "--env-concurrency", type=int, default=32, help="calls each environment worker serves at once"
+    )
     p.add_argument("--out-dir", default=None, help="folder of env_async.json (default bench/results)")
     args = p.parse_args()
     work = tempfile.mkdtemp(prefix="env_async-")

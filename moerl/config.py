@@ -452,6 +452,8 @@ class RunConfig:
             estimator = preset_from_config(self.algorithm).estimator
         except ValueError as e:  # a combination the per-field checks cannot see
             raise ConfigError(f"algorithm: {e}") from e
+        if self.task.name == "env" and self.rollout.return_routed_experts:
+            raise ConfigError("rollout.return_routed_experts is not supported with task.name=env (episodes)")
         if estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.group_size < 2:
             raise ConfigError(
                 f"rollout.group_size={self.rollout.group_size}: the {estimator} estimator compares samples "

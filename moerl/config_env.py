@@ -40,7 +40,7 @@ class EnvConfig:
     """Seconds one environment call (reset or step) may take; past it the call counts as a timeout,
     the worker that hosts it is replaced and its episodes end as errors (their tasks are requeued)."""
     max_pending_per_worker: int = 4
-    """Calls sent to one environment worker and not yet answered; further calls wait on the rollout
+    """Calls one environment worker serves at once (its threads); further calls wait on the rollout
     worker's side (backpressure: episodes stay parked, and no new task is leased while every slot holds
     an episode)."""
     num_cpus: float = 0.0

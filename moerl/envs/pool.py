@@ -11,8 +11,9 @@ episode; a call that runs past ``step_timeout_s`` (``error="timeout"``) or a wor
 (``error="died"``) loses the worker, so every episode hosted on it ends with that error (the others
 get ``error="lost"``), and a fresh worker takes its place.
 
-Backpressure: at most ``max_pending_per_worker`` calls are outstanding on one worker; further calls
-wait in the pool's backlog (host memory bounded by the episodes in flight, which the rollout worker
+Backpressure: at most ``max_pending_per_worker`` calls are outstanding on one worker, and it serves
+them at once (that many threads, or a threaded actor: environments that wait on I/O or on a remote
+tool overlap); further calls wait in the pool's backlog (host memory bounded by the episodes in flight, which the rollout worker
 bounds by its slots), in arrival order.
 """
 
@@ -64,29 +65,42 @@ class EnvHost:
         self.lock = threading.Lock()
 
     def call(self, episode: str, kind: str, payload) -> tuple[str | None, object]:
-        """Run one call; returns ``(None, value)`` or ``("raised", message)`` (never raises)."""
-        with self.lock:
-            try:
-                if kind == RESET:
-                    env = self.factory()
+        """Run one call; returns ``(None, value)`` or ``("raised", message)`` (never raises).
+
+        Calls of different episodes may run at once (threads of one worker): an episode has at most
+        one call outstanding, and the dict of environments is guarded by ``lock``.
+        """
+        try:
+            if kind == RESET:
+                env = self.factory()
+                with self.lock:
                     self.envs[episode] = env
-                    obs = env.reset(payload)
-                    if not isinstance(obs, str):
-                        raise TypeError(f"reset() returned {type(obs).__name__}, not str")
-                    return None, obs
-                env = self.envs[episode]
-                if kind == CLOSE:
-                    self.envs.pop(episode, None)
+                obs = env.reset(payload)
+                if not isinstance(obs, str):
+                    raise TypeError(f"reset() returned {type(obs).__name__}, not str")
+                return None, obs
+            with self.lock:
+                env = self.envs[episode] if kind != CLOSE else self.envs.pop(episode, None)
+            if kind == CLOSE:
+                if env is not None:
                     env.close()
-                    return None, None
-                result = checked_result(env.step(payload))
-                if result.done:
-                    self.envs.pop(episode, None)
-                    env.close()
-                return None, result
-            except Exception as e:  # noqa: BLE001 - an environment bug ends one episode, not the worker
-                self.envs.pop(episode, None)
-                return "raised", f"{type(e).__name__}: {e}"
+                return None, None
+            result = checked_result(env.step(payload))
+            if result.done:
+                self._drop(episode)
+            return None, result
+        except Exception as e:  # noqa: BLE001 - an environment bug ends one episode, not the worker
+            self._drop(episode)
+            return "raised", f"{type(e).__name__}: {e}"
+
+    def _drop(self, episode: str) -> None:
+        with self.lock:
+            env = self.envs.pop(episode, None)
+        if env is not None:
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001 - the episode is over either way
+                pass
 
 
 @dataclass
@@ -97,7 +111,6 @@ class _Worker:
     handle: object
     episodes: set[str] = field(default_factory=set)
     outstanding: deque = field(default_factory=deque)  # (call, dispatched_at, token) in dispatch order
-    busy_since: float = 0.0  # when the oldest outstanding call started running (for timeouts)
     pid: int | None = None
 
 
@@ -159,9 +172,11 @@ class _PoolBase:
         now = time.monotonic()
         for worker, token, error, value in self._collect(0.0 if self._replies else timeout_s):
             self._finish(worker, token, error, value, now)
-        for worker in list(self._workers):
-            if worker.outstanding and time.monotonic() - worker.busy_since > self.step_timeout_s:
-                self._lose(worker, "timeout", f"call ran past step_timeout_s={self.step_timeout_s}")
+        now = time.monotonic()
+        for worker in list(self._workers):  # a worker serves its outstanding calls at once: age = run time
+            late = {call.episode for call, at, _ in worker.outstanding if now - at > self.step_timeout_s}
+            if late:
+                self._lose(worker, "timeout", f"call ran past step_timeout_s={self.step_timeout_s}", late)
         self._pump()
         self.stats.backlog_max = max(self.stats.backlog_max, len(self._backlog))
         out, self._replies = self._replies, []
@@ -185,8 +200,6 @@ class _PoolBase:
             if len(worker.outstanding) >= self.max_pending:
                 waiting.append(call)
                 continue
-            if not worker.outstanding:
-                worker.busy_since = time.monotonic()
             worker.outstanding.append((call, time.monotonic(), self._dispatch(worker, call)))
         self._backlog = waiting
 
@@ -194,14 +207,13 @@ class _PoolBase:
         if worker not in self._workers:
             return  # a late answer from a worker already replaced
         if error == "died":
-            self._lose(worker, "died", str(value))
+            self._lose(worker, "died", str(value), {call.episode for call, _, _ in worker.outstanding})
             return
         match = next((i for i, (_, _, tok) in enumerate(worker.outstanding) if tok == token), None)
         if match is None:
             return
         call, at, _ = worker.outstanding[match]
         del worker.outstanding[match]
-        worker.busy_since = time.monotonic()
         latency = now - at
         if call.kind == CLOSE:
             self._forget(call.episode)
@@ -216,14 +228,13 @@ class _PoolBase:
             )
         )
 
-    def _lose(self, worker: _Worker, error: str, message: str) -> None:
-        """Kill and replace ``worker``; every episode it hosted ends (``error`` for the one whose call it
-        was serving, ``lost`` for the others)."""
+    def _lose(self, worker: _Worker, error: str, message: str, culprits: set[str]) -> None:
+        """Kill and replace ``worker``; every episode it hosted ends (``error`` for ``culprits``, the
+        episodes whose calls timed out or were running when it died; ``lost`` for the others)."""
         self.stats.record_loss(error)
         self._kill(worker)
-        running = {worker.outstanding[0][0].episode} if worker.outstanding else set()  # served first
         for episode in sorted(worker.episodes):
-            kind = "lost" if episode not in running else error
+            kind = error if episode in culprits else "lost"
             self._replies.append(EnvReply(episode, STEP, None, kind, message))
             self.stats.record_error(kind)
             self._home.pop(episode, None)
@@ -267,7 +278,8 @@ class LocalEnvPool(_PoolBase):
                 token, call = item
                 self._answers.put((worker, token, *host.call(call.episode, call.kind, call.payload)))
 
-        threading.Thread(target=serve, name=f"env-worker-{index}", daemon=True).start()
+        for t in range(self.max_pending):  # one thread per call the worker may have outstanding
+            threading.Thread(target=serve, name=f"env-worker-{index}.{t}", daemon=True).start()
         worker.pid = os.getpid()
         return worker
 
@@ -287,4 +299,5 @@ class LocalEnvPool(_PoolBase):
         return out
 
     def _kill(self, worker: _Worker) -> None:
-        worker.handle.put(None)  # a hung thread never reads it: abandoned (daemon)
+        for _ in range(self.max_pending):
+            worker.handle.put(None)  # a hung thread never reads it: abandoned (daemon)

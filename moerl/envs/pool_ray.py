@@ -3,8 +3,8 @@
 Each rollout worker owns ``env.num_workers`` ``EnvWorkerActorImpl`` actors (created from its own
 process; they die with it). An actor requests ``env.num_cpus`` CPUs and, when the cluster defines the
 custom resource ``cpu`` (a CPU node group for environments, apart from the GPU nodes), a sliver of it,
-so the scheduler places it there. An actor serves one call at a time (``max_concurrency=1``); the pool
-keeps up to ``env.max_pending_per_worker`` calls queued on it. A dead actor (process killed, node
+so the scheduler places it there. An actor is threaded: it serves up to ``env.max_pending_per_worker``
+calls at once (the most the pool sends it), plus ``pid``. A dead actor (process killed, node
 lost) shows as ``RayActorError`` on its calls: the pool counts ``died``, ends its episodes and starts
 a replacement; a call past ``env.step_timeout_s`` kills the actor the same way (``timeout``).
 """

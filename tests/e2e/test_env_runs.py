@@ -89,7 +89,7 @@ def test_async_run_survives_an_environment_worker_killed_by_pid(tmp_path, tiny_i
 
     killer = threading.Thread(target=kill_one, daemon=True)
     killer.start()
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         summary = train(cfg, live=False)
     finally:
