@@ -47,9 +47,9 @@ class RayEnvPool(_PoolBase):
         self.cfg = cfg
         self.import_path = f"{env_cls.__module__}:{env_cls.__qualname__}"
         labels = {ENV_RESOURCE: 0.001} if ray.cluster_resources().get(ENV_RESOURCE) else {}
-        self._actor_cls = ray.remote(num_cpus=cfg.num_cpus, max_concurrency=1, resources=labels)(
-            EnvWorkerActorImpl
-        )
+        self._actor_cls = ray.remote(
+            num_cpus=cfg.num_cpus, max_concurrency=cfg.max_pending_per_worker + 1, resources=labels
+        )(EnvWorkerActorImpl)
         self._owner: dict = {}  # object ref -> worker
         super().__init__(
             cfg.num_workers,
