@@ -36,7 +36,7 @@ def _check_accounting(summary: dict) -> None:
 
 def test_sync_run_with_a_flaky_environment_requeues_failed_groups(tmp_path, tiny_init, monkeypatch):
     monkeypatch.syspath_prepend(str(E2E_DIR))
-    cfg = short_config(tmp_path, tiny_init, *ENV_RUN, "env.name=e2e_envs:FlakyEnv", "trainer.steps=4")
+    cfg = short_config(tmp_path, tiny_init, *ENV_RUN, "env.name=e2e_envs:FlakyEnv", "trainer.steps=3")
     summary = train(cfg, live=False)
     _check_accounting(summary)
     env = summary["env"]
@@ -89,7 +89,9 @@ def test_async_run_survives_an_environment_worker_killed_by_pid(tmp_path, tiny_i
 
     killer = threading.Thread(target=kill_one, daemon=True)
     killer.start()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False
+    )
     try:
         summary = train(cfg, live=False)
     finally:
