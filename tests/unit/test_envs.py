@@ -84,3 +84,17 @@ def test_registry_and_config_errors():
         make_task(TaskConfig(name="env"))
     cfg = load_config(None, ["task.name=env", "env.name=guess", "env.num_workers=3"])
     assert cfg.env.num_workers == 3 and cfg.env.import_path == "moerl.envs.guess:GuessEnv"
+
+
+@pytest.mark.parametrize("name", ["calculator", "guess"])
+def test_shipped_env_configs_load_and_fit_the_model(name):
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / f"env_{name}.yaml")
+    assert cfg.task.name == "env" and cfg.env.name == name
+    task = make_task(cfg.task, cfg.env)
+    tok = load_tokenizer(None)
+    slot = cfg.rollout.kv_token_budget // cfg.rollout.max_slots
+    longest = max(len(task.sft_example(tok, p).ids) for p in itertools.islice(task.train_prompts(0), 300))
+    assert longest <= min(slot, cfg.model.max_position_embeddings)
+    assert cfg.env.max_tokens >= longest - min(len(tok.encode(p.text)) for p in task.eval_prompts())
