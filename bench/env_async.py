@@ -60,61 +60,48 @@ def overrides(args, out: str) -> list[str]:
     ]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--init-from", default=None, help="warm-start checkpoint (default: SFT one first)")
-    p.add_argument("--steps", type=int, default=20, help="trainer steps of each run")
-    p.add_argument("--tool-latency-s", type=float, default=0.1, help="seconds each tool call sleeps")
-    p.add_argument("--env-workers", type=int, default=2, help="environment workers per rollout worker")
-    p.add_argument(
-        "--env-concurrency", type=int, default=32, help="calls each environment worker serves at once"
-    )
-    p.add_argument("--out-dir", default=None, help="folder of env_async.json (default bench/results)")
-    args = p.parse_args()
-    work = tempfile.mkdtemp(prefix="env_async-")
-    base = overrides(args, work)
-    init = args.init_from
-    if init is None:
-        init = str(run_sft(load_config(CONFIG, base), out_dir=Path(work) / "sft"))
-    rows, runs = [], {}
-    for mode in ("sync", "async"):
-        cfg = load_config(CONFIG, [*base, f"init_from={init}", f"runtime.mode={mode}", f"name=bench-{mode}"])
-        s = train(cfg, live=False)
-        env = s["env"]
-        (metrics,) = Path(work).glob(f"bench-{mode}-*/metrics.jsonl")
-        recs = [json.loads(line) for line in metrics.read_text().splitlines()]
-        steady_s = (
-            recs[-1]["wall_s"] - recs[0]["wall_s"]
-        )  # steps 2..N: no start-up (Ray, actors, first lease)
-        runs[mode] = {
-            "samples_per_s": s["samples_per_s"],
-            "steady_samples_per_s": s["samples_trained"] * (len(recs) - 1) / len(recs) / steady_s,
-            "wall_time_s": s["wall_time_s"],
-            "samples_trained": s["samples_trained"],
-            "turns_per_episode": env["turns_per_episode"],
-            "latency_p50_s": env["latency_p50_s"],
-            "latency_p99_s": env["latency_p99_s"],
-            "parked_max": env["parked_max"],
-            "tasks_requeued": s["tasks_requeued"],
-            "tasks_duplicated": s["tasks_duplicated"],
-            "tasks_lost": s["tasks_lost"],
-        }
-        r = runs[mode]
-        rows.append(
-            [
-                mode,
-                f"{r['samples_per_s']:.1f}",
-                f"{r['wall_time_s']:.1f}",
-                f"{r['turns_per_episode']:.2f}",
-                f"{1e3 * r['latency_p50_s']:.1f}",
-                f"{1e3 * r['latency_p99_s']:.1f}",
-                r["parked_max"],
-            ]
-        )
+def run_figures(work: Path, mode: str) -> dict:
+    """Figures of the finished ``bench-<mode>`` run in ``work`` (its summary.json and metrics.jsonl)."""
+    (folder,) = work.glob(f"bench-{mode}-*")
+    s = json.loads((folder / "summary.json").read_text())
+    recs = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    steady_s = recs[-1]["wall_s"] - recs[0]["wall_s"]  # steps 2..N: no start-up (Ray, actors, first lease)
+    env = s["env"]
+    return {
+        "samples_per_s": s["samples_per_s"],
+        "steady_samples_per_s": s["samples_trained"] * (len(recs) - 1) / len(recs) / steady_s,
+        "wall_time_s": s["wall_time_s"],
+        "samples_trained": s["samples_trained"],
+        "turns_per_episode": env["turns_per_episode"],
+        "latency_p50_s": env["latency_p50_s"],
+        "latency_p99_s": env["latency_p99_s"],
+        "parked_max": env["parked_max"],
+        "tasks_requeued": s["tasks_requeued"],
+        "tasks_duplicated": s["tasks_duplicated"],
+        "tasks_lost": s["tasks_lost"],
+    }
+
+
+def report(runs: dict, payload: dict, out_dir: str | None) -> None:
+    """Print the table and write ``env_async.json``."""
     ratio = runs["async"]["samples_per_s"] / runs["sync"]["samples_per_s"]
     steady = runs["async"]["steady_samples_per_s"] / runs["sync"]["steady_samples_per_s"]
+    rows = [
+        [
+            mode,
+            f"{r['samples_per_s']:.1f}",
+            f"{r['steady_samples_per_s']:.1f}",
+            f"{r['wall_time_s']:.1f}",
+            f"{r['turns_per_episode']:.2f}",
+            f"{1e3 * r['latency_p50_s']:.1f}",
+            f"{1e3 * r['latency_p99_s']:.1f}",
+            r["parked_max"],
+        ]
+        for mode, r in runs.items()
+    ]
     print_table(
-        f"tool-use episodes, long-tailed turns: async/sync samples/s = {ratio:.2f} (whole loop), {steady:.2f} (steps 2..N)",
+        f"tool-use episodes, long-tailed turns: async/sync samples/s = {ratio:.2f} (whole loop), "
+        f"{steady:.2f} (steps 2..N)",
         [
             "mode",
             "samples/s",
@@ -127,19 +114,35 @@ def main() -> None:
         ],
         rows,
     )
-    path = write_json(
-        "env_async",
-        {
-            "config": str(CONFIG),
-            "overrides": base,
-            "init_from": init,
-            "runs": runs,
-            "async_over_sync": ratio,
-            "async_over_sync_steady": steady,
-        },
-        args.out_dir,
+    payload = {**payload, "runs": runs, "async_over_sync": ratio, "async_over_sync_steady": steady}
+    print(f"wrote {write_json('env_async', payload, out_dir)}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--init-from", default=None, help="warm-start checkpoint (default: SFT one first)")
+    p.add_argument("--steps", type=int, default=20, help="trainer steps of each run")
+    p.add_argument("--tool-latency-s", type=float, default=0.1, help="seconds each tool call sleeps")
+    p.add_argument("--env-workers", type=int, default=2, help="environment workers per rollout worker")
+    p.add_argument(
+        "--env-concurrency", type=int, default=32, help="calls each environment worker serves at once"
     )
-    print(f"wrote {path}")
+    p.add_argument("--out-dir", default=None, help="folder of env_async.json (default bench/results)")
+    p.add_argument("--report-only", default=None, help="a finished bench folder: only read its two runs")
+    args = p.parse_args()
+    work = Path(args.report_only or tempfile.mkdtemp(prefix="env_async-"))
+    base = overrides(args, str(work))
+    init = args.init_from
+    if args.report_only is None:
+        if init is None:
+            init = str(run_sft(load_config(CONFIG, base), out_dir=work / "sft"))
+        for mode in ("sync", "async"):
+            cfg = load_config(
+                CONFIG, [*base, f"init_from={init}", f"runtime.mode={mode}", f"name=bench-{mode}"]
+            )
+            train(cfg, live=False)
+    runs = {mode: run_figures(work, mode) for mode in ("sync", "async")}
+    report(runs, {"config": str(CONFIG), "overrides": base, "init_from": init}, args.out_dir)
 
 
 if __name__ == "__main__":
