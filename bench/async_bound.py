@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import write_json  # noqa: E402
 from moerl.config import load_config  # noqa: E402
 from moerl.runtime.allocator import keep_freed_memory  # noqa: E402
-from moerl.runtime.setup import build_components  # noqa: E402
+from moerl.runtime.build import build_components  # noqa: E402
+from moerl.runtime.local import LocalRollouts  # noqa: E402
 from moerl.runtime.trainer import Trainer  # noqa: E402
 from moerl.runtime.weights import WeightStore  # noqa: E402
 
@@ -50,7 +51,7 @@ def _sync_parts(
     cfg = load_config(config, ["runtime.mode=sync", *overrides])
     torch.manual_seed(cfg.seed + seed_offset)
     comp = build_components(cfg, init_from, WeightStore(store_dir, keep=2))
-    return cfg, comp, comp.start_fleet(0, None)
+    return cfg, comp, LocalRollouts.start(cfg, comp, 0, None)
 
 
 def measure(config: str | None, overrides: list[str], init_from: str | None, rounds: int) -> dict:

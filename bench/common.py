@@ -287,7 +287,7 @@ def free_device_memory(device: torch.device) -> None:
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| (Frobenius, float64), the agreement measure of METHOD.md; inf for NaN."""
-    out, ref = out.detach().double(), ref.detach().double()
+    out, ref = out.detach().double(), ref.detach().to(out.device).double()
     err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
     return err if err == err else float("inf")
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import device_info, print_table, rel_err, time_fn, write_json  # noqa: E402
 from moerl.ep import AllToAllDispatcher, HierarchicalDispatcher, Topology  # noqa: E402
-from moerl.models.kernels import fused_experts  # noqa: E402
+from moerl.models.kernels import expert_order_no_sync, fused_experts, gather_sum_rows  # noqa: E402
 
 
 def _ep_moe(disp, x, idx, w, gate_up, down):
@@ -69,9 +69,21 @@ def run(
     dy = torch.randn_like(ref)
     (gx_ref,) = torch.autograd.grad(ref, xr, dy)
     results = {}
+    payload_bytes = tokens * top_k * hidden * x.element_size()
+
+    def bare() -> None:  # the floor: permute + unpermute of the same rows, no dispatcher logic
+        order, inverse, _ = expert_order_no_sync(idx, experts)
+        rows = x.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
+        gather_sum_rows(rows, inverse, w, top_k)
+
+    t_bare = time_fn(bare, device, warmup=2, iters=20)
+    variants = [(AllToAllDispatcher, {}), (HierarchicalDispatcher, {})]
+    if "fp8_dispatch" in AllToAllDispatcher.__init__.__code__.co_varnames:
+        variants.insert(1, (AllToAllDispatcher, {"fp8_dispatch": True}))
     try:
-        for cls in (AllToAllDispatcher, HierarchicalDispatcher):
-            disp = cls(Topology(1, 1), experts)
+        for cls, kw in variants:
+            name = cls.__name__ + ("-fp8" if kw else "")
+            disp = cls(Topology(1, 1), experts, **kw)
             xe = x.clone().requires_grad_(True)
             out = _ep_moe(disp, xe, idx, w, gate_up, down)
             (gx,) = torch.autograd.grad(out, xe, dy)
@@ -80,12 +92,12 @@ def run(
                 recv_x, _, handle = d.dispatch(x, idx, w)
                 d.combine(recv_x, handle)
 
-            t = time_fn(roundtrip, device, warmup=2, iters=10)
-            payload_bytes = tokens * top_k * hidden * x.element_size()
-            results[cls.__name__] = {
+            t = time_fn(roundtrip, device, warmup=2, iters=20)
+            results[name] = {
                 "out_rel_err": rel_err(out, ref),
                 "grad_x_rel_err": rel_err(gx, gx_ref),
                 "dispatch_combine_ms": t.median_ms,
+                "vs_bare_permute": t.median_ms / t_bare.median_ms,
                 "dispatch_payload_bytes": payload_bytes,
                 "payload_gb_s": 2 * payload_bytes / (t.median_ms * 1e-3) / 1e9,
             }
@@ -101,14 +113,32 @@ def run(
         "experts": experts,
         "top_k": top_k,
         "dtype": str(dtype),
+        "bare_permute_unpermute_ms": t_bare.median_ms,
         "results": results,
     }
     write_json("ep_smoke", payload, out_dir)
     print_table(
         f"EP smoke, world size 1 ({backend}), T={tokens} H={hidden} top-{top_k} of {experts}",
-        ["dispatcher", "out rel err", "grad rel err", "disp+comb ms", "GB/s (2x payload)"],
+        ["dispatcher", "out rel err", "grad rel err", "disp+comb ms", "x bare", "GB/s (2x payload)"],
         [
-            [k, v["out_rel_err"], v["grad_x_rel_err"], v["dispatch_combine_ms"], v["payload_gb_s"]]
+            [
+                "bare permute+unpermute",
+                "-",
+                "-",
+                t_bare.median_ms,
+                1.0,
+                2 * payload_bytes / t_bare.median_ms / 1e6,
+            ]
+        ]
+        + [
+            [
+                k,
+                v["out_rel_err"],
+                v["grad_x_rel_err"],
+                v["dispatch_combine_ms"],
+                v["vs_bare_permute"],
+                v["payload_gb_s"],
+            ]
             for k, v in results.items()
         ],
     )

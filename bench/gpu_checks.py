@@ -18,11 +18,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import rel_err  # noqa: E402
-from moerl.models import kernels, layer_kernels  # noqa: E402
+from bench.common import SPECS, build_hf, moerl_from_hf, rel_err  # noqa: E402
+from moerl.ep import rows as ep_rows  # noqa: E402
+from moerl.models import kernels, layer_kernels, moe_kernels  # noqa: E402
 from moerl.models.config import RopeScaling  # noqa: E402
 from moerl.models.layers import RMSNorm, RotaryEmbedding, apply_rotary  # noqa: E402
-from moerl.models.moe import Experts  # noqa: E402
+from moerl.models.moe import Experts, route  # noqa: E402
 from moerl.rollout.cuda_graphs import GraphRunner  # noqa: E402
 
 FAILED: list[str] = []
@@ -89,6 +90,104 @@ def check_swiglu(device: torch.device) -> None:
         check(f"swiglu {dtype} grad vs float64", rel_err(d, d_ref), tol)
 
 
+def check_weighted_swiglu(device: torch.device) -> None:
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3)):
+        gu = torch.randn(3000, 2 * 1024, device=device).to(dtype).requires_grad_(True)
+        w = torch.rand(3000, device=device, requires_grad=True)
+        g, u = gu.double().chunk(2, dim=-1)
+        w64 = w.detach().double().requires_grad_(True)
+        ref = torch.nn.functional.silu(g) * u * w64[:, None]
+        da = torch.randn(ref.shape, device=device, dtype=torch.float64)
+        d_ref = torch.autograd.grad(ref, [gu, w64], da)
+        out = kernels.swiglu(gu, w)
+        d = torch.autograd.grad(out, [gu, w], da.to(dtype))
+        check(f"weighted swiglu {dtype} out vs float64", rel_err(out, ref), tol)
+        check(f"weighted swiglu {dtype} grad gu vs float64", rel_err(d[0], d_ref[0]), tol)
+        check(f"weighted swiglu {dtype} grad w vs float64", rel_err(d[1], d_ref[1]), tol)
+
+
+def check_ep_rows(device: torch.device) -> None:
+    """moerl.ep.rows kernels against their tensor-op paths (run on CPU copies), fresh random inputs."""
+    for dtype in (torch.float32, torch.bfloat16):
+        h, na, nb, t, k = 2048, 3000, 1000, 600, 8
+        a = torch.randn(na, h, device=device).to(dtype)
+        b = torch.randn(nb, h, device=device).to(dtype)
+        src = torch.randint(0, na + nb, (5000,), device=device)
+        cpu = [z.cpu() for z in (a, b, src)]
+        check(
+            f"rows gather2 {dtype}",
+            rel_err(ep_rows.gather_rows2(a, b, src), ep_rows.gather_rows2(*cpu)),
+            1e-7,
+        )
+        sc = torch.rand(na + nb, device=device)
+        got = ep_rows.gather_rows2(a, b, src, scale=sc, out_dtype=torch.float32)
+        want = ep_rows.gather_rows2(*cpu, scale=sc.cpu(), out_dtype=torch.float32)
+        check(f"rows gather2 scaled {dtype}", rel_err(got, want), 1e-6)
+        slots = torch.cat([torch.randperm(na + nb), torch.full((t * k - na - nb,), -1)])
+        pos = slots[torch.randperm(t * k)].view(t, k).to(device)
+        w = torch.rand(t, k, device=device)
+        ref = ep_rows.gather_sum2(a.cpu(), b.cpu(), pos.cpu(), w.cpu())
+        check(f"rows gather_sum2 {dtype}", rel_err(ep_rows.gather_sum2(a, b, pos, w), ref), 1e-6)
+        ref = ep_rows.gather_sum2(a.cpu(), b.cpu(), pos.cpu())
+        check(f"rows gather_sum2 unweighted {dtype}", rel_err(ep_rows.gather_sum2(a, b, pos), ref), 1e-6)
+        g = torch.randn(t, h, device=device)
+        got = ep_rows.gather_sum2_backward(g, a, b, pos, w)
+        want = ep_rows.gather_sum2_backward(g.cpu(), a.cpu(), b.cpu(), pos.cpu(), w.cpu())
+        for name, x, y in zip(("a", "b", "w"), got, want, strict=True):
+            check(f"rows gather_sum2 backward grad_{name} {dtype}", rel_err(x, y), 1e-5)
+    x = torch.randn(512, 2048, device=device, dtype=torch.bfloat16)
+    q, scale = ep_rows.quantize_rows_fp8(x)
+    back = ep_rows.gather_rows2(
+        q, q[:0], torch.arange(512, device=device), scale=scale, out_dtype=torch.bfloat16
+    )
+    check("fp8 per-row quantize + dequantizing gather", rel_err(back, x), 6e-2)
+
+
+def check_routing(device: torch.device) -> None:
+    """expert_layout's counting sort, fused_route and the bf16 router GEMM against their references."""
+    for n, k, e in ((2048 // 8, 8, 64), (16384, 8, 64), (1000, 6, 160)):
+        idx = torch.randint(0, e, (n, k), device=device)
+        w = torch.rand(n, k, device=device)
+        got = moe_kernels.expert_layout(idx, w, e)
+        want = moe_kernels._expert_layout_reference(idx, w, e)
+        same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        check(f"expert_layout == sort reference n={n} k={k} E={e}", 0.0 if same else 1.0, 0.5)
+        logits = torch.randn(n, e, device=device)
+        with torch.no_grad():
+            fi, fw = moe_kernels.fused_route(logits, k, True)
+            with kernels.fast_paths(False):
+                r = route(logits, top_k=k, norm_topk_prob=True)
+        check(
+            f"fused_route ids == eager n={n} E={e} (fraction differing)",
+            float((fi != r.topk_idx).float().mean()),
+            1e-3,
+        )
+        check(f"fused_route weights n={n} E={e}", rel_err(fw, r.topk_weights), 1e-5)
+    x = torch.randn(4096, 2048, device=device).to(torch.bfloat16)
+    wt = (0.02 * torch.randn(64, 2048, device=device)).to(torch.bfloat16)
+    with torch.no_grad():
+        got = moe_kernels.router_logits_from_bf16(x, wt)
+        want = torch.nn.functional.linear(x.float(), wt.float())
+    check("router logits bf16 GEMM -> float32 available", 0.0 if got is not None else 1.0, 0.5)
+    if got is not None:
+        check("router logits bf16 GEMM vs float32 GEMM", rel_err(got, want), 1e-5)
+
+
+def check_causal_attention(device: torch.device) -> None:
+    """The model's no-padding path (SDPA is_causal) against the explicit causal mask."""
+    hf = build_hf(SPECS["tiny"], device, torch.bfloat16, seed=0)
+    model = moerl_from_hf(hf, device, torch.bfloat16)
+    del hf
+    ids = torch.randint(0, 256, (3, 100), device=device)
+    ones = torch.ones_like(ids)
+    with torch.no_grad():
+        fast = model(ids, ones).logits  # no padding: is_causal
+        pad = ones.clone()
+        pad[0, 0] = 0  # one padding token: the explicit causal + padding mask for the whole batch
+        masked = model(ids, pad).logits
+    check("causal fast path vs explicit mask (rows without padding)", rel_err(fast[1:], masked[1:]), 2e-2)
+
+
 def check_experts(device: torch.device) -> None:
     n, h, i, e, k = 1000, 256, 128, 16, 4
     ex = Experts(e, h, i).to(device, torch.bfloat16)
@@ -148,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     check_rmsnorm(device)
     check_swiglu(device)
+    check_weighted_swiglu(device)
+    check_ep_rows(device)
+    check_routing(device)
+    check_causal_attention(device)
     check_rotary(device)
     check_experts(device)
     check_graph_runner(device)

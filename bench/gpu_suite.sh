@@ -4,6 +4,8 @@
 #   bench/gpu_suite.sh quick   # first call: reference widths, 4 layers for rollout/training, short HF generate
 #   bench/gpu_suite.sh full    # the issue's reference figures (16 layers, B=256, 128+128 tokens)
 #   bench/gpu_suite.sh short   # full-size benchmarks, fewer repeats, no profiles (when little device time is left)
+#   BASE=/path/of/an/older/checkout bench/gpu_suite.sh perf   # issue 24's figures: EP smoke, MoE layer,
+#       decode, training at batches 8/24/32/40, then EP smoke, decode and training of $BASE alongside
 #
 # Each benchmark runs in its own process (a failure or an out-of-memory error stays there) under a
 # timeout; JSON results and suite.log go to $OUT (default bench/results). The summary is printed last.
@@ -30,7 +32,20 @@ bench() {  # bench SECONDS SCRIPT ARGS...
 }
 
 bench 120 bench/gpu_checks.py
-if [ "$MODE" = short ]; then
+if [ "$MODE" = perf ]; then
+  bench 90 bench/ep_smoke.py
+  bench 90 bench/moe_layer.py --spec reference --tokens 16384
+  bench 200 bench/rollout_gpu.py --spec reference --batch 256 --prompt-len 128 --new-tokens 128 --runs 2
+  bench 200 bench/train_step.py --spec reference --batches 8,24,32,40 --seq-len 1024 --steps 2
+  if [ -n "${BASE:-}" ]; then  # the same figures of an older checkout, in the same call
+    mkdir -p "$OUT/base"
+    for args in "ep_smoke.py" "rollout_gpu.py --spec reference --batch 256 --prompt-len 128 --new-tokens 128 --runs 2 --no-baseline" \
+      "train_step.py --spec reference --batches 24,32 --seq-len 1024 --steps 2 --no-baseline"; do
+      echo "== baseline ($BASE): $args ($(date -u +%T))" | tee -a "$LOG"
+      (cd "$BASE" && PYTHONPATH=. timeout 150 python3 bench/$args --device cuda --out-dir "$OUT/base") 2>&1 | tee -a "$LOG"
+    done
+  fi
+elif [ "$MODE" = short ]; then
   bench 150 bench/rollout_gpu.py --spec reference --batch 256 --prompt-len 128 --new-tokens 128 --runs 2
   bench 150 bench/train_step.py --spec reference --batches 8,16,24,32 --seq-len 1024 --steps 2
   bench 60 bench/moe_layer.py --spec reference --tokens 16384

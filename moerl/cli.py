@@ -36,14 +36,23 @@ def _config(args: argparse.Namespace):
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from moerl.runtime.controller import resume, train
+    import moerl.train as run  # here, not at the top: torch and the runtime load only for this command
 
     if args.ray_address:  # as an override: validated with the rest, and honoured by --resume too
         args.overrides.append(f"runtime.ray_address={json.dumps(args.ray_address)}")
-    if args.resume:
-        summary = resume(args.resume, overrides=args.overrides)
-    else:
-        summary = train(_config(args))
+    try:
+        summary = (
+            run.resume(args.resume, overrides=args.overrides) if args.resume else run.train(_config(args))
+        )
+    except run.RunInterrupted as e:
+        if e.resumable:
+            hint = f"; continue with: moerl train --resume {e.folder}"
+        elif e.folder is not None:
+            hint = f" before the first checkpoint: {e.folder} holds the metrics so far but cannot be resumed"
+        else:
+            hint = ""
+        print(f"moerl: interrupted{hint}", file=sys.stderr)
+        return 130
     if summary is None or summary.get("status") != "completed":
         reason = (summary or {}).get("stop_reason") or "no summary"
         print(f"moerl: run did not complete: {reason}", file=sys.stderr)
@@ -103,6 +112,21 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return report_main(args.run_dir)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from moerl.plan.cli import plan_main
+
+    return plan_main(args)
+
+
+def _add_plan_parser(sub) -> None:
+    """``moerl plan``: predict an async MoE RL cluster run (options in ``moerl.plan.args``)."""
+    from moerl.plan.args import add_arguments
+
+    p = sub.add_parser("plan", help="predict throughput, balance and cost of a cluster run (no GPU needed)")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moerl", description="RL post-training (GRPO, PPO and variants) of Mixture-of-Experts LMs."
@@ -151,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="plot a run's curves and print its summary")
     p.add_argument("run_dir")
     p.set_defaults(func=_cmd_report)
+    _add_plan_parser(sub)
     return parser
 
 
@@ -166,12 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         message = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
         print(f"moerl: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:
-        run_dir, partial = getattr(e, "run_dir", None), getattr(e, "partial_run_dir", None)
-        hint = f"; continue with: moerl train --resume {run_dir}" if run_dir else ""
-        if partial and not run_dir:
-            hint = f" before the first checkpoint: {partial} holds the metrics so far but cannot be resumed"
-        print(f"moerl: interrupted{hint}", file=sys.stderr)
+    except KeyboardInterrupt:  # outside a run (a run's interrupt is handled by its command)
+        print("moerl: interrupted", file=sys.stderr)
         return 130
 
 

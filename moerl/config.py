@@ -10,12 +10,14 @@ one field, its value parsed as YAML. Unknown keys are an error that suggests the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from moerl.atomic import atomic_write_text
+from moerl.choices import DTYPE_NAMES, MODEL_FAMILIES
 from moerl.config_env import EnvConfig  # noqa: F401 - re-exported
 from moerl.config_fleet import ChaosConfig, FleetConfig  # noqa: F401 - re-exported
 from moerl.configlib import (  # noqa: F401 - re-exported: the config API lives here
@@ -65,12 +67,8 @@ class ModelConfig:
     """Device for the trainer's and the sync-mode engine's model: cpu, cuda, cuda:N."""
 
     def __post_init__(self) -> None:
-        check_choice("model.dtype", self.dtype, ["float32", "bfloat16"])
-        check_choice(
-            "model.family",
-            self.family,
-            ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe"],
-        )
+        check_choice("model.dtype", self.dtype, list(DTYPE_NAMES))
+        check_choice("model.family", self.family, list(MODEL_FAMILIES))
         for name in (
             "hidden_size",
             "num_layers",
@@ -219,14 +217,23 @@ class AlgorithmConfig:
     """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm; None: the preset's."""
     norm_length: int | None = None
     """Constant length (tokens) of seq-mean-token-sum-norm (Dr. GRPO); None: rollout.max_new_tokens."""
-    tis_mode: str | None = None
-    """Train/rollout mismatch correction: none, truncate (truncated IS) or mask; None: the preset's (truncate)."""
-    tis_level: str | None = None
+    mismatch_mode: str | None = None
+    """Train/rollout mismatch correction (importance weights old/behaviour, ``moerl.rl.mismatch``): none,
+    truncate (truncated IS) or mask; None: the preset's (truncate)."""
+    mismatch_level: str | None = None
     """Mismatch ratio level: token, or sequence (geometric mean over the sequence); None: the preset's (token)."""
-    tis_cap: float | None = None
+    mismatch_cap: float | None = None
     """IS cap C >= 1 (truncate) or upper bound (mask); None: the preset's (2.0)."""
-    tis_cap_low: float | None = None
+    mismatch_cap_low: float | None = None
     """Lower IS bound in [0, 1] of mask mode; None: the preset's (0.5)."""
+    tis_mode: InitVar[str | None] = None
+    """Former name of ``mismatch_mode`` (keyword only, not a YAML key)."""
+    tis_level: InitVar[str | None] = None
+    """Former name of ``mismatch_level``."""
+    tis_cap: InitVar[float | None] = None
+    """Former name of ``mismatch_cap``."""
+    tis_cap_low: InitVar[float | None] = None
+    """Former name of ``mismatch_cap_low``."""
     kl_coef: float = 0.0
     """Coefficient of the KL penalty against the reference policy; 0 disables it (no reference model)."""
     kl_kind: str = "k3"
@@ -246,7 +253,11 @@ class AlgorithmConfig:
     value_coef: float = 0.5
     """Coefficient of the value loss (estimator gae)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, tis_mode=None, tis_level=None, tis_cap=None, tis_cap_low=None) -> None:
+        former = {"mode": tis_mode, "level": tis_level, "cap": tis_cap, "cap_low": tis_cap_low}
+        for suffix, value in former.items():
+            if value is not None:
+                setattr(self, f"mismatch_{suffix}", value)
         check_choice("algorithm.preset", self.preset, ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"])
         check_choice("algorithm.kl_kind", self.kl_kind, ["k1", "k2", "k3"])
         check_range("algorithm.kl_coef", self.kl_coef, 0.0)
@@ -259,8 +270,8 @@ class AlgorithmConfig:
                 "seq-mean-token-sum",
                 "seq-mean-token-sum-norm",
             ],
-            "tis_mode": ["none", "truncate", "mask"],
-            "tis_level": ["token", "sequence"],
+            "mismatch_mode": ["none", "truncate", "mask"],
+            "mismatch_level": ["token", "sequence"],
         }
         for name, allowed in choices.items():
             if getattr(self, name) is not None:
@@ -268,8 +279,8 @@ class AlgorithmConfig:
         ranges = {
             "eps_low": (0.0, 1.0),
             "eps_high": (0.0, None),
-            "tis_cap": (1.0, None),
-            "tis_cap_low": (0.0, 1.0),
+            "mismatch_cap": (1.0, None),
+            "mismatch_cap_low": (0.0, 1.0),
             "norm_length": (1, None),
         }
         for name, (lo, hi) in ranges.items():
@@ -441,6 +452,8 @@ class RunConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
+        # lazy: moerl.rl imports torch, and the config must load without it (``moerl --help``, YAML checks);
+        # not a cycle: moerl.rl.presets needs this module only for type checking
         from moerl.rl.presets import preset_from_config
 
         if not self.name or self.name in (".", "..") or any(c in self.name for c in "/\\"):
@@ -488,8 +501,5 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    """Write the resolved config as YAML (atomically: temp file then rename)."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tmp.replace(path)
+    """Write the resolved config as YAML (atomically: ``moerl.atomic``)."""
+    atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -73,13 +73,6 @@ class _Episode:
         return self.prompt_ids + self.token_ids
 
 
-class _NoRunning:
-    """``scheduler.running`` for the rollout worker's drain report: parked episodes hold no slot and
-    their prefixes are not handed on (a drained episode starts over)."""
-
-    running: list = []
-
-
 class EpisodeEngine:
     """Episodes of an environment over an ``Engine`` (see the module docstring).
 
@@ -138,10 +131,10 @@ class EpisodeEngine:
         """Episodes waiting on their environment."""
         return sum(e.is_parked for e in self._episodes.values())
 
-    @property
-    def scheduler(self) -> _NoRunning:
-        """What the worker's drain report reads (no running prefixes to hand on)."""
-        return _NoRunning()
+    def running_by_request(self) -> dict[str, list]:
+        """What the worker's drain report reads: no running prefixes to hand on (parked episodes hold no
+        slot; a drained episode starts over)."""
+        return {}
 
     def update_weights(self, named_tensors, version: int) -> None:
         """``Engine.update_weights``: later turns (and the rest of running ones) use the new weights."""

@@ -22,7 +22,7 @@ from moerl.envs.pool import LocalEnvPool
 from moerl.rollout import Engine, Request, SamplingParams
 from moerl.tasks.base import GeneratedTask, Prompt, Reward
 from moerl.tasks.eval import EvalResult
-from moerl.tasks.sft import Example
+from moerl.tasks.examples import Example
 from moerl.tasks.tokenizer import Tokenizer
 
 

@@ -1,11 +1,20 @@
 """Flat all-to-all token dispatcher: the standard EP baseline (as Megatron-LM's all-to-all dispatcher).
 
 Shape legend: T tokens on this rank, H hidden size, k top-k, R EP ranks, L local experts per rank,
-P (token, slot) copies sent by this rank, M copies received.
+P (token, slot) copies this rank routes (P_o of them to other ranks), M copies it receives (Q_o of
+them from other ranks).
 
 Dispatch sends one copy per (token, expert) slot straight to the expert's rank with one
-``all_to_all_single`` over the EP group; the split sizes come from the counts exchanged first. A
-token whose k experts sit on 3 ranks of another node crosses the node boundary k times.
+``all_to_all_single`` over the EP group; the split sizes come from the counts exchanged first (the
+dispatch's one device sync; combine and both backward passes reuse them). A token whose k experts sit
+on 3 ranks of another node crosses the node boundary k times.
+
+Row movement (``moerl.ep.rows``): the copies a rank keeps never go through the collective. The
+expert-sorted output is gathered in one pass from the rank's own tokens and the receive buffer;
+combine sends the unweighted expert outputs of other ranks' copies back, and each source sums its
+tokens' k rows from its own outputs and the returned rows in one weighted pass (float32 accumulation,
+its own ``topk_weights``). With ``fp8_dispatch`` the forward payload is float8 (e4m3) with one float32
+scale per token, dequantized to x's dtype by the gathering pass.
 """
 
 from __future__ import annotations
@@ -15,44 +24,62 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moerl.ep.comm import (
-    GlobalCounts,
-    accumulation_dtype,
-    gather_slots,
-    gather_sum,
-    inverse_positions,
-    pack_rows,
-    unpack_rows,
-)
+from moerl.ep.comm import GlobalCounts, SingleRankCounts, accumulation_dtype
 from moerl.ep.dispatcher import Dispatcher
-from moerl.ep.layout import Layout, copies_per_rank
+from moerl.ep.layout import Layout
 from moerl.ep.placement import ExpertPlacement
+from moerl.ep.rows import (
+    gather_rows2,
+    gather_slots2,
+    gather_sum2,
+    gather_sum2_backward,
+    quantize_rows_fp8,
+)
 from moerl.ep.topology import Topology
 
 
 @dataclass(frozen=True)
 class AllToAllPlan:
-    """Index tensors and splits of one flat all-to-all dispatch."""
+    """Index tensors and splits of one flat all-to-all dispatch. "Sources" index cat([local, received]):
+    a value below the local row count names a local row, the rest a row of the collective's buffer."""
 
     send_token: torch.Tensor
-    """[P] int64 source token of each sent copy, ordered by (destination rank, local expert, token, slot)."""
-    slot_pos: torch.Tensor
-    """[T, k] int64 position of slot (t, j) among the P sent copies; P for empty slots."""
+    """[P_o] int64 source token of each copy sent to another rank, ordered by (rank, local expert, token, slot)."""
+    send_slot: torch.Tensor
+    """[P_o] int64 flat slot (t * k + j) of each sent copy."""
     send_splits: list[int]
-    """[R] copies sent to each rank."""
+    """[R] copies sent to each rank through the collective (0 for this rank)."""
     recv_splits: list[int]
-    """[R] copies received from each rank."""
-    recv_perm: torch.Tensor
-    """[M] received-buffer row of each expert-sorted output row."""
+    """[R] copies received from each rank through the collective (0 for this rank)."""
+    src_row: torch.Tensor
+    """[M] int64 row of cat([x [T], received [Q_o]]) of each expert-sorted output row."""
+    src_slot: torch.Tensor
+    """[M] int64 row of cat([flat slots [T k], received [Q_o]]) of each output row (its weight)."""
+    recv_out_row: torch.Tensor
+    """[Q_o] int64 output row of each row received through the collective."""
+    slot_src: torch.Tensor
+    """[T, k] int64 row of cat([outputs [M], returned rows [P_o]]) holding slot (t, j)'s copy; -1 if empty."""
     tokens_per_local_expert: torch.Tensor
     """[L] int64."""
+
+
+def _excl_cumsum(c: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return c.cumsum(dim) - c
 
 
 class AllToAllDispatcher(Dispatcher):
     """One copy per (token, expert) through one ``all_to_all_single`` (see ``Dispatcher`` for the API).
 
-    Args: as ``Dispatcher``: ``(topology, num_experts, group=None, *, placement="contiguous")``.
+    Args: as ``Dispatcher``: ``(topology, num_experts, group=None, *, placement="contiguous")``, and
+        fp8_dispatch: send the forward payload as float8_e4m3fn with a float32 scale per token
+            (``moerl.ep.rows.quantize_rows_fp8``); recv_x is dequantized to x's dtype. Every copy is
+            quantized, local ones too, so the result does not depend on the placement. Relative error
+            of recv_x about 3e-2 (e4m3 has 3 mantissa bits); backward passes stay in x's dtype
+            (straight-through: the quantization's gradient is taken as the identity).
     """
+
+    _combine_at_source = True
+    _single_rank_fast = True
 
     def __init__(
         self,
@@ -61,9 +88,47 @@ class AllToAllDispatcher(Dispatcher):
         group: dist.ProcessGroup | None = None,
         *,
         placement: str | ExpertPlacement = "contiguous",
+        fp8_dispatch: bool = False,
     ) -> None:
         super().__init__(topology, num_experts, group, placement=placement)
+        self.fp8_dispatch = fp8_dispatch
         self._all = self._link(self.group, list(range(topology.world_size)))
+
+    def _splits(self, counts: GlobalCounts) -> dict:
+        """Host-side split sizes and block offsets, all from the exchanged counts (no device read)."""
+        r, me = self.topology.world_size, self.rank
+        per_expert = counts.tokens_per_expert
+        if r == 1:  # plain Python for the one-rank group: every copy is local
+            total = int(per_expert.sum())
+            c = per_expert[:, self.local_experts]
+            return {"c": c, "num_sent": total, "self_start": 0, "num_self": total, "recv_self_start": 0,
+                    "send_splits": [0], "recv_splits": [0], "m": total}  # fmt: skip
+        sent = torch.zeros(r, dtype=torch.int64).index_add_(0, self.placement.expert_rank, per_expert[me])
+        c = per_expert[:, self.local_experts]  # [R, L] copies from source s for local expert l
+        recv = c.sum(1)
+        send_o, recv_o = sent.clone(), recv.clone()
+        send_o[me] = recv_o[me] = 0
+        return {
+            "c": c,
+            "num_sent": int(sent.sum()),
+            "self_start": int(sent[:me].sum()),
+            "num_self": int(sent[me]),
+            "recv_self_start": int(recv[:me].sum()),
+            "send_splits": send_o.tolist(),
+            "recv_splits": recv_o.tolist(),
+            "m": int(c.sum()),
+        }
+
+    def _recv_order(self, sp: dict, dev: torch.device) -> torch.Tensor:
+        """[M] row of the source-major receive layout (source, local expert, token) of each output row
+        in (local expert, source, token) order: a block transpose, built without a sort."""
+        c, m = sp["c"], sp["m"]
+        if self.topology.world_size == 1:
+            return torch.arange(m, device=dev)
+        start_in = (_excl_cumsum(c.sum(1))[:, None] + _excl_cumsum(c, 1)).T.reshape(-1)  # (l, s) order
+        lengths = c.T.reshape(-1)
+        shift = (start_in - _excl_cumsum(lengths)).to(dev)
+        return torch.repeat_interleave(shift, lengths.to(dev), output_size=m) + torch.arange(m, device=dev)
 
     def _dispatch_rows(
         self,
@@ -74,45 +139,138 @@ class AllToAllDispatcher(Dispatcher):
         counts: GlobalCounts,
     ) -> tuple[torch.Tensor, torch.Tensor, AllToAllPlan]:
         t, k = topk_idx.shape
-        r, num_local = self.topology.world_size, self.placement.num_local_experts
+        num_local = self.placement.num_local_experts
         dev = x.device
-        # Sender side: valid (token, slot) pairs ordered by (destination rank, local expert, token, slot).
-        flat_valid = torch.nonzero(topk_idx.reshape(-1) >= 0).flatten()
-        key = (layout.topk_rank * num_local + layout.topk_local).reshape(-1)[flat_valid]
-        order = flat_valid[key.argsort(stable=True)]
-        send_token = order // k
-        # Receiver side: counts[s, l] copies from source s for local expert l; buffer rows arrive by
-        # (source, local expert, token); a stable sort by local expert gives (expert, source, token).
-        c = counts.tokens_per_expert[:, self.local_experts]  # [R, L]
-        expert_of_row = torch.arange(num_local).repeat(r).repeat_interleave(c.flatten())
+        if isinstance(counts, SingleRankCounts):  # a group of one rank: the plan is one sort
+            _, local_index, local_experts = self._on(dev)
+            key = torch.where(topk_idx >= 0, local_index[topk_idx.clamp(min=0)], num_local).reshape(-1)
+            order = torch.sort(key, stable=True).indices[: counts.num_copies]
+            plan = self._single_rank_plan(order, t, k, counts.tokens_per_expert[local_experts])
+            w_flat = topk_weights.reshape(-1).to(accumulation_dtype(topk_weights.dtype))
+            recv_x, recv_w = self._send_payload(x, w_flat, plan)
+            return recv_x, recv_w, plan
+        sp = self._splits(counts)
+        m, n_self, s0 = sp["m"], sp["num_self"], sp["self_start"]
+        tokens_per_local_expert = sp["c"].sum(0).to(dev)  # right after the counts sync: no wait
+        # Sender side: valid slots ordered by (destination rank, local expert, token, slot), by one sort
+        # of the flat slots (empty slots get the largest key and fall off the end).
+        key = layout.topk_rank * num_local + layout.topk_local
+        key = torch.where(topk_idx >= 0, key, self.topology.world_size * num_local).reshape(-1)
+        order = torch.sort(key, stable=True).indices[: sp["num_sent"]]
+        if self.topology.world_size == 1:  # every copy stays here: the plan is the sort alone
+            plan = self._single_rank_plan(order, t, k, tokens_per_local_expert)
+            w_flat = topk_weights.reshape(-1).to(accumulation_dtype(topk_weights.dtype))
+            recv_x, recv_w = self._send_payload(x, w_flat, plan)
+            return recv_x, recv_w, plan
+        virtual = self._recv_order(sp, dev)  # output row -> source-major receive row
+        self_slots = order[s0 : s0 + n_self]
+        send_slot = torch.cat([order[:s0], order[s0 + n_self :]])
+        # Receiver side: rows of the source-major layout, the own block at recv_self_start.
+        r0 = sp["recv_self_start"]
+        is_self = (virtual >= r0) & (virtual < r0 + n_self)
+        q = torch.where(virtual < r0, virtual, virtual - n_self)  # row of the collective's buffer
+        own = self_slots[(virtual - r0).clamp(0, max(n_self - 1, 0))] if n_self else q
+        src_slot = torch.where(is_self, own, t * k + q)
+        inverse = torch.empty_like(virtual).scatter_(0, virtual, torch.arange(m, device=dev))
+        q_rows = torch.arange(sum(sp["recv_splits"]), device=dev)
+        slot_src = torch.full((t * k,), -1, dtype=torch.int64, device=dev)
+        slot_src[self_slots] = inverse[r0 : r0 + n_self]
+        slot_src[send_slot] = m + torch.arange(send_slot.shape[0], device=dev)
+        send_token = torch.div(send_slot, k, rounding_mode="floor")
         plan = AllToAllPlan(
             send_token=send_token,
-            slot_pos=inverse_positions(order, t, k),
-            send_splits=copies_per_rank(layout, r).tolist(),  # device sync: split sizes
-            recv_splits=c.sum(1).tolist(),
-            recv_perm=expert_of_row.argsort(stable=True).to(dev),
-            tokens_per_local_expert=c.sum(0).to(dev),
+            send_slot=send_slot,
+            send_splits=sp["send_splits"],
+            recv_splits=sp["recv_splits"],
+            src_row=torch.where(
+                src_slot < t * k, torch.div(src_slot, k, rounding_mode="floor"), src_slot - t * k + t
+            ),
+            src_slot=src_slot,
+            recv_out_row=inverse[torch.where(q_rows < r0, q_rows, q_rows + n_self)],
+            slot_src=slot_src.view(t, k),
+            tokens_per_local_expert=tokens_per_local_expert,
         )
-        wdt = accumulation_dtype(topk_weights.dtype)
-        payload = pack_rows(x[send_token], topk_weights.reshape(-1)[order].to(wdt))
-        recv = self._all.exchange(payload, plan.send_splits, plan.recv_splits)
-        rx, rw = unpack_rows(recv, [(x.dtype, (x.shape[1],)), (wdt, ())])
-        return rx[plan.recv_perm], rw[plan.recv_perm], plan
+        w_flat = topk_weights.reshape(-1).to(accumulation_dtype(topk_weights.dtype))
+        recv_x, recv_w = self._send_payload(x, w_flat, plan)
+        return recv_x, recv_w, plan
+
+    def _single_rank_plan(
+        self, order: torch.Tensor, t: int, k: int, tokens_per_local_expert: torch.Tensor
+    ) -> AllToAllPlan:
+        """The plan of an EP group of one rank: output row m is slot order[m]; nothing is exchanged."""
+        dev, m = order.device, order.shape[0]
+        none = order[:0]
+        slot_src = torch.full((t * k,), -1, dtype=torch.int64, device=dev)
+        slot_src[order] = torch.arange(m, device=dev)
+        return AllToAllPlan(
+            send_token=none,
+            send_slot=none,
+            send_splits=[0],
+            recv_splits=[0],
+            src_row=torch.div(order, k, rounding_mode="floor"),
+            src_slot=order,
+            recv_out_row=none,
+            slot_src=slot_src.view(t, k),
+            tokens_per_local_expert=tokens_per_local_expert,
+        )
+
+    def _send_payload(
+        self, x: torch.Tensor, w_flat: torch.Tensor, plan: AllToAllPlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward payload: copies to other ranks through the collective, then one gathering pass."""
+        w_send = w_flat[plan.send_slot]
+        if not self.fp8_dispatch:
+            rx, rw = self._all.exchange_many([x[plan.send_token], w_send], plan.send_splits, plan.recv_splits)
+            return gather_rows2(x, rx, plan.src_row), torch.cat([w_flat, rw])[plan.src_slot]
+        xq, scale = quantize_rows_fp8(x)
+        rx, rs, rw = self._all.exchange_many(
+            [xq[plan.send_token], scale[plan.send_token], w_send], plan.send_splits, plan.recv_splits
+        )
+        recv_x = gather_rows2(xq, rx, plan.src_row, scale=torch.cat([scale, rs]), out_dtype=x.dtype)
+        return recv_x, torch.cat([w_flat, rw])[plan.src_slot]
 
     def _forward(self, g: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
         """D: [T, C] -> [M, C] expert-sorted copies."""
-        return self._all.exchange(g[plan.send_token], plan.send_splits, plan.recv_splits)[plan.recv_perm]
+        (recv,) = self._all.exchange_many([g[plan.send_token]], plan.send_splits, plan.recv_splits)
+        return gather_rows2(g, recv, plan.src_row)
 
     def _send_back(self, z: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
-        """Expert-sorted [M, ...] rows back to their senders -> [P, ...] in send order."""
-        buf = torch.empty_like(z)
-        buf[plan.recv_perm] = z
-        return self._all.exchange(buf, plan.recv_splits, plan.send_splits)
+        """Rows [M, ...] of copies that came through the collective, back to their senders -> [P_o, ...]."""
+        if self.topology.world_size == 1:
+            return z[:0]
+        (back,) = self._all.exchange_many([z[plan.recv_out_row]], plan.recv_splits, plan.send_splits)
+        return back
 
-    def _reverse(self, z: torch.Tensor, plan: AllToAllPlan, wire_dtype: torch.dtype) -> torch.Tensor:
-        """D^T: [M, C] float32 (float64) -> [T, C] float32 (float64), each token's copies summed in slot order."""
-        return gather_sum(self._send_back(z.to(wire_dtype), plan), plan.slot_pos)
+    def _reverse(
+        self,
+        z: torch.Tensor,
+        plan: AllToAllPlan,
+        wire_dtype: torch.dtype,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """D^T (w * z): [M, C] -> [T, C] float32 (float64), each token's copies summed in slot order; rows
+        cross links in ``wire_dtype``."""
+        z = z.to(wire_dtype)
+        w = None if weights is None else gather_slots2(weights, self._send_back(weights, plan), plan.slot_src)
+        return gather_sum2(z, self._send_back(z, plan), plan.slot_src, w)
 
     def _reverse_slots(self, g: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
         """[M] per-copy values -> [T, k] at their slots (0 for empty slots), in g's dtype."""
-        return gather_slots(self._send_back(g, plan), plan.slot_pos)
+        return gather_slots2(g, self._send_back(g, plan), plan.slot_src)
+
+    def _source_combine(
+        self, y: torch.Tensor, w: torch.Tensor, plan: AllToAllPlan
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """out[t] = sum_j w[t, j] cat(y, returned)[slot_src[t, j]] in float32, one pass at the source."""
+        back = self._send_back(y, plan)
+        return gather_sum2(y, back, plan.slot_src, w), (y, back)
+
+    def _source_combine_backward(
+        self, g: torch.Tensor, w: torch.Tensor, saved: tuple[torch.Tensor, ...], plan: AllToAllPlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        y, back = saved
+        grad_y, grad_back, grad_w = gather_sum2_backward(g, y, back, plan.slot_src, w)
+        (recv,) = self._all.exchange_many([grad_back], plan.send_splits, plan.recv_splits)
+        if recv.shape[0]:
+            grad_y.index_copy_(0, plan.recv_out_row, recv)
+        return grad_y, grad_w

@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 
 from moerl.ep.layout import Traffic, send_traffic
+from moerl.ep.rows import accumulation_dtype, gather_sum2  # noqa: F401 (accumulation_dtype: re-exported)
 from moerl.ep.topology import Topology
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_HEADER = 6  # status, T, H, k, x dtype code, weights dtype code
+_HEADER = 8  # status, T, H, k, x dtype code, weights dtype code, min id, max id
 
 
 class EPInputError(ValueError):
@@ -47,29 +48,46 @@ def exchange_counts(
     topology: Topology,
     group: dist.ProcessGroup,
     device: torch.device,
+    topk_idx: torch.Tensor | None = None,
 ) -> GlobalCounts:
-    """All-gather every rank's verdict on its inputs and its routing counts (one collective).
+    """All-gather every rank's verdict on its inputs and its routing counts (one collective, and the
+    dispatch's only device sync: the range check of the expert ids travels in the same table).
 
     Args:
-        problem: this rank's input problem (``check_topk_idx``), None when valid.
+        problem: this rank's input problem (``check_topk_idx`` with ``check_range=False``), None when valid.
         dtypes: (x dtype, topk_weights dtype).
         local_counts: (tokens_per_expert [E], tokens_per_rank [R], tokens_per_node [N]) or None with a problem.
+        topk_idx: [T, k] int64 expert ids whose range [-1, E) is checked here (None: not checked).
     Raises:
-        EPInputError: on every rank, when any rank reported a problem or ranks disagree on H, k or dtypes.
+        EPInputError: on every rank, when any rank reported a problem, has ids outside [-1, E), or ranks
+            disagree on H, k or dtypes.
     """
     r, n = topology.world_size, topology.num_nodes
     width = _HEADER + num_experts + r + n
-    mine = torch.zeros(width, dtype=torch.int64, device=device)
+    head = torch.zeros(6, dtype=torch.int64)
     if problem is None:
         codes = [_DTYPES.index(d) if d in _DTYPES else len(_DTYPES) for d in dtypes]
-        mine[:_HEADER] = torch.tensor([0, x_shape[0], x_shape[1], k, *codes])
-        mine[_HEADER:] = torch.cat([c.to(device) for c in local_counts])
+        head = torch.tensor([0, x_shape[0], x_shape[1], k, *codes], dtype=torch.int64)
+        if topk_idx is not None and topk_idx.numel():
+            span = torch.stack([topk_idx.min(), topk_idx.max()])
+        else:
+            span = torch.full((2,), -1, dtype=torch.int64, device=device)
+        body = torch.cat([span, *(c.to(device) for c in local_counts)])
     else:
-        mine[0] = 1
-    parts = [torch.empty_like(mine) for _ in range(r)]
-    dist.all_gather(parts, mine, group=group)  # collective: every rank, even one with bad input
-    table = torch.stack(parts).cpu()  # device sync
-    _raise_on_problems(table, problem, dist.get_rank(group))
+        head[0] = 1
+        body = torch.zeros(width - 6, dtype=torch.int64, device=device)
+    if r == 1:  # a world of one: nothing to gather; the header never leaves the host
+        table = torch.cat([head, body.cpu()])[None]  # device sync
+    else:
+        # pinned + non_blocking: a pageable host-to-device copy would wait for the device's queue
+        on_device = (
+            head.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else head.to(device)
+        )
+        mine = torch.cat([on_device, body])
+        parts = [torch.empty_like(mine) for _ in range(r)]
+        dist.all_gather(parts, mine, group=group)  # collective: every rank, even one with bad input
+        table = torch.stack(parts).cpu()  # device sync
+    _raise_on_problems(table, problem, dist.get_rank(group), num_experts)
     e_end = _HEADER + num_experts
     return GlobalCounts(
         num_tokens=table[:, 1],
@@ -79,13 +97,55 @@ def exchange_counts(
     )
 
 
-def _raise_on_problems(table: torch.Tensor, problem: str | None, rank: int) -> None:
-    bad = torch.nonzero(table[:, 0]).flatten().tolist()
+@dataclass(frozen=True)
+class SingleRankCounts:
+    """Routing counts of an EP group of one rank, from ``check_single_rank``."""
+
+    num_copies: int
+    """M, the valid (token, slot) pairs."""
+    tokens_per_expert: torch.Tensor
+    """[E] int64 on the tokens' device: copies routed to each expert."""
+
+
+def check_single_rank(
+    problem: str | None,
+    x_shape: tuple[int, ...],
+    k: int,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    topk_idx: torch.Tensor,
+    num_experts: int,
+) -> SingleRankCounts:
+    """``exchange_counts`` for a group of one rank: the same checks and error messages, with one device
+    read (the ids' range and the number of valid slots) and no table.
+
+    Raises:
+        EPInputError: the inputs are invalid (as ``exchange_counts``).
+    """
+    span = [-1, -1, 0]
+    if problem is None and topk_idx.numel():
+        span = torch.stack([topk_idx.min(), topk_idx.max(), (topk_idx >= 0).sum()]).tolist()  # device sync
+    codes = [_DTYPES.index(d) if d in _DTYPES else len(_DTYPES) for d in dtypes]
+    head = [1, 0, 0, 0, 0, 0, -1, -1] if problem else [0, x_shape[0], x_shape[1], k, *codes, *span[:2]]
+    _raise_on_problems(torch.tensor([head]), problem, 0, num_experts)
+    valid = topk_idx >= 0
+    per_expert = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx.device).scatter_add_(
+        0, topk_idx.clamp(0, num_experts - 1).reshape(-1), valid.reshape(-1).long()
+    )
+    return SingleRankCounts(num_copies=int(span[2]), tokens_per_expert=per_expert)
+
+
+def _raise_on_problems(table: torch.Tensor, problem: str | None, rank: int, num_experts: int) -> None:
+    heads = [row[:_HEADER] for row in table[:, :_HEADER].tolist()]  # plain Python: a few rows of 8 ints
+    out_of_range = [h[0] == 0 and (h[6] < -1 or h[7] >= num_experts) for h in heads]
+    if problem is None and out_of_range[rank]:
+        lo, hi = heads[rank][6], heads[rank][7]
+        problem = f"topk_idx has ids in [{lo}, {hi}]; allowed [0, {num_experts}) and -1 for none"
+    bad = [i for i, h in enumerate(heads) if h[0] != 0 or out_of_range[i]]
     if bad:
         here = f"; on this rank ({rank}): {problem}" if problem else ""
         raise EPInputError(f"EP dispatch: invalid inputs on rank(s) {bad}{here}")
     for col, name in ((2, "hidden size H"), (3, "top-k"), (4, "x dtype"), (5, "topk_weights dtype")):
-        values = table[:, col].tolist()
+        values = [h[col] for h in heads]
         if len(set(values)) > 1:
             shown = [str(_DTYPES[v]) if col >= 4 and v < len(_DTYPES) else v for v in values]
             raise EPInputError(f"EP dispatch: ranks disagree on {name}: per rank {shown}")
@@ -127,32 +187,37 @@ class Link:
     def exchange(self, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """Send rows [P, ...] (P = sum send_splits, grouped by destination member) and receive
         [sum recv_splits, ...] grouped by source member. Collective over the group."""
-        p, shape, dtype = rows.shape[0], rows.shape[1:], rows.dtype
-        send = as_bytes(rows, p)
-        row_bytes = int(torch.tensor(shape).prod()) * rows.element_size()
-        recv = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device=rows.device)
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+        return self.exchange_many([rows], send_splits, recv_splits)[0]
+
+    def exchange_many(
+        self, tensors: list[torch.Tensor], send_splits: list[int], recv_splits: list[int]
+    ) -> list[torch.Tensor]:
+        """``exchange`` of several row tensors with the same splits (e.g. a payload and its per-row weights
+        or scales): one all-to-all each, counted as one message per destination of the summed row bytes.
+        A group of one rank moves nothing: its rows are returned as they are (no copy, no collective)."""
+        if dist.get_world_size(self.group) == 1:
+            return list(tensors)
+        out, row_bytes = [], 0
+        for rows in tensors:
+            p, shape, dtype = rows.shape[0], rows.shape[1:], rows.dtype
+            send = as_bytes(rows, p)
+            width = send.shape[1]
+            recv = torch.empty(sum(recv_splits), width, dtype=torch.uint8, device=rows.device)
+            dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+            out.append(recv.view(dtype).reshape(recv.shape[0], *shape))
+            row_bytes += width
         self.traffic = self.traffic + send_traffic(
             self.topology, self.my_rank, self.ep_ranks, send_splits, row_bytes
         )
-        return recv.view(dtype).reshape(recv.shape[0], *shape)
+        return out
 
 
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for 16-bit and float32 inputs, float64 for float64 (so gradcheck can run in float64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def gather_sum(buf: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_s buf[pos[t, s]] in float32 (float64 for float64 buf), summed in column order
-    s = 0, 1, ... (deterministic); ``pos == buf.shape[0]`` contributes zero. buf [P, C], pos [T, S] int64
-    -> [T, C]."""
-    acc = accumulation_dtype(buf.dtype)
-    padded = torch.cat([buf.to(acc), buf.new_zeros(1, buf.shape[1], dtype=acc)])
-    out = padded.new_zeros(pos.shape[0], buf.shape[1])
-    for s in range(pos.shape[1]):
-        out += padded[pos[:, s]]
-    return out
+def gather_sum(buf: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = sum_s w[t, s] * buf[pos[t, s]] in float32 (float64 for float64 buf); w = 1 without
+    ``weights`` [T, S]; ``pos == buf.shape[0]`` contributes zero. buf [P, C], pos [T, S] int64 -> [T, C].
+    One Triton kernel on CUDA (``moerl.ep.rows.gather_sum2``), summed in slot order s = 0, 1, ... on the
+    tensor-op path; deterministic either way."""
+    return gather_sum2(buf, buf[:0], torch.where(pos < buf.shape[0], pos, -1), weights)
 
 
 def gather_slots(values: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,13 @@ Both dispatch and combine are linear maps, so each is the other's adjoint (trans
     combine:   out    = D^T (w * y)         (weight each copy, sum the copies of a token)
 
 hence backward(dispatch)(g) = D^T g (an unweighted combine) and backward(combine)(g) = w * D g (a
-dispatch). The router weights w travel with the tokens (``DispatchHandle.recv_weights``), so their
-gradient <D g, y> is formed on the expert's rank and sent back along the combine path.
+dispatch). The router weights w travel with the tokens (``DispatchHandle.recv_weights``). Where the
+dispatcher combines at the source (``_combine_at_source``: the flat all-to-all, whose every copy comes
+back to its token's rank unreduced), combine sends the unweighted outputs back and weights them there
+(out[t] = sum_j w[t, j] y[copy (t, j)], the weights of the sender's own ``topk_weights``), so the
+weight gradient <g[t], y[copy]> is formed at the source too; otherwise (the hierarchical dispatcher,
+which reduces on the way back) the received weights are applied on the expert's rank and their
+gradient <D g, y> is sent back along the combine path.
 """
 
 from __future__ import annotations
@@ -21,7 +26,13 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from moerl.ep.comm import GlobalCounts, Link, accumulation_dtype, exchange_counts
+from moerl.ep.comm import (
+    GlobalCounts,
+    Link,
+    accumulation_dtype,
+    check_single_rank,
+    exchange_counts,
+)
 from moerl.ep.layout import Layout, Traffic, check_topk_idx, compute_layout
 from moerl.ep.placement import ExpertPlacement
 from moerl.ep.topology import Topology
@@ -47,6 +58,9 @@ class DispatchHandle:
     """[L] int64 received copies per local expert (sums to M)."""
     num_tokens: int
     """T, tokens this rank dispatched (rows of combine's output)."""
+    topk_weights: torch.Tensor | None = None
+    """[T, k] the sender's router weights as given to ``dispatch`` (differentiable); combine weights
+    with them where the dispatcher combines at the source."""
 
 
 class Dispatcher:
@@ -54,7 +68,8 @@ class Dispatcher:
 
     Subclasses implement the data movement: ``_dispatch_rows`` (forward, with routing metadata),
     ``_forward`` (D: tokens -> expert-sorted copies), ``_reverse`` (D^T: copies -> per-token float32
-    sums) and ``_reverse_slots`` (per-copy scalars back to their [T, k] slots).
+    sums) and ``_reverse_slots`` (per-copy scalars back to their [T, k] slots); a subclass that sets
+    ``_combine_at_source`` also implements ``_source_combine`` and ``_source_combine_backward``.
 
     Args:
         topology: the EP ranks' node layout; its world size must equal the size of ``group``.
@@ -97,6 +112,12 @@ class Dispatcher:
         self.total_traffic = Traffic()
         """Traffic this rank sent since construction, backward passes included."""
         self._links: list[Link] = []
+        self._placement_cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    _combine_at_source = False
+    """Whether combine weights at the source (see the module docstring)."""
+    _single_rank_fast = False
+    """Whether ``_dispatch_rows`` takes a ``SingleRankCounts`` in a group of one rank (no layout, no table)."""
 
     # ------------------------------------------------------------------ public API
 
@@ -116,14 +137,23 @@ class Dispatcher:
             EPInputError: on every rank, when any rank's inputs are invalid (shape, dtype, ids out of
                 range) or ranks disagree on H, k or dtype. Collective: every EP rank must call it.
         """
-        problem = check_topk_idx(tuple(x.shape), topk_idx, topk_weights, self.num_experts, x.device)
+        problem = check_topk_idx(
+            tuple(x.shape), topk_idx, topk_weights, self.num_experts, x.device, check_range=False
+        )
+        k = topk_idx.shape[-1] if topk_idx.dim() else 0
+        if self.topology.world_size == 1 and self._single_rank_fast:
+            # A group of one rank: no layout and no counts table, one device read (ids and copy count).
+            counts = check_single_rank(
+                problem, tuple(x.shape), k, (x.dtype, topk_weights.dtype), topk_idx, self.num_experts
+            )
+            recv_x, recv_w, plan = _DispatchFn.apply(x, topk_weights, topk_idx, None, counts, self)
+            return recv_x, plan.tokens_per_local_expert, self._handle(plan, recv_w, x, topk_weights)
         layout = None if problem is not None else compute_layout(topk_idx, self.placement)
         local = (
             None
             if layout is None
             else (layout.tokens_per_expert, layout.tokens_per_rank, layout.tokens_per_node)
         )
-        k = topk_idx.shape[-1] if topk_idx.dim() else 0
         counts = exchange_counts(
             problem,
             tuple(x.shape),
@@ -134,17 +164,23 @@ class Dispatcher:
             self.topology,
             self.group,
             x.device,
-        )
+            topk_idx=topk_idx if problem is None else None,
+        )  # the dispatch's one device sync (ids checked there too); combine and backward have none
         start = self._traffic_now()
         recv_x, recv_w, plan = _DispatchFn.apply(x, topk_weights, topk_idx, layout, counts, self)
         self._finish(start)
-        handle = DispatchHandle(
+        return recv_x, plan.tokens_per_local_expert, self._handle(plan, recv_w, x, topk_weights)
+
+    def _handle(
+        self, plan: Plan, recv_w: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchHandle:
+        return DispatchHandle(
             plan=plan,
             recv_weights=recv_w,
             num_tokens=x.shape[0],
             tokens_per_local_expert=plan.tokens_per_local_expert,
+            topk_weights=topk_weights,
         )
-        return recv_x, plan.tokens_per_local_expert, handle
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Return expert outputs to their tokens: out[t] = sum_j w[t, j] * y[copy of (t, j)].
@@ -162,9 +198,22 @@ class Dispatcher:
         if y.dim() != 2 or y.shape[0] != m:
             raise ValueError(f"combine: y must be [M={m}, H], got shape {tuple(y.shape)}")
         start = self._traffic_now()
-        out = _CombineFn.apply(y, handle.recv_weights, handle.plan, self)
+        if self._combine_at_source and handle.topk_weights is not None:
+            out = _SourceCombineFn.apply(y, handle.topk_weights, handle.plan, self)
+        else:
+            out = _CombineFn.apply(y, handle.recv_weights, handle.plan, self)
         self._finish(start)
         return out
+
+    def _on(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The placement's expert_rank [E], expert_local_index [E] and this rank's local_experts [L] on
+        ``dev``, copied once per device (a host-to-device copy per call would wait for the device)."""
+        if dev not in self._placement_cache:
+            p = self.placement
+            self._placement_cache[dev] = tuple(
+                t.to(dev) for t in (p.expert_rank, p.expert_local_index, self.local_experts)
+            )
+        return self._placement_cache[dev]
 
     # ------------------------------------------------------------------ subclass hooks
 
@@ -181,10 +230,25 @@ class Dispatcher:
     def _forward(self, g: torch.Tensor, plan: Plan) -> torch.Tensor:
         raise NotImplementedError
 
-    def _reverse(self, z: torch.Tensor, plan: Plan, wire_dtype: torch.dtype) -> torch.Tensor:
+    def _reverse(
+        self, z: torch.Tensor, plan: Plan, wire_dtype: torch.dtype, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """D^T (w * z): [M, C] copies (any float dtype) -> [T, C] float32 sums; w [M] per copy or None = 1."""
         raise NotImplementedError
 
     def _reverse_slots(self, g: torch.Tensor, plan: Plan) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _source_combine(
+        self, y: torch.Tensor, w: torch.Tensor, plan: Plan
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """out [T, C] float32 = sum_j w[t, j] y[copy (t, j)] and the tensors its backward needs."""
+        raise NotImplementedError
+
+    def _source_combine_backward(
+        self, g: torch.Tensor, w: torch.Tensor, saved: tuple[torch.Tensor, ...], plan: Plan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(grad_y [M, C] in y's dtype, grad_w [T, k]) of ``_source_combine`` for the output gradient g."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ traffic
@@ -218,9 +282,7 @@ class _DispatchFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_x, g_w, _):  # noqa: D102
         # Both collectives run on every rank whatever needs_input_grad says, so ranks stay in step.
-        grad_x = ctx.disp._reverse(g_x.to(accumulation_dtype(ctx.x_dtype)), ctx.plan, ctx.x_dtype).to(
-            ctx.x_dtype
-        )
+        grad_x = ctx.disp._reverse(g_x, ctx.plan, ctx.x_dtype).to(ctx.x_dtype)
         grad_w = ctx.disp._reverse_slots(g_w.to(accumulation_dtype(ctx.w_dtype)), ctx.plan).to(ctx.w_dtype)
         return grad_x, grad_w, None, None, None, None
 
@@ -232,9 +294,8 @@ class _CombineFn(torch.autograd.Function):
     def forward(ctx, y, recv_w, plan, disp):  # noqa: D102
         ctx.save_for_backward(y, recv_w)
         ctx.disp, ctx.plan = disp, plan
-        acc = accumulation_dtype(y.dtype)
         with torch.no_grad():
-            return disp._reverse(recv_w.to(acc)[:, None] * y.to(acc), plan, y.dtype)
+            return disp._reverse(y, plan, y.dtype, weights=recv_w)
 
     @staticmethod
     def backward(ctx, g):  # noqa: D102
@@ -243,4 +304,23 @@ class _CombineFn(torch.autograd.Function):
         gy = ctx.disp._forward(g.to(y.dtype), ctx.plan).to(acc)
         grad_y = (recv_w.to(acc)[:, None] * gy).to(y.dtype)
         grad_w = (gy * y.to(acc)).sum(-1).to(recv_w.dtype)
+        return grad_y, grad_w, None, None
+
+
+class _SourceCombineFn(torch.autograd.Function):
+    """out[t] = sum_j w[t, j] y[copy (t, j)], weighted at the source; backward: grad_y = D (w g) and
+    grad_w[t, j] = <g[t], y[copy (t, j)]>, both formed at the source."""
+
+    @staticmethod
+    def forward(ctx, y, topk_weights, plan, disp):  # noqa: D102
+        with torch.no_grad():
+            out, saved = disp._source_combine(y, topk_weights, plan)
+        ctx.disp, ctx.plan, ctx.saved = disp, plan, saved
+        ctx.save_for_backward(topk_weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        (w,) = ctx.saved_tensors
+        grad_y, grad_w = ctx.disp._source_combine_backward(g, w, ctx.saved, ctx.plan)
         return grad_y, grad_w, None, None

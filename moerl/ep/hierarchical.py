@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moerl.ep.alltoall import AllToAllDispatcher
 from moerl.ep.comm import (
     GlobalCounts,
     accumulation_dtype,
@@ -33,9 +34,10 @@ from moerl.ep.comm import (
     pack_rows,
     unpack_rows,
 )
-from moerl.ep.dispatcher import Dispatcher
+from moerl.ep.dispatcher import Dispatcher, DispatchHandle
 from moerl.ep.layout import Layout, rows_in_ranks
 from moerl.ep.placement import ExpertPlacement
+from moerl.ep.rows import positions_of_true
 from moerl.ep.topology import Topology
 
 
@@ -82,6 +84,27 @@ class HierarchicalDispatcher(Dispatcher):
         groups = topology.build_groups(self.group)
         self._cross = self._link(groups.cross_node, topology.rail_ranks(groups.local_index))
         self._intra = self._link(groups.intra_node, topology.node_ranks(groups.node))
+        self._flat = (
+            AllToAllDispatcher(topology, num_experts, self.group, placement=self.placement)
+            if topology.world_size == 1
+            else None
+        )
+        """A group of one rank has nothing hierarchical to move: dispatch and combine take the flat
+        dispatcher's single-rank path (same recv order, no traffic)."""
+
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """See ``Dispatcher.dispatch``."""
+        if self._flat is not None:
+            return self._flat.dispatch(x, topk_idx, topk_weights)
+        return super().dispatch(x, topk_idx, topk_weights)
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """See ``Dispatcher.combine``."""
+        if self._flat is not None:
+            return self._flat.combine(y, handle)
+        return super().combine(y, handle)
 
     def _dispatch_rows(
         self,
@@ -96,10 +119,23 @@ class HierarchicalDispatcher(Dispatcher):
         n_nodes, g_size = topo.num_nodes, topo.ranks_per_node
         node, li = topo.node_of(me), topo.local_index(me)
         # Stage 1: one row per (token, needed node), to the rank with my local index on that node.
-        node_tok = torch.nonzero(layout.is_token_in_node.T)  # (n, t) pairs ordered by node, then token
+        # Rows reach me from forwarder g' in the order of its sources (node m = 0..N-1, rank m*G + g').
+        sources = [m * g_size + gf for gf in range(g_size) for m in range(n_nodes)]
+        from_source = counts.tokens_per_rank[sources, me]
+        # Host-to-device copies first, while the device is idle after the counts exchange's sync.
+        src_rank = torch.repeat_interleave(torch.tensor(sources), from_source).to(x.device)  # [Q2]
+        tokens_per_local_expert = counts.tokens_per_expert[:, self.local_experts].sum(0).to(x.device)
+        # Split sizes from the exchanged counts (host side, no device read): stage 1 sends my tokens per
+        # node; stage 2 forwards the rail sources' tokens to each rank of my node that needs them.
+        send1_splits = counts.tokens_per_node[me].tolist()
+        rail = topo.rail_ranks(li)
+        recv1_splits = counts.tokens_per_node[rail, node].tolist()
+        send2_splits = counts.tokens_per_rank[rail, node * g_size : (node + 1) * g_size].sum(0).tolist()
+        node_pairs = positions_of_true(layout.is_token_in_node.T.reshape(-1), sum(send1_splits))
+        node_tok = torch.stack(
+            [node_pairs // max(t, 1), node_pairs % max(t, 1)], 1
+        )  # (n, t) pairs by node, then token
         send1_token = node_tok[:, 1]
-        send1_splits = layout.tokens_per_node.tolist()  # device sync: split sizes
-        recv1_splits = counts.tokens_per_node[topo.rail_ranks(li), node].tolist()
         wdt = accumulation_dtype(topk_weights.dtype)
         payload = pack_rows(x[send1_token], topk_idx[send1_token].int(), topk_weights[send1_token].to(wdt))
         rows1 = self._cross.exchange(payload, send1_splits, recv1_splits)
@@ -107,16 +143,19 @@ class HierarchicalDispatcher(Dispatcher):
         # Stage 2: forward each received row once to every rank of my node that owns one of its experts.
         rank1 = self._slot_ranks(idx1.long())
         in_local = rows_in_ranks(rank1, g_size, first_rank=node * g_size)  # [Q1, G]
-        local_row = torch.nonzero(in_local.T)  # (g, q) pairs ordered by local rank, then row
+        q1 = in_local.shape[0]
+        local_pairs = positions_of_true(in_local.T.reshape(-1), sum(send2_splits))
+        local_row = torch.stack([local_pairs // max(q1, 1), local_pairs % max(q1, 1)], 1)  # (g, q) pairs
         send2_row = local_row[:, 1]
-        send2_splits = in_local.sum(0).tolist()
-        # Rows reach me from forwarder g' in the order of its sources (node m = 0..N-1, rank m*G + g').
-        sources = [m * g_size + gf for gf in range(g_size) for m in range(n_nodes)]
-        from_source = counts.tokens_per_rank[sources, me]
         recv2_splits = from_source.view(g_size, n_nodes).sum(1).tolist()
         rows2 = self._intra.exchange(rows1[send2_row], send2_splits, recv2_splits)
-        x2, idx2, w2 = unpack_rows(rows2, [(x.dtype, (x.shape[1],)), (torch.int32, (k,)), (wdt, (k,))])
-        order, expanded = self._expand(idx2.long(), sources, from_source, k)
+        # x rows read in place from the packed rows (a strided view, gathered once below).
+        x2 = rows2.view(x.dtype)[:, : x.shape[1]] if rows2.shape[1] % x.element_size() == 0 else None
+        x2_copy, idx2, w2 = unpack_rows(rows2, [(x.dtype, (x.shape[1],)), (torch.int32, (k,)), (wdt, (k,))])
+        x2 = x2_copy if x2 is None else x2
+        num_copies = int(counts.tokens_per_expert[:, self.local_experts].sum())
+        order, expanded = self._expand(idx2.long(), src_rank, k, num_copies)
+        expanded["tokens_per_local_expert"] = tokens_per_local_expert
         plan = HierarchicalPlan(
             send1_token=send1_token,
             pos0=inverse_positions(node_tok[:, 1] * n_nodes + node_tok[:, 0], t, n_nodes),
@@ -132,25 +171,21 @@ class HierarchicalDispatcher(Dispatcher):
 
     def _slot_ranks(self, idx: torch.Tensor) -> torch.Tensor:
         """[Q, k] expert ids (-1 = none) -> [Q, k] owning EP rank (-1 = none)."""
-        ranks = self.placement.expert_rank.to(idx.device)[idx.clamp(min=0)]
+        ranks = self._on(idx.device)[0][idx.clamp(min=0)]
         return torch.where(idx >= 0, ranks, -1)
 
     def _expand(
-        self, idx2: torch.Tensor, sources: list[int], from_source: torch.Tensor, k: int
+        self, idx2: torch.Tensor, src_rank: torch.Tensor, k: int, num_copies: int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Stage-2 rows [Q2, k] -> (token, local expert) copies sorted by (local expert, source rank,
-        source token). Returns the flat (row * k + slot) id of each copy [M] and the plan's copy fields."""
-        dev, r = idx2.device, self.topology.world_size
-        src_rank = torch.tensor(sources, device=dev).repeat_interleave(from_source.to(dev))  # [Q2]
-        flat = torch.nonzero((self._slot_ranks(idx2) == self.rank).reshape(-1)).flatten()  # (row, slot) order
-        local = self.placement.expert_local_index.to(dev)[idx2.reshape(-1)[flat]]
-        order = flat[(local * r + src_rank[flat // k]).argsort(stable=True)]
-        num_local = self.placement.num_local_experts
-        return order, {
-            "copy_row": order // k,
-            "pos2": inverse_positions(order, idx2.shape[0], k),
-            "tokens_per_local_expert": torch.bincount(local, minlength=num_local),
-        }
+        """Stage-2 rows [Q2, k] from source ranks ``src_rank`` [Q2] -> the M = ``num_copies`` (token, local
+        expert) copies sorted by (local expert, source rank, source token). Returns the flat (row * k +
+        slot) id of each copy [M] and the plan's copy fields."""
+        r, q2 = self.topology.world_size, idx2.shape[0]
+        mine = (self._slot_ranks(idx2) == self.rank).reshape(-1)
+        local = self._on(idx2.device)[1][idx2.reshape(-1).clamp(min=0)]
+        key = torch.where(mine, local * r + src_rank.repeat_interleave(k), self.placement.num_experts * r)
+        order = torch.sort(key, stable=True).indices[:num_copies]  # (row, slot) order within a key
+        return order, {"copy_row": order // k, "pos2": inverse_positions(order, q2, k)}
 
     def _forward(self, g: torch.Tensor, plan: HierarchicalPlan) -> torch.Tensor:
         """D: [T, C] -> [M, C] expert-sorted copies (same path as dispatch, without metadata)."""
@@ -168,9 +203,17 @@ class HierarchicalDispatcher(Dispatcher):
         back1 = self._cross.exchange(partial1.to(wire_dtype), plan.recv1_splits, plan.send1_splits)
         return gather_sum(back1, plan.pos0)
 
-    def _reverse(self, z: torch.Tensor, plan: HierarchicalPlan, wire_dtype: torch.dtype) -> torch.Tensor:
-        """D^T: [M, C] float32 -> [T, C] float32."""
-        return self._reverse_rows(gather_sum(z, plan.pos2), plan, wire_dtype)
+    def _reverse(
+        self,
+        z: torch.Tensor,
+        plan: HierarchicalPlan,
+        wire_dtype: torch.dtype,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """D^T (w * z): [M, C] -> [T, C] float32; the weights [M] (combine) are applied in the first
+        gather-sum on the expert's rank (one pass over z, float32 accumulation)."""
+        w = None if weights is None else gather_slots(weights, plan.pos2)
+        return self._reverse_rows(gather_sum(z, plan.pos2, w), plan, wire_dtype)
 
     def _reverse_slots(self, g: torch.Tensor, plan: HierarchicalPlan) -> torch.Tensor:
         """[M] per-copy values -> [T, k] in g's dtype (slots are disjoint, so the sums are exact)."""

@@ -43,12 +43,15 @@ def check_topk_idx(
     topk_weights: torch.Tensor,
     num_experts: int,
     x_device: torch.device | None = None,
+    *,
+    check_range: bool = True,
 ) -> str | None:
     """Describe what is wrong with one rank's dispatch inputs, or None if they are valid. Never raises,
     so that a rank with bad input still reaches the collective that shares the verdict.
 
     Checks: x is [T, H]; all three on ``x_device`` (when given); topk_idx is int64 [T, k]; topk_weights
-    is [T, k]; ids lie in [-1, E).
+    is [T, k]; ids lie in [-1, E) (only with ``check_range``: that check reads the device; the dispatchers
+    leave it to ``moerl.ep.comm.exchange_counts``, which does it in the counts exchange's one sync).
     """
     if len(x_shape) != 2:
         return f"x must be [T, H], got shape {tuple(x_shape)}"
@@ -60,7 +63,7 @@ def check_topk_idx(
         return f"topk_idx must be [T={x_shape[0]}, k], got shape {tuple(topk_idx.shape)}"
     if tuple(topk_weights.shape) != tuple(topk_idx.shape):
         return f"topk_weights shape {tuple(topk_weights.shape)} != topk_idx shape {tuple(topk_idx.shape)}"
-    if topk_idx.numel():
+    if check_range and topk_idx.numel():
         lo, hi = int(topk_idx.min()), int(topk_idx.max())  # device sync
         if lo < -1 or hi >= num_experts:
             return f"topk_idx has ids in [{lo}, {hi}]; allowed [0, {num_experts}) and -1 for none"
@@ -70,12 +73,14 @@ def check_topk_idx(
 def compute_layout(topk_idx: torch.Tensor, placement: ExpertPlacement) -> Layout:
     """Resolve ``topk_idx`` [T, k] int64 (-1 = none, ids otherwise in [0, E)) to ranks and nodes.
 
-    Inputs are assumed valid (see ``check_topk_idx``). Runs on topk_idx's device without a sync.
+    Inputs are assumed valid (see ``check_topk_idx``); ids >= E are clamped so that an invalid input
+    reaches the verdict of the counts exchange instead of a device-side assert. Runs on topk_idx's
+    device without a sync.
     """
     topo = placement.topology
     dev = topk_idx.device
     valid = topk_idx >= 0
-    safe = topk_idx.clamp(min=0)
+    safe = topk_idx.clamp(0, placement.num_experts - 1)
     topk_rank = torch.where(valid, placement.expert_rank.to(dev)[safe], -1)
     topk_local = torch.where(valid, placement.expert_local_index.to(dev)[safe], -1)
     is_in_rank = rows_in_ranks(topk_rank, topo.world_size)
@@ -87,7 +92,9 @@ def compute_layout(topk_idx: torch.Tensor, placement: ExpertPlacement) -> Layout
         is_token_in_node=is_in_node,
         tokens_per_rank=is_in_rank.sum(0),
         tokens_per_node=is_in_node.sum(0),
-        tokens_per_expert=torch.bincount(topk_idx[valid], minlength=placement.num_experts),
+        tokens_per_expert=torch.zeros(placement.num_experts, dtype=torch.int64, device=dev).scatter_add_(
+            0, safe.reshape(-1), valid.reshape(-1).long()
+        ),  # not bincount: its CUDA kernel reads the input's maximum on the host
     )
 
 

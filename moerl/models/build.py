@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
 from moerl.config import ConfigError, ModelConfig
 from moerl.models.checkpoint import from_pretrained
 from moerl.models.config import MoeConfig
+from moerl.models.dtypes import torch_dtype
 from moerl.models.model import MoeForCausalLM
 
 
@@ -90,7 +89,7 @@ def build_model(model_cfg: ModelConfig, vocab_size: int) -> MoeForCausalLM:
     Raises:
         ConfigError: see ``arch_from_model_config``; checkpoint errors of ``from_pretrained``.
     """
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[model_cfg.dtype]
+    dtype = torch_dtype(model_cfg.dtype)
     if model_cfg.path is not None:
         return from_pretrained(model_cfg.path, dtype=dtype, device=model_cfg.device)
     model = MoeForCausalLM(arch_from_model_config(model_cfg, vocab_size))

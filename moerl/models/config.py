@@ -11,59 +11,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from moerl.choices import SUPPORTED_ARCHITECTURES
 from moerl.config import ConfigError, check_choice, check_range
+from moerl.models.arch import MODEL_TYPES, RopeScaling, UnsupportedArchitectureError
+from moerl.models.hf_config import fields_to_hf, hf_to_fields
 
-# architectures[0] in config.json -> model_type
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "MixtralForCausalLM": "mixtral",
-    "OlmoeForCausalLM": "olmoe",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "Glm4MoeForCausalLM": "glm4_moe",
-}
-MODEL_TYPES: dict[str, str] = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-
-
-class UnsupportedArchitectureError(ValueError):
-    """config.json names an architecture (or a feature of one) that moerl does not implement."""
-
-
-@dataclass(kw_only=True, slots=True)
-class RopeScaling:
-    """Rotary-embedding context extension (Hugging Face ``rope_parameters`` minus ``rope_theta``).
-
-    ``linear``: position interpolation, inv_freq / factor (Chen et al. 2023, arXiv:2306.15595).
-    ``yarn``: NTK-by-parts interpolation with attention temperature (Peng et al. 2023,
-    arXiv:2309.00071, Eq. 17-20), with DeepSeek's ``mscale``/``mscale_all_dim`` variant.
-    """
-
-    rope_type: str = "default"
-    """default, linear or yarn."""
-    factor: float = 1.0
-    """Context extension factor s (> 0)."""
-    original_max_position_embeddings: int | None = None
-    """Pre-training context length L (yarn)."""
-    beta_fast: float = 32.0
-    """YaRN: rotations above which a dimension is extrapolated (alpha in the paper is beta_slow)."""
-    beta_slow: float = 1.0
-    """YaRN: rotations below which a dimension is fully interpolated."""
-    mscale: float | None = None
-    """DeepSeek YaRN: numerator multiplier of the cos/sin temperature."""
-    mscale_all_dim: float | None = None
-    """DeepSeek YaRN: denominator multiplier, and the softmax scale becomes scale * mscale(s, this)^2."""
-    attention_factor: float | None = None
-    """Explicit cos/sin multiplier; ``None`` derives it from factor/mscale."""
-    truncate: bool = True
-    """YaRN: round the correction range to integers."""
-
-    def __post_init__(self) -> None:
-        check_choice("rope_scaling.rope_type", self.rope_type, ["default", "linear", "yarn"])
-        check_range("rope_scaling.factor", self.factor, 0.0, lo_open=True)
-        if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
-            raise ConfigError(
-                "rope_scaling.original_max_position_embeddings is required for rope_type='yarn'"
-            )
+__all__ = [
+    "MODEL_TYPES",
+    "SUPPORTED_ARCHITECTURES",
+    "MoeConfig",
+    "RopeScaling",
+    "UnsupportedArchitectureError",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -208,14 +167,10 @@ class MoeConfig:
                 lists the supported ones) or a feature moerl does not implement (sliding windows).
             ConfigError: a field out of range.
         """
-        from moerl.models.hf_config import hf_to_fields
-
         return cls(**hf_to_fields(d))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` of this architecture (transformers 5 field names)."""
-        from moerl.models.hf_config import fields_to_hf
-
         return fields_to_hf(self)
 
     def replace(self, **changes: Any) -> MoeConfig:

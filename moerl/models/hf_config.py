@@ -8,12 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from moerl.models.config import (
-    MODEL_TYPES,
-    SUPPORTED_ARCHITECTURES,
-    RopeScaling,
-    UnsupportedArchitectureError,
-)
+from moerl.choices import SUPPORTED_ARCHITECTURES
+from moerl.models.arch import MODEL_TYPES, RopeScaling, UnsupportedArchitectureError
 
 if TYPE_CHECKING:
     from moerl.models.config import MoeConfig

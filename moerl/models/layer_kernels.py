@@ -8,18 +8,17 @@ by the weight in the input dtype) where the eager version launches about seven k
 ``fused_rotary`` applies a rotary embedding (RoFormer, Su et al. 2021, Eq. 34; pairs (x_i, x_{i+d/2}))
 in one kernel each way instead of five, with float32 math and one rounding.
 
-Only ``fused_rmsnorm`` is used by the model: ``moerl.models.layers.RMSNorm`` calls it when
-``fused_rmsnorm_supported`` passes (CUDA, Triton, fast paths on: ``moerl.models.kernels.fast_paths``),
-otherwise the eager code runs. ``fused_rotary`` is not called by the model yet:
-``moerl.models.layers.apply_rotary`` always runs eagerly; ``bench/gpu_checks.py`` checks the kernel
-against it, and ``bench/NOTES.md`` says how to wire it in.
+``moerl.models.layers.RMSNorm`` calls ``fused_rmsnorm`` when ``fused_rmsnorm_supported`` passes and
+``moerl.models.layers.apply_rotary`` calls ``fused_rotary`` when ``fused_rotary_supported`` passes (CUDA,
+Triton, fast paths on: ``moerl.models.fast_paths``); otherwise the eager code runs, which is
+the reference ``bench/gpu_checks.py`` checks the kernels against.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moerl.models.kernels import fast_paths_enabled
+from moerl.models.fast_paths import fast_paths_enabled
 
 try:  # optional, as in moerl.models.kernels
     import triton

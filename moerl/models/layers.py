@@ -14,7 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.models.config import MoeConfig, RopeScaling
-from moerl.models.layer_kernels import fused_rmsnorm, fused_rmsnorm_supported
+from moerl.models.layer_kernels import (
+    fused_rmsnorm,
+    fused_rmsnorm_supported,
+    fused_rotary,
+    fused_rotary_supported,
+)
 
 
 class KVCache(Protocol):
@@ -108,6 +113,8 @@ def apply_rotary(
     ``interleave``: pairs are (x0, x1), (x2, x3)... and the output lists the rotated evens then odds
     (DeepSeek's layout); otherwise pairs are (x_i, x_{i+R/2}).
     """
+    if fused_rotary_supported(x, cos, sin, interleave):  # one Triton kernel on CUDA (layer_kernels)
+        return fused_rotary(x, cos, sin)
     r = cos.shape[-1]
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, R)
     x_rot, x_pass = x[..., :r], x[..., r:]
@@ -122,16 +129,19 @@ def apply_rotary(
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """SDPA of q [B, nh, T, d] over k, v [B, nkv, S, d]; returns [B, T, nh * dv]."""
+    """SDPA of q [B, nh, T, d] over k, v [B, nkv, S, d]; returns [B, T, nh * dv]. ``mask`` [B, 1, T, S]
+    bool, or None for plain causal attention over S = T keys (no padding, no cache)."""
     is_gqa = k.shape[1] != q.shape[1]  # grouped-query attention: each kv head serves nh / nkv query heads
     if is_gqa and q.device.type != "cpu":  # fused GPU kernels may not take enable_gqa: repeat k, v
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         is_gqa = False
     # On CPU, GQA inside SDPA: no repeated copies of k and v, no reduction of their gradients in backward.
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=is_gqa)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=is_gqa
+    )
     return out.transpose(1, 2).flatten(2)
 
 
@@ -153,9 +163,15 @@ class Attention(nn.Module):
         self.scale = hd**-0.5
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache: KVCache | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None,
     ) -> torch.Tensor:
-        """x [B, T, H] -> [B, T, H]; ``mask`` [B, 1, T, S] bool (the cache's when ``cache`` is given)."""
+        """x [B, T, H] -> [B, T, H]; ``mask`` [B, 1, T, S] bool (the cache's when ``cache`` is given), or
+        None for plain causal attention (no cache)."""
         cfg = self.cfg
         b, t, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -204,9 +220,14 @@ class MLAttention(nn.Module):
             self.scale *= _yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, cache: KVCache | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None,
     ) -> torch.Tensor:
-        """x [B, T, H] -> [B, T, H]; ``mask`` [B, 1, T, S] bool."""
+        """x [B, T, H] -> [B, T, H]; ``mask`` [B, 1, T, S] bool, or None for plain causal attention."""
         cfg = self.cfg
         b, t, _ = x.shape
         nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim

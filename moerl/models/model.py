@@ -9,6 +9,7 @@ Forward: embed -> L x [x + attn(norm(x)); x + mlp(norm(x))] -> norm -> lm_head, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,18 +21,33 @@ from moerl.models.layers import Attention, DenseMLP, KVCache, MLAttention, RMSNo
 from moerl.models.moe import MoeBlock, MoeLayerStats
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class CausalLMOutput:
-    """Output of ``MoeForCausalLM.forward``."""
+    """Output of ``MoeForCausalLM.forward``. The router losses are computed on first read (then kept),
+    so a caller that never reads them, such as the rollout engine's decode step, launches none of
+    their kernels."""
 
     logits: torch.Tensor
     """[B, T, V] in the model dtype."""
-    aux_loss: torch.Tensor
-    """scalar float32: mean over MoE layers of the load-balancing loss (0 without MoE layers)."""
-    z_loss: torch.Tensor
-    """scalar float32: mean over MoE layers of the router z-loss."""
     routed_experts: torch.Tensor | None = None
     """[B, T, L_moe, k] int64 chosen experts, when ``return_routed_experts``."""
+    layer_stats: tuple[MoeLayerStats, ...] = ()
+    """Router results of each MoE layer, in layer order (empty without MoE layers)."""
+
+    @functools.cached_property
+    def aux_loss(self) -> torch.Tensor:
+        """scalar float32: mean over MoE layers of the load-balancing loss (0 without MoE layers)."""
+        return self._mean_over_layers("aux_loss")
+
+    @functools.cached_property
+    def z_loss(self) -> torch.Tensor:
+        """scalar float32: mean over MoE layers of the router z-loss."""
+        return self._mean_over_layers("z_loss")
+
+    def _mean_over_layers(self, name: str) -> torch.Tensor:
+        if not self.layer_stats:
+            return torch.zeros((), dtype=torch.float32, device=self.logits.device)
+        return torch.stack([getattr(s, name) for s in self.layer_stats]).mean()
 
 
 class DecoderLayer(nn.Module):
@@ -51,7 +67,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         cache: KVCache | None,
         token_mask: torch.Tensor | None,
         forced_idx: torch.Tensor | None,
@@ -160,10 +176,10 @@ class MoeForCausalLM(nn.Module):
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected {(b, t)}")
         if cache is not None:  # a row with no key to attend would make SDPA return NaN: let it see all
             mask = cache.attn_mask | ~cache.attn_mask.any(-1, keepdim=True)
-        elif attention_mask is not None:
+        elif attention_mask is not None and not bool(attention_mask.all()):  # device sync (no cache)
             mask = causal_padding_mask(attention_mask)
-        else:
-            mask = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()[None, None]
+        else:  # no padding: None = plain causal attention (SDPA's is_causal, flash kernels on CUDA)
+            mask = None
         token_mask = attention_mask.reshape(-1).bool() if attention_mask is not None else None
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
@@ -176,9 +192,6 @@ class MoeForCausalLM(nn.Module):
             if s is not None:
                 stats.append(s)
         logits = self.lm_head(self.norm(x))
-        zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        aux = torch.stack([s.aux_loss for s in stats]).mean() if stats else zero
-        z = torch.stack([s.z_loss for s in stats]).mean() if stats else zero
         routed = None
         if return_routed_experts:
             k = self.config.num_experts_per_tok
@@ -187,7 +200,7 @@ class MoeForCausalLM(nn.Module):
                 if stats
                 else input_ids.new_zeros(b, t, 0, k)
             )
-        return CausalLMOutput(logits=logits, aux_loss=aux, z_loss=z, routed_experts=routed)
+        return CausalLMOutput(logits=logits, routed_experts=routed, layer_stats=tuple(stats))
 
     def keep_router_buffers_fp32(self) -> MoeForCausalLM:
         """Cast ``e_score_correction_bias`` back to float32 after a ``.to(dtype)`` (selection precision)."""

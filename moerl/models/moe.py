@@ -19,6 +19,7 @@ from torch import nn
 from moerl.models.config import MoeConfig
 from moerl.models.kernels import fused_experts, fused_experts_supported
 from moerl.models.layers import DenseMLP
+from moerl.models.moe_kernels import fused_route, fused_route_supported, router_logits_from_bf16
 
 
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -72,6 +73,12 @@ def route(
     """
     n, e = router_logits.shape
     logits = router_logits.float()
+    plain = scoring_func == "softmax" and correction_bias is None and n_group == 1 and forced_idx is None
+    if plain and fused_route_supported(logits, top_k):  # inference on CUDA: one Triton kernel
+        topk_idx, weights = fused_route(logits, top_k, norm_topk_prob)
+        if routed_scaling_factor != 1.0:
+            weights = weights * routed_scaling_factor
+        return RouterOutput(router_logits=logits, topk_idx=topk_idx, topk_weights=weights)
     scores = softmax_rows(logits) if scoring_func == "softmax" else logits.sigmoid()
     if forced_idx is not None:
         if forced_idx.shape != (n, top_k):
@@ -94,7 +101,9 @@ def route(
     if norm_topk_prob:
         denom = weights.sum(-1, keepdim=True)
         weights = weights / (denom + 1e-20 if scoring_func == "sigmoid" else denom)
-    return RouterOutput(router_logits=logits, topk_idx=topk_idx, topk_weights=weights * routed_scaling_factor)
+    if routed_scaling_factor != 1.0:  # skipped at 1: one kernel fewer per layer in a decode step
+        weights = weights * routed_scaling_factor
+    return RouterOutput(router_logits=logits, topk_idx=topk_idx, topk_weights=weights)
 
 
 def load_balancing_loss(
@@ -112,14 +121,17 @@ def load_balancing_loss(
     """
     e = router_logits.shape[-1]
     probs = softmax_rows(router_logits.float())
-    counts = F.one_hot(topk_idx, e).sum(1).float()  # (N, E)
     if token_mask is not None:
-        w = token_mask.float()[:, None]
-        probs, counts = probs * w, counts * w
+        w = token_mask.float()
+        probs = probs * w[:, None]
         n = token_mask.sum().clamp(min=1)
     else:
+        w = probs.new_ones(router_logits.shape[0])
         n = max(router_logits.shape[0], 1)
-    return e * ((counts.sum(0) / n) * (probs.sum(0) / n)).sum()
+    # Copies per expert: integer sums, exact in float32 in any order (no [N, k, E] one-hot tensor).
+    slot_w = w[:, None].expand(topk_idx.shape).reshape(-1)
+    counts = probs.new_zeros(e).index_add_(0, topk_idx.reshape(-1), slot_w)
+    return e * ((counts / n) * (probs.sum(0) / n)).sum()
 
 
 def router_z_loss(router_logits: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -232,14 +244,26 @@ class Experts(nn.Module):
 
 @dataclass(frozen=True, slots=True)
 class MoeLayerStats:
-    """Per-layer router results collected by the model."""
+    """Per-layer router results collected by the model. The two losses are computed when read, so a
+    forward whose caller never reads them (the rollout engine's decode step) launches none of their
+    kernels."""
 
     topk_idx: torch.Tensor
     """[N, k] int64."""
-    aux_loss: torch.Tensor
-    """scalar float32, ``load_balancing_loss`` of this layer."""
-    z_loss: torch.Tensor
-    """scalar float32, ``router_z_loss`` of this layer."""
+    router_logits: torch.Tensor
+    """[N, E] float32 raw router logits."""
+    token_mask: torch.Tensor | None = None
+    """[N] bool, False = padding (excluded from the losses); None = all tokens."""
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """scalar float32, ``load_balancing_loss`` of this layer (computed on each read)."""
+        return load_balancing_loss(self.router_logits, self.topk_idx, self.token_mask)
+
+    @property
+    def z_loss(self) -> torch.Tensor:
+        """scalar float32, ``router_z_loss`` of this layer (computed on each read)."""
+        return router_z_loss(self.router_logits, self.token_mask)
 
 
 class Router(nn.Module):
@@ -258,7 +282,9 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, forced_idx: torch.Tensor | None = None) -> RouterOutput:
         """x [N, H] -> ``RouterOutput``; see ``route``."""
         c = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        logits = router_logits_from_bf16(x, self.weight)  # inference on CUDA: one GEMM, no casts
+        if logits is None:
+            logits = F.linear(x.float(), self.weight.float())
         return route(
             logits,
             top_k=c.num_experts_per_tok,
@@ -300,9 +326,5 @@ class MoeBlock(nn.Module):
             if self.shared_expert_gate is not None:
                 s = torch.sigmoid(self.shared_expert_gate(x)) * s
             y = y + s
-        stats = MoeLayerStats(
-            topk_idx=r.topk_idx,
-            aux_loss=load_balancing_loss(r.router_logits, r.topk_idx, token_mask),
-            z_loss=router_z_loss(r.router_logits, token_mask),
-        )
+        stats = MoeLayerStats(topk_idx=r.topk_idx, router_logits=r.router_logits, token_mask=token_mask)
         return y.view(shape), stats

@@ -133,8 +133,8 @@ def preset_from_config(cfg: AlgorithmConfig) -> LossPreset:
         aggregation=cfg.aggregation,
         estimator=cfg.estimator,
         dynamic_sampling=cfg.dynamic_sampling,
-        mismatch_mode=cfg.tis_mode,
-        mismatch_level=cfg.tis_level,
-        mismatch_cap=cfg.tis_cap,
-        mismatch_cap_low=cfg.tis_cap_low,
+        mismatch_mode=cfg.mismatch_mode,
+        mismatch_level=cfg.mismatch_level,
+        mismatch_cap=cfg.mismatch_cap,
+        mismatch_cap_low=cfg.mismatch_cap_low,
     )

@@ -11,17 +11,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
-import torch
-
+from moerl.atomic import atomic_write_text
+from moerl.choices import DTYPE_NAMES
+from moerl.models import from_pretrained
+from moerl.models.dtypes import torch_dtype
 from moerl.rollout.engine import Engine
 from moerl.rollout.params import FINISH_ERROR, FINISH_STOP, Completion, Request, SamplingParams
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from moerl.tasks import load_tokenizer
 
 
 def read_prompts(path: str | Path) -> list[tuple[str, str]]:
@@ -51,18 +50,7 @@ def read_prompts(path: str | Path) -> list[tuple[str, str]]:
 
 
 def _write_jsonl_atomic(path: str | Path, rows: list[dict]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp creates 0600; the output is shared like any other file
-        with os.fdopen(fd, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def _row(c: Completion, prompt: str, tokenizer, version: int) -> dict:
@@ -99,11 +87,8 @@ def generate_main(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from moerl.models import from_pretrained
-    from moerl.tasks import load_tokenizer
-
-    if args.dtype not in _DTYPES:
-        raise ValueError(f"--dtype={args.dtype!r}; choose one of {sorted(_DTYPES)}")
+    if args.dtype not in DTYPE_NAMES:
+        raise ValueError(f"--dtype={args.dtype!r}; choose one of {sorted(DTYPE_NAMES)}")
     if Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a folder; give the path of a .jsonl file to write")
     if not Path(args.model).is_dir():
@@ -113,7 +98,7 @@ def _generate(args: argparse.Namespace) -> int:
     if not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts}: no such file")
     tokenizer = load_tokenizer(getattr(args, "tokenizer", None) or args.model)
-    model = from_pretrained(args.model, dtype=_DTYPES[args.dtype], device=args.device)
+    model = from_pretrained(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     prompts = read_prompts(args.prompts)
     if not prompts:
         raise ValueError(f"--prompts {args.prompts}: no prompts in it (one JSON object per line)")

@@ -176,8 +176,9 @@ class Engine:
         """Samples waiting or running."""
         return self.scheduler.num_unfinished
 
-    # ------------------------------------------------------------------------------------------
-    # Public API
+    def running_by_request(self) -> dict[str, list[Sequence]]:
+        """The running samples of each request id (``Scheduler.running_by_request``; thread-safe copy)."""
+        return self.scheduler.running_by_request()
 
     def add_request(self, request: Request) -> None:
         """Validate and queue a request; its completions come out of later ``step()`` calls.
@@ -301,8 +302,7 @@ class Engine:
             targets[name].copy_(t)
         self.version = int(version)
 
-    # ------------------------------------------------------------------------------------------
-    # Prefill and decode
+    # -- Prefill and decode --------------------------------------------------------------------
 
     def _prefill(self, admissions: list[Admission]) -> None:
         dev = self.device
@@ -421,8 +421,7 @@ class Engine:
             s.num_generated += 1
         self._pending.append(_Pending(list(seqs), tokens, logprobs, self.version))
 
-    # ------------------------------------------------------------------------------------------
-    # Host sync: finishing and compaction
+    # -- Host sync: finishing and compaction ---------------------------------------------------
 
     def _sync_due(self) -> bool:
         if not self._pending:

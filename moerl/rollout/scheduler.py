@@ -87,6 +87,13 @@ class Scheduler:
         """True while some sample of the request is waiting or running."""
         return request_id in self._in_flight
 
+    def running_by_request(self) -> dict[str, list[Sequence]]:
+        """The running sequences of each request id; a copy, safe to call from another thread."""
+        out: dict[str, list[Sequence]] = {}
+        for seq in list(self.running):
+            out.setdefault(seq.request.request_id, []).append(seq)
+        return out
+
     def add(self, request: Request, seed: int) -> None:
         """Queue a (validated) request whose noise seed is ``seed``."""
         self._waiting.append(_Waiting(request, seed))

@@ -1,4 +1,5 @@
-"""Runtime: task queue, experience buffer, weight store, checkpoints (and the trainer, workers, controller).
+"""Runtime: task queue, experience buffer, weight store, checkpoints, and the parts of a run built on them
+(trainer, rollout workers, the ``Rollouts`` of each mode; the run itself is ``moerl.train``).
 
 Building blocks (each a plain, thread-safe Python class that a Ray actor can wrap):
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from moerl.runtime.types import Group, RolloutTask, Sample, Settlement
+from moerl.runtime.types import Group, Ready, RolloutTask, Sample, Settlement
 
 _FORMAT = "moerl-buffer/1"
 
@@ -263,6 +263,11 @@ class ExperienceBuffer:
             except TimeoutError:
                 return results + [None] * (len(groups) - len(results))
         return results
+
+    def put_many_async(self, groups: list[Group], *, timeout: float | None = None) -> Ready:
+        """``put_many`` as a finished ``Pending``: the delivery interface of a rollout worker
+        (``moerl.runtime.delivery.GroupSink``), which an in-process buffer answers at once."""
+        return Ready(self.put_many(groups, timeout=timeout))
 
     # -- consumer side -------------------------------------------------------------------------
 

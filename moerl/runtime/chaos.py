@@ -2,8 +2,8 @@
 kill the trainer. Off by default (``moerl.config.ChaosConfig``); turn it on with e.g.
 ``--set chaos.kill_rollout_every_s=20 --set chaos.notice_rollout_every_s=30``.
 
-``ChaosMonkey`` only decides *when* and *whom* (seeded, with an injectable clock); the controller
-applies its ``ChaosAction``s through a ``ChaosTarget`` (``moerl.runtime.fleet_ray.RayWorkerBackend``
+``ChaosMonkey`` only decides *when* and *whom* (seeded, with an injectable clock); the driver
+applies its ``ChaosAction``s through a ``ChaosTarget`` (``moerl.runtime.ray.backend.RayWorkerBackend``
 kills the worker's process with SIGKILL and writes the notice file the worker watches). The gap before
 each fault is drawn uniformly in [0.5, 1.5] x the configured mean, so faults land at random points of
 the workers' generation.
@@ -20,12 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from moerl.atomic import atomic_write_text
 from moerl.config import ChaosConfig
 from moerl.runtime.notice import instance_action_document
-
-
-class TrainerKilled(RuntimeError):
-    """Raised by the controller's loop when chaos kills the trainer (async mode); the controller restarts it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +144,7 @@ def sigkill(pid: int) -> None:
     """Send SIGKILL to process ``pid`` (a process that is already gone is fine).
 
     Raises:
-        ValueError: ``pid`` is this process or not positive (refuses to kill the controller itself).
+        ValueError: ``pid`` is this process or not positive (refuses to kill the driver itself).
     """
     if pid <= 0 or pid == os.getpid():
         raise ValueError(f"sigkill: refusing pid {pid} (this process is {os.getpid()})")
@@ -160,8 +157,5 @@ def sigkill(pid: int) -> None:
 def write_notice(path: str | Path, *, seconds_from_now: float = 120.0, action: str = "terminate") -> Path:
     """Write a spot ``instance-action`` document to ``path`` atomically (temp file, then rename)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(instance_action_document(action, seconds_from_now))
-    os.replace(tmp, path)
+    atomic_write_text(path, instance_action_document(action, seconds_from_now))
     return path

@@ -1,11 +1,11 @@
 """The elastic rollout fleet: keep N workers alive, notice losses, replace them, admit newcomers, hint a size.
 
 Rollout workers hold no state that training depends on, so they may run on interruptible machines.
-``FleetManager`` is the controller's view of them; it never talks to Ray itself but to a
-``WorkerBackend`` (``moerl.runtime.fleet_ray.RayWorkerBackend`` in async mode, a scripted fake in tests):
+``FleetManager`` is the driver's view of them; it never talks to Ray itself but to a
+``WorkerBackend`` (``moerl.runtime.ray.backend.RayWorkerBackend`` in async mode, a scripted fake in tests):
 
     start():  spawn ``num_workers`` workers
-    check():  (every ``check_every_s``, called by the controller between steps and while it waits)
+    check():  (every ``check_every_s``, called by the driver between steps and while it waits)
               poll the backend: liveness answers (with each worker's health), and exits
               an exit after a drain            -> drained  (an interruption)
               an exit with an error (SIGKILL)  -> killed   (an interruption); its in-flight tokens are lost
@@ -34,7 +34,7 @@ from moerl.runtime.drain import DrainReport
 
 
 class WorkerState(enum.StrEnum):
-    """Life of one rollout worker as the controller sees it."""
+    """Life of one rollout worker as the driver sees it."""
 
     STARTING = "starting"
     """Spawned, not yet answered a liveness ping (building its engine, loading weights)."""

@@ -185,14 +185,6 @@ class TaskQueue:
                     renewed.append(entry.lease)
             return renewed
 
-    def ack(self, lease: Lease) -> bool:
-        """Mark the leased task done. Returns ``False`` (and counts a refusal) if the token is not current.
-
-        With the standard wiring the buffer settles tasks at ``put`` (``settle``), and a worker that put its
-        group does not ack; ``ack`` is for deliveries that bypass the buffer.
-        """
-        return self.settle(lease.task_id, lease.token, Settlement.ADMITTED)
-
     def release(self, lease: Lease, *, partial: Sequence[PartialResponse] = ()) -> bool:
         """Hand a leased task back to the front of the queue (a draining worker, or one giving up).
 
@@ -264,13 +256,6 @@ class TaskQueue:
             self._pending.appendleft(task.task_id)
             self._counts["requeued"] += 1
             self._counts["requeued_stale"] += 1
-
-    def reap(self) -> int:
-        """Return every expired lease's task to the queue now; returns how many expired."""
-        with self._lock:
-            before = self._counts["expired"]
-            self._reap_locked()
-            return self._counts["expired"] - before
 
     def stats(self) -> QueueStats:
         """Counters and depths, after expiring overdue leases."""

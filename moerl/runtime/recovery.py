@@ -7,7 +7,7 @@ exactly-once accounting intact:
 
 - the trainer is rebuilt and loads model, optimizer and LR schedule of step c;
 - the ledger and metrics are cut back to step c (``RunDir.rewind``);
-- the tasks of the groups consumed by steps c+1..k (kept by the controller in a ``StepJournal``)
+- the tasks of the groups consumed by steps c+1..k (kept by the run in a ``StepJournal``)
   go back to the queue (``TaskQueue.requeue``), so each is trained exactly once in the end;
 - the policy version never goes backwards: the restored weights are published as a new version
   ``v_max + 1`` (``v_max`` = newest published version), so the weight store stays monotonic and the
@@ -26,13 +26,18 @@ from dataclasses import dataclass
 
 import torch
 
+from moerl.config import RunConfig
+from moerl.runtime.build import Components, load_policy
 from moerl.runtime.checkpoint import latest_checkpoint, load_checkpoint
+from moerl.runtime.rollouts import Rollouts
+from moerl.runtime.run_dir import RunDir
 from moerl.runtime.trainer import Trainer
 from moerl.runtime.types import RolloutTask
+from moerl.runtime.weights import WeightStore
 
 
 class StepJournal:
-    """The tasks each trainer step consumed since the last full checkpoint (held by the controller)."""
+    """The tasks each trainer step consumed since the last full checkpoint (held by the run, ``moerl.train.Run``)."""
 
     def __init__(self) -> None:
         self._steps: dict[int, tuple[RolloutTask, ...]] = {}
@@ -120,25 +125,29 @@ def restart_trainer(
 
 
 def recover_trainer(
-    cfg, comp, run, store, fleet, journal: StepJournal, failed_step: int
+    cfg: RunConfig,
+    comp: Components,
+    run: RunDir,
+    store: WeightStore,
+    rollouts: Rollouts,
+    journal: StepJournal,
+    failed_step: int,
 ) -> tuple[Trainer, RestartReport]:
     """Replace the trainer that died after ``failed_step`` by a new one (module docstring), in place.
 
     Args:
-        cfg: the run config (``moerl.config.RunConfig``).
-        comp: the run's components (``moerl.runtime.setup.Components``): its ``model`` is the policy the
+        cfg: the run config.
+        comp: the run's components (``moerl.runtime.build.Components``): its ``model`` is the policy the
             new trainer trains (its weights are overwritten: nothing of the dead trainer survives).
         run: the run folder (``RunDir``): checkpoints, ledger and metrics.
         store: the ``WeightStore``.
-        fleet: ``LocalFleet`` or ``RayFleet`` (``requeue``, ``push_weights``).
+        rollouts: the rollout side (``requeue``, ``push_weights``).
         journal: tasks consumed per step since the last full checkpoint.
         failed_step: last step the dead trainer finished.
 
     Returns:
         The new trainer (weights already published and offered to the fleet) and the report.
     """
-    from moerl.runtime.setup import load_policy
-
     with torch.no_grad():  # the dead trainer's weights are gone with it
         for p in comp.model.parameters():
             p.fill_(float("nan"))
@@ -159,10 +168,10 @@ def recover_trainer(
         failed_step=failed_step,
         load=load,
         journal=journal,
-        requeue=fleet.requeue,
+        requeue=rollouts.requeue,
         rewind=run.rewind,
         newest_version=latest.version if latest is not None else 0,
     )
     trainer.publish(store)
-    fleet.push_weights(trainer.version, trainer.named_weights())
+    rollouts.push_weights(trainer.version, trainer.named_weights())
     return trainer, report

@@ -17,7 +17,6 @@ append-only JSONL files are flushed per line and cut back to a step on resume.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -26,18 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moerl.atomic import atomic_write_text
 from moerl.config import RunConfig, save_config
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see either the old or the whole new file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from moerl.config import AlgorithmConfig, ConfigError, RunConfig, TrainerConfig
+from moerl.lr_schedule import warmup_cosine_lr
 from moerl.rl import (
     entropy_from_logits,
     policy_loss,
@@ -121,13 +122,10 @@ class TrainStats:
 def lr_factor(cfg: TrainerConfig, step: int) -> float:
     """Multiplier of ``cfg.lr`` at optimizer step ``step`` (0-based): linear warm-up over
     ``cfg.warmup_steps``, then 1 (``constant``) or a cosine from 1 to 0.1 reached at ``cfg.steps``
-    (``cosine``; SGDR, Loshchilov & Hutter 2017, eq. 5, one cycle, eta_min = 0.1 x peak)."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
+    (``cosine``: ``moerl.lr_schedule.warmup_cosine_lr``)."""
+    if cfg.lr_schedule == "constant" and step >= cfg.warmup_steps:
         return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return warmup_cosine_lr(step, cfg.steps, cfg.warmup_steps)
 
 
 class Trainer:

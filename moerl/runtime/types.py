@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -316,3 +316,26 @@ class WeightVersion:
     """Tensor names, shapes, dtypes and file checksums."""
     created_at: float
     """Publication time, seconds since the Unix epoch."""
+
+
+class Pending(Protocol):
+    """A call in progress (an actor call in async mode): ``done()`` never blocks, ``result()`` may."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> Any: ...
+
+
+class Ready:
+    """A ``Pending`` that already has its result (a local call)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def done(self) -> bool:
+        """Always True."""
+        return True
+
+    def result(self) -> Any:
+        """The value given at construction."""
+        return self.value

@@ -271,6 +271,16 @@ class WeightStore:
                 except FileNotFoundError:  # another process pruned it first
                     pass
 
+    def discard_after(self, version: int) -> list[int]:
+        """Delete the complete versions newer than ``version`` (published after the checkpoint a run
+        resumes from; the resumed trainer publishes those numbers again). Each manifest goes first, so
+        that a reader never sees a version whose files are going away. Returns the deleted versions."""
+        newer = [v for v in self.versions() if v > version]
+        for v in newer:
+            self._fs.rm_file(f"{self._dir(v)}/{MANIFEST}")
+            self._fs.rm(self._dir(v), recursive=True)
+        return newer
+
     # -- readers -------------------------------------------------------------------------------
 
     def versions(self) -> list[int]:

@@ -2,7 +2,8 @@
 
 One worker drives one ``moerl.rollout.Engine``. Its loop is single-threaded and the same in every
 mode: ``sync`` calls ``run(num_groups=...)`` in-process; ``async`` runs ``run()`` inside a Ray actor
-(``moerl.runtime.actors``) with the queue and buffer behind actor proxies.
+(``moerl.runtime.ray.worker_actor``) with the queue and buffer behind actor proxies. Delivery to the
+buffer is the ``Outbox``'s (``moerl.runtime.delivery``); this module leases, generates and scores.
 
     loop: [new weight version? -> engine.update_weights]   (between scheduler steps only)
           lease tasks in batches, up to the engine's slots plus ``rollout.lease_ahead_groups``
@@ -13,9 +14,9 @@ mode: ``sync`` calls ``run(num_groups=...)`` in-process; ``async`` runs ``run()`
               queue: the ack); at most one delivery is outstanding
           heartbeat the leases every ttl / 3
 
-Round trips off the critical path (async mode): a buffer that offers ``put_many_async`` returns a
-``Pending`` call, and the worker keeps decoding while it runs; its outcome is collected at a later
-step (or waited for when there is nothing else to do), and the groups finished meanwhile go out
+Round trips off the critical path (async mode): the buffer's ``put_many_async`` returns a
+``Pending`` call (done at once for a local buffer), and the worker keeps decoding while it runs; its
+outcome is collected at a later step (or waited for when there is nothing else to do), and the groups finished meanwhile go out
 together in the next delivery. Leasing ahead lets one (blocking) ``lease`` call fill several groups'
 slots and keeps the engine's queue non-empty, so lease round trips are rare; after a lease that got
 nothing (the staleness gate is closed), a busy worker asks again only once its weights changed or
@@ -30,47 +31,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import torch
 
 from moerl.config import RolloutConfig
 from moerl.rollout import Completion, Engine, InvalidRequestError, Request, SamplingParams
 from moerl.runtime.buffer import BufferClosed, PutResult
+from moerl.runtime.delivery import GroupSink, Outbox
 from moerl.runtime.drain import InFlightGroup, ResumePlan, group_progress
 from moerl.runtime.types import Group, Lease, Sample, Settlement
+from moerl.runtime.weight_sources import WeightSource
 from moerl.tasks.base import stable_hash
 
 log = logging.getLogger(__name__)
-
-
-class Pending(Protocol):
-    """A call in progress (an actor call in async mode): ``done()`` never blocks, ``result()`` may."""
-
-    def done(self) -> bool: ...
-
-    def result(self): ...
-
-
-class Ready:
-    """A ``Pending`` that already has its result (a local call)."""
-
-    def __init__(self, value) -> None:
-        self.value = value
-
-    def done(self) -> bool:
-        return True
-
-    def result(self):
-        return self.value
-
-
-class WeightSource(Protocol):
-    """Where a worker finds newer weights: returns ``(version, tensors)`` newer than ``version``, or None."""
-
-    def poll(self, version: int) -> tuple[int, Mapping[str, torch.Tensor]] | None: ...
 
 
 def sample_seed(run_seed: int, task_id: str, attempt: int) -> int:
@@ -116,8 +89,8 @@ class RolloutWorker:
         task: the task (``reward(prompt_text, response_text, answer) -> Reward``, never raises).
         decode: token ids -> text (the tokenizer's ``decode``).
         queue: a ``TaskQueue`` or a proxy with its ``lease``/``heartbeat``/``release`` methods.
-        buffer: an ``ExperienceBuffer`` (``put_many``), or a proxy with ``put_many_async(groups,
-            timeout) -> Pending`` (delivery off the critical path).
+        buffer: where groups go (``GroupSink``): an ``ExperienceBuffer``, or the exchange actor's proxy
+            whose ``put_many_async`` runs off the critical path.
         cfg: rollout config (group size, sampling, slots, ``lease_ahead_groups``).
         stop_token_ids: generation ends after one of these (the tokenizer's eos).
         weights: where newer weights come from (polled between scheduler steps); None: never updated.
@@ -138,7 +111,7 @@ class RolloutWorker:
         task,
         decode: Callable[[list[int]], str],
         queue,
-        buffer,
+        buffer: GroupSink,
         cfg: RolloutConfig,
         *,
         stop_token_ids: tuple[int, ...],
@@ -154,13 +127,11 @@ class RolloutWorker:
         self.task = task
         self.decode = decode
         self.queue = queue
-        self.buffer = buffer
         self.cfg = cfg
         self.stop_token_ids = stop_token_ids
         self.weights = weights
         self.run_seed = run_seed
         self.lease_ttl_s = lease_ttl_s
-        self.put_timeout_s = put_timeout_s
         self.lease_retry_s = lease_retry_s
         self.pause_point = pause_point
         self.max_groups_in_flight = max(1, engine.num_slots // cfg.group_size)
@@ -169,8 +140,7 @@ class RolloutWorker:
         self.max_groups_held = self.max_groups_in_flight + ahead  # leased and not yet delivered
         self.stats = WorkerStats()
         self._in_flight: dict[str, _InFlight] = {}  # request id -> group (several ids for a resumed group)
-        self._outbox: list[tuple[_InFlight, Group]] = []  # scored, not yet sent (or sent back: buffer full)
-        self._sending: tuple[Pending, list[tuple[_InFlight, Group]]] | None = None  # the outstanding put
+        self.outbox: Outbox[_InFlight] = Outbox(buffer, put_timeout_s)  # scored groups not yet in the buffer
         self._is_leasing = True
         self._is_stopping = False
         self._last_heartbeat = time.monotonic()
@@ -252,7 +222,7 @@ class RolloutWorker:
     def _is_backing_off(self) -> bool:
         """True while a busy worker should not ask again after a lease that got nothing.
 
-        A staleness-gated queue (``moerl.runtime.exchange.rollout_allowance``) refuses a worker until a
+        A staleness-gated queue (``moerl.runtime.ray.exchange.rollout_allowance``) refuses a worker until a
         new policy version is published; asking at every scheduler step costs one blocking round trip per
         decode step. So after an empty lease the worker asks again once its weights changed, or after
         ``lease_retry_s`` (tasks requeued meanwhile). Only while it has work in flight: an idle worker
@@ -285,45 +255,13 @@ class RolloutWorker:
         self.stats.tokens_generated += sum(len(s.response_ids) for s in samples)
         return Group.from_lease(job.lease, samples, time.perf_counter() - job.started)
 
-    def _send(self, groups: list[Group]) -> Pending:
-        """Start one delivery of ``groups``; its result lists the buffer's decision per group in order,
-        ``None`` from the first that timed out on a full buffer on.
-
-        A buffer behind an actor offers ``put_many_async`` (one round trip for the lot, not waited for);
-        a local one (``ExperienceBuffer.put_many``) is called at once.
-        """
-        if hasattr(self.buffer, "put_many_async"):
-            return self.buffer.put_many_async(groups, timeout=self.put_timeout_s)
-        return Ready(self.buffer.put_many(groups, timeout=self.put_timeout_s))
-
     def _collect(self, *, wait: bool) -> tuple[list[PutResult], bool]:
-        """Record the outstanding delivery's outcome if it is done (or wait for it).
-
-        Returns:
-            ``(decisions of the delivered groups, whether the buffer was full)``; groups that did not
-            fit go back to the front of the outbox. If the call raised (e.g. ``BufferClosed``), all
-            its groups go back to the outbox and the error propagates.
-        """
-        if self._sending is None or not (wait or self._sending[0].done()):
-            return [], False
-        pending, items = self._sending
-        self._sending = None
-        try:
-            outcomes = pending.result()
-        except BaseException:
-            self._outbox[:0] = items
-            raise
-        delivered, retry = [], []
-        for item, result in zip(items, outcomes, strict=True):
-            if result is None:
-                retry.append(item)
-                continue
-            delivered.append(result)
-            self.stats.groups_put += 1
-            self.stats.groups_admitted += int(result == PutResult.ADMITTED)
-            self.stats.groups_refused += int(result == PutResult.REFUSED_STALE_TOKEN)
-        self._outbox[:0] = retry
-        return delivered, bool(retry)
+        """``Outbox.collect``, counted in the worker's stats."""
+        delivered, is_full = self.outbox.collect(wait=wait)
+        self.stats.groups_put += len(delivered)
+        self.stats.groups_admitted += sum(r == PutResult.ADMITTED for r in delivered)
+        self.stats.groups_refused += sum(r == PutResult.REFUSED_STALE_TOKEN for r in delivered)
+        return delivered, is_full
 
     def _must_wait(self) -> bool:
         """Nothing to decode and no room to lease meanwhile (or not leasing any more)."""
@@ -347,17 +285,14 @@ class RolloutWorker:
             delivered += done
             if is_full:  # backpressure
                 if self._is_stopping:  # nobody will drain the buffer: hand the tasks back
-                    for job, _ in self._outbox:
+                    for job in self.outbox.take_waiting():
                         self.queue.release(job.lease)
-                    self._outbox = []
                     return delivered
                 self.heartbeat(force=True)
                 if self.pause_point is not None:
                     self.pause_point()
-            if self._sending is not None or not self._outbox:
+            if not self.outbox.send():  # one delivery at a time
                 return delivered
-            items, self._outbox = self._outbox, []
-            self._sending = (self._send([group for _, group in items]), items)
 
     def settle_deliveries(self) -> list[PutResult]:
         """Wait for the outstanding delivery, without sending more: afterwards no group is half-delivered
@@ -398,7 +333,7 @@ class RolloutWorker:
                 for rid in job.request_ids:
                     del self._in_flight[rid]
             # generated, not yet in the buffer: lost if the worker dies now (their leases expire)
-            self._outbox += [(job, self._group_of(job)) for job in finished]
+            self.outbox.add([(job, self._group_of(job)) for job in finished])
         results = self._deliver() if self.num_undelivered else []
         self.heartbeat()
         return results
@@ -409,12 +344,10 @@ class RolloutWorker:
 
     def in_flight(self) -> list[InFlightGroup]:
         """Progress of each undelivered group (for a drain; safe from another thread: it copies lists)."""
-        running: dict[str, list] = {}
-        for seq in list(self.engine.scheduler.running):
-            running.setdefault(seq.request.request_id, []).append(seq)
+        running = self.engine.running_by_request()
         out = [
             group_progress(job.lease, list(job.completions), [], max_new_tokens=0)
-            for job in self._undelivered_jobs()
+            for job in self.outbox.jobs()
         ]
         for job in self._jobs():
             seqs = [seq for rid in job.request_ids for seq in running.get(rid, [])]
@@ -476,17 +409,10 @@ class RolloutWorker:
             self.settle_deliveries()
         except BufferClosed:  # the run is over: its groups are released below
             pass
-        jobs = self._jobs() + [job for job, _ in self._outbox]
+        jobs = self._jobs() + self.outbox.take_waiting()
         released = sum(bool(self.queue.release(job.lease)) for job in jobs)
         self._in_flight.clear()
-        self._outbox = []
         return released
-
-    def _undelivered_jobs(self) -> list[_InFlight]:
-        """Finished groups not yet in the buffer: the outbox and the outstanding delivery (copies:
-        safe to call from another thread)."""
-        sending = self._sending
-        return [job for job, _ in list(self._outbox) + (list(sending[1]) if sending else [])]
 
     @property
     def num_in_flight(self) -> int:
@@ -496,4 +422,4 @@ class RolloutWorker:
     @property
     def num_undelivered(self) -> int:
         """Finished groups not yet in the buffer."""
-        return len(self._outbox) + (len(self._sending[1]) if self._sending else 0)
+        return len(self.outbox)

@@ -15,12 +15,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 import random
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -70,20 +67,6 @@ ScoreFn = Callable[[str, str, str], "Reward | float | bool | int"]
 def stable_hash(key: str) -> int:
     """A 64-bit hash of ``key`` that is the same in every process (unlike ``hash()``)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.fchmod(fd, 0o644)  # mkstemp creates 0600; the result is shared like any other output
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def split_of(key: str) -> str:

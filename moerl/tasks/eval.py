@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moerl.rollout import Engine, Request, SamplingParams
 from moerl.tasks.base import Prompt, Task
+from moerl.tasks.examples import collate, encode_example
 from moerl.tasks.tokenizer import Tokenizer
 
 
@@ -67,8 +69,6 @@ def evaluate(
     Raises:
         ValueError: no prompts to evaluate.
     """
-    from moerl.rollout import Engine, Request, SamplingParams
-
     prompts = task.eval_prompts() if prompts is None else prompts
     if not prompts:
         raise ValueError("no prompts to evaluate")
@@ -119,8 +119,6 @@ def teacher_forced_exact_match(
     Raises:
         ValueError: a prompt has no ``solution``.
     """
-    from moerl.tasks.sft import collate, encode_example
-
     was_training = model.training
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     model.eval()

@@ -15,7 +15,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import math
 import random
 import time
 from collections.abc import Callable
@@ -25,40 +24,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moerl.atomic import atomic_write_text
 from moerl.config import RunConfig
-from moerl.tasks.base import Prompt, atomic_write_text
-from moerl.tasks.tokenizer import Tokenizer, load_tokenizer, tokenizer_path_for
+from moerl.lr_schedule import warmup_cosine_lr
+from moerl.models import build_model, save_pretrained
+from moerl.tasks import make_task
+from moerl.tasks.base import Prompt
+from moerl.tasks.eval import evaluate
+from moerl.tasks.examples import Example, SFTBatch, collate, encode_example
+from moerl.tasks.tokenizer import Tokenizer, load_run_tokenizer
 
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "sft_summary.json"
-
-
-@dataclass(frozen=True, slots=True)
-class Example:
-    """One tokenized SFT example: ``ids`` = prompt + solution + eos; ``num_prompt`` prompt tokens.
-    ``mask`` (length ``len(ids)``, 1 = trained) replaces "everything after the prompt" when given, e.g.
-    for multi-turn demonstrations whose observations are not trained (``moerl.envs.task``)."""
-
-    ids: list[int]
-    num_prompt: int
-    mask: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SFTBatch:
-    """Right-padded SFT batch.
-
-    Attributes:
-        input_ids: [B, T] int64, padded with the tokenizer's pad id.
-        attention_mask: [B, T] int64, 1 = token, 0 = padding.
-        loss_mask: [B, T] float32, 1 where the token is a completion token (solution or eos); the
-            loss at position t predicts token t from tokens < t.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    loss_mask: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,34 +60,6 @@ class SFTSummary:
     total_seconds: float
 
 
-def encode_example(tokenizer: Tokenizer, prompt: Prompt) -> Example:
-    """Tokenize ``prompt.text`` + ``prompt.solution`` + eos.
-
-    Raises:
-        ValueError: the prompt has no solution, or the solution encodes to no tokens.
-    """
-    if not prompt.solution:
-        raise ValueError(f"prompt {prompt.id!r} has no solution to fine-tune on")
-    prompt_ids = tokenizer.encode(prompt.text)
-    return Example(prompt_ids + tokenizer.encode(prompt.solution) + [tokenizer.eos_id], len(prompt_ids))
-
-
-def collate(examples: list[Example], pad_id: int, device: torch.device | str = "cpu") -> SFTBatch:
-    """Right-pad examples to the longest one (see ``SFTBatch``); tensors are moved to ``device``."""
-    t = max(len(e.ids) for e in examples)
-    input_ids = torch.full((len(examples), t), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(examples), t), dtype=torch.long)
-    loss_mask = torch.zeros((len(examples), t), dtype=torch.float32)
-    for i, e in enumerate(examples):
-        input_ids[i, : len(e.ids)] = torch.tensor(e.ids)
-        attention_mask[i, : len(e.ids)] = 1
-        if e.mask is None:
-            loss_mask[i, e.num_prompt : len(e.ids)] = 1.0
-        else:
-            loss_mask[i, : len(e.ids)] = torch.tensor(e.mask, dtype=torch.float32)
-    return SFTBatch(input_ids.to(device), attention_mask.to(device), loss_mask.to(device))
-
-
 def completion_nll(logits: torch.Tensor, batch: SFTBatch) -> torch.Tensor:
     """Mean NLL (nats/token) of the completion tokens: logits [B, T, V] predict input_ids shifted by one.
 
@@ -123,11 +73,9 @@ def completion_nll(logits: torch.Tensor, batch: SFTBatch) -> torch.Tensor:
 
 
 def lr_at(step: int, num_steps: int, peak: float, warmup: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay from ``peak`` to ``0.1 * peak`` at the end."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, num_steps - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+    """Linear warm-up over ``warmup`` steps, then cosine decay from ``peak`` to ``0.1 * peak`` at the end
+    (``moerl.lr_schedule.warmup_cosine_lr``)."""
+    return warmup_cosine_lr(step, num_steps, warmup, peak)
 
 
 def _examples(
@@ -157,7 +105,6 @@ def train_sft(
     Batches are ``cfg.sft.batch_size`` examples drawn in shuffled epochs (seeded by ``cfg.seed``).
     ``progress(step, num_steps, loss)`` is called after each optimizer step (step 1-based, loss the
     step's completion NLL in nats/token), e.g. ``moerl.telemetry.live.LiveView.warm_start_progress``.
-    ``encode(tokenizer, prompt) -> Example`` tokenizes one prompt (a task's ``sft_example`` when it has one).
     """
     sft = cfg.sft
     examples = _examples(cfg, tokenizer, train, encode)
@@ -208,13 +155,9 @@ def run_sft(
     Raises:
         ValueError: the task's prompts have no solutions, or every example is too long for the model.
     """
-    from moerl.models import build_model, save_pretrained
-    from moerl.tasks import make_task
-    from moerl.tasks.eval import evaluate
-
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    tokenizer = load_tokenizer(tokenizer_path_for(cfg.task.tokenizer, cfg.model.path))
+    tokenizer = load_run_tokenizer(cfg)
     task = make_task(cfg.task, cfg.env)
     model = build_model(cfg.model, tokenizer.vocab_size)
     held_out = task.eval_prompts()

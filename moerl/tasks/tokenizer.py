@@ -12,11 +12,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
-from moerl.tasks.base import atomic_write_text
+from moerl.atomic import atomic_write_text
+
+if TYPE_CHECKING:
+    from moerl.config import RunConfig
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUILTIN_TOKENIZER = ASSETS / "tokenizer.json"
@@ -133,6 +137,17 @@ def tokenizer_path_for(tokenizer: str | None, model_path: str | None) -> str | N
     if model_path is not None and (Path(model_path) / "tokenizer.json").is_file():
         return model_path
     return None
+
+
+def run_tokenizer_path(cfg: RunConfig, init_path: str | None = None) -> str | None:
+    """The tokenizer a run uses: ``task.tokenizer``, else the one beside the model it starts from
+    (``init_path``, else ``model.path``), else the built-in one (None)."""
+    return tokenizer_path_for(cfg.task.tokenizer, init_path or cfg.model.path)
+
+
+def load_run_tokenizer(cfg: RunConfig, init_path: str | None = None) -> Tokenizer:
+    """``load_tokenizer(run_tokenizer_path(cfg, init_path))``: the same tokenizer in every process of a run."""
+    return load_tokenizer(run_tokenizer_path(cfg, init_path))
 
 
 if __name__ == "__main__":  # regenerate the asset

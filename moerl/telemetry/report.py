@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from moerl.atomic import atomic_path
 from moerl.runtime.run_dir import RunDir, read_jsonl
 
 
@@ -111,9 +112,8 @@ def plot_report(run_dir: str | Path) -> Path:
         raise FileNotFoundError(f"{run.metrics} has no records: nothing to plot")
     start_accuracy = (run.read_summary() or {}).get("start_eval_accuracy")
     fig = report_figure(records, start_accuracy=start_accuracy, title=f"moerl run {run.path.name}")
-    tmp = run.report.with_name(".report.tmp.png")
-    fig.savefig(tmp, dpi=90)  # a bare Figure renders with Agg: no display needed in workers and CI
-    tmp.replace(run.report)
+    with atomic_path(run.report) as tmp:
+        fig.savefig(tmp, dpi=90, format="png")  # a bare Figure renders with Agg: no display needed
     return run.report
 
 

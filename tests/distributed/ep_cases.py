@@ -201,10 +201,31 @@ def run_cases(rank: int, world: int, ranks_per_node_list: list[int], num_experts
                         ),
                     }
         disps = by_placement["contiguous"]
+        results[(g, "fp8")] = check_fp8(disps["alltoall"], topo, num_experts, top_k, rank)
         results[(g, "deterministic")] = check_deterministic(disps, topo, num_experts, top_k, rank)
         results[(g, "order")] = check_order(disps, world, num_experts, top_k, rank)
     results["bad_input"] = run_bad_inputs(rank, world, num_experts, top_k)
     return results
+
+
+def check_fp8(bf16_disp, topo: Topology, num_experts: int, top_k: int, rank: int) -> dict:
+    """The flat dispatcher with ``fp8_dispatch`` against its bfloat16 run on the same problem: output and
+    gradient errors, and the dispatch bytes (H + 4 + 4 per row: e4m3 values, the token's scale, the weight)."""
+    p = make_problem(CASES[0], topo, num_experts, top_k, torch.bfloat16)
+    fp8 = AllToAllDispatcher(topo, num_experts, fp8_dispatch=True)
+    a, b = run_ep(bf16_disp, p, rank), run_ep(fp8, p, rank)
+    h = p["x"].shape[1]
+    return {
+        "errors": {
+            k: float((b[k].float() - a[k].float()).norm() / a[k].float().norm().clamp_min(1e-30))
+            for k in ("out", "x", "w", "gate_up", "down")
+            if a[k].numel()
+        },
+        "bytes": b["traffic"].intra_node_bytes + b["traffic"].inter_node_bytes,
+        "expected_bytes": (a["traffic"].intra_node_bytes + a["traffic"].inter_node_bytes)
+        // (2 * h + 4)
+        * (h + 8),
+    }
 
 
 def check_deterministic(disps: dict, topo: Topology, num_experts: int, top_k: int, rank: int) -> bool:

@@ -50,6 +50,17 @@ def test_dispatch_bytes_match_hand_count(results, world, g, case, disp, dtype):
 
 
 @pytest.mark.parametrize("world,g", CONFIGS)
+def test_fp8_dispatch(results, world, g):
+    """fp8_dispatch: within e4m3 rounding of the bfloat16 run (output, every gradient) and sending
+    H + 8 bytes per row instead of 2 H + 4."""
+    for rank, res in enumerate(results[world]):
+        r = res[(g, "fp8")]
+        bad = {k: v for k, v in r["errors"].items() if not 0 < v < 8e-2}
+        assert not bad, f"rank {rank}: FP8 vs bf16 relative errors outside (0, 8e-2): {bad}"
+        assert r["bytes"] == r["expected_bytes"], f"rank {rank}"
+
+
+@pytest.mark.parametrize("world,g", CONFIGS)
 def test_zero_token_rank(results, world, g):
     """Rank 1 sends no token and receives none: it completes every collective, its output is [0, H]
     and its experts get gradients that exist and are exactly zero."""

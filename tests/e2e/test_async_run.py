@@ -6,8 +6,8 @@ import pytest
 from conftest import short_config
 
 from moerl.runtime.checkpoint import load_checkpoint
-from moerl.runtime.controller import train
 from moerl.runtime.run_dir import RunDir, read_jsonl
+from moerl.train import train
 
 ray = pytest.importorskip("ray")
 

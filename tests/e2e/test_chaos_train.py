@@ -30,12 +30,12 @@ import torch
 from moerl.config import ChaosConfig, FleetConfig, load_config
 from moerl.models import build_model, save_pretrained
 from moerl.runtime.chaos import ChaosMonkey
-from moerl.runtime.controller import train
 from moerl.runtime.drain import DrainReport
 from moerl.runtime.fleet import FleetManager, WorkerExit, WorkerHealth, WorkerState
 from moerl.runtime.notice import watcher_from_config
 from moerl.runtime.run_dir import RunDir, read_jsonl
 from moerl.tasks import load_tokenizer
+from moerl.train import train
 
 ray = pytest.importorskip("ray")
 
@@ -242,7 +242,7 @@ def _wait_until(cond, fleet, timeout_s=60.0):
 
 @pytest.mark.timeout(120)
 def test_kill_and_notice_are_detected_and_replaced(local_ray, tmp_path):
-    from moerl.runtime.fleet_ray import RayWorkerBackend
+    from moerl.runtime.ray.backend import RayWorkerBackend
 
     actor_cls = ray.remote(num_cpus=0, max_concurrency=3)(StandInWorker)
     backend = RayWorkerBackend(

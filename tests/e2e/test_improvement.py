@@ -6,7 +6,7 @@ from pathlib import Path
 from conftest import TINY_MODEL, short_config
 
 from moerl.config import load_config
-from moerl.runtime.controller import train
+from moerl.train import train
 
 
 def test_rl_raises_held_out_accuracy_on_a_learnable_reward(tmp_path, tiny_init):

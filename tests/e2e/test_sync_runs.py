@@ -11,10 +11,10 @@ from conftest import short_config
 from moerl.cli import main as cli_main
 from moerl.config import ConfigError
 from moerl.runtime.checkpoint import list_checkpoints
-from moerl.runtime.controller import resume, train
 from moerl.runtime.run_dir import RunDir, read_jsonl
 from moerl.runtime.weights import WeightStore
 from moerl.telemetry.metrics import METRIC_KEYS, without_wall_clock
+from moerl.train import resume, train
 
 DIGIT_REWARD = "task.reward_fn=e2e_rewards:first_is_digit"
 
@@ -199,12 +199,10 @@ def test_sigterm_stops_the_run_like_ctrl_c(tmp_path, tiny_init, monkeypatch):
 
 
 def test_cli_interrupt_hint_names_the_real_folder(monkeypatch, capsys, tmp_path):
-    import moerl.runtime.controller as controller
+    import moerl.train as controller
 
     def interrupted(cfg, live=True):
-        e = KeyboardInterrupt()
-        e.run_dir = tmp_path / "runs" / "default-1"
-        raise e
+        raise controller.RunInterrupted(tmp_path / "runs" / "default-1", resumable=True)
 
     monkeypatch.setattr(controller, "train", interrupted)
     assert cli_main(["train", "--set", f"output_dir={tmp_path}"]) == 130
@@ -212,12 +210,10 @@ def test_cli_interrupt_hint_names_the_real_folder(monkeypatch, capsys, tmp_path)
 
 
 def test_cli_interrupt_before_the_first_checkpoint_says_it_cannot_be_resumed(monkeypatch, capsys, tmp_path):
-    import moerl.runtime.controller as controller
+    import moerl.train as controller
 
     def interrupted(cfg, live=True):
-        e = KeyboardInterrupt()
-        e.run_dir, e.partial_run_dir = None, tmp_path / "runs" / "default-1"
-        raise e
+        raise controller.RunInterrupted(tmp_path / "runs" / "default-1", resumable=False)
 
     monkeypatch.setattr(controller, "train", interrupted)
     assert cli_main(["train", "--set", f"output_dir={tmp_path}"]) == 130

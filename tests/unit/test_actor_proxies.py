@@ -2,19 +2,27 @@
 
 import inspect
 
-from moerl.runtime.actors import _QueueProxy
 from moerl.runtime.queue import TaskQueue
+from moerl.runtime.ray.exchange import ExchangeActor
+from moerl.runtime.ray.worker_actor import QueueProxy
 
 
 def test_queue_proxy_methods_take_the_queue_methods_arguments():
     for name in ("lease", "heartbeat", "release", "settle"):
         local = list(inspect.signature(getattr(TaskQueue, name)).parameters)[1:]
-        proxy = list(inspect.signature(getattr(_QueueProxy, name)).parameters)[1:]
-        assert proxy == local, f"_QueueProxy.{name}{proxy} != TaskQueue.{name}{local}"
+        proxy = list(inspect.signature(getattr(QueueProxy, name)).parameters)[1:]
+        assert proxy == local, f"QueueProxy.{name}{proxy} != TaskQueue.{name}{local}"
+
+
+def test_exchange_queue_methods_take_the_queue_methods_arguments():
+    for name in ("heartbeat", "release", "settle", "requeue"):
+        local = list(inspect.signature(getattr(TaskQueue, name)).parameters)[1:]
+        actor = list(inspect.signature(getattr(ExchangeActor, name)).parameters)[1:]
+        assert actor == local, f"ExchangeActor.{name}{actor} != TaskQueue.{name}{local}"
 
 
 def test_queue_proxy_release_forwards_partial(monkeypatch):
     calls = []
-    monkeypatch.setattr("moerl.runtime.actors._remote_call", lambda *a, **k: calls.append((a, k)))
-    _QueueProxy("handle").release("lease", partial=("p",))
-    assert calls == [(("handle", "call", "release", "lease"), {"partial": ("p",)})]
+    monkeypatch.setattr("moerl.runtime.ray.worker_actor._remote_call", lambda *a, **k: calls.append((a, k)))
+    QueueProxy("handle").release("lease", partial=("p",))
+    assert calls == [(("handle", "release", "lease"), {"partial": ("p",)})]

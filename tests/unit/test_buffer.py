@@ -14,6 +14,7 @@ from moerl.runtime import (
     PutResult,
     RolloutTask,
     Sample,
+    Settlement,
     TaskQueue,
     has_reward_variance,
     load_checkpoint,
@@ -227,7 +228,7 @@ def test_late_delivery_refused_by_fencing_token():
     assert buf.put(delivered(fast)) is PutResult.REFUSED_STALE_TOKEN  # a duplicate delivery too
     m = buf.metrics()
     assert (m.refused_stale_token, m.admitted, m.depth) == (2, 1, 1)
-    assert queue.ack(fast) is False  # put already settled it
+    assert queue.settle(fast.task_id, fast.token, Settlement.ADMITTED) is False  # put already settled it
 
 
 def test_state_round_trip_through_checkpoint(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import moerl.runtime.controller as controller
+import moerl.train as controller
 from moerl.cli import main
 from moerl.config import ConfigError
 
@@ -48,7 +48,7 @@ def test_bad_override_is_a_config_error_before_any_run(calls, capsys):
 def test_unreachable_ray_address_fails_fast_with_one_line(tmp_path, capsys):
     import socket
 
-    from moerl.runtime.actors import check_ray_address
+    from moerl.runtime.ray import check_ray_address
 
     with pytest.raises(ConfigError, match="cannot reach 127.0.0.1:1"):
         check_ray_address("127.0.0.1:1", timeout_s=2.0)

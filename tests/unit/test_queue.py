@@ -8,6 +8,12 @@ import pytest
 
 from moerl.runtime import PartialResponse, RolloutTask, Settlement, TaskQueue
 
+
+def ack(q, lease) -> bool:
+    """What the buffer's ``put`` does for a delivered group: settle the lease as admitted."""
+    return q.settle(lease.task_id, lease.token, Settlement.ADMITTED)
+
+
 Prompt = namedtuple("Prompt", "id text answer")
 
 
@@ -46,8 +52,8 @@ def test_ack_only_with_current_token():
     q = make_queue()
     (lease,) = q.lease("w", 10.0)
     assert q.validate(lease)
-    assert q.ack(lease) is True
-    assert q.ack(lease) is False  # already done
+    assert ack(q, lease) is True
+    assert ack(q, lease) is False  # already done
     assert not q.validate(lease)
     s = q.stats()
     assert (s.acked, s.refused, s.outstanding) == (1, 1, 0)
@@ -58,12 +64,12 @@ def test_ack_after_expiry_refused_and_task_released_with_higher_token():
     q = make_queue(n=3, clock=clock)
     (old,) = q.lease("slow", ttl_s=10.0)
     clock.now = 10.0  # expiry is inclusive: now >= expires_at
-    assert q.ack(old) is False
+    assert ack(q, old) is False
     (new,) = q.lease("fast", ttl_s=10.0)
     assert new.task_id == old.task_id  # an expired task is leased before new prompts
     assert new.token > old.token and new.task.attempt == 2
-    assert q.ack(old) is False  # the slow worker's late ack stays refused
-    assert q.ack(new) is True
+    assert ack(q, old) is False  # the slow worker's late ack stays refused
+    assert ack(q, new) is True
     s = q.stats()
     assert (s.expired, s.requeued, s.acked, s.refused) == (1, 1, 1, 2)
 
@@ -89,7 +95,7 @@ def test_release_is_idempotent_and_puts_task_first():
     a, b = q.lease("w", 10.0, max_tasks=2)
     assert q.release(b) is True
     assert q.release(b) is False
-    assert q.ack(b) is False
+    assert ack(q, b) is False
     (again,) = q.lease("w2", 10.0)
     assert again.task_id == b.task_id and again.token == 3
     assert q.release(b) is False  # the old lease cannot release the new holder's task
@@ -103,7 +109,7 @@ def test_max_materialized_bounds_tasks_held():
     leases = q.lease("w", 10.0, max_tasks=5)
     assert len(leases) == 3 and q.stats().cursor == 3
     assert q.lease("w", 10.0) == []
-    q.ack(leases[0])
+    ack(q, leases[0])
     assert [x.task_id for x in q.lease("w", 10.0, max_tasks=5)] == ["3:p3"]
 
 
@@ -112,7 +118,7 @@ def test_exhausted_source():
     leases = q.lease("w", 10.0, max_tasks=5)
     assert len(leases) == 2 and not q.stats().is_exhausted
     for lease in leases:
-        q.ack(lease)
+        ack(q, lease)
     assert q.lease("w", 10.0) == [] and q.stats().is_exhausted
 
 
@@ -133,7 +139,7 @@ def test_settle_outcomes():
 def test_requeue_done_task_and_refuse_duplicate():
     q = make_queue(n=2)
     (a,) = q.lease("w", 10.0)
-    q.ack(a)
+    ack(q, a)
     q.requeue(a.task)
     (again,) = q.lease("w", 10.0)
     assert again.task_id == a.task_id and again.token > a.token and again.task.attempt == 2
@@ -145,7 +151,7 @@ def test_state_dict_round_trip_returns_leased_tasks_to_pending():
     clock = FakeClock(0.0)
     q = make_queue(n=6, clock=clock)
     a, b, c = q.lease("w", 10.0, max_tasks=3)
-    q.ack(a)
+    ack(q, a)
     q.release(c)
     state = json.loads(json.dumps(q.state_dict()))  # must be JSON-serialisable
     fresh = make_queue(n=6, clock=clock)

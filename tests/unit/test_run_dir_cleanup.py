@@ -51,7 +51,7 @@ def test_success_keeps_the_folder(tmp_path):
 
 
 def test_train_with_a_bad_init_from_leaves_no_folder_and_resume_creates_none(tmp_path):
-    from moerl.runtime.controller import resume, train
+    from moerl.train import resume, train
 
     cfg = RunConfig(output_dir=str(tmp_path / "runs"), init_from=str(tmp_path / "no-such-model"))
     cfg.runtime.mode = "sync"
@@ -66,7 +66,7 @@ def test_train_with_a_bad_init_from_leaves_no_folder_and_resume_creates_none(tmp
 def test_resume_of_a_short_finished_run_says_it_is_complete_and_without_a_checkpoint_says_why(
     tmp_path, capsys
 ):
-    from moerl.runtime.controller import resume
+    from moerl.train import resume
 
     run = RunDir.create(RunConfig(output_dir=str(tmp_path)))  # trainer.steps=40, checkpoint_every=10
     run.write_summary({"status": "completed", "steps": 40})

@@ -7,9 +7,10 @@ from _tiny import tiny_model
 from moerl.config import RolloutConfig
 from moerl.rollout import Engine
 from moerl.runtime.buffer import ExperienceBuffer
+from moerl.runtime.local import LocalRollouts
 from moerl.runtime.queue import TaskQueue
+from moerl.runtime.weight_sources import LocalWeights
 from moerl.runtime.worker import RolloutWorker, sample_seed
-from moerl.runtime.worker_local import LocalFleet, LocalWeights
 from moerl.tasks import Prompt, Reward, load_tokenizer
 
 TOK = load_tokenizer(None)
@@ -111,7 +112,7 @@ def test_expired_lease_delivery_is_refused_and_release_requeues():
 
 def test_local_fleet_generates_exactly_a_batch_on_policy():
     model, queue, buffer, worker = _setup([f"{i}+1=" for i in range(10)], weights=LocalWeights())
-    fleet = LocalFleet(queue, buffer, worker, worker.weights)
+    fleet = LocalRollouts(queue, buffer, worker, worker.weights)
     groups, gen_s, wait_s = fleet.next_groups(3)
     assert len(groups) == 3 and gen_s > 0 and wait_s == 0.0 and fleet.buffer_metrics().depth == 0
     fleet.push_weights(1, model.state_dict())

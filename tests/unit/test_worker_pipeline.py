@@ -11,8 +11,8 @@ from _tiny import tiny_model
 from moerl.config import RolloutConfig, load_config
 from moerl.rollout import Engine
 from moerl.runtime.buffer import BufferClosed, ExperienceBuffer, PutResult
-from moerl.runtime.exchange import ExchangeActorImpl, rollout_allowance
 from moerl.runtime.queue import TaskQueue
+from moerl.runtime.ray.exchange import ExchangeActor, rollout_allowance
 from moerl.runtime.worker import RolloutWorker
 from moerl.tasks import Prompt, Reward, load_tokenizer
 
@@ -194,14 +194,14 @@ def test_exchange_gates_leases_by_staleness_window_and_worker_version():
     cfg = load_config(
         None, ["trainer.batch_groups=2", "runtime.max_staleness=1", "rollout.group_size=2", "task.num_eval=4"]
     )
-    ex = ExchangeActorImpl(cfg, None, version=0)
+    ex = ExchangeActor(cfg, None, version=0)
     leases = ex.lease("w", 60.0, 10)
     assert len(leases) == 4 and ex.lease("w", 60.0, 10) == []  # (1 + 1) x 2 groups
-    ex.call("release", leases[0])  # back to pending: room for one
+    ex.release(leases[0])  # back to pending: room for one
     assert len(ex.lease("w", 60.0, 10)) == 1
     for lease in leases[1:]:
-        ex.call("release", lease)
-    assert ex.call("stats").outstanding == 1
+        ex.release(lease)
+    assert ex.queue_stats().outstanding == 1
     ex.set_version(0)  # a repeat of the current version changes nothing
     ex.set_version(1)
     # a worker still at version 0 lags one version: (1 + 1 - 1) x 2 - 1 outstanding = 1

@@ -2,15 +2,22 @@
 
 Workers lease tasks and deliver groups here; the trainer takes batches and advances the staleness
 clock. Leasing is gated by ``rollout_allowance`` so that no rollout starts that would arrive too stale
-to be trained. Wrapped as a Ray actor by ``moerl.runtime.actors.RayFleet``; plain Python here.
+to be trained. Wrapped as a Ray actor by ``RayRollouts`` (``moerl.runtime.ray.rollouts``); plain Python
+here (no Ray import), so that it is tested in-process.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from moerl.config import RunConfig
-from moerl.runtime.types import Group
+from moerl.runtime.buffer import BufferMetrics, PutResult
+from moerl.runtime.build import make_buffer, make_queue
+from moerl.runtime.queue import QueueStats
+from moerl.runtime.types import Group, Lease, PartialResponse, RolloutTask, Settlement
+from moerl.tasks import make_task
+from moerl.tasks.tokenizer import load_run_tokenizer
 
 
 def rollout_allowance(
@@ -32,20 +39,22 @@ def rollout_allowance(
     return max(0, (max_staleness + 1 - lag) * per_version - leased - buffered - taken)
 
 
-class ExchangeActorImpl:
+class ExchangeActor:
     """The ``TaskQueue`` and the ``ExperienceBuffer`` in one actor process.
 
     Co-located so that the buffer's ``settle``/``requeue`` (one per delivered group) are local calls
-    instead of a second actor round trip; workers reach the queue through ``call`` and ``lease``
-    (gated by ``rollout_allowance``) and the buffer through ``put_many``; the trainer through
-    ``get``/``set_version``.
+    instead of a second actor round trip. Workers call ``lease`` (gated by ``rollout_allowance``),
+    ``heartbeat``, ``release``, ``settle`` and ``put_many``; the trainer ``get``, ``set_version``,
+    ``snapshot``, ``requeue`` and the checkpoint pair ``state_dict``/``load_state_dict``.
+
+    Args:
+        cfg: the run config (task, group size, buffer and staleness settings).
+        init_path: the HF folder the run starts from (its tokenizer tokenizes the prompts), or None.
+        version: the trainer's policy version.
     """
 
-    def __init__(self, cfg: RunConfig, tokenizer_path: str | None, version: int):
-        from moerl.runtime.setup import make_buffer, make_queue
-        from moerl.tasks import load_tokenizer, make_task
-
-        self.queue = make_queue(cfg, make_task(cfg.task, cfg.env), load_tokenizer(tokenizer_path))
+    def __init__(self, cfg: RunConfig, init_path: str | None, version: int):
+        self.queue = make_queue(cfg, make_task(cfg.task, cfg.env), load_run_tokenizer(cfg, init_path))
         self.buffer = make_buffer(cfg, self.queue, version=version)
         self.per_version = cfg.trainer.batch_groups * cfg.trainer.publish_every
         self.max_staleness = max(1, cfg.runtime.max_staleness)  # 0 still needs one batch in flight
@@ -53,13 +62,11 @@ class ExchangeActorImpl:
         self._taken = 0  # groups handed to the trainer since the version last advanced
         self._lock = threading.Lock()  # the lease gate, the version and ``_taken`` change together
 
-    def call(self, method: str, *args, **kwargs):
-        """Run ``TaskQueue.<method>``."""
-        return getattr(self.queue, method)(*args, **kwargs)
+    # -- the workers' side: the queue ------------------------------------------------------------
 
     def lease(
         self, worker_id: str, ttl_s: float, max_tasks: int = 1, policy_version: int | None = None
-    ) -> list:
+    ) -> list[Lease]:
         """``TaskQueue.lease`` of at most ``rollout_allowance`` tasks (possibly none) for a worker whose
         weights are ``policy_version`` (None: current)."""
         with self._lock:
@@ -74,11 +81,25 @@ class ExchangeActorImpl:
             )
             return self.queue.lease(worker_id, ttl_s, min(max_tasks, allowed)) if allowed else []
 
-    def put_many(self, groups: list[Group], timeout=None) -> list:
+    def heartbeat(self, target: Lease | str, ttl_s: float | None = None) -> list[Lease]:
+        """``TaskQueue.heartbeat``: renew a worker's leases (or one lease)."""
+        return self.queue.heartbeat(target, ttl_s)
+
+    def release(self, lease: Lease, *, partial: Sequence[PartialResponse] = ()) -> bool:
+        """``TaskQueue.release``: hand a lease back (with the drained ``partial`` prefixes)."""
+        return self.queue.release(lease, partial=partial)
+
+    def settle(self, task_id: str, token: int, outcome: Settlement) -> bool:
+        """``TaskQueue.settle``: record a task's outcome if ``token`` is its current lease."""
+        return self.queue.settle(task_id, token, outcome)
+
+    def put_many(self, groups: list[Group], timeout: float | None = None) -> list[PutResult | None]:
         """``ExperienceBuffer.put_many``: one round trip for a worker's whole delivery."""
         return self.buffer.put_many(groups, timeout=timeout)
 
-    def get(self, batch_size: int, timeout=None, version: int | None = None) -> list[Group]:
+    # -- the trainer's side ----------------------------------------------------------------------
+
+    def get(self, batch_size: int, timeout: float | None = None, version: int | None = None) -> list[Group]:
         """``ExperienceBuffer.get``, after ``set_version(version)`` when given (the trainer's version
         travels with its request, so that a ``set_version`` sent without waiting cannot arrive late)."""
         if version is not None:
@@ -100,15 +121,27 @@ class ExchangeActorImpl:
             self.buffer.set_version(version)
             self._version, self._taken = version, 0
 
-    def snapshot(self) -> tuple:
+    def requeue(self, task: RolloutTask) -> None:
+        """``TaskQueue.requeue``: a trained task whose training was lost with a trainer restart."""
+        self.queue.requeue(task)
+
+    def queue_stats(self) -> QueueStats:
+        """``TaskQueue.stats()``."""
+        return self.queue.stats()
+
+    def snapshot(self) -> tuple[QueueStats, BufferMetrics]:
         """``(TaskQueue.stats(), ExperienceBuffer.metrics())`` in one call."""
         return self.queue.stats(), self.buffer.metrics()
 
-    def state_dict(self):
-        return self.buffer.state_dict()
+    def state_dict(self) -> dict:
+        """``{"queue": TaskQueue.state_dict(), "buffer": ExperienceBuffer.state_dict()}``."""
+        return {"queue": self.queue.state_dict(), "buffer": self.buffer.state_dict()}
 
-    def load_state_dict(self, state) -> None:
-        self.buffer.load_state_dict(state)
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a ``state_dict`` (checkpoint parts ``queue`` and ``buffer``)."""
+        self.queue.load_state_dict(state["queue"])
+        self.buffer.load_state_dict(state["buffer"])
 
     def close(self) -> None:
+        """Close the buffer: blocked producers and consumers get ``BufferClosed``."""
         self.buffer.close()

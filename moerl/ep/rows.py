@@ -1,0 +1,289 @@
+"""Row movement of the EP dispatchers: gathers from two row sources, weighted gather-sums and their
+backward, fused into single Triton kernels on CUDA, with tensor-op references elsewhere.
+
+Shape legend: A rows of the first source, B rows of the second, M output rows, T tokens, k slots per
+token, H channels per row. A row index ``i`` addresses ``cat([a, b])`` without forming it: rows
+``i < A`` come from ``a``, rows ``i >= A`` from ``b[i - A]``; ``-1`` means "no row" (a zero).
+
+Why two sources: a dispatcher's own rows never need the wire. The flat dispatcher gathers the rows a
+rank keeps straight from its tokens (source ``a`` = x) and the rows other ranks sent from the
+all-to-all's receive buffer (source ``b``) into the expert-sorted output in one pass, and its combine
+sums each token's k expert outputs from the local outputs (``a`` = y) and the rows sent back (``b``)
+in one pass, weighted and accumulated in float32, without concatenating the two.
+
+The Triton kernels run one program per output row; the tensor-op paths (CPU, float64, no Triton)
+compute the same function and are what the unit tests check; ``bench/gpu_checks.py`` checks the
+kernels against them on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # Triton is optional: CPU installs use the tensor-op paths.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+FP8_MAX = 448.0
+"""Largest finite float8_e4m3fn value: per-row scales map each row's absolute maximum to it."""
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit and float32 inputs, float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _use_triton(*ts: torch.Tensor) -> bool:
+    return (
+        triton is not None
+        and all(t.is_cuda for t in ts)
+        and all(t.dtype != torch.float64 for t in ts if t.is_floating_point())
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_rows2_kernel(
+        a_ptr,
+        b_ptr,
+        src_ptr,
+        scale_ptr,
+        out_ptr,
+        NA,
+        H: tl.constexpr,
+        BLOCK: tl.constexpr,
+        SCALED: tl.constexpr,
+    ):
+        # out[m] = (cat(a, b)[src[m]]) * scale[src[m]] (scale only when SCALED), one program per row.
+        m = tl.program_id(0).to(tl.int64)
+        s = tl.load(src_ptr + m).to(tl.int64)
+        in_a = s < NA
+        if SCALED:
+            sc = tl.load(scale_ptr + s)
+        for h0 in range(0, H, BLOCK):
+            offs = h0 + tl.arange(0, BLOCK)
+            hm = offs < H
+            va = tl.load(a_ptr + s * H + offs, mask=hm & in_a, other=0.0)
+            vb = tl.load(b_ptr + (s - NA) * H + offs, mask=hm & (s >= NA), other=0.0)
+            v = tl.where(in_a, va, vb)
+            if SCALED:
+                v = v.to(tl.float32) * sc
+            tl.store(out_ptr + m * H + offs, v.to(out_ptr.dtype.element_ty), mask=hm)
+
+    @triton.jit
+    def _gather_sum2_kernel(
+        a_ptr,
+        b_ptr,
+        pos_ptr,
+        w_ptr,
+        out_ptr,
+        NA,
+        H: tl.constexpr,
+        K: tl.constexpr,
+        KP: tl.constexpr,
+        HAS_W: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        # out[t] = sum_j w[t, j] * cat(a, b)[pos[t, j]] in float32; pos = -1 contributes nothing.
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, KP)
+        jm = j < K
+        p = tl.load(pos_ptr + t * K + j, mask=jm, other=-1).to(tl.int64)
+        in_a = (p >= 0) & (p < NA)
+        in_b = p >= NA
+        if HAS_W:
+            w = tl.load(w_ptr + t * K + j, mask=jm, other=0.0).to(tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs = h0 + tl.arange(0, BLOCK_H)
+            hm = offs < H
+            ya = tl.load(a_ptr + p[:, None] * H + offs[None, :], mask=in_a[:, None] & hm[None, :], other=0.0)
+            yb = tl.load(
+                b_ptr + (p - NA)[:, None] * H + offs[None, :], mask=in_b[:, None] & hm[None, :], other=0.0
+            )
+            y = tl.where(in_a[:, None], ya, yb).to(tl.float32)
+            if HAS_W:
+                y = y * w[:, None]
+            tl.store(out_ptr + t * H + offs, tl.sum(y, axis=0), mask=hm)
+
+    @triton.jit
+    def _gather_sum2_bwd_kernel(
+        g_ptr,
+        a_ptr,
+        b_ptr,
+        pos_ptr,
+        w_ptr,
+        ga_ptr,
+        gb_ptr,
+        gw_ptr,
+        NA,
+        H: tl.constexpr,
+        K: tl.constexpr,
+        KP: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        # For each slot (t, j) with a row: grad row w[t, j] g[t] to that row of ga or gb, and
+        # gw[t, j] = <g[t], row>; gw = 0 for empty slots.
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, KP)
+        jm = j < K
+        p = tl.load(pos_ptr + t * K + j, mask=jm, other=-1).to(tl.int64)
+        in_a = (p >= 0) & (p < NA)
+        in_b = p >= NA
+        w = tl.load(w_ptr + t * K + j, mask=jm, other=0.0).to(tl.float32)
+        dots = tl.zeros([KP], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs = h0 + tl.arange(0, BLOCK_H)
+            hm = offs < H
+            ma, mb = in_a[:, None] & hm[None, :], in_b[:, None] & hm[None, :]
+            g = tl.load(g_ptr + t * H + offs, mask=hm, other=0.0).to(tl.float32)
+            ya = tl.load(a_ptr + p[:, None] * H + offs[None, :], mask=ma, other=0.0)
+            yb = tl.load(b_ptr + (p - NA)[:, None] * H + offs[None, :], mask=mb, other=0.0)
+            y = tl.where(in_a[:, None], ya, yb).to(tl.float32)
+            dots += tl.sum(y * g[None, :], axis=1)
+            gy = w[:, None] * g[None, :]
+            tl.store(ga_ptr + p[:, None] * H + offs[None, :], gy.to(ga_ptr.dtype.element_ty), mask=ma)
+            tl.store(gb_ptr + (p - NA)[:, None] * H + offs[None, :], gy.to(gb_ptr.dtype.element_ty), mask=mb)
+        tl.store(gw_ptr + t * K + j, dots, mask=jm)
+
+
+def _meta(h: int, k: int) -> dict:
+    kp = triton.next_power_of_2(max(k, 1))
+    return dict(K=k, KP=kp, BLOCK_H=min(triton.next_power_of_2(h), max(64, 4096 // kp)))
+
+
+def _flat(rows: torch.Tensor) -> torch.Tensor:
+    return rows.reshape(rows.shape[0], math.prod(rows.shape[1:])).contiguous()
+
+
+def gather_rows2(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    src: torch.Tensor,
+    *,
+    scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """out[m] = cat([a, b])[src[m]], times ``scale[src[m]]`` when given (dequantization).
+
+    Args:
+        a: [A, ...] rows. b: [B, ...] rows of a's dtype and per-row shape. src: [M] int64 in [0, A + B).
+        scale: optional [A + B] float32 per-source-row factor (FP8 payloads: the row's scale).
+        out_dtype: dtype of the output (default a's).
+    Returns:
+        [M, ...] rows of ``out_dtype``; no autograd.
+    """
+    out_dtype = out_dtype or a.dtype
+    shape = a.shape[1:]
+    if _use_triton(a, b, src) and src.numel():
+        af, bf = _flat(a), _flat(b)
+        h = af.shape[1] if a.shape[0] else bf.shape[1]
+        out = torch.empty(src.shape[0], h, dtype=out_dtype, device=a.device)
+        block = min(triton.next_power_of_2(max(h, 1)), 4096)
+        _gather_rows2_kernel[(src.shape[0],)](
+            af, bf, src, scale if scale is not None else src, out, a.shape[0], H=h, BLOCK=block,
+            SCALED=scale is not None,
+        )  # fmt: skip
+        return out.view(src.shape[0], *shape)
+    rows = torch.cat([a, b]).index_select(0, src)
+    if scale is None:
+        return rows.to(out_dtype)
+    view = scale.index_select(0, src).view(-1, *([1] * len(shape)))
+    return (rows.float() * view).to(out_dtype)
+
+
+def gather_sum2(
+    a: torch.Tensor, b: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * cat([a, b])[pos[t, j]] (w = 1 without ``weights``), pos = -1 adds nothing.
+
+    Args:
+        a: [A, H], b: [B, H] rows of one dtype. pos: [T, k] int64 in [-1, A + B).
+        weights: optional [T, k] float weights.
+    Returns:
+        [T, H] float32 (float64 for float64 rows); sums in slot order j = 0, 1, ... on the tensor-op path,
+        a fixed tree order in the kernel (both deterministic). No autograd.
+    """
+    acc = accumulation_dtype(a.dtype)
+    t, k = pos.shape
+    h = a.shape[1] if a.dim() == 2 else b.shape[1]
+    if _use_triton(a, b, pos) and t:
+        out = torch.empty(t, h, dtype=acc, device=a.device)
+        w = weights.float().contiguous() if weights is not None else pos
+        _gather_sum2_kernel[(t,)](
+            a.contiguous(), b.contiguous(), pos.contiguous(), w, out, a.shape[0], h,
+            HAS_W=weights is not None, **_meta(h, k),
+        )  # fmt: skip
+        return out
+    padded = torch.cat([a.to(acc), b.to(acc), a.new_zeros(1, h, dtype=acc)])
+    idx = torch.where(pos >= 0, pos, padded.shape[0] - 1)
+    out = padded.new_zeros(t, h)
+    for j in range(k):
+        row = padded.index_select(0, idx[:, j])
+        out += row if weights is None else weights[:, j, None].to(acc) * row
+    return out
+
+
+def gather_sum2_backward(
+    g: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``gather_sum2`` with weights, for a ``pos`` that names every row of a and b exactly once.
+
+    Args:
+        g: [T, H] gradient of the output. a, b, pos, weights: as in ``gather_sum2``.
+    Returns:
+        (grad_a [A, H], grad_b [B, H]) in a's dtype, grad_a[pos[t, j]] = w[t, j] g[t] (likewise for b);
+        grad_w [T, k] in weights' dtype, <g[t], cat(a, b)[pos[t, j]]>, 0 for empty slots.
+    """
+    t, k = pos.shape
+    h = g.shape[1]
+    na, nb = a.shape[0], b.shape[0]
+    if _use_triton(g, a, b, pos) and t:
+        ga = torch.empty(na, h, dtype=a.dtype, device=a.device)
+        gb = torch.empty(nb, h, dtype=a.dtype, device=a.device)
+        gw = torch.empty(t, k, dtype=torch.float32, device=a.device)
+        _gather_sum2_bwd_kernel[(t,)](
+            g.contiguous(), a.contiguous(), b.contiguous(), pos.contiguous(), weights.float().contiguous(),
+            ga, gb, gw, na, h, **_meta(h, k),
+        )  # fmt: skip
+        return ga, gb, gw.to(weights.dtype)
+    acc = accumulation_dtype(a.dtype)
+    rows = torch.cat([a.to(acc), b.to(acc), a.new_zeros(1, h, dtype=acc)])
+    idx = torch.where(pos >= 0, pos, na + nb)
+    g_acc = g.to(acc)
+    gw = (rows[idx] * g_acc[:, None, :]).sum(-1).to(weights.dtype)
+    grad = torch.zeros(na + nb + 1, h, dtype=a.dtype, device=a.device)
+    grad[idx.reshape(-1)] = (weights.to(acc)[:, :, None] * g_acc[:, None, :]).reshape(-1, h).to(a.dtype)
+    return grad[:na], grad[na : na + nb], gw
+
+
+def gather_slots2(a: torch.Tensor, b: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """out[t, j] = cat([a, b])[pos[t, j]], 0 where pos = -1; a [A], b [B], pos [T, k] -> [T, k]."""
+    vals = torch.cat([a, b, a.new_zeros(1)])
+    return vals[torch.where(pos >= 0, pos, vals.shape[0] - 1)]
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row FP8 quantization: x [T, H] -> (q [T, H] float8_e4m3fn, scale [T] float32), x ~ q * scale.
+
+    scale = max|x_row| / 448 (the largest e4m3 value; 1 for an all-zero row), as DeepEP's FP8 dispatch
+    and DeepSeek-V3's fine-grained quantization (arXiv:2412.19437, sec. 3.3.2) do per group of values.
+    """
+    amax = x.abs().amax(-1).float() if x.shape[0] else x.new_zeros(0, dtype=torch.float32)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def positions_of_true(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the True entries of a 1-D bool mask, in order, when their number ``count`` is known:
+    ``torch.nonzero`` without its device sync. Returns [count] int64."""
+    rank = mask.long().cumsum(0) - 1
+    out = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
+    out.scatter_(0, torch.where(mask, rank, count), torch.arange(mask.numel(), device=mask.device))
+    return out[:count]

@@ -1,0 +1,41 @@
+"""Options of ``moerl plan`` and its presets: light (argparse only), so that building the ``moerl`` parser
+imports neither torch nor rich. The work happens in ``moerl.plan.cli``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+CALIBRATION = Path(__file__).with_name("calibration.json")
+"""The fitted constants shipped with moerl (``python -m moerl.plan.calibrate`` rewrites it)."""
+
+PRESETS: dict[str, dict] = {
+    # The mission: 48 p5en (16 training, 32 rollout), a GLM-5-744B-A40B-like super-sparse MoE (top-8 of 256),
+    # EP over 2 nodes per rollout replica, group-limited routing assumed as DeepSeek-V3's (4 of 8 groups).
+    "mission": {},
+    "mission-spot": {"spot_rollout": True},
+    # moerl's reference bench model on one p5en node (EP inside the node: no inter-node traffic).
+    "bench-reference": {"model": "reference", "total_nodes": 2, "train_nodes": 1, "rollout_ep_nodes": 1,
+                        "prompts_per_step": 32, "group_size": 8, "prompt_len": 128, "response_len": 128},
+    "qwen3-235b": {"model": "qwen3-235b-a22b", "router_groups": 1, "topk_groups": 1},
+    "deepseek-v3": {"model": "deepseek-v3"},
+}  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's options (``moerl/cli.py`` calls this)."""
+    p.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: mission)")
+    p.add_argument("--file", default=None, help="YAML plan: a mapping of plan parameters")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PARAM=VALUE")
+    p.add_argument("--sweep", action="append", default=[], metavar="PARAM=V1,V2,...", help="repeatable: grid")
+    p.add_argument("--json", default=None, help="write all points to this JSON file")
+    p.add_argument("--csv", default=None, help="write all points to this CSV file")
+    p.add_argument(
+        "--plot", default=None, help="PNG: rollout tok/s and $/1000 episodes against the first sweep"
+    )
+    p.add_argument("--calibration", default=str(CALIBRATION))
+    p.add_argument("--validate", action="store_true", help="compare with bench/results and exit")
+    p.add_argument("--results", default="bench/results", help="bench results folder read by --validate")
+    p.add_argument(
+        "--sensitivity", action="store_true", help="one-at-a-time sensitivity of the hier/flat ratio"
+    )

@@ -1,0 +1,200 @@
+"""Fit the planner's constants on moerl's own measurements (``bench/results/*.json``) and check the rest.
+
+    python -m moerl.plan.calibrate [--results bench/results] [--out moerl/plan/calibration.json]
+
+Every constant records the files, fields and points it was fitted on; ``validate`` predicts the points
+that were held out. Nothing here looks at the mission's +40%.
+
+Fits (H200 datasheet peaks as the denominators, so the fractions carry to other GPUs):
+- prefill_matmul_fraction: ``rollout_gpu.json`` prefill-only generate (B = 256 prompts of 128 tokens).
+- decode_hbm_fraction, decode_step_s: the two CUDA-graph decode runs, linear in (bytes, 1):
+  ``rollout_gpu.json`` (reference, 16 layers, B = 256) and ``ep_multi_gpu.json`` model.decode.ep1_graphs
+  (4 layers, GQA, B = 64; its prefill, predicted, subtracted). No graph-mode decode run is left to hold out.
+- train_matmul_fraction, optimizer_hbm_fraction: ``train_step.json`` moerl/b8 and moerl/b24 (step time
+  linear in tokens); held out: moerl/b16 and ``ep_multi_gpu.json`` model.train.ep1.
+- moe_matmul_fraction: ``moe_layer.json`` moerl forward; held out: forward + backward (3x the FLOPs).
+- eager_layer_s: ``ep_multi_gpu.json`` model.decode ep1 (eager) against ep1_graphs; held out: the EP = 2
+  decode runs (eager step + one fitted round trip per MoE layer at 64 tokens per GPU).
+- EP round trip per dispatcher (call_s, proc_gb_s): ``ep_multi_gpu.json`` dispatch rows of topology 2x1
+  (H 7168 / 4096, uniform / zipf); held out: the four 1x2 rows of each dispatcher. nvlink_fraction: the
+  2x1 ``floor_a2a`` rows (plain all_to_all_single of the same bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moerl.ep import ExpertPlacement, Topology, compute_layout
+from moerl.ep.layout import copies_per_rank
+from moerl.plan import timing
+from moerl.plan.args import CALIBRATION
+from moerl.plan.hardware import get_hardware
+from moerl.plan.models import MODELS
+from moerl.plan.traffic import RowBytes, exact_traffic
+
+DEFAULT_OUT = CALIBRATION
+H200 = get_hardware(
+    "p5en"
+)  # H200 datasheet peaks; the bench GPUs' NVLink pair: NV18 = 450 GB/s per direction
+
+
+def _load(folder: Path, name: str) -> dict:
+    path = folder / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(2, "bench result missing", str(path))
+    return json.loads(path.read_text())
+
+
+def bench_routing(tokens: int, experts: int, k: int, kind: str, seed: int) -> torch.Tensor:
+    """The routing ``bench/ep_multi_gpu.py`` drew (same generator, seed and Gumbel-top-k), [T, k] int64."""
+    gen = torch.Generator().manual_seed(seed)
+    gumbel = -torch.log(-torch.log(torch.rand(tokens, experts, generator=gen).clamp_min(1e-20)))
+    if kind == "zipf":
+        gumbel = gumbel - torch.log(torch.arange(1, experts + 1, dtype=torch.float32))
+    return gumbel.topk(k, dim=-1).indices
+
+
+def dispatch_points(ep: dict) -> list[dict]:
+    """The bench's dispatch rows with the planner's bytes (exact, from the reproduced routing) and work bytes."""
+    cfg, out = ep["dispatch_config"], []
+    t, e, k = cfg["tokens_per_rank"], cfg["experts"], cfg["top_k"]
+    for row in ep["dispatch"]:
+        if row["method"] not in ("alltoall", "hierarchical", "floor_a2a"):
+            continue
+        n, g = (int(v) for v in row["topology"].split("x"))
+        topo, h = Topology(n * g, g), row["hidden"]
+        placement, rb = ExpertPlacement(e, topo), RowBytes(2 * h, k)
+        idx = [
+            bench_routing(t, e, k, row["routing"], 1000 * r + h + (row["routing"] == "zipf"))
+            for r in range(n * g)
+        ]
+        lays = [compute_layout(i, placement) for i in idx]
+        copies = torch.stack([copies_per_rank(lay, n * g) for lay in lays])
+        dedup = torch.stack([lay.tokens_per_rank for lay in lays])
+        if row["method"] == "hierarchical":
+            work = (
+                (dedup.sum(1) + dedup.sum(0)) * (rb.hier_dispatch + rb.combine) + copies.sum(0) * 4 * h
+            ).max()
+        else:
+            work = ((copies.sum(1) + copies.sum(0)) * (rb.flat_dispatch + rb.combine)).max()
+        label = "hier" if row["method"] == "hierarchical" else "flat"
+        tr = exact_traffic(idx, placement, rb)
+        sent = sum(
+            x.intra_node_bytes + x.inter_node_bytes
+            for p in ("dispatch", "combine")
+            for x in tr[f"{label}_{p}"]
+        )
+        wire = int(max(copies[0, 1], copies[1, 0])) * (rb.flat_dispatch + rb.combine)
+        out.append({**{f: row[f] for f in ("topology", "hidden", "routing", "method", "total_ms")},
+                    "bytes_measured": row["bytes_sent_all_ranks"], "bytes_planned": int(sent),
+                    "work_bytes": float(work), "wire_bytes": float(wire)})  # fmt: skip
+    return out
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x; returns (a, b)."""
+    a, b = np.linalg.lstsq(np.array([[1.0, x] for x in xs]), np.array(ys), rcond=None)[0]
+    return float(a), float(b)
+
+
+def fit(folder: Path) -> dict:
+    """All constants with provenance (module docstring)."""
+    roll, train, moe, ep = (
+        _load(folder, n) for n in ("rollout_gpu", "train_step", "moe_layer", "ep_multi_gpu")
+    )
+    ref, epm, hw = MODELS["reference"], MODELS["ep-bench"], H200
+    b, p, n_new = roll["batch"], roll["prompt_len"], roll["new_tokens"]
+    prefill_flops = b * p * ref.forward_flops_per_token(p / 2)
+    prefill_frac = prefill_flops / roll["results"]["moerl"]["prefill_only_s"] / (hw.bf16_tflops * 1e12)
+    ctx = p + n_new / 2
+    steps = n_new - 1
+    bytes_ref = timing.decode_weight_bytes(ref, b, 1, 2) + b * ctx * ref.kv_bytes_per_token()
+    dec1 = ep["model"]["decode"]["ep1_graphs"]
+    b1 = 64
+    pre1 = b1 * p * epm.forward_flops_per_token(p / 2) / (prefill_frac * hw.bf16_tflops * 1e12)
+    bytes_ep = timing.decode_weight_bytes(epm, b1, 1, 2) + b1 * ctx * epm.kv_bytes_per_token()
+    c_step, s_per_byte = _line(
+        [bytes_ref, bytes_ep],
+        [roll["results"]["moerl"]["decode_s"] / steps, (dec1["generate_ms"] / 1e3 - pre1) / steps],
+    )
+    # eager decode (no CUDA graphs, as under EP): the extra time per layer of ep1 without graphs
+    eager = ep["model"]["decode"]["ep1"]
+    eager_layer_s = ((eager["generate_ms"] - dec1["generate_ms"]) / 1e3 / steps) / epm.num_layers
+    tr = train["results"]
+    seq = train["seq_len"]
+    fixed, s_per_token = _line(
+        [8 * seq, 24 * seq], [tr["moerl/b8"]["median_step_s"], tr["moerl/b24"]["median_step_s"]]
+    )
+    train_frac = ref.train_flops_per_token(seq) / s_per_token / (hw.bf16_tflops * 1e12)
+    opt_frac = ref.num_params * 14.0 / fixed / (hw.hbm_tb_s * 1e12)
+    moe_frac = (
+        moe["flops_fwd"] / (moe["results"]["moerl"]["fwd"]["median_ms"] / 1e3) / (hw.bf16_tflops * 1e12)
+    )
+    pts = dispatch_points(ep)
+    impls = {}
+    for method in ("alltoall", "hierarchical"):
+        fit_pts = [q for q in pts if q["method"] == method and q["topology"] == "2x1"]
+        call_ms, ms_per_byte = _line([q["work_bytes"] for q in fit_pts], [q["total_ms"] for q in fit_pts])
+        impls[method] = {"call_s": call_ms / 1e3, "proc_gb_s": 1e-6 / ms_per_byte}
+    floor = [q for q in pts if q["method"] == "floor_a2a" and q["topology"] == "2x1"]
+    _, ms_per_wire = _line([q["wire_bytes"] / 2 for q in floor], [q["total_ms"] for q in floor])
+    nvl_frac = 1e-6 / ms_per_wire / hw.nvlink_gb_s
+    src = {
+        "prefill_matmul_fraction": "rollout_gpu.json results.moerl.prefill_only_s (B=256, P=128, reference)",
+        "decode_hbm_fraction": "rollout_gpu.json results.moerl.decode_s and ep_multi_gpu.json model.decode.ep1_graphs",
+        "decode_step_s": "same two decode runs (intercept of step time against bytes)",
+        "train_matmul_fraction": "train_step.json results moerl/b8 and moerl/b24 (slope)",
+        "optimizer_hbm_fraction": "train_step.json results moerl/b8 and moerl/b24 (intercept: optimizer + fixed)",
+        "moe_matmul_fraction": "moe_layer.json results.moerl.fwd (16384 tokens)",
+        "eager_layer_s": "ep_multi_gpu.json model.decode ep1 (eager) minus ep1_graphs, per layer and step",
+        "ep": "ep_multi_gpu.json dispatch rows, topology 2x1 (4 per dispatcher); nvlink_fraction: 2x1 floor_a2a",
+    }
+    return {
+        "constants": {
+            "decode_hbm_fraction": 1.0 / (s_per_byte * hw.hbm_tb_s * 1e12), "decode_step_s": c_step,
+            "prefill_matmul_fraction": prefill_frac, "train_matmul_fraction": train_frac,
+            "moe_matmul_fraction": moe_frac, "optimizer_hbm_fraction": opt_frac,
+            "eager_layer_s": eager_layer_s,
+        },
+        "ep_impls": impls,
+        "nvlink_fraction_all_to_all": nvl_frac,
+        "dispatch_points": pts,
+        "sources": src,
+        "device": {n: _load(folder, n).get("device") for n in ("rollout_gpu", "train_step", "moe_layer", "ep_multi_gpu")},
+        "dates": {n: _load(folder, n).get("date") for n in ("rollout_gpu", "train_step", "moe_layer", "ep_multi_gpu")},
+        "denominators": "H200 datasheet: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM, NVLink 450 GB/s per direction",
+    }  # fmt: skip
+
+
+def constants(cal: dict) -> timing.Constants:
+    """``timing.Constants`` from a calibration record."""
+    return timing.Constants(**cal["constants"])
+
+
+def write(cal: dict, path: Path) -> None:
+    """Write the record atomically (others read it)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cal, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m moerl.plan.calibrate``: fit, write ``calibration.json``, print the constants."""
+    parser = argparse.ArgumentParser(description="fit moerl.plan's constants on bench/results")
+    parser.add_argument("--results", default="bench/results")
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    args = parser.parse_args(argv)
+    cal = fit(Path(args.results))
+    write(cal, Path(args.out))
+    print(json.dumps(cal["constants"], indent=2), json.dumps(cal["ep_impls"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,208 @@
+"""``moerl plan``: a preset or YAML plan, ``--set`` overrides, ``--sweep`` grids, table / JSON / CSV / plot.
+
+    moerl plan --preset mission
+    moerl plan --preset mission --sweep top_k=1,2,4 --sweep placement=grouped,round_robin
+    moerl plan --file plan.yaml --sweep total_nodes=13,63,125 --plot out.png --json out.json --csv out.csv
+    moerl plan --validate            # predictions against bench/results (fitted and held-out points)
+
+Bad input (unknown preset or parameter, invalid value) raises ConfigError: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import os
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from moerl.configlib import ConfigError
+from moerl.plan.args import PRESETS
+from moerl.plan.hardware import get_hardware
+from moerl.plan.predict import Plan, as_rows, best_split, run, with_params
+from moerl.plan.sensitivity import tornado
+from moerl.plan.validation import compare
+
+
+def _split(item: str, flag: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise ConfigError(f"{flag} {item!r}: expected PARAM=VALUE")
+    k, v = item.split("=", 1)
+    return k.strip(), v.strip()
+
+
+def build_plan(preset: str | None, file: str | None, overrides: list[str]) -> Plan:
+    """The base plan: preset (or YAML file), then ``--set`` overrides. Raises ConfigError on bad input."""
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    values = dict(PRESETS[preset or "mission"])
+    if file is not None:
+        loaded = yaml.safe_load(Path(file).read_text()) or {}  # FileNotFoundError -> exit 2 in moerl.cli
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{file}: a plan file is a mapping of parameters")
+        values.update(loaded)
+    values.update(_split(item, "--set") for item in overrides)
+    return with_params(Plan(), values)
+
+
+def sweep_points(base: Plan, sweeps: list[str]) -> list[tuple[dict, Plan]]:
+    """Every point of the grid of ``--sweep`` items (validated before any prediction runs)."""
+    axes = []
+    for item in sweeps:
+        k, v = _split(item, "--sweep")
+        values = [x for x in v.split(",") if x]
+        if not values:
+            raise ConfigError(f"--sweep {item!r}: no values")
+        axes.append([(k, x) for x in values])
+    return [(dict(combo), with_params(base, dict(combo))) for combo in itertools.product(*axes)]
+
+
+def _table(points: list[dict], swept: list[str]) -> Table:
+    t = Table(title="moerl plan (per dispatcher; hier/flat = rollout tok/s ratio)")
+    cols = [*swept, "dispatcher", "train/rollout nodes", "rollout tok/s", "decode ms", "EP ms/step", "inter MB/layer", "train s",
+            "useful ep/s", "balance", "$/1000 ep", "hier/flat"]  # fmt: skip
+    for c in cols:
+        t.add_column(c, justify="right")
+    for pt in points:
+        for pr in pt["predictions"]:
+            t.add_row(*[str(pt["swept"][s]) for s in swept], pr["dispatcher"],
+                      f"{pr['train_nodes']}/{pt['plan']['total_nodes'] - pr['train_nodes']}", f"{pr['rollout_tok_s']:,.0f}",
+                      f"{pr['decode_step_ms']:.1f}", f"{pr['ep_ms_per_step']:.1f}", f"{pr['inter_node_mb_per_layer']:.2f}",
+                      f"{pr['train_step_s']:.1f}", f"{pr['useful_episodes_s']:.2f}", f"{pr['balance']:.2f}", f"{pr['usd_per_1000_episodes']:.2f}",
+                      f"{pt['ratio_rollout_hier_over_flat']:.3f}")  # fmt: skip
+    return t
+
+
+def _atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    Path(tmp).write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_csv(path: str, points: list[dict]) -> None:
+    rows = [
+        {**pt["plan"], **pr, "ratio": pt["ratio_rollout_hier_over_flat"]}
+        for pt in points
+        for pr in pt["predictions"]
+    ]
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def plot(points: list[dict], axis: str, path: str) -> None:
+    """Rollout tok/s (left) and $ per 1000 useful episodes (right) of both dispatchers against ``axis``."""
+    import matplotlib  # lazy: heavy, only for --plot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [pt["plan"][axis] for pt in points]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, (name, style) in enumerate((("flat all-to-all", "o-"), ("hierarchical", "s-"))):
+        a.plot(xs, [pt["predictions"][i]["rollout_tok_s"] / 1e3 for pt in points], style, label=name)
+        b.plot(xs, [pt["predictions"][i]["usd_per_1000_episodes"] for pt in points], style, label=name)
+    label = f"{axis} (8 GPUs each)" if axis == "total_nodes" else axis
+    a.set(xlabel=label, ylabel="rollout k tok/s (all rollout GPUs)", title="Rollout throughput")
+    b.set(xlabel=label, ylabel="$ per 1000 useful episodes", title="Cost")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    tmp = f"{path}.tmp"
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def assumptions(plan: Plan, cal: dict) -> list[str]:
+    """Every input of a prediction, one line each, with its source."""
+    hw = get_hardware(plan.hardware)
+    lines = [f"plan.{f.name} = {getattr(plan, f.name)}" for f in fields(Plan)]
+    lines += [
+        f"hardware.{k} = {v} ({hw.sources.get(k, 'catalog')})"
+        for k, v in asdict(hw).items()
+        if k != "sources"
+    ]
+    lines += [
+        f"calibrated.{k} = {v:.4g} ({cal['sources'].get(k, cal['sources']['ep'])})"
+        for k, v in cal["constants"].items()
+    ]
+    return lines
+
+
+def _summary(plan: Plan, point: dict, cal: dict) -> str:
+    flat, hier = point["predictions"]
+    train, useful = best_split(plan, cal)
+    return "\n".join([
+        f"hierarchical / flat rollout tok/s: {point['ratio_rollout_hier_over_flat']:.3f}",
+        f"async iteration {hier['async_iter_s']:.1f} s vs sync {hier['sync_iter_s']:.1f} s (hierarchical); "
+        f"rollout supply / training demand = {hier['balance']:.2f}",
+        f"best split of {plan.total_nodes} nodes: {train} training + {plan.total_nodes - train} rollout "
+        f"({useful:.2f} useful episodes/s, hierarchical)",
+        f"$ per useful episode: flat {flat['usd_per_episode']:.4f}, hierarchical {hier['usd_per_episode']:.4f}; "
+        f"per 1000: {flat['usd_per_1000_episodes']:.2f} / {hier['usd_per_1000_episodes']:.2f}",
+    ])  # fmt: skip
+
+
+def _tornado_table(rows: list[dict]) -> Table:
+    t = Table(title=f"sensitivity of hier/flat rollout tok/s (base {rows[0]['base']:.3f})")
+    for c in ("assumption", "low", "high", "ratio at low", "ratio at high", "meaning"):
+        t.add_column(c, justify="left" if c in ("assumption", "meaning") else "right")
+    fmt = lambda r: "invalid" if r is None else f"{r:.3f}"  # noqa: E731
+    for r in rows:
+        t.add_row(r["param"], r["low"], r["high"], fmt(r["ratio_low"]), fmt(r["ratio_high"]), r["what"])
+    return t
+
+
+def validation_table(cal: dict, folder: Path) -> Table:
+    """Predictions against bench/results, fitted and held-out points."""
+    t = Table(title="moerl plan --validate: predictions vs bench/results")
+    for c in ("role", "quantity", "measured", "predicted", "error"):
+        t.add_column(c, justify="right" if c != "quantity" else "left")
+    for r in compare(cal, folder):
+        t.add_row(
+            r["role"],
+            r["quantity"],
+            f"{r['measured']:.4g}",
+            f"{r['predicted']:.4g}",
+            f"{100 * r['rel_err']:+.1f}%",
+        )
+    return t
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    """Run the subcommand; returns the exit code."""
+    cal = json.loads(Path(args.calibration).read_text())
+    console = Console(width=170)
+    if args.validate:
+        console.print(validation_table(cal, Path(args.results)))
+        return 0
+    if args.plot and not args.sweep:
+        raise ConfigError("--plot needs a --sweep (its first parameter is the x axis)")
+    base = build_plan(args.preset, args.file, args.overrides)
+    grid = sweep_points(base, args.sweep)  # every point validated before the first prediction
+    swept = [_split(s, "--sweep")[0] for s in args.sweep]
+    points = [{"swept": sw, **as_rows(p, run(p, cal))} for sw, p in grid]
+    console.print(_table(points, swept))
+    if not args.sweep:
+        console.print("\n".join(["assumptions:", *assumptions(base, cal)]), highlight=False)
+        console.print(_summary(base, points[0], cal), highlight=False)
+    if args.sensitivity:
+        console.print(_tornado_table(tornado(base, cal)))
+    if args.json:
+        _atomic(args.json, json.dumps({"calibration": cal["constants"], "points": points}, indent=2))
+    if args.csv:
+        _write_csv(args.csv, points)
+    if args.plot:
+        plot(points, swept[0], args.plot)
+    return 0

@@ -1,0 +1,139 @@
+"""Building a run's parts from its config: policy, engine, task queue, experience buffer, rollout worker.
+
+Used by the driver (``moerl.train``, ``LocalRollouts``) and by the Ray actors, which build their own
+worker, queue and buffer from the same config in their own process (``moerl.runtime.ray``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moerl.config import RunConfig
+from moerl.models import build_model, from_pretrained
+from moerl.models.dtypes import torch_dtype
+from moerl.rl import preset_from_config
+from moerl.rollout import Engine
+from moerl.runtime.buffer import ExperienceBuffer, has_reward_variance
+from moerl.runtime.delivery import GroupSink
+from moerl.runtime.queue import TaskQueue
+from moerl.runtime.weight_sources import WeightSource
+from moerl.runtime.weights import WeightStore
+from moerl.runtime.worker import RolloutWorker
+from moerl.envs.worker import episode_worker
+from moerl.tasks import Task, Tokenizer, make_task
+from moerl.tasks.eval import evaluate
+from moerl.tasks.tokenizer import load_run_tokenizer
+
+
+def load_policy(cfg: RunConfig, init_path: str | None, vocab_size: int) -> torch.nn.Module:
+    """The policy at ``init_path`` (HF folder), or a fresh model of ``cfg.model`` seeded by the torch RNG."""
+    if init_path is None:
+        return build_model(cfg.model, vocab_size)
+    return from_pretrained(init_path, dtype=torch_dtype(cfg.model.dtype), device=cfg.model.device)
+
+
+def make_engine(model: torch.nn.Module, cfg: RunConfig, *, version: int = 0) -> Engine:
+    """A rollout engine sized by ``cfg.rollout`` (slots, KV budget, prefill cap, sync period), seeded by ``cfg.seed``."""
+    return Engine.from_config(model, cfg.rollout, seed=cfg.seed, version=version)
+
+
+def make_queue(cfg: RunConfig, task: Task, tokenizer: Tokenizer) -> TaskQueue:
+    """The task queue over the task's endless, seeded training prompts (one task = one group)."""
+    return TaskQueue(
+        task.train_prompts(cfg.task.seed + cfg.seed),
+        num_samples=cfg.rollout.group_size,
+        tokenize=tokenizer.encode,
+        max_materialized=cfg.runtime.max_materialized_tasks,
+    )
+
+
+def make_buffer(cfg: RunConfig, queue: TaskQueue, *, version: int = 0) -> ExperienceBuffer:
+    """The experience buffer: capacity, staleness rule (0 in sync mode), DAPO filter, queue settlement."""
+    filters = (has_reward_variance,) if preset_from_config(cfg.algorithm).dynamic_sampling else ()
+    max_staleness = 0 if cfg.runtime.mode == "sync" else cfg.runtime.max_staleness
+    return ExperienceBuffer(
+        max(cfg.runtime.buffer_groups, cfg.trainer.batch_groups),
+        max_staleness=max_staleness,
+        stale_policy=cfg.runtime.stale_policy,
+        filters=filters,
+        settle=queue.settle,
+        requeue=queue.requeue,
+        initial_version=version,
+    )
+
+
+def make_worker(
+    cfg: RunConfig,
+    worker_id: str,
+    model: torch.nn.Module,
+    task: Task,
+    tokenizer: Tokenizer,
+    queue,
+    buffer: GroupSink,
+    weights: WeightSource,
+    *,
+    version: int = 0,
+    pause_point: Callable[[], None] | None = None,
+) -> RolloutWorker:
+    """A rollout worker with its own engine over ``model``; ``queue`` is a ``TaskQueue`` or its proxy;
+    ``pause_point``: see ``RolloutWorker``. For ``task.name: env`` an ``EpisodeWorker`` (``moerl.envs``)."""
+    if cfg.task.name == "env":
+        engine = make_engine(model, cfg, version=version)
+        worker = episode_worker(cfg, worker_id, engine, task, tokenizer, queue, buffer, weights)
+        worker.pause_point = pause_point
+        return worker
+    return RolloutWorker(
+        worker_id,
+        make_engine(model, cfg, version=version),
+        task,
+        tokenizer.decode,
+        queue,
+        buffer,
+        cfg.rollout,
+        stop_token_ids=(tokenizer.eos_id,),
+        weights=weights,
+        run_seed=cfg.seed,
+        lease_ttl_s=cfg.runtime.lease_ttl_s,
+        pause_point=pause_point,
+    )
+
+
+@dataclass
+class Components:
+    """A run's parts in the driver: tokenizer, task and the policy being trained."""
+
+    cfg: RunConfig
+    """The run config."""
+    init_path: str | None
+    """HF folder the policy was loaded from (None: fresh model)."""
+    store: WeightStore
+    """The weight store (source of truth for the workers' weights)."""
+    tokenizer: Tokenizer
+    """The run's tokenizer."""
+    task: Task
+    """The task (prompts and reward)."""
+    model: torch.nn.Module
+    """The policy being trained (the trainer's model; eval runs on it)."""
+
+    def evaluate(self) -> float:
+        """Held-out greedy accuracy of the driver's policy (``moerl.tasks.eval.evaluate``), in [0, 1]."""
+        r = self.cfg.rollout
+        return evaluate(
+            self.model,
+            self.tokenizer,
+            self.task,
+            max_new_tokens=r.max_new_tokens,
+            max_slots=r.max_slots,
+            kv_token_budget=r.kv_token_budget,
+        ).accuracy
+
+
+def build_components(cfg: RunConfig, init_path: str | None, store: WeightStore) -> Components:
+    """Tokenizer, task and policy of a run (the policy seeded by the torch RNG when fresh)."""
+    tokenizer = load_run_tokenizer(cfg, init_path)
+    task = make_task(cfg.task, cfg.env)
+    model = load_policy(cfg, init_path, tokenizer.vocab_size)
+    return Components(cfg, init_path, store, tokenizer, task, model)

@@ -1,0 +1,124 @@
+"""Sync mode's rollout side: queue, buffer and one ``RolloutWorker`` in this process, no Ray.
+
+Generate-then-train: ``next_groups(n)`` has the worker generate exactly ``n`` groups at the current
+weights and takes them from the buffer (``max_staleness`` 0: on-policy). Implements ``Rollouts``
+(``moerl.runtime.rollouts``), as ``moerl.runtime.ray.RayRollouts`` does for async mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping
+
+import torch
+
+from moerl.config import RunConfig
+from moerl.runtime.accounting import FleetState
+from moerl.runtime.buffer import BufferMetrics, ExperienceBuffer
+from moerl.runtime.build import Components, make_buffer, make_queue, make_worker
+from moerl.runtime.queue import QueueStats, TaskQueue
+from moerl.runtime.types import Group, RolloutTask
+from moerl.runtime.weight_sources import LocalWeights
+from moerl.runtime.worker import RolloutWorker, WorkerStats
+
+_NEVER = ("fleet/interruptions", "fleet/drained", "fleet/killed", "fleet/lost_work_frac")
+
+
+class LocalRollouts:
+    """The in-process rollout side (module docstring).
+
+    Args:
+        queue: the task queue.
+        buffer: the experience buffer over ``queue``.
+        worker: the one rollout worker, polling ``weights``.
+        weights: where ``push_weights`` hands the trainer's weights over.
+    """
+
+    def __init__(
+        self, queue: TaskQueue, buffer: ExperienceBuffer, worker: RolloutWorker, weights: LocalWeights
+    ) -> None:
+        self.queue, self.buffer, self.worker, self.weights = queue, buffer, worker, weights
+
+    @classmethod
+    def start(cls, cfg: RunConfig, comp: Components, version: int, parts: dict | None) -> LocalRollouts:
+        """Build queue, buffer and worker for a run at policy ``version`` (restoring checkpoint ``parts``).
+
+        The worker generates with its own copy of the policy; its engine loads ``version`` on its first
+        poll.
+        """
+        queue = make_queue(cfg, comp.task, comp.tokenizer)
+        buffer = make_buffer(cfg, queue, version=version)
+        weights = LocalWeights()
+        weights.push(version, {k: v.detach().clone() for k, v in comp.model.state_dict().items()})
+        model = copy.deepcopy(comp.model)
+        worker = make_worker(
+            cfg, "local-0", model, comp.task, comp.tokenizer, queue, buffer, weights, version=-1
+        )
+        rollouts = cls(queue, buffer, worker, weights)
+        if parts is not None:
+            rollouts.load_state_dict(parts)
+        return rollouts
+
+    def next_groups(self, n: int) -> tuple[list[Group], float, float]:
+        """Generate ``n`` groups and take them from the buffer.
+
+        Returns:
+            ``(groups, generation seconds, wait seconds)``; the wait is 0 in sync mode.
+        """
+        start = time.perf_counter()
+        while self.buffer.metrics().depth < n:
+            self.worker.run(num_groups=n - self.buffer.metrics().depth)
+        gen_s = time.perf_counter() - start
+        return self.buffer.get(n, timeout=0), gen_s, 0.0
+
+    def push_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Hand the trainer's new weights to the worker and advance the staleness clock."""
+        self.weights.push(version, tensors)
+        self.buffer.set_version(version)
+
+    def requeue(self, task: RolloutTask) -> None:
+        """Hand a trained task back to the queue (its training was lost with a trainer restart)."""
+        self.queue.requeue(task)
+
+    def queue_stats(self) -> QueueStats:
+        """``TaskQueue.stats()``."""
+        return self.queue.stats()
+
+    def buffer_metrics(self) -> BufferMetrics:
+        """``ExperienceBuffer.metrics()``."""
+        return self.buffer.metrics()
+
+    def worker_stats(self) -> list[WorkerStats]:
+        """Counters of every worker."""
+        return [self.worker.stats]
+
+    def fleet_values(self, batch_groups: int) -> dict[str, float]:
+        """The step's ``fleet/*`` metrics: one in-process worker, never interrupted."""
+        return {**dict.fromkeys(_NEVER, 0), "fleet/workers_alive": 1, "fleet/desired_workers": 1}
+
+    def fleet_summary(self) -> dict:
+        """Fleet figures for ``summary.json`` (nothing to report in-process)."""
+        return {}
+
+    def state_dict(self) -> dict:
+        """Queue and buffer state (the worker is idle between sync steps)."""
+        return {"queue": self.queue.state_dict(), "buffer": self.buffer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict`` into the fresh queue and buffer."""
+        self.queue.load_state_dict(state["queue"])
+        self.buffer.load_state_dict(state["buffer"])
+
+    def final_state(self) -> FleetState:
+        """``FleetState`` for the run's accounting."""
+        return FleetState.from_states(
+            self.queue.stats(),
+            self.buffer.metrics(),
+            self.queue.state_dict(),
+            self.buffer.state_dict(),
+            self.worker.stats.reward_errors,
+        )
+
+    def close(self) -> None:
+        """Nothing to stop in-process."""

@@ -1,0 +1,14 @@
+"""Async mode on Ray: the rollout side as actors (``RayRollouts``), the exchange actor that holds the
+queue and the buffer, the rollout worker actor, and the fleet backend that spawns and watches workers.
+
+    rollouts.py      RayRollouts (the ``Rollouts`` of async mode), init_ray, check_ray_address
+    exchange.py      ExchangeActor: TaskQueue + ExperienceBuffer in one actor, the staleness gate
+    worker_actor.py  RolloutWorkerActor and the proxies it reaches the exchange through
+    backend.py       RayWorkerBackend: the FleetManager's hands on worker actors
+
+No module here imports Ray at import time.
+"""
+
+from moerl.runtime.ray.rollouts import RayRollouts, check_ray_address, init_ray
+
+__all__ = ["RayRollouts", "check_ray_address", "init_ray"]

@@ -1,0 +1,329 @@
+"""Async mode on Ray: the exchange actor (queue + buffer) and N rollout worker actors; the trainer in the driver.
+
+    driver (Trainer) --get--> ExchangeActor [ExperienceBuffer --settle/requeue--> TaskQueue]
+          |                         ^ put_many                              ^ lease / heartbeat
+          |                         +----------- RolloutWorkerActor x N ----+
+          +--publish--> WeightStore (source of truth) <--poll-- workers
+          +--ray.put(weights)--> object store --offer_weights--> workers (faster path, same versions)
+
+Resources declared per actor (a cluster maps them onto node groups):
+
+- ``ExchangeActor`` (``exchange.py``): ``num_cpus=0`` (I/O bound); threaded (``max_concurrency``)
+  because producers block in ``put_many`` on a full buffer (backpressure) while the trainer's ``get``
+  must still run; both classes it holds are thread-safe. Its ``lease`` is gated
+  (``rollout_allowance``): no rollout starts that would arrive too stale to train.
+- ``RolloutWorkerActor`` (``worker_actor.py``): ``num_cpus=1``, ``num_gpus=1`` when ``model.device`` is
+  CUDA, plus the custom resource ``rollout`` (0.001) when the cluster defines it (``ray start
+  --resources '{"rollout": 8}'`` on rollout nodes). Workers are started, watched, replaced and drained
+  by a ``FleetManager`` (``moerl.runtime.fleet``, see ``FLEET.md``) through ``RayWorkerBackend``
+  (``backend.py``). ``torch.set_num_threads(1)`` unless ``MOERL_ACTOR_THREADS`` says otherwise.
+- The trainer runs in the driver.
+
+Round trips kept off the critical paths: a worker's deliveries are not waited for, its leases carry its
+weights version; the trainer's version travels with its ``get`` (so ``set_version`` is not waited for),
+and the per-step queue/buffer metrics are one round trip (``snapshot``).
+
+Without ``runtime.ray_address`` a local Ray instance is started with ``num_cpus = max(cores, N)``. Ray
+is imported inside functions: it is an optional dependency, needed only in async mode.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from moerl.config import ConfigError, RunConfig
+from moerl.runtime.accounting import FleetState
+from moerl.runtime.buffer import BufferMetrics
+from moerl.runtime.chaos import ChaosMonkey
+from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager
+from moerl.runtime.notice import notice_file_for
+from moerl.runtime.queue import QueueStats
+from moerl.runtime.ray.backend import RayWorkerBackend
+from moerl.runtime.ray.exchange import ExchangeActor
+from moerl.runtime.ray.worker_actor import RolloutWorkerActor
+from moerl.runtime.types import Group, RolloutTask
+from moerl.runtime.weights import pack_weights
+from moerl.runtime.worker import WorkerStats
+
+
+def _labels(name: str) -> dict[str, float]:
+    """Custom resource ``name`` if the cluster defines it (node-group placement), else none."""
+    import ray
+
+    return {name: 0.001} if name in ray.cluster_resources() else {}
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on a Ray address whose head cannot be reached (``ray.init`` would retry for minutes).
+
+    ``host:port`` and ``ray://host:port`` are probed with one TCP connection; other forms (``auto``,
+    ``local``) are left to Ray.
+
+    Raises:
+        ConfigError: the address is malformed or nothing accepts a connection there within ``timeout_s``.
+    """
+    target = address.removeprefix("ray://")
+    if address in ("auto", "local") or ":" not in target:
+        return
+    host, _, port = target.rpartition(":")
+    if not port.isdigit():
+        raise ConfigError(f"runtime.ray_address={address!r}: expected host:port")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"runtime.ray_address={address!r}: cannot reach {host}:{port} ({e})") from e
+
+
+def init_ray(cfg: RunConfig) -> None:
+    """Connect to ``runtime.ray_address`` or start a local Ray instance, keeping this process's SIGTERM
+    handler: ``ray.init`` installs its own (``sys.exit``), which would bypass the run's (a SIGTERM
+    stops a run like Ctrl-C)."""
+    import ray
+
+    is_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if is_main else None
+    if cfg.runtime.ray_address:
+        ray.init(address=cfg.runtime.ray_address, log_to_driver=True)
+    else:
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, cfg.rollout.num_workers),
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+        )
+        # the trainer (this process) gets the cores the local workers do not use
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg.rollout.num_workers))
+    if is_main and previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class RayRollouts:
+    """The async-mode rollout side (module docstring); implements ``moerl.runtime.rollouts.Rollouts``.
+
+    Args:
+        cfg: the run config (``rollout.num_workers`` workers; ``runtime.ray_address``).
+        init_path: HF folder the workers build their model from (weights then come from the store).
+        store_url: the weight store; version ``version`` must already be published.
+        version: the trainer's current policy version.
+        parts: checkpoint parts with ``queue`` and ``buffer`` state to restore, or None.
+        notice_dir: the folder of the workers' notice files (``<worker_id>.json``) when
+            ``fleet.notice_file`` is unset; None: notices by actor call only.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        init_path: str | None,
+        store_url: str,
+        *,
+        version: int,
+        parts: dict | None,
+        notice_dir: str | Path | None = None,
+    ):
+        import ray
+
+        if not ray.is_initialized():
+            init_ray(cfg)
+        exchange_cls = ray.remote(num_cpus=0, max_concurrency=cfg.rollout.num_workers * 2 + 16)(ExchangeActor)
+        self.exchange = exchange_cls.remote(cfg, init_path, version)
+        if parts is not None:
+            ray.get(
+                self.exchange.load_state_dict.remote({"queue": parts["queue"], "buffer": parts["buffer"]})
+            )
+        gpus = 1 if cfg.model.device.startswith("cuda") else 0
+        worker_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_concurrency=3, resources=_labels("rollout"))(
+            RolloutWorkerActor
+        )
+        notices = None if notice_dir is None else str(notice_dir)
+        self.cfg = cfg
+        self.backend = RayWorkerBackend(
+            lambda wid: worker_cls.remote(cfg, wid, init_path, store_url, self.exchange, notices),
+            notice_path=lambda wid: notice_file_for(cfg.fleet, wid, notices),
+        )
+        self.manager = FleetManager.from_config(cfg.fleet, cfg.rollout.num_workers, self.backend)
+        self.chaos = ChaosMonkey(cfg.chaos)
+        self.manager.start()
+        self._last_batch = time.perf_counter()
+        self._next_check = 0.0
+        self._version = version  # the trainer's policy version, sent with each batch request
+        self._snapshot: tuple[QueueStats, BufferMetrics] | None = None  # this step's, from ``snapshot``
+
+    def check_fleet(self, *, force: bool = False) -> None:
+        """Every ``fleet.check_every_s``: liveness and replacements (``FleetManager.check``), chaos faults.
+
+        Raises:
+            RuntimeError: a worker's loop raised (its error), or no rollout worker is left.
+        """
+        now = time.monotonic()
+        if not force and now < self._next_check:
+            return
+        self._next_check = now + self.cfg.fleet.check_every_s
+        for e in self.manager.check():
+            if e.reason == "crashed":  # expire its leases now instead of after lease_ttl_s
+                self.exchange.heartbeat.remote(e.worker_id, EXPIRE_NOW_TTL_S)
+        if self.chaos.is_enabled:
+            self.chaos.apply(self.chaos.due(self.manager.busy_ids()), self.backend)
+        if not self.manager.active_ids():
+            raise RuntimeError("no rollout worker is left (fleet.min_workers=0 and every worker is gone)")
+
+    def next_groups(self, n: int) -> tuple[list[Group], float, float]:
+        """Take ``n`` groups from the buffer, waiting while the fleet fills it.
+
+        Returns:
+            ``(groups, seconds since the previous batch, seconds waited)``.
+        """
+        import ray
+
+        start = time.perf_counter()
+        while True:
+            self.check_fleet()
+            try:
+                groups = ray.get(
+                    self.exchange.get.remote(n, timeout=self.cfg.fleet.check_every_s, version=self._version)
+                )
+                break
+            except TimeoutError:  # Ray re-raises the actor's TimeoutError as a subclass of it
+                pass
+        now = time.perf_counter()
+        gen_s, self._last_batch = now - self._last_batch, now
+        self._snapshot = None
+        return groups, gen_s, now - start
+
+    def push_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Advance the staleness clock and offer the new weights via the object store.
+
+        The version goes to the exchange without waiting (workers' admissions see it a round trip
+        later); the next ``next_groups`` carries it too, so the trainer's batch is always taken at it.
+        """
+        import ray
+
+        self._version, self._snapshot = version, None
+        self.exchange.set_version.remote(version)
+        ref = ray.put(pack_weights(tensors))  # one flat buffer: the fast out-of-band serialization
+        for w in self.backend.alive_handles():
+            w.offer_weights.remote(version, [ref])
+
+    def requeue(self, task: RolloutTask) -> None:
+        """Hand a trained task back to the queue (its training was lost with a trainer restart)."""
+        import ray
+
+        self._snapshot = None
+        ray.get(self.exchange.requeue.remote(task))
+
+    def fleet_values(self, batch_groups: int) -> dict[str, float]:
+        """The step's ``fleet/*`` metrics, with the scaling hint from queue and buffer depth."""
+        queue, buffer = self._current_snapshot()
+        pending, depth = queue.pending, buffer.depth
+        self.manager.scaling_hint(queue_pending=pending, buffer_depth=depth, batch_groups=batch_groups)
+        return self.manager.metrics().as_metrics()
+
+    def fleet_summary(self) -> dict:
+        """Fleet figures for ``summary.json``."""
+        m, q = self.manager.metrics(), self.queue_stats()
+        return {
+            "interruptions": m.interruptions,
+            "drained": m.drained,
+            "killed": m.killed,
+            "spawned": m.spawned,
+            "replaced": m.replaced,
+            "time_to_replace_s": m.time_to_replace_s,
+            "replace_times_s": m.replace_times_s,
+            "lost_work_frac": m.lost_work_frac,
+            "tokens_generated": m.tokens_generated,
+            "tokens_discarded": m.tokens_discarded,
+            "tasks_released": q.released,
+            "tasks_expired": q.expired,
+            "tasks_requeued_stale": q.requeued_stale,
+            "chaos": self.chaos.counts(),
+        }
+
+    def scale_to(self, num_workers: int) -> int:
+        """Resize the fleet within [fleet.min_workers, fleet.max_workers] (an external autoscaler's
+        call): newcomers load the newest weights before leasing, surplus workers drain. Returns the target."""
+        return self.manager.scale_to(num_workers)
+
+    def _current_snapshot(self) -> tuple[QueueStats, BufferMetrics]:
+        if self._snapshot is None:
+            self.queue_stats()
+        assert self._snapshot is not None
+        return self._snapshot
+
+    def queue_stats(self) -> QueueStats:
+        """``TaskQueue.stats()``, read together with the buffer's metrics in one round trip; the pair is
+        kept for ``buffer_metrics``/``fleet_values`` until the fleet next takes a batch, publishes or requeues."""
+        import ray
+
+        self._snapshot = ray.get(self.exchange.snapshot.remote())
+        return self._snapshot[0]
+
+    def buffer_metrics(self) -> BufferMetrics:
+        """``ExperienceBuffer.metrics()`` (from the ``queue_stats`` snapshot while it is current)."""
+        return self._current_snapshot()[1]
+
+    def worker_stats(self) -> list[WorkerStats]:
+        """``WorkerStats`` of every live worker (those that died meanwhile are left out)."""
+        return _get_alive([w.worker_stats.remote() for w in self.backend.alive_handles()])
+
+    def state_dict(self) -> dict:
+        """Queue and buffer state, taken while every worker is paused (no delivery in progress)."""
+        import ray
+
+        workers = self.backend.alive_handles()
+        _get_alive([w.pause.remote() for w in workers])
+        try:
+            return ray.get(self.exchange.state_dict.remote())
+        finally:
+            _get_alive([w.unpause.remote() for w in workers])
+
+    def final_state(self) -> FleetState:
+        """Stop the workers (their unfinished leases go back to the queue) and read the accounting."""
+        import ray
+
+        self.manager.finish(self.backend.stop_all())
+        stats = self.worker_stats()
+        state = ray.get(self.exchange.state_dict.remote())
+        return FleetState.from_states(
+            self.queue_stats(),
+            self.buffer_metrics(),
+            state["queue"],
+            state["buffer"],
+            sum(s.reward_errors for s in stats),
+        )
+
+    def close(self) -> None:
+        """Close the buffer (unblocks producers), stop the workers, let every actor exit, kill laggards.
+
+        Actors first get ``__ray_terminate__`` (a clean exit after their current calls): a worker process
+        killed outright sometimes aborted in Ray's C++ core and printed its stack to the driver's console.
+        """
+        import ray
+
+        ray.get(self.exchange.close.remote())
+        workers = self.backend.alive_handles()
+        self.backend.stop_all(timeout_s=10)
+        actors = [*workers, self.exchange]
+        exits = [actor.__ray_terminate__.remote() for actor in actors]
+        ray.wait(exits, num_returns=len(exits), timeout=5.0)
+        for actor in actors:
+            ray.kill(actor)  # no-op for an actor that has exited
+
+
+def _get_alive(refs: list) -> list:
+    """``ray.get`` each ref, skipping those of actors that died meanwhile (a lost rollout worker)."""
+    import ray
+
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayActorError:
+            pass
+    return out

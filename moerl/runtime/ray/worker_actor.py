@@ -1,0 +1,240 @@
+"""A rollout worker in its own Ray actor process, and the proxies through which it reaches the exchange.
+
+``RolloutWorkerActor`` builds its model, engine and task from the run config and runs the same
+``RolloutWorker`` loop as sync mode. It serves three threads: the generation loop (``run``) and control
+calls (``health``, ``pause``/``unpause``, ``stop``, ``notify``, ``offer_weights``). Its queue is a
+``QueueProxy`` (blocking calls to the exchange actor) and its buffer a ``BufferProxy`` whose deliveries are
+not waited for (``moerl.runtime.delivery``). Newer weights come through the object store
+(``offer_weights``), else from polling the weight store.
+
+Nothing here imports Ray at module level: the handles passed in are Ray actor handles, and the module is
+importable (and its proxies testable) without Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from moerl.config import RunConfig
+from moerl.runtime.allocator import keep_freed_memory
+from moerl.runtime.buffer import BufferClosed
+from moerl.runtime.build import load_policy, make_worker
+from moerl.runtime.drain import Drainer
+from moerl.runtime.fleet import WorkerExit, WorkerHealth
+from moerl.runtime.notice import watcher_from_config
+from moerl.runtime.types import Group, Lease, PartialResponse, Settlement
+from moerl.runtime.weight_sources import StoreWeights
+from moerl.runtime.weights import WeightStore, unpack_weights
+from moerl.tasks import make_task
+from moerl.tasks.tokenizer import load_run_tokenizer
+
+
+def _ray():
+    import ray  # lazy: Ray is an optional dependency, needed only in async mode
+
+    return ray
+
+
+def _remote_call(handle, method: str, *args, **kwargs):
+    """``ray.get(handle.<method>.remote(*args, **kwargs))``: one blocking call of an explicit actor method."""
+    return _ray().get(getattr(handle, method).remote(*args, **kwargs))
+
+
+class RayPending:
+    """An actor call in progress (``moerl.runtime.types.Pending``): polled without blocking."""
+
+    def __init__(self, ref) -> None:
+        self.ref = ref
+
+    def done(self) -> bool:
+        """True once the call has finished (never blocks)."""
+        ready, _ = _ray().wait([self.ref], timeout=0)
+        return bool(ready)
+
+    def result(self):
+        """The call's result (blocks until there is one; re-raises the actor's error)."""
+        return _ray().get(self.ref)
+
+
+class QueueProxy:
+    """The queue methods a worker needs, as blocking calls to the exchange actor. ``lease`` also tells the
+    exchange the worker's weights version (``version_of()``), which its rollout gate needs."""
+
+    def __init__(self, handle, version_of: Callable[[], int | None] = lambda: None) -> None:
+        self.handle = handle
+        self.version_of = version_of
+
+    def lease(self, worker_id: str, ttl_s: float, max_tasks: int = 1) -> list[Lease]:
+        """``ExchangeActor.lease`` with the worker's weights version."""
+        return _remote_call(self.handle, "lease", worker_id, ttl_s, max_tasks, self.version_of())
+
+    def heartbeat(self, target: Lease | str, ttl_s: float | None = None) -> list[Lease]:
+        """``ExchangeActor.heartbeat``."""
+        return _remote_call(self.handle, "heartbeat", target, ttl_s)
+
+    def release(self, lease: Lease, *, partial: Sequence[PartialResponse] = ()) -> bool:
+        """``ExchangeActor.release``."""
+        return _remote_call(self.handle, "release", lease, partial=partial)
+
+    def settle(self, task_id: str, token: int, outcome: Settlement) -> bool:
+        """``ExchangeActor.settle``."""
+        return _remote_call(self.handle, "settle", task_id, token, outcome)
+
+
+class BufferProxy:
+    """The worker's ``GroupSink`` in async mode: ``put_many_async`` returns without waiting for the actor."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def put_many_async(self, groups: list[Group], *, timeout: float | None = None) -> RayPending:
+        """Start ``ExchangeActor.put_many`` and return the call in progress."""
+        return RayPending(self.handle.put_many.remote(groups, timeout=timeout))
+
+
+class OfferedWeights:
+    """Weights offered through the object store, falling back to polling the weight store."""
+
+    def __init__(self, store_source: StoreWeights) -> None:
+        self.store_source = store_source
+        self._offer: tuple[int, object] | None = None
+        self._lock = threading.Lock()
+
+    def offer(self, version: int, ref) -> None:
+        """Weights of ``version`` as an object ref of ``PackedWeights`` (replaces an unclaimed offer)."""
+        with self._lock:
+            self._offer = (version, ref)
+
+    def poll(self, version: int):
+        """The offered weights if newer than ``version``, else the store's newer version, else None."""
+        with self._lock:
+            offer, self._offer = self._offer, None
+        if offer is not None and offer[0] > version:
+            return offer[0], unpack_weights(_ray().get(offer[1]))
+        return self.store_source.poll(version)
+
+
+class RolloutWorkerActor:
+    """A ``RolloutWorker`` in its own process (module docstring).
+
+    Args:
+        cfg: the run config.
+        worker_id: the worker's name in the fleet.
+        init_path: HF folder the model is built from (weights then come from the store), or None.
+        store_url: the weight store.
+        exchange: the exchange actor's handle (queue and buffer).
+        notice_dir: where the worker's notice file is when ``fleet.notice_file`` is unset, or None.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        worker_id: str,
+        init_path: str | None,
+        store_url: str,
+        exchange,
+        notice_dir: str | None = None,
+    ):
+        torch.set_num_threads(int(os.environ.get("MOERL_ACTOR_THREADS", "1")))
+        keep_freed_memory()  # no page faults on each step's activations (moerl.runtime.allocator)
+        torch.manual_seed(cfg.seed)
+        tokenizer = load_run_tokenizer(cfg, init_path)
+        model = load_policy(cfg, init_path, tokenizer.vocab_size)
+        self.weights = OfferedWeights(StoreWeights(WeightStore(store_url, keep=cfg.runtime.keep_versions)))
+        self._pause = threading.Event()
+        self._paused = threading.Event()
+        self._stop = threading.Event()
+        self._offered = threading.Event()  # set by ``offer_weights``; the idle loop waits on it
+        self.worker = make_worker(
+            cfg,
+            worker_id,
+            model,
+            make_task(cfg.task, cfg.env),
+            tokenizer,
+            QueueProxy(exchange, version_of=self._weights_version),
+            BufferProxy(exchange),
+            self.weights,
+            version=-1,
+            pause_point=self._pause_point,
+        )
+        self.worker.sync_weights()  # the newest published version before the first lease
+        self.watcher = watcher_from_config(cfg.fleet, worker_id, default_notice_dir=notice_dir).start()
+        self.drainer = Drainer(cfg.fleet.drain_grace_s, keep_partial=cfg.fleet.keep_partial)
+
+    def _weights_version(self) -> int:
+        return self.worker.version
+
+    def _pause_point(self) -> None:
+        if self._pause.is_set() and not self._stop.is_set():
+            self.worker.settle_deliveries()  # no delivery may be in flight while paused (checkpoints)
+        while self._pause.is_set() and not self._stop.is_set():
+            self._paused.set()
+            time.sleep(0.01)
+        self._paused.clear()
+
+    def run(self) -> WorkerExit:
+        """Generate until ``stop``, or until a termination notice and then drain (``moerl.runtime.drain``).
+        Unfinished leases go back to the queue."""
+        reason, report = "stopped", None
+        try:
+            while not self._stop.is_set() and not self.watcher.is_set():
+                self.worker.step()
+                if not self.worker.num_in_flight:  # queue empty or gated; a delivery may be on its way
+                    self._offered.wait(0.01)  # new weights open the staleness gate: wake at once
+                    self._offered.clear()
+            if self.watcher.is_set() and not self._stop.is_set():
+                reason, report = "drained", self.drainer.drain(self.worker, self.watcher.notice)
+        except BufferClosed:
+            pass
+        finally:
+            self._paused.set()
+            self.worker.release_all()
+            self.watcher.stop(resend_sigterm_after_s=1.0)  # a SIGTERM notice: exit once the result is out
+        return WorkerExit(self.worker.worker_id, reason, drain=report, final=self.health())
+
+    def health(self) -> WorkerHealth:
+        """Liveness answer: delivered and in-flight tokens, weights version, pid (served beside ``run``)."""
+        groups = self.worker.in_flight()
+        return WorkerHealth(
+            tokens_delivered=self.worker.stats.tokens_generated,
+            tokens_in_flight=sum(g.num_tokens for g in groups),
+            groups_in_flight=len(groups),
+            policy_version=self.worker.version,
+            is_draining=self.watcher.is_set(),
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+        )
+
+    def notify(self) -> None:
+        """A termination notice by actor call (when no notice file is configured)."""
+        self.watcher.notify()
+
+    def pause(self, timeout_s: float = 30.0) -> bool:
+        """Hold the loop at its next pause point (no group half-delivered); True once it is there."""
+        self._pause.set()
+        return self._paused.wait(timeout_s)
+
+    def unpause(self) -> None:
+        """Let a paused loop go on."""
+        self._pause.clear()
+
+    def stop(self) -> None:
+        """End the loop: no new leases; a delivery blocked on a full buffer is given up."""
+        self._stop.set()
+        self.worker.request_stop()
+
+    def offer_weights(self, version: int, refs: list) -> None:
+        """Weights of ``version`` in the object store (``refs[0]``, a list so that Ray passes the ref
+        itself), applied between scheduler steps."""
+        self.weights.offer(version, refs[0])
+        self._offered.set()
+
+    def worker_stats(self):
+        """The worker's ``WorkerStats``."""
+        return self.worker.stats

@@ -1,0 +1,81 @@
+"""The rollout side as the run (``moerl.train``) sees it: one declared interface, two implementations.
+
+    trainer --next_groups--> Rollouts --push_weights--> workers
+                              (queue -> lease -> generate -> score -> buffer)
+
+- ``LocalRollouts`` (``moerl.runtime.local``, sync mode): queue, buffer and one worker in the driver
+  process, generate-then-train, no Ray.
+- ``RayRollouts`` (``moerl.runtime.ray``, async mode): the queue and buffer in an exchange actor, N
+  rollout worker actors generating while the trainer trains.
+
+Whatever the implementation, the trainer meets the workers only here: through the buffer (groups in),
+the queue (tasks back on a trainer restart) and the weights (versions out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from moerl.runtime.accounting import FleetState
+from moerl.runtime.buffer import BufferMetrics
+from moerl.runtime.queue import QueueStats
+from moerl.runtime.types import Group, RolloutTask
+from moerl.runtime.worker import WorkerStats
+
+
+class Rollouts(Protocol):
+    """What the run asks of its rollout side; restored from checkpoint parts when it is built."""
+
+    def next_groups(self, n: int) -> tuple[list[Group], float, float]:
+        """Take ``n`` scored groups from the buffer (sync: generate them first; async: wait for them).
+
+        Returns:
+            ``(groups, generation seconds, seconds waited)``.
+        """
+        ...
+
+    def push_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Offer the trainer's weights of policy ``version`` (already published) and advance the buffer's
+        staleness clock to it."""
+        ...
+
+    def requeue(self, task: RolloutTask) -> None:
+        """Hand a trained task back to the queue (its training was lost with a trainer restart)."""
+        ...
+
+    def queue_stats(self) -> QueueStats:
+        """The task queue's counters."""
+        ...
+
+    def buffer_metrics(self) -> BufferMetrics:
+        """The experience buffer's counters."""
+        ...
+
+    def worker_stats(self) -> list[WorkerStats]:
+        """Counters of every live worker."""
+        ...
+
+    def fleet_values(self, batch_groups: int) -> dict[str, float]:
+        """The step's ``fleet/*`` metrics (workers alive and wanted, interruptions, lost work)."""
+        ...
+
+    def fleet_summary(self) -> dict:
+        """Fleet figures for ``summary.json``."""
+        ...
+
+    def state_dict(self) -> dict:
+        """Queue and buffer state for a checkpoint (``{"queue": ..., "buffer": ...}``), taken with no
+        delivery in progress."""
+        ...
+
+    def final_state(self) -> FleetState:
+        """Stop generating (unfinished leases go back to the queue) and report what the queue and the
+        buffer still hold, for the exactly-once accounting."""
+        ...
+
+    def close(self) -> None:
+        """Stop every worker and release the rollout side's resources (idempotent)."""
+        ...

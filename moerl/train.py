@@ -1,0 +1,388 @@
+"""The main job: one RL run (GRPO and variants) from warm start to summary, as a ``Run`` object.
+
+    start:   weight store -> warm start (SFT unless init_from) -> policy + trainer -> version 0
+             published and evaluated (or a checkpoint restored) -> rollouts started
+    step:    lease -> generate -> score -> buffer (inside ``Rollouts.next_groups``) -> train ->
+             publish -> eval -> log -> checkpoint
+    recover: a trainer killed by chaos restarts from the newest checkpoint while the rollouts go on
+    finish:  stop the rollouts, exactly-once accounting, export the policy, summary.json
+
+The rollout side is ``LocalRollouts`` (sync: one process, no Ray, generate-then-train, on-policy) or
+``RayRollouts`` (async: rollout workers as Ray actors generating while the trainer trains). Both
+implement ``moerl.runtime.rollouts.Rollouts``; everything else is shared. ``train`` and ``resume`` are the
+entry points (``moerl train``); Ctrl-C or SIGTERM ends a run with ``RunInterrupted``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moerl.config import ConfigError, RunConfig, load_config
+from moerl.envs.stats import merge as env_merge
+from moerl.envs.stats import step_values as env_step_values
+from moerl.models import save_pretrained
+from moerl.runtime.accounting import FleetState, accounting
+from moerl.runtime.allocator import keep_freed_memory
+from moerl.runtime.build import build_components
+from moerl.runtime.chaos import ChaosMonkey
+from moerl.runtime.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
+from moerl.runtime.local import LocalRollouts
+from moerl.runtime.ray import RayRollouts, check_ray_address
+from moerl.runtime.recovery import StepJournal, recover_trainer
+from moerl.runtime.rollouts import Rollouts
+from moerl.runtime.run_dir import LedgerEntry, RunDir
+from moerl.runtime.trainer import NonFiniteLossError, Trainer, TrainStats
+from moerl.runtime.types import Group
+from moerl.runtime.warm_start import warm_start
+from moerl.runtime.weights import StoreNotWritableError, WeightStore
+from moerl.telemetry.live import LiveView
+from moerl.telemetry.metrics import MetricsWriter
+from moerl.telemetry.report import plot_report
+from moerl.telemetry.step import StepTimings, step_values
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a run; workers were stopped and the newest checkpoint stays.
+
+    Args:
+        folder: the run folder, or None when it was removed (stopped before its first step).
+        resumable: True when ``folder`` holds a checkpoint that ``resume`` continues from.
+    """
+
+    def __init__(self, folder: Path | None, resumable: bool) -> None:
+        super().__init__(f"run interrupted: {folder}")
+        self.folder = folder
+        self.resumable = resumable
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The folder to pass to ``resume`` (``moerl train --resume``), or None when it cannot be resumed."""
+        return self.folder if self.resumable else None
+
+    @property
+    def partial_run_dir(self) -> Path | None:
+        """The folder holding the metrics so far, resumable or not; None when it was removed."""
+        return self.folder
+
+    @classmethod
+    def of(cls, path: Path) -> RunInterrupted:
+        """The interrupt of the run in folder ``path`` (which may be gone)."""
+        exists = path.is_dir()
+        return cls(path if exists else None, exists and latest_checkpoint(path) is not None)
+
+
+class Run:
+    """One RL run in its folder: ``start`` builds it, ``step`` is one loop iteration, ``recover``
+    replaces a killed trainer, ``finish`` writes the summary (module docstring).
+
+    Args:
+        cfg: the run config (not modified).
+        run_dir: the run folder (config, metrics, ledger, checkpoints, weights).
+        live: show the console status line.
+    """
+
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, *, live: bool = True) -> None:
+        self.cfg, self.dir = cfg, run_dir
+        self.process_start = time.perf_counter()
+        self.view = LiveView(cfg.trainer.steps, enabled=live)
+        self.restarts = 0
+
+    def start(self, checkpoint: Path | None) -> None:
+        """Warm start, build policy and trainer, publish version 0 (or restore ``checkpoint``), start
+        the rollouts.
+
+        Raises:
+            ConfigError: an unwritable weight store, an unreachable Ray address, a bad ``init_from``.
+        """
+        cfg = self.cfg
+        keep_freed_memory()  # no page faults on each step's activations (moerl.runtime.allocator)
+        _seed_everything(cfg.seed)
+        self.store = _open_store(cfg, self.dir)
+        if cfg.runtime.mode == "async" and cfg.runtime.ray_address:  # before the warm start, not after
+            check_ray_address(cfg.runtime.ray_address)
+        init_path = warm_start(cfg, self.dir, self.view)
+        parts = load_checkpoint(checkpoint) if checkpoint is not None else None
+        self.comp = build_components(cfg, init_path, self.store)
+        self.trainer = Trainer.from_run_config(self.comp.model, cfg)
+        self.state = self._begin(parts, checkpoint)
+        self.rollouts = self._start_rollouts(parts)
+        self.chaos, self.journal = ChaosMonkey(cfg.chaos), StepJournal()
+        if parts is not None:
+            restore_rng_state(parts["rng"])
+        self.metrics = MetricsWriter(self.dir.metrics)
+        self.clock0, self.wall0 = time.perf_counter(), self.state["wall_s"]
+
+    def step(self) -> None:
+        """One RL step: lease -> generate -> score -> buffer (the rollouts) -> train -> publish -> eval
+        -> log -> checkpoint."""
+        t0 = time.perf_counter()
+        groups, gen_s, wait_s = self.rollouts.next_groups(self.cfg.trainer.batch_groups)
+        batch = self.trainer.build_batch(groups, self.comp.tokenizer.pad_id)
+        stats = self.trainer.train_step(batch)
+        self._record(groups, stats.step)
+        if self.chaos.should_kill_trainer(stats.step):  # dies before publishing; the rollouts go on
+            self.recover(stats.step)
+            return
+        publish_s = self._publish(stats.step)
+        accuracy = self._evaluate(stats.step)
+        timings = StepTimings(
+            gen_s=gen_s, wait_s=wait_s, publish_s=publish_s, step_s=time.perf_counter() - t0
+        )
+        self._log(groups, stats, timings, accuracy, batch.num_sequences, t0)
+        self._checkpoint(stats.step)
+
+    def run(self) -> dict:
+        """Steps until ``trainer.steps`` (or a non-finite loss), then ``finish``; returns the summary."""
+        stop_reason = None
+        try:
+            while self.trainer.step < self.cfg.trainer.steps:
+                self.step()
+        except NonFiniteLossError as e:
+            stop_reason = str(e)
+            self.view.message(f"stopping: {e}")
+        except BaseException:
+            self.close()
+            raise
+        return self.finish(stop_reason)
+
+    def recover(self, failed_step: int) -> None:
+        """Replace the trainer that died after ``failed_step`` (``moerl.runtime.recovery``)."""
+        self.trainer, report = recover_trainer(
+            self.cfg, self.comp, self.dir, self.store, self.rollouts, self.journal, failed_step
+        )
+        self.restarts += 1
+        self.view.message(
+            f"trainer killed after step {failed_step}: restarted from step {report.restored_step}, "
+            f"{report.tasks_requeued} tasks requeued, weights published as v{report.version}"
+        )
+
+    def finish(self, stop_reason: str | None) -> dict:
+        """Stop the rollouts, account for every task, export the policy, write ``summary.json``."""
+        fleet_state = self.rollouts.final_state()
+        fleet_summary = {**self.rollouts.fleet_summary(), "trainer_restarts": self.restarts}
+        is_env = self.cfg.task.name == "env"
+        env_summary = env_merge([w.env for w in self.rollouts.worker_stats()]) if is_env else None
+        self.close()
+        summary = {**self._summary(fleet_state, stop_reason), "fleet": fleet_summary}
+        if env_summary is not None:
+            summary["env"] = env_summary
+        summary["policy"] = str(
+            export_policy(self.trainer.model, self.comp.tokenizer, self.dir.path / "policy")
+        )
+        summary["process_wall_s"] = time.perf_counter() - self.process_start  # warm start + evals + RL
+        self.dir.write_summary(summary)
+        if self.dir.metrics.exists():
+            plot_report(self.dir.path)
+        self.view.message(
+            f"done: accuracy {summary['start_eval_accuracy']:.3f} -> {_accuracy(summary['final_eval_accuracy'])}, "
+            f"{summary['wall_time_s']:.0f} s; {self.dir.path}"
+        )
+        return summary
+
+    def close(self) -> None:
+        """Stop the rollouts and the console view."""
+        self.rollouts.close()
+        self.view.close()
+
+    # -- the parts of start and step -------------------------------------------------------------
+
+    def _begin(self, parts: dict | None, checkpoint: Path | None) -> dict:
+        """Fresh: publish version 0 and evaluate it. Resumed: restore the trainer, cut the run folder and
+        the weight store back to the checkpoint. Returns the loop's running totals."""
+        if parts is None:
+            self.trainer.publish(self.store)  # version 0: what the workers start from
+            acc = self.comp.evaluate()
+            self.view.message(f"warm-start eval accuracy {acc:.3f}; run folder {self.dir.path}")
+            return {"start_accuracy": acc, "wall_s": 0.0, "loop_s": 0.0, "samples": 0}
+        self.trainer.load_state_dict(parts)
+        self.dir.rewind(self.trainer.step)
+        self.store.discard_after(self.trainer.version)
+        if (latest := self.store.latest()) is None or latest.version < self.trainer.version:
+            self.trainer.publish(self.store)  # pruned meanwhile: workers must start from the checkpoint's
+        self.view.message(f"resumed at step {self.trainer.step} from {checkpoint}")
+        return dict(parts["controller"])
+
+    def _start_rollouts(self, parts: dict | None) -> Rollouts:
+        cfg, version = self.cfg, self.trainer.version
+        if cfg.runtime.mode == "sync":
+            return LocalRollouts.start(cfg, self.comp, version, parts)
+        return RayRollouts(
+            cfg,
+            self.comp.init_path,
+            self.store.url,
+            version=version,
+            parts=parts,
+            notice_dir=self.dir.path / "notices",  # where workers look for notices (fleet.notice_file unset)
+        )
+
+    def _record(self, groups: list[Group], step: int) -> None:
+        """Ledger (exactly-once accounting) and journal (trainer recovery) of the groups trained at ``step``."""
+        self.dir.append_ledger(
+            [LedgerEntry(g.task_id, step, g.min_policy_version, g.lease_token) for g in groups]
+        )
+        self.journal.record(step, [g.task for g in groups])
+
+    def _publish(self, step: int) -> float:
+        """Publish the weights every ``publish_every`` steps and at the end; returns the seconds it took."""
+        t1 = time.perf_counter()
+        if step % self.cfg.trainer.publish_every == 0 or step == self.cfg.trainer.steps:
+            self.trainer.publish(self.store)
+            self.rollouts.push_weights(self.trainer.version, self.trainer.named_weights())
+        return time.perf_counter() - t1
+
+    def _evaluate(self, step: int) -> float | None:
+        """Held-out accuracy every ``eval.every`` steps and at the end, else None."""
+        every = self.cfg.eval.every
+        is_due = step == self.cfg.trainer.steps or (every and step % every == 0)
+        return self.comp.evaluate() if is_due else None
+
+    def _log(
+        self, groups: list[Group], stats: TrainStats, timings: StepTimings, accuracy, samples: int, t0: float
+    ) -> None:
+        r = self.rollouts
+        values = step_values(groups, stats, timings, r.queue_stats(), r.buffer_metrics(), accuracy=accuracy)
+        values.update(r.fleet_values(self.cfg.trainer.batch_groups), policy_version=self.trainer.version)
+        if self.cfg.task.name == "env":  # multi-turn episodes (moerl.envs)
+            values.update(env_step_values(groups, r.worker_stats()))
+        s = self.state
+        s["samples"] += samples
+        s["loop_s"] += time.perf_counter() - t0
+        s["wall_s"] = self.wall0 + time.perf_counter() - self.clock0
+        self.view.update(self.metrics.write(stats.step, s["wall_s"], values))
+        if accuracy is not None:
+            s["final_accuracy"] = accuracy
+
+    def _checkpoint(self, step: int) -> None:
+        every = self.cfg.trainer.checkpoint_every
+        if every and step % every == 0:
+            parts = {"controller": self.state, **self.rollouts.state_dict()}
+            self.trainer.checkpoint(self.dir.path, parts, keep=self.cfg.runtime.keep_checkpoints)
+            self.journal.commit(step)
+
+    def _summary(self, fleet: FleetState, stop_reason: str | None) -> dict:
+        """Final figures: accuracies, wall time, throughput and exactly-once task accounting."""
+        s, trainer = self.state, self.trainer
+        return {
+            "status": "stopped" if stop_reason else "completed",
+            "stop_reason": stop_reason,
+            "mode": self.cfg.runtime.mode,
+            "steps": trainer.step,
+            "skipped_steps": trainer.num_skipped,
+            "start_eval_accuracy": s["start_accuracy"],
+            "final_eval_accuracy": s.get("final_accuracy"),
+            "wall_time_s": s["wall_s"],
+            "samples_per_s": s["samples"] / max(s["loop_s"], 1e-9),
+            "samples_trained": s["samples"],
+            "reward_errors": fleet.reward_errors,
+            **accounting(self.dir.read_ledger(), fleet),
+        }
+
+
+def train(cfg: RunConfig, *, live: bool = True) -> dict:
+    """Run RL training from scratch in a new run folder; returns the summary (also in summary.json).
+
+    Raises:
+        ConfigError: an invalid combination of settings, or a weight store URL that cannot be written.
+        RunInterrupted: Ctrl-C or SIGTERM.
+    """
+    run_dir = RunDir.create(cfg)
+    try:
+        # a failure before step 1 leaves no half-written folder
+        with _sigterm_interrupts(), run_dir.discarded_on_early_failure():
+            run = Run(cfg, run_dir, live=live)
+            run.start(checkpoint=None)
+            return run.run()
+    except KeyboardInterrupt as e:
+        raise RunInterrupted.of(run_dir.path) from e
+
+
+def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: bool = True) -> dict:
+    """Continue the run in ``run_dir`` from its newest checkpoint (config overrides allowed).
+
+    Raises:
+        FileNotFoundError: no run folder or no complete checkpoint in it.
+        RunInterrupted: Ctrl-C or SIGTERM.
+    """
+    if not (Path(run_dir) / "config.yaml").exists():  # checked first: RunDir() creates the folder
+        raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
+    folder = RunDir(run_dir)
+    cfg = load_config(folder.config, overrides)
+    done = folder.read_summary()
+    if done and done.get("status") == "completed" and done.get("steps", 0) >= cfg.trainer.steps:
+        print(
+            f"moerl: {run_dir} is already complete ({done['steps']} steps); to continue it: "
+            f"moerl train --resume {run_dir} --set trainer.steps=N (N > {done['steps']})"
+        )
+        return done
+    ckpt = latest_checkpoint(folder.path)
+    if ckpt is None:
+        every = cfg.trainer.checkpoint_every
+        raise FileNotFoundError(
+            f"{run_dir} has no complete checkpoint to resume from (trainer.checkpoint_every={every}: "
+            + ("checkpoints are off)" if every == 0 else f"the first is written at step {every})")
+        )
+    try:
+        with _sigterm_interrupts():
+            run = Run(cfg, folder, live=live)
+            run.start(checkpoint=ckpt)
+            return run.run()
+    except KeyboardInterrupt as e:
+        raise RunInterrupted.of(folder.path) from e
+
+
+def export_policy(model: torch.nn.Module, tokenizer, folder: Path) -> Path:
+    """Save the policy as a Hugging Face folder with its tokenizer (what ``moerl generate`` and
+    transformers load), replacing ``folder`` atomically (``save_pretrained``)."""
+    save_pretrained(model, folder, extra=tokenizer.save)
+    return folder
+
+
+def _open_store(cfg: RunConfig, run_dir: RunDir) -> WeightStore:
+    """The run's weight store: ``runtime.store_url``, else the run folder's ``weights/``.
+
+    Raises:
+        ConfigError: the store cannot be written.
+    """
+    try:
+        return WeightStore(cfg.runtime.store_url or str(run_dir.weights), keep=cfg.runtime.keep_versions)
+    except StoreNotWritableError as e:
+        raise ConfigError(f"runtime.store_url: {e}") from e
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _accuracy(value: float | None) -> str:
+    """An accuracy with three decimals, or "not evaluated"."""
+    return "not evaluated" if value is None else f"{value:.3f}"
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """While a run lasts, SIGTERM (a scheduler or ``kill`` stopping the job) stops it as Ctrl-C does:
+    workers are stopped, the newest checkpoint stays, and the CLI prints the ``--resume`` hint and exits
+    130. The previous handler comes back afterwards. Only from the main thread (Python's rule).
+    ``init_ray`` keeps it across ``ray.init``, which would install Ray's own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
