@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table, write_json  # noqa: E402
 from moerl.config import load_config  # noqa: E402
-from moerl.train import train  # noqa: E402
 from moerl.tasks.sft import run_sft  # noqa: E402
+from moerl.train import train  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "env_calculator.yaml"
 

@@ -18,7 +18,7 @@ import yaml
 
 from moerl.atomic import atomic_write_text
 from moerl.choices import DTYPE_NAMES, MODEL_FAMILIES
-from moerl.config_env import EnvConfig  # noqa: F401 - re-exported
+from moerl.config_env import EnvConfig, check_episode_run  # noqa: F401 - re-exported
 from moerl.config_fleet import ChaosConfig, FleetConfig  # noqa: F401 - re-exported
 from moerl.configlib import (  # noqa: F401 - re-exported: the config API lives here
     ConfigError,
@@ -93,8 +93,7 @@ class TaskConfig:
     """Where prompts and rewards come from."""
 
     name: str = "arithmetic"
-    """Built-in task (arithmetic, countdown), ``jsonl`` for a dataset file, or ``env`` for multi-turn
-    episodes with the environment of the ``env:`` section."""
+    """Built-in task (arithmetic, countdown), ``jsonl`` (a dataset file) or ``env`` (episodes, ``env:``)."""
     path: str | None = None
     """JSONL dataset file when ``name == "jsonl"``."""
     layout: str = "gsm8k"
@@ -465,8 +464,7 @@ class RunConfig:
             estimator = preset_from_config(self.algorithm).estimator
         except ValueError as e:  # a combination the per-field checks cannot see
             raise ConfigError(f"algorithm: {e}") from e
-        if self.task.name == "env" and self.rollout.return_routed_experts:
-            raise ConfigError("rollout.return_routed_experts is not supported with task.name=env (episodes)")
+        check_episode_run(self.task.name, self.rollout.return_routed_experts)
         if estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.group_size < 2:
             raise ConfigError(
                 f"rollout.group_size={self.rollout.group_size}: the {estimator} estimator compares samples "

@@ -101,4 +101,10 @@ class EnvConfig:
         return BUILTIN_ENVS.get(self.name, self.name)
 
 
-__all__ = ["BUILTIN_ENVS", "ConfigError", "EnvConfig"]
+def check_episode_run(task_name: str, return_routed_experts: bool) -> None:
+    """Raise ``ConfigError`` for run settings episodes do not support (``RunConfig`` calls it)."""
+    if task_name == "env" and return_routed_experts:
+        raise ConfigError("rollout.return_routed_experts is not supported with task.name=env (episodes)")
+
+
+__all__ = ["BUILTIN_ENVS", "ConfigError", "EnvConfig", "check_episode_run"]

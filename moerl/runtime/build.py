@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moerl.config import RunConfig
+from moerl.envs.worker import episode_worker
 from moerl.models import build_model, from_pretrained
 from moerl.models.dtypes import torch_dtype
 from moerl.rl import preset_from_config
@@ -22,7 +23,6 @@ from moerl.runtime.queue import TaskQueue
 from moerl.runtime.weight_sources import WeightSource
 from moerl.runtime.weights import WeightStore
 from moerl.runtime.worker import RolloutWorker
-from moerl.envs.worker import episode_worker
 from moerl.tasks import Task, Tokenizer, make_task
 from moerl.tasks.eval import evaluate
 from moerl.tasks.tokenizer import load_run_tokenizer

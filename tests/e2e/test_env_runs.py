@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import short_config
 
-from moerl.train import train
 from moerl.runtime.run_dir import read_jsonl
+from moerl.train import train
 
 E2E_DIR = Path(__file__).parent
 ENV_RUN = [
