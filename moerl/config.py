@@ -21,6 +21,7 @@ from moerl.atomic import atomic_write_text
 from moerl.choices import DTYPE_NAMES, MODEL_FAMILIES
 from moerl.config_algorithm import AlgorithmConfig, check_algorithm_combination  # noqa: F401 - re-exported
 from moerl.config_cluster import ClusterConfig, StorageConfig  # noqa: F401 - re-exported
+from moerl.config_env import EnvConfig, check_episode_run  # noqa: F401 - re-exported
 from moerl.config_fleet import ChaosConfig, FleetConfig  # noqa: F401 - re-exported
 from moerl.configlib import (  # noqa: F401 - re-exported: the config API lives here
     ConfigError,
@@ -95,7 +96,7 @@ class TaskConfig:
     """Where prompts and rewards come from."""
 
     name: str = "arithmetic"
-    """Built-in task (arithmetic, countdown) or ``jsonl`` for a dataset file."""
+    """Built-in task (arithmetic, countdown), ``jsonl`` (a dataset file) or ``env`` (episodes, ``env:``)."""
     path: str | None = None
     """JSONL dataset file when ``name == "jsonl"``."""
     layout: str = "gsm8k"
@@ -129,7 +130,7 @@ class TaskConfig:
     (arithmetic ``"{prompt}="``, countdown ``"{prompt}:"``, jsonl ``"Question: {prompt}\nAnswer:"``)."""
 
     def __post_init__(self) -> None:
-        check_choice("task.name", self.name, ["arithmetic", "countdown", "jsonl"])
+        check_choice("task.name", self.name, ["arithmetic", "countdown", "jsonl", "env"])
         check_range("task.num_eval", self.num_eval, 1)
         check_range("task.countdown_min_numbers", self.countdown_min_numbers, 2)
         check_range("task.countdown_max_numbers", self.countdown_max_numbers, self.countdown_min_numbers)
@@ -497,6 +498,7 @@ class RunConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
         # lazy: moerl.rl imports torch, and the config must load without it (``moerl --help``, YAML checks);
@@ -517,6 +519,7 @@ class RunConfig:
         if self.algorithm.routing_replay == "r3":  # R3 replays what the engine records
             self.rollout.return_routed_experts = True
         _check_expert_parallel(self)
+        check_episode_run(self.task.name, self.rollout.return_routed_experts)
         if estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.group_size < 2:
             raise ConfigError(
                 f"rollout.group_size={self.rollout.group_size}: the {estimator} estimator compares samples "

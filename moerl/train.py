@@ -36,6 +36,8 @@ from moerl.distributed.factory import (
 from moerl.distributed.group import TrainerGroup
 from moerl.distributed.rank import TrainerRankError
 from moerl.distributed.recovery import restart_group
+from moerl.envs.stats import merge as env_merge
+from moerl.envs.stats import step_values as env_step_values
 from moerl.models import save_pretrained
 from moerl.runtime.accounting import FleetState, accounting
 from moerl.runtime.allocator import keep_freed_memory
@@ -236,8 +238,12 @@ class Run:
         """Stop the rollouts, account for every task, export the policy, write ``summary.json``."""
         fleet_state = self.rollouts.final_state()
         fleet_summary = {**self.rollouts.fleet_summary(), "trainer_restarts": self.restarts}
+        is_env = self.cfg.task.name == "env"
+        env_summary = env_merge([w.env for w in self.rollouts.worker_stats()]) if is_env else None
         self.close()
         summary = {**self._summary(fleet_state, stop_reason), "fleet": fleet_summary}
+        if env_summary is not None:
+            summary["env"] = env_summary
         summary.update(trainer_summary(self.trainer))
         summary["policy"] = str(export_policy(self.trainer, self.comp.tokenizer, self.dir.path / "policy"))
         self.close_trainer()
@@ -344,6 +350,8 @@ class Run:
         queue, buffer = r.queue_stats(), r.buffer_metrics()
         values = step_values(groups, stats, timings, queue, buffer, accuracy=accuracy)
         values.update(r.fleet_values(self.cfg.trainer.batch_groups), policy_version=self.trainer.version)
+        if self.cfg.task.name == "env":  # multi-turn episodes (moerl.envs)
+            values.update(env_step_values(groups, r.worker_stats()))
         s = self.state
         s["samples"] += samples
         s["loop_s"] += time.perf_counter() - t0

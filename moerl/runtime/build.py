@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moerl.config import RunConfig
+from moerl.envs.worker import episode_worker
 from moerl.models import build_model, from_pretrained
 from moerl.models.dtypes import torch_dtype
 from moerl.rl import preset_from_config
@@ -78,7 +79,12 @@ def make_worker(
     pause_point: Callable[[], None] | None = None,
 ) -> RolloutWorker:
     """A rollout worker with its own engine over ``model``; ``queue`` is a ``TaskQueue`` or its proxy;
-    ``pause_point``: see ``RolloutWorker``."""
+    ``pause_point``: see ``RolloutWorker``. For ``task.name: env`` an ``EpisodeWorker`` (``moerl.envs``)."""
+    if cfg.task.name == "env":
+        engine = make_engine(model, cfg, version=version)
+        worker = episode_worker(cfg, worker_id, engine, task, tokenizer, queue, buffer, weights)
+        worker.pause_point = pause_point
+        return worker
     return RolloutWorker(
         worker_id,
         make_engine(model, cfg, version=version),
@@ -128,6 +134,6 @@ class Components:
 def build_components(cfg: RunConfig, init_path: str | None, store: WeightStore) -> Components:
     """Tokenizer, task and policy of a run (the policy seeded by the torch RNG when fresh)."""
     tokenizer = load_run_tokenizer(cfg, init_path)
-    task = make_task(cfg.task)
+    task = make_task(cfg.task, cfg.env)
     model = load_policy(cfg, init_path, tokenizer.vocab_size)
     return Components(cfg, init_path, store, tokenizer, task, model)

@@ -1,7 +1,7 @@
 """Verifiable tasks, datasets, reward functions and tokenizers: where moerl's data flow starts.
 
 Public API (contract in docs/architecture.md, "Tokenizer and tasks"):
-- ``make_task(task_cfg) -> Task``: ``train_prompts(seed)``, ``eval_prompts()``, ``reward(...)``.
+- ``make_task(task_cfg, env_cfg=None) -> Task``: ``train_prompts(seed)``, ``eval_prompts()``, ``reward(...)``.
 - ``Prompt(id, text, answer, solution=None)``, ``Reward(score, info)``.
 - ``load_tokenizer(path_or_none) -> Tokenizer`` (``None``: the built-in character tokenizer).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moerl.config import TaskConfig
+from moerl.config import EnvConfig, TaskConfig
 from moerl.tasks.arithmetic import ArithmeticTask
 from moerl.tasks.base import Prompt, Reward, Task
 from moerl.tasks.countdown import CountdownTask
@@ -34,8 +34,11 @@ __all__ = [
 ]
 
 
-def make_task(cfg: TaskConfig) -> Task:
+def make_task(cfg: TaskConfig, env: EnvConfig | None = None) -> Task:
     """Build the task a ``TaskConfig`` describes (``cfg.template`` or the task's default template).
+
+    ``task.name == "env"``: the environment class at ``env.import_path`` builds it
+    (``Environment.make_task``, ``moerl.envs``); ``env`` is then required.
 
     Raises:
         ValueError: unknown task name, or a bad reward function path.
@@ -71,4 +74,13 @@ def make_task(cfg: TaskConfig) -> Task:
         return JsonlTask(
             records, name=Path(cfg.path).stem, num_eval=cfg.num_eval, score_fn=score_fn, **template
         )
-    raise ValueError(f"task.name={cfg.name!r}: choose arithmetic, countdown or jsonl")
+    if cfg.name == "env":
+        if env is None:
+            raise ValueError("task.name='env' needs the run's env section: make_task(cfg.task, cfg.env)")
+        env_cls = load_reward_fn(env.import_path, what="env.name")  # the registry is the import path
+        if not hasattr(env_cls, "make_task"):
+            raise ValueError(
+                f"env.name={env.name!r} is not an moerl.envs.Environment subclass (no make_task)"
+            )
+        return env_cls.make_task(env, num_eval=cfg.num_eval, seed=cfg.seed)
+    raise ValueError(f"task.name={cfg.name!r}: choose arithmetic, countdown, jsonl or env")

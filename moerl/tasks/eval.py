@@ -63,12 +63,24 @@ def evaluate(
         max_new_tokens: longest response in tokens.
         max_slots, kv_token_budget: engine sizes (concurrent sequences, KV cache tokens).
 
+    A task with an ``evaluate_episodes`` method (multi-turn environments, ``moerl.envs.task``) is
+    evaluated by it instead: greedy episodes, accuracy from the environment's final ``correct``.
+
     Raises:
         ValueError: no prompts to evaluate.
     """
     prompts = task.eval_prompts() if prompts is None else prompts
     if not prompts:
         raise ValueError("no prompts to evaluate")
+    if hasattr(task, "evaluate_episodes"):
+        return task.evaluate_episodes(
+            model,
+            tokenizer,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            max_slots=max_slots,
+            kv_token_budget=kv_token_budget,
+        )
     params = SamplingParams(
         temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_id,)
     )

@@ -16,10 +16,13 @@ from moerl.tasks.tokenizer import Tokenizer
 
 @dataclass(frozen=True, slots=True)
 class Example:
-    """One tokenized SFT example: ``ids`` = prompt + solution + eos; ``num_prompt`` prompt tokens."""
+    """One tokenized SFT example: ``ids`` = prompt + solution + eos; ``num_prompt`` prompt tokens.
+    ``mask`` (length ``len(ids)``, 1 = trained) replaces "everything after the prompt" when given, e.g.
+    for multi-turn demonstrations whose observations are not trained (``moerl.envs.task``)."""
 
     ids: list[int]
     num_prompt: int
+    mask: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,5 +62,8 @@ def collate(examples: list[Example], pad_id: int, device: torch.device | str = "
     for i, e in enumerate(examples):
         input_ids[i, : len(e.ids)] = torch.tensor(e.ids)
         attention_mask[i, : len(e.ids)] = 1
-        loss_mask[i, e.num_prompt : len(e.ids)] = 1.0
+        if e.mask is None:
+            loss_mask[i, e.num_prompt : len(e.ids)] = 1.0
+        else:
+            loss_mask[i, : len(e.ids)] = torch.tensor(e.mask, dtype=torch.float32)
     return SFTBatch(input_ids.to(device), attention_mask.to(device), loss_mask.to(device))

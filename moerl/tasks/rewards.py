@@ -12,8 +12,9 @@ import importlib
 from moerl.tasks.base import ScoreFn
 
 
-def load_reward_fn(spec: str) -> ScoreFn:
+def load_reward_fn(spec: str, what: str = "reward_fn") -> ScoreFn:
     """Import ``"package.module:function"`` (dots after the colon reach attributes, ``mod:Cls.fn``).
+    ``what`` names the config field in error messages (also used for ``env.name``).
 
     Raises:
         ValueError: ``spec`` is not of the form ``module:attribute``, or the target is not callable.
@@ -22,15 +23,15 @@ def load_reward_fn(spec: str) -> ScoreFn:
     """
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path:
-        raise ValueError(f"reward_fn={spec!r} must look like 'package.module:function'")
+        raise ValueError(f"{what}={spec!r} must look like 'package.module:function'")
     try:
         obj = importlib.import_module(module_name)
     except ImportError as e:
-        raise ImportError(f"reward_fn={spec!r}: cannot import module '{module_name}': {e}") from e
+        raise ImportError(f"{what}={spec!r}: cannot import module '{module_name}': {e}") from e
     for part in attr_path.split("."):
         if not hasattr(obj, part):
-            raise AttributeError(f"reward_fn={spec!r}: '{module_name}' has no attribute '{attr_path}'")
+            raise AttributeError(f"{what}={spec!r}: '{module_name}' has no attribute '{attr_path}'")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"reward_fn={spec!r} is a {type(obj).__name__}, not a callable")
+        raise ValueError(f"{what}={spec!r} is a {type(obj).__name__}, not a callable")
     return obj

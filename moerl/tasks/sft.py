@@ -78,8 +78,10 @@ def lr_at(step: int, num_steps: int, peak: float, warmup: int) -> float:
     return warmup_cosine_lr(step, num_steps, warmup, peak)
 
 
-def _examples(cfg: RunConfig, tokenizer: Tokenizer, prompts: list[Prompt]) -> list[Example]:
-    examples = [encode_example(tokenizer, p) for p in prompts]
+def _examples(
+    cfg: RunConfig, tokenizer: Tokenizer, prompts: list[Prompt], encode=encode_example
+) -> list[Example]:
+    examples = [encode(tokenizer, p) for p in prompts]
     limit = cfg.model.max_position_embeddings
     too_long = sum(len(e.ids) > limit for e in examples)
     if too_long == len(examples):
@@ -96,6 +98,7 @@ def train_sft(
     cfg: RunConfig,
     log_every: int = 100,
     progress: Callable[[int, int, float], None] | None = None,
+    encode: Callable[[Tokenizer, Prompt], Example] = encode_example,
 ) -> float:
     """Fine-tune ``model`` in place on ``train`` for ``cfg.sft.steps`` steps; returns the final loss.
 
@@ -104,7 +107,7 @@ def train_sft(
     step's completion NLL in nats/token), e.g. ``moerl.telemetry.live.LiveView.warm_start_progress``.
     """
     sft = cfg.sft
-    examples = _examples(cfg, tokenizer, train)
+    examples = _examples(cfg, tokenizer, train, encode)
     rng = random.Random(cfg.seed)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -155,7 +158,7 @@ def run_sft(
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     tokenizer = load_run_tokenizer(cfg)
-    task = make_task(cfg.task)
+    task = make_task(cfg.task, cfg.env)
     model = build_model(cfg.model, tokenizer.vocab_size)
     held_out = task.eval_prompts()
     eval_kwargs = dict(
@@ -167,7 +170,9 @@ def run_sft(
     log.info("sft: held-out accuracy before %.3f (%d prompts)", before, len(held_out))
     train = list(itertools.islice(task.train_prompts(cfg.seed), cfg.sft.num_examples))
     t0 = time.perf_counter()
-    final_loss = train_sft(model, tokenizer, train, cfg, progress=progress)
+    final_loss = train_sft(
+        model, tokenizer, train, cfg, progress=progress, encode=getattr(task, "sft_example", encode_example)
+    )
     train_seconds = time.perf_counter() - t0
     after = evaluate(model, tokenizer, task, held_out, **eval_kwargs).accuracy
     out = Path(out_dir)

@@ -70,11 +70,19 @@ METRIC_KEYS: tuple[str, ...] = (
     "weights/sync_bytes",  # bytes of weights moved by the step's sync (per worker x workers)
     "weights/version_lag_max",  # max over live workers of trainer version - engine version
     "weights/version_lag_mean",  # mean of the same
+    "env/turns_mean",  # policy turns per episode of the step's samples (task.name env; else null)
+    "env/latency_p50_s",  # median environment call latency, recent calls of every worker (moerl.envs)
+    "env/latency_p99_s",  # 99th percentile of the same
+    "env/errors",  # episodes ended by an environment fault so far: raised, timeout, died, lost (cumulative)
+    "env/timeouts",  # environment calls past env.step_timeout_s so far (cumulative)
+    "env/parked_max",  # most episodes parked at once on their environments, per worker (max over workers)
 )
 """The fixed metric names, in the order they are written."""
 
 WALL_KEYS = (
     "wall_s",
+    "env/latency_p50_s",
+    "env/latency_p99_s",
     "perf/rollout_tokens_per_s",
     "perf/train_tokens_per_s",
     "perf/step_time_s",

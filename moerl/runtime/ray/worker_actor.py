@@ -165,7 +165,7 @@ class RolloutWorkerActor:
             cfg,
             worker_id,
             model,
-            make_task(cfg.task),
+            make_task(cfg.task, cfg.env),
             tokenizer,
             QueueProxy(exchange, version_of=self._weights_version),
             BufferProxy(exchange),
