@@ -33,6 +33,8 @@ _RENAMES = {
     "queue/": "rollout/queue_",
     "fleet/": "rollout/fleet_",
     "ep/": "perf/ep_",
+    "weights/": "rollout/weights_",
+    "env/": "rollout/env_",
 }
 
 
