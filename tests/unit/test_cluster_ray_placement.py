@@ -96,3 +96,37 @@ def test_scaling_hint_requests_rollout_capacity_from_the_autoscaler(cluster):
         "CPU": 1.0,
         "rollout": 0.001,
     }
+
+
+def test_trainer_rank_group_is_placed_on_the_train_node_only(cluster):
+    """The trainer group's own placement (``moerl.distributed.ray_ranks``: its bundle, a PACK placement
+    group) puts every rank on the train node; a group larger than the train node waits, never spilling."""
+    from dataclasses import replace
+
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from moerl.distributed.ray_ranks import _bundle
+
+    cfg, node_of = cluster
+    cfg = replace(cfg, model=replace(cfg.model, device="cpu"))  # no GPUs on these fake nodes: CPU bundles
+    bundle = _bundle(cfg, 2)
+    assert bundle.get("train") == 0.001
+    pg = placement_group([bundle] * 2, strategy="PACK")
+    assert ray.get(pg.ready(), timeout=60)
+    ranks = [
+        Probe.options(
+            num_cpus=bundle["CPU"],
+            resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+        ).remote()
+        for r in range(2)
+    ]
+    assert set(ray.get([a.node.remote() for a in ranks])) == {node_of["train"]}
+    too_big = placement_group([{"CPU": 1.0, "train": 0.001}] * 3, strategy="PACK")  # train node: 2 CPUs
+    ready, _ = ray.wait([too_big.ready()], timeout=3.0)
+    assert ready == []
+    remove_placement_group(too_big)
+    for actor in ranks:
+        ray.kill(actor)
+    remove_placement_group(pg)
