@@ -326,7 +326,10 @@ class Run:
             )
             if not is_streamed:
                 self.trainer.publish(self.store)
-            self.rollouts.push_weights(self.trainer.version, self.trainer.named_weights())
+            # is_stored: the store has this version already; the rollouts must not write it again
+            self.rollouts.push_weights(
+                self.trainer.version, self.trainer.named_weights(), is_stored=not is_streamed
+            )
             self.pushed_version = self.trainer.version
             if is_streamed and step == cfg.trainer.steps:
                 self.store.flush()

@@ -54,6 +54,6 @@ def restart_group(
         newest_version=latest.version if latest is not None else 0,
     )
     trainer.publish(store)
-    fleet.push_weights(trainer.version, trainer.named_weights())
+    fleet.push_weights(trainer.version, trainer.named_weights(), is_stored=True)  # published just above
     record_ranks(trainer, run.path)
     return trainer, report

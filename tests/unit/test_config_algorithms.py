@@ -70,3 +70,17 @@ def test_moerl_train_refuses_before_the_warm_start(monkeypatch, tmp_path, capsys
     code = main(["train", "--set", "algorithm.preset=dapo", "--set", "algorithm.kl_coef=0.01"])
     assert code == 2 and "DAPO" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.preset=ppo"],
+        ["algorithm.kl_coef=0.01"],
+        ["algorithm.routing_replay=r3"],
+    ],
+)
+def test_parts_built_for_one_process_are_refused_with_several_trainer_ranks(overrides):
+    with pytest.raises(ConfigError, match="trainer.num_ranks=2"):
+        load_config(None, ["trainer.num_ranks=2", "trainer.ep_size=2", *overrides])
+    load_config(None, overrides)  # one rank: fine
