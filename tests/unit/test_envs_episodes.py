@@ -1,6 +1,5 @@
 """Episodes on the engine: parking while an environment works, loss masks, faults."""
 
-
 import pytest
 import torch
 from _envs import EchoEnv, FaultEnv, SleepEnv
