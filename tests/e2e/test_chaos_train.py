@@ -132,6 +132,7 @@ def test_chaos_kills_and_notice_lose_nothing(local_ray, default_init, tmp_path):
             "chaos.kill_rollout_every_s=0.3",
             "chaos.max_kills=2",
             "chaos.notice_rollout_every_s=0.45",
+            "fleet.check_every_s=0.1",  # a 16-step run lasts a few seconds: look for due faults often
             "chaos.max_notices=1",
             "chaos.seed=1",
         )
