@@ -9,6 +9,7 @@ after it are killed, so a hung rank fails the command instead of stalling it.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import multiprocessing as mp
 import os
@@ -87,7 +88,8 @@ def _rank_main(rank: int, size: int, folder: str, spec: EPGenerateSpec, requests
             for c in ep.step():
                 by_key[(c.request_id, c.sample_index)] = c
         done = [by_key[(r.request_id, j)] for r in valid for j in range(r.params.n)] + errors
-        torch.save(done, out / f"rank{rank}.tmp")
+        # plain fields only, so that the reader can load with weights_only=True (no pickled classes)
+        torch.save([dataclasses.asdict(c) for c in done], out / f"rank{rank}.tmp")
         os.replace(out / f"rank{rank}.tmp", out / f"rank{rank}.pt")
     except BaseException:
         (out / f"error{rank}.txt").write_text(traceback.format_exc())
@@ -128,7 +130,9 @@ def generate_ep(
         if any(p.exitcode != 0 for p in procs):
             raise RuntimeError(f"EP ranks exited with codes {[p.exitcode for p in procs]}")
         done = [
-            c for r in range(ep_size) for c in torch.load(Path(folder) / f"rank{r}.pt", weights_only=False)
+            Completion(**fields)
+            for r in range(ep_size)
+            for fields in torch.load(Path(folder) / f"rank{r}.pt", weights_only=True)
         ]
     order = {r.request_id: i for i, r in enumerate(requests)}
     return sorted(done, key=lambda c: (order[c.request_id], c.sample_index))
