@@ -88,9 +88,12 @@ class EpisodeWorker(RolloutWorker):
         return results
 
 
-def episode_worker(cfg, worker_id: str, engine, task, tokenizer, queue, buffer, weights) -> EpisodeWorker:
+def episode_worker(
+    cfg, worker_id: str, engine, task, tokenizer, queue, buffer, weights, *, pause_point=None
+) -> EpisodeWorker:
     """The ``EpisodeWorker`` of a run config (``cfg.env``): in-process environment threads in sync mode,
-    Ray environment actors in async mode (``moerl.envs.pool_ray``), over ``engine``."""
+    Ray environment actors in async mode (``moerl.envs.pool_ray``), over ``engine``; ``pause_point`` as
+    ``RolloutWorker``'s."""
     if cfg.runtime.mode == "async":
         from moerl.envs.pool_ray import RayEnvPool  # noqa: PLC0415 - ray is optional and heavy
 
@@ -123,4 +126,5 @@ def episode_worker(cfg, worker_id: str, engine, task, tokenizer, queue, buffer, 
         weights=weights,
         run_seed=cfg.seed,
         lease_ttl_s=cfg.runtime.lease_ttl_s,
+        pause_point=pause_point,
     )

@@ -82,9 +82,9 @@ def make_worker(
     ``pause_point``: see ``RolloutWorker``. For ``task.name: env`` an ``EpisodeWorker`` (``moerl.envs``)."""
     if cfg.task.name == "env":
         engine = make_engine(model, cfg, version=version)
-        worker = episode_worker(cfg, worker_id, engine, task, tokenizer, queue, buffer, weights)
-        worker.pause_point = pause_point
-        return worker
+        return episode_worker(
+            cfg, worker_id, engine, task, tokenizer, queue, buffer, weights, pause_point=pause_point
+        )
     return RolloutWorker(
         worker_id,
         make_engine(model, cfg, version=version),
