@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from moerl.cluster.instances import GPU_FAMILIES, gpus_of, is_gpu_instance
 from moerl.configlib import ConfigError, check_range
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a Kubernetes DNS-1123 label
@@ -48,8 +49,9 @@ class NodeGroupConfig:
     """Most nodes (and Ray worker pods); the Ray autoscaler never goes above."""
     spot: bool = False
     """Spot (preemptible) capacity instead of on-demand."""
-    gpus_per_node: int = 0
-    """GPUs of one node, all requested by its Ray pod (``nvidia.com/gpu``); 0: a CPU group."""
+    gpus_per_node: int | None = 0
+    """GPUs of one node, all requested by its Ray pod (``nvidia.com/gpu``); 0: a CPU group; None: the
+    instance type's GPUs (``moerl.cluster.instances``; resolved when the config is built)."""
     cpus_per_node: int = 30
     """vCPUs the Ray pod requests (the instance's vCPUs less a few for the kubelet and daemons)."""
     memory_gib: int = 120
@@ -72,7 +74,10 @@ class NodeGroupConfig:
         prefix = f"cluster.{group}"
         if not self.instance_types or not all(self.instance_types):
             raise ConfigError(f"{prefix}.instance_types must name at least one EC2 instance type")
-        for name in ("min_nodes", "gpus_per_node", "efa_interfaces", "shm_gib"):
+        if self.gpus_per_node is None:
+            raise ConfigError(f"{prefix}.gpus_per_node must be set (0 for a CPU group)")
+        check_range(f"{prefix}.gpus_per_node", self.gpus_per_node, 0)
+        for name in ("min_nodes", "efa_interfaces", "shm_gib"):
             check_range(f"{prefix}.{name}", getattr(self, name), 0)
         for name in ("max_nodes", "cpus_per_node", "memory_gib", "volume_gib"):
             check_range(f"{prefix}.{name}", getattr(self, name), 1)
@@ -80,6 +85,42 @@ class NodeGroupConfig:
             raise ConfigError(
                 f"{prefix}.min_nodes={self.min_nodes} is larger than {prefix}.max_nodes={self.max_nodes}"
             )
+
+    def resolve_gpus(self, group: str) -> None:
+        """Check a GPU group's instance types against the known GPU families and set ``gpus_per_node``
+        to their GPUs when it is None (``moerl.cluster.instances``).
+
+        Raises:
+            ConfigError: an instance type outside the GPU families, types with different GPU counts,
+                ``gpus_per_node`` unlike the instances' GPUs, or None for sizes of unknown GPU count.
+        """
+        prefix = f"cluster.{group}"
+        for itype in self.instance_types:
+            if not is_gpu_instance(itype):
+                raise ConfigError(
+                    f"{prefix}.instance_types: {itype!r} is not a GPU instance type; the {group} group needs "
+                    f"GPU nodes (families {', '.join(GPU_FAMILIES)})"
+                )
+        known = {t: gpus_of(t) for t in self.instance_types if gpus_of(t) is not None}
+        if len(set(known.values())) > 1:
+            counts = ", ".join(f"{t} has {n}" for t, n in known.items())
+            raise ConfigError(
+                f"{prefix}.instance_types={list(self.instance_types)}: {counts} GPUs; the nodes of one "
+                "group must have the same GPUs"
+            )
+        if known and self.gpus_per_node is not None and self.gpus_per_node not in known.values():
+            itype, count = next(iter(known.items()))
+            raise ConfigError(
+                f"{prefix}.gpus_per_node={self.gpus_per_node} but {itype} has {count} GPUs; "
+                f"set {prefix}.gpus_per_node={count} or leave it unset"
+            )
+        if self.gpus_per_node is None:
+            if not known:
+                raise ConfigError(
+                    f"{prefix}.gpus_per_node: the GPUs of {list(self.instance_types)} are not known "
+                    "(moerl.cluster.instances); set it"
+                )
+            self.gpus_per_node = next(iter(known.values()))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,7 +130,7 @@ class TrainGroupConfig(NodeGroupConfig):
     instance_types: tuple[str, ...] = ("p5.48xlarge",)
     min_nodes: int = 2
     max_nodes: int = 2
-    gpus_per_node: int = 8
+    gpus_per_node: int | None = None
     cpus_per_node: int = 180
     memory_gib: int = 1800
     efa_interfaces: int = 32
@@ -105,7 +146,7 @@ class RolloutGroupConfig(NodeGroupConfig):
     min_nodes: int = 1
     max_nodes: int = 4
     spot: bool = True
-    gpus_per_node: int = 8
+    gpus_per_node: int | None = None
     cpus_per_node: int = 90
     memory_gib: int = 1000
     volume_gib: int = 500
@@ -168,13 +209,17 @@ class ClusterConfig:
     resume_from: str | None = None
     """URL of a stored run (``s3://bucket/prefix/<name>-<timestamp>``) the RayJob continues with
     ``moerl train --resume``; None: a new run."""
-    num_trainer_ranks: int | None = None
-    """Trainer ranks (one per GPU); None: every GPU of the train group's ``max_nodes`` nodes. Stands in
-    for the distributed trainer's ``trainer.num_ranks`` until that field exists."""
-    trainer_ep_size: int = 8
-    """EP ranks of the trainer's expert-parallel group (must divide the ranks and ``model.num_experts``)."""
-    rollout_ep_size: int = 1
-    """GPUs of one rollout worker (its engine's EP ranks); must divide ``rollout.gpus_per_node``."""
+    rollout_ep_size: int | None = None
+    """GPUs of one rollout worker (its engine's EP ranks); must divide ``cluster.rollout.gpus_per_node``.
+    Stands in for ``rollout.ep_size`` while runs accept only ``rollout.ep_size: 1`` (the EP rollout worker
+    group is not in the fleet yet); the render writes it into the run config's ``rollout.ep_size``.
+    None: ``rollout.ep_size``. The trainer's layout has no such field: the render reads
+    ``trainer.num_ranks``, ``trainer.ep_size`` and ``trainer.gpus_per_node``."""
+    model_url: str | None = None
+    """``s3://`` URL of the Hugging Face model folder (config.json, safetensors, tokenizer) the policy
+    starts from. An init container of every train pod copies it to ``/models/<last part of the URL>``
+    (``moerl.cluster.fetch``) and the render sets the run's ``init_from`` to that folder. None: the
+    run's own ``init_from`` or ``model.path``, a folder inside the image."""
     train: TrainGroupConfig = field(default_factory=TrainGroupConfig)
     """The training node group."""
     rollout: RolloutGroupConfig = field(default_factory=RolloutGroupConfig)
@@ -202,19 +247,21 @@ class ClusterConfig:
             raise ConfigError(f"cluster.resume_from={self.resume_from!r} must be a stored run's s3:// URL")
         if not self.image:
             raise ConfigError("cluster.image must name a container image with moerl installed")
+        if self.model_url is not None and not self.model_url.rstrip("/").startswith("s3://"):
+            raise ConfigError(f"cluster.model_url={self.model_url!r} must be the s3:// URL of a model folder")
+        for group in ("train", "rollout"):
+            getattr(self, group).resolve_gpus(group)
         for group in ("train", "rollout", "cpu", "memory"):
             getattr(self, group).check(group)
         if self.train.gpus_per_node < 1 or self.rollout.gpus_per_node < 1:
             raise ConfigError("cluster.train.gpus_per_node and cluster.rollout.gpus_per_node must be >= 1")
-        if self.num_trainer_ranks is not None:
-            check_range("cluster.num_trainer_ranks", self.num_trainer_ranks, 1)
-        check_range("cluster.trainer_ep_size", self.trainer_ep_size, 1)
-        check_range("cluster.rollout_ep_size", self.rollout_ep_size, 1, self.rollout.gpus_per_node)
-        if self.rollout.gpus_per_node % self.rollout_ep_size:
-            raise ConfigError(
-                f"cluster.rollout_ep_size={self.rollout_ep_size} must divide "
-                f"cluster.rollout.gpus_per_node={self.rollout.gpus_per_node}"
-            )
+        if self.rollout_ep_size is not None:
+            check_range("cluster.rollout_ep_size", self.rollout_ep_size, 1, self.rollout.gpus_per_node)
+            if self.rollout.gpus_per_node % self.rollout_ep_size:
+                raise ConfigError(
+                    f"cluster.rollout_ep_size={self.rollout_ep_size} must divide "
+                    f"cluster.rollout.gpus_per_node={self.rollout.gpus_per_node}"
+                )
 
     @property
     def zone(self) -> str:

@@ -23,7 +23,9 @@ GROUP_LABEL = "moerl.io/group"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
 """Taint of the GPU node groups: only pods that tolerate it (moerl's GPU pods) are placed there."""
 CONFIG_DIR = "/etc/moerl"
-"""Where the run config (ConfigMap) is mounted in the head pod."""
+"""Where the run config (ConfigMap) is mounted in every Ray pod (the driver runs on a train pod)."""
+MODEL_DIR = "/models"
+"""Pod-local folder (an emptyDir) of the train pods that ``cluster.model_url`` is copied into."""
 NOTICE_DIR = "/var/run/moerl"
 """Pod-local folder of the termination notice file (an emptyDir shared by the pod's processes)."""
 NOTICE_FILE = f"{NOTICE_DIR}/notice.json"
@@ -37,6 +39,11 @@ def grace_period_s(cfg: RunConfig) -> int:
     return math.ceil(cfg.fleet.drain_grace_s) + GRACE_MARGIN_S
 
 
+def model_folder(url: str) -> str:
+    """Where the train pods copy the model folder at ``url``: ``MODEL_DIR/<last part of the URL>``."""
+    return f"{MODEL_DIR}/{url.rstrip('/').rsplit('/', 1)[-1]}"
+
+
 def _quantity_gib(gib: int) -> str:
     return f"{gib}Gi"
 
@@ -47,7 +54,10 @@ def _container(cluster: ClusterConfig, name: str, spec: NodeGroupConfig, *, cpus
         limits["nvidia.com/gpu"] = spec.gpus_per_node
     if spec.efa_interfaces:
         limits["vpc.amazonaws.com/efa"] = spec.efa_interfaces
-    mounts = [{"name": "notice", "mountPath": NOTICE_DIR}]
+    mounts = [
+        {"name": "notice", "mountPath": NOTICE_DIR},
+        {"name": "run-config", "mountPath": CONFIG_DIR, "readOnly": True},
+    ]
     if spec.shm_gib:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     return {
@@ -60,8 +70,12 @@ def _container(cluster: ClusterConfig, name: str, spec: NodeGroupConfig, *, cpus
     }
 
 
-def _pod_template(cluster: ClusterConfig, group: str, container: dict, spec: NodeGroupConfig) -> dict:
-    volumes: list[dict] = [{"name": "notice", "emptyDir": {}}]
+def _pod_template(cfg: RunConfig, group: str, container: dict, spec: NodeGroupConfig) -> dict:
+    cluster = cfg.cluster
+    volumes: list[dict] = [
+        {"name": "notice", "emptyDir": {}},
+        {"name": "run-config", "configMap": {"name": config_map_name(cfg)}},
+    ]
     if spec.shm_gib:
         volumes.append(
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity_gib(spec.shm_gib)}}
@@ -91,12 +105,38 @@ def _prestop(cfg: RunConfig) -> dict:
     return {"preStop": {"exec": {"command": ["/bin/sh", "-c", script]}}}
 
 
+def fetch_command(cfg: RunConfig) -> list[str]:
+    """The command that copies ``cluster.model_url`` to ``model_folder`` (``moerl.cluster.fetch``)."""
+    url = cfg.cluster.model_url
+    options = json.dumps(cfg.storage.options or {})
+    return ["python3", "-m", "moerl.cluster.fetch", url, model_folder(url), "--options", options]
+
+
+def _add_model_fetch(cfg: RunConfig, pod: dict, container: dict) -> None:
+    """An init container that copies the policy's model folder into the pod-local ``MODEL_DIR`` (every
+    train pod: the driver and the trainer ranks on other nodes read ``init_from`` there)."""
+    pod["volumes"].append({"name": "models", "emptyDir": {}})
+    container["volumeMounts"].append({"name": "models", "mountPath": MODEL_DIR, "readOnly": True})
+    pod["initContainers"] = [
+        {
+            "name": "fetch-model",
+            "image": cfg.cluster.image,
+            "imagePullPolicy": "IfNotPresent",
+            "command": fetch_command(cfg),
+            "env": [{"name": "AWS_REGION", "value": cfg.cluster.region}],
+            "volumeMounts": [{"name": "models", "mountPath": MODEL_DIR}],
+        }
+    ]
+
+
 def worker_group(cfg: RunConfig, group: str) -> dict:
     """The KubeRay ``workerGroupSpecs`` entry of ``group`` (one Ray pod per node of the group)."""
     cluster = cfg.cluster
     spec: NodeGroupConfig = getattr(cluster, group)
     container = _container(cluster, "ray-worker", spec, cpus=spec.cpus_per_node, mem_gib=spec.memory_gib)
-    template = _pod_template(cluster, group, container, spec)
+    template = _pod_template(cfg, group, container, spec)
+    if group == "train" and cluster.model_url is not None:
+        _add_model_fetch(cfg, template["spec"], container)
     if group == "rollout":
         container["lifecycle"] = _prestop(cfg)
         template["spec"]["terminationGracePeriodSeconds"] = grace_period_s(cfg)
@@ -113,7 +153,7 @@ def worker_group(cfg: RunConfig, group: str) -> dict:
 
 
 def head_group(cfg: RunConfig, *, cpus: int = 4, mem_gib: int = 32) -> dict:
-    """The head: GCS and dashboard on the memory group, no actors (``num-cpus: 0``), the run config mounted."""
+    """The head: GCS and dashboard on the memory group, no actors (``num-cpus: 0``)."""
     cluster = cfg.cluster
     spec = cluster.memory
     container = _container(cluster, "ray-head", spec, cpus=cpus, mem_gib=mem_gib)
@@ -122,9 +162,7 @@ def head_group(cfg: RunConfig, *, cpus: int = 4, mem_gib: int = 32) -> dict:
         {"containerPort": 8265, "name": "dashboard"},
         {"containerPort": 10001, "name": "client"},
     ]
-    container["volumeMounts"].append({"name": "run-config", "mountPath": CONFIG_DIR, "readOnly": True})
-    template = _pod_template(cluster, "memory", container, spec)
-    template["spec"]["volumes"].append({"name": "run-config", "configMap": {"name": config_map_name(cfg)}})
+    template = _pod_template(cfg, "memory", container, spec)
     return {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"}, "template": template}
 
 

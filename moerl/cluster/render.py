@@ -22,7 +22,7 @@ import yaml
 
 from moerl.atomic import atomic_write_text
 from moerl.cluster.eks import efa_device_plugin, eksctl_cluster_config
-from moerl.cluster.kuberay import NOTICE_FILE, config_map_name, ray_job
+from moerl.cluster.kuberay import NOTICE_FILE, config_map_name, model_folder, ray_job
 from moerl.config import ConfigError, RunConfig, from_dict, to_dict
 
 RUN_CONFIG_KEY = "run.yaml"
@@ -40,20 +40,81 @@ class Rendered:
     """One line per manifest not written and why (e.g. no alert rule file)."""
 
 
-def num_trainer_ranks(cfg: RunConfig) -> int:
-    """Trainer ranks: ``cluster.num_trainer_ranks``, else every GPU of the train group's ``max_nodes``."""
-    c = cfg.cluster
-    return (
-        c.num_trainer_ranks if c.num_trainer_ranks is not None else c.train.max_nodes * c.train.gpus_per_node
-    )
+def train_nodes(cfg: RunConfig) -> int:
+    """Training nodes the trainer ranks fill: ``ceil(trainer.num_ranks / trainer.gpus_per_node)``."""
+    return math.ceil(cfg.trainer.num_ranks / cfg.trainer.gpus_per_node)
+
+
+def rollout_ep_size(cfg: RunConfig) -> int:
+    """GPUs of one rollout worker: ``cluster.rollout_ep_size`` (the stand-in), else ``rollout.ep_size``.
+
+    Raises:
+        ConfigError: both are set (``rollout.ep_size`` other than 1) and differ.
+    """
+    stand_in, run = cfg.cluster.rollout_ep_size, cfg.rollout.ep_size
+    if stand_in is not None and run != 1 and stand_in != run:
+        raise ConfigError(
+            f"cluster.rollout_ep_size={stand_in} contradicts rollout.ep_size={run}; set only one of them"
+        )
+    return stand_in if stand_in is not None else run
+
+
+def policy_folder(cfg: RunConfig) -> str | None:
+    """The cluster run's ``init_from``: where the train pods copy ``cluster.model_url``, else the run's own.
+
+    Raises:
+        ConfigError: ``init_from`` contradicts ``cluster.model_url``, or the run has no policy to start
+            from (no ``cluster.model_url``, ``init_from`` or ``model.path``: a fresh random model).
+    """
+    url = cfg.cluster.model_url
+    if url is None:
+        if cfg.init_from is None and cfg.model.path is None:
+            raise ConfigError(
+                "cluster.model_url, init_from and model.path are all unset: the cluster run would train a "
+                "fresh random model; set cluster.model_url=s3://bucket/models/<HF model folder>"
+            )
+        return cfg.init_from
+    folder = model_folder(url)
+    if cfg.init_from is not None and cfg.init_from != folder:
+        raise ConfigError(
+            f"init_from={cfg.init_from!r} contradicts cluster.model_url={url!r}, which the train pods copy "
+            f"to {folder!r}; leave init_from unset"
+        )
+    return folder
+
+
+def _check_trainer(cfg: RunConfig) -> None:
+    """The trainer group's layout (``trainer.num_ranks``, ``trainer.gpus_per_node``) against the train
+    group's nodes; ``trainer.ep_size`` is checked by the run config itself (divides ranks and experts)."""
+    c, t = cfg.cluster, cfg.trainer
+    gpus_per_node = c.train.gpus_per_node
+    if t.gpus_per_node != gpus_per_node:
+        raise ConfigError(
+            f"trainer.gpus_per_node={t.gpus_per_node} but cluster.train.gpus_per_node={gpus_per_node} "
+            f"({c.train.instance_types[0]}): the trainer's node topology is the train nodes'; "
+            f"set trainer.gpus_per_node={gpus_per_node}"
+        )
+    gpus = c.train.max_nodes * gpus_per_node
+    if t.num_ranks > gpus:
+        raise ConfigError(
+            f"trainer.num_ranks={t.num_ranks} is more than the train group's {gpus} GPUs "
+            f"(cluster.train.max_nodes={c.train.max_nodes} x gpus_per_node={gpus_per_node})"
+        )
+    if train_nodes(cfg) < c.train.min_nodes:
+        raise ConfigError(
+            f"trainer.num_ranks={t.num_ranks} fills {train_nodes(cfg)} of the train group's "
+            f"cluster.train.min_nodes={c.train.min_nodes} on-demand nodes ({gpus_per_node} GPUs each); "
+            f"set trainer.num_ranks={c.train.min_nodes * gpus_per_node} or lower cluster.train.min_nodes"
+        )
 
 
 def _check(cfg: RunConfig) -> None:
     """Cross-checks between the run and its cluster (the sections validate themselves).
 
     Raises:
-        ConfigError: storage not in S3, more ranks than training GPUs, an EP size that does not divide
-            the ranks or the experts, more rollout workers than the rollout group can hold.
+        ConfigError: storage not in S3, a trainer layout that does not fit the train group, a rollout EP
+            size that does not divide a rollout node's GPUs, more rollout workers than the rollout group
+            can hold.
     """
     c = cfg.cluster
     if not (cfg.storage.url or "").startswith("s3://"):
@@ -63,21 +124,13 @@ def _check(cfg: RunConfig) -> None:
         )
     if cfg.runtime.store_url is not None and not cfg.runtime.store_url.startswith("s3://"):
         raise ConfigError(f"runtime.store_url={cfg.runtime.store_url!r} must be in S3 on a cluster (or None)")
-    ranks, gpus = num_trainer_ranks(cfg), c.train.max_nodes * c.train.gpus_per_node
-    if ranks > gpus:
+    _check_trainer(cfg)
+    ep = rollout_ep_size(cfg)
+    if c.rollout.gpus_per_node % ep:
         raise ConfigError(
-            f"cluster.num_trainer_ranks={ranks} is more than the train group's {gpus} GPUs "
-            f"(cluster.train.max_nodes={c.train.max_nodes} x gpus_per_node={c.train.gpus_per_node})"
+            f"rollout.ep_size={ep} must divide cluster.rollout.gpus_per_node={c.rollout.gpus_per_node}"
         )
-    if ranks % c.trainer_ep_size:
-        raise ConfigError(
-            f"cluster.trainer_ep_size={c.trainer_ep_size} must divide the {ranks} trainer ranks"
-        )
-    if cfg.model.path is None and cfg.model.num_experts % c.trainer_ep_size:
-        raise ConfigError(
-            f"cluster.trainer_ep_size={c.trainer_ep_size} must divide model.num_experts={cfg.model.num_experts}"
-        )
-    per_node = c.rollout.gpus_per_node // c.rollout_ep_size
+    per_node = c.rollout.gpus_per_node // ep
     wanted = cfg.fleet.max_workers or cfg.rollout.num_workers
     if wanted > per_node * c.rollout.max_nodes:
         raise ConfigError(
@@ -90,10 +143,11 @@ def _check(cfg: RunConfig) -> None:
 def cluster_run_config(cfg: RunConfig) -> RunConfig:
     """The run config as the cluster runs it: async on the job's Ray cluster (``ray_address: auto``),
     the model on CUDA, the rollout pods' notice file and the instance metadata service (IMDSv2) as
-    notice sources, everything else as given.
+    notice sources, ``init_from`` the train pods' copy of ``cluster.model_url``, ``cluster.rollout_ep_size``
+    resolved; everything else as given. ``job_run_config`` is what the job reads.
 
     Raises:
-        ConfigError: see ``_check``.
+        ConfigError: see ``_check``, ``rollout_ep_size`` and ``policy_folder``.
     """
     _check(cfg)
     data = to_dict(cfg)
@@ -101,7 +155,23 @@ def cluster_run_config(cfg: RunConfig) -> RunConfig:
     data["model"]["device"] = "cuda"
     data["fleet"]["notice_file"] = NOTICE_FILE
     data["fleet"]["imds_url"] = data["fleet"]["imds_url"] or IMDS_URL
+    data["init_from"] = policy_folder(cfg)
+    data["cluster"]["rollout_ep_size"] = rollout_ep_size(cfg)
     return from_dict(RunConfig, data)
+
+
+def job_run_config(run: RunConfig) -> dict:
+    """The run config the job's ``moerl train`` reads (the ConfigMap's ``run.yaml``, TorchX's
+    ``MOERL_RUN_CONFIG``), as a dict: ``run`` (from ``cluster_run_config``) with ``rollout.ep_size`` set to
+    the cluster's rollout EP size. Every layout field is the run's own: ``trainer.num_ranks``,
+    ``trainer.ep_size``, ``trainer.gpus_per_node``, ``rollout.num_workers``, ``rollout.ep_size``.
+
+    While runs accept only ``rollout.ep_size: 1`` (until the EP rollout worker group is in the fleet),
+    ``moerl train`` refuses the config of a cluster with ``cluster.rollout_ep_size > 1``.
+    """
+    data = to_dict(run)
+    data["rollout"]["ep_size"] = run.cluster.rollout_ep_size
+    return data
 
 
 def namespace(cfg: RunConfig) -> dict:
@@ -110,12 +180,13 @@ def namespace(cfg: RunConfig) -> dict:
 
 
 def run_config_map(cfg: RunConfig) -> dict:
-    """The ``ConfigMap`` with the run config (key ``run.yaml``), mounted into the Ray head."""
+    """The ``ConfigMap`` with the run config (key ``run.yaml``: ``job_run_config``), mounted into every
+    Ray pod at ``moerl.cluster.kuberay.CONFIG_DIR``."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": config_map_name(cfg), "namespace": cfg.cluster.namespace},
-        "data": {RUN_CONFIG_KEY: yaml.safe_dump(to_dict(cfg), sort_keys=False)},
+        "data": {RUN_CONFIG_KEY: yaml.safe_dump(job_run_config(cfg), sort_keys=False)},
     }
 
 

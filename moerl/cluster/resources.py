@@ -44,7 +44,7 @@ def node_resources(cluster: ClusterConfig, group: str) -> dict[str, float]:
         raise KeyError(f"unknown worker group {group!r}; expected one of {list(GROUPS)}")
     amount = {
         "train": spec.gpus_per_node,
-        "rollout": spec.gpus_per_node // cluster.rollout_ep_size,
+        "rollout": spec.gpus_per_node // (cluster.rollout_ep_size or 1),  # set by cluster_run_config
         "cpu": spec.cpus_per_node,
         "memory": 1,
     }[group]

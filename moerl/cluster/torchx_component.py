@@ -8,7 +8,9 @@ a Ray cluster out of TorchX roles, one per worker group (``moerl.config_cluster`
 
 - ``train`` (role 0): replica 0 starts the Ray head and runs ``moerl train``, the other replicas join;
   each pod takes a training node's GPUs and EFA interfaces and advertises the ``train`` resource;
-- ``rollout``: enough pods for ``num_rollout_workers`` (``rollout_ep_size`` GPUs each), ``rollout``;
+- ``train`` has ``ceil(trainer.num_ranks / trainer.gpus_per_node)`` pods; with ``cluster.model_url`` each
+  first copies the policy's model folder to ``init_from`` (``moerl.cluster.fetch``);
+- ``rollout``: enough pods for ``num_rollout_workers`` (``cluster.rollout_ep_size`` GPUs each), ``rollout``;
 - ``memory``: one pod for the exchange actor (``exchange``); ``cpu``: ``cpu.min_nodes`` pods (``env``).
 
 Every non-head pod joins the head at ``$VC_TRAIN_0_HOSTS`` (the Volcano host variable of the first role,
@@ -21,13 +23,15 @@ when submitting this way.
 import base64
 import json
 import math
+import shlex
 
 import torchx.specs as specs
 import yaml
 
-from moerl.cluster.render import cluster_run_config
+from moerl.cluster.kuberay import fetch_command
+from moerl.cluster.render import cluster_run_config, job_run_config, train_nodes
 from moerl.cluster.resources import GROUPS, node_resources
-from moerl.config import RunConfig, load_config, to_dict
+from moerl.config import RunConfig, load_config
 from moerl.config_cluster import NodeGroupConfig
 
 RAY_PORT = 6379
@@ -65,20 +69,26 @@ def _ray_start(cfg: RunConfig, group: str, *, head: bool) -> str:
 
 
 def _train_script(cfg: RunConfig) -> str:
+    fetch = f"{shlex.join(fetch_command(cfg))} && " if cfg.cluster.model_url is not None else ""
     head = (
         f"{_ray_start(cfg, 'train', head=True)} && echo $MOERL_RUN_CONFIG | base64 -d > /tmp/run.yaml && "
         "moerl train --config /tmp/run.yaml"
     )
-    return f'if [ "${{replica_id}}" = "0" ]; then {head}; else {_ray_start(cfg, "train", head=False)}; fi'
+    join = _ray_start(cfg, "train", head=False)
+    return f'{fetch}if [ "${{replica_id}}" = "0" ]; then {head}; else {join}; fi'
 
 
 def replicas_per_group(cfg: RunConfig) -> dict[str, int]:
-    """Pods of each group: the train group's ``max_nodes``, the rollout nodes that hold
-    ``rollout.num_workers`` workers, one memory pod, ``cpu.min_nodes`` CPU pods."""
+    """Pods of each group: the training nodes the trainer ranks fill, the rollout nodes that hold
+    ``rollout.num_workers`` workers, one memory pod, ``cpu.min_nodes`` CPU pods.
+
+    Args:
+        cfg: the run config as the cluster runs it (``cluster_run_config``: ``rollout_ep_size`` set).
+    """
     c = cfg.cluster
     per_node = c.rollout.gpus_per_node // c.rollout_ep_size
     return {
-        "train": c.train.max_nodes,
+        "train": train_nodes(cfg),
         "rollout": math.ceil(cfg.rollout.num_workers / per_node),
         "cpu": c.cpu.min_nodes,
         "memory": 1,
@@ -105,7 +115,7 @@ def moerl(
     # the same checks and cluster settings as ``moerl cluster render`` (async on the job's Ray, CUDA,
     # IMDSv2 notices, S3 storage)
     cfg = cluster_run_config(load_config(config, _run_overrides(config, num_rollout_workers, checkpoint_dir)))
-    run_yaml = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    run_yaml = yaml.safe_dump(job_run_config(cfg), sort_keys=False)
     env = {"MOERL_RUN_CONFIG": base64.b64encode(run_yaml.encode()).decode(), "AWS_REGION": cfg.cluster.region}
     image = image or cfg.cluster.image
     roles = []
