@@ -60,7 +60,9 @@ def fetch_model(url: str, dest: str | Path, options: dict | None = None) -> Path
 
 def main(argv: list[str] | None = None) -> int:
     """``python3 -m moerl.cluster.fetch URL DEST [--options JSON]``; exit 1 with one line on an error."""
-    parser = argparse.ArgumentParser(prog="python3 -m moerl.cluster.fetch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python3 -m moerl.cluster.fetch", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("url", help="fsspec URL of the model folder, e.g. s3://bucket/models/NAME")
     parser.add_argument("dest", help="local folder to create")
     parser.add_argument("--options", default="{}", help="fsspec options as JSON (storage.options)")

@@ -194,8 +194,8 @@ def test_mission_recipe_is_the_mission():
     "override, match",
     [
         ("storage.url=/tmp/runs", "storage.url='/tmp/runs'.*s3://"),
-        ("cluster.num_trainer_ranks=256", "more than the train group's 128 GPUs"),
-        ("cluster.trainer_ep_size=48", "must divide the 128 trainer ranks"),
+        ("trainer.num_ranks=256", "more than the train group's 128 GPUs"),
+        ("trainer.ep_size=48", "does not divide trainer.num_ranks=128"),
         ("cluster.rollout.max_nodes=16", "32 rollout workers .* need 32 rollout nodes"),
         ("cluster.rollout.min_nodes=40", "min_nodes=40 is larger than cluster.rollout.max_nodes=32"),
         ("cluster.availability_zones=[us-west-2a,us-west-2b]", "not in cluster.region"),
