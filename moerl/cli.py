@@ -117,6 +117,24 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return report_main(args.run_dir)
 
 
+_CLUSTER_RENDER_DESCRIPTION = """\
+Write the Amazon EKS + KubeRay manifests of a run config with a cluster: section
+(see moerl/config_cluster.py and the README's "Run on a cluster"):
+
+  OUT/eksctl-cluster.yaml            eksctl create cluster -f OUT/eksctl-cluster.yaml
+  OUT/k8s/00-namespace.yaml ...      kubectl apply -f OUT/k8s/   (EFA plugin, run config, RayJob, alerts)
+
+The run needs storage.url=s3://... and a policy to start from (cluster.model_url=s3://... of a
+Hugging Face model folder, or init_from). The job's layout is the run's own: trainer.num_ranks,
+trainer.ep_size, trainer.gpus_per_node, rollout.num_workers (and cluster.rollout_ep_size, written into
+rollout.ep_size). Every check runs before anything is written; a bad value is a one-line error.
+
+example:
+  moerl cluster render --config configs/cluster_qwen3_30b_1node.yaml --out deploy/k8s/qwen3-30b \\
+      --set storage.url=s3://my-bucket/runs --set cluster.model_url=s3://my-bucket/models/Qwen3-30B-A3B
+"""
+
+
 def _cmd_cluster_render(args: argparse.Namespace) -> int:
     from moerl.cluster.render import render_main
 
@@ -207,9 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cluster", help="deploy on Kubernetes (EKS + KubeRay)")
     cluster_sub = p.add_subparsers(dest="cluster_command", required=True)
-    p = cluster_sub.add_parser("render", help="write the manifests of a run config's cluster: section")
+    p = cluster_sub.add_parser(
+        "render",
+        help="write the manifests of a run config's cluster: section",
+        description=_CLUSTER_RENDER_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_config_args(p)
-    p.add_argument("--out", required=True, help="output folder of the manifests")
+    p.add_argument("--out", required=True, help="output folder (created; files of the same names replaced)")
     p.set_defaults(func=_cmd_cluster_render)
     _add_plan_parser(sub)
     return parser

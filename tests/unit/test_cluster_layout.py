@@ -267,3 +267,33 @@ def test_the_init_containers_command_copies_from_s3(tmp_path, monkeypatch):
         assert fetch_main(["s3://models/nothing", str(tmp_path / "y"), "--options", options]) == 1
     finally:
         server.stop()
+
+
+def _render_argv(text: str, env: dict[str, str]) -> list[str]:
+    """The ``moerl cluster render ...`` command in ``text`` (joined over '\\' line ends), $VARs replaced."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("moerl cluster render --config configs/"))
+    command = ""
+    for line in lines[start:]:
+        command += " " + line.rstrip("\\")
+        if not line.endswith("\\"):
+            break
+    for name, value in env.items():
+        command = command.replace(f"${name}", value)
+    return shlex.split(command)
+
+
+@pytest.mark.parametrize("source", ["readme", "help"])
+def test_the_documented_render_commands_run(source, tmp_path):
+    from moerl.cli import _CLUSTER_RENDER_DESCRIPTION, main
+
+    text = (ROOT / "README.md").read_text() if source == "readme" else _CLUSTER_RENDER_DESCRIPTION
+    argv = _render_argv(text, {"BUCKET": "b", "IMAGE": "registry.example/moerl:0.1.0"})
+    argv[argv.index("--out") + 1] = str(tmp_path / "out")
+    assert main(argv[1:]) == 0
+    docs = {p.name: yaml.safe_load(p.read_text()) for p in (tmp_path / "out").rglob("*.yaml")}
+    run = yaml.safe_load(docs["20-run-config.yaml"]["data"]["run.yaml"])
+    bucket, model = {"readme": ("b", "DeepSeek-V3-bf16"), "help": ("my-bucket", "Qwen3-30B-A3B")}[source]
+    assert run["storage"]["url"] == f"s3://{bucket}/runs"
+    assert run["cluster"]["model_url"] == f"s3://{bucket}/models/{model}"
+    assert run["init_from"] == f"{MODEL_DIR}/{model}"
