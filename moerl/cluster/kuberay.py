@@ -7,6 +7,11 @@ no work (``num-cpus: 0``). The ``rollout`` group runs on Spot nodes between ``mi
 ``max_nodes`` (the Ray autoscaler's ``minReplicas``/``maxReplicas``) and is drained, not killed: its
 pods get a termination grace period longer than ``fleet.drain_grace_s`` and a preStop hook that writes
 the termination notice the workers watch (``fleet.notice_file``) and then waits out the drain.
+
+Every pod mounts the run config (the ConfigMap) at ``CONFIG_DIR``: the driver runs on whichever train
+pod Ray picks. With ``cluster.model_url`` every train pod first copies the policy's model folder into
+its own ``MODEL_DIR`` (an init container, ``moerl.cluster.fetch``): the driver and the trainer ranks on
+the other train nodes read ``init_from`` there; the rollout workers get it through the weight store.
 """
 
 from __future__ import annotations

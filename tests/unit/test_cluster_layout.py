@@ -9,6 +9,7 @@
   against a moto S3 server) to the run's ``init_from``.
 """
 
+import base64
 import json
 import shlex
 from pathlib import Path
@@ -188,6 +189,9 @@ def test_torchx_train_pods_fetch_the_policy_first():
     script = train.args[-1]
     assert script.startswith("python3 -m moerl.cluster.fetch s3://my-moerl-bucket/models/DeepSeek-V3-bf16 ")
     assert shlex.split(script.split(" && ")[0])[4] == "/models/DeepSeek-V3-bf16"
+    run = yaml.safe_load(base64.b64decode(train.env["MOERL_RUN_CONFIG"]))  # what moerl train reads
+    assert (run["trainer"]["num_ranks"], run["trainer"]["ep_size"], run["rollout"]["ep_size"]) == (128, 64, 8)
+    assert run["init_from"] == "/models/DeepSeek-V3-bf16" and run["rollout"]["num_workers"] == 32
 
 
 def _folder(root: Path) -> Path:
