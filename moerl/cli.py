@@ -197,26 +197,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-new-tokens", type=int, default=None, help="default: 64, capped by the model's context"
     )
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("-n", type=int, default=1, help="samples per prompt")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)"
+    )
+    p.add_argument("-n", type=int, default=1, help="samples per prompt (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--dtype", default="float32", help="weights and compute dtype (default: float32)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     p.add_argument(
         "--tokenizer", default=None, help="tokenizer.json or its folder (default: the model folder's)"
     )
-    p.add_argument("--max-slots", type=int, default=64, help="concurrent sequences of the engine")
+    p.add_argument(
+        "--max-slots", type=int, default=64, help="concurrent sequences of the engine (default: 64)"
+    )
     p.add_argument(
         "--kv-token-budget",
         type=int,
         default=None,
         help="KV cache tokens over all slots (default: longest prompt + max-new-tokens per slot)",
     )
-    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks (local processes)")
-    p.add_argument("--ep-dispatcher", default="alltoall", choices=["alltoall", "hierarchical"])
-    p.add_argument("--ep-ranks-per-node", type=int, default=None, help="simulated node size (hierarchical)")
+    p.add_argument(
+        "--ep-size", type=int, default=1, help="expert-parallel ranks (local processes; default: 1)"
+    )
+    p.add_argument(
+        "--ep-dispatcher",
+        default="alltoall",
+        choices=["alltoall", "hierarchical"],
+        help="token dispatch/combine between EP ranks (default: alltoall)",
+    )
+    p.add_argument(
+        "--ep-ranks-per-node",
+        type=int,
+        default=None,
+        help="simulated node size of the hierarchical dispatcher (default: one node)",
+    )
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("report", help="plot a run's curves and print its summary")
