@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import device_info, print_table, rel_err, time_fn, write_json  # noqa: E402
 from moerl.ep import AllToAllDispatcher, HierarchicalDispatcher, Topology  # noqa: E402
 from moerl.models.kernels import expert_order_no_sync, fused_experts, gather_sum_rows  # noqa: E402
+from moerl.rollout.cuda_graphs import GraphRunner  # noqa: E402
 
 
 def _ep_moe(disp, x, idx, w, gate_up, down):
@@ -45,6 +46,27 @@ def _ep_moe(disp, x, idx, w, gate_up, down):
             ys.append((F.silu(g) * u) @ down[e].T)
         y = torch.cat(ys)
     return disp.combine(y, handle).to(x.dtype)
+
+
+def _graph_roundtrip(disp, x, idx, w, device: torch.device) -> dict:
+    """Dispatch + combine captured in a CUDA graph (a group of one rank takes the fixed-capacity path
+    during capture): replay against the eager result and the replay's median time. {} off CUDA or when
+    the capture fails (the runner then stays eager, ``graph_captured`` False)."""
+    if device.type != "cuda":
+        return {}
+
+    def fn() -> tuple[torch.Tensor]:
+        recv_x, _, handle = disp.dispatch(x, idx, w)
+        return (disp.combine(recv_x, handle),)
+
+    with torch.no_grad():
+        eager = fn()[0]
+        runner = GraphRunner(device)
+        runner.run("roundtrip", fn)
+        out = runner.run("roundtrip", fn)[0]
+        captured = runner.num_graphs == 1
+        t = time_fn(lambda: runner.run("roundtrip", fn), device, warmup=2, iters=20)
+    return {"graph_captured": captured, "graph_vs_eager": rel_err(out, eager), "graph_replay_ms": t.median_ms}
 
 
 def run(
@@ -93,7 +115,9 @@ def run(
                 d.combine(recv_x, handle)
 
             t = time_fn(roundtrip, device, warmup=2, iters=20)
+            graph = _graph_roundtrip(disp, x, idx, w, device)
             results[name] = {
+                **graph,
                 "out_rel_err": rel_err(out, ref),
                 "grad_x_rel_err": rel_err(gx, gx_ref),
                 "dispatch_combine_ms": t.median_ms,
@@ -119,7 +143,15 @@ def run(
     write_json("ep_smoke", payload, out_dir)
     print_table(
         f"EP smoke, world size 1 ({backend}), T={tokens} H={hidden} top-{top_k} of {experts}",
-        ["dispatcher", "out rel err", "grad rel err", "disp+comb ms", "x bare", "GB/s (2x payload)"],
+        [
+            "dispatcher",
+            "out rel err",
+            "grad rel err",
+            "disp+comb ms",
+            "x bare",
+            "GB/s (2x payload)",
+            "graph ms",
+        ],
         [
             [
                 "bare permute+unpermute",
@@ -128,6 +160,7 @@ def run(
                 t_bare.median_ms,
                 1.0,
                 2 * payload_bytes / t_bare.median_ms / 1e6,
+                "-",
             ]
         ]
         + [
@@ -138,6 +171,7 @@ def run(
                 v["dispatch_combine_ms"],
                 v["vs_bare_permute"],
                 v["payload_gb_s"],
+                v.get("graph_replay_ms", "-"),
             ]
             for k, v in results.items()
         ],

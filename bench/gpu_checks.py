@@ -143,6 +143,23 @@ def check_ep_rows(device: torch.device) -> None:
     check("fp8 per-row quantize + dequantizing gather", rel_err(back, x), 6e-2)
 
 
+def check_single_rank_layout(device: torch.device) -> None:
+    """``rows.single_rank_layout`` (two Triton kernels) against its tensor-op path on CPU copies: every
+    output exact, with -1 and out-of-range ids mixed in, a non-identity local order, several sizes."""
+    for t, k, e in ((4096, 8, 64), (777, 6, 160), (5, 2, 3), (1, 1, 1)):
+        idx = torch.randint(0, e, (t, k), device=device)
+        if t > 5:
+            idx[torch.rand(t, k, device=device) < 0.05] = -1
+            idx[0, 0], idx[1, 0] = e + 3, -7  # out of range: sorted last, reported in info
+        w = torch.rand(t, k, device=device)
+        local = torch.randperm(e, device=device)
+        got = ep_rows.single_rank_layout(idx, w, local, e)
+        want = ep_rows.single_rank_layout(idx.cpu(), w.cpu(), local.cpu(), e)
+        names = ("order", "row_token", "slot_row", "row_weight", "counts", "info")
+        bad = [n for n, x, y in zip(names, got, want, strict=True) if not torch.equal(x.cpu(), y.to(x.dtype))]
+        check(f"single_rank_layout == sort reference t={t} k={k} E={e} {bad}", float(len(bad)), 0.5)
+
+
 def check_routing(device: torch.device) -> None:
     """expert_layout's counting sort, fused_route and the bf16 router GEMM against their references."""
     for n, k, e in ((2048 // 8, 8, 64), (16384, 8, 64), (1000, 6, 160)):
@@ -249,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     check_swiglu(device)
     check_weighted_swiglu(device)
     check_ep_rows(device)
+    check_single_rank_layout(device)
     check_routing(device)
     check_causal_attention(device)
     check_rotary(device)

@@ -14,7 +14,7 @@ try:  # Triton is optional: CPU installs and CUDA machines without it use the te
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-_STATE = {"enabled": True}
+_STATE = {"enabled": True, "reference_rounding": True}
 
 
 def set_fast_paths(enabled: bool) -> bool:
@@ -37,6 +37,22 @@ def fast_paths(enabled: bool) -> Iterator[None]:
 def fast_paths_enabled() -> bool:
     """Whether the fast paths are on (the default)."""
     return _STATE["enabled"]
+
+
+def set_reference_rounding(enabled: bool) -> bool:
+    """Whether the elementwise fast paths (rotary forward, SwiGLU forward) round their intermediate
+    results to the tensor dtype where the eager reference code does (one rounding per eager op), instead
+    of keeping float32 until a single final rounding. On by default: the fast path then makes the same
+    bf16 roundings as the reference path, so the two agree far more closely (the agreement checks of
+    ``bench/rollout_gpu.py``); the cost is nil (the kernels are memory-bound). Returns the previous setting."""
+    prev = _STATE["reference_rounding"]
+    _STATE["reference_rounding"] = bool(enabled)
+    return prev
+
+
+def reference_rounding_enabled() -> bool:
+    """See ``set_reference_rounding``."""
+    return _STATE["reference_rounding"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
