@@ -51,6 +51,35 @@ _OFF = {  # module attribute -> the hook's "not supported" answer
 
 
 @contextlib.contextmanager
+def _contiguous_rotary():
+    """apply_rotary's output made contiguous (does the layout SDPA sees move the logits?)."""
+    orig = layers.apply_rotary
+    layers.apply_rotary = lambda *a, **k: orig(*a, **k).contiguous()
+    try:
+        yield
+    finally:
+        layers.apply_rotary = orig
+
+
+def rotary_bitwise(device: torch.device) -> dict:
+    """Fused rotary (reference rounding) against the eager code on a transposed bf16 q, as attention
+    calls it: equal elements and output strides."""
+    if device.type != "cuda":
+        return {}
+    rot = layers.RotaryEmbedding(128, 10000.0, layers.RopeScaling()).to(device)
+    q = torch.randn(4, 64, 16, 128, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    pos = torch.arange(64, device=device)[None].expand(4, 64)
+    cos, sin = rot(pos, torch.bfloat16)
+    fused = layers.apply_rotary(q, cos, sin)
+    with fast_paths(False):
+        eager = layers.apply_rotary(q, cos, sin)
+    out = {"equal_frac": float((fused == eager).float().mean()), "max_abs": float((fused - eager).abs().max()),
+           "fused_strides": list(fused.stride()), "eager_strides": list(eager.stride())}  # fmt: skip
+    print(f"rotary fused vs eager: {out}")
+    return out
+
+
+@contextlib.contextmanager
 def _without(name: str):
     """Switch one fast path off for a measurement (bench diagnostic; restored on exit)."""
     mod, attr, repl = _OFF[name]
@@ -82,6 +111,10 @@ def logits_ablation(model, vocab: int, device: torch.device) -> dict:
         variants = [("all fast paths", contextlib.nullcontext)]
         variants.append(("one-rounding elementwise kernels (09:34 code)", _one_rounding))
         variants += [(f"without {n}", lambda n=n: _without(n)) for n in _OFF]
+        variants.append(("rotary output contiguous", _contiguous_rotary))
+        variants.append(
+            ("without rotary, output contiguous", lambda: _stack(_without("rotary"), _contiguous_rotary()))
+        )
         for name, ctx in variants:
             with ctx():
                 fast = replay()
@@ -99,6 +132,14 @@ def _one_rounding():
         yield
     finally:
         set_reference_rounding(prev)
+
+
+@contextlib.contextmanager
+def _stack(*ctxs):
+    with contextlib.ExitStack() as stack:
+        for c in ctxs:
+            stack.enter_context(c)
+        yield
 
 
 def _time_generate(gen, prompts, new_tokens: int, runs: int, device, tag: str) -> dict:
@@ -129,18 +170,18 @@ def _graph_info(engine: Engine) -> dict | None:
     return None if g is None else {"enabled": g.is_enabled, "graphs": g.num_graphs, "replays": g.num_replays}
 
 
-def engines(model, prompts, n: int, runs: int, device, extra_batches: list[int]) -> dict:
+def engines(model, prompts, n: int, runs: int, device, extra_batches: list[int], ep: bool = True) -> dict:
     """Plain engine (graphs, eager) and EPEngine at world size 1 (both dispatchers, graphs and eager)."""
     b, p = len(prompts), len(prompts[0])
     res = {}
-    for graphs in (True, False):
+    for graphs in (True, False) if ep else (True,):
         e = _engine(model, b, p, n, graphs)
         r = _time_generate(e.generate, prompts, n, runs, device, "e")
         r["cuda_graphs"] = _graph_info(e)
         res[f"engine/{'graphs' if graphs else 'eager'}"] = r
         del e
         free_device_memory(device)
-    for dispatcher in ("alltoall", "hierarchical"):
+    for dispatcher in ("alltoall", "hierarchical") if ep else ():
         e = _engine(copy.deepcopy(model), b, p, n, True)
         ep = EPEngine(e, None, dispatcher=dispatcher)  # world size 1: the dispatcher path, nothing moves
         for graphs in (True, False):
@@ -177,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--extra-batches", type=int, nargs="*", default=[])
     ap.add_argument("--skip-logits", action="store_true")
+    ap.add_argument(
+        "--skip-ep", action="store_true", help="only the engine with graphs (no eager, no EPEngine)"
+    )
     ap.add_argument("--out-dir", default="bench/results")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
@@ -199,15 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     del hf
     free_device_memory(dev)
     try:
+        rotary = rotary_bitwise(dev)
         logits = None if a.skip_logits else logits_ablation(model, spec.vocab_size, dev)
         prompts = torch.randint(
             0, spec.vocab_size, (b, p), generator=torch.Generator().manual_seed(3)
         ).tolist()
-        decode = engines(model, prompts, n, a.runs, dev, a.extra_batches)
+        decode = engines(model, prompts, n, a.runs, dev, a.extra_batches, ep=not a.skip_ep)
     finally:
         dist.destroy_process_group()
     payload = {"benchmark": "ep_engine_gpu", **device_info(dev), "spec": a.spec, "batch": b, "prompt_len": p,
-               "new_tokens": n, "runs": a.runs, "logits_same_routing": logits, "decode": decode}  # fmt: skip
+               "new_tokens": n, "runs": a.runs, "rotary_fused_vs_eager": rotary, "logits_same_routing": logits, "decode": decode}  # fmt: skip
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ep_engine_gpu.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")

@@ -141,6 +141,16 @@ def check_ep_rows(device: torch.device) -> None:
         q, q[:0], torch.arange(512, device=device), scale=scale, out_dtype=torch.bfloat16
     )
     check("fp8 per-row quantize + dequantizing gather", rel_err(back, x), 6e-2)
+    for h in (2048, 7168, 100):
+        x = (
+            torch.randn(300, h, device=device, dtype=torch.bfloat16)
+            * torch.logspace(-2, 2, 300, device=device)[:, None]
+        )
+        x[3] = 0
+        q, scale = ep_rows.quantize_rows_fp8(x)
+        q_ref, s_ref = ep_rows.quantize_rows_fp8(x.cpu())
+        check(f"fp8 quantize kernel scales vs tensor ops H={h}", rel_err(scale, s_ref), 1e-6)
+        check(f"fp8 quantize kernel values vs tensor ops H={h}", rel_err(q.float(), q_ref.float()), 2e-2)
 
 
 def check_single_rank_layout(device: torch.device) -> None:

@@ -211,6 +211,19 @@ if triton is not None:
             tl.store(info_ptr + 1, tl.max(hi, axis=0))
             tl.store(info_ptr + 2, tl.load(cum_ptr + E * C - 1))
 
+    @triton.jit
+    def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, H, FMAX: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per row: scale = max|x| / FMAX (1 for an all-zero row), q = x / scale in e4m3.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.where(amax > 0, amax / FMAX, 1.0)
+        q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+        tl.store(q_ptr + row * H + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+
 
 def _meta(h: int, k: int) -> dict:
     kp = triton.next_power_of_2(max(k, 1))
@@ -394,7 +407,16 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     scale = max|x_row| / 448 (the largest e4m3 value; 1 for an all-zero row), as DeepEP's FP8 dispatch
     and DeepSeek-V3's fine-grained quantization (arXiv:2412.19437, sec. 3.3.2) do per group of values.
+    On CUDA one Triton kernel (one pass over x); elsewhere tensor ops, its reference.
     """
+    if _use_triton(x) and x.dim() == 2 and x.shape[0] and x.shape[1] <= 16384:  # one kernel, one pass
+        x = x.contiguous()
+        q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        _quantize_fp8_kernel[(x.shape[0],)](
+            x, q, scale, x.shape[1], FMAX=FP8_MAX, BLOCK=triton.next_power_of_2(x.shape[1])
+        )
+        return q, scale
     amax = x.abs().amax(-1).float() if x.shape[0] else x.new_zeros(0, dtype=torch.float32)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
