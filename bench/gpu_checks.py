@@ -170,6 +170,22 @@ def check_single_rank_layout(device: torch.device) -> None:
         check(f"single_rank_layout == sort reference t={t} k={k} E={e} {bad}", float(len(bad)), 0.5)
 
 
+def check_reference_rounding(device: torch.device) -> None:
+    """With reference rounding (the default) the rotary and SwiGLU forward kernels equal the eager bf16 code
+    element for element (same roundings; SiLU's exp may differ in the last float32 bit, hence < 1)."""
+    rot = RotaryEmbedding(128, 10000.0, RopeScaling()).to(device)
+    q = torch.randn(4, 64, 16, 128, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    cos, sin = rot(torch.arange(64, device=device)[None].expand(4, 64), torch.bfloat16)
+    fused = layer_kernels.fused_rotary(q, cos, sin)
+    with kernels.fast_paths(False):
+        eager = apply_rotary(q, cos, sin)
+    check("rotary (reference rounding) elements != eager bf16", float((fused != eager).float().mean()), 1e-4)
+    gu = torch.randn(4096, 2048, device=device, dtype=torch.bfloat16)
+    g, u = gu.chunk(2, dim=-1)
+    same = kernels.swiglu(gu) == torch.nn.functional.silu(g) * u
+    check("swiglu (reference rounding) elements != eager bf16", float((~same).float().mean()), 1e-2)
+
+
 def check_routing(device: torch.device) -> None:
     """expert_layout's counting sort, fused_route and the bf16 router GEMM against their references."""
     for n, k, e in ((2048 // 8, 8, 64), (16384, 8, 64), (1000, 6, 160)):
@@ -280,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     check_routing(device)
     check_causal_attention(device)
     check_rotary(device)
+    check_reference_rounding(device)
     check_experts(device)
     check_graph_runner(device)
     print(f"gpu_checks: {len(FAILED)} failed {FAILED}")

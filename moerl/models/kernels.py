@@ -39,6 +39,8 @@ from moerl.models.fast_paths import (
     fast_paths,
     fast_paths_enabled,
     reference_rounding_enabled,
+    round_bf16,
+    rounding_mode,
     set_fast_paths,
     set_reference_rounding,
 )
@@ -158,7 +160,9 @@ if triton is not None:
             mask = cols < WIDTH
             g = tl.load(gu_ptr + row * 2 * WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(gu_ptr + row * 2 * WIDTH + WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
-            if ROUND:
+            if ROUND == 2:
+                out = round_bf16(round_bf16(g * tl.sigmoid(g)) * u)
+            elif ROUND == 1:
                 dt = out_ptr.dtype.element_ty
                 out = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
             else:
@@ -215,7 +219,7 @@ class _SwiGLU(torch.autograd.Function):
         out = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
         if m:
             _swiglu_fwd_kernel[(m,)](
-                gu, w, out, HAS_W=has_w, ROUND=reference_rounding_enabled(), **_swiglu_meta(i)
+                gu, w, out, HAS_W=has_w, ROUND=rounding_mode(gu.dtype), **_swiglu_meta(i)
             )
         ctx.save_for_backward(gu, w if has_w else None)
         ctx.has_w = has_w

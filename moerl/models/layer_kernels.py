@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from moerl.models.fast_paths import fast_paths_enabled, reference_rounding_enabled
+from moerl.models.fast_paths import fast_paths_enabled, round_bf16, rounding_mode
 
 try:  # optional, as in moerl.models.kernels
     import triton
@@ -169,7 +169,10 @@ if triton is not None:
         if BACKWARD:
             y1 = x1 * c1 + x2 * s2
             y2 = x2 * c2 - x1 * s1
-        elif ROUND:  # as the eager code: each product and the sum rounded to the tensor dtype
+        elif ROUND == 2:  # as the eager code: each product rounded to bfloat16, then the sum
+            y1 = round_bf16(x1 * c1) - round_bf16(x2 * s1)
+            y2 = round_bf16(x2 * c2) + round_bf16(x1 * s2)
+        elif ROUND == 1:
             dt = y_ptr.dtype.element_ty
             y1 = (x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)
             y2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
@@ -204,7 +207,7 @@ def _rotary_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backwa
             HALF=half,
             BLOCK=triton.next_power_of_2(half),
             BACKWARD=backward,
-            ROUND=reference_rounding_enabled() and cos.dtype == x.dtype,
+            ROUND=rounding_mode(x.dtype) if cos.dtype == x.dtype else 0,
         )
     return y
 
