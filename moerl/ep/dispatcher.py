@@ -131,8 +131,10 @@ class Dispatcher:
             topk_idx: [T, k] int64 expert ids in [0, E), -1 = empty slot.
             topk_weights: [T, k] float router weights (gradients flow to them through combine).
         Returns:
-            recv_x [M, H] in x's dtype, sorted by local expert, then source rank, then source token;
-            tokens_per_local_expert [L] int64; the handle for ``combine``.
+            recv_x [M, H] in x's dtype, sorted by local expert, then source rank, then source token
+            (in a group of one rank during a CUDA graph capture: [T k, H], the M copies first and the
+            rest never read by ``combine``; ids are then not range-checked); tokens_per_local_expert [L]
+            int64; the handle for ``combine``.
         Raises:
             EPInputError: on every rank, when any rank's inputs are invalid (shape, dtype, ids out of
                 range) or ranks disagree on H, k or dtype. Collective: every EP rank must call it.
