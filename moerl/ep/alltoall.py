@@ -152,11 +152,6 @@ class AllToAllDispatcher(Dispatcher):
         key = layout.topk_rank * num_local + layout.topk_local
         key = torch.where(topk_idx >= 0, key, self.topology.world_size * num_local).reshape(-1)
         order = torch.sort(key, stable=True).indices[: sp["num_sent"]]
-        if self.topology.world_size == 1:  # every copy stays here: the plan is the sort alone
-            plan = self._single_rank_plan(order, t, k, tokens_per_local_expert)
-            w_flat = topk_weights.reshape(-1).to(accumulation_dtype(topk_weights.dtype))
-            recv_x, recv_w = self._send_payload(x, w_flat, plan)
-            return recv_x, recv_w, plan
         virtual = self._recv_order(sp, dev)  # output row -> source-major receive row
         self_slots = order[s0 : s0 + n_self]
         send_slot = torch.cat([order[:s0], order[s0 + n_self :]])
@@ -230,26 +225,6 @@ class AllToAllDispatcher(Dispatcher):
             tokens_per_local_expert=counts,
         )
         return recv_x[:m], row_w[:m].to(accumulation_dtype(topk_weights.dtype)), plan
-
-    def _single_rank_plan(
-        self, order: torch.Tensor, t: int, k: int, tokens_per_local_expert: torch.Tensor
-    ) -> AllToAllPlan:
-        """The plan of an EP group of one rank: output row m is slot order[m]; nothing is exchanged."""
-        dev, m = order.device, order.shape[0]
-        none = order[:0]
-        slot_src = torch.full((t * k,), -1, dtype=torch.int64, device=dev)
-        slot_src[order] = torch.arange(m, device=dev)
-        return AllToAllPlan(
-            send_token=none,
-            send_slot=none,
-            send_splits=[0],
-            recv_splits=[0],
-            src_row=torch.div(order, k, rounding_mode="floor"),
-            src_slot=order,
-            recv_out_row=none,
-            slot_src=slot_src.view(t, k),
-            tokens_per_local_expert=tokens_per_local_expert,
-        )
 
     def _send_payload(
         self, x: torch.Tensor, w_flat: torch.Tensor, plan: AllToAllPlan
