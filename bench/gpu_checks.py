@@ -141,6 +141,49 @@ def check_ep_rows(device: torch.device) -> None:
         q, q[:0], torch.arange(512, device=device), scale=scale, out_dtype=torch.bfloat16
     )
     check("fp8 per-row quantize + dequantizing gather", rel_err(back, x), 6e-2)
+    for h in (2048, 7168, 100):
+        x = (
+            torch.randn(300, h, device=device, dtype=torch.bfloat16)
+            * torch.logspace(-2, 2, 300, device=device)[:, None]
+        )
+        x[3] = 0
+        q, scale = ep_rows.quantize_rows_fp8(x)
+        q_ref, s_ref = ep_rows.quantize_rows_fp8(x.cpu())
+        check(f"fp8 quantize kernel scales vs tensor ops H={h}", rel_err(scale, s_ref), 1e-6)
+        check(f"fp8 quantize kernel values vs tensor ops H={h}", rel_err(q.float(), q_ref.float()), 2e-2)
+
+
+def check_single_rank_layout(device: torch.device) -> None:
+    """``rows.single_rank_layout`` (two Triton kernels) against its tensor-op path on CPU copies: every
+    output exact, with -1 and out-of-range ids mixed in, a non-identity local order, several sizes."""
+    for t, k, e in ((4096, 8, 64), (777, 6, 160), (5, 2, 3), (1, 1, 1)):
+        idx = torch.randint(0, e, (t, k), device=device)
+        if t > 5:
+            idx[torch.rand(t, k, device=device) < 0.05] = -1
+            idx[0, 0], idx[1, 0] = e + 3, -7  # out of range: sorted last, reported in info
+        w = torch.rand(t, k, device=device)
+        local = torch.randperm(e, device=device)
+        got = ep_rows.single_rank_layout(idx, w, local, e)
+        want = ep_rows.single_rank_layout(idx.cpu(), w.cpu(), local.cpu(), e)
+        names = ("order", "row_token", "slot_row", "row_weight", "counts", "info")
+        bad = [n for n, x, y in zip(names, got, want, strict=True) if not torch.equal(x.cpu(), y.to(x.dtype))]
+        check(f"single_rank_layout == sort reference t={t} k={k} E={e} {bad}", float(len(bad)), 0.5)
+
+
+def check_reference_rounding(device: torch.device) -> None:
+    """With reference rounding (the default) the rotary and SwiGLU forward kernels equal the eager bf16 code
+    element for element (same roundings; SiLU's exp may differ in the last float32 bit, hence < 1)."""
+    rot = RotaryEmbedding(128, 10000.0, RopeScaling()).to(device)
+    q = torch.randn(4, 64, 16, 128, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    cos, sin = rot(torch.arange(64, device=device)[None].expand(4, 64), torch.bfloat16)
+    fused = layer_kernels.fused_rotary(q, cos, sin)
+    with kernels.fast_paths(False):
+        eager = apply_rotary(q, cos, sin)
+    check("rotary (reference rounding) elements != eager bf16", float((fused != eager).float().mean()), 1e-4)
+    gu = torch.randn(4096, 2048, device=device, dtype=torch.bfloat16)
+    g, u = gu.chunk(2, dim=-1)
+    same = kernels.swiglu(gu) == torch.nn.functional.silu(g) * u
+    check("swiglu (reference rounding) elements != eager bf16", float((~same).float().mean()), 1e-2)
 
 
 def check_routing(device: torch.device) -> None:
@@ -249,9 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     check_swiglu(device)
     check_weighted_swiglu(device)
     check_ep_rows(device)
+    check_single_rank_layout(device)
     check_routing(device)
     check_causal_attention(device)
     check_rotary(device)
+    check_reference_rounding(device)
     check_experts(device)
     check_graph_runner(device)
     print(f"gpu_checks: {len(FAILED)} failed {FAILED}")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moerl.ep.comm import GlobalCounts, SingleRankCounts, accumulation_dtype
+from moerl.ep.comm import GlobalCounts, SingleRankInputs, accumulation_dtype, check_single_rank
 from moerl.ep.dispatcher import Dispatcher
 from moerl.ep.layout import Layout
 from moerl.ep.placement import ExpertPlacement
@@ -34,6 +34,7 @@ from moerl.ep.rows import (
     gather_sum2,
     gather_sum2_backward,
     quantize_rows_fp8,
+    single_rank_layout,
 )
 from moerl.ep.topology import Topology
 
@@ -138,17 +139,11 @@ class AllToAllDispatcher(Dispatcher):
         layout: Layout,
         counts: GlobalCounts,
     ) -> tuple[torch.Tensor, torch.Tensor, AllToAllPlan]:
+        if isinstance(counts, SingleRankInputs):  # a group of one rank: one counting sort, one read
+            return self._dispatch_single_rank(x, topk_idx, topk_weights, counts)
         t, k = topk_idx.shape
         num_local = self.placement.num_local_experts
         dev = x.device
-        if isinstance(counts, SingleRankCounts):  # a group of one rank: the plan is one sort
-            _, local_index, local_experts = self._on(dev)
-            key = torch.where(topk_idx >= 0, local_index[topk_idx.clamp(min=0)], num_local).reshape(-1)
-            order = torch.sort(key, stable=True).indices[: counts.num_copies]
-            plan = self._single_rank_plan(order, t, k, counts.tokens_per_expert[local_experts])
-            w_flat = topk_weights.reshape(-1).to(accumulation_dtype(topk_weights.dtype))
-            recv_x, recv_w = self._send_payload(x, w_flat, plan)
-            return recv_x, recv_w, plan
         sp = self._splits(counts)
         m, n_self, s0 = sp["m"], sp["num_self"], sp["self_start"]
         tokens_per_local_expert = sp["c"].sum(0).to(dev)  # right after the counts sync: no wait
@@ -157,11 +152,6 @@ class AllToAllDispatcher(Dispatcher):
         key = layout.topk_rank * num_local + layout.topk_local
         key = torch.where(topk_idx >= 0, key, self.topology.world_size * num_local).reshape(-1)
         order = torch.sort(key, stable=True).indices[: sp["num_sent"]]
-        if self.topology.world_size == 1:  # every copy stays here: the plan is the sort alone
-            plan = self._single_rank_plan(order, t, k, tokens_per_local_expert)
-            w_flat = topk_weights.reshape(-1).to(accumulation_dtype(topk_weights.dtype))
-            recv_x, recv_w = self._send_payload(x, w_flat, plan)
-            return recv_x, recv_w, plan
         virtual = self._recv_order(sp, dev)  # output row -> source-major receive row
         self_slots = order[s0 : s0 + n_self]
         send_slot = torch.cat([order[:s0], order[s0 + n_self :]])
@@ -194,25 +184,47 @@ class AllToAllDispatcher(Dispatcher):
         recv_x, recv_w = self._send_payload(x, w_flat, plan)
         return recv_x, recv_w, plan
 
-    def _single_rank_plan(
-        self, order: torch.Tensor, t: int, k: int, tokens_per_local_expert: torch.Tensor
-    ) -> AllToAllPlan:
-        """The plan of an EP group of one rank: output row m is slot order[m]; nothing is exchanged."""
-        dev, m = order.device, order.shape[0]
+    def _dispatch_single_rank(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, inputs: SingleRankInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, AllToAllPlan]:
+        """Dispatch in a group of one rank: every copy stays here, so the plan is a sync-free counting sort
+        (``rows.single_rank_layout``) and recv_x one gather of x's rows.
+
+        The host checks run first; the layout and the gather are queued before the one device read (the
+        ids' range and the copy count M), so the device is busy while the host waits. Kernels treat
+        out-of-range ids as empty slots, so a bad input is reported (``EPInputError``) after harmless
+        work. Inside a CUDA graph capture no read is possible: the fixed-capacity form is returned
+        instead (recv_x [T k, H], valid copies first, the rest never read by combine; ids not checked).
+        """
+        check_single_rank(inputs, self.num_experts)  # shapes, devices, dtypes: host only
+        t, k = topk_idx.shape
+        _, local_index, _ = self._on(x.device)
+        order, row_token, slot_row, row_w, counts, info = single_rank_layout(
+            topk_idx, topk_weights, local_index, self.num_experts
+        )
+        if self.fp8_dispatch:
+            xq, scale = quantize_rows_fp8(x)
+            recv_x = gather_rows2(xq, xq[:0], row_token, scale=scale, out_dtype=x.dtype)
+        else:
+            recv_x = gather_rows2(x, x[:0], row_token)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            m = t * k  # fixed capacity: no device read inside a graph
+        else:
+            lo, hi, m = info.tolist()  # the dispatch's one device sync
+            check_single_rank(inputs, self.num_experts, (lo, hi))
         none = order[:0]
-        slot_src = torch.full((t * k,), -1, dtype=torch.int64, device=dev)
-        slot_src[order] = torch.arange(m, device=dev)
-        return AllToAllPlan(
+        plan = AllToAllPlan(
             send_token=none,
             send_slot=none,
             send_splits=[0],
             recv_splits=[0],
-            src_row=torch.div(order, k, rounding_mode="floor"),
-            src_slot=order,
+            src_row=row_token[:m],
+            src_slot=order[:m],
             recv_out_row=none,
-            slot_src=slot_src.view(t, k),
-            tokens_per_local_expert=tokens_per_local_expert,
+            slot_src=slot_row,
+            tokens_per_local_expert=counts,
         )
+        return recv_x[:m], row_w[:m].to(accumulation_dtype(topk_weights.dtype)), plan
 
     def _send_payload(
         self, x: torch.Tensor, w_flat: torch.Tensor, plan: AllToAllPlan

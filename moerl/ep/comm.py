@@ -98,40 +98,34 @@ def exchange_counts(
 
 
 @dataclass(frozen=True)
-class SingleRankCounts:
-    """Routing counts of an EP group of one rank, from ``check_single_rank``."""
+class SingleRankInputs:
+    """What a group of one rank knows about its dispatch inputs before any device work: the host-side
+    verdict of ``check_topk_idx`` and the values ``check_single_rank`` compares (no routing counts:
+    ``moerl.ep.rows.single_rank_layout`` makes them on the device, without a sync)."""
 
-    num_copies: int
-    """M, the valid (token, slot) pairs."""
-    tokens_per_expert: torch.Tensor
-    """[E] int64 on the tokens' device: copies routed to each expert."""
+    problem: str | None
+    x_shape: tuple[int, ...]
+    k: int
+    dtypes: tuple[torch.dtype, torch.dtype]
 
 
 def check_single_rank(
-    problem: str | None,
-    x_shape: tuple[int, ...],
-    k: int,
-    dtypes: tuple[torch.dtype, torch.dtype],
-    topk_idx: torch.Tensor,
-    num_experts: int,
-) -> SingleRankCounts:
-    """``exchange_counts`` for a group of one rank: the same checks and error messages, with one device
-    read (the ids' range and the number of valid slots) and no table.
+    inputs: SingleRankInputs, num_experts: int, span: tuple[int, int] | None = None
+) -> None:
+    """``exchange_counts``'s checks and error messages for a group of one rank, without a table.
 
+    Args:
+        inputs: the host-side facts (``SingleRankInputs``).
+        span: (min id, max id) of ``topk_idx`` once read from the device, or None before (only the host
+            checks run then: shapes, devices, dtypes).
     Raises:
         EPInputError: the inputs are invalid (as ``exchange_counts``).
     """
-    span = [-1, -1, 0]
-    if problem is None and topk_idx.numel():
-        span = torch.stack([topk_idx.min(), topk_idx.max(), (topk_idx >= 0).sum()]).tolist()  # device sync
-    codes = [_DTYPES.index(d) if d in _DTYPES else len(_DTYPES) for d in dtypes]
-    head = [1, 0, 0, 0, 0, 0, -1, -1] if problem else [0, x_shape[0], x_shape[1], k, *codes, *span[:2]]
-    _raise_on_problems(torch.tensor([head]), problem, 0, num_experts)
-    valid = topk_idx >= 0
-    per_expert = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx.device).scatter_add_(
-        0, topk_idx.clamp(0, num_experts - 1).reshape(-1), valid.reshape(-1).long()
-    )
-    return SingleRankCounts(num_copies=int(span[2]), tokens_per_expert=per_expert)
+    codes = [_DTYPES.index(d) if d in _DTYPES else len(_DTYPES) for d in inputs.dtypes]
+    lo, hi = span if span is not None else (-1, -1)
+    shape = inputs.x_shape
+    head = [1, 0, 0, 0, 0, 0, -1, -1] if inputs.problem else [0, shape[0], shape[1], inputs.k, *codes, lo, hi]
+    _raise_on_problems(torch.tensor([head]), inputs.problem, 0, num_experts)
 
 
 def _raise_on_problems(table: torch.Tensor, problem: str | None, rank: int, num_experts: int) -> None:

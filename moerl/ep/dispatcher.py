@@ -29,8 +29,8 @@ import torch.distributed as dist
 from moerl.ep.comm import (
     GlobalCounts,
     Link,
+    SingleRankInputs,
     accumulation_dtype,
-    check_single_rank,
     exchange_counts,
 )
 from moerl.ep.layout import Layout, Traffic, check_topk_idx, compute_layout
@@ -117,7 +117,7 @@ class Dispatcher:
     _combine_at_source = False
     """Whether combine weights at the source (see the module docstring)."""
     _single_rank_fast = False
-    """Whether ``_dispatch_rows`` takes a ``SingleRankCounts`` in a group of one rank (no layout, no table)."""
+    """Whether ``_dispatch_rows`` takes a ``SingleRankInputs`` in a group of one rank (no layout, no table)."""
 
     # ------------------------------------------------------------------ public API
 
@@ -131,8 +131,10 @@ class Dispatcher:
             topk_idx: [T, k] int64 expert ids in [0, E), -1 = empty slot.
             topk_weights: [T, k] float router weights (gradients flow to them through combine).
         Returns:
-            recv_x [M, H] in x's dtype, sorted by local expert, then source rank, then source token;
-            tokens_per_local_expert [L] int64; the handle for ``combine``.
+            recv_x [M, H] in x's dtype, sorted by local expert, then source rank, then source token
+            (in a group of one rank during a CUDA graph capture: [T k, H], the M copies first and the
+            rest never read by ``combine``; ids are then not range-checked); tokens_per_local_expert [L]
+            int64; the handle for ``combine``.
         Raises:
             EPInputError: on every rank, when any rank's inputs are invalid (shape, dtype, ids out of
                 range) or ranks disagree on H, k or dtype. Collective: every EP rank must call it.
@@ -142,11 +144,10 @@ class Dispatcher:
         )
         k = topk_idx.shape[-1] if topk_idx.dim() else 0
         if self.topology.world_size == 1 and self._single_rank_fast:
-            # A group of one rank: no layout and no counts table, one device read (ids and copy count).
-            counts = check_single_rank(
-                problem, tuple(x.shape), k, (x.dtype, topk_weights.dtype), topk_idx, self.num_experts
-            )
-            recv_x, recv_w, plan = _DispatchFn.apply(x, topk_weights, topk_idx, None, counts, self)
+            # A group of one rank: no layout, no counts table; the plan is one sync-free counting sort and
+            # the one device read (ids' range, copy count) comes after the payload gather is queued.
+            inputs = SingleRankInputs(problem, tuple(x.shape), k, (x.dtype, topk_weights.dtype))
+            recv_x, recv_w, plan = _DispatchFn.apply(x, topk_weights, topk_idx, None, inputs, self)
             return recv_x, plan.tokens_per_local_expert, self._handle(plan, recv_w, x, topk_weights)
         layout = None if problem is not None else compute_layout(topk_idx, self.placement)
         local = (

@@ -22,6 +22,7 @@ from moerl.ep.alltoall import AllToAllDispatcher
 from moerl.ep.dispatcher import Dispatcher
 from moerl.ep.hierarchical import HierarchicalDispatcher
 from moerl.ep.topology import Topology
+from moerl.models.kernels import small_grouped_mm, small_grouped_mm_supported, swiglu
 
 DISPATCHERS: dict[str, type[Dispatcher]] = {
     "alltoall": AllToAllDispatcher,
@@ -51,9 +52,18 @@ class ExpertParallelExperts(nn.Module):
         from moerl.models.moe import grouped_expert_mlp  # the model's expert math, shared with EP=1
 
         recv_x, tokens_per_expert, handle = self.dispatcher.dispatch(x, topk_idx, topk_weights)
-        y = grouped_expert_mlp(
-            recv_x, tokens_per_expert, self.gate_up_proj, self.down_proj, use_grouped_mm=self.use_grouped_mm
-        )
+        if small_grouped_mm_supported(recv_x, self.gate_up_proj):  # decode sizes, no gradient: as EP = 1
+            offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+            act = swiglu(small_grouped_mm(recv_x, self.gate_up_proj, offsets))
+            y = small_grouped_mm(act, self.down_proj, offsets)
+        else:
+            y = grouped_expert_mlp(
+                recv_x,
+                tokens_per_expert,
+                self.gate_up_proj,
+                self.down_proj,
+                use_grouped_mm=self.use_grouped_mm,
+            )
         return self.dispatcher.combine(y, handle).to(x.dtype)
 
 

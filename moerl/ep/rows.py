@@ -151,6 +151,79 @@ if triton is not None:
             tl.store(gb_ptr + (p - NA)[:, None] * H + offs[None, :], gy.to(gb_ptr.dtype.element_ty), mask=mb)
         tl.store(gw_ptr + t * K + j, dots, mask=jm)
 
+    @triton.jit
+    def _slot_hist_kernel(
+        ids_ptr, local_ptr, hist_ptr, cmin_ptr, cmax_ptr, S, C, E, NB: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        # hist[b, c] = slots of chunk c (BLOCK slots) in bucket b: b = local_index[id] for ids in [0, E),
+        # b = E (the last bucket) for -1 and out-of-range ids; cmin/cmax[c] = the chunk's id range.
+        c = tl.program_id(0)
+        s = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        sm = s < S
+        ids = tl.load(ids_ptr + s, mask=sm, other=-1)
+        ok = (ids >= 0) & (ids < E)
+        bucket = tl.where(ok, tl.load(local_ptr + tl.where(ok, ids, 0), mask=sm & ok, other=E), E)
+        b = tl.arange(0, NB)
+        hit = (bucket[:, None] == b[None, :]) & sm[:, None]
+        tl.store(hist_ptr + b * C + c, tl.sum(hit.to(tl.int32), axis=0), mask=b <= E)
+        tl.store(cmin_ptr + c, tl.min(tl.where(sm, ids, 2**62), axis=0))
+        tl.store(cmax_ptr + c, tl.max(tl.where(sm, ids, -(2**62)), axis=0))
+
+    @triton.jit
+    def _slot_place_kernel(
+        ids_ptr, local_ptr, w_ptr, cum_ptr, hist_ptr, cmin_ptr, cmax_ptr,
+        order_ptr, row_ptr, pos_ptr, rw_ptr, counts_ptr, info_ptr,
+        S, C, E, K: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Stable counting sort of the slots by bucket: row of slot s = (slots of lower buckets) + (slots
+        # of its bucket in earlier chunks) + (its rank among its chunk's slots of that bucket). Writes
+        # order[row] = s, row_ptr[row] = s // K (its token), rw[row] = w[s], pos[s] = row (-1 for the
+        # last bucket); program 0 also writes counts[b] (b < E) and info = (min id, max id, valid slots).
+        c = tl.program_id(0)
+        s = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        sm = s < S
+        ids = tl.load(ids_ptr + s, mask=sm, other=-1)
+        ok = (ids >= 0) & (ids < E)
+        bucket = tl.where(ok, tl.load(local_ptr + tl.where(ok, ids, 0), mask=sm & ok, other=E), E)
+        b = tl.arange(0, NB)
+        bm = b <= E
+        hit = (bucket[:, None] == b[None, :]) & sm[:, None]
+        rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+        base = tl.load(cum_ptr + b * C + c, mask=bm, other=0) - tl.load(
+            hist_ptr + b * C + c, mask=bm, other=0
+        )
+        row = tl.sum(tl.where(hit, base[None, :] + rank, 0), axis=1).to(tl.int64)
+        tl.store(order_ptr + row, s, mask=sm)
+        tl.store(row_ptr + row, s // K, mask=sm)
+        tl.store(rw_ptr + row, tl.load(w_ptr + s, mask=sm, other=0.0).to(tl.float32), mask=sm)
+        tl.store(pos_ptr + s, tl.where(ok, row, -1), mask=sm)
+        if c == 0:
+            ends = tl.load(cum_ptr + b * C + C - 1, mask=bm, other=0)
+            prev = tl.load(cum_ptr + b * C - 1, mask=bm & (b > 0), other=0)
+            tl.store(counts_ptr + b, ends - prev, mask=b < E)
+            lo = tl.full([CBLOCK], 2**62, tl.int64)
+            hi = tl.full([CBLOCK], -(2**62), tl.int64)
+            for c0 in range(0, C, CBLOCK):
+                cc = c0 + tl.arange(0, CBLOCK)
+                lo = tl.minimum(lo, tl.load(cmin_ptr + cc, mask=cc < C, other=2**62))
+                hi = tl.maximum(hi, tl.load(cmax_ptr + cc, mask=cc < C, other=-(2**62)))
+            tl.store(info_ptr, tl.min(lo, axis=0))
+            tl.store(info_ptr + 1, tl.max(hi, axis=0))
+            tl.store(info_ptr + 2, tl.load(cum_ptr + E * C - 1))
+
+    @triton.jit
+    def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, H, FMAX: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per row: scale = max|x| / FMAX (1 for an all-zero row), q = x / scale in e4m3.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.where(amax > 0, amax / FMAX, 1.0)
+        q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+        tl.store(q_ptr + row * H + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+
 
 def _meta(h: int, k: int) -> dict:
     kp = triton.next_power_of_2(max(k, 1))
@@ -262,6 +335,67 @@ def gather_sum2_backward(
     return grad[:na], grad[na : na + nb], gw
 
 
+def single_rank_layout(
+    topk_idx: torch.Tensor, topk_weights: torch.Tensor, local_index: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, ...]:
+    """The routing plan of an EP group of one rank, without a host sync: a stable counting sort of the
+    S = T k slots by local expert, with -1 and out-of-range ids (not checked here) sorted last.
+
+    Args:
+        topk_idx: [T, k] int64 expert ids (valid: [0, E); -1 = empty slot; anything else is treated as
+            empty here and reported through ``info``).
+        topk_weights: [T, k] float router weights.
+        local_index: [E] int64 local position of each expert (a permutation of [0, E) at world size 1).
+        num_experts: E.
+    Returns:
+        order [S] int64 (row r holds slot order[r]; valid slots first, by local expert, then slot),
+        row_token [S] int64 (= order // k), slot_row [T, k] int64 (row of each slot, -1 for an empty or
+        invalid one), row_weight [S] float32 (= w[order]), counts [E] int64 (valid copies per local
+        expert, local order) and info [3] int64 (min id, max id, number of valid slots M), all on the ids'
+        device; the first M rows are the plan's copies. On CUDA two Triton launches and one cumulative
+        sum; elsewhere ``torch.sort`` and tensor ops (the kernels' reference).
+    """
+    t, k = topk_idx.shape
+    flat, dev = topk_idx.reshape(-1), topk_idx.device
+    w = topk_weights.reshape(-1)
+    s = flat.numel()
+    if not (_use_triton(flat, w) and s):
+        ok = (flat >= 0) & (flat < num_experts)
+        key = torch.where(ok, local_index[flat.clamp(0, num_experts - 1)], num_experts)
+        order = torch.sort(key, stable=True).indices
+        rows = torch.arange(s, device=dev)
+        slot_row = torch.empty_like(order).scatter_(0, order, rows)
+        slot_row = torch.where(ok, slot_row, -1)
+        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(
+            0, key, torch.ones_like(key)
+        )[:num_experts]
+        lo, hi = (flat.min(), flat.max()) if s else (flat.new_tensor(-1), flat.new_tensor(-1))
+        info = torch.stack([lo, hi, ok.sum()])
+        row_weight = w.to(accumulation_dtype(w.dtype))[order]
+        return order, order // max(k, 1), slot_row.view(t, k), row_weight, counts, info
+    nb = triton.next_power_of_2(num_experts + 1)
+    block = max(16, min(256, 8192 // nb))
+    chunks = triton.cdiv(s, block)
+    hist = torch.empty((num_experts + 1) * chunks, dtype=torch.int32, device=dev)
+    cmin = torch.empty(chunks, dtype=torch.int64, device=dev)
+    cmax = torch.empty_like(cmin)
+    _slot_hist_kernel[(chunks,)](
+        flat, local_index, hist, cmin, cmax, s, chunks, num_experts, NB=nb, BLOCK=block
+    )
+    cum = hist.cumsum(0)  # int64, bucket-major then chunk
+    order = torch.empty(s, dtype=torch.int64, device=dev)
+    row_token, slot_row = torch.empty_like(order), torch.empty_like(order)
+    row_weight = torch.empty(s, dtype=torch.float32, device=dev)
+    counts = torch.empty(num_experts, dtype=torch.int64, device=dev)
+    info = torch.empty(3, dtype=torch.int64, device=dev)
+    _slot_place_kernel[(chunks,)](
+        flat, local_index, w.contiguous(), cum, hist, cmin, cmax, order, row_token, slot_row, row_weight,
+        counts, info, s, chunks, num_experts, K=k, NB=nb, BLOCK=block,
+        CBLOCK=min(1024, triton.next_power_of_2(chunks)),
+    )  # fmt: skip
+    return order, row_token, slot_row.view(t, k), row_weight, counts, info
+
+
 def gather_slots2(a: torch.Tensor, b: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """out[t, j] = cat([a, b])[pos[t, j]], 0 where pos = -1; a [A], b [B], pos [T, k] -> [T, k]."""
     vals = torch.cat([a, b, a.new_zeros(1)])
@@ -273,7 +407,16 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     scale = max|x_row| / 448 (the largest e4m3 value; 1 for an all-zero row), as DeepEP's FP8 dispatch
     and DeepSeek-V3's fine-grained quantization (arXiv:2412.19437, sec. 3.3.2) do per group of values.
+    On CUDA one Triton kernel (one pass over x); elsewhere tensor ops, its reference.
     """
+    if _use_triton(x) and x.dim() == 2 and x.shape[0] and x.shape[1] <= 16384:  # one kernel, one pass
+        x = x.contiguous()
+        q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        _quantize_fp8_kernel[(x.shape[0],)](
+            x, q, scale, x.shape[1], FMAX=FP8_MAX, BLOCK=triton.next_power_of_2(x.shape[1])
+        )
+        return q, scale
     amax = x.abs().amax(-1).float() if x.shape[0] else x.new_zeros(0, dtype=torch.float32)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

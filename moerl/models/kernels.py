@@ -34,7 +34,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moerl.models.fast_paths import _STATE, fast_paths, fast_paths_enabled, set_fast_paths
+from moerl.models.fast_paths import (
+    _STATE,
+    fast_paths,
+    fast_paths_enabled,
+    reference_rounding_enabled,
+    round_bf16,
+    rounding_mode,
+    set_fast_paths,
+    set_reference_rounding,
+)
 from moerl.models.fast_paths import use_triton as _use_triton
 from moerl.models.moe_kernels import (
     SMALL_GROUPED_MM,
@@ -132,10 +141,17 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_fwd_kernel(
-        gu_ptr, w_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, HAS_W: tl.constexpr
+        gu_ptr,
+        w_ptr,
+        out_ptr,
+        WIDTH: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HAS_W: tl.constexpr,
+        ROUND: tl.constexpr,
     ):
-        # One program per row m: out[m, i] = w[m] * silu(gu[m, i]) * gu[m, WIDTH + i], float32 math,
-        # one rounding (w = 1 without HAS_W).
+        # One program per row m: out[m, i] = w[m] * silu(gu[m, i]) * gu[m, WIDTH + i], float32 math
+        # (w = 1 without HAS_W); ROUND rounds silu(g) and silu(g) * u to the tensor dtype first, as the
+        # eager F.silu(gate) * up does, else one rounding at the end.
         row = tl.program_id(0).to(tl.int64)
         if HAS_W:
             w = tl.load(w_ptr + row).to(tl.float32)
@@ -144,7 +160,13 @@ if triton is not None:
             mask = cols < WIDTH
             g = tl.load(gu_ptr + row * 2 * WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(gu_ptr + row * 2 * WIDTH + WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
-            out = g * tl.sigmoid(g) * u
+            if ROUND == 2:
+                out = round_bf16(round_bf16(g * tl.sigmoid(g)) * u)
+            elif ROUND == 1:
+                dt = out_ptr.dtype.element_ty
+                out = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+            else:
+                out = g * tl.sigmoid(g) * u
             if HAS_W:
                 out = out * w
             tl.store(out_ptr + row * WIDTH + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -196,7 +218,9 @@ class _SwiGLU(torch.autograd.Function):
         w = row_weights.float().contiguous() if has_w else gu
         out = torch.empty(m, i, dtype=gu.dtype, device=gu.device)
         if m:
-            _swiglu_fwd_kernel[(m,)](gu, w, out, HAS_W=has_w, **_swiglu_meta(i))
+            _swiglu_fwd_kernel[(m,)](
+                gu, w, out, HAS_W=has_w, ROUND=rounding_mode(gu.dtype), **_swiglu_meta(i)
+            )
         ctx.save_for_backward(gu, w if has_w else None)
         ctx.has_w = has_w
         return out
@@ -229,7 +253,8 @@ def swiglu(gate_up: torch.Tensor, row_weights: torch.Tensor | None = None) -> to
             ``fused_experts`` applies the weights before the down projection); None = 1.
     Returns:
         [M, I] in gate_up's dtype; differentiable in both inputs. On CUDA one Triton kernel forward and
-        one backward (float32 math, one rounding); elsewhere tensor ops, the reference of the kernels.
+        one backward (float32 math; the forward rounds as the eager product does unless
+        ``set_reference_rounding(False)``); elsewhere tensor ops, the reference of the kernels.
     """
     if _use_triton(gate_up):
         return _SwiGLU.apply(gate_up, row_weights)
@@ -237,6 +262,8 @@ def swiglu(gate_up: torch.Tensor, row_weights: torch.Tensor | None = None) -> to
     if row_weights is None:
         return (F.silu(gate) * up).contiguous()
     acc = accumulation_dtype_of(gate_up.dtype)
+    if reference_rounding_enabled():  # as the kernel: the eager product first, then the weight
+        return ((F.silu(gate) * up).to(acc) * row_weights.to(acc)[:, None]).to(gate_up.dtype)
     act = F.silu(gate.to(acc)) * up.to(acc) * row_weights.to(acc)[:, None]
     return act.to(gate_up.dtype)
 
@@ -392,7 +419,9 @@ __all__ = [  # the switch and the routing-side functions are re-exported for exi
     "fused_experts",
     "fused_experts_supported",
     "gather_sum_rows",
+    "reference_rounding_enabled",
     "set_fast_paths",
+    "set_reference_rounding",
     "small_grouped_mm",
     "swiglu",
     "weighted_combine",

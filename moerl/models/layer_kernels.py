@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from moerl.models.fast_paths import fast_paths_enabled
+from moerl.models.fast_paths import fast_paths_enabled, round_bf16, rounding_mode
 
 try:  # optional, as in moerl.models.kernels
     import triton
@@ -149,6 +149,7 @@ if triton is not None:
         HALF: tl.constexpr,
         BLOCK: tl.constexpr,
         BACKWARD: tl.constexpr,
+        ROUND: tl.constexpr,
     ):
         # One program per (b, h, t) row. Backward is the transpose: dx1 = g1 c1 + g2 s2, dx2 = g2 c2 - g1 s1.
         row = tl.program_id(0).to(tl.int64)
@@ -168,6 +169,13 @@ if triton is not None:
         if BACKWARD:
             y1 = x1 * c1 + x2 * s2
             y2 = x2 * c2 - x1 * s1
+        elif ROUND == 2:  # as the eager code: each product rounded to bfloat16, then the sum
+            y1 = round_bf16(x1 * c1) - round_bf16(x2 * s1)
+            y2 = round_bf16(x2 * c2) + round_bf16(x1 * s2)
+        elif ROUND == 1:
+            dt = y_ptr.dtype.element_ty
+            y1 = (x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)
+            y2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
         else:
             y1 = x1 * c1 - x2 * s1
             y2 = x2 * c2 + x1 * s2
@@ -199,6 +207,7 @@ def _rotary_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backwa
             HALF=half,
             BLOCK=triton.next_power_of_2(half),
             BACKWARD=backward,
+            ROUND=rounding_mode(x.dtype) if cos.dtype == x.dtype else 0,
         )
     return y
 
@@ -234,6 +243,7 @@ def fused_rotary_supported(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x [B, n, T, d] with cos, sin [B, T, d] (``moerl.models.layers.apply_rotary`` with
-    R = d, not interleaved): one Triton kernel forward and backward, float32 math, one rounding.
+    R = d, not interleaved): one Triton kernel forward and backward, float32 math; the forward rounds each
+    product and the sum to x's dtype as the eager code does (``set_reference_rounding``), the backward once.
     Use ``fused_rotary_supported`` first."""
     return _Rotary.apply(x, cos, sin)

@@ -295,8 +295,11 @@ class Experts(nn.Module):
             self.down_proj,
             use_grouped_mm=self.use_grouped_mm,
         )
-        y = (y.float() * topk_weights.reshape(-1)[order, None]).to(x.dtype)
-        return x.new_zeros(n, x.shape[-1]).index_add_(0, token, y)
+        # weighted and summed in float32, rounded once (as fused_experts): a bf16 index_add_ would round
+        # after each of a token's k adds
+        acc = torch.promote_types(x.dtype, torch.float32)
+        y = y.to(acc) * topk_weights.reshape(-1)[order, None].to(acc)
+        return torch.zeros(n, x.shape[-1], dtype=acc, device=x.device).index_add_(0, token, y).to(x.dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,12 +9,16 @@ Fits (H200 datasheet peaks as the denominators, so the fractions carry to other 
 - prefill_matmul_fraction: ``rollout_gpu.json`` prefill-only generate (B = 256 prompts of 128 tokens).
 - decode_hbm_fraction, decode_step_s: the two CUDA-graph decode runs, linear in (bytes, 1):
   ``rollout_gpu.json`` (reference, 16 layers, B = 256) and ``ep_multi_gpu.json`` model.decode.ep1_graphs
-  (4 layers, GQA, B = 64; its prefill, predicted, subtracted). No graph-mode decode run is left to hold out.
+  (4 layers, GQA, B = 64; its prefill, predicted, subtracted). Held out: the same code's graph-mode decode
+  of the reference model at B = 64 and 128 (``perfplan/decode_points_base.json``).
 - train_matmul_fraction, optimizer_hbm_fraction: ``train_step.json`` moerl/b8 and moerl/b24 (step time
   linear in tokens); held out: moerl/b16 and ``ep_multi_gpu.json`` model.train.ep1.
 - moe_matmul_fraction: ``moe_layer.json`` moerl forward; held out: forward + backward (3x the FLOPs).
 - eager_layer_s: ``ep_multi_gpu.json`` model.decode ep1 (eager) against ep1_graphs; held out: the EP = 2
-  decode runs (eager step + one fitted round trip per MoE layer at 64 tokens per GPU).
+  decode runs (eager step + one round trip per MoE layer at 64 tokens per GPU, whose fixed cost is
+  ``decode_call_s``, below).
+- decode_call_s per dispatcher: the per-call fixed cost at decode sizes, from the same code's round trips at
+  EP world size 1 and T = 16..1024 (``perfplan/ep_percall_base.json``), not from the EP = 2 decode runs.
 - EP round trip per dispatcher (call_s, proc_gb_s): ``ep_multi_gpu.json`` dispatch rows of topology 2x1
   (H 7168 / 4096, uniform / zipf); held out: the four 1x2 rows of each dispatcher. nvlink_fraction: the
   2x1 ``floor_a2a`` rows (plain all_to_all_single of the same bytes).
@@ -97,6 +101,24 @@ def dispatch_points(ep: dict) -> list[dict]:
     return out
 
 
+PERCALL = "perfplan/ep_percall_base.json"
+"""World-size-1 round trips of the issue-10 dispatchers (the code of every other file fitted here) at decode
+token counts, measured by ``bench/ep_percall.py`` from a copy of that code (commit 0f58815)."""
+
+
+def _percall(folder: Path) -> dict[str, dict[str, float]]:
+    """{method: {decode_call_s, decode_per_token_s}} from ``PERCALL`` ({} when the file is absent)."""
+    path = folder / PERCALL
+    if not path.exists():
+        return {}
+    fits = json.loads(path.read_text())["fits"]
+    out = {}
+    for method, key in (("alltoall", "AllToAllDispatcher"), ("hierarchical", "HierarchicalDispatcher")):
+        f = fits[f"{key}/events_ms"]
+        out[method] = {"decode_call_s": f["call_ms"] / 1e3, "decode_per_token_s": f["per_token_ms"] / 1e3}
+    return out
+
+
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least squares y = a + b x; returns (a, b)."""
     a, b = np.linalg.lstsq(np.array([[1.0, x] for x in xs]), np.array(ys), rcond=None)[0]
@@ -142,6 +164,8 @@ def fit(folder: Path) -> dict:
         fit_pts = [q for q in pts if q["method"] == method and q["topology"] == "2x1"]
         call_ms, ms_per_byte = _line([q["work_bytes"] for q in fit_pts], [q["total_ms"] for q in fit_pts])
         impls[method] = {"call_s": call_ms / 1e3, "proc_gb_s": 1e-6 / ms_per_byte}
+    for method, q in _percall(folder).items():
+        impls[method].update(q)
     floor = [q for q in pts if q["method"] == "floor_a2a" and q["topology"] == "2x1"]
     _, ms_per_wire = _line([q["wire_bytes"] / 2 for q in floor], [q["total_ms"] for q in floor])
     nvl_frac = 1e-6 / ms_per_wire / hw.nvlink_gb_s
@@ -154,6 +178,8 @@ def fit(folder: Path) -> dict:
         "moe_matmul_fraction": "moe_layer.json results.moerl.fwd (16384 tokens)",
         "eager_layer_s": "ep_multi_gpu.json model.decode ep1 (eager) minus ep1_graphs, per layer and step",
         "ep": "ep_multi_gpu.json dispatch rows, topology 2x1 (4 per dispatcher); nvlink_fraction: 2x1 floor_a2a",
+        "ep_decode_call": f"{PERCALL}: the same code's dispatch + combine at EP world size 1 (one H200, NCCL), "
+        "T = 16..1024 tokens, H = 2048, top-8 of 64, CUDA events; intercept of a line in T (decode_call_s)",
     }
     return {
         "constants": {

@@ -25,6 +25,7 @@ from rich.table import Table
 from moerl.configlib import ConfigError
 from moerl.plan.args import PRESETS
 from moerl.plan.hardware import get_hardware
+from moerl.plan.models import get_model
 from moerl.plan.predict import Plan, as_rows, best_split, run, with_params
 from moerl.plan.sensitivity import tornado
 from moerl.plan.validation import compare
@@ -124,10 +125,32 @@ def plot(points: list[dict], axis: str, path: str) -> None:
     os.replace(tmp, path)
 
 
+def effective_values(plan: Plan) -> dict[str, str]:
+    """The value ``predict`` uses for each Plan field whose default means "take it from elsewhere" (0 or
+    -1), with where it came from: {field: "value (source)"}."""
+    hw, m = get_hardware(plan.hardware), get_model(plan.model)
+    rate = plan.interruptions_per_hour
+    return {
+        "top_k": f"{plan.top_k or m.top_k} ({'plan' if plan.top_k else f'the model {m.name}'})",
+        "train_share": f"{plan.train_nodes / plan.total_nodes:.3f} (train_nodes / total_nodes = "
+        f"{plan.train_nodes} / {plan.total_nodes}{'' if plan.train_share else '; train_nodes given'})",
+        "flat_net_fraction": f"{plan.flat_net_fraction or plan.net_fraction} "
+        f"({'plan' if plan.flat_net_fraction else 'net_fraction'})",
+        "price_on_demand": f"{plan.price_on_demand or hw.price_on_demand} $/node-hour "
+        f"({'plan' if plan.price_on_demand else f'{hw.name} catalog'})",
+        "interruptions_per_hour": f"{rate if rate >= 0 else hw.interruptions_per_hour} per node-hour "
+        f"({'plan' if rate >= 0 else f'{hw.name} catalog'}; applied only with spot_rollout)",
+    }
+
+
 def assumptions(plan: Plan, cal: dict) -> list[str]:
     """Every input of a prediction, one line each, with its source."""
     hw = get_hardware(plan.hardware)
-    lines = [f"plan.{f.name} = {getattr(plan, f.name)}" for f in fields(Plan)]
+    used = effective_values(plan)
+    lines = [
+        f"plan.{f.name} = {used[f.name]}" if f.name in used else f"plan.{f.name} = {getattr(plan, f.name)}"
+        for f in fields(Plan)
+    ]
     lines += [
         f"hardware.{k} = {v} ({hw.sources.get(k, 'catalog')})"
         for k, v in asdict(hw).items()

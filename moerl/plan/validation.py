@@ -22,10 +22,12 @@ def _row(name: str, measured: float, predicted: float, role: str, unit: str) -> 
             "rel_err": predicted / measured - 1.0, "role": role}  # fmt: skip
 
 
-def moerl_round_trip_s(cal: dict, method: str, work_bytes: float) -> float:
-    """Fitted round trip (dispatch + combine) of moerl's dispatcher ``method`` over ``work_bytes``."""
+def moerl_round_trip_s(cal: dict, method: str, work_bytes: float, *, decode: bool = False) -> float:
+    """Fitted round trip (dispatch + combine) of moerl's dispatcher ``method`` over ``work_bytes``; with
+    ``decode`` the fixed cost is the one measured at decode token counts (``decode_call_s``) if calibrated."""
     imp = cal["ep_impls"][method]
-    return imp["call_s"] + work_bytes / (imp["proc_gb_s"] * 1e9)
+    call = imp.get("decode_call_s", imp["call_s"]) if decode else imp["call_s"]
+    return call + work_bytes / (imp["proc_gb_s"] * 1e9)
 
 
 def expected_work_bytes(method: str, placement: ExpertPlacement, tokens: float, rows: RowBytes) -> float:
@@ -48,8 +50,9 @@ def compare(cal: dict, folder: Path) -> list[dict]:
     c = constants(cal)
     read = lambda n: json.loads((folder / f"{n}.json").read_text())  # noqa: E731
     ep = read("ep_multi_gpu")
+    held = folder / "perfplan" / "decode_points_base.json"
     rows = (
-        _decode(c, read("rollout_gpu"), ep)
+        _decode(c, read("rollout_gpu"), ep, json.loads(held.read_text()) if held.exists() else None)
         + _training(c, read("train_step"), ep)
         + _moe(c, read("moe_layer"))
     )
@@ -67,18 +70,23 @@ def compare(cal: dict, folder: Path) -> list[dict]:
     return rows
 
 
-def _decode(c: timing.Constants, roll: dict, ep: dict) -> list[dict]:
-    """The two CUDA-graph decode runs (both fitted): prefill + (N - 1) decode steps."""
+def _decode(c: timing.Constants, roll: dict, ep: dict, held: dict | None = None) -> list[dict]:
+    """The two CUDA-graph decode runs (both fitted) and the held-out ones of the same code
+    (``decode_points``): prefill + (N - 1) decode steps."""
     b, p, n = roll["batch"], roll["prompt_len"], roll["new_tokens"]
+    points = [
+        (MODELS["reference"], b, roll["results"]["moerl"]["tokens_per_s"], "fitted", ""),
+        (MODELS["ep-bench"], 64, ep["model"]["decode"]["ep1_graphs"]["tokens_per_s"], "fitted", ""),
+    ]
+    if held is not None:
+        points += [(MODELS[held["spec"]], q["batch"], q["tokens_per_s"], "held out", ", issue-10 code")
+                   for q in held["points"]]  # fmt: skip
     out = []
-    for model, rows, measured in (
-        (MODELS["reference"], b, roll["results"]["moerl"]["tokens_per_s"]),
-        (MODELS["ep-bench"], 64, ep["model"]["decode"]["ep1_graphs"]["tokens_per_s"]),
-    ):
+    for model, rows, measured, role, tag in points:
         step = timing.decode_step_s(model, H200, c, rows, p + n / 2, 1, 2)
         gen = timing.prefill_s(model, H200, c, rows * p, p, 2) + (n - 1) * step
-        name = f"decode tok/s, {model.name} {model.num_layers} layers B={rows} {p}+{n} (graphs)"
-        out.append(_row(name, measured, rows * n / gen, "fitted", "tok/s"))
+        name = f"decode tok/s, {model.name} {model.num_layers} layers B={rows} {p}+{n} (graphs{tag})"
+        out.append(_row(name, measured, rows * n / gen, role, "tok/s"))
     return out
 
 
@@ -160,12 +168,14 @@ def _ep2_training(cal: dict, c: timing.Constants, ep: dict, epm, t_ep1: float) -
 
 def _ep2_decode(cal: dict, c: timing.Constants, ep: dict, epm, p: int, n: int) -> list[dict]:
     """EP = 2 eager decode, 64 requests per GPU: eager step (half the experts per GPU) + one round trip per
-    MoE layer at 64 tokens per GPU, with the round-trip cost fitted on the large dispatch bench."""
+    MoE layer at 64 tokens per GPU: the per-call cost measured at decode sizes (``decode_call_s``, EP world
+    size 1) where calibrated, else the intercept fitted on the large dispatch bench, plus the work bytes at
+    the fitted rate."""
     placement, rb = ExpertPlacement(epm.num_experts, Topology(2, 2)), RowBytes(2 * epm.hidden_size, epm.top_k)
     step = timing.decode_step_s(epm, H200, c, 64, p + n / 2, 2, 2) + epm.num_layers * c.eager_layer_s
     out = []
     for method in ("alltoall", "hierarchical"):
-        rt = moerl_round_trip_s(cal, method, expected_work_bytes(method, placement, 64, rb))
+        rt = moerl_round_trip_s(cal, method, expected_work_bytes(method, placement, 64, rb), decode=True)
         gen = timing.prefill_s(epm, H200, c, 64 * p, p, 2) + (n - 1) * (step + epm.num_moe_layers * rt)
         name = f"decode tok/s, ep-bench EP=2 {method} (eager)"
         out.append(
