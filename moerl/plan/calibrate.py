@@ -19,6 +19,13 @@ Fits (H200 datasheet peaks as the denominators, so the fractions carry to other 
   ``decode_call_s``, below).
 - decode_call_s per dispatcher: the per-call fixed cost at decode sizes, from the same code's round trips at
   EP world size 1 and T = 16..1024 (``perfplan/ep_percall_base.json``), not from the EP = 2 decode runs.
+- decode_layer_w1_s per dispatcher and host_scale (``eager_decode``): what each dispatcher adds to an eager
+  decode step per MoE layer at EP world size 1, inside the same decode loop and code
+  (``perfplan/call2/ep_decode_w1_base.json``, one H200, 2026-12-01), and the host speed of the EP bench's
+  machine against that one: the ratio of the two runs' own eager-minus-graphs time per layer of the plain
+  engine (``ep_multi_gpu.json`` ep1 / ep1_graphs against the w1 file's plain/eager / plain/graphs). Eager
+  decode is host-bound (host ~4 ms against ~1 ms of device work per layer), so per-call host costs move
+  with the machine's host speed (1.7-2x between the two machines).
 - EP round trip per dispatcher (call_s, proc_gb_s): ``ep_multi_gpu.json`` dispatch rows of topology 2x1
   (H 7168 / 4096, uniform / zipf); held out: the four 1x2 rows of each dispatcher. nvlink_fraction: the
   2x1 ``floor_a2a`` rows (plain all_to_all_single of the same bytes).
@@ -106,6 +113,30 @@ PERCALL = "perfplan/ep_percall_base.json"
 token counts, measured by ``bench/ep_percall.py`` from a copy of that code (commit 0f58815)."""
 
 
+W1 = "perfplan/call2/ep_decode_w1_base.json"
+"""Eager decode of the EP bench model at EP world size 1 through each dispatcher and without one (issue-10
+code, ``bench/ep_decode_w1.py``): the dispatchers' in-context cost per MoE layer and step."""
+
+
+def _eager_decode(folder: Path, run_eager_layer_s: float, layers: int, steps: int) -> dict | None:
+    """{w1_eager_layer_s, host_scale, decode_layer_w1_s: {method: s}} from ``W1`` (None when absent).
+
+    ``host_scale`` = ``run_eager_layer_s`` (the EP bench run's plain eager minus graphs, per layer and step)
+    / the same quantity of the w1 run: how much slower that machine's host runs the same eager loop."""
+    path = folder / W1
+    if not path.exists():
+        return None
+    res = json.loads(path.read_text())["results"]
+    w1_layer = (res["plain/eager"]["generate_ms"] - res["plain/graphs"]["generate_ms"]) / 1e3 / steps / layers
+    return {
+        "w1_eager_layer_s": w1_layer,
+        "host_scale": run_eager_layer_s / w1_layer,
+        "decode_layer_w1_s": {
+            m: res[f"{m}/eager"]["extra_ms_per_moe_layer_step"] / 1e3 for m in ("alltoall", "hierarchical")
+        },
+    }
+
+
 def _percall(folder: Path) -> dict[str, dict[str, float]]:
     """{method: {decode_call_s, decode_per_token_s}} from ``PERCALL`` ({} when the file is absent)."""
     path = folder / PERCALL
@@ -180,7 +211,12 @@ def fit(folder: Path) -> dict:
         "ep": "ep_multi_gpu.json dispatch rows, topology 2x1 (4 per dispatcher); nvlink_fraction: 2x1 floor_a2a",
         "ep_decode_call": f"{PERCALL}: the same code's dispatch + combine at EP world size 1 (one H200, NCCL), "
         "T = 16..1024 tokens, H = 2048, top-8 of 64, CUDA events; intercept of a line in T (decode_call_s)",
+        "eager_decode": f"{W1}: decode_layer_w1_s = (EP world 1 eager decode - plain eager decode) per MoE "
+        "layer and step (64 requests, 128 + 128, same code and loop as the EP bench); w1_eager_layer_s = "
+        "(plain eager - plain graphs) per layer and step of that run; host_scale = eager_layer_s / "
+        "w1_eager_layer_s (both machines' own non-EP eager decode; not the EP = 2 points)",
     }
+    eager_decode = _eager_decode(folder, eager_layer_s, epm.num_layers, steps)
     return {
         "constants": {
             "decode_hbm_fraction": 1.0 / (s_per_byte * hw.hbm_tb_s * 1e12), "decode_step_s": c_step,
@@ -189,6 +225,7 @@ def fit(folder: Path) -> dict:
             "eager_layer_s": eager_layer_s,
         },
         "ep_impls": impls,
+        **({"eager_decode": eager_decode} if eager_decode else {}),
         "nvlink_fraction_all_to_all": nvl_frac,
         "dispatch_points": pts,
         "sources": src,

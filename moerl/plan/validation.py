@@ -167,15 +167,23 @@ def _ep2_training(cal: dict, c: timing.Constants, ep: dict, epm, t_ep1: float) -
 
 
 def _ep2_decode(cal: dict, c: timing.Constants, ep: dict, epm, p: int, n: int) -> list[dict]:
-    """EP = 2 eager decode, 64 requests per GPU: eager step (half the experts per GPU) + one round trip per
-    MoE layer at 64 tokens per GPU: the per-call cost measured at decode sizes (``decode_call_s``, EP world
-    size 1) where calibrated, else the intercept fitted on the large dispatch bench, plus the work bytes at
-    the fitted rate."""
+    """EP = 2 eager decode, 64 requests per GPU: eager step (half the experts per GPU) + what a round trip adds
+    per MoE layer. Eager decode is host-bound and each dispatch blocks the host on split sizes, so host and
+    device time add (the eager step is the graph step plus ``eager_layer_s`` per layer) and the round trip
+    is the host cost of the calls: with ``eager_decode`` calibrated, the dispatcher's in-context cost per
+    MoE layer measured at EP world size 1 (``decode_layer_w1_s``) times ``host_scale`` (the EP bench
+    machine's host against the w1 machine's, from their own non-EP eager runs); otherwise the per-call cost
+    at decode sizes (``decode_call_s``) plus the work bytes at the fitted rate."""
     placement, rb = ExpertPlacement(epm.num_experts, Topology(2, 2)), RowBytes(2 * epm.hidden_size, epm.top_k)
     step = timing.decode_step_s(epm, H200, c, 64, p + n / 2, 2, 2) + epm.num_layers * c.eager_layer_s
+    eager = cal.get("eager_decode")
     out = []
     for method in ("alltoall", "hierarchical"):
-        rt = moerl_round_trip_s(cal, method, expected_work_bytes(method, placement, 64, rb), decode=True)
+        if eager is not None:
+            rt = eager["host_scale"] * eager["decode_layer_w1_s"][method]
+        else:
+            work = expected_work_bytes(method, placement, 64, rb)
+            rt = moerl_round_trip_s(cal, method, work, decode=True)
         gen = timing.prefill_s(epm, H200, c, 64 * p, p, 2) + (n - 1) * (step + epm.num_moe_layers * rt)
         name = f"decode tok/s, ep-bench EP=2 {method} (eager)"
         out.append(
