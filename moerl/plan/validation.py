@@ -167,15 +167,20 @@ def _ep2_training(cal: dict, c: timing.Constants, ep: dict, epm, t_ep1: float) -
 
 
 def _ep2_decode(cal: dict, c: timing.Constants, ep: dict, epm, p: int, n: int) -> list[dict]:
-    """EP = 2 eager decode, 64 requests per GPU: eager step (half the experts per GPU) + what a round trip adds
-    per MoE layer. Eager decode is host-bound and each dispatch blocks the host on split sizes, so host and
-    device time add (the eager step is the graph step plus ``eager_layer_s`` per layer) and the round trip
-    is the host cost of the calls: with ``eager_decode`` calibrated, the dispatcher's in-context cost per
+    """EP = 2 eager decode, 64 requests per GPU: eager step + what a round trip adds per MoE layer. The eager
+    step is max(host, device): the host's is the EP = 1 eager step (same kernels), the device's the EP = 2
+    roofline (half the experts per GPU). Each dispatch blocks the host on split sizes, so the round trip's
+    cost adds to the step rather than overlapping it: with ``eager_decode`` calibrated, the dispatcher's in-context cost per
     MoE layer measured at EP world size 1 (``decode_layer_w1_s``) times ``host_scale`` (the EP bench
     machine's host against the w1 machine's, from their own non-EP eager runs); otherwise the per-call cost
     at decode sizes (``decode_call_s``) plus the work bytes at the fitted rate."""
     placement, rb = ExpertPlacement(epm.num_experts, Topology(2, 2)), RowBytes(2 * epm.hidden_size, epm.top_k)
-    step = timing.decode_step_s(epm, H200, c, 64, p + n / 2, 2, 2) + epm.num_layers * c.eager_layer_s
+    device = timing.decode_step_s(epm, H200, c, 64, p + n / 2, 2, 2)
+    # The eager step launches the same kernels at EP 1 and 2 and is host-bound (eager_layer_s ~3.8 ms per
+    # layer against ~1 ms of device work), so halving the experts' bytes does not shorten it: the host's
+    # step is the EP = 1 eager step (graph step + eager_layer_s per layer), the device's the EP = 2 roofline.
+    host = timing.decode_step_s(epm, H200, c, 64, p + n / 2, 1, 2) + epm.num_layers * c.eager_layer_s
+    step = max(host, device)
     eager = cal.get("eager_decode")
     out = []
     for method in ("alltoall", "hierarchical"):
