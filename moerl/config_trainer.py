@@ -132,6 +132,12 @@ class TrainerConfig:
                 f"trainer.batch_groups={self.batch_groups} is not a multiple of trainer.num_ranks="
                 f"{self.num_ranks}: every data-parallel rank trains the same number of whole groups"
             )
+        if self.num_ranks > 1 and self.batch_groups % (self.num_ranks * self.mini_batches):
+            raise ConfigError(
+                f"trainer.batch_groups={self.batch_groups} is not a multiple of trainer.num_ranks x "
+                f"trainer.mini_batches={self.num_ranks * self.mini_batches}: every rank trains an equal part "
+                "of each mini-batch"
+            )
         if self.num_ranks > 1 and self.aux_loss_coef > 0:
             raise ConfigError(
                 f"trainer.aux_loss_coef={self.aux_loss_coef} with trainer.num_ranks={self.num_ranks}: the "

@@ -206,13 +206,14 @@ class TrainerGroup:
         return build_train_batch(groups, pad_id=pad_id, estimator=self.preset.estimator)
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
-        """One optimizer step of the group; rank r trains slice r (``split_by_groups``).
+        """One trainer step of the group; rank r trains slice r (``split_by_groups``: part r of each of the
+        ``trainer.mini_batches`` mini-batches).
 
         Raises:
             NonFiniteLossError: as ``Trainer.train_step``.
             TrainerRankError: a rank died, failed or timed out.
         """
-        slices = split_by_groups(batch, self.num_ranks)
+        slices = split_by_groups(batch, self.num_ranks, self.cfg.trainer.mini_batches)
         self.ranks.send("train_step", [(s,) for s in slices])
         stats, self._counters = self.ranks.gather(self.timeout_s)[0]
         return stats

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.config import RunConfig
+from moerl.distributed.algo_models import build_algo_models
 from moerl.distributed.checkpoint import (
     ShardedCheckpointError,
     load_sharded,
@@ -86,13 +87,10 @@ class RankTrainer:
         )
         t = cfg.trainer
         self.mesh = build_mesh(t.ep_size, t.gpus_per_node, device.type)
-        model = build_sharded_policy(
-            spec.init_path,
-            self.mesh,
-            ep_dispatcher=t.ep_dispatcher,
-            dtype=_DTYPES[cfg.model.dtype],
-            device=device,
-        )
+        shards = {"ep_dispatcher": t.ep_dispatcher, "dtype": _DTYPES[cfg.model.dtype], "device": device}
+        model = build_sharded_policy(spec.init_path, self.mesh, **shards)
+        # the reference policy and the critic's value model, sharded alike from the same start folder
+        others = build_algo_models(spec.init_path, self.mesh, cfg.algorithm, **shards)
         self.trainer = ShardedTrainer(
             model,
             t,
@@ -100,6 +98,7 @@ class RankTrainer:
             self.mesh,
             temperature=cfg.rollout.temperature,
             norm_length=cfg.algorithm.norm_length or cfg.rollout.max_new_tokens,
+            **others,
         )
         self.bucket_bytes = int(cfg.runtime.publish_bucket_mb * 2**20)
         self.keep_versions = cfg.runtime.keep_versions
