@@ -252,6 +252,7 @@ class TrainerGroup:
             {
                 "trainer": counters,
                 "scheduler": saved["scheduler"],
+                **({"critic_scheduler": saved["critic_scheduler"]} if "critic_scheduler" in saved else {}),
                 "sharded": part,
                 "rng": capture_rng_state(),
                 **extra,
@@ -267,7 +268,9 @@ class TrainerGroup:
     def load_checkpoint_folder(self, folder: Path, parts: dict) -> None:
         """Load a step folder written by ``checkpoint`` at any number of ranks."""
         shards = folder.parent / parts["sharded"]["path"]
-        self._counters = self._all("load", str(shards), parts["scheduler"], parts["trainer"])[0]
+        self._counters = self._all(
+            "load", str(shards), parts["scheduler"], parts["trainer"], parts.get("critic_scheduler")
+        )[0]
 
     def export_policy(self, folder: str | Path, extra: Callable[[Path], None] | None = None) -> Path:
         """Write the current policy as a Hugging Face folder, streamed from the shards (rank 0 writes one

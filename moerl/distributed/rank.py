@@ -20,6 +20,7 @@ from moerl.config import RunConfig
 from moerl.distributed.algo_models import build_algo_models
 from moerl.distributed.checkpoint import (
     ShardedCheckpointError,
+    load_critic_scheduler,
     load_sharded,
     save_sharded,
     set_lr_from_scheduler,
@@ -137,15 +138,21 @@ class RankTrainer:
         )
 
     def save(self, folder: str) -> dict:
-        """Write this rank's shards of the model and optimizer into the DCP folder ``folder``."""
+        """Write this rank's shards of the model and optimizer (and critic) into the DCP folder ``folder``;
+        returns the LR schedulers' states (``critic_scheduler`` with a critic) and the counters."""
         save_sharded(self.trainer, folder)
-        return {"scheduler": self.trainer.scheduler.state_dict(), **self.counters()}
+        critic = self.trainer.algo.critic
+        extra = {} if critic is None else {"critic_scheduler": critic.scheduler.state_dict()}
+        return {"scheduler": self.trainer.scheduler.state_dict(), **extra, **self.counters()}
 
-    def load(self, folder: str, scheduler: dict, counters: dict) -> dict:
-        """Read model and optimizer shards from the DCP folder (any saved world size)."""
+    def load(
+        self, folder: str, scheduler: dict, counters: dict, critic_scheduler: dict | None = None
+    ) -> dict:
+        """Read model and optimizer (and critic) shards from the DCP folder (any saved world size)."""
         load_sharded(self.trainer, folder)
         self.trainer.scheduler.load_state_dict(scheduler)
         set_lr_from_scheduler(self.trainer)
+        load_critic_scheduler(self.trainer, critic_scheduler)
         self.set_counters(counters)
         return self.counters()
 
