@@ -113,10 +113,8 @@ class TrainStats:
     grad_norm: float
     """Global gradient norm before clipping (NaN on a skipped step)."""
     aux_loss: float
-    """MoE load-balancing loss, row-weighted mean over micro-batches of each micro-batch's loss over its own
-    tokens; on a sharded trainer the micro-batches are each rank's (``TrainerConfig.aux_loss_coef`` says
-    when that equals one rank). With the shared-prompt forward (one rank, ``aux_loss_coef = 0``) each
-    group's prompt tokens count once, so the figure differs from the sharded trainer's (which has none)."""
+    """MoE load-balancing loss: row-weighted mean of each micro-batch's loss (each rank's micro-batches when
+    sharded: ``TrainerConfig.aux_loss_coef``); a shared-prompt forward counts a group's prompt once."""
     expert_load_cv: float
     """See ``expert_load_cv``; mean over micro-batches."""
     num_tokens: int
