@@ -13,7 +13,14 @@ from moerl.runtime.run_dir import read_jsonl
 from moerl.runtime.weights import WeightStore
 from moerl.train import resume
 
-ALGORITHM = ["algorithm.preset=ppo", "algorithm.kl_coef=0.01", "algorithm.routing_replay=r3"]
+ALGORITHM = [
+    "algorithm.preset=ppo",
+    "algorithm.kl_coef=0.01",
+    "algorithm.routing_replay=r3",
+    # AdamW turns float32 rounding of near-zero gradients (lm_head) into updates of size ~lr: at 1e-4 the
+    # weights agreed within 8e-6 to 1.4e-5 relative from run to run; 3e-5 keeps that well inside 1e-5
+    "trainer.lr=3e-5",
+]
 KEYS = (
     "train/pg_loss",
     "train/grad_norm",
@@ -56,7 +63,8 @@ def _assert_same(got_metrics, got_weights, ref, label):
     errors = {
         k: float((got_weights[k] - w).abs().max()) / float(w.abs().max()) for k, w in ref["weights"].items()
     }
-    print(f"{label}: weights max relative error {max(errors.values()):.2e}")
+    worst = max(errors, key=errors.get)
+    print(f"{label}: weights max relative error {errors[worst]:.2e} ({worst})")
     assert max(errors.values()) <= 1e-5
 
 
