@@ -57,7 +57,8 @@ class TrainerConfig:
     ``mini_batches`` optimizer steps. The policy version still advances by one per trainer step."""
     mini_batches: int = 1
     """Optimizer steps per epoch: the batch's groups are split into this many mini-batches (each with its
-    own token/sequence normalizers); at most ``batch_groups``."""
+    own token/sequence normalizers); at most ``batch_groups``. With ``num_ranks > 1`` each rank trains an
+    equal part of every mini-batch, so ``batch_groups`` must be a multiple of ``num_ranks x mini_batches``."""
     critic_lr: float | None = None
     """Peak learning rate of the critic's AdamW (estimator gae); None: ``10 x lr``, since the value head
     starts from zero while the trunk is the warm-started policy's."""
