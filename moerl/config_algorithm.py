@@ -159,21 +159,6 @@ def check_algorithm_combination(cfg: RunConfig, preset) -> None:
             f"algorithm.kl_coef={alg.kl_coef} with algorithm.preset={alg.preset!r}: that preset has no KL "
             "penalty (DAPO, Yu et al. 2025, Sec. 2.3, removes it); set algorithm.kl_coef=0 or another preset"
         )
-    if tr.num_ranks > 1:
-        unbuilt = [
-            name
-            for name, wanted in (
-                ("a critic (the gae estimator)", preset.estimator == "gae"),
-                ("a frozen reference policy (algorithm.kl_coef > 0)", alg.kl_coef > 0),
-                ("routing replay (algorithm.routing_replay=r3)", alg.routing_replay == "r3"),
-            )
-            if wanted
-        ]
-        if unbuilt:
-            raise ConfigError(
-                f"trainer.num_ranks={tr.num_ranks}: {', '.join(unbuilt)} is built for the one-process trainer "
-                "only (copies of the unsharded policy); set trainer.num_ranks=1"
-            )
     if tr.mini_batches > tr.batch_groups:
         raise ConfigError(
             f"trainer.mini_batches={tr.mini_batches} is more than trainer.batch_groups={tr.batch_groups}: "

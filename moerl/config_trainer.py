@@ -33,7 +33,11 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables."""
     aux_loss_coef: float = 0.0
-    """Coefficient of the MoE load-balancing loss."""
+    """Coefficient of the MoE load-balancing loss. The loss is computed per micro-batch (over its tokens,
+    weighted by its share of the mini-batch's rows), on a sharded trainer per micro-batch of each rank
+    (as Megatron-LM's default): it equals the one-rank trainer's when each rank's part of a mini-batch is
+    a multiple of ``micro_batch_size`` rows (then the micro-batches are the same rows); otherwise the
+    ranks' micro-batches are smaller and so is the set of tokens each balance term sees."""
     aux_loss_level: str = "batch"
     """Load-balancing loss over the micro-batch's tokens (``batch``: Switch, Fedus et al. 2021, eq. 4-6) or
     per sequence and averaged (``sequence``: DeepSeek-V3's complementary sequence-wise loss, arXiv:2412.19437
@@ -53,7 +57,8 @@ class TrainerConfig:
     ``mini_batches`` optimizer steps. The policy version still advances by one per trainer step."""
     mini_batches: int = 1
     """Optimizer steps per epoch: the batch's groups are split into this many mini-batches (each with its
-    own token/sequence normalizers); at most ``batch_groups``."""
+    own token/sequence normalizers); at most ``batch_groups``. With ``num_ranks > 1`` each rank trains an
+    equal part of every mini-batch, so ``batch_groups`` must be a multiple of ``num_ranks x mini_batches``."""
     critic_lr: float | None = None
     """Peak learning rate of the critic's AdamW (estimator gae); None: ``10 x lr``, since the value head
     starts from zero while the trunk is the warm-started policy's."""
@@ -132,9 +137,9 @@ class TrainerConfig:
                 f"trainer.batch_groups={self.batch_groups} is not a multiple of trainer.num_ranks="
                 f"{self.num_ranks}: every data-parallel rank trains the same number of whole groups"
             )
-        if self.num_ranks > 1 and self.aux_loss_coef > 0:
+        if self.num_ranks > 1 and self.batch_groups % (self.num_ranks * self.mini_batches):
             raise ConfigError(
-                f"trainer.aux_loss_coef={self.aux_loss_coef} with trainer.num_ranks={self.num_ranks}: the "
-                "sharded trainer does not compute the load-balancing loss over the global batch yet; "
-                "set trainer.aux_loss_coef=0 or trainer.num_ranks=1"
+                f"trainer.batch_groups={self.batch_groups} is not a multiple of trainer.num_ranks x "
+                f"trainer.mini_batches={self.num_ranks * self.mini_batches}: every rank trains an equal part "
+                "of each mini-batch"
             )

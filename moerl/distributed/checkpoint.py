@@ -1,6 +1,7 @@
 """Sharded trainer checkpoints with ``torch.distributed.checkpoint`` (DCP), loadable at any world size.
 
-Every rank writes its own shards of the model and of the AdamW moments into one DCP folder, under
+Every rank writes its own shards of the model and of the AdamW moments (and of the critic's value model
+and its moments, with PPO) into one DCP folder, under
 the names and *global* shapes of the one-rank model: a dense parameter is its FSDP2 DTensor over the
 world mesh; an EP expert tensor, held as [L, ...] rows of its EP rank's experts, is presented as a
 DTensor [E, ...] placed ``(Shard(0), Shard(0))`` on the ("ep", "dp") mesh. DCP records which global
@@ -60,10 +61,8 @@ def _ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def checkpoint_state(trainer, mesh: TrainMesh | None) -> dict:
-    """``{"model": {name: tensor}, "optim": {name: {"step", "exp_avg", "exp_avg_sq"}}}`` in the global
-    view, sharing storage with the trainer's tensors (DCP loads in place)."""
-    model, optimizer = trainer.model, trainer.optimizer
+def _module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh: TrainMesh | None) -> tuple:
+    """(model state, AdamW state by parameter name) of one module in the global view."""
     experts = {
         f"{n}.{p}": m.dispatcher.num_experts
         for n, m in model.named_modules()
@@ -80,7 +79,19 @@ def checkpoint_state(trainer, mesh: TrainMesh | None) -> dict:
             "exp_avg": _global(s["exp_avg"], mesh, experts.get(name)),
             "exp_avg_sq": _global(s["exp_avg_sq"], mesh, experts.get(name)),
         }
-    return {"model": state, "optim": optim}
+    return state, optim
+
+
+def checkpoint_state(trainer, mesh: TrainMesh | None) -> dict:
+    """``{"model": {name: tensor}, "optim": {name: {"step", "exp_avg", "exp_avg_sq"}}}`` in the global
+    view, sharing storage with the trainer's tensors (DCP loads in place); with a critic (PPO) also
+    ``"critic_model"`` and ``"critic_optim"``, its value model and AdamW state in the same layout."""
+    model_state, optim = _module_state(trainer.model, trainer.optimizer, mesh)
+    out = {"model": model_state, "optim": optim}
+    critic = getattr(getattr(trainer, "algo", None), "critic", None)
+    if critic is not None:
+        out["critic_model"], out["critic_optim"] = _module_state(critic.model, critic.optimizer, mesh)
+    return out
 
 
 def save_sharded(trainer, folder: str | Path, mesh: TrainMesh | None = None) -> None:
@@ -91,6 +102,17 @@ def save_sharded(trainer, folder: str | Path, mesh: TrainMesh | None = None) -> 
 def set_lr_from_scheduler(trainer) -> None:
     """Set each optimizer group's lr to the (just loaded) LR scheduler's last value."""
     for group, lr in zip(trainer.optimizer.param_groups, trainer.scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+
+
+def load_critic_scheduler(trainer, state: dict | None) -> None:
+    """Restore the critic's LR scheduler (and its optimizer's lr) from ``state``; nothing without a critic
+    or a state (a checkpoint written before the critic was saved keeps the fresh schedule)."""
+    critic = getattr(getattr(trainer, "algo", None), "critic", None)
+    if critic is None or state is None:
+        return
+    critic.scheduler.load_state_dict(state)
+    for group, lr in zip(critic.optimizer.param_groups, critic.scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
 
 

@@ -9,7 +9,12 @@ from pathlib import Path
 import torch
 
 from moerl.config import ConfigError, RunConfig
-from moerl.distributed.checkpoint import ShardedCheckpointError, load_sharded, set_lr_from_scheduler
+from moerl.distributed.checkpoint import (
+    ShardedCheckpointError,
+    load_critic_scheduler,
+    load_sharded,
+    set_lr_from_scheduler,
+)
 from moerl.distributed.group import TrainerGroup
 from moerl.runtime.trainer import Trainer
 
@@ -96,6 +101,7 @@ def _load_trainer_state(trainer: Trainer | TrainerGroup, folder: Path, parts: di
     load_sharded(trainer, Path(folder).parent / sharded["path"])
     trainer.scheduler.load_state_dict(parts["scheduler"])
     set_lr_from_scheduler(trainer)
+    load_critic_scheduler(trainer, parts.get("critic_scheduler"))
     counters = parts["trainer"]
     trainer.step, trainer.nan_streak, trainer.num_skipped = (
         counters["step"],

@@ -206,13 +206,14 @@ class TrainerGroup:
         return build_train_batch(groups, pad_id=pad_id, estimator=self.preset.estimator)
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
-        """One optimizer step of the group; rank r trains slice r (``split_by_groups``).
+        """One trainer step of the group; rank r trains slice r (``split_by_groups``: part r of each of the
+        ``trainer.mini_batches`` mini-batches).
 
         Raises:
             NonFiniteLossError: as ``Trainer.train_step``.
             TrainerRankError: a rank died, failed or timed out.
         """
-        slices = split_by_groups(batch, self.num_ranks)
+        slices = split_by_groups(batch, self.num_ranks, self.cfg.trainer.mini_batches)
         self.ranks.send("train_step", [(s,) for s in slices])
         stats, self._counters = self.ranks.gather(self.timeout_s)[0]
         return stats
@@ -251,6 +252,7 @@ class TrainerGroup:
             {
                 "trainer": counters,
                 "scheduler": saved["scheduler"],
+                **({"critic_scheduler": saved["critic_scheduler"]} if "critic_scheduler" in saved else {}),
                 "sharded": part,
                 "rng": capture_rng_state(),
                 **extra,
@@ -266,7 +268,9 @@ class TrainerGroup:
     def load_checkpoint_folder(self, folder: Path, parts: dict) -> None:
         """Load a step folder written by ``checkpoint`` at any number of ranks."""
         shards = folder.parent / parts["sharded"]["path"]
-        self._counters = self._all("load", str(shards), parts["scheduler"], parts["trainer"])[0]
+        self._counters = self._all(
+            "load", str(shards), parts["scheduler"], parts["trainer"], parts.get("critic_scheduler")
+        )[0]
 
     def export_policy(self, folder: str | Path, extra: Callable[[Path], None] | None = None) -> Path:
         """Write the current policy as a Hugging Face folder, streamed from the shards (rank 0 writes one

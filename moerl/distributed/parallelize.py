@@ -32,6 +32,7 @@ from moerl.models.checkpoint import CheckpointError
 from moerl.models.config import MoeConfig
 from moerl.models.keymaps import KeyMapper
 from moerl.models.model import MoeForCausalLM
+from moerl.runtime.critic import with_value_head
 
 
 def local_rows(t: torch.Tensor) -> tuple[int, int] | None:
@@ -115,8 +116,9 @@ def _expert_rows(reader: _ShardReader, mapper: KeyMapper, name: str, ids: list[i
 
 
 @torch.no_grad()
-def load_local_shards(model: MoeForCausalLM, folder: str | Path) -> None:
-    """Fill this rank's shards of ``model`` (already ``to_empty``-ed) from a Hugging Face folder.
+def load_local_shards(model: MoeForCausalLM, folder: str | Path, *, skip_prefix: str | None = None) -> None:
+    """Fill this rank's shards of ``model`` (already ``to_empty``-ed) from a Hugging Face folder; tensors
+    whose name starts with ``skip_prefix`` are left as they are (a value head the folder does not hold).
 
     Raises:
         CheckpointError: a key the model needs is missing, or a tensor has another shape.
@@ -132,6 +134,8 @@ def load_local_shards(model: MoeForCausalLM, folder: str | Path) -> None:
     with contextlib.ExitStack() as stack:
         reader = _ShardReader(folder, stack)
         for name, t in model.state_dict().items():
+            if skip_prefix is not None and name.startswith(skip_prefix):
+                continue
             local = t.to_local() if isinstance(t, DTensor) else t
             rows = local_rows(t)
             if ".experts." in name and name.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj"):
@@ -157,8 +161,13 @@ def build_sharded_policy(
     ep_dispatcher: str = "alltoall",
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    value_head: bool = False,
 ) -> MoeForCausalLM:
     """The policy of the Hugging Face folder ``folder``, sharded over ``mesh`` (collective).
+
+    ``value_head=True``: the LM head is replaced by PPO's zero-initialized value head ``[H] -> 1``
+    (``moerl.runtime.critic.with_value_head``, before sharding) and the rest is loaded from ``folder``:
+    the critic's value model, a copy of the policy's trunk.
 
     Raises:
         CheckpointError: the folder does not hold the model its config.json describes.
@@ -170,6 +179,8 @@ def build_sharded_policy(
         raise ValueError(f"{folder}: tied word embeddings are not supported by the sharded trainer yet")
     with torch.device("meta"):
         model = MoeForCausalLM(cfg).to(dtype)
+        if value_head:
+            with_value_head(model)
     if mesh.ep_size > 1:
         if cfg.num_experts % mesh.ep_size:
             raise ValueError(f"ep_size={mesh.ep_size} does not divide the model's {cfg.num_experts} experts")
@@ -182,7 +193,11 @@ def build_sharded_policy(
         if isinstance(m, ExpertParallelExperts):
             m.local_expert_ids = m.dispatcher.local_experts.to(device)
     model.rotary = model.build_rotary().to(device)
-    load_local_shards(model, folder)
+    load_local_shards(model, folder, skip_prefix="lm_head." if value_head else None)
+    if value_head:
+        with torch.no_grad():
+            for p in model.lm_head.parameters():  # V = 0 at first, as in the one-rank critic
+                (p.to_local() if isinstance(p, DTensor) else p).zero_()
     return model
 
 

@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 
 from moerl.config import RunConfig
+from moerl.distributed.algo_models import build_algo_models
 from moerl.distributed.checkpoint import (
     ShardedCheckpointError,
+    load_critic_scheduler,
     load_sharded,
     save_sharded,
     set_lr_from_scheduler,
@@ -86,13 +88,10 @@ class RankTrainer:
         )
         t = cfg.trainer
         self.mesh = build_mesh(t.ep_size, t.gpus_per_node, device.type)
-        model = build_sharded_policy(
-            spec.init_path,
-            self.mesh,
-            ep_dispatcher=t.ep_dispatcher,
-            dtype=_DTYPES[cfg.model.dtype],
-            device=device,
-        )
+        shards = {"ep_dispatcher": t.ep_dispatcher, "dtype": _DTYPES[cfg.model.dtype], "device": device}
+        model = build_sharded_policy(spec.init_path, self.mesh, **shards)
+        # the reference policy and the critic's value model, sharded alike from the same start folder
+        others = build_algo_models(spec.init_path, self.mesh, cfg.algorithm, **shards)
         self.trainer = ShardedTrainer(
             model,
             t,
@@ -100,6 +99,7 @@ class RankTrainer:
             self.mesh,
             temperature=cfg.rollout.temperature,
             norm_length=cfg.algorithm.norm_length or cfg.rollout.max_new_tokens,
+            **others,
         )
         self.bucket_bytes = int(cfg.runtime.publish_bucket_mb * 2**20)
         self.keep_versions = cfg.runtime.keep_versions
@@ -138,15 +138,21 @@ class RankTrainer:
         )
 
     def save(self, folder: str) -> dict:
-        """Write this rank's shards of the model and optimizer into the DCP folder ``folder``."""
+        """Write this rank's shards of the model and optimizer (and critic) into the DCP folder ``folder``;
+        returns the LR schedulers' states (``critic_scheduler`` with a critic) and the counters."""
         save_sharded(self.trainer, folder)
-        return {"scheduler": self.trainer.scheduler.state_dict(), **self.counters()}
+        critic = self.trainer.algo.critic
+        extra = {} if critic is None else {"critic_scheduler": critic.scheduler.state_dict()}
+        return {"scheduler": self.trainer.scheduler.state_dict(), **extra, **self.counters()}
 
-    def load(self, folder: str, scheduler: dict, counters: dict) -> dict:
-        """Read model and optimizer shards from the DCP folder (any saved world size)."""
+    def load(
+        self, folder: str, scheduler: dict, counters: dict, critic_scheduler: dict | None = None
+    ) -> dict:
+        """Read model and optimizer (and critic) shards from the DCP folder (any saved world size)."""
         load_sharded(self.trainer, folder)
         self.trainer.scheduler.load_state_dict(scheduler)
         set_lr_from_scheduler(self.trainer)
+        load_critic_scheduler(self.trainer, critic_scheduler)
         self.set_counters(counters)
         return self.counters()
 

@@ -10,7 +10,11 @@ number of ranks:
 - gradient clipping: the global L2 norm over every shard of every parameter (each element lives on
   exactly one rank: dense parameters are sharded over all ranks, experts over EP x dp), from the
   squared local norms all-reduced over the group;
-- metrics: sums over the ranks.
+- metrics: sums over the ranks; the algorithm figures (``moerl.runtime.algorithms``: mismatch weights,
+  KL, value loss, explained variance, advantage whitening, expert loads) from sums and counts reduced
+  over the ranks (``_all_reduce_sum``), so they are the global batch's;
+- reference policy and critic: sharded like the policy and handed in (``moerl.distributed.algo_models``);
+  the critic's gradient norm is global like the policy's.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class ShardedTrainer(Trainer):
         model: this rank's sharded policy.
         cfg, algorithm, temperature, norm_length: as for ``Trainer``.
         mesh: the group's meshes.
+        reference_model: this rank's shard of the frozen reference policy (``algorithm.kl_coef > 0``).
+        value_model: this rank's shard of the critic's value model (estimator ``gae``).
     """
 
     def __init__(
@@ -61,14 +67,24 @@ class ShardedTrainer(Trainer):
         *,
         temperature: float = 1.0,
         norm_length: int | None = None,
+        reference_model: torch.nn.Module | None = None,
+        value_model: torch.nn.Module | None = None,
     ) -> None:
         # No shared-prompt forward: its suffix pass sends gradients into the prefix pass's layers through
         # the captured keys/values, not through the layers' outputs, so FSDP2's pre-backward hook would
         # not re-gather those layers' parameters (a use of freed storage). The log-probs agree to float
         # rounding (``trainer.share_prompt``), so the one-rank run and this one still match.
         cfg = replace(cfg, share_prompt=False)
-        super().__init__(model, cfg, algorithm, temperature=temperature, norm_length=norm_length)
         self.mesh = mesh
+        super().__init__(
+            model,
+            cfg,
+            algorithm,
+            temperature=temperature,
+            norm_length=norm_length,
+            reference_model=reference_model,
+            value_model=value_model,
+        )
 
     def _num_ranks(self) -> int:
         return self.mesh.num_ranks
@@ -83,9 +99,13 @@ class ShardedTrainer(Trainer):
         dist.all_reduce(t)
         return t.tolist()
 
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.to(self.device, torch.float64, copy=True)
+        dist.all_reduce(out)  # collective: every rank calls it at the same point of the step
+        return out.cpu()
+
     @torch.no_grad()
-    def _clip_grad_norm(self, max_norm: float) -> float:
-        params = list(self.model.parameters())
+    def _clip_params_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
         norm = global_grad_norm(params, self.device)
         # torch.nn.utils.clip_grad_norm_'s rule, so that one rank and R ranks scale alike
         coef = min(max_norm / (norm + 1e-6), 1.0)

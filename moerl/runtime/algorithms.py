@@ -21,16 +21,20 @@ engine's log-probs as ``behav_logp``. With several updates per step the proximal
 (``recompute_proximal``) or, with ``mismatch_mode=none``, the engine's log-probs are the PPO ``old`` (the
 config refuses the other combinations).
 
-Sharded trainer (``trainer.num_ranks > 1``): everything here is per-token math on the rank's rows with
-the trainer's normalizers, except the per-expert token counts of the bias update, which are summed over
-ranks (``torch.distributed.all_reduce``) when a process group exists; the reference and the critic must
-be sharded like the policy.
+Sharded trainer (``trainer.num_ranks > 1``, ``moerl.distributed.ShardedTrainer``): the per-token math
+runs on the rank's rows with the trainer's global normalizers; what needs the whole batch goes through
+``reduce`` (a sum over the data-parallel ranks, one ``all_reduce`` each; the identity at one rank): the
+advantage whitening and the explained variance (``moerl.runtime.critic.gae_targets``), and in ``stats``
+every figure's sums and token counts and the per-expert token counts (also those of the bias update).
+So the logged figures are the global batch's at any rank count. The reference policy and the critic
+given to ``build`` are then sharded like the policy (``moerl.distributed.algo_models``).
 
 Shapes: B sequences, T tokens, L_moe MoE layers, k top-k, E experts per layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import replace as dc_replace
 
@@ -41,7 +45,7 @@ from moerl.models.moe import update_correction_bias
 from moerl.rl import rollout_mismatch_sums
 from moerl.rl.presets import LossPreset
 from moerl.runtime.batch import TrainBatch
-from moerl.runtime.critic import Critic, gae_targets
+from moerl.runtime.critic import Critic, gae_targets, masked_mean_var
 from moerl.runtime.reference import ReferencePolicy, kl_penalized_group_advantages
 
 NAN = float("nan")
@@ -66,6 +70,10 @@ class AlgoStats:
     """Clipped value loss (token mean, before value_coef), mean over updates (estimator gae)."""
     value_explained_var: float = NAN
     """Explained variance of the GAE returns by the critic's values at the step's start (estimator gae)."""
+    value_loss_normalized: float = NAN
+    """``value_loss`` / (0.5 Var[returns]) over the step's loss tokens (estimator gae): the value loss in
+    units of the loss of a critic that predicts the batch's mean return (1), so it does not move with the
+    reward variance as the raw loss does; about 1 - explained variance when the values are unbiased."""
     expert_load_max_min: float = NAN
     """Largest over MoE layers of (most tokens of an expert) / max(1, fewest tokens of an expert)."""
     expert_load_max_min_per_layer: tuple[float, ...] = ()
@@ -85,9 +93,11 @@ class AlgoParts:
         critic: Critic | None,
         bias_blocks: list,
         num_experts: int,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.cfg, self.algorithm, self.preset = cfg, algorithm, preset
         self.reference, self.critic = reference, critic
+        self.reduce = reduce if reduce is not None else (lambda t: t)
         self.bias_blocks = bias_blocks
         self.num_experts = num_experts
         self.is_replay = algorithm.routing_replay == "r3"
@@ -104,9 +114,18 @@ class AlgoParts:
         lr_lambda,
         *,
         start_policy: torch.nn.Module | None = None,
+        reference_model: torch.nn.Module | None = None,
+        value_model: torch.nn.Module | None = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        clip_grad_norm: Callable[[list, float], float] | None = None,
     ) -> AlgoParts:
         """The parts ``algorithm`` asks for, for the policy ``model``; the reference policy and the critic's
         trunk copy ``start_policy`` (the policy as RL started; default ``model``).
+
+        A sharded trainer passes its own, already sharded ``reference_model`` (frozen here) and
+        ``value_model`` (a trunk with a value head, ``moerl.distributed.algo_models``), used instead of
+        copies of ``start_policy``; ``reduce`` sums a CPU float64 tensor over the data-parallel ranks and
+        ``clip_grad_norm(parameters, max_norm)`` clips the critic's gradients by their global norm.
 
         Raises:
             ValueError: ``bias_update_rate > 0`` on a model whose routers have no correction bias.
@@ -120,14 +139,23 @@ class AlgoParts:
             raise ValueError(
                 "trainer.bias_update_rate > 0 needs routers with an e_score_correction_bias (deepseek_v3, glm4_moe)"
             )
+        reference = critic = None
+        if algorithm.kl_coef > 0:
+            given = reference_model is not None
+            reference = ReferencePolicy(reference_model if given else start, copy=not given)
+        if preset.estimator == "gae":
+            critic = Critic(
+                start, cfg, algorithm, lr_lambda, value_model=value_model, clip_grad_norm=clip_grad_norm
+            )
         return cls(
             cfg,
             algorithm,
             preset,
-            reference=ReferencePolicy(start) if algorithm.kl_coef > 0 else None,
-            critic=Critic(start, cfg, algorithm, lr_lambda) if preset.estimator == "gae" else None,
+            reference=reference,
+            critic=critic,
             bias_blocks=bias_blocks,
             num_experts=int(getattr(getattr(model, "config", None), "num_experts", 0) or 0),
+            reduce=reduce,
         )
 
     def _reset(self) -> None:
@@ -136,6 +164,7 @@ class AlgoParts:
         self._rollout = torch.zeros(2, dtype=torch.float64)
         self._counts: torch.Tensor | None = None  # (L_moe, E) tokens per expert over the step
         self._explained_var = NAN
+        self._return_var = NAN
 
     # -- before the updates --------------------------------------------------------------------
 
@@ -169,7 +198,9 @@ class AlgoParts:
                 self.algorithm,
                 behav_logp=batch.behaviour_logprobs,
                 ref_logp=fields.get("ref_logprobs"),
+                reduce=self.reduce,
             )
+            self._return_var = masked_mean_var(returns, batch.loss_mask, self.reduce)[1]
             fields.update(advantages=adv, old_values=old_values, returns=returns)
         return dc_replace(batch, **fields) if fields else batch
 
@@ -284,33 +315,44 @@ class AlgoParts:
     # -- after the updates ---------------------------------------------------------------------
 
     def end_step(self) -> None:
-        """Once per trainer step: the critic's LR schedule; the correction-bias update from the step's
-        expert loads (summed over ranks when a process group exists)."""
+        """Once per trainer step: the critic's LR schedule; the per-expert token counts summed over the
+        data-parallel ranks (``reduce``, a collective on a sharded trainer) and the correction-bias update
+        from them."""
         if self.critic is not None:
             self.critic.scheduler.step()
+        if self._counts is not None:
+            self._counts = self.reduce(self._counts)  # collective: every rank's tokens
         if self.cfg.bias_update_rate > 0 and self._counts is not None:
-            counts = self._counts
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                counts = counts.to(self.bias_blocks[0].router.e_score_correction_bias.device)
-                torch.distributed.all_reduce(counts)  # collective: every rank's tokens
+            counts = self._counts.to(self.bias_blocks[0].router.e_score_correction_bias.device)
             for block, layer_counts in zip(self.bias_blocks, counts, strict=False):
                 update_correction_bias(
                     block.router.e_score_correction_bias, layer_counts, self.cfg.bias_update_rate
                 )
 
     def stats(self, batch: TrainBatch) -> AlgoStats:
-        """The step's ``AlgoStats`` (after ``end_step``)."""
-        values = {k: (v if k in self._seen else NAN) for k, v in self._sums.items()}
-        tokens = max(batch.num_tokens, 1)
+        """The step's ``AlgoStats`` over the global batch (after ``end_step``; one ``reduce`` of the
+        figures' sums and of the step's loss-token count). ``batch``: this rank's rows of the step."""
+        keys = sorted(self._sums)
+        local = torch.tensor(
+            [*(self._sums[k] for k in keys), *self._rollout.tolist(), float(batch.num_tokens)],
+            dtype=torch.float64,
+        )
+        total = self.reduce(local).tolist()  # collective on a sharded trainer
+        values = {k: (v if k in self._seen else NAN) for k, v in zip(keys, total, strict=False)}
+        tokens = max(total[-1], 1.0)
         per_layer: tuple[float, ...] = ()
         if self._counts is not None:
             ratio = self._counts.max(dim=1).values / self._counts.min(dim=1).values.clamp_min(1)
             per_layer = tuple(float(r) for r in ratio)
+        normalized = NAN
+        if "value_loss" in self._seen and self._return_var > 0:
+            normalized = values["value_loss"] / (0.5 * self._return_var)
         return AlgoStats(
             **values,
-            rollout_logprob_abs_diff=float(self._rollout[0]) / tokens,
-            rollout_kl=float(self._rollout[1]) / tokens,
+            rollout_logprob_abs_diff=total[len(keys)] / tokens,
+            rollout_kl=total[len(keys) + 1] / tokens,
             value_explained_var=self._explained_var,
+            value_loss_normalized=normalized,
             expert_load_max_min=max(per_layer) if per_layer else NAN,
             expert_load_max_min_per_layer=per_layer,
         )

@@ -12,9 +12,11 @@ Values and positions: ``V_t`` is the value of the state before token t, read fro
 position t - 1 (the same position whose logits predict token t), so values are aligned with the tokens
 like every other [B, T] tensor of the batch.
 
-Sharding: on a sharded trainer (``trainer.num_ranks > 1``) the critic must be sharded like the policy;
-its loss uses the step's global token count, and ``whiten`` / ``explained_variance`` here are over the
-local rows (the coordinator must all-reduce their sums for an exact multi-rank match).
+Sharding: on a sharded trainer (``trainer.num_ranks > 1``) the value model is built sharded like the
+policy (FSDP2 x EP, ``moerl.distributed.algo_models.build_value_model``) and passed in; its loss uses the
+step's global token count (FSDP2 sums the gradients), its gradient norm is the global one
+(``clip_grad_norm``), and the advantage whitening and explained variance in ``gae_targets`` are over the
+global batch: their sums and counts go through ``reduce`` (an all-reduce over the ranks).
 
 Shapes: B sequences, T tokens, H hidden size.
 """
@@ -23,20 +25,16 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from moerl.config import AlgorithmConfig, TrainerConfig
-from moerl.rl import (
-    aggregate,
-    explained_variance,
-    gae_advantages,
-    kl_estimate,
-    token_rewards,
-    value_loss,
-    whiten,
-)
+from moerl.rl import aggregate, gae_advantages, kl_estimate, token_rewards, value_loss
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sum of a CPU float64 tensor over the data-parallel ranks (the identity at one rank)."""
 
 
 class Critic:
@@ -47,18 +45,29 @@ class Critic:
         cfg: the trainer config (``critic_lr``, ``weight_decay``, ``grad_clip``, warm-up and schedule).
         algorithm: ``value_clip`` and ``value_coef``.
         lr_lambda: the LR multiplier per optimizer step (``moerl.runtime.trainer.lr_factor``).
+        value_model: a value model built elsewhere (a sharded trunk with its value head), used instead of a
+            copy of ``policy``'s trunk.
+        clip_grad_norm: ``(parameters, max_norm) -> norm before clipping``; default
+            ``torch.nn.utils.clip_grad_norm_`` (a sharded trainer passes its global-norm clip).
     """
 
-    def __init__(self, policy: nn.Module, cfg: TrainerConfig, algorithm: AlgorithmConfig, lr_lambda) -> None:
-        model = copy.deepcopy(policy)
-        hidden = model.lm_head.in_features
-        model.lm_head = nn.Linear(hidden, 1, bias=True, device=model.lm_head.weight.device)
-        nn.init.zeros_(model.lm_head.weight)
-        nn.init.zeros_(model.lm_head.bias)
-        model.lm_head.to(next(policy.parameters()).dtype)
+    def __init__(
+        self,
+        policy: nn.Module,
+        cfg: TrainerConfig,
+        algorithm: AlgorithmConfig,
+        lr_lambda,
+        *,
+        value_model: nn.Module | None = None,
+        clip_grad_norm: Callable[[list, float], float] | None = None,
+    ) -> None:
+        model = with_value_head(copy.deepcopy(policy)) if value_model is None else value_model
         self.model = model
         self.algorithm = algorithm
         self.grad_clip = cfg.grad_clip
+        self.clip_grad_norm = clip_grad_norm or (
+            lambda params, max_norm: float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        )
         lr = cfg.critic_lr if cfg.critic_lr is not None else 10 * cfg.lr
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
@@ -84,7 +93,7 @@ class Critic:
     def step(self) -> float:
         """Clip the critic's gradient norm, AdamW step, zero the gradients; returns the norm (NaN: skipped)."""
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        norm = self.clip_grad_norm(list(self.model.parameters()), max_norm)
         if math.isfinite(norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -105,6 +114,62 @@ class Critic:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
+def with_value_head(model: nn.Module) -> nn.Module:
+    """``model`` (a ``MoeForCausalLM``) with its LM head replaced, in place, by a zero-initialized linear value
+    head ``[H] -> 1`` (weight and bias 0: V = 0 at first) in the model's dtype."""
+    hidden = model.lm_head.in_features
+    dtype = model.lm_head.weight.dtype
+    head = nn.Linear(hidden, 1, bias=True, device=model.lm_head.weight.device, dtype=dtype)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    model.lm_head = head
+    return model
+
+
+@torch.no_grad()
+def masked_mean_var(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None) -> tuple[float, float]:
+    """Mean and population variance of ``x`` [B, T] over the ``mask`` [B, T] entries of every rank's rows
+    (two ``reduce`` calls: count and sum, then the squared deviations from the global mean), in float64.
+
+    Returns:
+        ``(mean, var)``; ``(nan, nan)`` when no entry is masked in anywhere.
+    """
+    reduce = reduce or (lambda t: t)
+    v = x[mask.bool()].double().cpu()
+    n, total = reduce(torch.tensor([float(v.numel()), float(v.sum())], dtype=torch.float64)).tolist()
+    if n == 0:  # n is global: every rank returns here, so all make the same collectives
+        return float("nan"), float("nan")
+    mean = total / n
+    sq = reduce((v - mean).square().sum().reshape(1).to(torch.float64))
+    return mean, float(sq[0]) / n
+
+
+@torch.no_grad()
+def global_whiten(x: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None, *, eps: float = 1e-8):
+    """``moerl.rl.whiten`` over every rank's rows: ``(x - mean) / (std + eps)`` at the masked-in entries,
+    0 elsewhere, with the global mean and population std (``masked_mean_var``); all zeros when no entry
+    is masked in anywhere. x [B, T] float, mask [B, T] bool; returns [B, T] in x's dtype."""
+    mask = mask.bool()
+    mean, var = masked_mean_var(x, mask, reduce)
+    if math.isnan(mean):
+        return torch.zeros_like(x)
+    return torch.where(mask, (x - mean) / (math.sqrt(var) + eps), torch.zeros((), dtype=x.dtype))
+
+
+@torch.no_grad()
+def global_explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, reduce: Reduce | None = None
+) -> float:
+    """``moerl.rl.explained_variance`` (``1 - Var[returns - values] / Var[returns]``, OpenAI Baselines) over
+    every rank's masked-in entries; NaN when there is none or Var[returns] is 0."""
+    mask = mask.bool()
+    _, var_r = masked_mean_var(returns, mask, reduce)
+    _, var_d = masked_mean_var(returns.double() - values.double(), mask, reduce)
+    if math.isnan(var_r) or var_r == 0.0:
+        return float("nan")
+    return 1.0 - var_d / var_r
+
+
 def gae_targets(
     rewards: torch.Tensor,
     old_values: torch.Tensor,
@@ -113,17 +178,20 @@ def gae_targets(
     *,
     behav_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
+    reduce: Reduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Per-token advantages (whitened over the batch), value targets and the critic's explained variance.
 
     Rewards per token (``moerl.rl.token_rewards``): the sequence reward at its last response token, minus
     ``kl_coef * KL_t`` at every token when ``algorithm.kl_in_reward`` (KL of behaviour vs reference
     log-probs). Then GAE (Schulman et al. 2016, eq. 16; ``moerl.rl.gae_advantages``) with
-    ``gae_gamma`` / ``gae_lambda``, and ``moerl.rl.whiten`` of the advantages.
+    ``gae_gamma`` / ``gae_lambda``, and the whitening of the advantages (``global_whiten``).
 
     Args:
         rewards: [B] float32. old_values: [B, T] float32 critic values at the step's start.
         mask: [B, T] bool response tokens. behav_logp, ref_logp: [B, T], needed for ``kl_in_reward``.
+        reduce: sum over the data-parallel ranks (whitening and explained variance over the global batch);
+            None: this batch is the whole batch.
 
     Returns:
         ``(advantages [B, T], returns [B, T], explained variance of old_values for returns)``.
@@ -135,4 +203,5 @@ def gae_targets(
     adv, returns = gae_advantages(
         token_r, old_values, mask, gamma=algorithm.gae_gamma, lam=algorithm.gae_lambda
     )
-    return whiten(adv, mask), returns, explained_variance(old_values, returns, mask)
+    ev = global_explained_variance(old_values, returns, mask, reduce)
+    return global_whiten(adv, mask, reduce), returns, ev

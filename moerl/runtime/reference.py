@@ -7,16 +7,17 @@ it is the same reference. With ``algorithm.kl_in_reward`` the penalty moves into
 (Ziegler et al. 2019, Sec. 2): ``moerl.rl.token_rewards`` per token for GAE, or summed over the response
 and subtracted from the sequence reward before the group advantages here.
 
-Sharding: the copy has the same modules as the policy. On a sharded trainer (``trainer.num_ranks > 1``)
-the reference must be sharded the same way (the same ``moerl.ep.parallelize`` / FSDP2 calls on the copy);
-every function here is per-token math on [B, T] tensors and needs no collective.
+Sharding: on a sharded trainer (``trainer.num_ranks > 1``) the reference is built sharded like the policy
+(FSDP2 x EP, loaded from the same start folder: ``moerl.distributed.algo_models``) and handed over without
+a copy; its no-grad forwards gather the shards like the policy's. Every function here is per-token math
+on [B, T] tensors and needs no collective.
 
 Shapes: B sequences, T tokens.
 """
 
 from __future__ import annotations
 
-import copy
+import copy as _copy
 
 import torch
 
@@ -28,10 +29,11 @@ class ReferencePolicy:
 
     Args:
         policy: the policy at the start of RL (``moerl.models.MoeForCausalLM``); copied, never changed.
+        copy: False: ``policy`` is already the reference's own model (a sharded one), frozen in place.
     """
 
-    def __init__(self, policy: torch.nn.Module) -> None:
-        self.model = copy.deepcopy(policy).eval()
+    def __init__(self, policy: torch.nn.Module, *, copy: bool = True) -> None:
+        self.model = (_copy.deepcopy(policy) if copy else policy).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
 

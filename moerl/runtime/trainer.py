@@ -113,7 +113,8 @@ class TrainStats:
     grad_norm: float
     """Global gradient norm before clipping (NaN on a skipped step)."""
     aux_loss: float
-    """MoE load-balancing loss, sequence-weighted mean over micro-batches."""
+    """MoE load-balancing loss: row-weighted mean of each micro-batch's loss (each rank's micro-batches when
+    sharded: ``TrainerConfig.aux_loss_coef``); a shared-prompt forward counts a group's prompt once."""
     expert_load_cv: float
     """See ``expert_load_cv``; mean over micro-batches."""
     num_tokens: int
@@ -150,6 +151,8 @@ class Trainer:
             normally ``rollout.max_new_tokens``.
         start_policy: the policy RL started from, which the reference policy and the critic's trunk
             copy; None: ``model`` (right unless ``model`` holds other weights now, as in a restart).
+        reference_model, value_model: already built (sharded) reference policy and value model, used
+            instead of copies of ``start_policy`` (``moerl.distributed.ShardedTrainer``).
 
     Builds, as the algorithm asks (``moerl.runtime.algorithms.AlgoParts``): a frozen reference policy
     (``kl_coef > 0``), a critic (estimator ``gae``), routing replay (``routing_replay=r3``).
@@ -164,6 +167,8 @@ class Trainer:
         temperature: float = 1.0,
         norm_length: int | None = None,
         start_policy: torch.nn.Module | None = None,
+        reference_model: torch.nn.Module | None = None,
+        value_model: torch.nn.Module | None = None,
     ):
         self.preset = preset_from_config(algorithm)
         self.model = model
@@ -195,7 +200,16 @@ class Trainer:
         self._background_store: WeightStore | None = None
         # Reference policy, critic, routing replay, balancing: moerl.runtime.algorithms.
         self.algo = algorithms.AlgoParts.build(
-            model, cfg, algorithm, self.preset, lambda s: lr_factor(cfg, s), start_policy=start_policy
+            model,
+            cfg,
+            algorithm,
+            self.preset,
+            lambda s: lr_factor(cfg, s),
+            start_policy=start_policy,
+            reference_model=reference_model,
+            value_model=value_model,
+            reduce=self._all_reduce_sum,
+            clip_grad_norm=self._clip_params_grad_norm,
         )
 
     @classmethod
@@ -389,9 +403,18 @@ class Trainer:
         """Each value summed over the data-parallel ranks (here: unchanged)."""
         return [float(v) for v in values]
 
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU float64 tensor summed elementwise over the data-parallel ranks (here: ``t``)."""
+        return t
+
+    def _clip_params_grad_norm(self, parameters: list[torch.nn.Parameter], max_norm: float) -> float:
+        """Global L2 norm of the gradients of ``parameters`` before clipping, after scaling them to at most
+        ``max_norm`` (``torch.nn.utils.clip_grad_norm_``)."""
+        return float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+
     def _clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm of all gradients before clipping, after scaling them to at most ``max_norm``."""
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        return self._clip_params_grad_norm(list(self.model.parameters()), max_norm)
 
     def _clip_and_step(self, is_finite: bool) -> float:
         """Clip and step the optimizer (the LR schedule steps once per trainer step, in ``train_step``); on

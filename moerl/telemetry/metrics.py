@@ -51,6 +51,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "train/kl_ref",  # KL(policy || reference) per loss token, algorithm.kl_kind estimator (kl_coef > 0)
     "train/value_loss",  # critic's clipped value loss (estimator gae)
     "train/value_explained_var",  # explained variance of the GAE returns by the critic (estimator gae)
+    "train/value_loss_normalized",  # value_loss / (0.5 Var[returns]): 1 = a critic predicting the mean return
     "eval/accuracy",  # held-out exact-match accuracy (only on eval steps)
     "policy_version",  # trainer's weight version after the step
     "fleet/workers_alive",  # rollout workers answering liveness pings (async mode)

@@ -218,6 +218,7 @@ ALGO_KEYS = (
     "train/kl_ref",
     "train/value_loss",
     "train/value_explained_var",
+    "train/value_loss_normalized",
     "train/expert_load_cv",
     "train/expert_load_max_min",
 )

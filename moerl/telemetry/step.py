@@ -52,6 +52,7 @@ def algo_values(stats: TrainStats) -> dict[str, float]:
         "train/kl_ref": a.kl_ref,
         "train/value_loss": a.value_loss,
         "train/value_explained_var": a.value_explained_var,
+        "train/value_loss_normalized": a.value_loss_normalized,
     }
 
 

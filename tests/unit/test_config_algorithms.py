@@ -80,7 +80,9 @@ def test_moerl_train_refuses_before_the_warm_start(monkeypatch, tmp_path, capsys
         ["algorithm.routing_replay=r3"],
     ],
 )
-def test_parts_built_for_one_process_are_refused_with_several_trainer_ranks(overrides):
-    with pytest.raises(ConfigError, match="trainer.num_ranks=2"):
-        load_config(None, ["trainer.num_ranks=2", "trainer.ep_size=2", *overrides])
-    load_config(None, overrides)  # one rank: fine
+def test_critic_reference_and_replay_load_with_several_trainer_ranks(overrides):
+    # built sharded by the trainer group (moerl.distributed.algo_models); equivalence with one rank:
+    # tests/distributed/test_sharded_algorithms.py
+    cfg = load_config(None, ["trainer.num_ranks=2", "trainer.ep_size=2", *overrides])
+    assert cfg.trainer.num_ranks == 2
+    load_config(None, overrides)

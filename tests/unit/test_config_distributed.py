@@ -56,7 +56,10 @@ def test_valid_sharded_layouts_load():
             ["trainer.num_ranks=2", "trainer.ep_size=2", "model.num_experts=3", "trainer.batch_groups=2"],
             r"trainer.ep_size=2 does not divide the policy's 3 routed experts",
         ),
-        (["trainer.num_ranks=2", "trainer.aux_loss_coef=0.01", "trainer.batch_groups=2"], r"aux_loss_coef"),
+        (
+            ["trainer.num_ranks=2", "trainer.mini_batches=2", "trainer.batch_groups=2"],
+            r"not a multiple of trainer.num_ranks x trainer.mini_batches=4",
+        ),
         (["runtime.publish_bucket_mb=0"], r"runtime.publish_bucket_mb=0"),
     ],
 )
