@@ -52,7 +52,7 @@ from moerl.runtime.ray.exchange import ExchangeActor
 from moerl.runtime.ray.worker_actor import RolloutWorkerActor
 from moerl.runtime.storage import stage_model_folder
 from moerl.runtime.types import Group, RolloutTask
-from moerl.runtime.weight_sync import BucketPublisher, bucket_bytes_of
+from moerl.runtime.weight_sync import BucketPublisher, BucketStreamer, bucket_bytes_of, bucket_offer
 from moerl.runtime.weights import WeightStore, pack_weights
 from moerl.runtime.worker import WorkerStats
 
@@ -227,10 +227,17 @@ class RayRollouts:
         return groups, gen_s, now - start
 
     def push_weights(
-        self, version: int, tensors: Mapping[str, torch.Tensor], *, is_stored: bool = False
+        self,
+        version: int,
+        tensors: Mapping[str, torch.Tensor] | BucketStreamer,
+        *,
+        is_stored: bool = False,
     ) -> None:
         """Advance the staleness clock and offer the new weights via the object store.
 
+        ``tensors``: the named weights, or (``runtime.weight_sync=object_store``) a ``BucketStreamer``, a
+        trainer group whose rank 0 puts and offers each bucket itself as it gathers it (no whole-model
+        copy anywhere; the refs come back here for the durable write and for workers started later).
         The version goes to the exchange without waiting (workers' admissions see it a round trip
         later); the next ``next_groups`` carries it too, so the trainer's batch is always taken at it.
         """
@@ -240,9 +247,15 @@ class RayRollouts:
         self.exchange.set_version.remote(version)
         workers = self.backend.alive_handles()
         t0 = time.perf_counter()
-        if self.cfg.runtime.weight_sync == "object_store":  # buckets, one ref each (weight_sync.py)
-            offers = [_bucket_offer(w) for w in workers]
-            report = self.publisher.publish(version, tensors, offers, durable=False if is_stored else None)
+        durable = False if is_stored else None
+        if not isinstance(tensors, Mapping):  # a trainer group streams from its rank 0 (weight_sync.py)
+            report = self.publisher.adopt(
+                tensors.async_stream_buckets(workers), len(workers), durable=durable
+            )
+            moved = report.bytes_moved
+        elif self.cfg.runtime.weight_sync == "object_store":  # buckets, one ref each (weight_sync.py)
+            offers = [bucket_offer(w) for w in workers]
+            report = self.publisher.publish(version, tensors, offers, durable=durable)
             moved = report.bytes_moved
         else:
             packed = pack_weights(tensors)  # one flat buffer: the fast out-of-band serialization
@@ -258,7 +271,7 @@ class RayRollouts:
         last = self.publisher.last
         if last is None or self.cfg.runtime.weight_sync != "object_store":
             return
-        offer = _bucket_offer(worker)
+        offer = bucket_offer(worker)
         for i, ref in enumerate(self.publisher.refs):
             offer(last.version, i, last.num_buckets, ref)
 
@@ -393,12 +406,6 @@ class RayRollouts:
         ray.wait(exits, num_returns=len(exits), timeout=5.0)
         for actor in actors:
             ray.kill(actor)  # no-op for an actor that has exited
-
-
-def _bucket_offer(worker):
-    """``(version, index, num_buckets, ref) -> None``: offer a bucket to ``worker`` without waiting (the
-    ref goes in a list so that Ray passes the ref itself, not its value)."""
-    return lambda version, index, n, ref: worker.offer_bucket.remote(version, index, n, [ref])
 
 
 def _get_alive(refs: list) -> list:
