@@ -56,6 +56,36 @@ def _checksum_no_sync(data: torch.Tensor) -> torch.Tensor:
     return data.view(torch.int64).sum()
 
 
+def tensors_checksum_no_sync(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """0-dim int64 tensor: ``_checksum_no_sync`` of the slot these tensors are packed into (each at a multiple of 64 bytes,
+    zero padding), computed on the tensors' own device without packing them: the word sums of each
+    tensor's bytes, a last partial word zero-padded."""
+    total = torch.zeros((), dtype=torch.int64, device=tensors[0].device)
+    for t in tensors:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        whole = raw.numel() // 8 * 8
+        if whole:
+            total += raw[:whole].view(torch.int64).sum()
+        if whole < raw.numel():
+            tail = torch.zeros(8, dtype=torch.uint8, device=raw.device)
+            tail[: raw.numel() - whole] = raw[whole:]
+            total += tail.view(torch.int64)[0]
+    return total
+
+
+def _pin_no_sync(t: torch.Tensor) -> bool:
+    """Page-lock a shared CPU tensor's memory in this process (``cudaHostRegister``), so that copies
+    between it and the GPU run at full speed and asynchronously; False where that failed."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    except (AttributeError, RuntimeError) as e:  # a torch build without the binding: stay pageable
+        log.warning("cudaHostRegister unavailable (%s): host slots stay pageable", e)
+        return False
+    return int(err) == 0
+
+
 @dataclass(frozen=True, slots=True)
 class _Layout:
     """Where a bucket's tensors sit in its slot: (name, dtype, shape, byte offset), total bytes."""
@@ -98,6 +128,9 @@ class IpcPublisher:
         bucket_bytes: bucket size (``bucket_bytes_of(runtime.publish_bucket_mb)``).
         num_slots: buffers in the ring (2: the trainer packs one bucket while engines copy the other).
         timeout_s: longest wait for an engine's acknowledgement; an engine that is later is dropped.
+        slot_device: where the ring lives; None: the tensors' device (CUDA IPC on a GPU). ``"cpu"`` with
+            CUDA tensors: shared host memory, page-locked in both processes (the pinned-host variant:
+            device-to-host into the slot, host-to-device out of it).
 
     Raises:
         ValueError: no tensors, tensors on several devices, ``num_slots`` < 1.
@@ -110,6 +143,7 @@ class IpcPublisher:
         *,
         num_slots: int = 2,
         timeout_s: float = 60.0,
+        slot_device: torch.device | str | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"IpcPublisher: num_slots={num_slots} must be >= 1")
@@ -250,6 +284,7 @@ class IpcReceiver:
         self.slots: list[torch.Tensor] | None = None
         self.buffers: dict[int, torch.Tensor] = {}  # bucket index -> receive buffer, reused across versions
         self._pending: tuple | None = None  # a bucket message read while looking for the next version
+        self.is_pinned = False  # host slots page-locked here (the pinned-host variant)
 
     def poll(self, version: int) -> tuple[int, dict[str, torch.Tensor]] | None:
         """The newest version newer than ``version`` that has arrived whole, taken now (blocks while the
@@ -287,7 +322,7 @@ class IpcReceiver:
             buf = self.buffers.get(index)
             if buf is None or buf.numel() != size:
                 buf = self.buffers[index] = torch.empty(size, dtype=torch.uint8, device=self.device)
-            buf.copy_(self.slots[slot_id][:size])
+            buf.copy_(self.slots[slot_id][:size], non_blocking=self.is_pinned)
             got = int(_checksum_no_sync(buf))  # device sync: the copy is done before the ack
             self._ack(slot_id)
             if got != checksum:
@@ -325,6 +360,8 @@ class IpcReceiver:
                 raise IpcSyncError("the trainer's connection closed") from e
             if message[0] == "slots":  # rebuild the tensors from their IPC handles: mapped once
                 self.slots = [fn(*args) for fn, args in message[1]]
+                if self.device.type == "cuda" and self.slots[0].device.type == "cpu":
+                    self.is_pinned = all([_pin_no_sync(s) for s in self.slots])
                 continue
             return message
 
