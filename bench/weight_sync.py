@@ -106,7 +106,7 @@ def floors(weights: dict[str, torch.Tensor], device: torch.device, rounds: int) 
     out = {("pinned_host_copy" if on_cuda else "host_copy"): _timed(lambda: copy_into(host), device, rounds)}
     raw = [t.reshape(-1).view(torch.uint8).numpy() for t in host.values()]
     out["xxh3_host"] = _timed(lambda: [xxhash.xxh3_64_hexdigest(r) for r in raw], torch.device("cpu"), 1)
-    del host, raw
+    host = raw = None  # freed before the device copy below
     out["int64_sum_on_device"] = _timed(
         lambda: int(tensors_checksum_no_sync(list(weights.values()))), device, rounds
     )
