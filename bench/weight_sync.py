@@ -197,6 +197,18 @@ def run(
     actor = _ray_engines(cfg, vocab, dev) if any(p in RAY_PATHS for p in paths) else None
     paths = tuple(p for p in paths if p not in RAY_PATHS or actor is not None)
     results: dict[str, dict] = {}
+    name = "weight_sync" if spec == "default" and device == "cpu" else f"weight_sync_{spec}_{dev.type}"
+    head = {
+        "benchmark": "weight_sync",
+        "spec": spec,
+        "device": device_info(dev),
+        "engine": "separate process (spawn)" + (", Ray actor for packed/buckets" if actor else ""),
+        "rounds": rounds,
+        "store_rounds": store_rounds or rounds,
+        "bucket_mb": bucket_mb,
+        "weight_bytes": nbytes,
+        "num_tensors": len(weights),
+    }
     version = 0
     for path in paths:
         times, receives, copies = [], [], []
@@ -226,23 +238,11 @@ def run(
             results[path]["num_buckets"] = len(publishers[path].plan)
             results[path]["slots_pinned"] = publishers[path].is_pinned if path == "pinned_host" else None
         print(f"{path}: {results[path]['median_s']:.4g} s median of {len(times)}", flush=True)
+        write_json(name, {**head, "results": results, "partial": True}, out_dir)  # kept if a later path dies
     engine.close()
     for pub in publishers.values():
         pub.engines = []
-    payload = {
-        "benchmark": "weight_sync",
-        "spec": spec,
-        "device": device_info(dev),
-        "engine": "separate process (spawn)" + (", Ray actor for packed/buckets" if actor else ""),
-        "rounds": rounds,
-        "store_rounds": store_rounds or rounds,
-        "bucket_mb": bucket_mb,
-        "weight_bytes": nbytes,
-        "num_tensors": len(weights),
-        "results": results,
-        "floors_s": floors(weights, dev, rounds),
-    }
-    name = "weight_sync" if spec == "default" and device == "cpu" else f"weight_sync_{spec}_{dev.type}"
+    payload = {**head, "results": results, "floors_s": floors(weights, dev, rounds)}
     write_json(name, payload, out_dir)
     _print(payload)
     return payload
