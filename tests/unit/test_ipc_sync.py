@@ -4,11 +4,13 @@ an engine in another process (spawned), whole-version switching, acknowledgement
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import pytest
 import torch
 
-from moerl.runtime.ipc_sync import IpcPublisher, IpcReceiver, _checksum_no_sync
+from moerl.runtime.ipc_slots import IpcListener, connect
+from moerl.runtime.ipc_sync import IpcPublisher, IpcReceiver, _checksum_no_sync, tensors_checksum_no_sync
 
 
 def _tensors(version: int) -> dict[str, torch.Tensor]:
@@ -89,6 +91,11 @@ def test_checksum_wraps_and_sees_one_flipped_bit():
     flipped = data.clone()
     flipped[17] ^= 4
     assert int(_checksum_no_sync(flipped)) != int(_checksum_no_sync(data))
+    odd = [
+        torch.arange(5, dtype=torch.uint8),
+        torch.tensor([7], dtype=torch.int64),
+    ]  # packed: [0..4,0,0,0 | 7]
+    assert int(tensors_checksum_no_sync(odd)) == int.from_bytes(bytes(range(5)) + bytes(3), "little") + 7
 
 
 def test_publish_rejects_other_tensors():
@@ -98,3 +105,35 @@ def test_publish_rejects_other_tensors():
         pub.publish(1, bad)
     with pytest.raises(ValueError, match="num_slots"):
         IpcPublisher(_tensors(0), 520, num_slots=0)
+
+
+def test_background_receiver_never_holds_the_trainer_and_gives_the_newest_version():
+    """A rollout worker's receiver (background thread, two sets of receive buffers) connected through the
+    Unix-socket listener: versions published while the worker does not poll all go through (acked at
+    once), and a poll gets the newest whole one; a version taken stays intact while the next arrives."""
+    listener = IpcListener()
+    rx = IpcReceiver(connect(listener.address, listener.authkey), "cpu", background=True, timeout_s=5)
+    pub = IpcPublisher(_tensors(0), bucket_bytes=520, num_slots=2, timeout_s=5)
+    deadline = time.monotonic() + 5
+    while not (new := listener.take_new()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pub.connect(new[0])
+    for v in (1, 2, 3):  # no poll in between: the trainer is not held up (3 buckets > 2 slots)
+        pub.publish(v, _tensors(v))
+    deadline = time.monotonic() + 5
+    got = None
+    while (got is None or got[0] < 3) and time.monotonic() < deadline:
+        got = rx.poll(0) or got  # version 3 may still be arriving when the trainer is done
+        time.sleep(0.01)
+    assert got is not None and got[0] == 3
+    taken = {k: t.clone() for k, t in got[1].items()}
+    pub.publish(4, _tensors(4))  # arrives into the other set while version 3's views are in use
+    deadline = time.monotonic() + 5
+    while rx._complete is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(torch.equal(got[1][k], taken[k]) for k in taken)
+    version, tensors = rx.poll(3)
+    assert version == 4 and all(torch.equal(tensors[k], v) for k, v in _tensors(4).items())
+    assert rx.poll(4) is None
+    pub.close()
+    listener.close()
