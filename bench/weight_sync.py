@@ -137,12 +137,19 @@ class SpawnedEngine:
         """Send ``command`` (None: send nothing) and wait for the engine's reply."""
         if command is not None:
             self.ctrl.send(command)
-        if not self.ctrl.poll(timeout_s or self.timeout_s):
-            raise TimeoutError(f"the engine did not answer {command} (alive: {self.proc.is_alive()})")
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while not self.ctrl.poll(1.0):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the engine process died (exit code {self.proc.exitcode}) on {command}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine did not answer {command}")
         return self.ctrl.recv()
 
     def close(self) -> None:
-        self.ctrl.send(("close",))
+        try:
+            self.ctrl.send(("close",))
+        except OSError:
+            pass  # it died
         self.proc.join(30)
         if self.proc.is_alive():
             self.proc.kill()
@@ -210,34 +217,14 @@ def run(
         "num_tensors": len(weights),
     }
     version = 0
+    sync_args = (store, publishers, engine, actor, bucket_bytes)
     for path in paths:
-        times, receives, copies = [], [], []
-        for _ in range((store_rounds or rounds) if path == "store" else rounds):
-            with torch.no_grad():  # the optimizer step: every weight changes in place
-                for t in weights.values():
-                    if t.is_floating_point():
-                        t.add_(1e-3)
-            version += 1
-            _sync(dev)
-            t0 = time.perf_counter()
-            receive, copy = _sync_once(path, version, weights, store, publishers, engine, actor, bucket_bytes)
-            times.append(time.perf_counter() - t0)
-            receives.append(receive)
-            copies.append(copy)
-        results[path] = {
-            "median_s": statistics.median(times),
-            "min_s": min(times),
-            "engine_receive_s": statistics.median(r for r in receives if r is not None)
-            if any(r is not None for r in receives)
-            else None,
-            "engine_copy_s": statistics.median(copies),
-            "rounds_s": times,
-            "weights_match": _engine_fingerprint(path, engine, actor) == fingerprint(weights),
-        }
-        if path in publishers:
-            results[path]["num_buckets"] = len(publishers[path].plan)
-            results[path]["slots_pinned"] = publishers[path].is_pinned if path == "pinned_host" else None
-        print(f"{path}: {results[path]['median_s']:.4g} s median of {len(times)}", flush=True)
+        try:
+            results[path] = _time_path(path, version, rounds, store_rounds, weights, dev, sync_args)
+        except Exception as e:  # one broken path must not lose the others' numbers
+            results[path] = {"error": f"{type(e).__name__}: {e}"}
+        version += max(rounds, store_rounds or rounds)
+        print(f"{path}: {results[path].get('median_s', results[path].get('error'))}", flush=True)
         write_json(name, {**head, "results": results, "partial": True}, out_dir)  # kept if a later path dies
     engine.close()
     for pub in publishers.values():
@@ -246,6 +233,38 @@ def run(
     write_json(name, payload, out_dir)
     _print(payload)
     return payload
+
+
+def _time_path(path, version, rounds, store_rounds, weights, dev, sync_args) -> dict:
+    """``rounds`` (``store_rounds`` for the store) of: the optimizer step, then ``path`` to the engine."""
+    times, receives, copies = [], [], []
+    for _ in range((store_rounds or rounds) if path == "store" else rounds):
+        with torch.no_grad():  # the optimizer step: every weight changes in place
+            for t in weights.values():
+                if t.is_floating_point():
+                    t.add_(1e-3)
+        version += 1
+        _sync(dev)
+        t0 = time.perf_counter()
+        receive, copy = _sync_once(path, version, weights, *sync_args)
+        times.append(time.perf_counter() - t0)
+        receives.append(receive)
+        copies.append(copy)
+    store, publishers, engine, actor, _ = sync_args
+    out = {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "engine_receive_s": statistics.median(r for r in receives if r is not None)
+        if any(r is not None for r in receives)
+        else None,
+        "engine_copy_s": statistics.median(copies),
+        "rounds_s": times,
+        "weights_match": _engine_fingerprint(path, engine, actor) == fingerprint(weights),
+    }
+    if path in publishers:
+        out["num_buckets"] = len(publishers[path].plan)
+        out["slots_pinned"] = publishers[path].is_pinned
+    return out
 
 
 def _sync_once(path, version, weights, store, publishers, engine, actor, bucket_bytes):
@@ -282,6 +301,8 @@ def _print(p: dict) -> None:
     gb = p["weight_bytes"] / 1e9
     rows = [
         [path, r["median_s"], r["min_s"], r["engine_copy_s"], gb / r["median_s"], r["weights_match"]]
+        if "error" not in r
+        else [path, r["error"][:60], None, None, None, None]
         for path, r in p["results"].items()
     ]
     rows += [[f"floor: {name}", s, None, None, gb / s, None] for name, s in p["floors_s"].items()]
