@@ -324,10 +324,10 @@ class Run:
         t1 = time.perf_counter()
         cfg = self.cfg
         if self._is_publish_step(step):
-            # object_store: buckets straight to the workers; the store is written in the background
+            # object_store / cuda_ipc: buckets straight to the workers; the store is written in the background
             # every runtime.durable_every versions (moerl.runtime.weight_sync), and at the end. A trainer
             # group streams the buckets from its rank 0 as it gathers them (a BucketStreamer).
-            is_streamed = cfg.runtime.mode == "async" and cfg.runtime.weight_sync == "object_store"
+            is_streamed = cfg.runtime.mode == "async" and cfg.runtime.weight_sync != "store"
             if not is_streamed:
                 self.trainer.publish(self.store)
             is_group = isinstance(self.trainer, TrainerGroup)

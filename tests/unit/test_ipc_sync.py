@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from moerl.config import ConfigError, load_config
 from moerl.runtime.ipc_slots import IpcListener, connect
 from moerl.runtime.ipc_sync import IpcPublisher, IpcReceiver, _checksum_no_sync, tensors_checksum_no_sync
 
@@ -137,3 +138,9 @@ def test_background_receiver_never_holds_the_trainer_and_gives_the_newest_versio
     assert rx.poll(4) is None
     pub.close()
     listener.close()
+
+
+def test_config_cuda_ipc_needs_one_trainer_process():
+    assert load_config(None, ["runtime.weight_sync=cuda_ipc"]).runtime.weight_sync == "cuda_ipc"
+    with pytest.raises(ConfigError, match="cuda_ipc needs one trainer process"):
+        load_config(None, ["runtime.weight_sync=cuda_ipc", "trainer.num_ranks=2"])

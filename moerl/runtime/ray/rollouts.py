@@ -45,6 +45,8 @@ from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager, WorkerRecord
+from moerl.runtime.ipc_slots import IpcListener
+from moerl.runtime.ipc_sync import IpcPublisher
 from moerl.runtime.notice import notice_file_for
 from moerl.runtime.queue import QueueStats
 from moerl.runtime.ray.backend import RayWorkerBackend
@@ -163,8 +165,17 @@ class RayRollouts:
             durable_every=cfg.runtime.durable_every,
         )
 
+        # runtime.weight_sync=cuda_ipc: workers on this host connect here; the ring is made at the first push
+        self.ipc_listener = IpcListener() if cfg.runtime.weight_sync == "cuda_ipc" else None
+        self.ipc: IpcPublisher | None = None
+        ipc_address = (
+            None if self.ipc_listener is None else (self.ipc_listener.address, self.ipc_listener.authkey)
+        )
+
         def spawn(wid: str):
-            handle = worker_cls.remote(cfg, wid, init_path, store_url, self.exchange, notices)
+            handle = worker_cls.remote(
+                cfg, wid, init_path, store_url, self.exchange, notices, ipc_address=ipc_address
+            )
             self._offer_newest(handle)  # after its own store load: a version newer than the store's
             return handle
 
@@ -253,6 +264,8 @@ class RayRollouts:
                 tensors.async_stream_buckets(workers), len(workers), durable=durable
             )
             moved = report.bytes_moved
+        elif self.cfg.runtime.weight_sync == "cuda_ipc":  # shared buffers on this host (ipc_sync.py)
+            moved = self._push_ipc(version, tensors, durable)
         elif self.cfg.runtime.weight_sync == "object_store":  # buckets, one ref each (weight_sync.py)
             offers = [bucket_offer(w) for w in workers]
             report = self.publisher.publish(version, tensors, offers, durable=durable)
@@ -264,6 +277,22 @@ class RayRollouts:
                 w.offer_weights.remote(version, [ref])
             moved = packed.data.nbytes * len(workers)
         self._sync_values = {"timing/weight_sync_s": time.perf_counter() - t0, "weights/sync_bytes": moved}
+
+    def _push_ipc(self, version: int, tensors: Mapping[str, torch.Tensor], durable: bool | None) -> int:
+        """``runtime.weight_sync=cuda_ipc``: the version through the ring of shared buffers to every
+        connected worker (new connections joined first); the store in the background every
+        ``durable_every`` versions (from a host copy taken now). Returns the bytes moved."""
+        if self.ipc is None:
+            self.ipc = IpcPublisher(tensors, bucket_bytes_of(self.cfg.runtime.publish_bucket_mb))
+        for conn in self.ipc_listener.take_new():
+            self.ipc.connect(conn)
+        report = self.ipc.publish(version, tensors)
+        store = self.publisher.store
+        if store is not None and (
+            version % self.cfg.runtime.durable_every == 0 if durable is None else durable
+        ):
+            store.publish_in_background(version, tensors)
+        return report.nbytes * report.num_engines
 
     def _offer_newest(self, worker) -> None:
         """Offer a (new) worker the buckets of the newest streamed version, if any: with
@@ -406,6 +435,11 @@ class RayRollouts:
         ray.wait(exits, num_returns=len(exits), timeout=5.0)
         for actor in actors:
             ray.kill(actor)  # no-op for an actor that has exited
+        if self.ipc_listener is not None:
+            self.ipc_listener.close()
+        if self.ipc is not None:  # the workers are gone: no acknowledgement is awaited
+            self.ipc.engines = []
+            self.ipc.ring.close()
 
 
 def _get_alive(refs: list) -> list:
