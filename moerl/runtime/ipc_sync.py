@@ -30,8 +30,9 @@ sync for ``.item()``): the trainer's over the source tensors, the engine's over 
 Summation order does not change a wrapping integer sum, so both agree exactly. It catches a bucket that
 is truncated, stale (the slot refilled before the engine copied it), from another version or partly
 written; it is not a cryptographic hash. xxh3 (the object-store path's) would need every bucket on the
-host: a device-to-host copy plus hashing 13.8 GB on the CPU, seconds per version
-(``bench/weight_sync.py`` measures it), more than the whole sync.
+host: for the 13.8 GB reference model a pinned device-to-host copy (0.25 s on an H200) plus hashing on
+the CPU (xxh3 runs at about 17 GB/s on one core: 0.8 s), about 1 s a version on its own, against a few
+milliseconds for the on-device sum (``bench/weight_sync.py`` measures both).
 """
 
 from __future__ import annotations
