@@ -257,9 +257,11 @@ class RuntimeConfig:
     keep_checkpoints: int = 2
     """Full checkpoints kept in RUN_DIR/checkpoints (newest by step)."""
     publish_bucket_mb: float = 256.0
-    """With ``trainer.num_ranks > 1``: a published version is gathered from the shards and written
-    in buckets of about this many MiB of full tensors (one safetensors file each), so no process
-    holds more than one bucket of gathered weights at a time."""
+    """Bucket size of a version on its way out: with ``weight_sync=object_store|cuda_ipc`` each bucket
+    is one object ref / one slot of the shared ring (whose two slots are the largest bucket); with
+    ``trainer.num_ranks > 1`` a version is gathered from the shards in buckets of about this many MiB
+    of full tensors (streamed, or one safetensors file each), so no process holds more than one bucket
+    of gathered weights at a time."""
 
     def __post_init__(self) -> None:
         check_choice("runtime.mode", self.mode, ["async", "sync"])
