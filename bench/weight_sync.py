@@ -1,30 +1,38 @@
-"""Weight-sync latency: time from the trainer's optimizer step to every engine running the new version.
+"""Weight-sync latency: time from the trainer's optimizer step to the engine running the new version.
 
     python bench/weight_sync.py                                        # CPU, the default run's model
     python bench/weight_sync.py --device cuda --spec reference         # one GPU, the 6.9 B reference model
 
-The trainer is this process (its weights on ``--device``); each engine (``--engines``, default 1) is a Ray
-actor process with its own copy of the model in a ``moerl.rollout.Engine`` (on the same GPU with
-``--device cuda``). One round: the weights change in place (the optimizer step), the clock starts, the
-path runs, and the clock stops when every engine has copied the whole new version into its parameters
-(``Engine.update_weights``, the worker's switch between decode steps). Paths, each ``--rounds`` times:
+The trainer is this process (its weights on ``--device``); the engine is another process (``spawn``, no
+Ray) with its own copy of the model in a ``moerl.rollout.Engine``, on the same GPU with ``--device cuda``.
+One round: every weight changes in place (the optimizer step), the clock starts, the path runs, and the
+clock stops when the engine has copied the whole new version into its parameters
+(``Engine.update_weights``, the worker's switch between decode steps) and said so. Paths:
 
-- ``store`` (today's serialize-and-load path): ``WeightStore.publish`` (safetensors, sha256, fsspec
-  write to a local folder, manifest last), then each engine ``load``s the version (sha256 verified).
-- ``packed`` (today's object-store offer): ``pack_weights`` of the whole model, ``ray.put``, each engine
-  ``ray.get`` + ``unpack_weights``.
-- ``buckets`` (``runtime.weight_sync=object_store``): ``BucketPublisher`` streams buckets of
-  ``--bucket-mb`` (xxh3 per bucket) through the object store; each engine's ``BucketAssembler`` fetches
-  them on its thread and the version is applied once whole.
+- ``store`` (today's serialize-and-load path): ``WeightStore.publish`` (safetensors, sha256, fsspec write
+  to a local folder, manifest last), then the engine ``load``s the version (sha256 verified) and copies it
+  in. ``--store-rounds`` rounds (one is enough at 13.8 GB).
+- ``cuda_ipc`` (``runtime.weight_sync=cuda_ipc``, ``moerl.runtime.ipc_sync``): the trainer packs each bucket
+  of ``--bucket-mb`` into a ring of 2 device buffers whose CUDA IPC handles the engine mapped once; the
+  engine copies each out (device to device), checks its on-device checksum, acknowledges it, and applies
+  the version once whole. On CPU the ring is shared memory (the same code).
+- ``pinned_host`` (CUDA only): the same protocol through a ring of shared, page-locked host buffers
+  (device to host in the trainer, host to device in the engine).
+- ``packed``, ``buckets`` (where Ray is installed: CPU here; the GPU machine has no Ray): today's whole-model
+  ``pack_weights`` + ``ray.put`` offer, and ``runtime.weight_sync=object_store``'s ``BucketPublisher``
+  through the object store, to a Ray actor engine.
 
-Floors, measured in this process: one copy of every weight into host memory (pinned on CUDA: the
-pinned-host path), and on CUDA one device-to-device copy (what CUDA IPC between two processes on one
-GPU would cost). Writes ``<out-dir>/weight_sync[_<spec>_<device>].json`` and prints a table.
+Floors and checksum costs, measured in this process: one copy of every weight into host memory (pinned
+on CUDA), on CUDA one device-to-device copy, xxh3-64 of every weight's bytes on the host (what the
+object-store path's checksum costs), and the on-device int64 word sum (``cuda_ipc``'s). The engine's
+weights are compared with the trainer's after each path (exact int64 word sums per tensor). Writes
+``<out-dir>/weight_sync[_<spec>_<device>].json`` and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import statistics
 import sys
 import tempfile
@@ -32,18 +40,20 @@ import time
 from pathlib import Path
 
 import torch
+import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import SPECS, device_info, print_table, write_json  # noqa: E402
+from bench.weight_sync_engine import RayEngineActor, engine_main, fingerprint, make_model  # noqa: E402
 from moerl.config import ModelConfig  # noqa: E402
-from moerl.models import build_model  # noqa: E402
-from moerl.rollout import Engine  # noqa: E402
-from moerl.runtime.weight_sync import BucketAssembler, BucketPublisher, bucket_bytes_of  # noqa: E402
-from moerl.runtime.weights import WeightStore, pack_weights, unpack_weights  # noqa: E402
+from moerl.runtime.ipc_sync import IpcPublisher, tensors_checksum_no_sync  # noqa: E402
+from moerl.runtime.weight_sync import BucketPublisher, bucket_bytes_of  # noqa: E402
+from moerl.runtime.weights import WeightStore, pack_weights  # noqa: E402
 from moerl.tasks import load_tokenizer  # noqa: E402
 
-PATHS = ("store", "packed", "buckets")
+PATHS = ("store", "cuda_ipc", "pinned_host", "packed", "buckets")
+RAY_PATHS = ("packed", "buckets")
 
 
 def model_config(spec: str, device: str) -> tuple[ModelConfig, int]:
@@ -67,202 +77,239 @@ def model_config(spec: str, device: str) -> tuple[ModelConfig, int]:
     return cfg, s.vocab_size
 
 
-def make_model(cfg: ModelConfig, vocab: int) -> torch.nn.Module:
-    """The model with N(0, 0.02) weights drawn on its device (no host-side init for the large specs)."""
-    meta = ModelConfig(**{**_fields(cfg), "device": "meta"})
-    with torch.device("meta"):
-        model = build_model(meta, vocab)
-    model = model.to_empty(device=cfg.device)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-        for b in model.buffers():
-            b.zero_()
-    return model
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
-def _fields(cfg: ModelConfig) -> dict:
-    return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
-
-
-class EngineActor:
-    """One rollout engine in its own process; receives versions by each of the three paths."""
-
-    def __init__(self, cfg: ModelConfig, vocab: int, store_url: str):
-        import ray  # lazy: only the bench's actor processes need it here
-
-        torch.manual_seed(1)
-        self.engine = Engine(make_model(cfg, vocab), max_slots=1, kv_token_budget=64, cuda_graphs=False)
-        self.store = WeightStore(store_url, keep=1)
-        self.buckets = BucketAssembler(ray.get, None)
-
-    def apply_store(self, version: int) -> float:
-        """Load ``version`` from the store (checksums verified) into the engine; returns the copy seconds."""
-        tensors = self.store.load(version)
-        return self._apply(version, tensors)
-
-    def apply_packed(self, version: int, refs: list) -> float:
-        """Fetch and unpack a whole ``PackedWeights`` object; apply it."""
-        import ray  # lazy, as above
-
-        return self._apply(version, unpack_weights(ray.get(refs[0])))
-
-    def offer_bucket(self, version: int, index: int, num_buckets: int, refs: list) -> None:
-        """A bucket of ``version`` (fetched on the assembler's thread)."""
-        self.buckets.offer(version, index, num_buckets, refs[0])
-
-    def wait_buckets(self, version: int, timeout_s: float = 600.0) -> float:
-        """Poll like a worker between decode steps until ``version`` is whole; apply it."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            found = self.buckets.poll(self.engine.version)
-            if found is not None and found[0] == version:
-                return self._apply(found[0], found[1])
-            time.sleep(0.0005)
-        raise TimeoutError(f"version {version} did not arrive in {timeout_s} s")
-
-    def _apply(self, version: int, tensors) -> float:
+def _timed(fn, device: torch.device, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        _sync(device)
         t0 = time.perf_counter()
-        self.engine.update_weights(tensors, version)
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    def checksum(self) -> float:
-        """Sum of every floating tensor of the state dict (the bench checks that each path delivered the
-        trainer's weights)."""
-        return _checksum(self.engine.model.state_dict())
-
-
-def _checksum(tensors) -> float:
-    return float(sum(t.detach().double().sum() for t in tensors.values() if t.is_floating_point()))
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def floors(weights: dict[str, torch.Tensor], device: torch.device, rounds: int) -> dict[str, float]:
-    """Median seconds of one host copy of every weight (pinned on CUDA) and, on CUDA, one D2D copy."""
+    """Median seconds of: one host copy of every weight (pinned on CUDA), one D2D copy (CUDA), xxh3-64
+    of every weight's bytes on the host (one thread), the on-device int64 word sum of every weight."""
     on_cuda = device.type == "cuda"
     host = {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=on_cuda) for n, t in weights.items()}
-    out = {}
 
-    def timed(dst) -> float:
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for n, t in weights.items():
-                dst[n].copy_(t, non_blocking=on_cuda)
-            if on_cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+    def copy_into(dst):
+        for n, t in weights.items():
+            dst[n].copy_(t, non_blocking=on_cuda)
 
-    out["pinned_host_copy" if on_cuda else "host_copy"] = timed(host)
-    del host
+    out = {("pinned_host_copy" if on_cuda else "host_copy"): _timed(lambda: copy_into(host), device, rounds)}
+    raw = [t.reshape(-1).view(torch.uint8).numpy() for t in host.values()]
+    out["xxh3_host"] = _timed(lambda: [xxhash.xxh3_64_hexdigest(r) for r in raw], torch.device("cpu"), 1)
+    host = raw = None  # freed before the device copy below
+    out["int64_sum_on_device"] = _timed(
+        lambda: int(tensors_checksum_no_sync(list(weights.values()))), device, rounds
+    )
     if on_cuda:
         dev = {n: torch.empty_like(t) for n, t in weights.items()}
-        out["device_copy (CUDA IPC floor)"] = timed(dev)
+        out["device_copy (CUDA IPC floor)"] = _timed(lambda: copy_into(dev), device, rounds)
     return out
+
+
+class SpawnedEngine:
+    """The engine process and the trainer's ends of its connections."""
+
+    def __init__(self, cfg: ModelConfig, vocab: int, store_dir: str, publishers: dict, timeout_s: float):
+        ctx = mp.get_context("spawn")
+        self.ctrl, child = ctx.Pipe()
+        ends = {}
+        for name, pub in publishers.items():
+            mine, ends[name] = ctx.Pipe()
+            pub.connect(mine)  # the slot handles; the engine maps them on its first poll
+        self.proc = ctx.Process(
+            target=engine_main, args=(cfg, vocab, store_dir, child, ends, timeout_s), daemon=True
+        )
+        self.proc.start()
+        self.timeout_s = timeout_s
+        assert self.ask(None, 900.0) == ("ready",)
+
+    def ask(self, command, timeout_s: float | None = None):
+        """Send ``command`` (None: send nothing) and wait for the engine's reply."""
+        if command is not None:
+            self.ctrl.send(command)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while not self.ctrl.poll(1.0):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the engine process died (exit code {self.proc.exitcode}) on {command}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine did not answer {command}")
+        return self.ctrl.recv()
+
+    def close(self) -> None:
+        try:
+            self.ctrl.send(("close",))
+        except OSError:
+            pass  # it died
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _ray_engines(cfg: ModelConfig, vocab: int, device: torch.device):
+    """A Ray actor engine, or None where Ray is not installed."""
+    try:
+        import ray  # lazy: optional here (the GPU machine has none)
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
+    gpus = 0.5 if device.type == "cuda" else 0
+    actor = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=4)(RayEngineActor).remote(cfg, vocab)
+    ray.get(actor.fingerprint.remote())
+    return actor
 
 
 def run(
     spec: str = "default",
     device: str = "cpu",
     *,
-    engines: int = 1,
     rounds: int = 3,
+    store_rounds: int | None = None,
     bucket_mb: float = 256.0,
     paths: tuple[str, ...] = PATHS,
     out_dir: str | None = None,
+    timeout_s: float = 600.0,
 ) -> dict:
-    """Time each path ``rounds`` times (module docstring); returns and writes the result record."""
-    import ray  # lazy: Ray is started only when the bench runs
-
+    """Time each path (module docstring); returns and writes the result record."""
     cfg, vocab = model_config(spec, device)
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
+    paths = tuple(p for p in paths if p != "pinned_host" or dev.type == "cuda")
     torch.manual_seed(0)
     model = make_model(cfg, vocab)
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    bucket_bytes = bucket_bytes_of(bucket_mb)
     store_dir = tempfile.mkdtemp(prefix="moerl-weight-sync-")
     store = WeightStore(store_dir, keep=1)
-    if not ray.is_initialized():
-        ray.init(
-            address="local", num_cpus=max(2, engines + 1), include_dashboard=False, configure_logging=False
+    publishers = {}
+    if "cuda_ipc" in paths:
+        publishers["cuda_ipc"] = IpcPublisher(weights, bucket_bytes, timeout_s=timeout_s)
+    if "pinned_host" in paths:
+        publishers["pinned_host"] = IpcPublisher(
+            weights, bucket_bytes, timeout_s=timeout_s, slot_device="cpu"
         )
-    gpus = 1 / (engines + 1) if dev.type == "cuda" else 0
-    actor_cls = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=4)(EngineActor)
-    actors = [actor_cls.remote(cfg, vocab, store_dir) for _ in range(engines)]
-    ray.get([a.checksum.remote() for a in actors])  # started and built
-    publisher = BucketPublisher(bucket_bytes_of(bucket_mb), ray.put, ray.get)
-
-    def sync(path: str, version: int) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        if path == "store":
-            store.publish(version, weights)
-            load_s = ray.get([a.apply_store.remote(version) for a in actors])
-        elif path == "packed":
-            ref = ray.put(pack_weights(weights))
-            load_s = ray.get([a.apply_packed.remote(version, [ref]) for a in actors])
-            del ref
-        else:
-            waits = [a.wait_buckets.remote(version) for a in actors]
-            offers = [lambda v, i, n, r, a=a: a.offer_bucket.remote(v, i, n, [r]) for a in actors]
-            publisher.publish(version, weights, offers)
-            load_s = ray.get(waits)
-        return time.perf_counter() - t0, max(load_s)
-
+    engine = SpawnedEngine(cfg, vocab, store_dir, publishers, timeout_s)
+    actor = _ray_engines(cfg, vocab, dev) if any(p in RAY_PATHS for p in paths) else None
+    paths = tuple(p for p in paths if p not in RAY_PATHS or actor is not None)
     results: dict[str, dict] = {}
-    version = 0
-    for path in paths:
-        times, loads = [], []
-        for _ in range(rounds):
-            with torch.no_grad():  # the optimizer step: every weight changes in place
-                for t in weights.values():
-                    if t.is_floating_point():
-                        t.add_(1e-3)
-            version += 1
-            total, load = sync(path, version)
-            times.append(total)
-            loads.append(load)
-        want = _checksum(weights)
-        got = ray.get([a.checksum.remote() for a in actors])
-        results[path] = {
-            "median_s": statistics.median(times),
-            "min_s": min(times),
-            "engine_copy_s": statistics.median(loads),
-            "rounds_s": times,
-            "weights_match": all(abs(g - want) <= 1e-6 * max(1.0, abs(want)) for g in got),
-        }
-    payload = {
+    name = "weight_sync" if spec == "default" and device == "cpu" else f"weight_sync_{spec}_{dev.type}"
+    head = {
         "benchmark": "weight_sync",
         "spec": spec,
         "device": device_info(dev),
-        "engines": engines,
+        "engine": "separate process (spawn)" + (", Ray actor for packed/buckets" if actor else ""),
         "rounds": rounds,
+        "store_rounds": store_rounds or rounds,
         "bucket_mb": bucket_mb,
         "weight_bytes": nbytes,
         "num_tensors": len(weights),
-        "results": results,
-        "floors_s": floors(weights, dev, rounds),
     }
-    for a in actors:
-        ray.kill(a)
-    name = "weight_sync" if spec == "default" and device == "cpu" else f"weight_sync_{spec}_{dev.type}"
+    version = 0
+    sync_args = (store, publishers, engine, actor, bucket_bytes)
+    for path in paths:
+        try:
+            results[path] = _time_path(path, version, rounds, store_rounds, weights, dev, sync_args)
+        except Exception as e:  # one broken path must not lose the others' numbers
+            results[path] = {"error": f"{type(e).__name__}: {e}"}
+        version += max(rounds, store_rounds or rounds)
+        print(f"{path}: {results[path].get('median_s', results[path].get('error'))}", flush=True)
+        write_json(name, {**head, "results": results, "partial": True}, out_dir)  # kept if a later path dies
+    engine.close()
+    for pub in publishers.values():
+        pub.engines = []
+    payload = {**head, "results": results, "floors_s": floors(weights, dev, rounds)}
     write_json(name, payload, out_dir)
     _print(payload)
     return payload
+
+
+def _time_path(path, version, rounds, store_rounds, weights, dev, sync_args) -> dict:
+    """``rounds`` (``store_rounds`` for the store) of: the optimizer step, then ``path`` to the engine."""
+    times, receives, copies = [], [], []
+    for _ in range((store_rounds or rounds) if path == "store" else rounds):
+        with torch.no_grad():  # the optimizer step: every weight changes in place
+            for t in weights.values():
+                if t.is_floating_point():
+                    t.add_(1e-3)
+        version += 1
+        _sync(dev)
+        t0 = time.perf_counter()
+        receive, copy = _sync_once(path, version, weights, *sync_args)
+        times.append(time.perf_counter() - t0)
+        receives.append(receive)
+        copies.append(copy)
+    store, publishers, engine, actor, _ = sync_args
+    out = {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "engine_receive_s": statistics.median(r for r in receives if r is not None)
+        if any(r is not None for r in receives)
+        else None,
+        "engine_copy_s": statistics.median(copies),
+        "rounds_s": times,
+        "weights_match": _engine_fingerprint(path, engine, actor) == fingerprint(weights),
+    }
+    if path in publishers:
+        out["num_buckets"] = len(publishers[path].plan)
+        out["slots_pinned"] = publishers[path].is_pinned
+    return out
+
+
+def _sync_once(path, version, weights, store, publishers, engine, actor, bucket_bytes):
+    """Run ``path`` once for ``version``; (engine receive seconds or None, engine copy seconds)."""
+    if path == "store":
+        store.publish(version, weights)
+        _, receive, copy = engine.ask(("store", version))
+        return receive, copy
+    if path in publishers:
+        engine.ctrl.send(("wait", path, version))
+        publishers[path].publish(version, weights)  # returns once the last bucket is sent
+        _, receive, copy = engine.ask(None)
+        return receive, copy
+    import ray  # lazy: the Ray paths run only where Ray is installed
+
+    if path == "packed":
+        ref = ray.put(pack_weights(weights))
+        return None, ray.get(actor.apply_packed.remote(version, [ref]))
+    wait = actor.wait_buckets.remote(version)
+    publisher = BucketPublisher(bucket_bytes, ray.put, ray.get)
+    publisher.publish(version, weights, [lambda v, i, n, r: actor.offer_bucket.remote(v, i, n, [r])])
+    return None, ray.get(wait)
+
+
+def _engine_fingerprint(path: str, engine: SpawnedEngine, actor) -> dict[str, int]:
+    if path in RAY_PATHS:
+        import ray  # lazy, as above
+
+        return ray.get(actor.fingerprint.remote())
+    return engine.ask(("fingerprint",))[1]
 
 
 def _print(p: dict) -> None:
     gb = p["weight_bytes"] / 1e9
     rows = [
         [path, r["median_s"], r["min_s"], r["engine_copy_s"], gb / r["median_s"], r["weights_match"]]
+        if "error" not in r
+        else [path, r["error"][:60], None, None, None, None]
         for path, r in p["results"].items()
     ]
     rows += [[f"floor: {name}", s, None, None, gb / s, None] for name, s in p["floors_s"].items()]
     title = (
-        f"weight sync, {p['spec']} ({gb:.3g} GB, {p['num_tensors']} tensors), {p['engines']} engine(s), "
-        f"{p['device'].get('name', 'cpu')}, median of {p['rounds']}: optimizer step -> every engine on the "
-        "new version"
+        f"weight sync, {p['spec']} ({gb:.3g} GB, {p['num_tensors']} tensors), {p['engine']}, "
+        f"{p['device'].get('name', 'cpu')}, {p['bucket_mb']} MiB buckets: optimizer step -> the engine on "
+        "the new version"
     )
     print_table(title, ["path", "median s", "min s", "engine copy s", "GB/s", "weights ok"], rows)
 
@@ -271,25 +318,29 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--spec", default="default", choices=["default", *SPECS])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--engines", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--store-rounds", type=int, default=None, help="rounds of the store path (default --rounds)"
+    )
     ap.add_argument("--bucket-mb", type=float, default=256.0)
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
+    ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--out-dir", default=None)
     a = ap.parse_args(argv)
     paths = tuple(a.paths.split(","))
     if bad := [x for x in paths if x not in PATHS]:
         ap.error(f"--paths: unknown {bad}; choose from {PATHS}")
-    if a.engines < 1 or a.rounds < 1 or a.bucket_mb <= 0:
-        ap.error("--engines and --rounds must be >= 1 and --bucket-mb > 0")
+    if a.rounds < 1 or a.bucket_mb <= 0 or (a.store_rounds is not None and a.store_rounds < 1):
+        ap.error("--rounds and --store-rounds must be >= 1 and --bucket-mb > 0")
     return run(
         a.spec,
         a.device,
-        engines=a.engines,
         rounds=a.rounds,
+        store_rounds=a.store_rounds,
         bucket_mb=a.bucket_mb,
         paths=paths,
         out_dir=a.out_dir,
+        timeout_s=a.timeout_s,
     )
 
 

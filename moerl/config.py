@@ -239,11 +239,15 @@ class RuntimeConfig:
     weight_sync: str = "object_store"
     """How async-mode workers get each new version (``moerl.runtime.weight_sync``): ``object_store``
     streams it in buckets of ``publish_bucket_mb`` through Ray's object store (one ref per bucket, a
-    version and a checksum per bucket, no whole-model copy) and writes the durable store in the
-    background every ``durable_every`` versions; ``store``: every version is written to the weight
-    store and offered whole (the serialize-and-load path)."""
+    version and a checksum per bucket, no whole-model copy; a trainer group streams from its rank 0)
+    and writes the durable store in the background every ``durable_every`` versions; ``cuda_ipc``
+    (``moerl.runtime.ipc_sync``), for a trainer and workers sharing a GPU (one host), as hybrid /
+    colocated RL engines do: buckets go through a ring of shared device buffers (CUDA IPC; shared
+    memory on CPU), checksummed on the device, the durable store as with ``object_store`` (needs
+    ``trainer.num_ranks=1``); ``store``: every version is written to the weight store and offered
+    whole (the serialize-and-load path)."""
     durable_every: int = 1
-    """With ``weight_sync=object_store``: every this many versions (and version 0, the last one and
+    """With ``weight_sync=object_store|cuda_ipc``: every this many versions (and version 0, the last one and
     each checkpoint's) also go to the weight store, on its background writer thread. The store stays
     the source of truth for recovery and for workers that start later."""
     keep_versions: int = 3
@@ -253,9 +257,11 @@ class RuntimeConfig:
     keep_checkpoints: int = 2
     """Full checkpoints kept in RUN_DIR/checkpoints (newest by step)."""
     publish_bucket_mb: float = 256.0
-    """With ``trainer.num_ranks > 1``: a published version is gathered from the shards and written
-    in buckets of about this many MiB of full tensors (one safetensors file each), so no process
-    holds more than one bucket of gathered weights at a time."""
+    """Bucket size of a version on its way out: with ``weight_sync=object_store|cuda_ipc`` each bucket
+    is one object ref / one slot of the shared ring (whose two slots are the largest bucket); with
+    ``trainer.num_ranks > 1`` a version is gathered from the shards in buckets of about this many MiB
+    of full tensors (streamed, or one safetensors file each), so no process holds more than one bucket
+    of gathered weights at a time."""
 
     def __post_init__(self) -> None:
         check_choice("runtime.mode", self.mode, ["async", "sync"])
@@ -263,7 +269,7 @@ class RuntimeConfig:
         check_range("runtime.buffer_groups", self.buffer_groups, 1)
         check_range("runtime.max_staleness", self.max_staleness, 0)
         check_range("runtime.lease_ttl_s", self.lease_ttl_s, 0.0, lo_open=True)
-        check_choice("runtime.weight_sync", self.weight_sync, ["object_store", "store"])
+        check_choice("runtime.weight_sync", self.weight_sync, ["object_store", "cuda_ipc", "store"])
         check_range("runtime.durable_every", self.durable_every, 1)
         check_range("runtime.keep_versions", self.keep_versions, 1)
         check_range("runtime.max_materialized_tasks", self.max_materialized_tasks, 1)
@@ -390,6 +396,11 @@ class RunConfig:
         if self.algorithm.routing_replay == "r3":  # R3 replays what the engine records
             self.rollout.return_routed_experts = True
         _check_expert_parallel(self)
+        if self.runtime.weight_sync == "cuda_ipc" and self.trainer.num_ranks > 1:
+            raise ConfigError(
+                f"runtime.weight_sync=cuda_ipc needs one trainer process (trainer.num_ranks="
+                f"{self.trainer.num_ranks}); a trainer group streams its buckets with object_store"
+            )
         check_episode_run(self.task.name, self.rollout.return_routed_experts)
         if estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.group_size < 2:
             raise ConfigError(

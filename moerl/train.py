@@ -203,7 +203,15 @@ class Run:
         ``lost`` are the groups of a step that did not complete (requeued)."""
         self.view.message(f"trainer group failed ({error}); restarting it from the newest checkpoint")
         self.trainer, report = restart_group(
-            self.cfg, self.comp, self.dir, self.store, self.rollouts, self.journal, self.trainer, lost
+            self.cfg,
+            self.comp,
+            self.dir,
+            self.store,
+            self.rollouts,
+            self.journal,
+            self.trainer,
+            lost,
+            newest_pushed=self.pushed_version,
         )
         self.restarts += 1
         self.view.message(
@@ -316,20 +324,16 @@ class Run:
         t1 = time.perf_counter()
         cfg = self.cfg
         if self._is_publish_step(step):
-            # object_store: buckets straight to the workers; the store is written in the background
+            # object_store / cuda_ipc: buckets straight to the workers; the store is written in the background
             # every runtime.durable_every versions (moerl.runtime.weight_sync), and at the end. A trainer
-            # group refreshes the driver's copy (named_weights) by publishing, so it always publishes.
-            is_streamed = (
-                cfg.runtime.mode == "async"
-                and cfg.runtime.weight_sync == "object_store"
-                and not isinstance(self.trainer, TrainerGroup)
-            )
+            # group streams the buckets from its rank 0 as it gathers them (a BucketStreamer).
+            is_streamed = cfg.runtime.mode == "async" and cfg.runtime.weight_sync != "store"
             if not is_streamed:
                 self.trainer.publish(self.store)
+            is_group = isinstance(self.trainer, TrainerGroup)
+            weights = self.trainer if is_streamed and is_group else self.trainer.named_weights()
             # is_stored: the store has this version already; the rollouts must not write it again
-            self.rollouts.push_weights(
-                self.trainer.version, self.trainer.named_weights(), is_stored=not is_streamed
-            )
+            self.rollouts.push_weights(self.trainer.version, weights, is_stored=not is_streamed)
             self.pushed_version = self.trainer.version
             if is_streamed and step == cfg.trainer.steps:
                 self.store.flush()
@@ -344,6 +348,8 @@ class Run:
         """Held-out accuracy every ``eval.every`` steps and at the end, else None."""
         every = self.cfg.eval.every
         is_due = step == self.cfg.trainer.steps or (every and step % every == 0)
+        if is_due and isinstance(self.trainer, TrainerGroup):
+            self.trainer.refresh_model()  # a streamed version reaches the driver's copy only when needed
         return self.comp.evaluate() if is_due else None
 
     def _log(

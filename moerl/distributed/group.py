@@ -36,6 +36,7 @@ from moerl.runtime.batch import TrainBatch, build_train_batch
 from moerl.runtime.checkpoint import capture_rng_state, list_checkpoints, save_checkpoint
 from moerl.runtime.trainer import TrainStats
 from moerl.runtime.types import Group, WeightVersion
+from moerl.runtime.weight_sync import StreamedVersion, unpack_bucket
 from moerl.runtime.weights import WeightStore
 
 SHARDS_DIR = "shards"
@@ -127,7 +128,7 @@ class TrainerGroup:
         cfg: the run config.
         init_path: Hugging Face folder the ranks load their shards from.
         model: the driver's copy of the policy (eval and export use it); refreshed from every
-            published version. None: no copy kept.
+            version published to the store, and from a streamed one by ``refresh_model``. None: no copy kept.
         timeout_s: collective timeout of the ranks: a rank waiting longer for a peer (hung or dead)
             raises, and its error reaches the driver.
         startup_s: how long the driver waits for the ranks to start (imports, rendezvous, loading).
@@ -169,6 +170,8 @@ class TrainerGroup:
             self.close()
             raise
         self._weights: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._streamed: StreamedVersion | None = None  # the last version streamed to the workers
+        self._model_version = -1  # version of the driver's copy of the policy
 
     # -- the Trainer interface -----------------------------------------------------------------
 
@@ -223,15 +226,46 @@ class TrainerGroup:
         by rank 0 bucket by bucket (``runtime.publish_bucket_mb``); the driver's copy is refreshed."""
         version = self._all("publish", store.url, self.version)[0]
         self._weights = (self.version, store.load(self.version))
-        if self.model is not None:
-            self.model.load_state_dict(self._weights[1])
+        self.refresh_model()
         return version
 
+    def async_stream_buckets(self, workers: Sequence) -> StreamedVersion:
+        """Stream the current version to the rollout worker actors ``workers`` (a ``BucketStreamer``,
+        ``runtime.weight_sync=object_store``): the ranks gather it bucket by bucket and rank 0 puts each
+        packed bucket into Ray's object store and offers it to every worker at once; nothing is written
+        to the store and no process holds the whole model. The driver's copy of the policy is refreshed
+        from the refs only when asked (``named_weights``, ``refresh_model``).
+
+        Raises:
+            TrainerRankError: a rank died, failed or timed out; or the ranks are not Ray actors.
+        """
+        if not isinstance(self.ranks, RayRanks):
+            raise TrainerRankError("streaming weight buckets needs Ray rank actors (runtime.mode=async)")
+        self._streamed = self._all("stream", self.version, list(workers))[0]
+        return self._streamed
+
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """The full weights of the current version (read back from the last publish, else gathered)."""
+        """The full weights of the current version: read back from the last publish, or resolved from the
+        last streamed version's bucket refs (zero-copy views of the object store's copies, read-only),
+        else gathered."""
         if self._weights is None or self._weights[0] != self.version:
-            self._weights = (self.version, self._all("full_weights")[0])
+            streamed = self._streamed
+            if streamed is not None and streamed.version == self.version:
+                import ray  # lazy: only async runs stream
+
+                tensors = {}
+                for ref in streamed.refs:
+                    tensors.update(unpack_bucket(ray.get(ref), verify=False))
+                self._weights = (self.version, tensors)
+            else:
+                self._weights = (self.version, self._all("full_weights")[0])
         return self._weights[1]
+
+    def refresh_model(self) -> None:
+        """Bring the driver's copy of the policy (eval) to the current version, if it is behind."""
+        if self.model is not None and self._model_version != self.version:
+            self.model.load_state_dict(self.named_weights())
+            self._model_version = self.version
 
     def checkpoint(self, run_dir: str | Path, extra: dict, *, keep: int = 2) -> Path:
         """Sharded model and optimizer (DCP, ``checkpoints/shards/step_<step>``) by the ranks, then the

@@ -6,12 +6,15 @@ A dense parameter's full tensor is ``DTensor.full_tensor()`` (an all-gather over
 expert tensor is gathered twice: over "dp" (the EP shard [L, ...]) and then over the EP group
 (``all_gather`` of the P shards, placed by their global expert ids into [E, ...]). Every rank takes part
 in every gather, in the same (name) order; only rank 0 keeps the tensors, and only one bucket of
-``runtime.publish_bucket_mb`` at a time, which it writes as one safetensors file of the version.
+``runtime.publish_bucket_mb`` at a time, which it writes as one safetensors file of the version
+(``publish_sharded``), or packs and hands on (``stream_sharded``: ``runtime.weight_sync=object_store``,
+each bucket put into Ray's object store and offered to the workers as soon as it is gathered).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -20,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from moerl.distributed.mesh import TrainMesh
 from moerl.ep.parallelize import ExpertParallelExperts
 from moerl.runtime.types import WeightVersion
+from moerl.runtime.weight_sync import BucketPacker, StreamedVersion, WeightBucket
 from moerl.runtime.weights import WeightStore
 
 
@@ -101,3 +105,39 @@ def publish_sharded(
             pass
         return None
     return store.publish_buckets(version, buckets(), num_buckets=len(plan))
+
+
+def stream_sharded(
+    model: torch.nn.Module,
+    mesh: TrainMesh,
+    version: int,
+    bucket_bytes: int,
+    send: Callable[[WeightBucket], object],
+) -> StreamedVersion | None:
+    """Stream the sharded ``model`` as ``version``, bucket by bucket (collective).
+
+    The buckets are ``plan_buckets``'; each is gathered (every rank takes part), then rank 0 packs it
+    (``moerl.runtime.weight_sync.pack_bucket``: one flat buffer + xxh3, into a staging buffer reused for
+    every bucket; on CUDA through pinned memory) and calls ``send(bucket) -> ref`` (``ray.put`` and the
+    offers to the workers), which must copy the bytes before it returns. Rank 0 holds one bucket of full
+    tensors at a time and never the whole model.
+
+    Returns:
+        On rank 0 the ``StreamedVersion`` (the refs ``send`` returned, in bucket order); None elsewhere.
+    """
+    t0 = time.perf_counter()
+    plan = plan_buckets(model, bucket_bytes)
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, ExpertParallelExperts)}
+    state = model.state_dict()
+    packer, refs, nbytes = BucketPacker(), [], 0
+    for i, names in enumerate(plan):
+        tensors = [(name, _full_tensor(name, state[name], experts)) for name in names]
+        if mesh.rank != 0:
+            continue
+        bucket = packer.pack(version, i, len(plan), tensors)
+        refs.append(send(bucket))
+        nbytes += bucket.nbytes
+        del bucket, tensors
+    if mesh.rank != 0:
+        return None
+    return StreamedVersion(version, tuple(refs), nbytes, time.perf_counter() - t0)

@@ -28,10 +28,11 @@ from moerl.distributed.checkpoint import (
 from moerl.distributed.export import export_sharded
 from moerl.distributed.mesh import COLLECTIVE_TIMEOUT_S, build_mesh, init_group
 from moerl.distributed.parallelize import build_sharded_policy
-from moerl.distributed.publish import iter_full_tensors, publish_sharded
+from moerl.distributed.publish import iter_full_tensors, publish_sharded, stream_sharded
 from moerl.distributed.sharded import ShardedTrainer
 from moerl.runtime.batch import TrainBatch
 from moerl.runtime.trainer import NonFiniteLossError
+from moerl.runtime.weight_sync import StreamedVersion, WeightBucket, bucket_offer
 from moerl.runtime.weights import WeightStore
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -122,6 +123,22 @@ class RankTrainer:
         """Gather and write ``version`` bucket by bucket; rank 0 returns the ``WeightVersion``."""
         store = WeightStore(store_url, keep=self.keep_versions) if self.mesh.rank == 0 else None
         return publish_sharded(self.trainer.model, self.mesh, store, version, self.bucket_bytes)
+
+    def stream(self, version: int, workers: list) -> StreamedVersion | None:
+        """Gather ``version`` bucket by bucket; rank 0 ``ray.put``s each packed bucket and offers it to
+        every rollout worker actor in ``workers`` at once (``stream_sharded``); rank 0 returns the refs.
+        Ray ranks only (``runtime.mode=async``)."""
+        import ray  # lazy: only Ray rank actors stream through the object store
+
+        offers = [bucket_offer(w) for w in workers]
+
+        def send(bucket: WeightBucket):
+            ref = ray.put(bucket)  # copies: the staging buffer is reused for the next bucket
+            for offer in offers:
+                offer(version, bucket.index, bucket.num_buckets, ref)
+            return ref
+
+        return stream_sharded(self.trainer.model, self.mesh, version, self.bucket_bytes, send)
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """The whole state dict gathered (rank 0; None elsewhere)."""

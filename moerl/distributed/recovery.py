@@ -22,7 +22,15 @@ from moerl.runtime.types import Group
 
 
 def restart_group(
-    cfg, comp, run, store, fleet, journal: StepJournal, dead: TrainerGroup, lost: Sequence[Group] = ()
+    cfg,
+    comp,
+    run,
+    store,
+    fleet,
+    journal: StepJournal,
+    dead: TrainerGroup,
+    lost: Sequence[Group] = (),
+    newest_pushed: int = 0,
 ) -> tuple[TrainerGroup, RestartReport]:
     """Replace the group ``dead`` (see the module docstring); returns the new group and the report.
 
@@ -30,6 +38,8 @@ def restart_group(
         cfg, comp, run, store, fleet, journal: as for ``moerl.runtime.recovery.recover_trainer``.
         dead: the failed group; its last completed step is the failed step.
         lost: groups taken from the buffer for a step that did not complete (requeued).
+        newest_pushed: newest version streamed to the workers (with ``runtime.durable_every > 1`` the
+            store may be older); the restored weights get a newer one.
     """
     failed_step = dead.step
     dead.close()
@@ -51,7 +61,7 @@ def restart_group(
         journal=journal,
         requeue=fleet.requeue,
         rewind=run.rewind,
-        newest_version=latest.version if latest is not None else 0,
+        newest_version=max(latest.version if latest is not None else 0, newest_pushed),
     )
     trainer.publish(store)
     fleet.push_weights(trainer.version, trainer.named_weights(), is_stored=True)  # published just above

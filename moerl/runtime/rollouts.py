@@ -43,7 +43,9 @@ class Rollouts(Protocol):
     ) -> None:
         """Offer the trainer's weights of policy ``version`` and advance the buffer's staleness clock to
         it. ``is_stored``: the caller already wrote this version to the weight store (trainer recovery),
-        so a streaming implementation must not write it again."""
+        so a streaming implementation must not write it again. ``RayRollouts`` also takes a trainer
+        group as ``tensors`` (a ``moerl.runtime.weight_sync.BucketStreamer``: its rank 0 streams the
+        buckets itself)."""
         ...
 
     def requeue(self, task: RolloutTask) -> None:

@@ -27,8 +27,9 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -151,18 +152,65 @@ def unpack_bucket(bucket: WeightBucket, *, verify: bool = True) -> list[tuple[st
     return out
 
 
+class BucketPacker:
+    """``pack_bucket`` into one staging buffer grown to the largest bucket so far and reused: each bucket
+    must be consumed (copied, e.g. by ``ray.put``) before the next one is packed."""
+
+    def __init__(self) -> None:
+        self.staging: torch.Tensor | None = None
+
+    def pack(
+        self, version: int, index: int, num_buckets: int, tensors: list[tuple[str, torch.Tensor]]
+    ) -> WeightBucket:
+        """``pack_bucket`` of ``tensors`` into the staging buffer (a view of it)."""
+        bucket = pack_bucket(version, index, num_buckets, tensors, self.staging)
+        if self.staging is None or self.staging.numel() < bucket.nbytes:
+            self.staging = torch.from_numpy(bucket.data)
+        return bucket
+
+
 def iter_packed(
     version: int, named: Mapping[str, torch.Tensor], bucket_bytes: int, *, reuse: bool = False
 ) -> Iterable[WeightBucket]:
     """``pack_bucket`` of each of ``split_buckets``, one at a time. ``reuse``: every bucket is packed
-    into the same staging buffer, so each must be consumed (copied) before the next is taken."""
+    into the same staging buffer (``BucketPacker``), so each must be consumed before the next is taken."""
     plan = split_buckets(named, bucket_bytes)
-    staging = None
+    packer = BucketPacker()
     for i, tensors in enumerate(plan):
-        bucket = pack_bucket(version, i, len(plan), tensors, staging)
-        if reuse and (staging is None or staging.numel() < bucket.nbytes):
-            staging = torch.from_numpy(bucket.data)  # grown to the largest bucket so far
-        yield bucket
+        yield (
+            packer.pack(version, i, len(plan), tensors)
+            if reuse
+            else pack_bucket(version, i, len(plan), tensors)
+        )
+
+
+def bucket_offer(worker) -> Callable[[int, int, int, object], None]:
+    """``(version, index, num_buckets, ref) -> None``: offer a bucket to the rollout worker actor
+    ``worker`` without waiting (the ref goes in a list so that Ray passes the ref itself, not its value)."""
+    return lambda version, index, n, ref: worker.offer_bucket.remote(version, index, n, [ref])
+
+
+@dataclass(frozen=True, slots=True)
+class StreamedVersion:
+    """A version whose buckets were packed and put where the weights live (a trainer group's rank 0)."""
+
+    version: int
+    """The version sent."""
+    refs: tuple
+    """Object refs of its buckets, in index order (owned by the process that put them)."""
+    nbytes: int
+    """Bucket bytes of the version (what each worker fetches)."""
+    seconds: float
+    """Wall seconds from the first bucket's gather to the last bucket's offer."""
+
+
+class BucketStreamer(Protocol):
+    """A trainer that streams its own buckets to the workers (``moerl.distributed.TrainerGroup``: rank 0
+    gathers each bucket from the shards, packs it, puts it and offers it to every worker)."""
+
+    def async_stream_buckets(self, workers: Sequence) -> StreamedVersion:
+        """Stream the current version to the rollout worker actors ``workers``; returns its refs."""
+        ...
 
 
 @dataclass(slots=True)
@@ -351,22 +399,37 @@ class BucketPublisher:
             durable: also write the version to the store; None: when ``version % durable_every == 0``.
         """
         t0 = time.perf_counter()
-        self.refs = []
-        nbytes = 0
+        refs, nbytes = [], 0
         for bucket in iter_packed(version, named, self.bucket_bytes, reuse=True):
             ref = self.put(bucket)  # copies (ray.put): the staging buffer is reused for the next bucket
             for offer in offers:
                 offer(version, bucket.index, bucket.num_buckets, ref)
-            self.refs.append(ref)
+            refs.append(ref)
             nbytes += bucket.nbytes
             del bucket  # the object store holds it now
-        seconds = time.perf_counter() - t0
+        streamed = StreamedVersion(version, tuple(refs), nbytes, time.perf_counter() - t0)
+        return self.adopt(streamed, len(offers), durable=durable)
+
+    def adopt(
+        self, streamed: StreamedVersion, num_offers: int, *, durable: bool | None = None
+    ) -> PublishReport:
+        """Take ``streamed`` (put and offered elsewhere, or by ``publish``) as the newest version: keep its
+        refs, and write it to the store in the background when durable (``publish``'s ``durable``)."""
+        self.refs = list(streamed.refs)
+        version = streamed.version
         is_durable = self.store is not None and (
             version % self.durable_every == 0 if durable is None else durable
         )
         if is_durable:
             self.write_durable(version)
-        self.last = PublishReport(version, seconds, len(self.refs), nbytes, nbytes * len(offers), is_durable)
+        self.last = PublishReport(
+            version,
+            streamed.seconds,
+            len(self.refs),
+            streamed.nbytes,
+            streamed.nbytes * num_offers,
+            is_durable,
+        )
         return self.last
 
     def write_durable(self, version: int) -> None:

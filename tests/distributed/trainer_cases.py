@@ -6,6 +6,7 @@ random GRPO groups (4 groups x 4 samples, ragged lengths); the same batches for 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -14,12 +15,13 @@ from moerl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from moerl.distributed.batching import split_by_groups
 from moerl.distributed.mesh import build_mesh
 from moerl.distributed.parallelize import build_sharded_policy
-from moerl.distributed.publish import iter_full_tensors, publish_sharded
+from moerl.distributed.publish import iter_full_tensors, publish_sharded, stream_sharded
 from moerl.distributed.sharded import ShardedTrainer
 from moerl.models import build_model, from_pretrained, save_pretrained
 from moerl.runtime.batch import build_train_batch
 from moerl.runtime.trainer import Trainer
 from moerl.runtime.types import Group, Lease, RolloutTask, Sample
+from moerl.runtime.weight_sync import BucketAssembler
 from moerl.runtime.weights import WeightStore
 
 VOCAB = 40
@@ -111,4 +113,34 @@ def run_sharded(
         "weights": weights if rank == 0 else None,
         "local_numel": local_numel,
         "full_numel": sum(v.numel() for v in weights.values()),
+    }
+
+
+def run_streamed(rank: int, world: int, folder: str, ep_size: int, bucket_bytes: int) -> dict:
+    """The sharded trainer's 5 steps, then ``stream_sharded`` into a worker's ``BucketAssembler`` (rank 0
+    keeps copies of the buckets it sends, as the object store would); rank 0 returns the assembled version."""
+    torch.manual_seed(0)
+    mesh = build_mesh(ep_size, 8)
+    model = build_sharded_policy(folder, mesh, ep_dispatcher="alltoall")
+    trainer = ShardedTrainer(model, trainer_config(), AlgorithmConfig(), mesh)
+    for b in batches():
+        trainer.train_step(split_by_groups(b, world)[rank])
+    objects: list = []
+    worker = BucketAssembler(objects.__getitem__, None, background=False)
+
+    def send(bucket):
+        objects.append(dataclasses.replace(bucket, data=bucket.data.copy()))  # put copies
+        worker.offer(bucket.version, bucket.index, bucket.num_buckets, len(objects) - 1)
+        return len(objects) - 1
+
+    streamed = stream_sharded(model, mesh, 5, bucket_bytes, send)
+    gathered = dict(iter_full_tensors(model))
+    if rank != 0:
+        return {"streamed": streamed}
+    version, tensors = worker.poll(4)
+    return {
+        "streamed": streamed,
+        "version": version,
+        "assembled": {k: v.clone() for k, v in tensors.items()},
+        "gathered": gathered,
     }

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from conftest import short_config
 
+from moerl.models import from_pretrained
 from moerl.runtime.checkpoint import load_checkpoint
 from moerl.runtime.run_dir import RunDir, read_jsonl
 from moerl.runtime.weights import WeightStore
@@ -90,4 +91,44 @@ def test_async_bucketed_sync_durable_every_and_recompute(tmp_path, tiny_init, ra
     assert all(r["weights/sync_bytes"] > 0 for r in records)
     lags = [r["weights/version_lag_max"] for r in records if r["weights/version_lag_max"] is not None]
     assert all(lag >= 0 for lag in lags)  # from the workers' liveness answers (None before the first)
+    assert WeightStore(str(run.path / "weights")).versions() == [0, 2, 4]
+
+
+@pytest.mark.timeout(300)
+def test_async_cuda_ipc_sync_through_shared_buffers(tmp_path, tiny_init, ray_session):
+    """runtime.weight_sync=cuda_ipc on CPU (the ring in shared memory): 2 workers connect to the trainer's
+    listener and get every version through it in small buckets; every task once; the store written
+    every 2nd version in the background."""
+    cfg = short_config(
+        tmp_path,
+        tiny_init,
+        "runtime.mode=async",
+        "rollout.num_workers=2",
+        "trainer.steps=4",
+        "trainer.batch_groups=2",
+        "runtime.buffer_groups=4",
+        "runtime.max_staleness=1",
+        "runtime.weight_sync=cuda_ipc",
+        "runtime.publish_bucket_mb=0.05",
+        "runtime.durable_every=2",
+        "runtime.keep_versions=5",
+        "fleet.check_every_s=0.2",
+        "trainer.checkpoint_every=0",
+        "eval.every=0",
+    )
+    summary = train(cfg, live=False)
+    run = RunDir(next(Path(tmp_path).glob("run-*")))
+    records = read_jsonl(run.metrics)
+    print(
+        [
+            (r["weights/sync_bytes"], r["timing/weight_sync_worker_s"], r["weights/version_lag_max"])
+            for r in records
+        ]
+    )
+    assert summary["status"] == "completed" and summary["tasks_trained"] == 8
+    assert summary["tasks_lost"] == 0 and summary["tasks_duplicated"] == 0
+    model_bytes = sum(t.numel() * t.element_size() for t in from_pretrained(tiny_init).state_dict().values())
+    # the workers that had connected by then (a slow machine may start the 2nd late) got it through the ring
+    assert records[-1]["weights/sync_bytes"] >= model_bytes
+    assert [r["policy_version"] for r in records] == [1, 2, 3, 4]
     assert WeightStore(str(run.path / "weights")).versions() == [0, 2, 4]

@@ -45,6 +45,8 @@ from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager, WorkerRecord
+from moerl.runtime.ipc_slots import IpcListener
+from moerl.runtime.ipc_sync import IpcPublisher
 from moerl.runtime.notice import notice_file_for
 from moerl.runtime.queue import QueueStats
 from moerl.runtime.ray.backend import RayWorkerBackend
@@ -52,7 +54,7 @@ from moerl.runtime.ray.exchange import ExchangeActor
 from moerl.runtime.ray.worker_actor import RolloutWorkerActor
 from moerl.runtime.storage import stage_model_folder
 from moerl.runtime.types import Group, RolloutTask
-from moerl.runtime.weight_sync import BucketPublisher, bucket_bytes_of
+from moerl.runtime.weight_sync import BucketPublisher, BucketStreamer, bucket_bytes_of, bucket_offer
 from moerl.runtime.weights import WeightStore, pack_weights
 from moerl.runtime.worker import WorkerStats
 
@@ -163,8 +165,17 @@ class RayRollouts:
             durable_every=cfg.runtime.durable_every,
         )
 
+        # runtime.weight_sync=cuda_ipc: workers on this host connect here; the ring is made at the first push
+        self.ipc_listener = IpcListener() if cfg.runtime.weight_sync == "cuda_ipc" else None
+        self.ipc: IpcPublisher | None = None
+        ipc_address = (
+            None if self.ipc_listener is None else (self.ipc_listener.address, self.ipc_listener.authkey)
+        )
+
         def spawn(wid: str):
-            handle = worker_cls.remote(cfg, wid, init_path, store_url, self.exchange, notices)
+            handle = worker_cls.remote(
+                cfg, wid, init_path, store_url, self.exchange, notices, ipc_address=ipc_address
+            )
             self._offer_newest(handle)  # after its own store load: a version newer than the store's
             return handle
 
@@ -227,10 +238,17 @@ class RayRollouts:
         return groups, gen_s, now - start
 
     def push_weights(
-        self, version: int, tensors: Mapping[str, torch.Tensor], *, is_stored: bool = False
+        self,
+        version: int,
+        tensors: Mapping[str, torch.Tensor] | BucketStreamer,
+        *,
+        is_stored: bool = False,
     ) -> None:
         """Advance the staleness clock and offer the new weights via the object store.
 
+        ``tensors``: the named weights, or (``runtime.weight_sync=object_store``) a ``BucketStreamer``, a
+        trainer group whose rank 0 puts and offers each bucket itself as it gathers it (no whole-model
+        copy anywhere; the refs come back here for the durable write and for workers started later).
         The version goes to the exchange without waiting (workers' admissions see it a round trip
         later); the next ``next_groups`` carries it too, so the trainer's batch is always taken at it.
         """
@@ -240,9 +258,17 @@ class RayRollouts:
         self.exchange.set_version.remote(version)
         workers = self.backend.alive_handles()
         t0 = time.perf_counter()
-        if self.cfg.runtime.weight_sync == "object_store":  # buckets, one ref each (weight_sync.py)
-            offers = [_bucket_offer(w) for w in workers]
-            report = self.publisher.publish(version, tensors, offers, durable=False if is_stored else None)
+        durable = False if is_stored else None
+        if not isinstance(tensors, Mapping):  # a trainer group streams from its rank 0 (weight_sync.py)
+            report = self.publisher.adopt(
+                tensors.async_stream_buckets(workers), len(workers), durable=durable
+            )
+            moved = report.bytes_moved
+        elif self.cfg.runtime.weight_sync == "cuda_ipc":  # shared buffers on this host (ipc_sync.py)
+            moved = self._push_ipc(version, tensors, durable)
+        elif self.cfg.runtime.weight_sync == "object_store":  # buckets, one ref each (weight_sync.py)
+            offers = [bucket_offer(w) for w in workers]
+            report = self.publisher.publish(version, tensors, offers, durable=durable)
             moved = report.bytes_moved
         else:
             packed = pack_weights(tensors)  # one flat buffer: the fast out-of-band serialization
@@ -252,13 +278,29 @@ class RayRollouts:
             moved = packed.data.nbytes * len(workers)
         self._sync_values = {"timing/weight_sync_s": time.perf_counter() - t0, "weights/sync_bytes": moved}
 
+    def _push_ipc(self, version: int, tensors: Mapping[str, torch.Tensor], durable: bool | None) -> int:
+        """``runtime.weight_sync=cuda_ipc``: the version through the ring of shared buffers to every
+        connected worker (new connections joined first); the store in the background every
+        ``durable_every`` versions (from a host copy taken now). Returns the bytes moved."""
+        if self.ipc is None:
+            self.ipc = IpcPublisher(tensors, bucket_bytes_of(self.cfg.runtime.publish_bucket_mb))
+        for conn in self.ipc_listener.take_new():
+            self.ipc.connect(conn)
+        report = self.ipc.publish(version, tensors)
+        store = self.publisher.store
+        if store is not None and (
+            version % self.cfg.runtime.durable_every == 0 if durable is None else durable
+        ):
+            store.publish_in_background(version, tensors)
+        return report.nbytes * report.num_engines
+
     def _offer_newest(self, worker) -> None:
         """Offer a (new) worker the buckets of the newest streamed version, if any: with
         ``runtime.durable_every > 1`` the store it loads at start may be older."""
         last = self.publisher.last
         if last is None or self.cfg.runtime.weight_sync != "object_store":
             return
-        offer = _bucket_offer(worker)
+        offer = bucket_offer(worker)
         for i, ref in enumerate(self.publisher.refs):
             offer(last.version, i, last.num_buckets, ref)
 
@@ -393,12 +435,11 @@ class RayRollouts:
         ray.wait(exits, num_returns=len(exits), timeout=5.0)
         for actor in actors:
             ray.kill(actor)  # no-op for an actor that has exited
-
-
-def _bucket_offer(worker):
-    """``(version, index, num_buckets, ref) -> None``: offer a bucket to ``worker`` without waiting (the
-    ref goes in a list so that Ray passes the ref itself, not its value)."""
-    return lambda version, index, n, ref: worker.offer_bucket.remote(version, index, n, [ref])
+        if self.ipc_listener is not None:
+            self.ipc_listener.close()
+        if self.ipc is not None:  # the workers are gone: no acknowledgement is awaited
+            self.ipc.engines = []
+            self.ipc.ring.close()
 
 
 def _get_alive(refs: list) -> list:

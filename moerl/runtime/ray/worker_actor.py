@@ -28,6 +28,8 @@ from moerl.runtime.build import load_policy, make_worker
 from moerl.runtime.chaos import Slowdown
 from moerl.runtime.drain import Drainer
 from moerl.runtime.fleet import WorkerExit, WorkerHealth
+from moerl.runtime.ipc_slots import connect
+from moerl.runtime.ipc_sync import IpcReceiver
 from moerl.runtime.notice import watcher_from_config
 from moerl.runtime.storage import is_remote, local_model_folder
 from moerl.runtime.types import Group, Lease, PartialResponse, Settlement
@@ -135,6 +137,8 @@ class RolloutWorkerActor:
         store_url: the weight store.
         exchange: the exchange actor's handle (queue and buffer).
         notice_dir: where the worker's notice file is when ``fleet.notice_file`` is unset, or None.
+        ipc_address: (Unix socket, auth key) of the trainer's ``IpcListener`` with
+            ``runtime.weight_sync=cuda_ipc``, or None.
     """
 
     def __init__(
@@ -145,6 +149,7 @@ class RolloutWorkerActor:
         store_url: str,
         exchange,
         notice_dir: str | None = None,
+        ipc_address: tuple[str, bytes] | None = None,
     ):
         torch.set_num_threads(int(os.environ.get("MOERL_ACTOR_THREADS", "1")))
         keep_freed_memory()  # no page faults on each step's activations (moerl.runtime.allocator)
@@ -157,6 +162,14 @@ class RolloutWorkerActor:
         self.weights = OfferedWeights(StoreWeights(store))
         # runtime.weight_sync=object_store: buckets fetched on a thread, applied once a version is whole
         self.buckets = BucketAssembler(_ray().get, fallback=self.weights)
+        # runtime.weight_sync=cuda_ipc: the trainer's shared buffers, received on a thread (ipc_sync.py)
+        self.ipc = None
+        if ipc_address is not None:
+            device = next(model.parameters()).device
+            self.ipc = IpcReceiver(connect(*ipc_address), device, fallback=self.weights, background=True)
+        source = {"object_store": self.buckets, "cuda_ipc": self.ipc}.get(
+            cfg.runtime.weight_sync, self.weights
+        )
         self._pause = threading.Event()
         self._paused = threading.Event()
         self._stop = threading.Event()
@@ -169,7 +182,7 @@ class RolloutWorkerActor:
             tokenizer,
             QueueProxy(exchange, version_of=self._weights_version),
             BufferProxy(exchange),
-            self.buckets if cfg.runtime.weight_sync == "object_store" else self.weights,
+            source or self.weights,
             version=-1,
             pause_point=self._pause_point,
         )
@@ -231,7 +244,7 @@ class RolloutWorkerActor:
 
     def _sync_figures(self) -> dict:
         """``WorkerHealth.weight_sync_s`` / ``weight_bytes`` of the version now in the engine."""
-        s, load_s = self.buckets.stats, self.worker.stats.last_weight_load_s
+        s, load_s = (self.ipc or self.buckets).stats, self.worker.stats.last_weight_load_s
         if s.last_sync_s is None or load_s is None:
             return {}
         return {"weight_sync_s": s.last_sync_s + load_s, "weight_bytes": s.last_bytes}
