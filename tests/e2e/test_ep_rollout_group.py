@@ -112,30 +112,41 @@ def test_run_with_a_two_rank_rollout_group(local_ray, default_init, tmp_path):
     assert read_jsonl(_run_dir(tmp_path).metrics)[-1]["rollout/workers"]["rollout-0"]["groups_total"] > 0
 
 
-def _kill_follower_mid_run(out: Path, killed: list[int]) -> None:
-    """Once the run has trained 2 steps: SIGKILL rank 1 of the first group by its pid."""
+def _kill_follower_mid_run(out: Path, killed: list[int], seen: list[dict]) -> None:
+    """Once the run has trained 2 steps: note rank 1's engine state, then SIGKILL it by its pid."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         metrics = list(out.glob("default-*/metrics.jsonl"))
         if metrics and len(metrics[0].read_text().splitlines()) >= 2:
             names = [n for n in ray.util.list_named_actors() if n.startswith("rollout-0-ep1-")]
             if names:
-                pid = ray.get(ray.get_actor(names[0]).pid.remote())
+                follower = ray.get_actor(names[0])
+                seen.append(ray.get(follower.ep_state.remote()))
+                pid = ray.get(follower.pid.remote())
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
                 return
         time.sleep(0.1)
 
 
+def _expert_bytes(cfg) -> int:
+    model = build_model(cfg.model, load_tokenizer(None).vocab_size)
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+
+
 @pytest.mark.timeout(240)
 def test_killed_follower_rank_loses_the_worker_not_a_task(local_ray, default_init, tmp_path):
     steps = 8
     killed: list[int] = []
-    killer = threading.Thread(target=_kill_follower_mid_run, args=(tmp_path, killed), daemon=True)
+    seen: list[dict] = []
+    killer = threading.Thread(target=_kill_follower_mid_run, args=(tmp_path, killed, seen), daemon=True)
     killer.start()
-    summary = train(_config(tmp_path, default_init, steps), live=False)
+    cfg = _config(tmp_path, default_init, steps)
+    summary = train(cfg, live=False)
     killer.join(5)
     assert len(killed) == 1, "the follower was not killed mid-run"
+    # before the kill, the follower ran newer weights than version 0 and held half of the experts
+    assert seen[0]["version"] >= 1 and seen[0]["expert_bytes"] * 2 == _expert_bytes(cfg), seen
     assert summary["status"] == "completed" and summary["steps"] == steps
     _assert_exactly_once(summary, _run_dir(tmp_path), steps)
     fleet = summary["fleet"]

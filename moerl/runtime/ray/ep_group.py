@@ -68,7 +68,8 @@ def init_group(cfg: RunConfig, rank: int, init_method: str) -> dist.ProcessGroup
     return a gloo group over the same ranks for the commands (timeout ``IDLE_TIMEOUT_S``)."""
     is_cuda = cfg.model.device.startswith("cuda")
     dist.init_process_group(
-        "nccl" if is_cuda else "gloo",
+        # on CUDA: NCCL for the expert exchange, gloo for EPEngine's host-side work flags
+        "cpu:gloo,cuda:nccl" if is_cuda else "gloo",
         init_method=init_method,
         rank=rank,
         world_size=cfg.rollout.ep_size,
@@ -165,11 +166,17 @@ class EPFollowerActor:
         """A bucket forwarded by the leader (``RolloutWorkerActor.offer_bucket``)."""
         self.weights.assembler.offer(version, index, num_buckets, refs[0])
 
-    def local_expert_bytes(self) -> tuple[int, int]:
-        """(bytes of this rank's expert parameters, bytes of all parameters): a rank holds only its experts."""
-        params = dict(self.ep.engine.model.named_parameters()) if self.ep else {}
-        experts = sum(p.numel() * p.element_size() for n, p in params.items() if ".experts." in n)
-        return experts, sum(p.numel() * p.element_size() for p in params.values())
+    def ep_state(self) -> dict:
+        """This rank's engine: ``version``, ``steps`` run, ``expert_bytes`` (its expert parameters) and
+        ``param_bytes`` (all its parameters); empty before it joined the group."""
+        if self.ep is None:
+            return {}
+        params = dict(self.ep.engine.model.named_parameters())
+        return {
+            "version": self.ep.version,
+            "expert_bytes": sum(p.numel() * p.element_size() for n, p in params.items() if ".experts." in n),
+            "param_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+        }
 
     def run(self, init_method: str) -> int:
         """Join the group, shard the experts and follow the leader until it stops the group; returns the

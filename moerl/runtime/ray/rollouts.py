@@ -98,9 +98,11 @@ def init_ray(cfg: RunConfig) -> None:
         ray.init(address=cfg.runtime.ray_address, log_to_driver=True)
     else:
         ranks = cfg.rollout.num_workers * cfg.rollout.ep_size  # rollout processes, one CPU each
+        # a trainer group's rank actors need a (fractional) CPU beside them (moerl.distributed.ray_ranks)
+        trainer_cpus = int(cfg.trainer.num_ranks > 1)
         ray.init(
             address="local",  # a new instance, as documented: never another process's running cluster
-            num_cpus=max(os.cpu_count() or 1, ranks),
+            num_cpus=max(os.cpu_count() or 1, ranks + trainer_cpus),
             include_dashboard=False,
             log_to_driver=True,
             configure_logging=False,
