@@ -22,8 +22,9 @@ The command exchange is one ``all_gather`` of pickled objects per step on a gloo
 rank waiting with its own timeout (``Work.wait``): the leader ``timeout_s`` (a follower that does not
 answer), a follower ``idle_timeout_s`` (the leader has nothing to do; while idle it sends an empty step
 every ``keepalive_s``, ``keepalive``). A killed rank closes its sockets and the others' pending
-collective fails at once; every failure on the leader is raised as ``EPGroupError``, which ends the
-worker (its leases go back to the queue, the fleet replaces the group).
+collective fails at once; a follower that fails ends its process, which the leader sees the same way.
+Every failure on the leader is raised as ``EPGroupError``, which ends the worker (its leases go back
+to the queue, the fleet replaces the group).
 
 Payloads are pickled: the ranks are processes of one run, trusted like Ray's own pickled calls.
 """
@@ -34,7 +35,6 @@ import datetime
 import pickle
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -75,8 +75,6 @@ class RankReport:
     running sample that has host-synced tokens it did not report before."""
     num_unfinished: int = 0
     """Samples waiting or running on the rank."""
-    error: str | None = None
-    """The follower failed (traceback); it leaves the loop after this report."""
 
 
 def exchange_objects(obj, group: dist.ProcessGroup, timeout_s: float) -> list:
@@ -250,9 +248,6 @@ class EPGroupEngine:
         return held + done
 
     def _apply_report(self, rank: int, report: RankReport) -> list[Completion]:
-        if report.error is not None:
-            self._closed = True
-            raise EPGroupError(f"EP rank {rank} of the rollout group failed:\n{report.error}")
         with self._lock:
             for rid, j, ids, lps, vers in report.progress:
                 seq = self._remote.get((rid, j))
@@ -332,21 +327,18 @@ class EPFollower:
         """Follow the leader's commands until ``stop``; returns the steps run.
 
         Raises:
-            RuntimeError: the leader died or did not send a command within ``idle_timeout_s``; a
-                failure of this rank (after reporting it to the leader).
+            RuntimeError: the leader died or did not send a command within ``idle_timeout_s``, or this
+                rank failed (its process should then exit: its closed sockets fail the leader's step
+                at once, where a report would wait for the leader's next exchange).
         """
         report = RankReport()
         while True:
             command = exchange_objects(report, self.ctrl, self.idle_timeout_s)[0]
             if command.stop:
                 return self.num_steps
-            try:
-                done = self._apply(command) + self.ep.step()
-                self.num_steps += 1
-                report = self._report(done)
-            except Exception:
-                exchange_objects(RankReport(error=traceback.format_exc()), self.ctrl, self.idle_timeout_s)
-                raise
+            done = self._apply(command) + self.ep.step()
+            self.num_steps += 1
+            report = self._report(done)
 
     def _apply(self, command: GroupCommand) -> list[Completion]:
         if command.cancel:

@@ -186,9 +186,9 @@ class EPFollowerActor:
             self.ep = group_engine(self.cfg, self._model)
             self._model = None  # the engine holds the model now, with only the local experts
             return EPFollower(self.ep, ctrl, self.weights.load, idle_timeout_s=IDLE_TIMEOUT_S).run()
-        except Exception as e:
-            log.warning("EP rank %d of %s leaves: %s", self.rank, self.worker_id, str(e).splitlines()[:1])
-            _ray().actor.exit_actor()  # no group left to serve
+        except Exception:  # the leader or a peer is gone, or this rank failed: the group is lost
+            log.exception("EP rank %d of %s leaves its group", self.rank, self.worker_id)
+            _ray().actor.exit_actor()  # closes this rank's sockets: the leader's step fails at once
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
