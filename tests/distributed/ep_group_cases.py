@@ -79,7 +79,29 @@ def run_group_cases(rank: int, world: int) -> dict:
         out[f"{case}/experts"] = [tuple(b.experts.gate_up_proj.shape) for b in ep.engine.model.moe_blocks()]
         out[f"{case}/version"] = ep.version
     out["loads"] = loads
+    out.update(_cancel_case(rank, model, ctrl))
     return out
+
+
+def _cancel_case(rank: int, model, ctrl) -> dict:
+    """``cancel_all`` after 2 steps drops every rank's requests (``on_weight_update=abort``); requests
+    added afterwards run as on a fresh group."""
+    ep = _group(model)
+    if rank != 0:
+        EPFollower(ep, ctrl, lambda v: {}, idle_timeout_s=60).run()
+        return {"cancel/unfinished": ep.num_unfinished}
+    group = EPGroupEngine(ep, ctrl, timeout_s=30)
+    for r in base.requests():
+        group.add_request(r)
+    early = group.step() + group.step()
+    group.cancel_all()
+    assert group.num_unfinished == 0 and not group.running_by_request()
+    after = _run_leader(group, [base.late_request(), *base.requests()[:2]])
+    group.close()
+    return {
+        "cancel/early": len(early),
+        "cancel": [(c.request_id, c.sample_index, c.token_ids, c.logprobs, c.policy_versions) for c in after],
+    }
 
 
 def run_kill_case(rank: int, world: int, mode: str) -> dict:

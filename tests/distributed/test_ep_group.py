@@ -3,6 +3,7 @@
 - The leader's ``EPGroupEngine`` spreads requests over the ranks and gives the tokens and log-probs
   (within 1e-5) of a one-rank engine, a request admitted mid-run included; followers hold only their
   experts.
+- ``cancel_all`` (``on_weight_update=abort``) drops the requests of every rank.
 - A weight switch lands on every rank at the same step: each sample's tokens carry version 0 up to the
   switch and version 1 after it, on the leader's and on the follower's samples alike.
 - A follower killed by SIGKILL mid-step, or one that stops answering, is an ``EPGroupError`` on the
@@ -56,6 +57,13 @@ def test_group_engine_matches_one_rank_and_switches_in_lockstep(world):
         assert versions == [0] * min(k, len(tokens)) + [1] * max(0, len(tokens) - k), (rid, j)
     assert {r["switch/version"] for r in results} == {1}
     assert all(f["loads"] == [1] for f in followers)  # each follower loaded version 1 once
+    # cancel_all: nothing of the dropped requests comes out later, on any rank; new requests run as usual
+    assert leader["cancel/early"] == 0  # 2 steps finish none of them
+    after = {(rid, j): (tokens, lps) for rid, j, tokens, lps, _ in leader["cancel"]}
+    assert after.keys() == {("late", 0), ("r0", 0), ("r1", 0), ("r1", 1)}
+    for key, (tokens, lps) in after.items():
+        assert tokens == ref[key][0] and lps == pytest.approx(ref[key][1], abs=1e-5), key
+    assert all(f["cancel/unfinished"] == 0 for f in followers)
 
 
 def _run_with_killed_rank(fn, world: int, *args, timeout_s: float = 120.0) -> dict:
