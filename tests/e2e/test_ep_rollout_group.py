@@ -2,7 +2,8 @@
 
 - The run completes; every task is trained exactly once; the worker reports its 2 EP ranks.
 - One follower rank process SIGKILLed by pid mid-run: the group's worker ends as crashed, a new group
-  replaces it, and still nothing is lost or trained twice.
+  replaces it; then that group's leader SIGKILLed: its follower ends with it, a third group replaces
+  it; nothing is lost or trained twice, and no rank process of a lost group is left.
 """
 
 from __future__ import annotations
@@ -112,21 +113,40 @@ def test_run_with_a_two_rank_rollout_group(local_ray, default_init, tmp_path):
     assert read_jsonl(_run_dir(tmp_path).metrics)[-1]["rollout/workers"]["rollout-0"]["groups_total"] > 0
 
 
-def _kill_follower_mid_run(out: Path, killed: list[int], seen: list[dict]) -> None:
-    """Once the run has trained 2 steps: note rank 1's engine state, then SIGKILL it by its pid."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        metrics = list(out.glob("default-*/metrics.jsonl"))
-        if metrics and len(metrics[0].read_text().splitlines()) >= 2:
-            names = [n for n in ray.util.list_named_actors() if n.startswith("rollout-0-ep1-")]
-            if names:
-                follower = ray.get_actor(names[0])
-                seen.append(ray.get(follower.ep_state.remote()))
-                pid = ray.get(follower.pid.remote())
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-                return
-        time.sleep(0.1)
+def _records(out: Path) -> int:
+    metrics = list(out.glob("default-*/metrics.jsonl"))
+    return len(metrics[0].read_text().splitlines()) if metrics else 0
+
+
+def _group_names(worker_id: str) -> list[str]:
+    """Named follower actors of ``worker_id``'s group: ``<worker_id>-ep<r>-<leader pid>``."""
+    return [n for n in ray.util.list_named_actors() if n.startswith(f"{worker_id}-ep1-")]
+
+
+def _wait(condition, timeout_s: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _kill_ranks_mid_run(out: Path, killed: dict, seen: list[dict]) -> None:
+    """Once 2 steps are trained: note the first group's rank 1 (engine state), SIGKILL it by its pid;
+    once the replacement group has delivered for a step: SIGKILL its leader (rank 0) by its pid."""
+    if not _wait(lambda: _records(out) >= 2 and _group_names("rollout-0")):
+        return
+    follower = ray.get_actor(_group_names("rollout-0")[0])
+    seen.append(ray.get(follower.ep_state.remote()))
+    killed["follower"] = ray.get(follower.pid.remote())
+    os.kill(killed["follower"], signal.SIGKILL)
+    if not _wait(lambda: bool(_group_names("rollout-1"))):
+        return
+    up_at = _records(out)
+    if _wait(lambda: _records(out) > up_at):
+        killed["leader"] = int(_group_names("rollout-1")[0].rsplit("-", 1)[1])
+        os.kill(killed["leader"], signal.SIGKILL)
 
 
 def _expert_bytes(cfg) -> int:
@@ -135,25 +155,35 @@ def _expert_bytes(cfg) -> int:
 
 
 @pytest.mark.timeout(240)
-def test_killed_follower_rank_loses_the_worker_not_a_task(local_ray, default_init, tmp_path):
-    steps = 8
-    killed: list[int] = []
+def test_killed_rank_loses_the_worker_not_a_task(local_ray, default_init, tmp_path):
+    steps = 14
+    killed: dict[str, int] = {}
     seen: list[dict] = []
-    killer = threading.Thread(target=_kill_follower_mid_run, args=(tmp_path, killed, seen), daemon=True)
+    killer = threading.Thread(target=_kill_ranks_mid_run, args=(tmp_path, killed, seen), daemon=True)
     killer.start()
     cfg = _config(tmp_path, default_init, steps)
     summary = train(cfg, live=False)
     killer.join(5)
-    assert len(killed) == 1, "the follower was not killed mid-run"
+    assert killed.keys() == {"follower", "leader"}, f"not both ranks were killed mid-run: {killed}"
     # before the kill, the follower ran newer weights than version 0 and held half of the experts
     assert seen[0]["version"] >= 1 and seen[0]["expert_bytes"] * 2 == _expert_bytes(cfg), seen
     assert summary["status"] == "completed" and summary["steps"] == steps
     _assert_exactly_once(summary, _run_dir(tmp_path), steps)
     fleet = summary["fleet"]
-    assert fleet["killed"] == 1 and fleet["replaced"] == 1 and fleet["spawned"] == 2, fleet
-    assert killed[0] == fleet["worker_rank_pids"]["rollout-0"][1]  # EP rank 1 of the first group
-    assert fleet["worker_rank_pids"]["rollout-1"][1] != killed[0]  # the new group has its own ranks
-    with pytest.raises(ProcessLookupError):  # the killed rank is gone ...
-        os.kill(killed[0], 0)
-    # ... and so is its whole group: no rank of rollout-0 is left, rollout-1's ranks ended with the run
-    assert not [n for n in ray.util.list_named_actors() if n.startswith(("rollout-0-", "rollout-1-"))]
+    assert fleet["killed"] == 2 and fleet["replaced"] == 2 and fleet["spawned"] == 3, fleet
+    pids = fleet["worker_rank_pids"]
+    assert killed["follower"] == pids["rollout-0"][1]  # EP rank 1 of the first group
+    assert killed["leader"] == pids["rollout-1"][0]  # EP rank 0 of the second
+    for pid in {*pids["rollout-0"], *pids["rollout-1"]}:  # both lost groups are gone, every rank
+        assert _wait(lambda pid=pid: not _alive(pid), 10), f"rank process {pid} outlived its group"
+    assert len(set(pids["rollout-2"])) == 2  # the third group finished the run ...
+    assert not [n for n in ray.util.list_named_actors() if n.startswith("rollout-")]  # ... and ended with it
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a killed Ray worker until the raylet reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
