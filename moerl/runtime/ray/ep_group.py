@@ -262,6 +262,8 @@ class EPRolloutGroup:
             ).remote(cfg, worker_id, r, init_path, store_url)
             for r in range(1, size)
         ]
+        self.engine: EPGroupEngine | None = None
+        self._runs: list = []
         try:
             self.pids = (
                 os.getpid(),
@@ -270,8 +272,6 @@ class EPRolloutGroup:
         except Exception as e:
             self.close()
             raise EPGroupError(f"EP follower ranks of {worker_id} did not start: {e}") from e
-        self.engine: EPGroupEngine | None = None
-        self._runs: list = []
 
     def start(self, model: torch.nn.Module) -> EPGroupEngine:
         """Join the group as EP rank 0 with ``model`` (its experts sharded here); the leader's engine."""
