@@ -213,11 +213,6 @@ class RolloutConfig:
         check_range("rollout.sync_every", self.sync_every, 1)
         check_choice("rollout.ep_dispatcher", self.ep_dispatcher, ["alltoall", "hierarchical"])
         check_range("rollout.ep_size", self.ep_size, 1)
-        if self.ep_size > 1 and self.on_weight_update == "recompute":
-            raise ConfigError(
-                f"rollout.on_weight_update=recompute with rollout.ep_size={self.ep_size}: the re-prefill is "
-                "not run in lockstep over an EP group yet; use continue or abort"
-            )
         check_choice("rollout.on_weight_update", self.on_weight_update, ["continue", "recompute", "abort"])
 
 
@@ -432,6 +427,11 @@ def _check_expert_parallel(cfg: RunConfig) -> None:
         raise ConfigError(
             f"rollout.ep_size={ep_size} needs runtime.mode=async: an EP rollout worker is a group of "
             "processes (Ray actors), and sync mode runs one in-process engine"
+        )
+    if ep_size > 1 and cfg.runtime.weight_sync not in ("object_store", "store"):
+        raise ConfigError(
+            f"rollout.ep_size={ep_size} with runtime.weight_sync={cfg.runtime.weight_sync}: an EP group's "
+            "follower ranks receive weights as object-store buckets or from the store"
         )
     if ep_size > 1 and cfg.task.name == "env":
         raise ConfigError(

@@ -3,8 +3,8 @@
     leader, EP rank 0 (the RolloutWorker's engine)         follower, EP rank r = 1 .. R-1
     EPGroupEngine.step():                                  EPFollower.run(), per step:
         exchange(command)   <----- all-gather ------>          command = exchange(report)
-          command: new requests per rank, weights                apply: weights version, cancel,
-          version to switch to, cancel, stop                     new requests, stop
+          command: new requests per rank, weights                apply: cancel, weights version,
+          version to switch to, recompute, cancel, stop          recompute, new requests, stop
         EPEngine.step()     <== lockstep forwards ==>          EPEngine.step()
         own completions + the followers' reports               report: completions, new tokens of
           (one step late)                                        running samples, unfinished count
@@ -60,6 +60,9 @@ class GroupCommand:
     """Policy version to switch to before this step's forwards (None: keep the current one)."""
     cancel: bool = False
     """Drop every waiting and running request first (``rollout.on_weight_update=abort``)."""
+    recompute: bool = False
+    """After the switch, re-prefill the running prefixes under the new weights, in lockstep
+    (``rollout.on_weight_update=recompute``, ``EPEngine.recompute_running``)."""
     stop: bool = False
     """Leave the loop (the group is closing); no forward follows."""
 
@@ -142,6 +145,7 @@ class EPGroupEngine:
         self._outgoing: list[list[Request]] = [[] for _ in range(self.ep_size - 1)]
         self._version_to_send: int | None = None
         self._cancel = False
+        self._recompute = False
         self._load = [0] * self.ep_size  # samples assigned to each rank and not finished
         self._owner: dict[str, list[int]] = {}  # request id -> [rank, samples not finished]
         self._remote: dict[tuple[str, int], RemoteSequence] = {}
@@ -193,6 +197,13 @@ class EPGroupEngine:
         self.ep.update_weights(named_tensors, version)
         self._version_to_send = int(version)
 
+    def recompute_running(self) -> list[Completion]:
+        """Re-prefill every rank's running prefixes under the new weights (after ``update_weights``):
+        done in lockstep at the start of the next step, before its forwards; the completions its host
+        sync finishes come out of that step. Returns [] (``weight_update.recompute_running``'s seam)."""
+        self._recompute = True
+        return []
+
     def cancel_all(self) -> None:
         """Drop every request on every rank (followers at the next step); their completions are lost."""
         cancel_all(self.ep.engine)
@@ -227,13 +238,15 @@ class EPGroupEngine:
             requests=tuple(tuple(r) for r in self._outgoing),
             version=self._version_to_send,
             cancel=self._cancel,
+            recompute=self._recompute,
         )
         try:
             reports = exchange_objects(command, self.ctrl, self.timeout_s)
             self._last_exchange = time.monotonic()
             self._outgoing = [[] for _ in range(self.ep_size - 1)]
-            self._version_to_send, self._cancel = None, False
-            done = self.ep.step()  # collective: the EP exchange of every MoE layer
+            self._version_to_send, self._cancel, self._recompute = None, False, False
+            done = self.ep.recompute_running() if command.recompute else []  # collective
+            done += self.ep.step()  # collective: the EP exchange of every MoE layer
         except Exception as e:  # a dead peer (connection closed) or a timeout: the group is lost
             self._closed = True
             raise EPGroupError(
@@ -346,9 +359,10 @@ class EPFollower:
             self._reported.clear()
         if command.version is not None:
             self.ep.update_weights(self.load_version(command.version), command.version)
+        done = self.ep.recompute_running() if command.recompute else []  # collective
         for r in command.requests[self.ep.rank - 1]:
             self.ep.add_request(r)
-        return []
+        return done
 
     def _report(self, done: list[Completion]) -> RankReport:
         for c in done:

@@ -176,7 +176,10 @@ class RolloutWorker:
         self.engine.update_weights(tensors, version)
         policy = self.cfg.on_weight_update
         if policy == "recompute" and self._in_flight:
-            self._early += recompute_running(self.engine)
+            if isinstance(self.engine, EPGroupEngine):  # on every rank, in lockstep, at its next step
+                self._early += self.engine.recompute_running()
+            else:
+                self._early += recompute_running(self.engine)
         elif policy == "abort" and self._in_flight:
             self._abort_in_flight()
         self.stats.weight_updates += 1

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from moerl.rollout.ep_engine import EPEngine
 from moerl.rollout.ep_group import EPFollower, EPGroupEngine, EPGroupError
+from moerl.rollout.weight_update import recompute_running
 
 SWITCH_AT = 3
 """Step at which the leader switches to version 1 in the weight-switch case."""
@@ -35,7 +36,8 @@ def _group(model):
     return EPEngine(base.new_engine(model), dispatcher="alltoall")
 
 
-def _run_leader(group: EPGroupEngine, requests, *, late_at=None, switch_at=None) -> list:
+def _run_leader(group, requests, *, late_at=None, switch_at=None, recompute=False) -> list:
+    """Run ``requests`` on ``group`` (an ``EPGroupEngine``, or a one-rank ``Engine`` for the reference)."""
     for r in requests:
         group.add_request(r)
     done, steps = [], 0
@@ -46,6 +48,9 @@ def _run_leader(group: EPGroupEngine, requests, *, late_at=None, switch_at=None)
             group.add_request(base.late_request())
         if steps == switch_at:
             group.update_weights(new_weights(), 1)
+            if recompute:
+                is_group = isinstance(group, EPGroupEngine)
+                done += group.recompute_running() if is_group else recompute_running(group)
     return done
 
 
@@ -61,13 +66,14 @@ def run_group_cases(rank: int, world: int) -> dict:
         loads.append(v)
         return new_weights()
 
-    for case in ("equal", "switch"):
+    for case in ("equal", "switch", "recompute"):
         ep = _group(model)
         if rank == 0:
             group = EPGroupEngine(ep, ctrl, timeout_s=30)
-            switch = SWITCH_AT if case == "switch" else None
+            switch = None if case == "equal" else SWITCH_AT
+            late = 2 if case == "equal" else None
             done = _run_leader(
-                group, base.requests(), late_at=2 if case == "equal" else None, switch_at=switch
+                group, base.requests(), late_at=late, switch_at=switch, recompute=case == "recompute"
             )
             out[case] = [
                 (c.request_id, c.sample_index, c.token_ids, c.logprobs, c.policy_versions) for c in done

@@ -5,13 +5,15 @@
   experts.
 - ``cancel_all`` (``on_weight_update=abort``) drops the requests of every rank.
 - A weight switch lands on every rank at the same step: each sample's tokens carry version 0 up to the
-  switch and version 1 after it, on the leader's and on the follower's samples alike.
+  switch and version 1 after it, on the leader's and on the follower's samples alike; with
+  ``recompute`` the ranks re-prefill in lockstep and give a one-rank engine's tokens and log-probs.
 - A follower killed by SIGKILL mid-step, or one that stops answering, is an ``EPGroupError`` on the
   leader within seconds (not a hang).
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import multiprocessing as mp
 import tempfile
@@ -23,6 +25,8 @@ import pytest
 import torch
 from dist_harness import _PRELOAD, _entry, run_world
 
+from moerl.rollout import Engine
+
 PRELOAD = ("ep_engine_cases", "ep_group_cases")
 
 
@@ -31,6 +35,14 @@ def _reference() -> dict:
     for c in base.new_engine(base.make_model()).generate([*base.requests(), base.late_request()]):
         ref[(c.request_id, c.sample_index)] = (c.token_ids, c.logprobs)
     return ref
+
+
+def _reference_recompute() -> dict:
+    """One engine with slots for every sample (all admitted at step 1, as on the group), switched to
+    version 1 after step SWITCH_AT with ``recompute_running``."""
+    engine = Engine(copy.deepcopy(base.make_model()), max_slots=8, kv_token_budget=8 * 64)
+    done = cases._run_leader(engine, base.requests(), switch_at=cases.SWITCH_AT, recompute=True)
+    return {(c.request_id, c.sample_index): (c.token_ids, c.logprobs, c.policy_versions) for c in done}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -56,7 +68,21 @@ def test_group_engine_matches_one_rank_and_switches_in_lockstep(world):
         k = cases.SWITCH_AT + 1
         assert versions == [0] * min(k, len(tokens)) + [1] * max(0, len(tokens) - k), (rid, j)
     assert {r["switch/version"] for r in results} == {1}
-    assert all(f["loads"] == [1] for f in followers)  # each follower loaded version 1 once
+    assert all(f["loads"] == [1, 1] for f in followers)  # each follower loaded version 1 once per case
+    # recompute: the same switch, then every rank re-prefills its prefixes in lockstep; tokens and
+    # log-probs are those of a one-rank engine doing the same (which a fresh prefill gives, unit-tested)
+    want = _reference_recompute()
+    got = {(rid, j): (tokens, lps, vers) for rid, j, tokens, lps, vers in leader["recompute"]}
+    assert got.keys() == want.keys()
+    for key, (tokens, lps, vers) in got.items():
+        assert tokens == want[key][0] and vers == want[key][2], key
+        assert lps == pytest.approx(want[key][1], abs=1e-5), key
+    continued = {(rid, j): lps for rid, j, _, lps, _ in switched}
+    assert any(  # and the re-prefill mattered: the continued KV cache gives other log-probs
+        abs(a - b) > 1e-4
+        for key, (_, lps, _) in got.items()
+        for a, b in zip(lps, continued[key], strict=True)
+    )
     # cancel_all: nothing of the dropped requests comes out later, on any rank; new requests run as usual
     assert leader["cancel/early"] == 0  # 2 steps finish none of them
     after = {(rid, j): (tokens, lps) for rid, j, tokens, lps, _ in leader["cancel"]}
