@@ -414,7 +414,8 @@ def _num_experts(cfg: RunConfig) -> int | None:
 
 def _check_expert_parallel(cfg: RunConfig) -> None:
     """``trainer.ep_size`` and ``rollout.ep_size`` must divide the routed experts of the policy; an EP
-    rollout group needs processes, so async mode (``ConfigError`` otherwise)."""
+    rollout group needs processes (async mode), a weight path its followers read (object-store buckets
+    or the store), and a single-turn task (``ConfigError`` otherwise)."""
     num_experts = _num_experts(cfg)
     for name, ep_size in (("trainer.ep_size", cfg.trainer.ep_size), ("rollout.ep_size", cfg.rollout.ep_size)):
         if ep_size > 1 and num_experts is not None and num_experts % ep_size:
