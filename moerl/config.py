@@ -184,8 +184,10 @@ class RolloutConfig:
     0 leases only for free slots; None: one engine's worth (``max_slots // group_size``)."""
     ep_size: int = 1
     """Expert-parallel ranks of one rollout worker (``moerl.rollout.ep_engine.EPEngine``: experts sharded,
-    attention and KV cache data-parallel, decode steps in lockstep). Only 1 in runs so far: the EP
-    worker group is not wired into the fleet yet; ``moerl generate --ep-size N`` runs the EP engine."""
+    attention and KV cache data-parallel, decode steps in lockstep). Above 1 (async mode only) a worker
+    is a group of this many ranks, one process each (one GPU each on CUDA), that leases and delivers as
+    one worker and is lost as one (``moerl.runtime.ray.ep_group``); each rank has ``max_slots`` slots.
+    Must divide the policy's routed experts. ``moerl generate --ep-size N`` runs the same engine."""
     ep_dispatcher: str = "alltoall"
     """Token dispatch/combine of the EP engine: ``alltoall`` or ``hierarchical`` (``moerl.ep``)."""
     on_weight_update: str = "continue"
@@ -210,11 +212,7 @@ class RolloutConfig:
         check_range("rollout.max_prefill_tokens", self.max_prefill_tokens, 1)
         check_range("rollout.sync_every", self.sync_every, 1)
         check_choice("rollout.ep_dispatcher", self.ep_dispatcher, ["alltoall", "hierarchical"])
-        if self.ep_size != 1:
-            raise ConfigError(
-                f"rollout.ep_size={self.ep_size}: runs support only 1 so far (the EP rollout worker group "
-                "is not wired into the fleet yet); `moerl generate --ep-size N` runs the EP engine"
-            )
+        check_range("rollout.ep_size", self.ep_size, 1)
         check_choice("rollout.on_weight_update", self.on_weight_update, ["continue", "recompute", "abort"])
 
 
@@ -426,13 +424,30 @@ def _num_experts(cfg: RunConfig) -> int | None:
 
 
 def _check_expert_parallel(cfg: RunConfig) -> None:
-    """``trainer.ep_size`` must divide the routed experts of the policy (``ConfigError`` otherwise)."""
-    t = cfg.trainer
+    """``trainer.ep_size`` and ``rollout.ep_size`` must divide the routed experts of the policy; an EP
+    rollout group needs processes (async mode), a weight path its followers read (object-store buckets
+    or the store), and a single-turn task (``ConfigError`` otherwise)."""
     num_experts = _num_experts(cfg)
-    if t.ep_size > 1 and num_experts is not None and num_experts % t.ep_size:
+    for name, ep_size in (("trainer.ep_size", cfg.trainer.ep_size), ("rollout.ep_size", cfg.rollout.ep_size)):
+        if ep_size > 1 and num_experts is not None and num_experts % ep_size:
+            raise ConfigError(
+                f"{name}={ep_size} does not divide the policy's {num_experts} routed experts; "
+                "every EP rank holds the same number of experts"
+            )
+    ep_size = cfg.rollout.ep_size
+    if ep_size > 1 and cfg.runtime.mode == "sync":
         raise ConfigError(
-            f"trainer.ep_size={t.ep_size} does not divide the policy's {num_experts} routed experts; "
-            "every EP rank holds the same number of experts"
+            f"rollout.ep_size={ep_size} needs runtime.mode=async: an EP rollout worker is a group of "
+            "processes (Ray actors), and sync mode runs one in-process engine"
+        )
+    if ep_size > 1 and cfg.runtime.weight_sync not in ("object_store", "store"):
+        raise ConfigError(
+            f"rollout.ep_size={ep_size} with runtime.weight_sync={cfg.runtime.weight_sync}: an EP group's "
+            "follower ranks receive weights as object-store buckets or from the store"
+        )
+    if ep_size > 1 and cfg.task.name == "env":
+        raise ConfigError(
+            f"rollout.ep_size={ep_size} with task.name=env: multi-turn EP workers are not supported yet"
         )
 
 

@@ -76,7 +76,7 @@ def _bundle(cfg: RunConfig, num_ranks: int) -> dict[str, float]:
     import ray
 
     total = ray.cluster_resources()
-    workers = cfg.rollout.num_workers
+    workers = cfg.rollout.num_workers * cfg.rollout.ep_size  # rollout processes (EP ranks of each worker)
     bundle: dict[str, float] = {}
     if cfg.model.device.startswith("cuda"):
         gpus = total.get("GPU", 0.0)

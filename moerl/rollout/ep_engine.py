@@ -28,6 +28,7 @@ from moerl.ep.topology import Topology
 from moerl.rollout.engine import Engine
 from moerl.rollout.params import Completion, Request
 from moerl.rollout.sampler import sample_key
+from moerl.rollout.weight_update import recompute_chunks, reprefill
 
 
 class EPEngine:
@@ -90,6 +91,13 @@ class EPEngine:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # collective: the phase's work flag
         return bool(t.item())
 
+    def _max(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(
+            t, op=dist.ReduceOp.MAX, group=self.group
+        )  # collective: the most forwards any rank needs
+        return int(t.item())
+
     def _empty_forward(self) -> None:
         """Join a phase without work: a forward of zero sequences (its MoE layers dispatch N = 0 rows)."""
         e = self.engine
@@ -116,6 +124,26 @@ class EPEngine:
                 e._steps_since_sync += 1
                 if e._sync_due():
                     done += e._sync()
+            else:
+                self._empty_forward()
+        return done
+
+    @torch.no_grad()
+    def recompute_running(self) -> list[Completion]:
+        """``rollout.on_weight_update=recompute`` over the group (collective; between steps, after
+        ``update_weights``): this rank's running prefixes are prefilled again under the current weights
+        (``moerl.rollout.weight_update``) in as many forwards as the rank with the most re-prefill
+        chunks needs; a rank with fewer joins the rest with empty forwards.
+
+        Returns:
+            This rank's completions finished by the host sync that comes first.
+        """
+        e = self.engine
+        done = e._sync() if e._pending else []
+        chunks = recompute_chunks(e)
+        for i in range(self._max(len(chunks))):
+            if i < len(chunks):
+                reprefill(e, chunks[i])
             else:
                 self._empty_forward()
         return done

@@ -38,23 +38,29 @@ def recompute_running(engine: Engine) -> list[Completion]:
         Completions finished by the sync (empty when nothing was pending).
     """
     done = engine._sync() if engine._pending else []
-    seqs = list(engine.scheduler.running)
-    budget = engine.scheduler.max_prefill_tokens
-    chunk: list[Sequence] = []
-    tokens = 0
-    for seq in seqs:
-        n = seq.seq_len - 1
-        if chunk and tokens + n > budget:
-            _reprefill(engine, chunk)
-            chunk, tokens = [], 0
-        chunk.append(seq)
-        tokens += n
-    if chunk:
-        _reprefill(engine, chunk)
+    for chunk in recompute_chunks(engine):
+        reprefill(engine, chunk)
     return done
 
 
-def _reprefill(engine: Engine, seqs: list[Sequence]) -> None:
+def recompute_chunks(engine: Engine) -> list[list[Sequence]]:
+    """The running sequences, in scheduler order, cut into re-prefill forwards of at most
+    ``max_prefill_tokens`` prefix tokens each (a longer prefix gets a forward of its own). An EP group
+    runs them in lockstep (``moerl.rollout.ep_group``), so the plan is separate from the forwards."""
+    budget = engine.scheduler.max_prefill_tokens
+    chunks: list[list[Sequence]] = []
+    tokens = 0
+    for seq in engine.scheduler.running:
+        n = seq.seq_len - 1
+        if not chunks or tokens + n > budget:
+            chunks.append([])
+            tokens = 0
+        chunks[-1].append(seq)
+        tokens += n
+    return chunks
+
+
+def reprefill(engine: Engine, seqs: list[Sequence]) -> None:
     """One prefill forward of the prefixes of ``seqs`` into their own slots; logits are discarded."""
     dev = engine.device
     # the cache holds positions 0..seq_len-2; the last generated token is the next decode input

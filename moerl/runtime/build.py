@@ -77,17 +77,20 @@ def make_worker(
     *,
     version: int = 0,
     pause_point: Callable[[], None] | None = None,
+    engine=None,
 ) -> RolloutWorker:
     """A rollout worker with its own engine over ``model``; ``queue`` is a ``TaskQueue`` or its proxy;
-    ``pause_point``: see ``RolloutWorker``. For ``task.name: env`` an ``EpisodeWorker`` (``moerl.envs``)."""
-    if cfg.task.name == "env":
+    ``pause_point``: see ``RolloutWorker``. For ``task.name: env`` an ``EpisodeWorker`` (``moerl.envs``).
+    ``engine``: an engine built already (an EP group's ``EPGroupEngine``); None: one over ``model``."""
+    if engine is None:
         engine = make_engine(model, cfg, version=version)
+    if cfg.task.name == "env":
         return episode_worker(
             cfg, worker_id, engine, task, tokenizer, queue, buffer, weights, pause_point=pause_point
         )
     return RolloutWorker(
         worker_id,
-        make_engine(model, cfg, version=version),
+        engine,
         task,
         tokenizer.decode,
         queue,

@@ -85,6 +85,10 @@ class WorkerHealth:
     engine (``runtime.weight_sync=object_store``; None: not measured)."""
     weight_bytes: int = 0
     """Bytes of weights it received for its current version."""
+    ep_size: int = 1
+    """EP ranks of the worker (``rollout.ep_size``; > 1: an EP rollout group led by this worker)."""
+    rank_pids: tuple[int, ...] = ()
+    """Process ids of the group's EP ranks, rank order (empty for a one-rank worker)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,9 @@
 Generate-then-train: ``next_groups(n)`` has the worker generate exactly ``n`` groups at the current
 weights and takes them from the buffer (``max_staleness`` 0: on-policy). Implements ``Rollouts``
 (``moerl.runtime.rollouts``), as ``moerl.runtime.ray.RayRollouts`` does for async mode.
+
+``rollout.ep_size > 1`` is refused for sync mode when the config loads (``ConfigError``): an EP rollout
+worker is a group of processes (``moerl.runtime.ray.ep_group``), and this side runs one in-process engine.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from moerl.config import RolloutConfig
 from moerl.rollout import Completion, Engine, InvalidRequestError, Request, SamplingParams
+from moerl.rollout.ep_group import EPGroupEngine
 from moerl.rollout.weight_update import cancel_all, recompute_running
 from moerl.runtime.buffer import BufferClosed, PutResult
 from moerl.runtime.delivery import GroupSink, Outbox
@@ -93,7 +94,8 @@ class RolloutWorker:
 
     Args:
         worker_id: unique name in the fleet (lease owner).
-        engine: the rollout engine (owns its model copy).
+        engine: the rollout engine (owns its model copy), or an EP group's ``EPGroupEngine``
+            (``rollout.ep_size > 1``: the group leases and delivers through this one worker).
         task: the task (``reward(prompt_text, response_text, answer) -> Reward``, never raises).
         decode: token ids -> text (the tokenizer's ``decode``).
         queue: a ``TaskQueue`` or a proxy with its ``lease``/``heartbeat``/``release`` methods.
@@ -174,7 +176,10 @@ class RolloutWorker:
         self.engine.update_weights(tensors, version)
         policy = self.cfg.on_weight_update
         if policy == "recompute" and self._in_flight:
-            self._early += recompute_running(self.engine)
+            if isinstance(self.engine, EPGroupEngine):  # on every rank, in lockstep, at its next step
+                self._early += self.engine.recompute_running()
+            else:
+                self._early += recompute_running(self.engine)
         elif policy == "abort" and self._in_flight:
             self._abort_in_flight()
         self.stats.weight_updates += 1
@@ -185,7 +190,10 @@ class RolloutWorker:
         """``on_weight_update=abort``: drop the engine's requests and release their leases (requeued)."""
         running = self.engine.running_by_request()
         self.stats.tokens_aborted += sum(len(s.token_ids) for seqs in running.values() for s in seqs)
-        cancel_all(self.engine)
+        if isinstance(self.engine, EPGroupEngine):
+            self.engine.cancel_all()  # on every rank of the group, at its next step
+        else:
+            cancel_all(self.engine)
         self._early.clear()
         for job in self._jobs():
             self.queue.release(job.lease)

@@ -13,7 +13,8 @@ Resources declared per actor (a cluster maps them onto node groups):
   must still run; both classes it holds are thread-safe. Its ``lease`` is gated
   (``rollout_allowance``): no rollout starts that would arrive too stale to train.
 - ``RolloutWorkerActor`` (``worker_actor.py``): ``num_cpus=1``, ``num_gpus=1`` when ``model.device`` is
-  CUDA, plus the custom resource ``rollout`` (0.001) when the cluster defines it (``ray start
+  CUDA (with ``rollout.ep_size > 1`` it is EP rank 0 and starts the other ranks, each asking for the
+  same, in a placement group of its own: ``ep_group.py``), plus the custom resource ``rollout`` (0.001) when the cluster defines it (``ray start
   --resources '{"rollout": 8}'`` on rollout nodes). Workers are started, watched, replaced and drained
   by a ``FleetManager`` (``moerl.runtime.fleet``, see ``FLEET.md``) through ``RayWorkerBackend``
   (``backend.py``). ``torch.set_num_threads(1)`` unless ``MOERL_ACTOR_THREADS`` says otherwise.
@@ -98,15 +99,18 @@ def init_ray(cfg: RunConfig) -> None:
     if cfg.runtime.ray_address:
         ray.init(address=cfg.runtime.ray_address, log_to_driver=True)
     else:
+        ranks = cfg.rollout.num_workers * cfg.rollout.ep_size  # rollout processes, one CPU each
+        # a trainer group's rank actors need a (fractional) CPU beside them (moerl.distributed.ray_ranks)
+        trainer_cpus = int(cfg.trainer.num_ranks > 1)
         ray.init(
             address="local",  # a new instance, as documented: never another process's running cluster
-            num_cpus=max(os.cpu_count() or 1, cfg.rollout.num_workers),
+            num_cpus=max(os.cpu_count() or 1, ranks + trainer_cpus),
             include_dashboard=False,
             log_to_driver=True,
             configure_logging=False,
         )
         # the trainer (this process) gets the cores the local workers do not use
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg.rollout.num_workers))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - ranks))
     if is_main and previous is not None:
         signal.signal(signal.SIGTERM, previous)
 
@@ -186,7 +190,9 @@ class RayRollouts:
         self.manager = FleetManager.from_config(cfg.fleet, cfg.rollout.num_workers, self.backend)
         # on a cluster with a rollout node group: the scaling hint asks the Ray autoscaler for nodes
         self.capacity = RolloutCapacity.for_ray(
-            gpus_per_worker=gpus, min_workers=self.manager.min_workers, max_workers=self.manager.max_workers
+            gpus_per_worker=gpus * cfg.rollout.ep_size,
+            min_workers=self.manager.min_workers,
+            max_workers=self.manager.max_workers,
         )
         self.chaos = ChaosMonkey(cfg.chaos)
         self.manager.start()
@@ -364,6 +370,13 @@ class RayRollouts:
             "tasks_expired": q.expired,
             "tasks_requeued_stale": q.requeued_stale,
             "chaos": self.chaos.counts(),
+            "ep_size": self.cfg.rollout.ep_size,
+            # EP rollout groups: each worker's rank process ids as its last liveness answer gave them
+            "worker_rank_pids": {
+                r.worker_id: list(r.health.rank_pids)
+                for r in self.manager.records.values()
+                if r.health.rank_pids
+            },
         }
 
     def scale_to(self, num_workers: int) -> int:

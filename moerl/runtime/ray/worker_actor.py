@@ -7,6 +7,10 @@ calls (``health``, ``pause``/``unpause``, ``stop``, ``notify``, ``offer_weights`
 not waited for (``moerl.runtime.delivery``). Newer weights come through the object store
 (``offer_weights``), else from polling the weight store.
 
+With ``rollout.ep_size > 1`` the actor is EP rank 0 of a group (``moerl.runtime.ray.ep_group``): it starts
+the follower ranks, drives them through its ``EPGroupEngine``, forwards them every weight bucket, and
+still leases and delivers as the one worker of the group; a lost rank ends ``run`` as ``crashed``.
+
 Nothing here imports Ray at module level: the handles passed in are Ray actor handles, and the module is
 importable (and its proxies testable) without Ray.
 """
@@ -22,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from moerl.config import RunConfig
+from moerl.rollout.ep_group import EPGroupError
 from moerl.runtime.allocator import keep_freed_memory
 from moerl.runtime.buffer import BufferClosed
 from moerl.runtime.build import load_policy, make_worker
@@ -31,6 +36,7 @@ from moerl.runtime.fleet import WorkerExit, WorkerHealth
 from moerl.runtime.ipc_slots import connect
 from moerl.runtime.ipc_sync import IpcReceiver
 from moerl.runtime.notice import watcher_from_config
+from moerl.runtime.ray.ep_group import EPRolloutGroup
 from moerl.runtime.storage import is_remote, local_model_folder
 from moerl.runtime.types import Group, Lease, PartialResponse, Settlement
 from moerl.runtime.weight_sources import StoreWeights
@@ -174,6 +180,10 @@ class RolloutWorkerActor:
         self._paused = threading.Event()
         self._stop = threading.Event()
         self._offered = threading.Event()  # set by ``offer_weights``; the idle loop waits on it
+        # rollout.ep_size > 1: this actor is EP rank 0; its followers start in a placement group
+        self.group = None
+        if cfg.rollout.ep_size > 1:
+            self.group = EPRolloutGroup(cfg, worker_id, init_path, store_url)
         self.worker = make_worker(
             cfg,
             worker_id,
@@ -185,12 +195,14 @@ class RolloutWorkerActor:
             source or self.weights,
             version=-1,
             pause_point=self._pause_point,
+            engine=None if self.group is None else self.group.start(model),
         )
         self.worker.sync_weights()  # the newest published version before the first lease
         self.watcher = watcher_from_config(cfg.fleet, worker_id, default_notice_dir=notice_dir).start()
         self.drainer = Drainer(cfg.fleet.drain_grace_s, keep_partial=cfg.fleet.keep_partial)
         self.slowdown = Slowdown.from_config(cfg.chaos, worker_id)
         self._has_gpu = cfg.model.device.startswith("cuda")
+        self.cfg_ep_size = cfg.rollout.ep_size
 
     def _weights_version(self) -> int:
         return self.worker.version
@@ -200,13 +212,19 @@ class RolloutWorkerActor:
             self.worker.settle_deliveries()  # no delivery may be in flight while paused (checkpoints)
         while self._pause.is_set() and not self._stop.is_set():
             self._paused.set()
+            self._keepalive()
             time.sleep(0.01)
         self._paused.clear()
+
+    def _keepalive(self) -> None:
+        """While this loop does not step: an empty group step now and then (EP group only)."""
+        if self.group is not None:
+            self.group.engine.keepalive()
 
     def run(self) -> WorkerExit:
         """Generate until ``stop``, or until a termination notice and then drain (``moerl.runtime.drain``).
         Unfinished leases go back to the queue."""
-        reason, report = "stopped", None
+        reason, report, error = "stopped", None, None
         try:
             while not self._stop.is_set() and not self.watcher.is_set():
                 started = time.perf_counter()
@@ -215,15 +233,20 @@ class RolloutWorkerActor:
                 if not self.worker.num_in_flight:  # queue empty or gated; a delivery may be on its way
                     self._offered.wait(0.01)  # new weights open the staleness gate: wake at once
                     self._offered.clear()
+                    self._keepalive()
             if self.watcher.is_set() and not self._stop.is_set():
                 reason, report = "drained", self.drainer.drain(self.worker, self.watcher.notice)
         except BufferClosed:
             pass
+        except EPGroupError as e:  # a rank of the group died or hung: the worker is lost, as if killed
+            reason, error = "crashed", str(e)
         finally:
             self._paused.set()
             self.worker.release_all()
+            if self.group is not None:
+                self.group.close()
             self.watcher.stop(resend_sigterm_after_s=1.0)  # a SIGTERM notice: exit once the result is out
-        return WorkerExit(self.worker.worker_id, reason, drain=report, final=self.health())
+        return WorkerExit(self.worker.worker_id, reason, drain=report, error=error, final=self.health())
 
     def health(self) -> WorkerHealth:
         """Liveness answer: delivered and in-flight tokens, weights version, pid (served beside ``run``)."""
@@ -239,6 +262,8 @@ class RolloutWorkerActor:
             groups_delivered=self.worker.stats.groups_put,
             gpus=read_gpus() if self._has_gpu else (),
             comm_errors=tuple(comm_error_counts().items()),
+            ep_size=self.cfg_ep_size,
+            rank_pids=() if self.group is None else self.group.pids,
             **self._sync_figures(),
         )
 
@@ -277,6 +302,8 @@ class RolloutWorkerActor:
         """Bucket ``index`` of ``num_buckets`` of ``version`` in the object store (``refs[0]``: a
         ``WeightBucket``), fetched on the assembler's thread; applied once the version is whole."""
         self.buckets.offer(version, index, num_buckets, refs[0])
+        if self.group is not None:  # the followers fetch the same objects themselves
+            self.group.offer_bucket(version, index, num_buckets, refs)
         if index == num_buckets - 1:
             self._offered.set()
 

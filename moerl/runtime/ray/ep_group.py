@@ -1,0 +1,302 @@
+"""An EP rollout worker group on Ray (``rollout.ep_size > 1``): the worker actor is EP rank 0 and starts
+its ``ep_size - 1`` follower ranks as actors in a placement group.
+
+    RolloutWorkerActor (EP rank 0: leases, delivers, heartbeats -- one worker to the fleet)
+      EPRolloutGroup: placement group of ep_size - 1 bundles (PACK), EPFollowerActor x (ep_size - 1)
+      engine = EPGroupEngine over the group (moerl.rollout.ep_group)
+      offer_bucket(...) --forwarded--> each follower's BucketAssembler (the same object refs)
+    EPFollowerActor (EP rank r): own model copy, experts sharded on joining; EPFollower loop
+
+Placement: each follower bundle asks for what the worker actor asks for (1 CPU, 1 GPU on CUDA, the
+``rollout`` custom resource when the cluster defines it). PACK keeps the group on as few nodes as
+possible; the leader itself is placed by the fleet as a one-rank worker is. The process group (gloo on
+CPU, NCCL on CUDA for the EP exchange, plus a gloo group for the commands) meets at a ``tcp://``
+address of the leader's node.
+
+Failures: the followers are owned by the leader actor, so Ray ends them with it (a SIGKILLed or
+replaced leader); a follower whose leader or peer is gone fails its collective and ends its own actor.
+A follower lost under a running leader fails the leader's next step with ``EPGroupError``: the worker
+loop ends as ``crashed`` (its leases released to the queue) and the fleet replaces the whole group.
+
+Weights: a follower receives every bucket its leader is offered (forwarded refs, no copy through the
+leader) and, told to switch to version v, takes v from its assembler, else from the weight store
+(at start, or with ``runtime.weight_sync=store``), waiting up to ``weight_wait_s`` for late buckets.
+From buckets it reads only its experts' rows (the bucket tensors are zero-copy views of the object
+store); a store load reads the whole version once. Either way ``EPEngine.update_weights`` copies only
+the local experts into the rank's parameters, so no rank holds the other ranks' experts.
+
+Ray is imported lazily (only async runs use this module).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from moerl.config import RunConfig
+from moerl.rollout.ep_engine import EPEngine
+from moerl.rollout.ep_group import EPFollower, EPGroupEngine, EPGroupError
+from moerl.runtime.allocator import keep_freed_memory
+from moerl.runtime.build import load_policy, make_engine
+from moerl.runtime.storage import is_remote, local_model_folder
+from moerl.runtime.weight_sync import BucketAssembler
+from moerl.runtime.weights import WeightStore
+from moerl.tasks.tokenizer import load_run_tokenizer
+
+log = logging.getLogger(__name__)
+
+IDLE_TIMEOUT_S = 600.0
+"""Seconds a follower waits for its leader's next command (the leader sends one at least every second
+while idle; only a leader blocked elsewhere, e.g. loading a large version from the store, waits long)."""
+
+
+def _ray():
+    import ray  # lazy: Ray is an optional dependency, needed only in async mode
+
+    return ray
+
+
+def init_group(cfg: RunConfig, rank: int, init_method: str) -> dist.ProcessGroup:
+    """Join the group's default process group (EP exchange; timeout ``fleet.heartbeat_timeout_s``) and
+    return a gloo group over the same ranks for the commands (timeout ``IDLE_TIMEOUT_S``)."""
+    is_cuda = cfg.model.device.startswith("cuda")
+    dist.init_process_group(
+        # on CUDA: NCCL for the expert exchange, gloo for EPEngine's host-side work flags
+        "cpu:gloo,cuda:nccl" if is_cuda else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=cfg.rollout.ep_size,
+        timeout=datetime.timedelta(seconds=cfg.fleet.heartbeat_timeout_s),
+    )
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S))
+
+
+def group_engine(cfg: RunConfig, model: torch.nn.Module) -> EPEngine:
+    """This rank's ``EPEngine`` over ``model`` (experts sharded here), at version -1 (no weights yet)."""
+    return EPEngine(make_engine(model, cfg, version=-1), dispatcher=cfg.rollout.ep_dispatcher)
+
+
+class FollowerWeights:
+    """A follower's source of policy versions: the buckets its leader forwards, else the store.
+
+    Args:
+        assembler: fed by ``offer_bucket``; complete versions are kept until asked for.
+        store: the run's weight store.
+        weight_wait_s: how long ``load`` waits for a version's last buckets.
+    """
+
+    def __init__(
+        self, assembler: BucketAssembler, store: WeightStore, *, weight_wait_s: float = 60.0
+    ) -> None:
+        self.assembler = assembler
+        self.store = store
+        self.weight_wait_s = weight_wait_s
+        self._ready: dict[int, Mapping[str, torch.Tensor]] = {}
+
+    def _take_complete(self) -> None:
+        found = self.assembler.poll(max(self._ready, default=-1))
+        if found is not None:
+            self._ready[found[0]] = found[1]
+            for old in [v for v in self._ready if v < found[0] - 1]:
+                del self._ready[old]  # keep the two newest: the leader may still ask for the older
+
+    def load(self, version: int) -> Mapping[str, torch.Tensor]:
+        """The full-model tensors of ``version`` (views of the buckets, or loaded from the store).
+
+        Raises:
+            RuntimeError: ``version`` neither arrived in buckets within ``weight_wait_s`` nor is stored.
+        """
+        deadline = time.monotonic() + self.weight_wait_s
+        next_store_check = 0.0
+        while True:
+            self._take_complete()
+            if version in self._ready:
+                tensors = self._ready.pop(version)
+                for old in [v for v in self._ready if v < version]:
+                    del self._ready[old]
+                return tensors
+            now = time.monotonic()
+            if now >= next_store_check:  # a listing: at most once a second
+                next_store_check = now + 1.0
+                if version in self.store.versions():
+                    return self.store.load(version)
+            if now > deadline:
+                raise RuntimeError(
+                    f"EP follower: policy version {version} did not arrive within {self.weight_wait_s:.0f} s "
+                    "and is not in the weight store"
+                )
+            time.sleep(0.01)
+
+
+class EPFollowerActor:
+    """EP rank ``rank`` >= 1 of a rollout group, in its own process (module docstring).
+
+    Args:
+        cfg: the run config.
+        worker_id: the group's worker id (its leader's).
+        rank: this EP rank.
+        init_path: HF folder the model is built from, or None.
+        store_url: the weight store.
+    """
+
+    def __init__(self, cfg: RunConfig, worker_id: str, rank: int, init_path: str | None, store_url: str):
+        torch.set_num_threads(int(os.environ.get("MOERL_ACTOR_THREADS", "1")))
+        keep_freed_memory()
+        torch.manual_seed(cfg.seed)
+        init_path = local_model_folder(init_path, cfg.storage.options)
+        self.cfg, self.worker_id, self.rank = cfg, worker_id, rank
+        self._model = load_policy(cfg, init_path, load_run_tokenizer(cfg, init_path).vocab_size)
+        options = cfg.storage.options if is_remote(store_url) else None
+        store = WeightStore(store_url, keep=cfg.runtime.keep_versions, storage_options=options)
+        self.weights = FollowerWeights(BucketAssembler(_ray().get), store)
+        self.ep: EPEngine | None = None
+
+    def pid(self) -> int:
+        """This rank's process id."""
+        return os.getpid()
+
+    def offer_bucket(self, version: int, index: int, num_buckets: int, refs: list) -> None:
+        """A bucket forwarded by the leader (``RolloutWorkerActor.offer_bucket``)."""
+        self.weights.assembler.offer(version, index, num_buckets, refs[0])
+
+    def ep_state(self) -> dict:
+        """This rank's engine: ``version``, ``steps`` run, ``expert_bytes`` (its expert parameters) and
+        ``param_bytes`` (all its parameters); empty before it joined the group."""
+        if self.ep is None:
+            return {}
+        params = dict(self.ep.engine.model.named_parameters())
+        return {
+            "version": self.ep.version,
+            "expert_bytes": sum(p.numel() * p.element_size() for n, p in params.items() if ".experts." in n),
+            "param_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+        }
+
+    def run(self, init_method: str) -> int:
+        """Join the group, shard the experts and follow the leader until it stops the group; returns the
+        steps run. On any failure (the leader or a peer gone) this actor ends itself."""
+        try:
+            ctrl = init_group(self.cfg, self.rank, init_method)
+            self.ep = group_engine(self.cfg, self._model)
+            self._model = None  # the engine holds the model now, with only the local experts
+            return EPFollower(self.ep, ctrl, self.weights.load, idle_timeout_s=IDLE_TIMEOUT_S).run()
+        except Exception:  # the leader or a peer is gone, or this rank failed: the group is lost
+            log.exception("EP rank %d of %s leaves its group", self.rank, self.worker_id)
+            _ray().actor.exit_actor()  # closes this rank's sockets: the leader's step fails at once
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _follower_bundle(cfg: RunConfig) -> dict[str, float]:
+    """What each follower asks for: the worker actor's resources (module docstring)."""
+    bundle = {"CPU": 1.0}
+    if cfg.model.device.startswith("cuda"):
+        bundle["GPU"] = 1.0
+    if "rollout" in _ray().cluster_resources():
+        bundle["rollout"] = 0.001
+    return bundle
+
+
+def _free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"tcp://{_ray().util.get_node_ip_address()}:{port}"
+
+
+class EPRolloutGroup:
+    """The follower ranks of one EP rollout worker, started from inside its leader actor.
+
+    Args:
+        cfg: the run config (``rollout.ep_size``, ``rollout.ep_dispatcher``, ``fleet.heartbeat_timeout_s``).
+        worker_id: the leader's worker id; followers are named ``<worker_id>-ep<r>-<leader pid>``.
+        init_path, store_url: as ``RolloutWorkerActor``'s.
+        place_timeout_s: most seconds to wait for the placement group and the followers' models.
+
+    Raises:
+        EPGroupError: the followers cannot be placed or started within ``place_timeout_s``.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        worker_id: str,
+        init_path: str | None,
+        store_url: str,
+        *,
+        place_timeout_s: float = 120.0,
+    ) -> None:
+        ray = _ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.cfg = cfg
+        self._remove_pg = remove_placement_group
+        size = cfg.rollout.ep_size
+        bundle = _follower_bundle(cfg)
+        self.pg = placement_group([bundle] * (size - 1), strategy="PACK")
+        ready, _ = ray.wait([self.pg.ready()], timeout=place_timeout_s)
+        if not ready:
+            remove_placement_group(self.pg)
+            raise EPGroupError(
+                f"cannot place {size - 1} EP follower ranks of {bundle} each within {place_timeout_s:.0f} s "
+                f"(cluster: {ray.cluster_resources()}); lower rollout.ep_size or rollout.num_workers"
+            )
+        actor_cls = ray.remote(max_concurrency=4)(EPFollowerActor)  # run + offers + pid at once
+        self.actors = [
+            actor_cls.options(
+                name=f"{worker_id}-ep{r}-{os.getpid()}",
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=r - 1
+                ),
+            ).remote(cfg, worker_id, r, init_path, store_url)
+            for r in range(1, size)
+        ]
+        self.engine: EPGroupEngine | None = None
+        self._runs: list = []
+        try:
+            self.pids = (
+                os.getpid(),
+                *ray.get([a.pid.remote() for a in self.actors], timeout=place_timeout_s),
+            )
+        except Exception as e:
+            self.close()
+            raise EPGroupError(f"EP follower ranks of {worker_id} did not start: {e}") from e
+
+    def start(self, model: torch.nn.Module) -> EPGroupEngine:
+        """Join the group as EP rank 0 with ``model`` (its experts sharded here); the leader's engine."""
+        url = _free_address()
+        self._runs = [a.run.remote(url) for a in self.actors]
+        ctrl = init_group(self.cfg, 0, url)
+        self.engine = EPGroupEngine(
+            group_engine(self.cfg, model), ctrl, timeout_s=self.cfg.fleet.heartbeat_timeout_s
+        )
+        return self.engine
+
+    def offer_bucket(self, version: int, index: int, num_buckets: int, refs: list) -> None:
+        """Forward a bucket's ref to every follower (not waited for)."""
+        for a in self.actors:
+            a.offer_bucket.remote(version, index, num_buckets, refs)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the followers' loops, end their actors and the placement group, leave the process group."""
+        ray = _ray()
+        if self.engine is not None:
+            self.engine.close(timeout_s)
+            if self._runs:
+                ray.wait(self._runs, num_returns=len(self._runs), timeout=timeout_s)
+        for a in self.actors:
+            ray.kill(a)
+        self._remove_pg(self.pg)
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,189 @@
+"""EP rollout worker groups in async runs (rollout.ep_size=2, trainer.num_ranks=2), configs/default.yaml shortened.
+
+- The run completes; every task is trained exactly once; the worker reports its 2 EP ranks.
+- One follower rank process SIGKILLed by pid mid-run: the group's worker ends as crashed, a new group
+  replaces it; then that group's leader SIGKILLed: its follower ends with it, a third group replaces
+  it; nothing is lost or trained twice, and no rank process of a lost group is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from moerl.config import load_config
+from moerl.models import build_model, save_pretrained
+from moerl.runtime.run_dir import RunDir, read_jsonl
+from moerl.tasks import load_tokenizer
+from moerl.train import train
+
+ray = pytest.importorskip("ray")
+
+E2E_DIR = Path(__file__).parent
+DEFAULT_CONFIG = Path(__file__).parents[2] / "configs" / "default.yaml"
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray instance for the module; workers find ``e2e_rewards`` through PYTHONPATH."""
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(E2E_DIR), old) if p)
+    ray.init(num_cpus=6, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.shutdown()
+    if old is None:
+        os.environ.pop("PYTHONPATH")
+    else:
+        os.environ["PYTHONPATH"] = old
+
+
+@pytest.fixture(scope="module")
+def default_init(tmp_path_factory):
+    """A fresh policy of the default config's shape (8 experts) as a Hugging Face folder."""
+    path = tmp_path_factory.mktemp("epgroup") / "policy"
+    tok = load_tokenizer(None)
+    torch.manual_seed(0)
+    save_pretrained(build_model(load_config(DEFAULT_CONFIG).model, tok.vocab_size), path)
+    tok.save(path)
+    return path
+
+
+def _config(out: Path, init: Path, steps: int, *overrides: str):
+    return load_config(
+        DEFAULT_CONFIG,
+        [
+            f"output_dir={out}",
+            f"init_from={init}",
+            "runtime.mode=async",
+            "rollout.num_workers=1",
+            "rollout.ep_size=2",
+            "trainer.num_ranks=2",
+            f"trainer.steps={steps}",
+            f"trainer.batch_groups={BATCH}",
+            "trainer.micro_batch_size=32",
+            "trainer.checkpoint_every=0",
+            "rollout.max_new_tokens=4",
+            "rollout.max_slots=8",
+            "rollout.kv_token_budget=512",
+            "runtime.buffer_groups=8",
+            "runtime.lease_ttl_s=10",
+            "eval.every=0",
+            "task.num_eval=16",
+            "task.reward_fn=e2e_rewards:first_is_digit",
+            "fleet.check_every_s=0.2",
+            *overrides,
+        ],
+    )
+
+
+def _run_dir(out: Path) -> RunDir:
+    return RunDir(max(out.glob("default-*"), key=lambda p: p.stat().st_mtime))
+
+
+def _assert_exactly_once(summary: dict, run: RunDir, steps: int) -> None:
+    counts = Counter(e.task_id for e in run.read_ledger())
+    assert len(counts) == steps * BATCH and set(counts.values()) == {1}  # each trained id once
+    assert summary["tasks_trained"] == steps * BATCH
+    assert summary["tasks_duplicated"] == 0 and summary["tasks_lost"] == 0
+    assert [r["step"] for r in read_jsonl(run.metrics)] == list(range(1, steps + 1))
+
+
+@pytest.mark.timeout(240)
+def test_run_with_a_two_rank_rollout_group(local_ray, default_init, tmp_path):
+    steps = 4
+    summary = train(_config(tmp_path, default_init, steps), live=False)
+    assert summary["status"] == "completed" and summary["steps"] == steps
+    assert summary["trainer_ranks"] == 2
+    _assert_exactly_once(summary, _run_dir(tmp_path), steps)
+    assert summary["fleet"]["killed"] == 0 and summary["fleet"]["spawned"] == 1
+    # the worker is a group of 2 EP rank processes (its telemetry), and it did generate
+    assert (
+        summary["fleet"]["ep_size"] == 2 and len(set(summary["fleet"]["worker_rank_pids"]["rollout-0"])) == 2
+    )
+    assert read_jsonl(_run_dir(tmp_path).metrics)[-1]["rollout/workers"]["rollout-0"]["groups_total"] > 0
+
+
+def _records(out: Path) -> int:
+    metrics = list(out.glob("default-*/metrics.jsonl"))
+    return len(metrics[0].read_text().splitlines()) if metrics else 0
+
+
+def _group_names(worker_id: str) -> list[str]:
+    """Named follower actors of ``worker_id``'s group: ``<worker_id>-ep<r>-<leader pid>``."""
+    return [n for n in ray.util.list_named_actors() if n.startswith(f"{worker_id}-ep1-")]
+
+
+def _wait(condition, timeout_s: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _kill_ranks_mid_run(out: Path, killed: dict, seen: list[dict]) -> None:
+    """Once 2 steps are trained: note the first group's rank 1 (engine state), SIGKILL it by its pid;
+    once the replacement group has delivered for a step: SIGKILL its leader (rank 0) by its pid."""
+    if not _wait(lambda: _records(out) >= 2 and _group_names("rollout-0")):
+        return
+    follower = ray.get_actor(_group_names("rollout-0")[0])
+    seen.append(ray.get(follower.ep_state.remote()))
+    killed["follower"] = ray.get(follower.pid.remote())
+    os.kill(killed["follower"], signal.SIGKILL)
+    if not _wait(lambda: bool(_group_names("rollout-1"))):
+        return
+    up_at = _records(out)
+    if _wait(lambda: _records(out) > up_at):
+        killed["leader"] = int(_group_names("rollout-1")[0].rsplit("-", 1)[1])
+        os.kill(killed["leader"], signal.SIGKILL)
+
+
+def _expert_bytes(cfg) -> int:
+    model = build_model(cfg.model, load_tokenizer(None).vocab_size)
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+
+
+@pytest.mark.timeout(240)
+def test_killed_rank_loses_the_worker_not_a_task(local_ray, default_init, tmp_path):
+    steps = 14
+    killed: dict[str, int] = {}
+    seen: list[dict] = []
+    killer = threading.Thread(target=_kill_ranks_mid_run, args=(tmp_path, killed, seen), daemon=True)
+    killer.start()
+    cfg = _config(tmp_path, default_init, steps)
+    summary = train(cfg, live=False)
+    killer.join(5)
+    assert killed.keys() == {"follower", "leader"}, f"not both ranks were killed mid-run: {killed}"
+    # before the kill, the follower ran newer weights than version 0 and held half of the experts
+    assert seen[0]["version"] >= 1 and seen[0]["expert_bytes"] * 2 == _expert_bytes(cfg), seen
+    assert summary["status"] == "completed" and summary["steps"] == steps
+    _assert_exactly_once(summary, _run_dir(tmp_path), steps)
+    fleet = summary["fleet"]
+    assert fleet["killed"] == 2 and fleet["replaced"] == 2 and fleet["spawned"] == 3, fleet
+    pids = fleet["worker_rank_pids"]
+    assert killed["follower"] == pids["rollout-0"][1]  # EP rank 1 of the first group
+    assert killed["leader"] == pids["rollout-1"][0]  # EP rank 0 of the second
+    for pid in {*pids["rollout-0"], *pids["rollout-1"]}:  # both lost groups are gone, every rank
+        assert _wait(lambda pid=pid: not _alive(pid), 10), f"rank process {pid} outlived its group"
+    assert len(set(pids["rollout-2"])) == 2  # the third group finished the run ...
+    assert not [n for n in ray.util.list_named_actors() if n.startswith("rollout-")]  # ... and ended with it
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a killed Ray worker until the raylet reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
