@@ -308,7 +308,7 @@ def _print(p: dict) -> None:
     rows += [[f"floor: {name}", s, None, None, gb / s, None] for name, s in p["floors_s"].items()]
     title = (
         f"weight sync, {p['spec']} ({gb:.3g} GB, {p['num_tensors']} tensors), {p['engine']}, "
-        f"{p['device'].get('name', 'cpu')}, {p['bucket_mb']} MiB buckets: optimizer step -> the engine on "
+        f"{p['device'].get('device', 'cpu')}, {p['bucket_mb']} MiB buckets: optimizer step -> the engine on "
         "the new version"
     )
     print_table(title, ["path", "median s", "min s", "engine copy s", "GB/s", "weights ok"], rows)
