@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--label", default="")
+    ap.add_argument("--calls", type=int, default=200, help="round trips per repeat")
+    ap.add_argument("--repeats", type=int, default=7)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     store = Path(tempfile.mkdtemp()) / "store"
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 disp = cls(Topology(1, 1), e)
                 saved = _stub_kernels(x, idx, w, torch.arange(e), e) if mode == "glue" else {}
                 try:
-                    results[f"{mode}/{cls.__name__}"] = _measure(disp, x, idx, w)
+                    results[f"{mode}/{cls.__name__}"] = _measure(disp, x, idx, w, a.calls, a.repeats)
                 finally:
                     for n, f in saved.items():
                         setattr(a2a_mod, n, f)
