@@ -50,7 +50,7 @@ def _ep_moe(disp, x, idx, w, gate_up, down):
 
 
 def _interleaved_reps(
-    results: dict, fns: dict, bare, bare_ms: float, device, payload_bytes: int, reps: int = 3
+    results: dict, fns: dict, bare, bare_ms: float, device, payload_bytes: int, reps: int = 5
 ):
     """Time the bare pass and every dispatcher again, round-robin, ``reps`` times: one machine-state
     swing then moves all figures alike; each figure becomes the median of its 1 + reps medians."""

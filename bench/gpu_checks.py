@@ -11,14 +11,18 @@ buffer. Prints one line per check and exits non-zero when any fails.
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import SPECS, build_hf, moerl_from_hf, rel_err  # noqa: E402
+from moerl.ep import AllToAllDispatcher, EPInputError, HierarchicalDispatcher, Topology  # noqa: E402
 from moerl.ep import rows as ep_rows  # noqa: E402
 from moerl.models import kernels, layer_kernels, moe_kernels  # noqa: E402
 from moerl.models.config import RopeScaling  # noqa: E402
@@ -170,6 +174,52 @@ def check_single_rank_layout(device: torch.device) -> None:
         check(f"single_rank_layout == sort reference t={t} k={k} E={e} {bad}", float(len(bad)), 0.5)
 
 
+def check_single_rank_dispatch(device: torch.device) -> None:
+    """Both dispatchers in a group of one rank (gloo: no collective runs at world size 1) on the device
+    against the same dispatcher on CPU copies: recv_x, counts, received weights, combine and the
+    gradients of x and the weights, for calls of different M back to back (the pinned read buffer is
+    reused), then out-of-range ids (EPInputError) and a valid call after them."""
+    made = not dist.is_initialized()
+    if made:
+        store = Path(tempfile.mkdtemp()) / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    for cls in (AllToAllDispatcher, HierarchicalDispatcher):
+        gpu, cpu = cls(Topology(1, 1), 16), cls(Topology(1, 1), 16)
+        for t, k, empty in ((300, 4, 0.0), (129, 4, 0.3), (1000, 2, 0.6)):
+            idx = torch.randint(0, 16, (t, k))
+            idx[torch.rand(t, k) < empty] = -1
+            x, w, dy = torch.randn(t, 64), torch.rand(t, k), torch.randn(t, 64)
+            res = []
+            for disp, dev in ((gpu, device), (cpu, torch.device("cpu"))):
+                xd, wd = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+                recv_x, counts, handle = disp.dispatch(xd, idx.to(dev), wd)
+                out = disp.combine(recv_x * 2, handle)
+                gx, gw = torch.autograd.grad(out, [xd, wd], dy.to(dev))
+                res.append([recv_x, counts, handle.recv_weights, out, gx, gw])
+            bad = sum(  # the row moves and the plan are exact; sums may differ in float32 order only
+                tuple(a.shape) != tuple(b.shape) or not torch.equal(a.detach().cpu(), b.detach())
+                for a, b in zip(res[0][:3], res[1][:3], strict=True)
+            )
+            check(f"single-rank {cls.__name__} rows, counts, weights exact t={t} k={k} empty={empty}",
+                  float(bad), 0.5)  # fmt: skip
+            for name, a, b in zip(("combine", "grad x", "grad w"), res[0][3:], res[1][3:], strict=True):
+                check(f"single-rank {cls.__name__} {name} t={t} k={k} empty={empty}", rel_err(a, b), 1e-6)
+        idx = torch.randint(0, 16, (50, 2), device=device)
+        idx[7, 1] = 16
+        try:
+            gpu.dispatch(torch.randn(50, 64, device=device), idx, torch.rand(50, 2, device=device))
+            raised = False
+        except EPInputError:
+            raised = True
+        recv_x, counts, _ = gpu.dispatch(torch.randn(50, 64, device=device), idx.clamp(max=15),
+                                         torch.rand(50, 2, device=device))  # fmt: skip
+        ok = raised and recv_x.shape[0] == 100 and int(counts.sum()) == 100
+        check(f"single-rank {cls.__name__} out-of-range ids raise, next call right", 0.0 if ok else 1.0, 0.5)
+    if made:
+        dist.destroy_process_group()
+
+
 def check_reference_rounding(device: torch.device) -> None:
     """With reference rounding (the default) the rotary and SwiGLU forward kernels equal the eager bf16 code
     element for element (same roundings; SiLU's exp may differ in the last float32 bit, hence < 1)."""
@@ -293,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     check_weighted_swiglu(device)
     check_ep_rows(device)
     check_single_rank_layout(device)
+    check_single_rank_dispatch(device)
     check_routing(device)
     check_causal_attention(device)
     check_rotary(device)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moerl.ep.comm import GlobalCounts, SingleRankInputs, accumulation_dtype, check_single_rank
+from moerl.ep.comm import GlobalCounts, PinnedRead, SingleRankInputs, accumulation_dtype, check_single_rank
 from moerl.ep.dispatcher import Dispatcher
 from moerl.ep.layout import Layout
 from moerl.ep.placement import ExpertPlacement
@@ -94,6 +94,7 @@ class AllToAllDispatcher(Dispatcher):
         super().__init__(topology, num_experts, group, placement=placement)
         self.fp8_dispatch = fp8_dispatch
         self._all = self._link(self.group, list(range(topology.world_size)))
+        self._read = PinnedRead()
 
     def _splits(self, counts: GlobalCounts) -> dict:
         """Host-side split sizes and block offsets, all from the exchanged counts (no device read)."""
@@ -190,29 +191,34 @@ class AllToAllDispatcher(Dispatcher):
         """Dispatch in a group of one rank: every copy stays here, so the plan is a sync-free counting sort
         (``rows.single_rank_layout``) and recv_x one gather of x's rows.
 
-        The host checks run first; the layout and the gather are queued before the one device read (the
-        ids' range and the copy count M), so the device is busy while the host waits. Kernels treat
-        out-of-range ids as empty slots, so a bad input is reported (``EPInputError``) after harmless
-        work. Inside a CUDA graph capture no read is possible: the fixed-capacity form is returned
-        instead (recv_x [T k, H], valid copies first, the rest never read by combine; ids not checked).
+        Order of the host work, so that the device never waits for the host after the read: host checks
+        (plain Python), the layout kernels, the copy of the layout's ``info`` (min id, max id, M) to
+        pinned memory, the payload gather, and only then the read, which waits for the layout alone
+        (``PinnedRead``): the host checks the ids' range, slices the plan and returns while the gather
+        still runs, so the caller's next kernels (the experts, the combine) queue behind it. Kernels
+        treat out-of-range ids as empty slots, so a bad input is reported (``EPInputError``, before any
+        result is returned) after harmless work. Inside a CUDA graph capture no read is possible: the
+        fixed-capacity form is returned instead (recv_x [T k, H], valid copies first, the rest never read
+        by combine; ids not checked).
         """
         check_single_rank(inputs, self.num_experts)  # shapes, devices, dtypes: host only
-        t, k = topk_idx.shape
         _, local_index, _ = self._on(x.device)
         order, row_token, slot_row, row_w, counts, info = single_rank_layout(
             topk_idx, topk_weights, local_index, self.num_experts
         )
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        pending = None if capturing else self._read.start(info)
+        none = order[:0]
         if self.fp8_dispatch:
             xq, scale = quantize_rows_fp8(x)
             recv_x = gather_rows2(xq, xq[:0], row_token, scale=scale, out_dtype=x.dtype)
         else:
             recv_x = gather_rows2(x, x[:0], row_token)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            m = t * k  # fixed capacity: no device read inside a graph
+        if capturing:
+            m = topk_idx.numel()  # fixed capacity: no device read inside a graph
         else:
-            lo, hi, m = info.tolist()  # the dispatch's one device sync
+            lo, hi, m = self._read.finish(info, pending)  # the dispatch's one device sync
             check_single_rank(inputs, self.num_experts, (lo, hi))
-        none = order[:0]
         plan = AllToAllPlan(
             send_token=none,
             send_slot=none,
@@ -224,7 +230,7 @@ class AllToAllDispatcher(Dispatcher):
             slot_src=slot_row,
             tokens_per_local_expert=counts,
         )
-        return recv_x[:m], row_w[:m].to(accumulation_dtype(topk_weights.dtype)), plan
+        return recv_x[:m], row_w[:m], plan
 
     def _send_payload(
         self, x: torch.Tensor, w_flat: torch.Tensor, plan: AllToAllPlan

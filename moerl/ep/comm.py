@@ -112,7 +112,8 @@ class SingleRankInputs:
 def check_single_rank(
     inputs: SingleRankInputs, num_experts: int, span: tuple[int, int] | None = None
 ) -> None:
-    """``exchange_counts``'s checks and error messages for a group of one rank, without a table.
+    """``exchange_counts``'s checks and error messages for a group of one rank, without a table (plain
+    Python on a few ints: it runs between the dispatch's device read and the return of its results).
 
     Args:
         inputs: the host-side facts (``SingleRankInputs``).
@@ -125,11 +126,15 @@ def check_single_rank(
     lo, hi = span if span is not None else (-1, -1)
     shape = inputs.x_shape
     head = [1, 0, 0, 0, 0, 0, -1, -1] if inputs.problem else [0, shape[0], shape[1], inputs.k, *codes, lo, hi]
-    _raise_on_problems(torch.tensor([head]), inputs.problem, 0, num_experts)
+    _raise_on_heads([head], inputs.problem, 0, num_experts)
 
 
 def _raise_on_problems(table: torch.Tensor, problem: str | None, rank: int, num_experts: int) -> None:
-    heads = [row[:_HEADER] for row in table[:, :_HEADER].tolist()]  # plain Python: a few rows of 8 ints
+    _raise_on_heads(table[:, :_HEADER].tolist(), problem, rank, num_experts)  # a few rows of 8 ints
+
+
+def _raise_on_heads(heads: list[list[int]], problem: str | None, rank: int, num_experts: int) -> None:
+    """Raise ``EPInputError`` for the first problem in the ranks' table heads ([R] rows of _HEADER ints)."""
     out_of_range = [h[0] == 0 and (h[6] < -1 or h[7] >= num_experts) for h in heads]
     if problem is None and out_of_range[rank]:
         lo, hi = heads[rank][6], heads[rank][7]
@@ -145,6 +150,45 @@ def _raise_on_problems(table: torch.Tensor, problem: str | None, rank: int, num_
             raise EPInputError(f"EP dispatch: ranks disagree on {name}: per rank {shown}")
         if col >= 4 and values[0] >= len(_DTYPES):
             raise EPInputError(f"EP dispatch: {name} must be one of {_DTYPES}")
+
+
+class PinnedRead:
+    """Reads of small device tensors that do not wait for the work queued after them: each ``start``
+    copies the tensor into a pinned host buffer (reused per device, dtype and size) and records an event
+    behind the copy; ``finish`` waits for that event only, so kernels queued between the two keep the
+    device busy while the host waits and then goes on. CPU tensors are read directly.
+
+    Not for concurrent use from several threads (the buffer is reused); a ``finish`` must follow each
+    ``start`` before the next ``start`` of the same size.
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = {}
+
+    def start(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event] | None:
+        """Queue the copy of t [n] to the host on t's current stream; None for a CPU tensor."""
+        if not t.is_cuda:
+            return None
+        key = (t.device, t.dtype, t.numel())
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = (
+                torch.empty(t.numel(), dtype=t.dtype, pin_memory=True),
+                torch.cuda.Event(),
+            )
+        buf, event = slot
+        buf.copy_(t, non_blocking=True)
+        event.record(torch.cuda.current_stream(t.device))
+        return slot
+
+    @staticmethod
+    def finish(t: torch.Tensor, pending: tuple[torch.Tensor, torch.cuda.Event] | None) -> list:
+        """t's values as a list (a host sync: waits for the copy ``start`` queued, not for later work)."""
+        if pending is None:
+            return t.tolist()
+        buf, event = pending
+        event.synchronize()
+        return buf.tolist()
 
 
 def pack_rows(*tensors: torch.Tensor) -> torch.Tensor:

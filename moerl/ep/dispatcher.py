@@ -147,7 +147,10 @@ class Dispatcher:
             # A group of one rank: no layout, no counts table; the plan is one sync-free counting sort and
             # the one device read (ids' range, copy count) comes after the payload gather is queued.
             inputs = SingleRankInputs(problem, tuple(x.shape), k, (x.dtype, topk_weights.dtype))
-            recv_x, recv_w, plan = _DispatchFn.apply(x, topk_weights, topk_idx, None, inputs, self)
+            if _needs_grad(x, topk_weights):
+                recv_x, recv_w, plan = _DispatchFn.apply(x, topk_weights, topk_idx, None, inputs, self)
+            else:  # nothing to differentiate: no autograd node (its bookkeeping is host time per call)
+                recv_x, recv_w, plan = self._dispatch_rows(x, topk_idx, topk_weights, None, inputs)
             return recv_x, plan.tokens_per_local_expert, self._handle(plan, recv_w, x, topk_weights)
         layout = None if problem is not None else compute_layout(topk_idx, self.placement)
         local = (
@@ -168,7 +171,10 @@ class Dispatcher:
             topk_idx=topk_idx if problem is None else None,
         )  # the dispatch's one device sync (ids checked there too); combine and backward have none
         start = self._traffic_now()
-        recv_x, recv_w, plan = _DispatchFn.apply(x, topk_weights, topk_idx, layout, counts, self)
+        if _needs_grad(x, topk_weights):
+            recv_x, recv_w, plan = _DispatchFn.apply(x, topk_weights, topk_idx, layout, counts, self)
+        else:
+            recv_x, recv_w, plan = self._dispatch_rows(x, topk_idx, topk_weights, layout, counts)
         self._finish(start)
         return recv_x, plan.tokens_per_local_expert, self._handle(plan, recv_w, x, topk_weights)
 
@@ -198,12 +204,20 @@ class Dispatcher:
         m = handle.recv_weights.shape[0]
         if y.dim() != 2 or y.shape[0] != m:
             raise ValueError(f"combine: y must be [M={m}, H], got shape {tuple(y.shape)}")
-        start = self._traffic_now()
+        counted = self.topology.world_size > 1  # a group of one rank sends nothing: its Traffic stays 0
+        start = self._traffic_now() if counted else None
         if self._combine_at_source and handle.topk_weights is not None:
-            out = _SourceCombineFn.apply(y, handle.topk_weights, handle.plan, self)
-        else:
+            w = handle.topk_weights
+            if _needs_grad(y, w):
+                out = _SourceCombineFn.apply(y, w, handle.plan, self)
+            else:  # nothing to differentiate: no autograd node
+                out = self._source_combine(y, w, handle.plan)[0]
+        elif _needs_grad(y, handle.recv_weights):
             out = _CombineFn.apply(y, handle.recv_weights, handle.plan, self)
-        self._finish(start)
+        else:
+            out = self._reverse(y, handle.plan, y.dtype, weights=handle.recv_weights)
+        if counted:
+            self._finish(start)
         return out
 
     def _on(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -268,6 +282,11 @@ class Dispatcher:
     def _finish(self, start: Traffic) -> None:
         self.total_traffic = self._traffic_now()
         self.last_traffic = self.total_traffic - start
+
+
+def _needs_grad(*ts: torch.Tensor) -> bool:
+    """Whether autograd would record an op on these inputs (grad mode on and one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
 class _DispatchFn(torch.autograd.Function):

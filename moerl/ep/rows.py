@@ -377,17 +377,17 @@ def single_rank_layout(
     block = max(16, min(256, 8192 // nb))
     chunks = triton.cdiv(s, block)
     hist = torch.empty((num_experts + 1) * chunks, dtype=torch.int32, device=dev)
-    cmin = torch.empty(chunks, dtype=torch.int64, device=dev)
-    cmax = torch.empty_like(cmin)
+    # One allocation for the int64 outputs and scratch (host time per call: one empty and one split
+    # instead of seven empties); the large arrays first, so they keep the buffer's alignment.
+    buf = torch.empty(3 * s + num_experts + 3 + 2 * chunks, dtype=torch.int64, device=dev)
+    order, row_token, slot_row, counts, info, cmin, cmax = buf.split(
+        (s, s, s, num_experts, 3, chunks, chunks)
+    )
     _slot_hist_kernel[(chunks,)](
         flat, local_index, hist, cmin, cmax, s, chunks, num_experts, NB=nb, BLOCK=block
     )
     cum = hist.cumsum(0)  # int64, bucket-major then chunk
-    order = torch.empty(s, dtype=torch.int64, device=dev)
-    row_token, slot_row = torch.empty_like(order), torch.empty_like(order)
     row_weight = torch.empty(s, dtype=torch.float32, device=dev)
-    counts = torch.empty(num_experts, dtype=torch.int64, device=dev)
-    info = torch.empty(3, dtype=torch.int64, device=dev)
     _slot_place_kernel[(chunks,)](
         flat, local_index, w.contiguous(), cum, hist, cmin, cmax, order, row_token, slot_row, row_weight,
         counts, info, s, chunks, num_experts, K=k, NB=nb, BLOCK=block,

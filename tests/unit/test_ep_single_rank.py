@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moerl.ep import AllToAllDispatcher, EPInputError, HierarchicalDispatcher, Topology
+from moerl.ep.layout import Traffic
 from moerl.ep.parallelize import ExpertParallelExperts, parallelize, replicated_parameters
 
 DISPATCHERS = [AllToAllDispatcher, HierarchicalDispatcher]
@@ -61,6 +62,29 @@ def test_dispatch_layout_and_combine_values(one_rank, cls):
     assert out.dtype == torch.float32
     assert out.flatten().tolist() == [7.5, 20.0, 150.0]  # 10 * x_t * sum of its weights
     assert disp.last_traffic.inter_node_bytes == 0 and disp.last_traffic.intra_node_bytes == 0
+
+
+@pytest.mark.parametrize("cls", DISPATCHERS)
+def test_no_grad_round_trip_equals_autograd_one(one_rank, cls):
+    """Inputs that need no gradient skip the autograd nodes (host time per call) with the same values;
+    a group of one rank sends nothing, so its traffic counters stay zero."""
+    disp = cls(Topology(1, 1), 4)
+    idx = torch.tensor([[3, 0], [1, -1], [2, 1], [0, 3]])
+    x, w = torch.randn(4, 5), torch.rand(4, 2)
+    recv_x, counts, handle = disp.dispatch(x, idx, w)
+    out = disp.combine(recv_x * 3, handle)
+    assert recv_x.grad_fn is None and out.grad_fn is None
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    recv_g, counts_g, handle_g = disp.dispatch(xg, idx, wg)
+    out_g = disp.combine(recv_g * 3, handle_g)
+    assert out_g.grad_fn is not None
+    assert torch.equal(recv_x, recv_g.detach()) and torch.equal(counts, counts_g)
+    assert torch.equal(out, out_g.detach())
+    with torch.no_grad():
+        recv_n, _, handle_n = disp.dispatch(xg, idx, wg)
+        assert disp.combine(recv_n, handle_n).grad_fn is None
+    out_g.sum().backward()
+    assert disp.total_traffic == disp.last_traffic == Traffic()
 
 
 def test_bad_input_single_rank(one_rank):
