@@ -170,7 +170,10 @@ def test_killed_rank_loses_the_worker_not_a_task(local_ray, default_init, tmp_pa
     assert summary["status"] == "completed" and summary["steps"] == steps
     _assert_exactly_once(summary, _run_dir(tmp_path), steps)
     fleet = summary["fleet"]
-    assert fleet["killed"] == 2 and fleet["replaced"] == 2 and fleet["spawned"] == 3, fleet
+    assert fleet["killed"] == 2 and fleet["spawned"] == 3, fleet
+    # ``replaced`` counts a replacement once the fleet has polled its first health report; the third
+    # group can deliver the run's last groups before that poll (seen under load), so it may count 1
+    assert fleet["replaced"] in (1, 2), fleet
     pids = fleet["worker_rank_pids"]
     assert killed["follower"] == pids["rollout-0"][1]  # EP rank 1 of the first group
     assert killed["leader"] == pids["rollout-1"][0]  # EP rank 0 of the second
