@@ -126,8 +126,9 @@ Write the Amazon EKS + KubeRay manifests of a run config with a cluster: section
 
 The run needs storage.url=s3://... and a policy to start from (cluster.model_url=s3://... of a
 Hugging Face model folder, or init_from). The job's layout is the run's own: trainer.num_ranks,
-trainer.ep_size, trainer.gpus_per_node, rollout.num_workers (and cluster.rollout_ep_size, written into
-rollout.ep_size). Every check runs before anything is written; a bad value is a one-line error.
+trainer.ep_size, trainer.gpus_per_node, rollout.num_workers, rollout.ep_size (which must divide
+cluster.rollout.gpus_per_node). Every check runs before anything is written; a bad value is a one-line
+error.
 
 example:
   moerl cluster render --config configs/cluster_qwen3_30b_1node.yaml --out deploy/k8s/qwen3-30b \\

@@ -174,7 +174,11 @@ class MemoryGroupConfig(NodeGroupConfig):
 
 @dataclass(kw_only=True, slots=True)
 class ClusterConfig:
-    """Where and how a run is deployed on Amazon EKS through KubeRay (``moerl cluster render``)."""
+    """Where and how a run is deployed on Amazon EKS through KubeRay (``moerl cluster render``).
+
+    The section describes nodes only. The layout is the run's own (``trainer.num_ranks``,
+    ``trainer.ep_size``, ``trainer.gpus_per_node``, ``rollout.num_workers``, ``rollout.ep_size``); the
+    render checks that it fits the groups (``moerl.cluster.render``)."""
 
     name: str = "moerl"
     """EKS cluster name (also the prefix of the RayJob's name)."""
@@ -209,12 +213,6 @@ class ClusterConfig:
     resume_from: str | None = None
     """URL of a stored run (``s3://bucket/prefix/<name>-<timestamp>``) the RayJob continues with
     ``moerl train --resume``; None: a new run."""
-    rollout_ep_size: int | None = None
-    """GPUs of one rollout worker (its engine's EP ranks); must divide ``cluster.rollout.gpus_per_node``.
-    Stands in for ``rollout.ep_size`` while runs accept only ``rollout.ep_size: 1`` (the EP rollout worker
-    group is not in the fleet yet); the render writes it into the run config's ``rollout.ep_size``.
-    None: ``rollout.ep_size``. The trainer's layout has no such field: the render reads
-    ``trainer.num_ranks``, ``trainer.ep_size`` and ``trainer.gpus_per_node``."""
     model_url: str | None = None
     """``s3://`` URL of the Hugging Face model folder (config.json, safetensors, tokenizer) the policy
     starts from. An init container of every train pod copies it to ``/models/<last part of the URL>``
@@ -255,13 +253,6 @@ class ClusterConfig:
             getattr(self, group).check(group)
         if self.train.gpus_per_node < 1 or self.rollout.gpus_per_node < 1:
             raise ConfigError("cluster.train.gpus_per_node and cluster.rollout.gpus_per_node must be >= 1")
-        if self.rollout_ep_size is not None:
-            check_range("cluster.rollout_ep_size", self.rollout_ep_size, 1, self.rollout.gpus_per_node)
-            if self.rollout.gpus_per_node % self.rollout_ep_size:
-                raise ConfigError(
-                    f"cluster.rollout_ep_size={self.rollout_ep_size} must divide "
-                    f"cluster.rollout.gpus_per_node={self.rollout.gpus_per_node}"
-                )
 
     @property
     def zone(self) -> str:

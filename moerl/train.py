@@ -15,10 +15,7 @@ entry points (``moerl train``); Ctrl-C or SIGTERM ends a run with ``RunInterrupt
 
 from __future__ import annotations
 
-import contextlib
 import random
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -39,6 +36,7 @@ from moerl.distributed.recovery import restart_group
 from moerl.envs.stats import merge as env_merge
 from moerl.envs.stats import step_values as env_step_values
 from moerl.models import save_pretrained
+from moerl.run_interrupt import RunInterrupted, sigterm_interrupts
 from moerl.runtime.accounting import FleetState, accounting
 from moerl.runtime.allocator import keep_freed_memory
 from moerl.runtime.build import build_components
@@ -58,36 +56,6 @@ from moerl.telemetry.live import LiveView
 from moerl.telemetry.report import plot_report
 from moerl.telemetry.run import RunTelemetry
 from moerl.telemetry.step import StepTimings, step_values
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM stopped a run; workers were stopped and the newest checkpoint stays.
-
-    Args:
-        folder: the run folder, or None when it was removed (stopped before its first step).
-        resumable: True when ``folder`` holds a checkpoint that ``resume`` continues from.
-    """
-
-    def __init__(self, folder: Path | None, resumable: bool) -> None:
-        super().__init__(f"run interrupted: {folder}")
-        self.folder = folder
-        self.resumable = resumable
-
-    @property
-    def run_dir(self) -> Path | None:
-        """The folder to pass to ``resume`` (``moerl train --resume``), or None when it cannot be resumed."""
-        return self.folder if self.resumable else None
-
-    @property
-    def partial_run_dir(self) -> Path | None:
-        """The folder holding the metrics so far, resumable or not; None when it was removed."""
-        return self.folder
-
-    @classmethod
-    def of(cls, path: Path) -> RunInterrupted:
-        """The interrupt of the run in folder ``path`` (which may be gone)."""
-        exists = path.is_dir()
-        return cls(path if exists else None, exists and latest_checkpoint(path) is not None)
 
 
 class Run:
@@ -419,7 +387,7 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
     run_dir = RunDir.create(cfg)
     try:
         # a failure before step 1 leaves no half-written folder
-        with _sigterm_interrupts(), run_dir.discarded_on_early_failure():
+        with sigterm_interrupts(), run_dir.discarded_on_early_failure():
             run = Run(cfg, run_dir, live=live)
             run.start(checkpoint=None)
             return run.run()
@@ -455,7 +423,7 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
             + ("checkpoints are off)" if every == 0 else f"the first is written at step {every})")
         )
     try:
-        with _sigterm_interrupts():
+        with sigterm_interrupts():
             run = Run(cfg, folder, live=live)
             run.start(checkpoint=ckpt)
             return run.run()
@@ -496,23 +464,3 @@ def _seed_everything(seed: int) -> None:
 def _accuracy(value: float | None) -> str:
     """An accuracy with three decimals, or "not evaluated"."""
     return "not evaluated" if value is None else f"{value:.3f}"
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _sigterm_interrupts():
-    """While a run lasts, SIGTERM (a scheduler or ``kill`` stopping the job) stops it as Ctrl-C does:
-    workers are stopped, the newest checkpoint stays, and the CLI prints the ``--resume`` hint and exits
-    130. The previous handler comes back afterwards. Only from the main thread (Python's rule).
-    ``init_ray`` keeps it across ``ray.init``, which would install Ray's own."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

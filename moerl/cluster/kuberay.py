@@ -145,7 +145,7 @@ def worker_group(cfg: RunConfig, group: str) -> dict:
     if group == "rollout":
         container["lifecycle"] = _prestop(cfg)
         template["spec"]["terminationGracePeriodSeconds"] = grace_period_s(cfg)
-    resources = {name: str(int(amount)) for name, amount in node_resources(cluster, group).items()}
+    resources = {name: str(int(amount)) for name, amount in node_resources(cfg, group).items()}
     return {
         "groupName": group,
         "replicas": spec.min_nodes,

@@ -45,20 +45,6 @@ def train_nodes(cfg: RunConfig) -> int:
     return math.ceil(cfg.trainer.num_ranks / cfg.trainer.gpus_per_node)
 
 
-def rollout_ep_size(cfg: RunConfig) -> int:
-    """GPUs of one rollout worker: ``cluster.rollout_ep_size`` (the stand-in), else ``rollout.ep_size``.
-
-    Raises:
-        ConfigError: both are set (``rollout.ep_size`` other than 1) and differ.
-    """
-    stand_in, run = cfg.cluster.rollout_ep_size, cfg.rollout.ep_size
-    if stand_in is not None and run != 1 and stand_in != run:
-        raise ConfigError(
-            f"cluster.rollout_ep_size={stand_in} contradicts rollout.ep_size={run}; set only one of them"
-        )
-    return stand_in if stand_in is not None else run
-
-
 def policy_folder(cfg: RunConfig) -> str | None:
     """The cluster run's ``init_from``: where the train pods copy ``cluster.model_url``, else the run's own.
 
@@ -125,10 +111,11 @@ def _check(cfg: RunConfig) -> None:
     if cfg.runtime.store_url is not None and not cfg.runtime.store_url.startswith("s3://"):
         raise ConfigError(f"runtime.store_url={cfg.runtime.store_url!r} must be in S3 on a cluster (or None)")
     _check_trainer(cfg)
-    ep = rollout_ep_size(cfg)
+    ep = cfg.rollout.ep_size  # GPUs of one rollout worker: its EP group's ranks
     if c.rollout.gpus_per_node % ep:
         raise ConfigError(
-            f"rollout.ep_size={ep} must divide cluster.rollout.gpus_per_node={c.rollout.gpus_per_node}"
+            f"rollout.ep_size={ep} must divide cluster.rollout.gpus_per_node={c.rollout.gpus_per_node}: "
+            "a rollout worker's EP ranks are GPUs of one rollout node"
         )
     per_node = c.rollout.gpus_per_node // ep
     wanted = cfg.fleet.max_workers or cfg.rollout.num_workers
@@ -143,11 +130,11 @@ def _check(cfg: RunConfig) -> None:
 def cluster_run_config(cfg: RunConfig) -> RunConfig:
     """The run config as the cluster runs it: async on the job's Ray cluster (``ray_address: auto``),
     the model on CUDA, the rollout pods' notice file and the instance metadata service (IMDSv2) as
-    notice sources, ``init_from`` the train pods' copy of ``cluster.model_url``, ``cluster.rollout_ep_size``
-    resolved; everything else as given. ``job_run_config`` is what the job reads.
+    notice sources, ``init_from`` the train pods' copy of ``cluster.model_url``; everything else as given,
+    the layout included. ``job_run_config`` is what the job reads.
 
     Raises:
-        ConfigError: see ``_check``, ``rollout_ep_size`` and ``policy_folder``.
+        ConfigError: see ``_check`` and ``policy_folder``.
     """
     _check(cfg)
     data = to_dict(cfg)
@@ -156,22 +143,15 @@ def cluster_run_config(cfg: RunConfig) -> RunConfig:
     data["fleet"]["notice_file"] = NOTICE_FILE
     data["fleet"]["imds_url"] = data["fleet"]["imds_url"] or IMDS_URL
     data["init_from"] = policy_folder(cfg)
-    data["cluster"]["rollout_ep_size"] = rollout_ep_size(cfg)
     return from_dict(RunConfig, data)
 
 
 def job_run_config(run: RunConfig) -> dict:
     """The run config the job's ``moerl train`` reads (the ConfigMap's ``run.yaml``, TorchX's
-    ``MOERL_RUN_CONFIG``), as a dict: ``run`` (from ``cluster_run_config``) with ``rollout.ep_size`` set to
-    the cluster's rollout EP size. Every layout field is the run's own: ``trainer.num_ranks``,
-    ``trainer.ep_size``, ``trainer.gpus_per_node``, ``rollout.num_workers``, ``rollout.ep_size``.
-
-    While runs accept only ``rollout.ep_size: 1`` (until the EP rollout worker group is in the fleet),
-    ``moerl train`` refuses the config of a cluster with ``cluster.rollout_ep_size > 1``.
-    """
-    data = to_dict(run)
-    data["rollout"]["ep_size"] = run.cluster.rollout_ep_size
-    return data
+    ``MOERL_RUN_CONFIG``), as a dict: ``run`` (from ``cluster_run_config``) as it is. Every layout field
+    is the run's own: ``trainer.num_ranks``, ``trainer.ep_size``, ``trainer.gpus_per_node``,
+    ``rollout.num_workers``, ``rollout.ep_size``."""
+    return to_dict(run)
 
 
 def namespace(cfg: RunConfig) -> dict:

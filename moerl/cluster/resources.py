@@ -18,7 +18,7 @@ GPU, as ``moerl.distributed.ray_ranks`` asks). The names avoid Ray's built-in ``
 
 from __future__ import annotations
 
-from moerl.config_cluster import ClusterConfig
+from moerl.config import RunConfig
 
 GROUPS = ("train", "rollout", "cpu", "memory")
 """Worker groups, in the order they are rendered."""
@@ -33,18 +33,19 @@ DRIVER_REQUEST = {"train": 0.001}
 """What the job's driver (``moerl train``, the trainer's process) requests: a training node."""
 
 
-def node_resources(cluster: ClusterConfig, group: str) -> dict[str, float]:
-    """The custom resources one Ray node of ``group`` advertises (``ray start --resources``).
+def node_resources(cfg: RunConfig, group: str) -> dict[str, float]:
+    """The custom resources one Ray node of ``group`` advertises (``ray start --resources``); a rollout
+    node holds ``cluster.rollout.gpus_per_node // rollout.ep_size`` workers (the run's own EP size).
 
     Raises:
         KeyError: ``group`` is not one of ``GROUPS``.
     """
-    spec = getattr(cluster, group) if group in GROUPS else None
+    spec = getattr(cfg.cluster, group) if group in GROUPS else None
     if spec is None:
         raise KeyError(f"unknown worker group {group!r}; expected one of {list(GROUPS)}")
     amount = {
         "train": spec.gpus_per_node,
-        "rollout": spec.gpus_per_node // (cluster.rollout_ep_size or 1),  # set by cluster_run_config
+        "rollout": spec.gpus_per_node // cfg.rollout.ep_size,
         "cpu": spec.cpus_per_node,
         "memory": 1,
     }[group]

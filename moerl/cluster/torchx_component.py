@@ -10,7 +10,7 @@ a Ray cluster out of TorchX roles, one per worker group (``moerl.config_cluster`
   each pod takes a training node's GPUs and EFA interfaces and advertises the ``train`` resource;
 - ``train`` has ``ceil(trainer.num_ranks / trainer.gpus_per_node)`` pods; with ``cluster.model_url`` each
   first copies the policy's model folder to ``init_from`` (``moerl.cluster.fetch``);
-- ``rollout``: enough pods for ``num_rollout_workers`` (``cluster.rollout_ep_size`` GPUs each), ``rollout``;
+- ``rollout``: enough pods for ``num_rollout_workers`` (``rollout.ep_size`` GPUs each), ``rollout``;
 - ``memory``: one pod for the exchange actor (``exchange``); ``cpu``: ``cpu.min_nodes`` pods (``env``).
 
 Every non-head pod joins the head at ``$VC_TRAIN_0_HOSTS`` (the Volcano host variable of the first role,
@@ -61,7 +61,7 @@ def _resource(spec: NodeGroupConfig) -> specs.Resource:
 
 
 def _ray_start(cfg: RunConfig, group: str, *, head: bool) -> str:
-    resources = json.dumps(node_resources(cfg.cluster, group))
+    resources = json.dumps(node_resources(cfg, group))
     if head:
         return f"ray start --head --port={RAY_PORT} --dashboard-host=0.0.0.0 --resources='{resources}'"
     # TorchX replaces ${rank0_env} by the name of the variable that holds the head's host
@@ -83,10 +83,10 @@ def replicas_per_group(cfg: RunConfig) -> dict[str, int]:
     ``rollout.num_workers`` workers, one memory pod, ``cpu.min_nodes`` CPU pods.
 
     Args:
-        cfg: the run config as the cluster runs it (``cluster_run_config``: ``rollout_ep_size`` set).
+        cfg: the run config as the cluster runs it (``cluster_run_config``).
     """
     c = cfg.cluster
-    per_node = c.rollout.gpus_per_node // c.rollout_ep_size
+    per_node = c.rollout.gpus_per_node // cfg.rollout.ep_size
     return {
         "train": train_nodes(cfg),
         "rollout": math.ceil(cfg.rollout.num_workers / per_node),

@@ -41,7 +41,7 @@ def s3_env(monkeypatch):
 
 
 def test_async_run_on_a_rendered_cluster_shape_with_s3_storage(tmp_path, tiny_init, s3_env, monkeypatch):
-    recipe = load_config("configs/cluster_qwen3_30b_1node.yaml").cluster
+    recipe = load_config("configs/cluster_qwen3_30b_1node.yaml")
     e2e = os.path.dirname(__file__)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (e2e, os.environ.get("PYTHONPATH")) if p))
     cl = Cluster(

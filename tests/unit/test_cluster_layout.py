@@ -21,8 +21,8 @@ from moerl.cluster.fetch import FetchError, fetch_model
 from moerl.cluster.fetch import main as fetch_main
 from moerl.cluster.instances import GPUS_PER_INSTANCE, is_gpu_instance
 from moerl.cluster.kuberay import CONFIG_DIR, MODEL_DIR
-from moerl.cluster.render import cluster_run_config, manifests, rollout_ep_size
-from moerl.config import ConfigError, RunConfig, from_dict, load_config
+from moerl.cluster.render import cluster_run_config, manifests
+from moerl.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MISSION = ROOT / "configs" / "cluster_mission.yaml"
@@ -31,6 +31,13 @@ QWEN = ROOT / "configs" / "cluster_qwen3_30b_1node.yaml"
 
 def _job_config(docs: dict) -> dict:
     return yaml.safe_load(docs["k8s/20-run-config.yaml"]["data"]["run.yaml"])
+
+
+def _load_job_config(docs: dict, tmp_path: Path):
+    """``load_config`` of the ConfigMap's run.yaml, as ``moerl train --config`` loads it on the pod."""
+    path = tmp_path / "run.yaml"
+    path.write_text(docs["k8s/20-run-config.yaml"]["data"]["run.yaml"])
+    return load_config(path)
 
 
 def _pods(docs: dict):
@@ -45,7 +52,7 @@ def _pods(docs: dict):
     [(MISSION, (128, 64, 8, 32, 8)), (QWEN, (8, 8, 8, 4, 2))],
     ids=["mission", "qwen3"],
 )
-def test_the_job_reads_the_runs_layout(recipe, layout):
+def test_the_job_reads_the_runs_layout(recipe, layout, tmp_path):
     docs, _ = manifests(load_config(recipe))
     run = _job_config(docs)
     got = (
@@ -56,10 +63,10 @@ def test_the_job_reads_the_runs_layout(recipe, layout):
         run["rollout"]["ep_size"],
     )
     assert got == layout
-    # the rest is a valid run config (rollout.ep_size > 1 loads once runs accept it: the EP worker group)
-    run["rollout"]["ep_size"] = 1
-    loaded = from_dict(RunConfig, run)
-    assert loaded.trainer.num_ranks == layout[0] and loaded.cluster.rollout.gpus_per_node % layout[4] == 0
+    # what moerl train reads is a valid run config as it is, rollout EP included
+    loaded = _load_job_config(docs, tmp_path)
+    assert (loaded.trainer.num_ranks, loaded.rollout.ep_size) == (layout[0], layout[4])
+    assert loaded.cluster.rollout.gpus_per_node % loaded.rollout.ep_size == 0
     train = {
         g["groupName"]: g for g in docs["k8s/30-rayjob.yaml"]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     }
@@ -80,8 +87,8 @@ def test_the_job_reads_the_runs_layout(recipe, layout):
         ),
         ("init_from=/somewhere/else", r"init_from='/somewhere/else' contradicts cluster.model_url="),
         (
-            "cluster.rollout_ep_size=3",
-            r"cluster.rollout_ep_size=3 must divide cluster.rollout.gpus_per_node=8",
+            "rollout.ep_size=16",
+            r"rollout.ep_size=16 must divide cluster.rollout.gpus_per_node=8",
         ),
     ],
 )
@@ -90,16 +97,24 @@ def test_contradicting_layouts_are_one_line_errors(override, match):
         cluster_run_config(load_config(MISSION, [override]))
 
 
-def test_rollout_ep_size_has_one_value():
+def test_rollout_ep_size_is_the_runs_own():
     cfg = load_config(QWEN)
-    assert rollout_ep_size(cfg) == 2
-    cfg.rollout.ep_size = 4  # what a run config may say once rollout.ep_size > 1 is accepted
-    with pytest.raises(ConfigError, match="cluster.rollout_ep_size=2 contradicts rollout.ep_size=4"):
-        rollout_ep_size(cfg)
-    cfg.cluster.rollout_ep_size = None
-    assert rollout_ep_size(cfg) == 4
-    cfg.rollout.ep_size = 2
-    assert rollout_ep_size(cfg) == 2
+    assert cfg.rollout.ep_size == 2 and cluster_run_config(cfg).rollout.ep_size == 2
+    # one worker per g6e.12xlarge: the 2 rollout nodes hold 2 workers
+    cfg = load_config(QWEN, ["rollout.ep_size=4", "rollout.num_workers=2", "fleet.max_workers=2"])
+    docs, _ = manifests(cfg)
+    assert _job_config(docs)["rollout"]["ep_size"] == 4
+    (rollout,) = [
+        g
+        for g in docs["k8s/30-rayjob.yaml"]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+        if g["groupName"] == "rollout"
+    ]
+    assert rollout["resources"] == {"rollout": "1"}  # 4 GPUs / 4: one worker per node
+    with pytest.raises(ConfigError, match=r"rollout.ep_size=8 must divide cluster.rollout.gpus_per_node=4"):
+        cluster_run_config(load_config(QWEN, ["rollout.ep_size=8"]))
+    # the stand-in is gone: the standard unknown-key error
+    with pytest.raises(ConfigError, match="unknown config key .cluster.rollout_ep_size."):
+        load_config(QWEN, ["cluster.rollout_ep_size=2"])
 
 
 @pytest.mark.parametrize("recipe", [MISSION, QWEN], ids=["mission", "qwen3"])

@@ -34,11 +34,10 @@ class Probe:
 @pytest.fixture(scope="module")
 def cluster():
     cfg = cluster_run_config(load_config("configs/cluster_qwen3_30b_1node.yaml"))
-    c = cfg.cluster
-    head = {"num_cpus": 1, "resources": node_resources(c, "memory")}
-    train = {"num_cpus": 2, "resources": node_resources(c, "train")}
-    # the rollout node holds 2 workers of 1 CPU (g6e.12xlarge: 4 GPUs / rollout_ep_size 2)
-    rollout = {"num_cpus": 2, "resources": node_resources(c, "rollout")}
+    head = {"num_cpus": 1, "resources": node_resources(cfg, "memory")}
+    train = {"num_cpus": 2, "resources": node_resources(cfg, "train")}
+    # the rollout node holds 2 workers of 1 CPU (g6e.12xlarge: 4 GPUs / rollout.ep_size 2)
+    rollout = {"num_cpus": 2, "resources": node_resources(cfg, "rollout")}
     # the head stands for the memory group (the exchange, the Ray head) and has a spare CPU
     cl = Cluster(initialize_head=True, head_node_args={**head, "include_dashboard": False})
     nodes = {"memory": cl.head_node, "train": cl.add_node(**train), "rollout": cl.add_node(**rollout)}
@@ -78,7 +77,7 @@ def test_scaling_hint_requests_rollout_capacity_from_the_autoscaler(cluster):
 
     cfg, _ = cluster
     capacity = RolloutCapacity.for_ray(
-        gpus_per_worker=cfg.cluster.rollout_ep_size,
+        gpus_per_worker=cfg.rollout.ep_size,
         min_workers=cfg.fleet.min_workers,
         max_workers=cfg.fleet.max_workers,
     )
