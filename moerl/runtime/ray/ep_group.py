@@ -2,14 +2,15 @@
 its ``ep_size - 1`` follower ranks as actors in a placement group.
 
     RolloutWorkerActor (EP rank 0: leases, delivers, heartbeats -- one worker to the fleet)
-      EPRolloutGroup: placement group of ep_size - 1 bundles (PACK), EPFollowerActor x (ep_size - 1)
+      EPRolloutGroup: placement group of ep_size - 1 bundles (STRICT_PACK, on the leader's node), EPFollowerActor x (ep_size - 1)
       engine = EPGroupEngine over the group (moerl.rollout.ep_group)
       offer_bucket(...) --forwarded--> each follower's BucketAssembler (the same object refs)
     EPFollowerActor (EP rank r): own model copy, experts sharded on joining; EPFollower loop
 
 Placement: each follower bundle asks for what the worker actor asks for (1 CPU, 1 GPU on CUDA, the
-``rollout`` custom resource when the cluster defines it). PACK keeps the group on as few nodes as
-possible; the leader itself is placed by the fleet as a one-rank worker is. The process group (gloo on
+``rollout`` custom resource when the cluster defines it) and a sliver of Ray's ``node:<ip>`` resource of
+the leader's node, with STRICT_PACK: the whole group runs on the node where the fleet placed the leader
+(as a one-rank worker is placed), so its expert exchange never leaves the node. The process group (gloo on
 CPU, NCCL on CUDA for the EP exchange, plus a gloo group for the commands) meets at a ``tcp://``
 address of the leader's node.
 
@@ -240,8 +241,10 @@ class EPRolloutGroup:
         self.cfg = cfg
         self._remove_pg = remove_placement_group
         size = cfg.rollout.ep_size
-        bundle = _follower_bundle(cfg)
-        self.pg = placement_group([bundle] * (size - 1), strategy="PACK")
+        # Ray's built-in ``node:<ip>`` resource pins every bundle to the leader's node: the group's EP
+        # ranks are GPUs of one node (what ``moerl cluster render`` lays out), never spread by the scheduler
+        bundle = {**_follower_bundle(cfg), f"node:{ray.util.get_node_ip_address()}": 0.001}
+        self.pg = placement_group([bundle] * (size - 1), strategy="STRICT_PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=place_timeout_s)
         if not ready:
             remove_placement_group(self.pg)
