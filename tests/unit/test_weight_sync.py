@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moerl.runtime.fleet import WorkerHealth, WorkerRecord
-from moerl.runtime.ray.rollouts import RayRollouts
+from moerl.runtime.ray.rollouts import RayRollouts, version_lags
 from moerl.runtime.weight_sync import (
     BucketAssembler,
     BucketPublisher,
@@ -164,7 +164,9 @@ def test_sync_values_from_liveness_answers():
     }
     manager = SimpleNamespace(records=records, active_ids=lambda: ["w0", "w1", "w3"])
     fake = SimpleNamespace(
-        manager=manager, _version=6, _sync_values={"timing/weight_sync_s": 0.1, "weights/sync_bytes": 10}
+        manager=manager,
+        _lags=version_lags(records.values(), 6, {}),  # what check_fleet records at its poll
+        _sync_values={"timing/weight_sync_s": 0.1, "weights/sync_bytes": 10},
     )
     values = RayRollouts.sync_values(fake)
     assert values == {
@@ -174,3 +176,15 @@ def test_sync_values_from_liveness_answers():
         "weights/version_lag_max": 3,
         "weights/version_lag_mean": 2.0,
     }
+
+
+def test_version_lag_counts_each_answer_once_against_its_pings_version():
+    """An answer is measured against the trainer's version when its ping went out, and only once: a
+    later step (a newer trainer version) does not make an old answer's lag grow."""
+    seen: dict[str, float] = {}
+    rec = WorkerRecord("w0", 0.0, health=WorkerHealth(policy_version=9))
+    rec.last_seen = 1.0
+    assert version_lags([rec], 10, seen) == {"w0": 1}
+    assert version_lags([rec], 30, seen) == {}  # the same answer, 20 steps later: not counted again
+    rec.last_seen, rec.health = 2.0, WorkerHealth(policy_version=31)  # engine moved past the ping's version
+    assert version_lags([rec], 30, seen) == {"w0": 0}

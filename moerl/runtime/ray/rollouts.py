@@ -35,7 +35,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -65,6 +65,22 @@ def _labels(name: str) -> dict[str, float]:
     import ray
 
     return {name: 0.001} if name in ray.cluster_resources() else {}
+
+
+def version_lags(
+    records: Iterable[WorkerRecord], ping_version: int, seen: dict[str, float]
+) -> dict[str, int]:
+    """worker id -> ``ping_version`` minus the engine version of the worker's liveness answer, in policy
+    versions, for the workers whose answer is new since the last call (``seen``: worker id -> the
+    ``last_seen`` time of the answer already counted, updated here). The fleet collects at each poll
+    the answers to the pings it sent at the previous poll, so ``ping_version`` is the trainer's version
+    when those were sent; a version the engine reached after the ping counts as lag 0."""
+    out = {}
+    for r in records:
+        if r.health.policy_version >= 0 and seen.get(r.worker_id) != r.last_seen:
+            seen[r.worker_id] = r.last_seen
+            out[r.worker_id] = max(0, ping_version - r.health.policy_version)
+    return out
 
 
 def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
@@ -201,6 +217,9 @@ class RayRollouts:
         self._version = version  # the trainer's policy version, sent with each batch request
         self._snapshot: tuple[QueueStats, BufferMetrics] | None = None  # this step's, from ``snapshot``
         self._sync_values: dict[str, float] = {}  # the last push's trainer-side figures
+        self._lags: dict[str, int] = {}  # worker id -> version lag of its latest liveness answer
+        self._seen: dict[str, float] = {}  # worker id -> time of the answer its lag comes from
+        self._ping_version = version  # the trainer's version when the fleet's pings went out
 
     def check_fleet(self, *, force: bool = False) -> None:
         """Every ``fleet.check_every_s``: liveness and replacements (``FleetManager.check``), chaos faults.
@@ -212,7 +231,13 @@ class RayRollouts:
         if not force and now < self._next_check:
             return
         self._next_check = now + self.cfg.fleet.check_every_s
-        for e in self.manager.check():
+        exits = self.manager.check()
+        # the version lag of each new liveness answer against the trainer's version when its ping went
+        # out (the previous poll): taken against the version of a later step, it would grow by one per
+        # step while the answer ages
+        self._lags.update(version_lags(self.manager.records.values(), self._ping_version, self._seen))
+        self._ping_version = self._version
+        for e in exits:
             if e.reason == "crashed":  # expire its leases now instead of after lease_ttl_s
                 self.exchange.heartbeat.remote(e.worker_id, EXPIRE_NOW_TTL_S)
         if self.chaos.is_enabled:
@@ -314,14 +339,15 @@ class RayRollouts:
         """The step's weight-sync metrics: trainer side of the last push (``timing/weight_sync_s``,
         ``weights/sync_bytes``), and from the workers' last liveness answers the slowest worker-side
         sync (``timing/weight_sync_worker_s``) and the version lag (trainer version minus the worker's
-        engine version; ``weights/version_lag_max``, ``weights/version_lag_mean``)."""
+        engine version, ``version_lags``, refreshed at each fleet poll, every ``fleet.check_every_s``;
+        ``weights/version_lag_max``, ``weights/version_lag_mean``)."""
         alive = set(self.manager.active_ids())
         healths = [
             r.health
             for r in self.manager.records.values()
             if r.worker_id in alive and r.health.policy_version >= 0
         ]
-        lags = [self._version - h.policy_version for h in healths]
+        lags = [lag for worker_id, lag in self._lags.items() if worker_id in alive]
         syncs = [h.weight_sync_s for h in healths if h.weight_sync_s is not None]
         return {
             **self._sync_values,
