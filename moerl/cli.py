@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"moerl: config error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as e:
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
         # user mistakes (missing config, not a run folder, unwritable output): one line, no traceback
         message = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
         print(f"moerl: {message}", file=sys.stderr)

@@ -464,7 +464,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """
     data: dict[str, Any] = {}
     if path is not None:
-        text = Path(path).read_text()
+        try:
+            text = Path(path).read_text()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:

@@ -410,10 +410,14 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
     cfg = load_config(folder.config, overrides)
     done = folder.read_summary()
     if done and done.get("status") == "completed" and done.get("steps", 0) >= cfg.trainer.steps:
-        print(
-            f"moerl: {run_dir} is already complete ({done['steps']} steps); to continue it: "
+        ckpt = latest_checkpoint(folder.path)
+        how = (
+            f"to continue it from its newest checkpoint ({ckpt.name}; later steps are trained again): "
             f"moerl train --resume {run_dir} --set trainer.steps=N (N > {done['steps']})"
+            if ckpt is not None
+            else "it has no checkpoint to continue from (trainer.checkpoint_every)"
         )
+        print(f"moerl: {run_dir} is already complete ({done['steps']} steps); {how}")
         return done
     ckpt = latest_checkpoint(folder.path)
     if ckpt is None:

@@ -46,6 +46,12 @@ def test_cli_user_mistakes_are_one_line_errors(tmp_path, capsys):
     assert "broken.yaml:3:1: not valid YAML" in capsys.readouterr().err
     assert main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in capsys.readouterr().err
+    assert main(["train", "--config", str(tmp_path)]) == 2  # a folder
+    assert "Is a directory" in capsys.readouterr().err
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert main(["train", "--config", str(binary)]) == 2
+    assert "binary.yaml: not a UTF-8 text file" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path)]) == 2
     assert "not a run folder" in capsys.readouterr().err
 
