@@ -153,6 +153,10 @@ def test_imds_notice_drains_the_worker_with_nothing_lost(imds):
     def mark_after_a_few_steps(step):
         if step == 3:  # two groups are in flight, 4 tokens each
             handler.action = instance_action_document("terminate", 120.0)
+            # the loop goes on only once the poller has seen it, as a worker would between two steps of
+            # a real engine; without the wait, a stalled poller on a loaded machine saw it only after the
+            # groups had finished (nothing left to drain)
+            assert watcher.event.wait(10.0), "the IMDS notice was not seen within 10 s"
 
     with NoticeWatcher([ImdsNotice(url)], poll_s=0.02) as watcher:
         run_until_notice(worker, watcher, on_step=mark_after_a_few_steps)
