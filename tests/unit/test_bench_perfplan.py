@@ -56,7 +56,18 @@ def test_perfplan_benches_run_on_cpu(tmp_path, capsys):
                             "--out-dir", str(tmp_path)]) == 0  # fmt: skip
     pc = json.loads((tmp_path / "ep_percall.json").read_text())
     assert len(pc["rows"]) == 4 and set(pc["fits"]) >= {"AllToAllDispatcher/events_ms"}
-    args = ["--runs", "1", "--batch", "2", "--prompt-len", "4", "--new-tokens", "4", "--out-dir", str(tmp_path)]
+    args = [
+        "--runs",
+        "1",
+        "--batch",
+        "2",
+        "--prompt-len",
+        "4",
+        "--new-tokens",
+        "4",
+        "--out-dir",
+        str(tmp_path),
+    ]
     assert ep_engine_gpu.main(args) == 0
     out = json.loads((tmp_path / "ep_engine_gpu.json").read_text())
     assert {"engine/graphs", "ep1 alltoall/eager", "ep1 hierarchical/graphs"} <= set(out["decode"])
