@@ -32,6 +32,7 @@ Payloads are pickled: the ranks are processes of one run, trusted like Ray's own
 from __future__ import annotations
 
 import datetime
+import io
 import pickle
 import threading
 import time
@@ -80,6 +81,21 @@ class RankReport:
     """Samples waiting or running on the rank."""
 
 
+_SAFE_BUILTINS = frozenset(
+    {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool"}
+)
+
+
+class _GroupUnpickler(pickle.Unpickler):
+    """Unpickles only what the group's commands and reports are made of: moerl's own classes and plain
+    builtins (Python's restricted-unpickler recipe); anything else is a ``pickle.UnpicklingError``."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("moerl.") or (module == "builtins" and name in _SAFE_BUILTINS):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"EP group message refers to {module}.{name}, which it may not carry")
+
+
 def exchange_objects(obj, group: dist.ProcessGroup, timeout_s: float) -> list:
     """All-gather one picklable object per rank of ``group`` (gloo, CPU tensors); waits ``timeout_s``.
 
@@ -98,7 +114,10 @@ def exchange_objects(obj, group: dist.ProcessGroup, timeout_s: float) -> list:
     padded[: data.numel()] = data
     out = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
     dist.all_gather(out, padded, group=group, async_op=True).wait(wait)
-    return [pickle.loads(o[: int(n.item())].numpy().tobytes()) for o, n in zip(out, sizes, strict=True)]
+    return [
+        _GroupUnpickler(io.BytesIO(o[: int(n.item())].numpy().tobytes())).load()
+        for o, n in zip(out, sizes, strict=True)
+    ]
 
 
 @dataclass(slots=True)
