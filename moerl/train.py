@@ -46,7 +46,7 @@ from moerl.runtime.local import LocalRollouts
 from moerl.runtime.ray import RayRollouts, check_ray_address
 from moerl.runtime.recovery import StepJournal, recover_trainer
 from moerl.runtime.rollouts import Rollouts
-from moerl.runtime.run_dir import LedgerEntry, RunDir
+from moerl.runtime.run_dir import LedgerEntry, RunDir, read_jsonl
 from moerl.runtime.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
 from moerl.runtime.trainer import NonFiniteLossError, Trainer, TrainStats
 from moerl.runtime.types import Group
@@ -260,6 +260,7 @@ class Run:
             return {"start_accuracy": acc, "wall_s": 0.0, "loop_s": 0.0, "samples": 0}
         load_trainer_state(self.trainer, checkpoint, parts)  # written at any number of ranks
         self.dir.rewind(self.trainer.step)
+        self.view.carry_last_eval(read_jsonl(self.dir.metrics))  # `acc` until the next eval, not `-`
         self.store.discard_after(self.trainer.version)
         if (latest := self.store.latest()) is None or latest.version < self.trainer.version:
             self.trainer.publish(self.store)  # pruned meanwhile: workers must start from the checkpoint's

@@ -106,6 +106,17 @@ class LiveView:
         elif step == 1 or step == num_steps or step % max(1, num_steps // 10) == 0:
             print(f"[{time.strftime('%H:%M:%S')}] {line}", file=self.stream, flush=True)
 
+    def carry_last_eval(self, records: list[dict]) -> None:
+        """Show the newest held-out accuracy among ``records`` until the next eval.
+
+        For a resumed run: ``records`` are the ``metrics.jsonl`` records kept after the rewind to the
+        checkpoint (``moerl.telemetry.metrics.make_record`` dicts); the newest one with
+        ``eval/accuracy`` becomes the status line's ``acc ... @step``. No such record: nothing changes.
+        """
+        evals = [r for r in records if r.get("eval/accuracy") is not None]
+        if evals:
+            self.last_accuracy, self.last_eval_step = evals[-1]["eval/accuracy"], evals[-1]["step"]
+
     def update(self, record: dict) -> None:
         """Show a metrics record (see moerl.telemetry.metrics.make_record)."""
         step, has_eval = record["step"], record.get("eval/accuracy") is not None

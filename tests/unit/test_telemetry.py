@@ -85,6 +85,21 @@ def test_live_view_plain_lines_carry_last_accuracy():
     assert "acc -" in status_line(make_record(1, 0.0, {}), 5)
 
 
+def test_a_resumed_view_shows_the_kept_records_last_accuracy_until_the_next_eval():
+    stream = io.StringIO()
+    view = LiveView(10, stream=stream)
+    kept = [make_record(1, 1.0, {"eval/accuracy": 0.3}), make_record(2, 2.0, {"eval/accuracy": 0.45}),
+            make_record(3, 3.0, {})]  # fmt: skip
+    view.carry_last_eval(kept)
+    view.update(make_record(4, 4.0, {"rollout/reward_mean": 0.5}))
+    view.update(make_record(5, 5.0, {"eval/accuracy": 0.6}))
+    lines = stream.getvalue().splitlines()
+    assert "acc 0.450 @2" in lines[0] and "acc 0.600 @5" in lines[1], lines
+    fresh = LiveView(10, stream=io.StringIO())
+    fresh.carry_last_eval([make_record(1, 1.0, {})])  # no eval kept: nothing to carry
+    assert fresh.last_accuracy is None and fresh.last_eval_step is None
+
+
 def test_live_view_plain_lines_every_hundredth_of_the_run_and_at_evals():
     stream = io.StringIO()
     view = LiveView(1000, stream=stream)
