@@ -1,11 +1,12 @@
 """Shared helpers of the one-GPU benchmarks (bench/moe_layer.py, bench/train_step.py, bench/rollout_gpu.py).
 
-What lives here: the model shapes (``SPECS``: the issue's reference OLMoE-sized Qwen3-MoE and a tiny one
-for CPU smoke runs), FLOP and byte counts of those shapes, the measured hardware ceilings (device-to-device
-copy bandwidth and bf16 matrix-product rate, taken in the same process as the figures they normalize),
-timing with CUDA events (median of repeats), atomic JSON output, and the same-weights model pair: a seeded
-Hugging Face transformers model and the moerl model holding identical tensors (copied in memory through
-moerl's checkpoint key map, so nothing is written to disk).
+What lives here: the model shapes (``SPECS``: the issue's reference OLMoE-sized Qwen3-MoE and a tiny one for
+CPU smoke runs, the sizes taken from the planner's presets ``moerl.plan.models.MODELS``), FLOP and byte counts
+of those shapes, the measured hardware ceilings (device-to-device copy bandwidth and bf16 matrix-product rate,
+taken in the same process as the figures they normalize), timing with CUDA events (median of repeats), atomic
+JSON output, and the same-weights model pair: a seeded Hugging Face transformers model and the moerl model
+holding identical tensors (copied in memory through moerl's checkpoint key map, so nothing is written to
+disk).
 
 Shape legend: V vocabulary, H hidden size, L layers, nh heads, hd head dim, E experts, k top-k,
 I expert intermediate size, B batch, T sequence length.
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from moerl.plan.models import MODELS, ModelShape
+
 RESULTS_DIR = Path(__file__).parent / "results"
 
 
@@ -43,6 +46,25 @@ class ModelSpec:
     top_k: int
     moe_intermediate_size: int
     max_position_embeddings: int = 4096
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape, max_position_embeddings: int = 4096) -> ModelSpec:
+        """The spec of the planner's preset ``shape`` (``moerl.plan.models.MODELS``: one table of sizes).
+
+        Raises:
+            ValueError: ``shape`` is not one this spec holds (MLA, GQA with fewer KV heads, dense layers,
+                shared experts or tied embeddings).
+        """
+        mha = shape.attention == "gqa" and shape.num_kv_heads in (0, shape.num_heads)
+        if not mha or shape.num_dense_layers or shape.num_shared_experts or shape.tie_embeddings:
+            raise ValueError(
+                f"model {shape.name!r} is not an MHA, all-MoE, untied shape: attention={shape.attention!r}, "
+                f"num_kv_heads={shape.num_kv_heads}, num_heads={shape.num_heads}, num_dense_layers="
+                f"{shape.num_dense_layers}, num_shared_experts={shape.num_shared_experts}, "
+                f"tie_embeddings={shape.tie_embeddings}"
+            )
+        own = (f.name for f in dataclasses.fields(cls) if f.name != "max_position_embeddings")
+        return cls(**{f: getattr(shape, f) for f in own}, max_position_embeddings=max_position_embeddings)
 
     @property
     def attn_params_per_layer(self) -> int:
@@ -105,41 +127,10 @@ class ModelSpec:
 
 SPECS: dict[str, ModelSpec] = {
     # The issue's reference model: OLMoE-sized Qwen3-MoE, ~6.9 B parameters, ~1.2 B active matmul parameters.
-    "reference": ModelSpec(
-        "reference",
-        vocab_size=50304,
-        hidden_size=2048,
-        num_layers=16,
-        num_heads=16,
-        head_dim=128,
-        num_experts=64,
-        top_k=8,
-        moe_intermediate_size=1024,
-    ),
+    "reference": ModelSpec.from_shape(MODELS["reference"]),
     # Same widths, 4 layers: the quick first device call.
-    "reference4": ModelSpec(
-        "reference4",
-        vocab_size=50304,
-        hidden_size=2048,
-        num_layers=4,
-        num_heads=16,
-        head_dim=128,
-        num_experts=64,
-        top_k=8,
-        moe_intermediate_size=1024,
-    ),
-    "tiny": ModelSpec(
-        "tiny",
-        vocab_size=256,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        head_dim=16,
-        num_experts=8,
-        top_k=2,
-        moe_intermediate_size=32,
-        max_position_embeddings=512,
-    ),
+    "reference4": ModelSpec.from_shape(MODELS["reference4"]),
+    "tiny": ModelSpec.from_shape(MODELS["tiny"], max_position_embeddings=512),
 }
 
 

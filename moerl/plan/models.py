@@ -181,122 +181,47 @@ class ModelShape:
         }
 
 
-def _qwen3(name: str, **kw) -> ModelShape:
-    return ModelShape(name=name, attention="gqa", head_dim=128, **kw)
+GQA_COLUMNS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+               "num_experts", "top_k", "moe_intermediate_size")  # fmt: skip
+"""A GQA preset row: V, H, L, nh, nkv (0 = MHA), hd, E, k, I; every layer MoE, no shared experts."""
+MLA_COLUMNS = ("vocab_size", "hidden_size", "num_layers", "num_dense_layers", "dense_intermediate_size",
+               "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim",
+               "num_experts", "top_k", "num_shared_experts", "moe_intermediate_size")  # fmt: skip
+"""An MLA preset row: V, H, L, L_d, I_d, nh, q_lora, kv_lora, d_nope, d_rope, d_v, E, k, S, I."""
 
 
-MODELS: dict[str, ModelShape] = {
+def _gqa(name: str, *row: int) -> ModelShape:
+    """The GQA preset ``name`` from one row of ``GQA_COLUMNS`` (ValueError at import on a short row)."""
+    return ModelShape(name=name, attention="gqa", **dict(zip(GQA_COLUMNS, row, strict=True)))
+
+
+def _mla(name: str, *row: int) -> ModelShape:
+    """The MLA preset ``name`` from one row of ``MLA_COLUMNS`` (ValueError at import on a short row)."""
+    return ModelShape(name=name, attention="mla", **dict(zip(MLA_COLUMNS, row, strict=True)))
+
+
+# Rows: _mla(name, V, H, L, L_d, I_d, nh, q_lora, kv_lora, d_nope, d_rope, d_v, E, k, S, I)
+#       _gqa(name, V, H, L, nh, nkv, hd, E, k, I)
+# fmt: off
+MODELS: dict[str, ModelShape] = {m.name: m for m in (
     # DeepSeek-V3 config.json (huggingface.co/deepseek-ai/DeepSeek-V3): 671 B total, 37 B active.
-    "deepseek-v3": ModelShape(
-        name="deepseek-v3",
-        vocab_size=129280,
-        hidden_size=7168,
-        num_layers=61,
-        num_dense_layers=3,
-        dense_intermediate_size=18432,
-        attention="mla",
-        num_heads=128,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_dim=128,
-        qk_rope_dim=64,
-        v_head_dim=128,
-        num_experts=256,
-        top_k=8,
-        num_shared_experts=1,
-        moe_intermediate_size=2048,
-    ),  # fmt: skip
+    _mla("deepseek-v3",    129280, 7168, 61, 3, 18432, 128, 1536, 512, 128, 64, 128, 256, 8, 1, 2048),
     # Qwen3-30B-A3B config.json (huggingface.co/Qwen/Qwen3-30B-A3B): 30.5 B total, 3.3 B active.
-    "qwen3-30b-a3b": _qwen3(
-        "qwen3-30b-a3b",
-        vocab_size=151936,
-        hidden_size=2048,
-        num_layers=48,
-        num_heads=32,
-        num_kv_heads=4,
-        num_experts=128,
-        top_k=8,
-        moe_intermediate_size=768,
-    ),  # fmt: skip
+    _gqa("qwen3-30b-a3b",   151936, 2048, 48, 32, 4, 128, 128, 8, 768),
     # Qwen3-235B-A22B config.json (huggingface.co/Qwen/Qwen3-235B-A22B): 235 B total, 22 B active.
-    "qwen3-235b-a22b": _qwen3(
-        "qwen3-235b-a22b",
-        vocab_size=151936,
-        hidden_size=4096,
-        num_layers=94,
-        num_heads=64,
-        num_kv_heads=4,
-        num_experts=128,
-        top_k=8,
-        moe_intermediate_size=1536,
-    ),  # fmt: skip
+    _gqa("qwen3-235b-a22b", 151936, 4096, 94, 64, 4, 128, 128, 8, 1536),
     # GLM-5-like: the GLM-5 technical report's table (arXiv:2602.15763, as tabulated at
     # glennklockwood.com/garden/GLM-5): 3 dense + 75 MoE layers, hidden 6144, MLA (q_lora 2048, kv_lora 512,
     # qk head 192 = 128 + 64 rotary, v head 256), 64 heads, 256 experts top-8 + 1 shared of width 2048,
     # dense FFN 12288, vocabulary 154880. DeepSeek Sparse Attention and the MTP layer are not modelled.
-    "glm5-744b-a40b": ModelShape(
-        name="glm5-744b-a40b",
-        vocab_size=154880,
-        hidden_size=6144,
-        num_layers=78,
-        num_dense_layers=3,
-        dense_intermediate_size=12288,
-        attention="mla",
-        num_heads=64,
-        q_lora_rank=2048,
-        kv_lora_rank=512,
-        qk_nope_dim=128,
-        qk_rope_dim=64,
-        v_head_dim=256,
-        num_experts=256,
-        top_k=8,
-        num_shared_experts=1,
-        moe_intermediate_size=2048,
-    ),  # fmt: skip
+    _mla("glm5-744b-a40b", 154880, 6144, 78, 3, 12288, 64,  2048, 512, 128, 64, 256, 256, 8, 1, 2048),
     # moerl's bench models (bench/common.py SPECS; bench/ep_multi_gpu.py BIG.model).
-    "reference": _qwen3(
-        "reference",
-        vocab_size=50304,
-        hidden_size=2048,
-        num_layers=16,
-        num_heads=16,
-        num_experts=64,
-        top_k=8,
-        moe_intermediate_size=1024,
-    ),  # fmt: skip
-    "reference4": _qwen3(
-        "reference4",
-        vocab_size=50304,
-        hidden_size=2048,
-        num_layers=4,
-        num_heads=16,
-        num_experts=64,
-        top_k=8,
-        moe_intermediate_size=1024,
-    ),  # fmt: skip
-    "ep-bench": _qwen3(
-        "ep-bench",
-        vocab_size=50304,
-        hidden_size=2048,
-        num_layers=4,
-        num_heads=16,
-        num_kv_heads=4,
-        num_experts=64,
-        top_k=8,
-        moe_intermediate_size=1024,
-    ),  # fmt: skip
-    "tiny": ModelShape(
-        name="tiny",
-        vocab_size=256,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        head_dim=16,
-        num_experts=8,
-        top_k=2,
-        moe_intermediate_size=32,
-    ),  # fmt: skip
-}
+    _gqa("reference",       50304,  2048, 16, 16, 0, 128, 64,  8, 1024),
+    _gqa("reference4",      50304,  2048, 4,  16, 0, 128, 64,  8, 1024),
+    _gqa("ep-bench",        50304,  2048, 4,  16, 4, 128, 64,  8, 1024),
+    _gqa("tiny",            256,    64,   2,  4,  0, 16,  8,   2, 32),
+)}
+# fmt: on
 
 
 def get_model(name: str) -> ModelShape:

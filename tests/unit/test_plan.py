@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.common import SPECS, ModelSpec
 from moerl.cli import main
 from moerl.ep import ExpertPlacement, Topology
 from moerl.ep.layout import Traffic
@@ -37,6 +38,16 @@ def test_bench_model_counts_equal_bench_common():
     m = MODELS["reference"]
     assert m.active_matmul_params == 1178861568  # bench/results/train_step.json spec
     assert abs(m.num_params - 6919100416) < 1e5  # norms are not counted by the planner
+
+
+def test_bench_specs_are_the_planner_presets():
+    for name, spec in SPECS.items():  # the two counts are written separately; they agree on these shapes
+        assert spec.active_matmul_params == MODELS[name].active_matmul_params, name
+    assert SPECS["tiny"].max_position_embeddings == 512
+    with pytest.raises(ValueError, match="'ep-bench'.*num_kv_heads=4"):
+        ModelSpec.from_shape(MODELS["ep-bench"])
+    with pytest.raises(ValueError, match="attention='mla'"):
+        ModelSpec.from_shape(MODELS["deepseek-v3"])
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "round_robin"])
