@@ -56,9 +56,9 @@ class Plan:
     total_nodes: int = 48
     train_nodes: int = 16
     train_share: float = 0.0
+    """> 0: train_nodes = the share of total_nodes (rounded so the rollout nodes fill whole replicas)."""
     auto_split: bool = False
     """True: each dispatcher gets the training/rollout split of total_nodes that maximizes useful episodes/s."""
-    """> 0: train_nodes = the share of total_nodes (rounded so the rollout nodes fill whole replicas)."""
     train_ep_nodes: int = 1
     """Nodes per training EP group (the rest of the training GPUs are data/FSDP-parallel copies)."""
     rollout_ep_nodes: int = 2
