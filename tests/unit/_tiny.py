@@ -1,4 +1,5 @@
-"""The tiny MoE policy that the worker, drain and trainer unit tests share (16 wide, 4 experts, top-2)."""
+"""The tiny MoE policies that the unit tests share: the one of the worker, drain and trainer tests (16
+wide, 4 experts, top-2), and the 2-layer one of the model and checkpoint tests (32 wide, any family)."""
 
 import torch
 
@@ -24,3 +25,19 @@ def tiny_model_config(**overrides) -> ModelConfig:
 def tiny_model(vocab_size: int, **overrides) -> torch.nn.Module:
     """``build_model(tiny_model_config(**overrides), vocab_size)`` (random weights from torch's RNG)."""
     return build_model(tiny_model_config(**overrides), vocab_size)
+
+
+def small_model_config(family: str, **overrides) -> ModelConfig:
+    """A 2-layer ``family`` config: hidden 32, 4 heads of 8 (2 KV heads), 4 experts of width 16, top-2."""
+    fields = dict(
+        family=family,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        num_experts=4,
+        top_k=2,
+        moe_intermediate_size=16,
+    )
+    return ModelConfig(**{**fields, **overrides})
