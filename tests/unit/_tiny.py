@@ -28,16 +28,7 @@ def tiny_model(vocab_size: int, **overrides) -> torch.nn.Module:
 
 
 def small_model_config(family: str, **overrides) -> ModelConfig:
-    """A 2-layer ``family`` config: hidden 32, 4 heads of 8 (2 KV heads), 4 experts of width 16, top-2."""
-    fields = dict(
-        family=family,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        num_experts=4,
-        top_k=2,
-        moe_intermediate_size=16,
-    )
-    return ModelConfig(**{**fields, **overrides})
+    """``tiny_model_config`` of ``family``, wider and deeper: 2 layers, hidden 32, 4 heads of 8 (2 KV
+    heads), 4 experts of width 16, top-2."""
+    wider = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, moe_intermediate_size=16)
+    return tiny_model_config(**{"family": family, **wider, **overrides})
