@@ -124,6 +124,49 @@ def restart_trainer(
     return report, version - restored
 
 
+def restart_and_publish(
+    trainer,
+    load: Callable[[], int],
+    *,
+    failed_step: int,
+    journal: StepJournal,
+    run: RunDir,
+    store: WeightStore,
+    rollouts,
+    newest_pushed: int,
+) -> RestartReport:
+    """Restart the new ``trainer`` with ``restart_trainer``, then hand its restored weights out.
+
+    The restored weights get version ``v_max + 1``, ``v_max`` the newer of the store's latest version
+    and ``newest_pushed``; they are published to ``store`` and offered to ``rollouts`` (as stored).
+
+    Args:
+        trainer: the new trainer, a ``Trainer`` or a sharded trainer group (``version_offset``,
+            ``version``, ``publish``, ``named_weights``); its ``version_offset`` is set here.
+        load: loads the newest full checkpoint into ``trainer`` and returns its step (0: none).
+        failed_step, journal: as for ``restart_trainer``.
+        run: the run folder (``RunDir``): its ledger and metrics are cut back (``rewind``).
+        store: the ``WeightStore``.
+        rollouts: the rollout side (``requeue``, ``push_weights``): ``Rollouts`` or the fleet.
+        newest_pushed: newest version sent to the workers (the store may be older).
+
+    Raises:
+        RuntimeError: as ``restart_trainer``.
+    """
+    latest = store.latest()
+    report, trainer.version_offset = restart_trainer(
+        failed_step=failed_step,
+        load=load,
+        journal=journal,
+        requeue=rollouts.requeue,
+        rewind=run.rewind,
+        newest_version=max(latest.version if latest is not None else 0, newest_pushed),
+    )
+    trainer.publish(store)
+    rollouts.push_weights(trainer.version, trainer.named_weights(), is_stored=True)  # published just above
+    return report
+
+
 def recover_trainer(
     cfg: RunConfig,
     comp: Components,
@@ -169,15 +212,14 @@ def recover_trainer(
         trainer.load_state_dict(load_checkpoint(ckpt))
         return trainer.step
 
-    latest = store.latest()
-    report, trainer.version_offset = restart_trainer(
+    report = restart_and_publish(
+        trainer,
+        load,
         failed_step=failed_step,
-        load=load,
         journal=journal,
-        requeue=rollouts.requeue,
-        rewind=run.rewind,
-        newest_version=max(latest.version if latest is not None else 0, newest_pushed),
+        run=run,
+        store=store,
+        rollouts=rollouts,
+        newest_pushed=newest_pushed,
     )
-    trainer.publish(store)
-    rollouts.push_weights(trainer.version, trainer.named_weights(), is_stored=True)
     return trainer, report
