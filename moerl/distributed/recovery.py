@@ -54,15 +54,6 @@ def restart_group(
         load_trainer_state(trainer, ckpt, load_checkpoint(ckpt))
         return trainer.step
 
-    report = restart_and_publish(
-        trainer,
-        load,
-        failed_step=failed_step,
-        journal=journal,
-        run=run,
-        store=store,
-        rollouts=fleet,
-        newest_pushed=newest_pushed,
-    )
+    report = restart_and_publish(trainer, load, run, store, fleet, journal, failed_step, newest_pushed)
     record_ranks(trainer, run.path)
     return trainer, report

@@ -127,12 +127,11 @@ def restart_trainer(
 def restart_and_publish(
     trainer,
     load: Callable[[], int],
-    *,
-    failed_step: int,
-    journal: StepJournal,
     run: RunDir,
     store: WeightStore,
     rollouts,
+    journal: StepJournal,
+    failed_step: int,
     newest_pushed: int,
 ) -> RestartReport:
     """Restart the new ``trainer`` with ``restart_trainer``, then hand its restored weights out.
@@ -144,10 +143,10 @@ def restart_and_publish(
         trainer: the new trainer, a ``Trainer`` or a sharded trainer group (``version_offset``,
             ``version``, ``publish``, ``named_weights``); its ``version_offset`` is set here.
         load: loads the newest full checkpoint into ``trainer`` and returns its step (0: none).
-        failed_step, journal: as for ``restart_trainer``.
         run: the run folder (``RunDir``): its ledger and metrics are cut back (``rewind``).
         store: the ``WeightStore``.
         rollouts: the rollout side (``requeue``, ``push_weights``): ``Rollouts`` or the fleet.
+        journal, failed_step: as for ``restart_trainer``.
         newest_pushed: newest version sent to the workers (the store may be older).
 
     Raises:
@@ -212,14 +211,5 @@ def recover_trainer(
         trainer.load_state_dict(load_checkpoint(ckpt))
         return trainer.step
 
-    report = restart_and_publish(
-        trainer,
-        load,
-        failed_step=failed_step,
-        journal=journal,
-        run=run,
-        store=store,
-        rollouts=rollouts,
-        newest_pushed=newest_pushed,
-    )
+    report = restart_and_publish(trainer, load, run, store, rollouts, journal, failed_step, newest_pushed)
     return trainer, report
