@@ -5,6 +5,10 @@ import os
 import pytest
 import torch
 
+pytest.register_assert_rewrite("_runs")  # its shared asserts report their values as a test's own do
+
+from _runs import save_fresh_policy  # noqa: E402
+
 # Tests run on 2 cores: keep intra-op threads from oversubscribing when several processes run.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -13,3 +17,10 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def default_init(tmp_path_factory):
+    """A fresh policy of ``configs/default.yaml``'s shape (8 experts) as a Hugging Face folder with the
+    built-in tokenizer (``_runs.save_fresh_policy``); one a test module."""
+    return save_fresh_policy(tmp_path_factory.mktemp("default") / "policy")

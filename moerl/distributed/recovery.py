@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from moerl.distributed.factory import load_trainer_state, make_trainer, record_ranks
 from moerl.distributed.group import TrainerGroup
 from moerl.runtime.checkpoint import latest_checkpoint, load_checkpoint
-from moerl.runtime.recovery import RestartReport, StepJournal, restart_trainer
+from moerl.runtime.recovery import RestartReport, StepJournal, restart_and_publish
 from moerl.runtime.types import Group
 
 
@@ -54,16 +54,6 @@ def restart_group(
         load_trainer_state(trainer, ckpt, load_checkpoint(ckpt))
         return trainer.step
 
-    latest = store.latest()
-    report, trainer.version_offset = restart_trainer(
-        failed_step=failed_step,
-        load=load,
-        journal=journal,
-        requeue=fleet.requeue,
-        rewind=run.rewind,
-        newest_version=max(latest.version if latest is not None else 0, newest_pushed),
-    )
-    trainer.publish(store)
-    fleet.push_weights(trainer.version, trainer.named_weights(), is_stored=True)  # published just above
+    report = restart_and_publish(trainer, load, run, store, fleet, journal, failed_step, newest_pushed)
     record_ranks(trainer, run.path)
     return trainer, report

@@ -114,17 +114,6 @@ def episode_worker(
         max_tokens=cfg.env.max_tokens,
         turn_stop_ids=turn_stop_ids(tokenizer, task.env_cls),
     )
-    return EpisodeWorker(
-        worker_id,
-        episodes,
-        task,
-        tokenizer.decode,
-        queue,
-        buffer,
-        cfg.rollout,
-        stop_token_ids=(tokenizer.eos_id,),
-        weights=weights,
-        run_seed=cfg.seed,
-        lease_ttl_s=cfg.runtime.lease_ttl_s,
-        pause_point=pause_point,
+    return EpisodeWorker.from_run_config(
+        cfg, worker_id, episodes, task, tokenizer, queue, buffer, weights, pause_point=pause_point
     )

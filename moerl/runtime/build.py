@@ -88,19 +88,8 @@ def make_worker(
         return episode_worker(
             cfg, worker_id, engine, task, tokenizer, queue, buffer, weights, pause_point=pause_point
         )
-    return RolloutWorker(
-        worker_id,
-        engine,
-        task,
-        tokenizer.decode,
-        queue,
-        buffer,
-        cfg.rollout,
-        stop_token_ids=(tokenizer.eos_id,),
-        weights=weights,
-        run_seed=cfg.seed,
-        lease_ttl_s=cfg.runtime.lease_ttl_s,
-        pause_point=pause_point,
+    return RolloutWorker.from_run_config(
+        cfg, worker_id, engine, task, tokenizer, queue, buffer, weights, pause_point=pause_point
     )
 
 

@@ -124,6 +124,48 @@ def restart_trainer(
     return report, version - restored
 
 
+def restart_and_publish(
+    trainer,
+    load: Callable[[], int],
+    run: RunDir,
+    store: WeightStore,
+    rollouts,
+    journal: StepJournal,
+    failed_step: int,
+    newest_pushed: int,
+) -> RestartReport:
+    """Restart the new ``trainer`` with ``restart_trainer``, then hand its restored weights out.
+
+    The restored weights get version ``v_max + 1``, ``v_max`` the newer of the store's latest version
+    and ``newest_pushed``; they are published to ``store`` and offered to ``rollouts`` (as stored).
+
+    Args:
+        trainer: the new trainer, a ``Trainer`` or a sharded trainer group (``version_offset``,
+            ``version``, ``publish``, ``named_weights``); its ``version_offset`` is set here.
+        load: loads the newest full checkpoint into ``trainer`` and returns its step (0: none).
+        run: the run folder (``RunDir``): its ledger and metrics are cut back (``rewind``).
+        store: the ``WeightStore``.
+        rollouts: the rollout side (``requeue``, ``push_weights``): ``Rollouts`` or the fleet.
+        journal, failed_step: as for ``restart_trainer``.
+        newest_pushed: newest version sent to the workers (the store may be older).
+
+    Raises:
+        RuntimeError: as ``restart_trainer``.
+    """
+    latest = store.latest()
+    report, trainer.version_offset = restart_trainer(
+        failed_step=failed_step,
+        load=load,
+        journal=journal,
+        requeue=rollouts.requeue,
+        rewind=run.rewind,
+        newest_version=max(latest.version if latest is not None else 0, newest_pushed),
+    )
+    trainer.publish(store)
+    rollouts.push_weights(trainer.version, trainer.named_weights(), is_stored=True)  # published just above
+    return report
+
+
 def recover_trainer(
     cfg: RunConfig,
     comp: Components,
@@ -169,15 +211,5 @@ def recover_trainer(
         trainer.load_state_dict(load_checkpoint(ckpt))
         return trainer.step
 
-    latest = store.latest()
-    report, trainer.version_offset = restart_trainer(
-        failed_step=failed_step,
-        load=load,
-        journal=journal,
-        requeue=rollouts.requeue,
-        rewind=run.rewind,
-        newest_version=max(latest.version if latest is not None else 0, newest_pushed),
-    )
-    trainer.publish(store)
-    rollouts.push_weights(trainer.version, trainer.named_weights(), is_stored=True)
+    report = restart_and_publish(trainer, load, run, store, rollouts, journal, failed_step, newest_pushed)
     return trainer, report

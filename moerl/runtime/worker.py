@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from moerl.config import RolloutConfig
+from moerl.config import RolloutConfig, RunConfig
 from moerl.rollout import Completion, Engine, InvalidRequestError, Request, SamplingParams
 from moerl.rollout.ep_group import EPGroupEngine
 from moerl.rollout.weight_update import cancel_all, recompute_running
@@ -44,6 +44,7 @@ from moerl.runtime.drain import InFlightGroup, ResumePlan, group_progress
 from moerl.runtime.types import Group, Lease, Sample, Settlement
 from moerl.runtime.weight_sources import WeightSource
 from moerl.tasks.base import stable_hash
+from moerl.tasks.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,38 @@ class RolloutWorker:
         self._last_heartbeat = time.monotonic()
         # (weights version, monotonic time) of the last lease that got nothing; None after one that did
         self._empty_lease: tuple[int, float] | None = None
+
+    @classmethod
+    def from_run_config(
+        cls,
+        cfg: RunConfig,
+        worker_id: str,
+        engine,
+        task,
+        tokenizer: Tokenizer,
+        queue,
+        buffer: GroupSink,
+        weights: WeightSource | None,
+        *,
+        pause_point: Callable[[], None] | None = None,
+    ):
+        """The worker (of this class: an ``EpisodeWorker`` too) of run config ``cfg`` over ``engine``:
+        ``cfg.rollout``, the tokenizer's ``decode`` and eos as the stop token, ``cfg.seed`` as the run
+        seed, ``cfg.runtime.lease_ttl_s``; the other arguments as for the constructor."""
+        return cls(
+            worker_id,
+            engine,
+            task,
+            tokenizer.decode,
+            queue,
+            buffer,
+            cfg.rollout,
+            stop_token_ids=(tokenizer.eos_id,),
+            weights=weights,
+            run_seed=cfg.seed,
+            lease_ttl_s=cfg.runtime.lease_ttl_s,
+            pause_point=pause_point,
+        )
 
     @property
     def version(self) -> int:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_async_sharded import DEFAULT, fresh_default_policy  # noqa: F401 - the fixture
+from _runs import DEFAULT_CONFIG, SHARDED_ASYNC
 
 pytest.importorskip("ray")
 
@@ -38,34 +38,22 @@ def _metric_steps(run: Path) -> int:
 
 
 @pytest.mark.timeout(500)
-def test_killed_rank_restarts_the_group_and_the_run_completes(tmp_path, fresh_default_policy):  # noqa: F811
+def test_killed_rank_restarts_the_group_and_the_run_completes(tmp_path, default_init):
     overrides = [
         f"output_dir={tmp_path}",
-        f"init_from={fresh_default_policy}",
+        f"init_from={default_init}",
         "name=kill",
+        *SHARDED_ASYNC,
         "trainer.steps=16",
-        "trainer.batch_groups=4",
-        "trainer.micro_batch_size=32",
-        "trainer.lr=3e-3",
-        "trainer.warmup_steps=0",
         "trainer.checkpoint_every=4",
-        "trainer.num_ranks=2",
-        "trainer.ep_size=2",
-        "rollout.num_workers=1",
-        "rollout.max_new_tokens=4",
-        "rollout.max_slots=32",
-        "rollout.kv_token_budget=1024",
-        "runtime.buffer_groups=8",
-        "task.reward_fn=dist_rewards:first_is_digit",
         "task.num_eval=16",
-        "eval.every=0",
     ]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]),
     }
     cmd = [sys.executable, "-c", "import sys; from moerl.cli import main; sys.exit(main(sys.argv[1:]))"]
-    args = ["train", "--config", str(DEFAULT)]
+    args = ["train", "--config", str(DEFAULT_CONFIG)]
     for o in overrides:
         args += ["--set", o]
     proc = subprocess.Popen(

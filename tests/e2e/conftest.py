@@ -1,11 +1,12 @@
 """Fixtures of the end-to-end tests: a tiny policy checkpoint and short run configs."""
 
+import os
+from pathlib import Path
+
 import pytest
-import torch
+from _runs import run_config, save_fresh_policy
 
 from moerl.config import load_config
-from moerl.models import build_model, save_pretrained
-from moerl.tasks import load_tokenizer
 
 TINY_MODEL = [
     "model.hidden_size=32",
@@ -23,33 +24,42 @@ TINY_MODEL = [
 @pytest.fixture(scope="session")
 def tiny_init(tmp_path_factory):
     """A fresh tiny MoE policy saved as a Hugging Face folder with the built-in tokenizer."""
-    path = tmp_path_factory.mktemp("init") / "policy"
-    tok = load_tokenizer(None)
-    torch.manual_seed(0)
-    cfg = load_config(None, TINY_MODEL)
-    save_pretrained(build_model(cfg.model, tok.vocab_size), path)
-    tok.save(path)
-    return path
+    return save_fresh_policy(tmp_path_factory.mktemp("init") / "policy", load_config(None, TINY_MODEL).model)
+
+
+@pytest.fixture(scope="module")
+def local_ray(request):
+    """One local Ray instance for the test module; its workers find ``e2e_rewards`` through PYTHONPATH,
+    and the module itself travels by value (so do the actor classes it defines, e.g. a stand-in worker)."""
+    ray = pytest.importorskip("ray")  # optional and heavy: only the Ray tests load it
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), old) if p)
+    ray.init(num_cpus=6, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(request.module)
+    yield
+    ray.shutdown()
+    if old is None:
+        os.environ.pop("PYTHONPATH")
+    else:
+        os.environ["PYTHONPATH"] = old
 
 
 def short_config(tmp_path, init, *overrides):
     """A run config of a few small sync steps from ``init`` (overrides win)."""
-    return load_config(
+    return run_config(
         None,
-        [
-            *TINY_MODEL,
-            f"output_dir={tmp_path}",
-            f"init_from={init}",
-            "runtime.mode=sync",
-            "trainer.steps=3",
-            "trainer.batch_groups=2",
-            "rollout.group_size=4",
-            "rollout.max_new_tokens=4",
-            "rollout.max_slots=8",
-            "rollout.kv_token_budget=512",
-            "task.num_eval=16",
-            "eval.every=0",
-            "trainer.checkpoint_every=0",
-            *overrides,
-        ],
+        tmp_path,
+        init,
+        *TINY_MODEL,
+        "runtime.mode=sync",
+        "trainer.steps=3",
+        "trainer.batch_groups=2",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=4",
+        "rollout.max_slots=8",
+        "rollout.kv_token_budget=512",
+        "task.num_eval=16",
+        "eval.every=0",
+        "trainer.checkpoint_every=0",
+        *overrides,
     )

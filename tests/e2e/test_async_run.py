@@ -14,31 +14,47 @@ from moerl.train import train
 ray = pytest.importorskip("ray")
 
 
+ASYNC_4_STEPS = (
+    "runtime.mode=async",
+    "rollout.num_workers=2",
+    "trainer.steps=4",
+    "trainer.batch_groups=2",
+    "runtime.buffer_groups=4",
+    "runtime.max_staleness=1",
+)
+"""The async run of every test here: 2 rollout workers, 4 steps of 2 groups, a buffer of 4, staleness 1."""
+BUCKETED_DURABLE_EVERY_2 = (
+    "runtime.publish_bucket_mb=0.05",
+    "runtime.durable_every=2",
+    "runtime.keep_versions=5",
+    "fleet.check_every_s=0.2",  # fresh liveness answers carry the workers' versions and sync times
+)
+"""Weights sent in small buckets, the store written every 2nd version (versions 0, 2, 4 kept)."""
+
+
 @pytest.fixture
 def ray_session():
     yield
     ray.shutdown()
 
 
+def _run(tmp_path, init, *overrides: str) -> tuple[dict, RunDir, list[dict]]:
+    """Train ``short_config`` with ``ASYNC_4_STEPS`` (``overrides`` win): summary, run folder, metrics records."""
+    summary = train(short_config(tmp_path, init, *ASYNC_4_STEPS, *overrides), live=False)
+    run = RunDir(next(Path(tmp_path).glob("run-*")))
+    return summary, run, read_jsonl(run.metrics)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("weight_sync", ["object_store", "store"])
 def test_async_run_trains_every_task_exactly_once(tmp_path, tiny_init, ray_session, weight_sync):
-    cfg = short_config(
+    summary, run, records = _run(
         tmp_path,
         tiny_init,
-        "runtime.mode=async",
         f"runtime.weight_sync={weight_sync}",
-        "rollout.num_workers=2",
-        "trainer.steps=4",
-        "trainer.batch_groups=2",
-        "runtime.buffer_groups=4",
-        "runtime.max_staleness=1",
         "trainer.checkpoint_every=2",
         "eval.every=2",
     )
-    summary = train(cfg, live=False)
-    run = RunDir(next(Path(tmp_path).glob("run-*")))
-    records = read_jsonl(run.metrics)
     ids = [e.task_id for e in run.read_ledger()]
     assert summary["status"] == "completed" and summary["mode"] == "async" and len(records) == 4
     assert len(ids) == len(set(ids)) == 8 == summary["tasks_trained"]
@@ -64,27 +80,15 @@ def test_async_run_trains_every_task_exactly_once(tmp_path, tiny_init, ray_sessi
 def test_async_bucketed_sync_durable_every_and_recompute(tmp_path, tiny_init, ray_session):
     """runtime.weight_sync=object_store in small buckets, the store every 2nd version, recompute on update:
     every task once, the sync metrics recorded, the store holding exactly the durable versions."""
-    cfg = short_config(
+    summary, run, records = _run(
         tmp_path,
         tiny_init,
-        "runtime.mode=async",
-        "rollout.num_workers=2",
-        "trainer.steps=4",
-        "trainer.batch_groups=2",
-        "runtime.buffer_groups=4",
-        "runtime.max_staleness=1",
         "runtime.weight_sync=object_store",
-        "runtime.publish_bucket_mb=0.05",
-        "runtime.durable_every=2",
-        "runtime.keep_versions=5",
+        *BUCKETED_DURABLE_EVERY_2,
         "rollout.on_weight_update=recompute",
-        "fleet.check_every_s=0.2",  # fresh liveness answers carry the workers' versions and sync times
         "trainer.checkpoint_every=0",
         "eval.every=0",
     )
-    summary = train(cfg, live=False)
-    run = RunDir(next(Path(tmp_path).glob("run-*")))
-    records = read_jsonl(run.metrics)
     assert summary["status"] == "completed" and summary["tasks_trained"] == 8
     assert summary["tasks_lost"] == 0 and summary["tasks_duplicated"] == 0
     assert all(r["timing/weight_sync_s"] > 0 for r in records)
@@ -99,26 +103,14 @@ def test_async_cuda_ipc_sync_through_shared_buffers(tmp_path, tiny_init, ray_ses
     """runtime.weight_sync=cuda_ipc on CPU (the ring in shared memory): 2 workers connect to the trainer's
     listener and get every version through it in small buckets; every task once; the store written
     every 2nd version in the background."""
-    cfg = short_config(
+    summary, run, records = _run(
         tmp_path,
         tiny_init,
-        "runtime.mode=async",
-        "rollout.num_workers=2",
-        "trainer.steps=4",
-        "trainer.batch_groups=2",
-        "runtime.buffer_groups=4",
-        "runtime.max_staleness=1",
         "runtime.weight_sync=cuda_ipc",
-        "runtime.publish_bucket_mb=0.05",
-        "runtime.durable_every=2",
-        "runtime.keep_versions=5",
-        "fleet.check_every_s=0.2",
+        *BUCKETED_DURABLE_EVERY_2,
         "trainer.checkpoint_every=0",
         "eval.every=0",
     )
-    summary = train(cfg, live=False)
-    run = RunDir(next(Path(tmp_path).glob("run-*")))
-    records = read_jsonl(run.metrics)
     print(
         [
             (r["weights/sync_bytes"], r["timing/weight_sync_worker_s"], r["weights/version_lag_max"])

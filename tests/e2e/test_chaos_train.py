@@ -18,29 +18,23 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import sys
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
+from _runs import DEFAULT_CONFIG, assert_trained_exactly_once, newest_run, run_config
 
-from moerl.config import ChaosConfig, FleetConfig, load_config
-from moerl.models import build_model, save_pretrained
+from moerl.config import ChaosConfig, FleetConfig
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.drain import DrainReport
 from moerl.runtime.fleet import FleetManager, WorkerExit, WorkerHealth, WorkerState
 from moerl.runtime.notice import watcher_from_config
 from moerl.runtime.run_dir import RunDir, read_jsonl
-from moerl.tasks import load_tokenizer
 from moerl.train import train
 
 ray = pytest.importorskip("ray")
 
-E2E_DIR = Path(__file__).parent
-DEFAULT_CONFIG = Path(__file__).parents[2] / "configs" / "default.yaml"
 STEPS, BATCH, NUM_EVAL = 16, 8, 100
 ACCURACY_NOISE = 0.3
 """Largest final-accuracy difference between two runs that counts as noise: 3.5 standard deviations of
@@ -49,74 +43,41 @@ the difference of two undisturbed runs of this config (5 undisturbed runs, same 
 timing, which the machine's load changes; chaos runs of the same config gave 0.57 0.87 0.63 0.55."""
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    """One local Ray instance for the module; workers find ``e2e_rewards`` through PYTHONPATH."""
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(E2E_DIR), old) if p)
-    ray.init(num_cpus=6, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # StandInWorker travels by value
-    yield
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("PYTHONPATH")
-    else:
-        os.environ["PYTHONPATH"] = old
-
-
-@pytest.fixture(scope="module")
-def default_init(tmp_path_factory):
-    """A fresh policy of the default config's shape, saved as a Hugging Face folder with the tokenizer."""
-    path = tmp_path_factory.mktemp("chaos") / "policy"
-    tok = load_tokenizer(None)
-    torch.manual_seed(0)
-    save_pretrained(build_model(load_config(DEFAULT_CONFIG).model, tok.vocab_size), path)
-    tok.save(path)
-    return path
-
-
 def _config(out: Path, init: Path, *overrides: str, steps: int = STEPS):
-    return load_config(
+    return run_config(
         DEFAULT_CONFIG,
-        [
-            f"output_dir={out}",
-            f"init_from={init}",
-            "runtime.mode=async",
-            "rollout.num_workers=4",
-            f"trainer.steps={steps}",
-            f"trainer.batch_groups={BATCH}",
-            "trainer.lr=2e-4",
-            "trainer.warmup_steps=10",
-            "trainer.micro_batch_size=256",
-            "runtime.max_staleness=1",
-            "runtime.buffer_groups=64",
-            "rollout.max_slots=16",
-            "runtime.lease_ttl_s=10",
-            "trainer.checkpoint_every=0",
-            "eval.every=0",
-            f"task.num_eval={NUM_EVAL}",
-            "task.reward_fn=e2e_rewards:first_is_digit",
-            "fleet.check_every_s=0.5",
-            "fleet.notice_poll_s=0.2",
-            "fleet.drain_grace_s=5",
-            *overrides,
-        ],
+        out,
+        init,
+        "runtime.mode=async",
+        "rollout.num_workers=4",
+        f"trainer.steps={steps}",
+        f"trainer.batch_groups={BATCH}",
+        "trainer.lr=2e-4",
+        "trainer.warmup_steps=10",
+        "trainer.micro_batch_size=256",
+        "runtime.max_staleness=1",
+        "runtime.buffer_groups=64",
+        "rollout.max_slots=16",
+        "runtime.lease_ttl_s=10",
+        "trainer.checkpoint_every=0",
+        "eval.every=0",
+        f"task.num_eval={NUM_EVAL}",
+        "task.reward_fn=e2e_rewards:first_is_digit",
+        "fleet.check_every_s=0.5",
+        "fleet.notice_poll_s=0.2",
+        "fleet.drain_grace_s=5",
+        *overrides,
     )
 
 
 def _train(cfg) -> tuple[dict, RunDir]:
     summary = train(cfg, live=False)
-    return summary, RunDir(max(Path(cfg.output_dir).glob(f"{cfg.name}-*"), key=lambda p: p.stat().st_mtime))
+    return summary, newest_run(cfg)
 
 
 def _assert_exactly_once(summary: dict, run: RunDir, steps: int = STEPS) -> None:
-    counts = Counter(e.task_id for e in run.read_ledger())
-    assert len(counts) == steps * BATCH and set(counts.values()) == {1}  # each trained id once
-    assert summary["tasks_trained"] == steps * BATCH
-    assert summary["tasks_duplicated"] == 0 and summary["tasks_lost"] == 0
-    records = read_jsonl(run.metrics)
-    assert [r["step"] for r in records] == list(range(1, steps + 1))
-    versions = [r["policy_version"] for r in records]
+    assert_trained_exactly_once(summary, run, steps, BATCH)
+    versions = [r["policy_version"] for r in read_jsonl(run.metrics)]
     assert versions == sorted(set(versions))  # strictly increasing: versions never go backwards
 
 

@@ -1,13 +1,13 @@
 """Every loss preset, routing replay and the KL penalty run the main job's task end to end (sync)."""
 
 import math
-from pathlib import Path
 
 import pytest
+from _runs import newest_run
 from conftest import short_config
 
 from moerl.cli import main as cli_main
-from moerl.runtime.run_dir import RunDir, read_jsonl
+from moerl.runtime.run_dir import read_jsonl
 from moerl.train import train
 
 MAIN_TASK = ["task.min_digits=2", "task.max_digits=2", "task.operations=[+]"]
@@ -19,7 +19,7 @@ DIGIT_REWARD = "task.reward_fn=e2e_rewards:first_is_digit"
 def _run(tmp_path, init, *overrides):
     cfg = short_config(tmp_path, init, *MAIN_TASK, DIGIT_REWARD, "trainer.lr=1e-3", *overrides)
     summary = train(cfg, live=False)
-    run = RunDir(max(Path(cfg.output_dir).glob(f"{cfg.name}-*"), key=lambda p: p.stat().st_mtime))
+    run = newest_run(cfg)
     return summary, read_jsonl(run.metrics), run
 
 

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _runs import newest_run
 from conftest import short_config
 
 from moerl.cli import main as cli_main
 from moerl.config import ConfigError
 from moerl.runtime.checkpoint import list_checkpoints
-from moerl.runtime.run_dir import RunDir, read_jsonl
+from moerl.runtime.run_dir import read_jsonl
 from moerl.runtime.weights import WeightStore
 from moerl.telemetry.metrics import METRIC_KEYS, without_wall_clock
 from moerl.train import resume, train
@@ -22,8 +23,7 @@ DIGIT_REWARD = "task.reward_fn=e2e_rewards:first_is_digit"
 def _run(cfg):
     """Train and return the summary and the (newest) run folder."""
     summary = train(cfg, live=False)
-    newest = max(Path(cfg.output_dir).glob(f"{cfg.name}-*"), key=lambda p: p.stat().st_mtime)
-    return summary, RunDir(newest)
+    return summary, newest_run(cfg)
 
 
 def _metrics(run):

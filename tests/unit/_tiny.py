@@ -1,4 +1,5 @@
-"""The tiny MoE policy that the worker, drain and trainer unit tests share (16 wide, 4 experts, top-2)."""
+"""The tiny MoE policies that the unit tests share: the one of the worker, drain and trainer tests (16
+wide, 4 experts, top-2), and the 2-layer one of the model and checkpoint tests (32 wide, any family)."""
 
 import torch
 
@@ -24,3 +25,10 @@ def tiny_model_config(**overrides) -> ModelConfig:
 def tiny_model(vocab_size: int, **overrides) -> torch.nn.Module:
     """``build_model(tiny_model_config(**overrides), vocab_size)`` (random weights from torch's RNG)."""
     return build_model(tiny_model_config(**overrides), vocab_size)
+
+
+def small_model_config(family: str, **overrides) -> ModelConfig:
+    """``tiny_model_config`` of ``family``, wider and deeper: 2 layers, hidden 32, 4 heads of 8 (2 KV
+    heads), 4 experts of width 16, top-2."""
+    wider = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, moe_intermediate_size=16)
+    return tiny_model_config(**{"family": family, **wider, **overrides})

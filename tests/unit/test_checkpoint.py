@@ -6,27 +6,17 @@ import json
 
 import pytest
 import torch
+from _tiny import small_model_config
 from safetensors.torch import load_file, save_file
 
 import moerl.models as mm
 import moerl.models.checkpoint as ckpt
-from moerl.config import ConfigError, ModelConfig
+from moerl.config import ConfigError
 from moerl.models import CheckpointError, UnsupportedArchitectureError
 
 
 def _saved(tmp_path, family="qwen2_moe"):
-    cfg = ModelConfig(
-        family=family,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        num_experts=4,
-        top_k=2,
-        moe_intermediate_size=16,
-    )
-    model = mm.build_model(cfg, vocab_size=40).eval()
+    model = mm.build_model(small_model_config(family), vocab_size=40).eval()
     mm.save_pretrained(model, tmp_path / "m")
     return model, tmp_path / "m"
 

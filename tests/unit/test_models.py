@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny import small_model_config
 
 from moerl.config import ConfigError, ModelConfig
 from moerl.models import MoeForCausalLM, build_model
@@ -14,19 +15,7 @@ ALL_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gl
 
 
 def tiny(family: str = "qwen3_moe", **kw) -> MoeForCausalLM:
-    cfg = ModelConfig(
-        family=family,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        num_experts=4,
-        top_k=2,
-        moe_intermediate_size=16,
-        **kw,
-    )
-    model = build_model(cfg, vocab_size=50)
+    model = build_model(small_model_config(family, **kw), vocab_size=50)
     with torch.no_grad():  # O(1) weights so that routing and attention are far from uniform
         for name, p in model.named_parameters():
             if "norm" not in name:

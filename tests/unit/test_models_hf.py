@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _hf import HF_BASE, save_random_hf_model
 
 import moerl.models as mm
 
 transformers = pytest.importorskip("transformers")
 
-_BASE = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_experts_per_tok=2,
-    max_position_embeddings=64,
-)
 FAMILIES = {
     "qwen3_moe": dict(
         intermediate_size=48,
@@ -34,7 +26,7 @@ FAMILIES = {
     "mixtral": dict(intermediate_size=16, num_local_experts=4),
     "olmoe": dict(intermediate_size=16, num_experts=4),
     "deepseek_v3": dict(
-        _BASE,
+        HF_BASE,
         num_hidden_layers=3,
         intermediate_size=48,
         moe_intermediate_size=16,
@@ -79,22 +71,8 @@ FAMILIES = {
 
 def make_hf_model(family: str, folder, **overrides):
     """A tiny random transformers model with O(1) weights (so routing is decisive), saved to ``folder``."""
-    kwargs = {**_BASE, **FAMILIES[family], **overrides}
-    cfg = transformers.AutoConfig.for_model(family, **kwargs)
-    cfg._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
-    model.save_pretrained(folder)
-    return model
+    kwargs = {**HF_BASE, **FAMILIES[family], **overrides}
+    return save_random_hf_model(family, folder, seed=1, attn_implementation="eager", **kwargs)
 
 
 def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:

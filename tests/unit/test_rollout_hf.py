@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _hf import HF_BASE, save_random_hf_model
 
 import moerl.models as mm
 from moerl.rollout import Engine, Request, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
-_BASE = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_experts_per_tok=2,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    eos_token_id=None,
-    bos_token_id=None,
-)
+_BASE = dict(HF_BASE, pad_token_id=0, eos_token_id=None, bos_token_id=None)
 _FAMILIES = {
     "qwen3_moe": dict(
         intermediate_size=48, moe_intermediate_size=16, head_dim=8, num_experts=4, norm_topk_prob=True
@@ -34,17 +24,7 @@ NEW_TOKENS = 12
 
 def _hf_checkpoint(family: str, folder):
     """A tiny transformers model with O(1) random weights (decisive logits and routing), saved to folder."""
-    cfg = transformers.AutoConfig.for_model(family, **_BASE, **_FAMILIES[family])
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    model.save_pretrained(folder)
-    return model
+    return save_random_hf_model(family, folder, seed=3, **_BASE, **_FAMILIES[family])
 
 
 @pytest.mark.parametrize("family", list(_FAMILIES))

@@ -1,0 +1,80 @@
+"""Helpers of the tests that start real runs (tests/e2e, tests/distributed): fresh policies, run folders,
+exactly-once books.
+
+Imported as ``_runs``: pytest puts ``tests/`` on ``sys.path`` when it loads ``tests/conftest.py``
+(the default ``prepend`` import mode), as it does each test file's own folder.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from moerl.config import ModelConfig, RunConfig, load_config
+from moerl.models import build_model, save_pretrained
+from moerl.runtime.run_dir import RunDir, read_jsonl
+from moerl.tasks import load_tokenizer
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+"""The project's default run config (``configs/default.yaml``)."""
+
+SHARDED_ASYNC = (
+    "trainer.batch_groups=4",
+    "trainer.micro_batch_size=32",
+    "trainer.lr=3e-3",
+    "trainer.warmup_steps=0",
+    "trainer.num_ranks=2",
+    "trainer.ep_size=2",
+    "rollout.num_workers=1",
+    "rollout.max_new_tokens=4",
+    "rollout.max_slots=32",
+    "rollout.kv_token_budget=1024",
+    "runtime.buffer_groups=8",
+    "task.reward_fn=dist_rewards:first_is_digit",
+    "eval.every=0",
+)
+"""Overrides that shorten ``DEFAULT_CONFIG`` to an async run of a 2-rank sharded trainer (EP 2) next to one
+rollout worker: 4 groups a step, 4 new tokens, ``dist_rewards:first_is_digit`` (learnable at lr 3e-3).
+The steps, checkpoints and held-out set are each test's own."""
+
+
+def run_config(path: Path | None, output_dir: Path, init: Path, *overrides: str) -> RunConfig:
+    """``load_config(path, overrides)`` of a run into ``output_dir`` that starts from the policy folder
+    ``init``; ``overrides`` as on the command line (``"trainer.steps=4"``, ...)."""
+    return load_config(path, [f"output_dir={output_dir}", f"init_from={init}", *overrides])
+
+
+def save_fresh_policy(path: Path, model: ModelConfig | None = None) -> Path:
+    """Save a fresh model of ``model`` (None: the default config's) with the built-in tokenizer at ``path``.
+
+    The weights are drawn after ``torch.manual_seed(0)``, so every call with the same config saves the
+    same policy. ``path`` becomes a Hugging Face folder (config, safetensors, tokenizer); returns it.
+    """
+    tok = load_tokenizer(None)
+    torch.manual_seed(0)
+    cfg = load_config(DEFAULT_CONFIG).model if model is None else model
+    save_pretrained(build_model(cfg, tok.vocab_size), path)
+    tok.save(path)
+    return path
+
+
+def newest_run(cfg: RunConfig) -> RunDir:
+    """The newest run folder ``<output_dir>/<name>-*`` of ``cfg`` (by modification time).
+
+    Raises:
+        ValueError: there is none (the run did not start).
+    """
+    return RunDir(max(Path(cfg.output_dir).glob(f"{cfg.name}-*"), key=lambda p: p.stat().st_mtime))
+
+
+def assert_trained_exactly_once(summary: dict, run: RunDir, steps: int, batch_groups: int) -> None:
+    """Assert the books of a completed run of ``steps`` steps of ``batch_groups`` groups each: every task
+    id in the ledger trained once, ``steps * batch_groups`` of them, none lost or duplicated, and one
+    metrics record a step (steps 1..``steps`` in order)."""
+    counts = Counter(e.task_id for e in run.read_ledger())
+    assert len(counts) == steps * batch_groups and set(counts.values()) == {1}  # each trained id once
+    assert summary["tasks_trained"] == steps * batch_groups
+    assert summary["tasks_duplicated"] == 0 and summary["tasks_lost"] == 0
+    assert [r["step"] for r in read_jsonl(run.metrics)] == list(range(1, steps + 1))
