@@ -1,9 +1,10 @@
 """PPO's critic: a value model, GAE advantages and the clipped value loss (estimator ``gae``).
 
 The value model is a copy of the policy's trunk (embeddings, decoder layers, final norm) with the LM head
-replaced by a linear value head ``[H] -> 1`` (``ValueHead``) that starts at zero (so V = 0 at first). Why a copy of the
-trunk and not a separate small model: the warm-started trunk already encodes the task (what the prompt
-asks, how far the answer has got), so the value head learns from useful features from the first step;
+replaced by a linear value head ``[H] -> 1`` (``ValueHead``) that starts at zero (so V = 0 at first).
+Why a copy of the trunk and not a separate small model: the warm-started trunk already encodes the task
+(what the prompt asks, how far the answer has got), so the value head learns from useful features from
+the first step;
 why a copy and not a head on the policy's own trunk: the value loss then never moves the policy's
 weights, and the policy's optimizer, publishing and weight versions stay exactly as without a critic.
 It costs a second model's memory and one forward + backward per update.
