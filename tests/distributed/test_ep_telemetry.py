@@ -31,7 +31,6 @@ EP_RUNS = {  # name -> overrides
         "trainer.ep_size=4",
         "trainer.ep_dispatcher=hierarchical",
         "trainer.gpus_per_node=2",
-        "trainer.batch_groups=4",
     ],
 }
 NO_EP_RUNS = {"R1": ["trainer.num_ranks=1"]}
