@@ -132,6 +132,9 @@ class Run:
         except TrainerRankError as e:  # a rank died or hung: a new group from the newest checkpoint
             self.restart_group(e, lost=groups)
             return
+        if isinstance(self.trainer, TrainerGroup) and self.trainer.last_ep_traffic is not None:
+            for direction, traffic in self.trainer.last_ep_traffic.items():  # EP bytes of all ranks
+                self.telemetry.add_ep_traffic(direction, traffic)
         self._record(groups, stats.step)
         if self.chaos.should_kill_trainer(stats.step):  # dies before publishing; the rollouts go on
             self.recover(stats.step)

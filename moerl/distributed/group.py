@@ -31,6 +31,7 @@ from moerl.distributed.batching import split_by_groups
 from moerl.distributed.mesh import COLLECTIVE_TIMEOUT_S
 from moerl.distributed.rank import RankSpec, TrainerRankError, serve, unwrap_reply, write_file_url
 from moerl.distributed.ray_ranks import RayRanks
+from moerl.ep.traffic import DirectionTraffic, sum_traffic
 from moerl.rl import preset_from_config
 from moerl.runtime.batch import TrainBatch, build_train_batch
 from moerl.runtime.checkpoint import capture_rng_state, list_checkpoints, save_checkpoint
@@ -172,6 +173,10 @@ class TrainerGroup:
         self._weights: tuple[int, dict[str, torch.Tensor]] | None = None
         self._streamed: StreamedVersion | None = None  # the last version streamed to the workers
         self._model_version = -1  # version of the driver's copy of the policy
+        self.last_ep_traffic: DirectionTraffic | None = None
+        """EP bytes of the last ``train_step``, summed over all ranks (every byte any rank sent to another
+        rank, so the figure of the whole group, not of rank 0), by direction and link class (``moerl.ep.
+        traffic``); forwards and backward passes of the policy, reference and critic. None: no EP."""
 
     # -- the Trainer interface -----------------------------------------------------------------
 
@@ -218,7 +223,9 @@ class TrainerGroup:
         """
         slices = split_by_groups(batch, self.num_ranks, self.cfg.trainer.mini_batches)
         self.ranks.send("train_step", [(s,) for s in slices])
-        stats, self._counters = self.ranks.gather(self.timeout_s)[0]
+        replies = self.ranks.gather(self.timeout_s)
+        stats, self._counters, _ = replies[0]
+        self.last_ep_traffic = sum_traffic(traffic for _, _, traffic in replies)
         return stats
 
     def publish(self, store: WeightStore) -> WeightVersion:
@@ -260,6 +267,10 @@ class TrainerGroup:
             else:
                 self._weights = (self.version, self._all("full_weights")[0])
         return self._weights[1]
+
+    def ep_traffic_totals(self) -> list[DirectionTraffic | None]:
+        """Each rank's dispatchers' cumulative EP counters since the group started (rank order)."""
+        return self._all("ep_traffic")
 
     def refresh_model(self) -> None:
         """Bring the driver's copy of the policy (eval) to the current version, if it is behind."""

@@ -30,6 +30,7 @@ from moerl.distributed.mesh import COLLECTIVE_TIMEOUT_S, build_mesh, init_group
 from moerl.distributed.parallelize import build_sharded_policy
 from moerl.distributed.publish import iter_full_tensors, publish_sharded, stream_sharded
 from moerl.distributed.sharded import ShardedTrainer
+from moerl.ep.traffic import DirectionTraffic, dispatcher_traffic, model_dispatchers, traffic_delta
 from moerl.runtime.batch import TrainBatch
 from moerl.runtime.trainer import NonFiniteLossError
 from moerl.runtime.weight_sync import StreamedVersion, WeightBucket, bucket_offer
@@ -102,6 +103,8 @@ class RankTrainer:
             norm_length=cfg.algorithm.norm_length or cfg.rollout.max_new_tokens,
             **others,
         )
+        # the EP dispatchers of every model of the step (policy, reference, critic): [] without EP
+        self.dispatchers = model_dispatchers(model, *others.values())
         self.bucket_bytes = int(cfg.runtime.publish_bucket_mb * 2**20)
         self.keep_versions = cfg.runtime.keep_versions
 
@@ -116,8 +119,15 @@ class RankTrainer:
         }
 
     def train_step(self, batch: TrainBatch):
-        """``ShardedTrainer.train_step`` on this rank's slice; (TrainStats, counters)."""
-        return self.trainer.train_step(batch), self.counters()
+        """``ShardedTrainer.train_step`` on this rank's slice; (TrainStats, counters, EP traffic): the
+        bytes this rank's dispatchers sent during the step, by direction (``moerl.ep.traffic``; None: no EP)."""
+        before = dispatcher_traffic(self.dispatchers)
+        stats = self.trainer.train_step(batch)
+        return stats, self.counters(), traffic_delta(dispatcher_traffic(self.dispatchers), before)
+
+    def ep_traffic(self) -> DirectionTraffic | None:
+        """This rank's dispatchers' cumulative counters since the rank started (None: no EP)."""
+        return dispatcher_traffic(self.dispatchers)
 
     def publish(self, store_url: str, version: int):
         """Gather and write ``version`` bucket by bucket; rank 0 returns the ``WeightVersion``."""

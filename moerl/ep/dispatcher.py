@@ -111,6 +111,10 @@ class Dispatcher:
         """Traffic this rank sent in the last ``dispatch`` or ``combine`` call (forward only)."""
         self.total_traffic = Traffic()
         """Traffic this rank sent since construction, backward passes included."""
+        self.traffic_by_direction = {"dispatch": Traffic(), "combine": Traffic()}
+        """``total_traffic`` split by the direction the data moved: ``dispatch`` towards the experts' ranks
+        (dispatch forward, combine backward), ``combine`` back to the tokens' ranks (combine forward,
+        dispatch backward); the two always sum to ``total_traffic``."""
         self._links: list[Link] = []
         self._placement_cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
@@ -175,7 +179,7 @@ class Dispatcher:
             recv_x, recv_w, plan = _DispatchFn.apply(x, topk_weights, topk_idx, layout, counts, self)
         else:
             recv_x, recv_w, plan = self._dispatch_rows(x, topk_idx, topk_weights, layout, counts)
-        self._finish(start)
+        self._finish(start, "dispatch")
         return recv_x, plan.tokens_per_local_expert, self._handle(plan, recv_w, x, topk_weights)
 
     def _handle(
@@ -217,7 +221,7 @@ class Dispatcher:
         else:
             out = self._reverse(y, handle.plan, y.dtype, weights=handle.recv_weights)
         if counted:
-            self._finish(start)
+            self._finish(start, "combine")
         return out
 
     def _on(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -279,9 +283,15 @@ class Dispatcher:
             total = total + link.traffic
         return total
 
-    def _finish(self, start: Traffic) -> None:
-        self.total_traffic = self._traffic_now()
+    def _finish(self, start: Traffic, direction: str) -> None:
+        self._count(start, direction)
         self.last_traffic = self.total_traffic - start
+
+    def _count(self, start: Traffic, direction: str) -> None:
+        """Add what the links sent since ``start`` to ``direction`` and bring ``total_traffic`` up to date."""
+        now = self._traffic_now()
+        self.traffic_by_direction[direction] = self.traffic_by_direction[direction] + (now - start)
+        self.total_traffic = now
 
 
 def _needs_grad(*ts: torch.Tensor) -> bool:
@@ -302,8 +312,10 @@ class _DispatchFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_x, g_w, _):  # noqa: D102
         # Both collectives run on every rank whatever needs_input_grad says, so ranks stay in step.
+        start = ctx.disp._traffic_now()
         grad_x = ctx.disp._reverse(g_x, ctx.plan, ctx.x_dtype).to(ctx.x_dtype)
         grad_w = ctx.disp._reverse_slots(g_w.to(accumulation_dtype(ctx.w_dtype)), ctx.plan).to(ctx.w_dtype)
+        ctx.disp._count(start, "combine")  # gradients go back to the tokens' ranks
         return grad_x, grad_w, None, None, None, None
 
 
@@ -321,7 +333,9 @@ class _CombineFn(torch.autograd.Function):
     def backward(ctx, g):  # noqa: D102
         y, recv_w = ctx.saved_tensors
         acc = accumulation_dtype(y.dtype)
+        start = ctx.disp._traffic_now()
         gy = ctx.disp._forward(g.to(y.dtype), ctx.plan).to(acc)
+        ctx.disp._count(start, "dispatch")  # gradients go out to the experts' ranks
         grad_y = (recv_w.to(acc)[:, None] * gy).to(y.dtype)
         grad_w = (gy * y.to(acc)).sum(-1).to(recv_w.dtype)
         return grad_y, grad_w, None, None
@@ -342,5 +356,7 @@ class _SourceCombineFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # noqa: D102
         (w,) = ctx.saved_tensors
+        start = ctx.disp._traffic_now()
         grad_y, grad_w = ctx.disp._source_combine_backward(g, w, ctx.saved, ctx.plan)
+        ctx.disp._count(start, "dispatch")  # gradients go out to the experts' ranks
         return grad_y, grad_w, None, None

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from moerl.ep.parallelize import ExpertParallelExperts, parallelize
 from moerl.ep.topology import Topology
+from moerl.ep.traffic import DirectionTraffic, dispatcher_traffic, model_dispatchers
 from moerl.rollout.engine import Engine
 from moerl.rollout.params import Completion, Request
 from moerl.rollout.sampler import sample_key
@@ -60,6 +61,7 @@ class EPEngine:
         self.group = group
         self.rank = dist.get_rank(group)
         self.ep_size = size
+        self.dispatchers = model_dispatchers(engine.model)
         # full-model tensor name -> this rank's global expert ids, for update_weights
         self._local_experts = {
             f"{name}.{p}": mod.local_expert_ids
@@ -72,6 +74,12 @@ class EPEngine:
     def version(self) -> int:
         """Policy version of the weights (the same on every rank)."""
         return self.engine.version
+
+    @property
+    def ep_traffic(self) -> DirectionTraffic | None:
+        """Bytes this rank's dispatcher sent since the engine was built, by direction (``moerl.ep.traffic``;
+        cumulative; None in a group of one rank)."""
+        return dispatcher_traffic(self.dispatchers) if self.ep_size > 1 else None
 
     @property
     def num_unfinished(self) -> int:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moerl.ep.traffic import DirectionTraffic, sum_traffic
 from moerl.rollout.ep_engine import EPEngine
 from moerl.rollout.params import Completion, InvalidRequestError, Request, validate_request
 from moerl.rollout.weight_update import cancel_all
@@ -79,6 +80,8 @@ class RankReport:
     running sample that has host-synced tokens it did not report before."""
     num_unfinished: int = 0
     """Samples waiting or running on the rank."""
+    ep_traffic: DirectionTraffic | None = None
+    """Bytes the rank's dispatcher sent since it started, by direction (``EPEngine.ep_traffic``, cumulative)."""
 
 
 _SAFE_BUILTINS = frozenset(
@@ -173,6 +176,7 @@ class EPGroupEngine:
         self._held: list[Completion] = []  # finished during a keepalive step
         self._last_exchange = time.monotonic()
         self._closed = False
+        self._rank_traffic: list[DirectionTraffic | None] = [None] * (self.ep_size - 1)  # followers' last
         self.num_steps = 0
 
     @property
@@ -184,6 +188,13 @@ class EPGroupEngine:
     def num_slots(self) -> int:
         """Sequence slots of the whole group (every rank has the leader's)."""
         return self.ep.engine.num_slots * self.ep_size
+
+    @property
+    def ep_traffic(self) -> DirectionTraffic | None:
+        """EP bytes the group's ranks sent since it started, summed over the ranks, by direction and link
+        class (``moerl.ep.traffic``; cumulative): the leader's now, each follower's as of its last report
+        (one step late; complete after ``close``). Safe from another thread (a health thread)."""
+        return sum_traffic([self.ep.ep_traffic, *self._rank_traffic])
 
     @property
     def num_unfinished(self) -> int:
@@ -274,10 +285,17 @@ class EPGroupEngine:
         self.num_steps += 1
         for c in done:
             self._finished(c)
+        self._note_traffic(reports)
         for rank, report in enumerate(reports[1:], start=1):
             done += self._apply_report(rank, report)
         held, self._held = self._held, []
         return held + done
+
+    def _note_traffic(self, reports: list) -> None:
+        self._rank_traffic = [
+            r.ep_traffic if r.ep_traffic is not None else old
+            for r, old in zip(reports[1:], self._rank_traffic, strict=True)
+        ]
 
     def _apply_report(self, rank: int, report: RankReport) -> list[Completion]:
         with self._lock:
@@ -323,9 +341,10 @@ class EPGroupEngine:
             return
         self._closed = True
         try:
-            exchange_objects(GroupCommand(stop=True), self.ctrl, timeout_s)
+            reports = exchange_objects(GroupCommand(stop=True), self.ctrl, timeout_s)
         except Exception:  # a follower already gone: nothing to stop
-            pass
+            return
+        self._note_traffic(reports)  # the followers' last steps: ep_traffic is now the group's total
 
 
 class EPFollower:
@@ -401,7 +420,7 @@ class EPFollower:
                     )
                 )
                 self._reported[key] = n
-        return RankReport(tuple(done), tuple(progress), self.ep.num_unfinished)
+        return RankReport(tuple(done), tuple(progress), self.ep.num_unfinished, self.ep.ep_traffic)
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,9 +1,10 @@
 """PPO's critic: a value model, GAE advantages and the clipped value loss (estimator ``gae``).
 
 The value model is a copy of the policy's trunk (embeddings, decoder layers, final norm) with the LM head
-replaced by a linear value head ``[H] -> 1`` that starts at zero (so V = 0 at first). Why a copy of the
-trunk and not a separate small model: the warm-started trunk already encodes the task (what the prompt
-asks, how far the answer has got), so the value head learns from useful features from the first step;
+replaced by a linear value head ``[H] -> 1`` (``ValueHead``) that starts at zero (so V = 0 at first).
+Why a copy of the trunk and not a separate small model: the warm-started trunk already encodes the task
+(what the prompt asks, how far the answer has got), so the value head learns from useful features from
+the first step;
 why a copy and not a head on the policy's own trunk: the value loss then never moves the policy's
 weights, and the policy's optimizer, publishing and weight versions stay exactly as without a critic.
 It costs a second model's memory and one forward + backward per update.
@@ -114,15 +115,32 @@ class Critic:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
+class ValueHead(nn.Module):
+    """PPO's linear value head: h [..., H] -> V [..., 1] = h w^T + b, with ``weight`` [1, H] and ``bias`` [1]
+    (the state-dict names and shapes of ``nn.Linear(H, 1)``).
+
+    Computed as a matmul followed by an out-of-place add, not ``F.linear``: with a bias and a 3-D input,
+    ``F.linear`` fuses the bias into an ``addmm`` on the flattened rows and returns a *view* of that
+    result, and the sharded value model (FSDP2's root module) would then return a view, which FSDP2
+    warns about (an in-place op on it would skip the pre-backward all-gather). Here the output owns its
+    storage; the values equal ``F.linear``'s up to float rounding of the bias add.
+    """
+
+    def __init__(self, hidden_size: int, *, device=None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., 1] in the head's dtype (a tensor of its own, not a view)."""
+        return torch.matmul(h, self.weight.t()) + self.bias
+
+
 def with_value_head(model: nn.Module) -> nn.Module:
-    """``model`` (a ``MoeForCausalLM``) with its LM head replaced, in place, by a zero-initialized linear value
-    head ``[H] -> 1`` (weight and bias 0: V = 0 at first) in the model's dtype."""
-    hidden = model.lm_head.in_features
-    dtype = model.lm_head.weight.dtype
-    head = nn.Linear(hidden, 1, bias=True, device=model.lm_head.weight.device, dtype=dtype)
-    nn.init.zeros_(head.weight)
-    nn.init.zeros_(head.bias)
-    model.lm_head = head
+    """``model`` (a ``MoeForCausalLM``) with its LM head replaced, in place, by a zero-initialized
+    ``ValueHead`` ``[H] -> 1`` (weight and bias 0: V = 0 at first) in the model's dtype."""
+    w = model.lm_head.weight
+    model.lm_head = ValueHead(model.lm_head.in_features, device=w.device, dtype=w.dtype)
     return model
 
 

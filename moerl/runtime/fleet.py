@@ -89,6 +89,9 @@ class WorkerHealth:
     """EP ranks of the worker (``rollout.ep_size``; > 1: an EP rollout group led by this worker)."""
     rank_pids: tuple[int, ...] = ()
     """Process ids of the group's EP ranks, rank order (empty for a one-rank worker)."""
+    ep_traffic: dict | None = None
+    """EP bytes its group's ranks sent since it started, summed over the ranks: ``{"dispatch" | "combine":
+    moerl.ep.Traffic}`` (``EPGroupEngine.ep_traffic``, cumulative); None for a one-rank worker."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,11 @@
 ``write_step`` adds the per-worker record (``rollout/workers``: rates since the previous record from
 the totals the workers' heartbeats carry), notices, lost work and EP bytes to the step's values,
 writes ``metrics.jsonl``, sends the record to the configured loggers (TensorBoard, W&B) and updates
-the Prometheus exporter. EP traffic arrives through ``add_ep_traffic`` from whoever owns a
-dispatcher (``moerl.ep``'s ``Traffic``).
+the Prometheus exporter. EP traffic (``moerl.ep``'s ``Traffic``, bytes sent to other ranks, summed over
+ranks) comes from two places: the sharded trainer's step, handed in by the controller through
+``add_ep_traffic`` (``TrainerGroup.last_ep_traffic``), and the EP rollout groups, whose leaders' heartbeats
+carry their group's cumulative bytes (``WorkerHealth.ep_traffic``): ``write_step`` adds each worker's
+growth since the previous record.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 
 from moerl.config import RunConfig, to_dict
 from moerl.ep.layout import Traffic
+from moerl.ep.traffic import DirectionTraffic, traffic_delta
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.fleet import WorkerRecord, WorkerState
 from moerl.runtime.queue import QueueStats
@@ -88,6 +92,7 @@ class RunTelemetry:
         self._history: dict[str, deque] = {}  # worker -> (wall_s, tokens, groups) over RATE_WINDOW_S
         self._wait_s = 0.0
         self._ep: Traffic | None = None
+        self._worker_ep: dict[str, DirectionTraffic] = {}  # worker -> its EP group's bytes at the last record
 
     @classmethod
     def start(
@@ -161,6 +166,8 @@ class RunTelemetry:
         """
         self._trained.update(g.task_id for g in groups)
         self._wait_s += values.get("timing/wait_s") or 0.0
+        workers = list(workers)
+        self._add_worker_ep(workers)
         series = {rec.worker_id: worker_series(rec) for rec in workers}
         values = {
             **values,
@@ -176,6 +183,22 @@ class RunTelemetry:
         if self.loggers is not None:
             self.loggers.log(record)
         return record
+
+    def _add_worker_ep(self, workers: Sequence[WorkerRecord]) -> None:
+        """The EP rollout groups' bytes since the previous record, from their heartbeats' cumulative totals
+        (a worker seen again after its counters restarted, a new incarnation under the same id, counts
+        from zero)."""
+        for rec in workers:
+            now = rec.health.ep_traffic
+            if now is None:
+                continue
+            try:
+                grown = traffic_delta(now, self._worker_ep.get(rec.worker_id))
+            except ValueError:  # a new incarnation under the same id: its counters started again
+                grown = now
+            self._worker_ep[rec.worker_id] = now
+            for direction, traffic in grown.items():
+                self.add_ep_traffic(direction, traffic)
 
     def _worker_entries(self, wall_s: float, series: Mapping[str, WorkerSeries], version: int) -> dict:
         """Per-worker fields; rates over the trailing ``RATE_WINDOW_S`` (heartbeats move the totals

@@ -11,6 +11,7 @@ import ep_engine_cases as base
 import torch
 import torch.distributed as dist
 
+from moerl.ep.traffic import dispatcher_traffic
 from moerl.rollout.ep_engine import EPEngine
 from moerl.rollout.ep_group import EPFollower, EPGroupEngine, EPGroupError
 from moerl.rollout.weight_update import recompute_running
@@ -147,3 +148,20 @@ def run_kill_case(rank: int, world: int, mode: str) -> dict:
     except RuntimeError:  # the leader gave up on the group
         pass
     return {}
+
+
+def run_traffic_case(rank: int, world: int) -> dict:
+    """The requests through the leader, then close; every rank's own dispatcher counters, and on the
+    leader the group's ``ep_traffic`` after ``close`` (which brings the followers' last reports)."""
+    ep = _group(base.make_model())
+    ctrl = _ctrl()
+    out: dict = {}
+    if rank == 0:
+        group = EPGroupEngine(ep, ctrl, timeout_s=30)
+        _run_leader(group, base.requests())
+        group.close()
+        out["group"] = group.ep_traffic
+    else:
+        EPFollower(ep, ctrl, lambda v: new_weights(), idle_timeout_s=60).run()
+    out["own"] = dispatcher_traffic(ep.dispatchers)
+    return out

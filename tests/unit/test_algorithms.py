@@ -14,7 +14,7 @@ from moerl.models.moe import sequence_balance_loss, update_correction_bias
 from moerl.rl import explained_variance, preset_from_config, rollout_mismatch_sums, whiten
 from moerl.rl.mismatch import mismatch_weights
 from moerl.runtime.batch import build_train_batch
-from moerl.runtime.critic import gae_targets
+from moerl.runtime.critic import gae_targets, with_value_head
 from moerl.runtime.reference import kl_penalized_group_advantages
 from moerl.runtime.trainer import Trainer
 
@@ -212,3 +212,21 @@ def test_sequence_level_aux_loss_trains():
     assert all(b.aux_loss_level == "sequence" for b in trainer.model.moe_blocks())
     stats = trainer.train_step(_on_policy_batch(trainer))
     assert stats.aux_loss > 0 and not stats.is_skipped
+
+
+def test_value_head_returns_a_tensor_of_its_own_like_a_linear_layer():
+    """The value model's output owns its storage (a view would make FSDP2 warn on the sharded critic) and
+    equals ``nn.Linear(H, 1)`` with the same weight and bias; the state dict keeps Linear's names."""
+    torch.manual_seed(0)
+    model = with_value_head(tiny_model(12))
+    assert {k for k in model.state_dict() if k.startswith("lm_head.")} == {"lm_head.weight", "lm_head.bias"}
+    assert not any(p.abs().sum() for p in model.lm_head.parameters())  # V = 0 at first
+    with torch.no_grad():
+        model.lm_head.weight.normal_()
+        model.lm_head.bias.fill_(0.5)
+    ids = torch.randint(1, 12, (3, 5))
+    values = model(ids, torch.ones_like(ids)).logits
+    assert values.shape == (3, 5, 1) and values.requires_grad and values._base is None
+    h = torch.randn(3, 5, 16)
+    linear = torch.nn.functional.linear(h, model.lm_head.weight, model.lm_head.bias)
+    assert torch.allclose(model.lm_head(h), linear, atol=1e-6)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from prometheus_client.parser import text_string_to_metric_families
 
 from moerl.config import load_config
+from moerl.ep.layout import Traffic
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.fleet import WorkerHealth, WorkerRecord, WorkerState
 from moerl.runtime.queue import QueueStats
@@ -151,4 +152,44 @@ def test_worker_rates_are_over_the_trailing_window(tmp_path):
         rates.append(record["rollout/workers"]["rollout-0"]["tokens_per_s"])
     # from the newest record at least 10 s old: 0 s, 0 s, 0 s, then 0 s (4 s is only 8 s old), then 12 s
     assert rates == [None, 100.0, 100.0, 1100 / 12, 0.0]
+    t.close()
+
+
+def _ep_rec(wid: str, intra: int, inter: int) -> WorkerRecord:
+    """A worker whose EP rollout group sent ``intra`` / ``inter`` bytes in each direction so far."""
+    traffic = {d: Traffic(intra_node_bytes=intra, inter_node_bytes=inter) for d in ("dispatch", "combine")}
+    return WorkerRecord(wid, 0.0, WorkerState.ALIVE, health=WorkerHealth(ep_size=2, ep_traffic=traffic))
+
+
+def test_ep_rollout_groups_heartbeat_bytes_are_counted_once(tmp_path):
+    t = RunTelemetry.start(load_config(None, []), tmp_path, tmp_path / "metrics.jsonl")
+    kw = dict(groups=[], queue=_queue(), buffer=_buffer(), step_s=0.1, weight_sync_s=None)
+    plain = _rec("rollout-9", 0, 0, 0)  # a one-rank worker: no EP bytes
+    t.add_ep_traffic("dispatch", Traffic(intra_node_bytes=7))  # the trainer's step, handed in
+    first = t.write_step(1, 1.0, {}, workers=[_ep_rec("rollout-0", 100, 10), plain], **kw)
+    # rollout-0 grew by (50, 5) per direction; rollout-1 is new: all of its (30, 3) count
+    second = t.write_step(
+        2, 2.0, {}, workers=[_ep_rec("rollout-0", 150, 15), _ep_rec("rollout-1", 30, 3)], **kw
+    )
+    # rollout-1 restarted under the same id (counters from 0 again): its 4 bytes count, nothing is negative
+    third = t.write_step(
+        3, 3.0, {}, workers=[_ep_rec("rollout-0", 150, 15), _ep_rec("rollout-1", 4, 0)], **kw
+    )
+    assert first["ep/intra_node_bytes"] == 7 + 2 * 100 and first["ep/inter_node_bytes"] == 2 * 10
+    assert (
+        second["ep/intra_node_bytes"] == 207 + 2 * (50 + 30) and second["ep/inter_node_bytes"] == 20 + 2 * 8
+    )
+    assert third["ep/intra_node_bytes"] == 367 + 2 * 4 and third["ep/inter_node_bytes"] == 36
+    s = _samples(t.exporter.render().decode())
+    assert s["moerl_ep_bytes_total", (("direction", "dispatch"), ("link", "intra"))] == 7 + 100 + 50 + 30 + 4
+    assert s["moerl_ep_bytes_total", (("direction", "combine"), ("link", "intra"))] == 100 + 50 + 30 + 4
+    assert s["moerl_ep_bytes_total", (("direction", "combine"), ("link", "inter"))] == 10 + 5 + 3
+    t.close()
+
+
+def test_run_without_ep_has_null_ep_keys(tmp_path):
+    t = RunTelemetry.start(load_config(None, []), tmp_path, tmp_path / "metrics.jsonl")
+    kw = dict(groups=[], queue=_queue(), buffer=_buffer(), step_s=0.1, weight_sync_s=None)
+    record = t.write_step(1, 1.0, {}, workers=[_rec("rollout-0", 10, 1, 0)], **kw)
+    assert record["ep/intra_node_bytes"] is None and record["ep/inter_node_bytes"] is None
     t.close()

@@ -264,6 +264,9 @@ class RolloutWorkerActor:
             comm_errors=tuple(comm_error_counts().items()),
             ep_size=self.cfg_ep_size,
             rank_pids=() if self.group is None else self.group.pids,
+            ep_traffic=None
+            if self.group is None or self.group.engine is None
+            else self.group.engine.ep_traffic,
             **self._sync_figures(),
         )
 
