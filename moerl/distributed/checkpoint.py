@@ -11,9 +11,11 @@ process group) reads exactly the rows each new shard needs. DCP writes its ``.me
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
@@ -141,7 +143,12 @@ def load_sharded(trainer, folder: str | Path, mesh: TrainMesh | None = None) -> 
                 f"{folder}: tensor {key} has shape {size} in the checkpoint; the model has {want}"
             )
     with torch.no_grad():
-        dcp.load(state, checkpoint_id=str(folder))
+        # A one-rank Trainer has no process group: that is the intent, so say it (no_dist). torch 2.13
+        # warns "assuming the intent is to load in a single process" even then; that one line is dropped.
+        no_dist = not (dist.is_available() and dist.is_initialized())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, checkpoint_id=str(folder), no_dist=no_dist)
 
 
 def _flat_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
