@@ -11,6 +11,7 @@ one field, its value parsed as YAML. Unknown keys are an error that suggests the
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from moerl.atomic import atomic_write_text
 from moerl.choices import DTYPE_NAMES, MODEL_FAMILIES
 from moerl.config_algorithm import AlgorithmConfig, check_algorithm_combination  # noqa: F401 - re-exported
 from moerl.config_cluster import ClusterConfig, StorageConfig  # noqa: F401 - re-exported
+from moerl.config_engine import check_engine_sizes, engine_slot_tokens  # noqa: F401 - re-exported
 from moerl.config_env import EnvConfig, check_episode_run  # noqa: F401 - re-exported
 from moerl.config_fleet import ChaosConfig, FleetConfig  # noqa: F401 - re-exported
 from moerl.config_trainer import TrainerConfig  # noqa: F401 - re-exported
@@ -31,6 +33,7 @@ from moerl.configlib import (  # noqa: F401 - re-exported: the config API lives 
     check_range,
     from_dict,
     to_dict,
+    yaml_problem,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -86,6 +89,8 @@ class ModelConfig:
         ):
             check_range(f"model.{name}", getattr(self, name), 1)
         check_range("model.top_k", self.top_k, 1, self.num_experts)
+        if not re.fullmatch(r"(cpu|cuda)(:\d+)?", self.device):
+            raise ConfigError(f"model.device={self.device!r} is not a device; use cpu, cuda or cuda:N")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}"
@@ -148,6 +153,8 @@ class TaskConfig:
         check_choice("task.layout", self.layout, ["gsm8k", "generic"])
         for op in self.operations:
             check_choice("task.operations[]", op, ["+", "-", "*"])
+        if self.name == "arithmetic" and not self.operations:
+            raise ConfigError("task.operations=[] is empty; arithmetic needs at least one of + - *")
         if self.name == "jsonl" and not self.path:
             raise ConfigError("task.path is required when task.name='jsonl'")
 
@@ -394,6 +401,7 @@ class RunConfig:
         if self.algorithm.routing_replay == "r3":  # R3 replays what the engine records
             self.rollout.return_routed_experts = True
         _check_expert_parallel(self)
+        check_engine_sizes(self)
         if self.runtime.weight_sync == "cuda_ipc" and self.trainer.num_ranks > 1:
             raise ConfigError(
                 f"runtime.weight_sync=cuda_ipc needs one trainer process (trainer.num_ranks="
@@ -471,9 +479,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
-            raise ConfigError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from e
+            raise ConfigError(f"{path}{yaml_problem(e)}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
     apply_overrides(data, overrides or [])

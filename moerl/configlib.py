@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any
@@ -27,13 +28,15 @@ def check_range(
     lo_open: bool = False,
     hi_open: bool = False,
 ) -> None:
-    """Raise ``ConfigError`` unless ``lo <= value <= hi`` (or strict where ``*_open``).
+    """Raise ``ConfigError`` unless ``lo <= value <= hi`` (or strict where ``*_open``) and ``value`` is
+    finite: NaN and +-inf are refused whatever the bounds (no config field gives inf a meaning).
 
     Args:
         name: dotted field name used in the message, e.g. ``"trainer.lr"``.
         value: the value to check.
         lo, hi: bounds; ``None`` means unbounded on that side.
     """
+    check_finite(name, value)
     bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (
         hi is not None and (value >= hi if hi_open else value > hi)
     )
@@ -42,6 +45,20 @@ def check_range(
         right = ")" if hi_open else "]"
         rng = f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
         raise ConfigError(f"{name}={value!r} is out of range; allowed: {rng}")
+
+
+def check_finite(name: str, value: Any) -> None:
+    """Raise ``ConfigError`` if the float ``value`` is NaN or +-inf (other types pass)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name}={value!r} is not a finite number")
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """``":LINE:COL: not valid YAML (problem)"`` of a PyYAML error (the position only when it has one),
+    to follow the name of the file that held the text."""
+    mark = getattr(e, "problem_mark", None)
+    where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+    return f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})"
 
 
 def check_choice(name: str, value: Any, choices: typing.Iterable[Any]) -> None:
@@ -90,12 +107,16 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, prefix=f"{name}.")
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        check_finite(name, float(value))  # every float field: NaN/inf would only fail deep in a run
         return float(value)
     if tp is float and isinstance(value, str):
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             pass
+        else:
+            check_finite(name, number)
+            return number
     if tp in (int, float, str, bool) and not (
         isinstance(value, tp) and not (tp is int and isinstance(value, bool))
     ):
@@ -141,7 +162,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     """Apply ``section.field=value`` overrides (value parsed as YAML) to a nested dict in place.
 
     Raises:
-        ConfigError: an override without ``=``.
+        ConfigError: an override without ``=``, or whose value is not valid (safe) YAML.
     """
     for item in overrides:
         if "=" not in item:
@@ -153,5 +174,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{item}': '{part}' is not a section")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:  # also a tag such as !!python/object, which safe_load refuses
+            problem = getattr(e, "problem", None) or e
+            raise ConfigError(f"--set {item!r}: the value {raw!r} is not valid YAML ({problem})") from None
     return data

@@ -43,6 +43,7 @@ from moerl.runtime.build import build_components
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
 from moerl.runtime.local import LocalRollouts
+from moerl.runtime.preflight import check_run_inputs
 from moerl.runtime.ray import RayRollouts, check_ray_address
 from moerl.runtime.recovery import StepJournal, recover_trainer
 from moerl.runtime.rollouts import Rollouts
@@ -81,8 +82,9 @@ class Run:
         the rollouts.
 
         Raises:
-            ConfigError: an unwritable weight store, an unreachable Ray address, a bad ``init_from``,
-                a taken ``--metrics-port`` (``MetricsPortError``, before anything else).
+            ConfigError: an unwritable or unreachable weight store, an unreachable Ray address, a bad
+                ``init_from``, a CUDA device this machine lacks, a bad import path, dataset or prompt length
+                (``check_run_inputs``), a taken ``--metrics-port`` (``MetricsPortError``, before anything else).
         """
         # the endpoint first: a taken --metrics-port fails before any training
         self.telemetry = RunTelemetry.start(self.cfg, self.dir.path, self.dir.metrics)
@@ -100,6 +102,7 @@ class Run:
         _seed_everything(cfg.seed)
         self.store = _open_store(cfg, self.dir, self.mirror)
         check_trainer_resources(cfg)  # before the warm start, like every bad-input check
+        check_run_inputs(cfg)  # import paths, dataset, prompt lengths (moerl.runtime.preflight)
         if cfg.runtime.mode == "async" and cfg.runtime.ray_address:  # before the warm start, not after
             check_ray_address(cfg.runtime.ray_address)
         init_path = warm_start(cfg, self.dir, self.view)
@@ -456,11 +459,15 @@ def _open_store(cfg: RunConfig, run_dir: RunDir, mirror: RunMirror | None) -> We
         ConfigError: the store cannot be written.
     """
     url = cfg.runtime.store_url or (mirror.weights_url if mirror else str(run_dir.weights))  # <run>/weights
+    # the field the user set: the store of storage.url is <storage.url>/<run>/weights
+    field = "runtime.store_url" if cfg.runtime.store_url else "storage.url" if mirror else "output_dir"
     options = cfg.storage.options if is_remote(url) else None
     try:
         return WeightStore(url, keep=cfg.runtime.keep_versions, storage_options=options)
     except StoreNotWritableError as e:
-        raise ConfigError(f"runtime.store_url: {e}") from e
+        raise ConfigError(f"{field}: {e}") from e
+    except (OSError, ValueError, ImportError) as e:  # fsspec: unknown protocol, unreachable host, no driver
+        raise ConfigError(f"{field}: weight store {url!r} cannot be opened: {type(e).__name__}: {e}") from e
 
 
 def _seed_everything(seed: int) -> None:

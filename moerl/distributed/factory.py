@@ -24,9 +24,15 @@ def check_trainer_resources(cfg: RunConfig) -> None:
 
     Raises:
         ConfigError: ``trainer.num_ranks`` is larger than the GPUs this machine has (sync mode: the
-            ranks are local processes).
+            ranks are local processes), or one rank's ``model.device`` (``cuda:N``) is not on it.
     """
     t = cfg.trainer
+    device = torch.device(cfg.model.device)  # its form is checked at load: cpu, cuda, cuda:N
+    if t.num_ranks == 1 and device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(  # the trainer runs in this process (sync and async mode alike)
+            f"model.device={cfg.model.device} needs a GPU (trainer.num_ranks=1) but this machine has "
+            f"{torch.cuda.device_count()}; use model.device=cpu"
+        )
     if t.num_ranks > 1 and str(cfg.model.device).startswith("cuda") and cfg.runtime.mode == "sync":
         available = torch.cuda.device_count()
         if t.num_ranks > available:

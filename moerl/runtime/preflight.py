@@ -1,0 +1,72 @@
+"""Checks of a run's inputs that need more than its config: run before the warm start (``moerl.train``,
+``moerl sft``), so that a bad import path, dataset or prompt length is a one-line ``ConfigError`` and not
+a traceback after minutes of SFT.
+
+What the config alone decides (types, ranges, engine sizes) is checked when it loads (``moerl.config``);
+this module imports the user's code (``task.reward_fn``, ``env.name``), reads the dataset
+(``task.path``) and tokenizes the prompts, as the warm start would.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from moerl.config import ConfigError, RunConfig, engine_slot_tokens
+from moerl.tasks import DatasetError, Task, load_reward_fn, make_task
+from moerl.tasks.tokenizer import load_run_tokenizer
+
+NUM_TRAIN_PROMPTS_CHECKED = 256
+"""Training prompts whose token length is checked (besides every held-out prompt)."""
+
+_IMPORT_ERRORS = (ImportError, AttributeError, ValueError, SyntaxError)
+"""What importing ``package.module:attr`` raises for a bad path (``load_reward_fn``) or a broken module."""
+
+
+def check_run_inputs(cfg: RunConfig) -> Task:
+    """Import ``task.reward_fn`` and ``env.name``, build the task (reading ``task.path``) and check that
+    its prompts plus ``rollout.max_new_tokens`` fit an engine cache slot. Returns the task.
+
+    Raises:
+        ConfigError: naming the field: an import path that does not import or is not callable, a
+            malformed dataset (``file:line:`` and what is wrong), a task the config cannot build, or a
+            prompt too long for a cache slot.
+    """
+    if cfg.task.reward_fn:
+        _check_import("task.reward_fn", cfg.task.reward_fn)
+    if cfg.task.name == "env":
+        _check_import("env.name", cfg.env.import_path)
+    try:
+        task = make_task(cfg.task, cfg.env)
+    except DatasetError as e:  # the message starts with <file>:<line>:
+        raise ConfigError(f"task.path: {e}") from None
+    except _IMPORT_ERRORS as e:  # an environment's own make_task refusing the env: section
+        raise ConfigError(f"task.name={cfg.task.name!r}: {e}") from None
+    if cfg.task.name != "env":  # episodes grow turn by turn; their engines check each turn's request
+        _check_prompt_length(cfg, task)
+    return task
+
+
+def _check_import(field: str, spec: str) -> None:
+    try:
+        load_reward_fn(spec, what=field)
+    except _IMPORT_ERRORS as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def _check_prompt_length(cfg: RunConfig, task: Task) -> None:
+    """The longest held-out prompt (and of the first training prompts) + ``max_new_tokens`` must fit the
+    cache slot (``moerl.config.engine_slot_tokens``), else every request of it fails in the engine."""
+    tokenizer = load_run_tokenizer(cfg, cfg.init_from)
+    prompts = task.eval_prompts()
+    prompts += list(itertools.islice(task.train_prompts(cfg.task.seed + cfg.seed), NUM_TRAIN_PROMPTS_CHECKED))
+    longest = max(prompts, key=lambda p: len(tokenizer.encode(p.text)))
+    num_tokens = len(tokenizer.encode(longest.text))
+    slot, context = engine_slot_tokens(cfg)
+    r = cfg.rollout
+    if num_tokens + r.max_new_tokens > slot:
+        raise ConfigError(
+            f"rollout.max_new_tokens={r.max_new_tokens} plus the task's longest prompt ({num_tokens} tokens: "
+            f"{longest.text[:40]!r}) cannot fit the engine's cache slot of {slot} tokens (rollout."
+            f"kv_token_budget={r.kv_token_budget} // rollout.max_slots={r.max_slots}, capped by the model "
+            f"context {context}); lower max_new_tokens or raise kv_token_budget"
+        )
