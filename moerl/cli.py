@@ -92,11 +92,13 @@ def _check_out_folder(out: str) -> None:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
+    from moerl.runtime.preflight import check_run_inputs
     from moerl.tasks.sft import run_sft
     from moerl.telemetry.live import LiveView
 
     cfg = _config(args)
     _check_out_folder(args.out)  # before training, not after it
+    check_run_inputs(cfg)  # import paths, dataset, prompt lengths, as moerl train checks them
     view = LiveView(cfg.sft.steps)
     try:
         run_sft(cfg, out_dir=args.out, progress=view.warm_start_progress)

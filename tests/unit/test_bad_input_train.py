@@ -1,0 +1,224 @@
+"""Bad input of ``moerl train``: one line naming the field and the value, exit 2, before the warm start
+(no SFT, no run folder left), never a traceback."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from moerl.cli import main
+from moerl.config import ConfigError, TrainerConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.fixture
+def train_fails(monkeypatch, tmp_path, capsys):
+    """``train_fails(*args)``: run ``moerl train ARGS`` (sync mode, runs under tmp_path/runs) and return
+    its one line of stderr; fails the test if the SFT warm start began or a run folder is left."""
+    import moerl.tasks.sft as sft
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the SFT warm start began although the input is bad")
+
+    monkeypatch.setattr(sft, "run_sft", must_not_run)
+    monkeypatch.chdir(tmp_path)  # no configs/default.yaml here: built-in defaults
+    runs = tmp_path / "runs"
+
+    def run(*args: str) -> str:
+        sets = ["--set", f"output_dir={runs}", "--set", "runtime.mode=sync"]
+        assert main(["train", *sets, *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert not runs.exists() or list(runs.iterdir()) == []  # nothing left behind
+        return err.strip()
+
+    return run
+
+
+# 1. YAML in --set: the same path as a config file's YAML errors
+
+
+def test_unclosed_yaml_list_in_set_names_the_item(train_fails):
+    err = train_fails("--set", "trainer.lr=[1,")
+    assert err.startswith("moerl: config error: --set 'trainer.lr=[1,': the value '[1,' is not valid YAML (")
+
+
+def test_python_tag_in_set_is_refused_by_safe_load(train_fails):
+    err = train_fails("--set", "trainer.steps=!!python/object:os.system ls")
+    assert "--set 'trainer.steps=!!python/object:os.system ls': the value" in err
+    assert "could not determine a constructor for the tag" in err
+
+
+# 2. import paths: imported before the warm start
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("nope.mod:fn", "task.reward_fn='nope.mod:fn': cannot import module 'nope.mod'"),
+        ("os:nonexistent", "task.reward_fn='os:nonexistent': 'os' has no attribute 'nonexistent'"),
+    ],
+)
+def test_bad_reward_fn_fails_before_the_warm_start(train_fails, spec, expected):
+    assert train_fails("--set", f"task.reward_fn={spec}").startswith(f"moerl: config error: {expected}")
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("nope.mod:Cls", "env.name='nope.mod:Cls': cannot import module 'nope.mod'"),
+        ("os:path", "env.name='os:path' is a module, not a callable"),
+    ],
+)
+def test_bad_env_name_fails_before_the_warm_start(train_fails, spec, expected):
+    err = train_fails("-c", str(CONFIGS / "env_calculator.yaml"), "--set", f"env.name={spec}")
+    assert err.startswith(f"moerl: config error: {expected}")
+
+
+# 3. dataset contents: read before the warm start
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"question": "q", "answer": "a #### 3"}\n{bad\n', ":2: not valid JSON ("),
+        ('{"question": "q"}\n', ":1: missing field 'answer'"),
+        ('{"question": "q", "answer": "3"}\n', ":1: field 'answer' has no '#### <number>' final answer"),
+        ("", ":1: no records (the file is empty or blank)"),
+    ],
+)
+def test_malformed_dataset_fails_before_the_warm_start(train_fails, tmp_path, text, expected):
+    path = tmp_path / "data.jsonl"
+    path.write_text(text)
+    err = train_fails("--set", "task.name=jsonl", "--set", f"task.path={path}")
+    assert err.startswith(f"moerl: config error: task.path: {path}{expected}")
+
+
+# 4. device
+
+
+def test_device_that_is_not_a_device(train_fails):
+    err = train_fails("--set", "model.device=banana")
+    assert err == "moerl: config error: model.device='banana' is not a device; use cpu, cuda or cuda:N"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
+def test_cuda_at_one_rank_without_a_gpu(train_fails):
+    err = train_fails("--set", "model.device=cuda")
+    assert err == (
+        "moerl: config error: model.device=cuda needs a GPU (trainer.num_ranks=1) but this machine has 0; "
+        "use model.device=cpu"
+    )
+
+
+# 5. engine sizes
+
+
+def test_kv_budget_that_leaves_no_cache_slot(train_fails):
+    err = train_fails("--set", "rollout.kv_token_budget=1")
+    assert err.startswith(
+        "moerl: config error: the engine's cache slot is 0 tokens (rollout.kv_token_budget=1 // "
+        "rollout.max_slots=64, capped by the model context 512"
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("rollout.max_new_tokens=1000", "rollout.max_new_tokens=1000 plus a prompt of at least 1 token "
+         "cannot fit the engine's cache slot of 256 tokens"),
+        ("model.max_position_embeddings=4", "rollout.max_new_tokens=16 plus a prompt of at least 1 token "
+         "cannot fit the engine's cache slot of 4 tokens (rollout.kv_token_budget=16384 // "
+         "rollout.max_slots=64, capped by the model context 4"),
+    ],
+)  # fmt: skip
+def test_max_new_tokens_beyond_the_cache_slot(train_fails, override, expected):
+    assert train_fails("--set", override).startswith(f"moerl: config error: {expected}")
+
+
+def test_longest_prompt_beyond_the_cache_slot(train_fails):
+    # a slot of 640 // 64 = 10 tokens holds 1 + 8, but not the task's prompts of up to 6 tokens ("99+99=") + 8
+    err = train_fails("--set", "rollout.kv_token_budget=640", "--set", "rollout.max_new_tokens=8")
+    assert err.startswith(
+        "moerl: config error: rollout.max_new_tokens=8 plus the task's longest prompt (6 tokens: "
+    )
+    assert "cannot fit the engine's cache slot of 10 tokens" in err
+
+
+def test_empty_operations(train_fails):
+    err = train_fails("--set", "task.operations=[]")
+    assert err == "moerl: config error: task.operations=[] is empty; arithmetic needs at least one of + - *"
+
+
+# 6. NaN / inf
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "trainer.lr=.nan",
+        "trainer.lr=nan",
+        "trainer.grad_clip=.nan",
+        "algorithm.kl_coef=.nan",
+        "rollout.temperature=.inf",
+        "runtime.lease_ttl_s=.inf",
+        "fleet.heartbeat_timeout_s=-.inf",
+    ],
+)
+def test_non_finite_float_is_refused_at_load(override):
+    field, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"^{field}=-?(nan|inf) is not a finite number$"):
+        load_config(None, [override])
+
+
+def test_check_range_refuses_nan_built_in_code():
+    with pytest.raises(ConfigError, match=r"^trainer.lr=nan is not a finite number$"):
+        TrainerConfig(lr=math.nan)
+
+
+def test_nan_lr_fails_before_the_warm_start(train_fails):
+    assert (
+        train_fails("--set", "trainer.lr=.nan")
+        == "moerl: config error: trainer.lr=nan is not a finite number"
+    )
+
+
+# 7. store URLs: the field the user set
+
+
+def test_unreachable_store_url_is_one_line(train_fails):
+    err = train_fails("--set", "runtime.store_url=ftp://nowhere.invalid/x")
+    assert err.startswith(
+        "moerl: config error: runtime.store_url: weight store 'ftp://nowhere.invalid/x' cannot be opened: "
+    )
+
+
+def test_unsupported_store_protocol_is_one_line(train_fails):
+    err = train_fails("--set", "runtime.store_url=nosuchproto://x/y")
+    assert err.startswith(
+        "moerl: config error: runtime.store_url: weight store 'nosuchproto://x/y' cannot be"
+    )
+
+
+def test_bad_storage_url_names_storage_url(train_fails):
+    err = train_fails("--set", "storage.url=http://bad.invalid")
+    assert err.startswith("moerl: config error: storage.url: weight store 'http://bad.invalid/")
+
+
+def test_sft_command_checks_the_dataset_before_training(tmp_path, monkeypatch, capsys):
+    import moerl.tasks.sft as sft
+
+    monkeypatch.setattr(sft, "run_sft", lambda *a, **k: pytest.fail("SFT began although the dataset is bad"))
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"question": "q"}\n')
+    args = ["sft", "--out", str(tmp_path / "out"), "--set", "task.name=jsonl", "--set", f"task.path={path}"]
+    assert main(args) == 2
+    assert (
+        capsys.readouterr().err == f"moerl: config error: task.path: {path}:1: missing field 'answer' "
+        "(fields present: ['question'])\n"
+    )
