@@ -74,7 +74,7 @@ class Run:
         self.process_start = time.perf_counter()
         self.view = LiveView(cfg.trainer.steps, enabled=live)
         self.restarts = 0
-        self.mirror = RunMirror.from_config(cfg, run_dir.path)  # storage.url in an object store: copy there
+        self.mirror = _open_mirror(cfg, run_dir)  # storage.url in an object store: copy there
         self.pushed_version = 0  # newest version sent to the rollouts (recovery publishes past it)
 
     def start(self, checkpoint: Path | None) -> None:
@@ -450,6 +450,14 @@ def export_policy(trainer: Trainer | TrainerGroup, tokenizer, folder: Path) -> P
         return trainer.export_policy(folder, extra=tokenizer.save)
     save_pretrained(trainer.model, folder, extra=tokenizer.save)
     return folder
+
+
+def _open_mirror(cfg: RunConfig, run_dir: RunDir) -> RunMirror | None:
+    """``RunMirror.from_config``, with a URL whose filesystem cannot be opened a ``ConfigError``."""
+    try:
+        return RunMirror.from_config(cfg, run_dir.path)
+    except (OSError, ValueError, ImportError) as e:  # fsspec: unknown protocol, unreachable host, no driver
+        raise ConfigError(f"storage.url={cfg.storage.url!r} cannot be opened: {type(e).__name__}: {e}") from e
 
 
 def _open_store(cfg: RunConfig, run_dir: RunDir, mirror: RunMirror | None) -> WeightStore:

@@ -222,3 +222,11 @@ def test_sft_command_checks_the_dataset_before_training(tmp_path, monkeypatch, c
         capsys.readouterr().err == f"moerl: config error: task.path: {path}:1: missing field 'answer' "
         "(fields present: ['question'])\n"
     )
+
+
+def test_storage_url_of_an_unknown_protocol_names_storage_url(train_fails):
+    err = train_fails("--set", "storage.url=nosuchproto://x/y")
+    assert err == (
+        "moerl: config error: storage.url='nosuchproto://x/y' cannot be opened: ValueError: Protocol not known: "
+        "nosuchproto"
+    )
