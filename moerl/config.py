@@ -71,7 +71,8 @@ class ModelConfig:
     dtype: str = "float32"
     """Parameter dtype: float32 or bfloat16."""
     device: str = "cpu"
-    """Device for the trainer's and the sync-mode engine's model: cpu, cuda, cuda:N."""
+    """Device for the trainer's and the sync-mode engine's model: cpu, cuda, cuda:N (``meta``: shapes only,
+    for code that sizes a model without its memory, e.g. bench/weight_sync_engine.py)."""
 
     def __post_init__(self) -> None:
         check_choice("model.dtype", self.dtype, list(DTYPE_NAMES))
@@ -89,7 +90,7 @@ class ModelConfig:
         ):
             check_range(f"model.{name}", getattr(self, name), 1)
         check_range("model.top_k", self.top_k, 1, self.num_experts)
-        if not re.fullmatch(r"(cpu|cuda)(:\d+)?", self.device):
+        if not re.fullmatch(r"(cpu|cuda)(:\d+)?|meta", self.device):
             raise ConfigError(f"model.device={self.device!r} is not a device; use cpu, cuda or cuda:N")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
