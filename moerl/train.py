@@ -343,6 +343,7 @@ class Run:
             values,
             groups=groups,
             workers=r.worker_records(),
+            lags=r.policy_lags(),
             queue=queue,
             buffer=buffer,
             step_s=timings.step_s,
