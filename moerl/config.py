@@ -225,7 +225,8 @@ class RuntimeConfig:
     ray_address: str | None = None
     """Existing Ray cluster address; ``None`` starts a local instance."""
     buffer_groups: int = 32
-    """Experience buffer capacity in groups; producers block when it is full."""
+    """Experience buffer capacity in groups; producers block when it is full. A value below
+    ``trainer.batch_groups`` is raised to it (the buffer must hold one batch)."""
     max_staleness: int = 2
     """Admit a group only if its oldest policy version >= trainer version - max_staleness."""
     stale_policy: str = "requeue"
