@@ -237,6 +237,7 @@ class Run:
         self.view.message(
             f"done: accuracy {summary['start_eval_accuracy']:.3f} -> {_accuracy(summary['final_eval_accuracy'])}, "
             f"{summary['wall_time_s']:.0f} s; {self.dir.path}"
+            + (f" (stored at {self.mirror.url})" if self.mirror is not None else "")
         )
         return summary
 
