@@ -5,7 +5,8 @@
     moerl plan --file plan.yaml --sweep total_nodes=13,63,125 --plot out.png --json out.json --csv out.csv
     moerl plan --validate            # predictions against bench/results (fitted and held-out points)
 
-Bad input (unknown preset or parameter, invalid value) raises ConfigError: one line, exit 2.
+Bad input (unknown preset or parameter, invalid value or YAML, --validate with plan flags) raises ConfigError,
+an unusable --json/--csv/--plot path an OSError naming it: one line, exit 2, before any prediction runs.
 """
 
 from __future__ import annotations
@@ -241,7 +242,10 @@ def validation_table(cal: dict, folder: Path) -> Table:
 
 def plan_main(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit code."""
-    cal = json.loads(Path(args.calibration).read_text())
+    try:
+        cal = json.loads(Path(args.calibration).read_text())  # a missing file: FileNotFoundError, exit 2
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--calibration {args.calibration}: not valid JSON ({e})") from None
     console = Console(width=170)
     check_preset(args.preset)
     if args.validate:

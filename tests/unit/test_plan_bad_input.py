@@ -74,3 +74,9 @@ def test_listed_price_is_the_priced_one():
 def test_top_k_zero_is_the_models_own():
     assert predict(Plan(), CAL) == predict(set_param(Plan(), "top_k", 8), CAL)  # glm5-744b-a40b: top-8
     assert "plan.top_k = 8 (the model glm5-744b-a40b)" in assumptions(Plan(), CAL)
+
+
+def test_invalid_calibration_json_is_named(tmp_path, capsys):
+    bad = tmp_path / "cal.json"
+    bad.write_text("{")
+    assert f"--calibration {bad}: not valid JSON" in _one_line_error(["--calibration", str(bad)], capsys)
