@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ep-ranks-per-node",
         type=int,
         default=None,
-        help="simulated node size of the hierarchical dispatcher (default: one node)",
+        help="simulated node size of the hierarchical dispatcher; divides --ep-size (default: one node)",
     )
     p.set_defaults(func=_cmd_generate)
 

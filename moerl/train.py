@@ -240,6 +240,7 @@ class Run:
         self.view.message(
             f"done: accuracy {summary['start_eval_accuracy']:.3f} -> {_accuracy(summary['final_eval_accuracy'])}, "
             f"{summary['wall_time_s']:.0f} s; {self.dir.path}"
+            + (f" (stored at {self.mirror.url})" if self.mirror is not None else "")
         )
         return summary
 
@@ -346,6 +347,7 @@ class Run:
             values,
             groups=groups,
             workers=r.worker_records(),
+            lags=r.policy_lags(),
             queue=queue,
             buffer=buffer,
             step_s=timings.step_s,

@@ -118,7 +118,7 @@ def _check(cfg: RunConfig) -> None:
             "a rollout worker's EP ranks are GPUs of one rollout node"
         )
     per_node = c.rollout.gpus_per_node // ep
-    wanted = cfg.fleet.max_workers or cfg.rollout.num_workers
+    wanted = cfg.fleet.max_workers or cfg.rollout.num_workers  # >= num_workers (config checks)
     if wanted > per_node * c.rollout.max_nodes:
         raise ConfigError(
             f"{wanted} rollout workers (fleet.max_workers or rollout.num_workers) need "

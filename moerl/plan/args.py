@@ -26,7 +26,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's options (``moerl/cli.py`` calls this)."""
     p.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: mission)")
     p.add_argument("--file", default=None, help="YAML plan: a mapping of plan parameters")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PARAM=VALUE")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="PARAM=VALUE",
+        help="repeatable: a plan parameter (moerl.plan.predict.Plan). Defaults that defer: top_k=0 the model's "
+        "own (at most its experts), train_share=0 off (train_nodes as given; else in (0, 1)), "
+        "price_on_demand=0 the catalog's (else > 0 $/node-hour), interruptions_per_hour<0 the catalog's",
+    )
     p.add_argument("--sweep", action="append", default=[], metavar="PARAM=V1,V2,...", help="repeatable: grid")
     p.add_argument("--json", default=None, help="write all points to this JSON file")
     p.add_argument("--csv", default=None, help="write all points to this CSV file")
@@ -34,7 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--plot", default=None, help="PNG: rollout tok/s and $/1000 episodes against the first sweep"
     )
     p.add_argument("--calibration", default=str(CALIBRATION))
-    p.add_argument("--validate", action="store_true", help="compare with bench/results and exit")
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="compare with bench/results and exit (alone: with --calibration, --results)",
+    )
     p.add_argument("--results", default="bench/results", help="bench results folder read by --validate")
     p.add_argument(
         "--sensitivity", action="store_true", help="one-at-a-time sensitivity of the hier/flat ratio"

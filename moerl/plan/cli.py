@@ -5,13 +5,15 @@
     moerl plan --file plan.yaml --sweep total_nodes=13,63,125 --plot out.png --json out.json --csv out.csv
     moerl plan --validate            # predictions against bench/results (fitted and held-out points)
 
-Bad input (unknown preset or parameter, invalid value) raises ConfigError: one line, exit 2.
+Bad input (unknown preset or parameter, invalid value or YAML, --validate with plan flags) raises ConfigError,
+an unusable --json/--csv/--plot path an OSError naming it: one line, exit 2, before any prediction runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import io
 import itertools
 import json
 import os
@@ -22,11 +24,10 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from moerl.atomic import atomic_path, atomic_write_text
 from moerl.configlib import ConfigError
 from moerl.plan.args import PRESETS
-from moerl.plan.hardware import get_hardware
-from moerl.plan.models import get_model
-from moerl.plan.predict import Plan, as_rows, best_split, run, with_params
+from moerl.plan.predict import Plan, as_rows, best_split, plan_hardware, plan_model, run, with_params
 from moerl.plan.sensitivity import tornado
 from moerl.plan.validation import compare
 
@@ -38,18 +39,58 @@ def _split(item: str, flag: str) -> tuple[str, str]:
     return k.strip(), v.strip()
 
 
-def build_plan(preset: str | None, file: str | None, overrides: list[str]) -> Plan:
-    """The base plan: preset (or YAML file), then ``--set`` overrides. Raises ConfigError on bad input."""
+def _read_plan_file(file: str) -> dict:
+    try:
+        loaded = yaml.safe_load(Path(file).read_text()) or {}  # FileNotFoundError -> exit 2 in moerl.cli
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise ConfigError(f"{file}: not valid YAML{where}: {problem}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{file}: a plan file is a mapping of parameters")
+    return loaded
+
+
+def check_preset(preset: str | None) -> None:
+    """Raise ConfigError for a preset name that is not one of ``PRESETS`` (None: the default, mission)."""
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+
+
+def build_plan(preset: str | None, file: str | None, overrides: list[str]) -> Plan:
+    """The base plan: preset (or YAML file), then ``--set`` overrides. Raises ConfigError on bad input."""
+    check_preset(preset)
     values = dict(PRESETS[preset or "mission"])
     if file is not None:
-        loaded = yaml.safe_load(Path(file).read_text()) or {}  # FileNotFoundError -> exit 2 in moerl.cli
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{file}: a plan file is a mapping of parameters")
-        values.update(loaded)
+        values.update(_read_plan_file(file))
     values.update(_split(item, "--set") for item in overrides)
     return with_params(Plan(), values)
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Check ``--json``, ``--csv`` and ``--plot`` before any prediction runs: each names a file whose folder
+    exists and is writable, and is not itself a folder.
+
+    Raises:
+        IsADirectoryError: the path is a folder.
+        FileNotFoundError / NotADirectoryError: its parent folder is missing, or is a file.
+        PermissionError: its parent folder is not writable.
+    """
+    for flag in ("json", "csv", "plot"):
+        given = getattr(args, flag, None)
+        if not given:
+            continue
+        path = Path(given)
+        parent = path.parent
+        if path.is_dir():
+            raise IsADirectoryError(f"--{flag} {given}: is a folder; give the path of a file to write")
+        if not parent.exists():
+            raise FileNotFoundError(f"--{flag} {given}: the folder {parent} does not exist")
+        if not parent.is_dir():
+            raise NotADirectoryError(f"--{flag} {given}: {parent} is not a folder")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise PermissionError(f"--{flag} {given}: the folder {parent} is not writable")
 
 
 def sweep_points(base: Plan, sweeps: list[str]) -> list[tuple[dict, Plan]]:
@@ -80,24 +121,17 @@ def _table(points: list[dict], swept: list[str]) -> Table:
     return t
 
 
-def _atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    Path(tmp).write_text(text)
-    os.replace(tmp, path)
-
-
 def _write_csv(path: str, points: list[dict]) -> None:
     rows = [
         {**pt["plan"], **pr, "ratio": pt["ratio_rollout_hier_over_flat"]}
         for pt in points
         for pr in pt["predictions"]
     ]
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_text(path, text.getvalue())
 
 
 def plot(points: list[dict], axis: str, path: str) -> None:
@@ -119,40 +153,43 @@ def plot(points: list[dict], axis: str, path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    tmp = f"{path}.tmp"
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
 
 
 def effective_values(plan: Plan) -> dict[str, str]:
     """The value ``predict`` uses for each Plan field whose default means "take it from elsewhere" (0 or
     -1), with where it came from: {field: "value (source)"}."""
-    hw, m = get_hardware(plan.hardware), get_model(plan.model)
+    hw, m = plan_hardware(plan), plan_model(plan)  # the figures predict() uses
     rate = plan.interruptions_per_hour
     return {
-        "top_k": f"{plan.top_k or m.top_k} ({'plan' if plan.top_k else f'the model {m.name}'})",
+        "top_k": f"{m.top_k} ({'plan' if plan.top_k else f'the model {m.name}'})",
         "train_share": f"{plan.train_nodes / plan.total_nodes:.3f} (train_nodes / total_nodes = "
         f"{plan.train_nodes} / {plan.total_nodes}{'' if plan.train_share else '; train_nodes given'})",
         "flat_net_fraction": f"{plan.flat_net_fraction or plan.net_fraction} "
         f"({'plan' if plan.flat_net_fraction else 'net_fraction'})",
-        "price_on_demand": f"{plan.price_on_demand or hw.price_on_demand} $/node-hour "
+        "price_on_demand": f"{hw.price_on_demand} $/node-hour "
         f"({'plan' if plan.price_on_demand else f'{hw.name} catalog'})",
-        "interruptions_per_hour": f"{rate if rate >= 0 else hw.interruptions_per_hour} per node-hour "
+        "interruptions_per_hour": f"{hw.interruptions_per_hour} per node-hour "
         f"({'plan' if rate >= 0 else f'{hw.name} catalog'}; applied only with spot_rollout)",
     }
 
 
 def assumptions(plan: Plan, cal: dict) -> list[str]:
     """Every input of a prediction, one line each, with its source."""
-    hw = get_hardware(plan.hardware)
+    hw = plan_hardware(plan)  # with the plan's price and interruption rate: the figures predict() uses
     used = effective_values(plan)
+    overridden = {"price_on_demand"} if plan.price_on_demand else set()
+    overridden |= {"interruptions_per_hour"} if plan.interruptions_per_hour >= 0 else set()
     lines = [
         f"plan.{f.name} = {used[f.name]}" if f.name in used else f"plan.{f.name} = {getattr(plan, f.name)}"
         for f in fields(Plan)
     ]
     lines += [
-        f"hardware.{k} = {v} ({hw.sources.get(k, 'catalog')})"
+        f"hardware.{k} = {v} ({'plan' if k in overridden else hw.sources.get(k, 'catalog')})"
         for k, v in asdict(hw).items()
         if k != "sources"
     ]
@@ -205,13 +242,25 @@ def validation_table(cal: dict, folder: Path) -> Table:
 
 def plan_main(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit code."""
-    cal = json.loads(Path(args.calibration).read_text())
+    try:
+        cal = json.loads(Path(args.calibration).read_text())  # a missing file: FileNotFoundError, exit 2
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--calibration {args.calibration}: not valid JSON ({e})") from None
     console = Console(width=170)
+    check_preset(args.preset)
     if args.validate:
+        ignored = [f for f, v in (("--preset", args.preset), ("--file", args.file), ("--set", args.overrides),
+                                  ("--sweep", args.sweep), ("--json", args.json), ("--csv", args.csv),
+                                  ("--plot", args.plot), ("--sensitivity", args.sensitivity)) if v]  # fmt: skip
+        if ignored:
+            raise ConfigError(
+                f"--validate compares the calibration with bench results only; drop {', '.join(ignored)}"
+            )
         console.print(validation_table(cal, Path(args.results)))
         return 0
     if args.plot and not args.sweep:
         raise ConfigError("--plot needs a --sweep (its first parameter is the x axis)")
+    check_output_paths(args)
     base = build_plan(args.preset, args.file, args.overrides)
     grid = sweep_points(base, args.sweep)  # every point validated before the first prediction
     swept = [_split(s, "--sweep")[0] for s in args.sweep]
@@ -223,7 +272,9 @@ def plan_main(args: argparse.Namespace) -> int:
     if args.sensitivity:
         console.print(_tornado_table(tornado(base, cal)))
     if args.json:
-        _atomic(args.json, json.dumps({"calibration": cal["constants"], "points": points}, indent=2))
+        atomic_write_text(
+            args.json, json.dumps({"calibration": cal["constants"], "points": points}, indent=2)
+        )
     if args.csv:
         _write_csv(args.csv, points)
     if args.plot:

@@ -52,11 +52,13 @@ class Plan:
     hardware: str = "p5en"
     model: str = "glm5-744b-a40b"
     top_k: int = 0
-    """Experts per token; 0 = the model's own."""
+    """Routed experts per token, in [0, the model's num_experts]; 0 = the model's own."""
     total_nodes: int = 48
     train_nodes: int = 16
     train_share: float = 0.0
-    """> 0: train_nodes = the share of total_nodes (rounded so the rollout nodes fill whole replicas)."""
+    """In [0, 1). > 0: train_nodes = the share of total_nodes (rounded so the rollout nodes fill whole
+    replicas, and at least the nodes that hold the training state); 0 = off: ``train_nodes`` is used as
+    given (with ``auto_split``, the search starts from 1/3)."""
     auto_split: bool = False
     """True: each dispatcher gets the training/rollout split of total_nodes that maximizes useful episodes/s."""
     train_ep_nodes: int = 1
@@ -101,11 +103,12 @@ class Plan:
     storage_gb_s_per_node: float = 5.0
     steps_to_converge: int = 1000
     price_on_demand: float = 0.0
-    """0 = the catalog's price."""
+    """USD per node-hour, >= 0; 0 = the hardware catalog's price."""
     interruptions_per_hour: float = -1.0
-    """< 0 = the catalog's rate."""
+    """Spot interruptions per node-hour; < 0 = the catalog's rate."""
 
     def __post_init__(self) -> None:
+        self._check_model_and_money()
         if self.auto_split and not self.train_share:  # a valid starting split; run() searches the rest
             object.__setattr__(self, "train_share", 1 / 3)
         if self.train_share > 0:  # at least the nodes that hold the training state (12 B per parameter)
@@ -149,6 +152,23 @@ class Plan:
         ):
             raise ConfigError("net_fraction and nvlink_fraction must be in (0, 1], sync_overlap in [0, 1]")
         get_hardware(self.hardware), get_model(self.model)  # noqa: B018 - raise on unknown names
+
+    def _check_model_and_money(self) -> None:
+        m = get_model(self.model)  # raises on an unknown name
+        get_hardware(self.hardware)
+        if not 0 <= self.top_k <= m.num_experts:
+            raise ConfigError(
+                f"top_k must be in [0, {m.num_experts}] (the routed experts of {m.name}; 0: the model's own "
+                f"top-{m.top_k}), got {self.top_k}"
+            )
+        if not 0 <= self.train_share < 1:
+            raise ConfigError(
+                f"train_share must be in [0, 1) (0: train_nodes as given), got {self.train_share}"
+            )
+        if self.price_on_demand < 0:
+            raise ConfigError(
+                f"price_on_demand must be >= 0 $/node-hour (0: the catalog's), got {self.price_on_demand}"
+            )
 
     @property
     def rollout_nodes(self) -> int:
@@ -304,15 +324,27 @@ def _train_step_s(p: Plan, hw, m, cal: dict, dispatcher: str) -> float:
     )
 
 
+def plan_hardware(p: Plan):
+    """The hardware catalog entry of ``p`` with the plan's price and interruption rate where it sets them
+    (``price_on_demand`` > 0, ``interruptions_per_hour`` >= 0): what ``predict`` prices and what
+    ``moerl plan`` lists."""
+    hw = get_hardware(p.hardware)
+    if p.price_on_demand > 0:
+        hw = replace(hw, price_on_demand=p.price_on_demand)
+    if p.interruptions_per_hour >= 0:
+        hw = replace(hw, interruptions_per_hour=p.interruptions_per_hour)
+    return hw
+
+
+def plan_model(p: Plan):
+    """The model of ``p`` with the plan's top-k where it sets one (``top_k`` > 0)."""
+    m = get_model(p.model)
+    return replace(m, top_k=p.top_k) if p.top_k else m
+
+
 def predict(p: Plan, cal: dict) -> list[Prediction]:
     """One ``Prediction`` per dispatcher (module docstring). Raises ConfigError for a plan that cannot fit."""
-    hw = get_hardware(p.hardware)
-    if p.price_on_demand > 0 or p.interruptions_per_hour >= 0:
-        hw = replace(hw, price_on_demand=p.price_on_demand or hw.price_on_demand,
-                     interruptions_per_hour=max(p.interruptions_per_hour, 0) if p.interruptions_per_hour >= 0 else hw.interruptions_per_hour)  # fmt: skip
-    m = get_model(p.model)
-    if p.top_k:
-        m = replace(m, top_k=p.top_k)
+    hw, m = plan_hardware(p), plan_model(p)
     _check_fits(p, hw, m)
     episodes = p.prompts_per_step * p.group_size
     sync_s = m.num_params * p.weight_bytes / p.rollout_ep_nodes / (p.net_fraction * hw.net_gb_s * 1e9)

@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from moerl.atomic import atomic_write_text
 from moerl.choices import DTYPE_NAMES
 from moerl.models import from_pretrained
@@ -88,19 +90,85 @@ def generate_main(args: argparse.Namespace) -> int:
         return 2
 
 
-def _generate(args: argparse.Namespace) -> int:
-    if args.dtype not in DTYPE_NAMES:
-        raise ValueError(f"--dtype={args.dtype!r}; choose one of {sorted(DTYPE_NAMES)}")
+def check_sizes(args: argparse.Namespace) -> None:
+    """Check the size flags of ``moerl generate`` before anything loads.
+
+    Raises:
+        ValueError: ``--max-new-tokens``, ``--max-slots``, ``--kv-token-budget``, ``-n``, ``--ep-size`` or
+            ``--ep-ranks-per-node`` below 1 (the optional ones only when given), or ``--ep-ranks-per-node``
+            that does not divide ``--ep-size`` (the EP ranks form whole nodes, ``moerl.ep.Topology``).
+    """
+    for flag, name in (
+        ("--max-new-tokens", "max_new_tokens"),
+        ("--max-slots", "max_slots"),
+        ("--kv-token-budget", "kv_token_budget"),
+        ("-n", "n"),
+        ("--ep-size", "ep_size"),
+        ("--ep-ranks-per-node", "ep_ranks_per_node"),
+    ):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}={value}: must be >= 1")
+    ep_size, per_node = getattr(args, "ep_size", None) or 1, getattr(args, "ep_ranks_per_node", None)
+    if per_node is not None and ep_size % per_node:
+        raise ValueError(f"--ep-ranks-per-node={per_node} must divide --ep-size={ep_size}")
+
+
+def check_device(device: str, ep_size: int = 1) -> None:
+    """Check that torch can use ``device`` (and, for CUDA with ``ep_size`` > 1, one GPU per EP rank).
+
+    Raises:
+        ValueError: not a torch device name, a CUDA device on a torch built without CUDA or with no GPU
+            visible, or fewer GPUs than EP ranks.
+    """
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r}: not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if dev.type != "cuda":
+        return
+    if not torch.backends.cuda.is_built():
+        raise ValueError(f"--device {device}: this torch ({torch.__version__}) is built without CUDA")
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError(f"--device {device}: no CUDA GPU is visible")
+    needed = ep_size if ep_size > 1 else (dev.index or 0) + 1
+    if count < needed:
+        what = f"--ep-size {ep_size} needs one GPU per rank" if ep_size > 1 else "no such GPU"
+        raise ValueError(f"--device {device}: {what}, and {count} are visible")
+
+
+def _check_experts(model_folder: str, num_experts: int, ep_size: int) -> None:
+    if ep_size > 1 and (num_experts < 1 or num_experts % ep_size):
+        raise ValueError(
+            f"--ep-size {ep_size}: the model {model_folder} has {num_experts} routed experts per MoE layer, "
+            f"which must be a positive multiple of the EP size"
+        )
+
+
+def _check_paths(args: argparse.Namespace) -> None:
     if Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a folder; give the path of a .jsonl file to write")
     if not Path(args.model).is_dir():
         raise FileNotFoundError(
             f"--model {args.model}: no such folder (a Hugging Face model folder is expected)"
         )
+    if Path(args.prompts).is_dir():
+        raise ValueError(f"--prompts {args.prompts} is a folder; give the path of a .jsonl file of prompts")
     if not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts}: no such file")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if args.dtype not in DTYPE_NAMES:
+        raise ValueError(f"--dtype={args.dtype!r}; choose one of {sorted(DTYPE_NAMES)}")
+    check_sizes(args)
+    ep_size = getattr(args, "ep_size", None) or 1
+    check_device(args.device, ep_size)
+    _check_paths(args)
     tokenizer = load_tokenizer(getattr(args, "tokenizer", None) or args.model)
     model = from_pretrained(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    _check_experts(args.model, model.config.num_experts, ep_size)  # before the EP ranks are spawned
     prompts = read_prompts(args.prompts)
     if not prompts:
         raise ValueError(f"--prompts {args.prompts}: no prompts in it (one JSON object per line)")
@@ -108,7 +176,7 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens or 64,
+        max_new_tokens=64 if args.max_new_tokens is None else args.max_new_tokens,
         stop_token_ids=(tokenizer.eos_id,),
         n=args.n,
         seed=args.seed,
@@ -131,7 +199,6 @@ def _generate(args: argparse.Namespace) -> int:
         Request(request_id=pid, prompt_ids=ids, params=params_for(ids))
         for (pid, _), ids in zip(prompts, encoded, strict=True)
     ]
-    ep_size = getattr(args, "ep_size", 1) or 1
     if ep_size > 1:  # the experts sharded over ep_size local ranks (moerl.rollout.ep_generate)
         spec = EPGenerateSpec(
             model=args.model,

@@ -114,6 +114,13 @@ class LocalRollouts:
         )
         return [WorkerRecord(self.worker.worker_id, 0.0, WorkerState.ALIVE, health=health)]
 
+    def policy_lags(self) -> dict[str, int]:
+        """The in-process worker's lag: the version last pushed minus its engine's (read between steps,
+        so exact; absent before its first load)."""
+        if self.worker.version < 0:
+            return {}
+        return {self.worker.worker_id: max(self.weights.version - self.worker.version, 0)}
+
     def fleet_summary(self) -> dict:
         """Fleet figures for ``summary.json`` (nothing to report in-process)."""
         return {}

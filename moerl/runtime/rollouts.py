@@ -73,6 +73,13 @@ class Rollouts(Protocol):
         the metrics endpoint calls it from its own thread at each scrape."""
         ...
 
+    def policy_lags(self) -> dict[str, int]:
+        """Worker id -> its policy lag in versions: the trainer's version when the worker's latest
+        liveness answer was asked for, minus the engine version in that answer (>= 0; a worker with no
+        weights loaded yet is absent). Read-only, no remote call (read at each scrape, like
+        ``worker_records``)."""
+        ...
+
     def fleet_summary(self) -> dict:
         """Fleet figures for ``summary.json``."""
         ...

@@ -79,6 +79,19 @@ class RunDir:
         self.checkpoints.mkdir(exist_ok=True)
 
     @classmethod
+    def existing(cls, path: str | Path) -> RunDir:
+        """An existing run folder for readers (``moerl report``): creates nothing, not even ``checkpoints/``.
+
+        Raises:
+            NotADirectoryError: ``path`` is not a folder.
+        """
+        if not Path(path).is_dir():
+            raise NotADirectoryError(f"{path} is not a folder")
+        run = cls.__new__(cls)
+        run.path = Path(path)
+        return run
+
+    @classmethod
     def create(cls, cfg: RunConfig) -> RunDir:
         """A fresh folder ``<output_dir>/<name>-<UTC timestamp>`` with the resolved config written."""
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())

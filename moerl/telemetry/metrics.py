@@ -103,7 +103,7 @@ WORKER_FIELDS: tuple[str, ...] = (
     "groups_per_s",  # groups delivered per second over the trailing 10 s (null: first record)
     "tokens_total",  # response tokens delivered (cumulative, this worker's life)
     "groups_total",  # groups delivered (cumulative)
-    "policy_lag",  # trainer version - the worker's weights version (null: no weights loaded yet)
+    "policy_lag",  # trainer version when its last heartbeat was asked for - its weights version (null: none yet)
     "spot_notices",  # termination notices it received (cumulative)
     "is_up",  # 1 while it answers liveness pings, 0 once gone
 )

@@ -91,6 +91,8 @@ class WorkerSeries:
     """Groups it delivered, cumulative."""
     policy_version: int = -1
     """Version of the weights in its engine (-1: none loaded yet)."""
+    policy_lag: int | None = None
+    """The trainer's version when this heartbeat was asked for minus ``policy_version`` (None: unknown)."""
     spot_notices_total: int = 0
     """Termination notices it received, cumulative (0 or 1 for one worker process)."""
     is_up: bool = True
@@ -251,7 +253,7 @@ class MetricsExporter(Collector):
             for kind, n in w.comm_errors:
                 comm[kind] = comm.get(kind, 0) + n
         gpus.update({wid: w.gpus for wid, w in workers.items() if w.gpus})
-        yield from _worker_families(workers, totals.policy_version)
+        yield from _worker_families(workers)
         yield from _gpu_families(gpus)
         yield from _total_families(totals, self.max_staleness)
         errors = CounterMetricFamily(
@@ -279,20 +281,22 @@ def _replace(w: WorkerSeries, **changes) -> WorkerSeries:
     return WorkerSeries(**{**values, **changes})
 
 
-def _worker_families(workers: Mapping[str, WorkerSeries], trainer_version: int) -> Iterator:
+def _worker_families(workers: Mapping[str, WorkerSeries]) -> Iterator:
     tokens = CounterMetricFamily("moerl_rollout_tokens", "Response tokens delivered.", labels=["worker"])
     groups = CounterMetricFamily("moerl_rollout_groups", "Groups delivered.", labels=["worker"])
     up = GaugeMetricFamily("moerl_worker_up", "1 while the worker answers pings.", labels=["worker"])
     lag = GaugeMetricFamily(
-        "moerl_worker_policy_lag", "Trainer version minus the worker's weights version.", labels=["worker"]
+        "moerl_worker_policy_lag",
+        "Trainer version when the worker's last heartbeat was asked for, minus its weights version.",
+        labels=["worker"],
     )
     notices = CounterMetricFamily("moerl_spot_notices", "Termination notices received.", labels=["worker"])
     for wid, w in sorted(workers.items()):
         tokens.add_metric([wid], w.tokens_total)
         groups.add_metric([wid], w.groups_total)
         up.add_metric([wid], 1.0 if w.is_up else 0.0)
-        if w.policy_version >= 0:
-            lag.add_metric([wid], max(trainer_version - w.policy_version, 0))
+        if w.policy_lag is not None:
+            lag.add_metric([wid], w.policy_lag)
         notices.add_metric([wid], w.spot_notices_total)
     yield from (tokens, groups, up, lag, notices)
 

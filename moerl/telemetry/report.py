@@ -12,11 +12,12 @@ rollout rate (tokens/s, from ``rollout/workers``), buffer depth, requeues, spot 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from moerl.atomic import atomic_path
-from moerl.runtime.run_dir import RunDir, read_jsonl
+from moerl.runtime.run_dir import RunDir
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,17 +186,58 @@ def fleet_figure(records: list[dict], *, title: str = "moerl fleet"):
     return fig
 
 
+class MetricsError(ValueError):
+    """A ``metrics.jsonl`` that is not valid JSONL of step records (the message names the line)."""
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The step records of a run's ``metrics.jsonl``; ``[]`` when it is missing or empty.
+
+    A torn last line after valid records (a crash mid-write) is ignored, as ``read_jsonl`` does.
+
+    Raises:
+        MetricsError: a line before the last is not JSON, the file's only line is not JSON, or a record
+            is not an object with numeric ``step`` and ``wall_s``.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = [
+        (n, line) for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()
+    ]
+    records = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1 and records:
+                break  # a torn last line
+            raise MetricsError(
+                f"{path}: line {n} is not valid JSON ({e.msg}); not a JSONL metrics file"
+            ) from None
+        if not isinstance(rec, dict) or not all(
+            isinstance(rec.get(k), (int, float)) and not isinstance(rec.get(k), bool)
+            for k in ("step", "wall_s")
+        ):
+            raise MetricsError(
+                f"{path}: line {n} is not a step record (an object with numeric step and wall_s)"
+            )
+        records.append(rec)
+    return records
+
+
 def plot_report(run_dir: str | Path) -> Path:
     """Draw ``report.png`` (``report_figure``) and ``report_fleet.png`` (``fleet_figure``) from
     ``metrics.jsonl``; returns the path of ``report.png``.
 
     Raises:
         FileNotFoundError: the folder does not exist or has no ``metrics.jsonl`` records.
+        MetricsError: ``metrics.jsonl`` is not valid JSONL (``read_metrics``).
     """
-    if not Path(run_dir).is_dir():  # RunDir() would create it
+    if not Path(run_dir).is_dir():
         raise FileNotFoundError(f"{run_dir} is not a folder: nothing to plot")
-    run = RunDir(run_dir)
-    records = read_jsonl(run.metrics)
+    run = RunDir.existing(run_dir)  # writes nothing but the two figures
+    records = read_metrics(run.metrics)
     if not records:
         raise FileNotFoundError(f"{run.metrics} has no records: nothing to plot")
     start_accuracy = (run.read_summary() or {}).get("start_eval_accuracy")
@@ -252,23 +294,32 @@ def summary_table(summary: dict, records: list[dict]):
     return table
 
 
+def _error(message: str) -> None:
+    """One line on stderr (not through rich, which wraps long paths at the console width)."""
+    print(f"moerl report: {message}", file=sys.stderr)
+
+
 def report_main(run_dir: str | Path) -> int:
     """Regenerate ``report.png`` and print the summary table; returns a process exit code.
 
-    Exit codes: 0 done; 2 the folder is not a run folder or has no metrics (like the other commands'
-    usage errors).
+    Exit codes: 0 done; 2 the folder is not a run folder, has no metrics, or its ``metrics.jsonl`` is not
+    valid JSONL (one line on stderr, like the other commands' usage errors). Writes nothing but the figures.
     """
     from rich.console import Console
 
     console = Console()
     path = Path(run_dir)
     if not (path / "config.yaml").exists():
-        console.print(f"[red]moerl report: {path} is not a run folder (no config.yaml)[/red]")
+        _error(f"{path} is not a run folder (no config.yaml)")
         return 2
-    run = RunDir(path)
-    records = read_jsonl(run.metrics)
+    run = RunDir.existing(path)  # creates nothing: the report's figures are all this command writes
+    try:
+        records = read_metrics(run.metrics)
+    except MetricsError as e:
+        _error(str(e))
+        return 2
     if not records:
-        console.print(f"[red]moerl report: {run.metrics} has no records yet[/red]")
+        _error(f"{run.metrics} has no records yet")
         return 2
     png = plot_report(run.path)
     summary = run.read_summary() or {"status": "unfinished", "steps": records[-1]["step"]}

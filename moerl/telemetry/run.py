@@ -42,13 +42,15 @@ RATE_WINDOW_S = 10.0
 """Trailing window of the per-worker rates in ``metrics.jsonl`` (seconds of run wall time)."""
 
 
-def worker_series(rec: WorkerRecord) -> WorkerSeries:
-    """The exporter's view of one worker from the fleet manager's record of its last heartbeat."""
+def worker_series(rec: WorkerRecord, policy_lag: int | None) -> WorkerSeries:
+    """The exporter's view of one worker from the fleet manager's record of its last heartbeat, with its
+    policy lag (``Rollouts.policy_lags``; None: not known yet)."""
     h = rec.health
     return WorkerSeries(
         tokens_total=h.tokens_delivered,
         groups_total=h.groups_delivered,
         policy_version=h.policy_version,
+        policy_lag=policy_lag,
         spot_notices_total=int(h.is_draining or rec.state is WorkerState.DRAINED),
         is_up=rec.state is WorkerState.ALIVE,
         gpus=h.gpus,
@@ -128,9 +130,12 @@ class RunTelemetry:
         if fleet is None:
             self.exporter.set_worker_source(None)
             return
-        self.exporter.set_worker_source(
-            lambda: {r.worker_id: worker_series(r) for r in fleet.worker_records()}
-        )
+
+        def series() -> dict[str, WorkerSeries]:
+            lags = fleet.policy_lags()
+            return {r.worker_id: worker_series(r, lags.get(r.worker_id)) for r in fleet.worker_records()}
+
+        self.exporter.set_worker_source(series)
 
     def reload_ledger(self, trained_task_ids: Iterable) -> None:
         """Start the trained-task count again from the ledger (after a trainer restart rewound it)."""
@@ -150,6 +155,7 @@ class RunTelemetry:
         *,
         groups: Sequence[Group],
         workers: Iterable[WorkerRecord],
+        lags: Mapping[str, int],
         queue: QueueStats,
         buffer: BufferMetrics,
         step_s: float,
@@ -161,6 +167,9 @@ class RunTelemetry:
             values: the step's ``METRIC_KEYS`` values so far (``step_values`` + ``fleet_values``).
             groups: the batch trained in this step (their task ids count as trained).
             workers: the fleet manager's records (last heartbeat of every worker seen).
+            lags: worker id -> policy lag (``Rollouts.policy_lags``), against the trainer's version when
+                each answer was asked for, not this step's (an answer a second old would read as a lag
+                of every step since).
             queue, buffer: the step's queue and buffer counters.
             step_s: the step's wall seconds; weight_sync_s: its publication's (None: nothing published).
         """
@@ -168,10 +177,10 @@ class RunTelemetry:
         self._wait_s += values.get("timing/wait_s") or 0.0
         workers = list(workers)
         self._add_worker_ep(workers)
-        series = {rec.worker_id: worker_series(rec) for rec in workers}
+        series = {rec.worker_id: worker_series(rec, lags.get(rec.worker_id)) for rec in workers}
         values = {
             **values,
-            WORKERS_KEY: self._worker_entries(wall_s, series, int(values.get("policy_version") or 0)),
+            WORKERS_KEY: self._worker_entries(wall_s, series),
             "fleet/spot_notices": sum(w.spot_notices_total for w in series.values()),
         }
         values.setdefault("fleet/lost_work_tokens", 0)
@@ -200,7 +209,7 @@ class RunTelemetry:
             for direction, traffic in grown.items():
                 self.add_ep_traffic(direction, traffic)
 
-    def _worker_entries(self, wall_s: float, series: Mapping[str, WorkerSeries], version: int) -> dict:
+    def _worker_entries(self, wall_s: float, series: Mapping[str, WorkerSeries]) -> dict:
         """Per-worker fields; rates over the trailing ``RATE_WINDOW_S`` (heartbeats move the totals
         about once a second, so a rate between two close records would be mostly 0 or a spike)."""
         entries = {}
@@ -215,7 +224,7 @@ class RunTelemetry:
                 "groups_per_s": (w.groups_total - first[2]) / dt if dt > 0 else None,
                 "tokens_total": w.tokens_total,
                 "groups_total": w.groups_total,
-                "policy_lag": max(version - w.policy_version, 0) if w.policy_version >= 0 else None,
+                "policy_lag": w.policy_lag,
                 "spot_notices": w.spot_notices_total,
                 "is_up": int(w.is_up),
             }

@@ -161,8 +161,6 @@ def test_an_upload_that_keeps_failing_stops_the_run_with_one_line(tmp_path, tiny
     finally:
         s3.block = None
     err = capsys.readouterr().err.strip().splitlines()
-    with capsys.disabled():
-        print(f"\nlast stderr line: {err[-1]}")
     assert err[-1].startswith("moerl: storage: upload of ") and "checkpoints/step_2/" in err[-1]
     assert "failed after 2 attempts" in err[-1] and not any("Traceback" in line for line in err)
     (run_path,) = [p for p in tmp_path.glob("run-*")]

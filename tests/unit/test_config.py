@@ -72,3 +72,22 @@ def test_run_name_is_one_folder_name(name):
 
 def test_plain_run_name_is_kept():
     assert load_config(None, ["name=final-sync_2"]).name == "final-sync_2"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["rollout.num_workers=3", "fleet.max_workers=2"],
+            "rollout.num_workers=3 is above fleet.max_workers=2",
+        ),
+        (
+            ["rollout.num_workers=1", "fleet.min_workers=2"],
+            "rollout.num_workers=1 is below fleet.min_workers=2",
+        ),
+    ],
+)
+def test_rollout_workers_outside_the_fleet_bounds_are_refused_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+    load_config(None, ["rollout.num_workers=2", "fleet.min_workers=2", "fleet.max_workers=2"])  # bounds met

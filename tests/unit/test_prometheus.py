@@ -37,11 +37,15 @@ def _exporter() -> MetricsExporter:
     gpu = GpuSample(index=3, utilization=0.5, memory_used_bytes=1 << 30, memory_total_bytes=8 << 30)
     e.update_workers(
         {
-            "rollout-0": WorkerSeries(tokens_total=640, groups_total=5, policy_version=4, gpus=(gpu,)),
+            # rollout-0's heartbeat was asked for at version 6 (policy_lag 2); rollout-1's at version 6 too
+            "rollout-0": WorkerSeries(
+                tokens_total=640, groups_total=5, policy_version=4, policy_lag=2, gpus=(gpu,)
+            ),
             "rollout-1": WorkerSeries(
                 tokens_total=320,
                 groups_total=2,
                 policy_version=6,
+                policy_lag=0,
                 spot_notices_total=1,
                 comm_errors=(("timeout", 2), ("rpc", 1)),
             ),

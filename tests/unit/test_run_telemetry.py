@@ -63,6 +63,7 @@ def test_write_step_records_workers_and_feeds_the_exporter(tmp_path):
         {"policy_version": 1, "timing/wait_s": 2.0, "fleet/killed": 0},
         groups=groups,
         workers=[_rec("rollout-0", 100, 2, 1), _rec("rollout-1", 50, 1, 0)],
+        lags={"rollout-0": 0, "rollout-1": 1},
         queue=_queue(cursor=4, pending=2, requeued=1),
         buffer=_buffer(depth=0),
         **common,
@@ -71,9 +72,12 @@ def test_write_step_records_workers_and_feeds_the_exporter(tmp_path):
     record = t.write_step(
         2,
         12.0,
-        {"policy_version": 2, "timing/wait_s": 1.0, "fleet/killed": 0, "fleet/lost_work_tokens": 16},
+        # the trainer is at version 9 by now, but rollout-0's heartbeat was asked for at version 2, when its
+        # engine was at 2: its lag is 0, not 9 - 2 (the lags come from Rollouts.policy_lags)
+        {"policy_version": 9, "timing/wait_s": 1.0, "fleet/killed": 0, "fleet/lost_work_tokens": 16},
         groups=[SimpleNamespace(task_id="a")],  # trained again: a duplicate
         workers=[_rec("rollout-0", 300, 6, 2), gone],
+        lags={"rollout-0": 0, "rollout-1": 1},
         queue=_queue(cursor=5, pending=1, requeued=1),
         buffer=_buffer(depth=1),
         **common,
@@ -108,11 +112,15 @@ def test_write_step_records_workers_and_feeds_the_exporter(tmp_path):
 def test_scrapes_read_the_fleets_latest_heartbeats(tmp_path):
     cfg = load_config(None, ["telemetry.metrics_port=0"])
     t = RunTelemetry.start(cfg, tmp_path, tmp_path / "metrics.jsonl")
-    records = [_rec("rollout-0", 10, 1, 0)]
-    t.watch_fleet(SimpleNamespace(worker_records=lambda: records))
+    records, lags = [_rec("rollout-0", 10, 1, 0)], {}
+    t.watch_fleet(SimpleNamespace(worker_records=lambda: records, policy_lags=lambda: dict(lags)))
     records[0] = _rec("rollout-0", 640, 9, 0)  # a heartbeat between steps
     s = _samples(t.exporter.render().decode())
     assert s["moerl_rollout_tokens_total", (("worker", "rollout-0"),)] == 640
+    assert ("moerl_worker_policy_lag", (("worker", "rollout-0"),)) not in s  # no lag known yet: no sample
+    lags["rollout-0"] = 3  # the fleet's next poll counted the answer
+    s = _samples(t.exporter.render().decode())
+    assert s["moerl_worker_policy_lag", (("worker", "rollout-0"),)] == 3
     t.close()
 
 
@@ -144,6 +152,7 @@ def test_worker_rates_are_over_the_trailing_window(tmp_path):
             {"policy_version": 1},
             groups=[],
             workers=[_rec("rollout-0", tokens, 0, 1)],
+            lags={"rollout-0": 0},
             queue=_queue(),
             buffer=_buffer(),
             step_s=0.1,
@@ -163,7 +172,7 @@ def _ep_rec(wid: str, intra: int, inter: int) -> WorkerRecord:
 
 def test_ep_rollout_groups_heartbeat_bytes_are_counted_once(tmp_path):
     t = RunTelemetry.start(load_config(None, []), tmp_path, tmp_path / "metrics.jsonl")
-    kw = dict(groups=[], queue=_queue(), buffer=_buffer(), step_s=0.1, weight_sync_s=None)
+    kw = dict(groups=[], lags={}, queue=_queue(), buffer=_buffer(), step_s=0.1, weight_sync_s=None)
     plain = _rec("rollout-9", 0, 0, 0)  # a one-rank worker: no EP bytes
     t.add_ep_traffic("dispatch", Traffic(intra_node_bytes=7))  # the trainer's step, handed in
     first = t.write_step(1, 1.0, {}, workers=[_ep_rec("rollout-0", 100, 10), plain], **kw)
@@ -189,7 +198,7 @@ def test_ep_rollout_groups_heartbeat_bytes_are_counted_once(tmp_path):
 
 def test_run_without_ep_has_null_ep_keys(tmp_path):
     t = RunTelemetry.start(load_config(None, []), tmp_path, tmp_path / "metrics.jsonl")
-    kw = dict(groups=[], queue=_queue(), buffer=_buffer(), step_s=0.1, weight_sync_s=None)
+    kw = dict(groups=[], lags={}, queue=_queue(), buffer=_buffer(), step_s=0.1, weight_sync_s=None)
     record = t.write_step(1, 1.0, {}, workers=[_rec("rollout-0", 10, 1, 0)], **kw)
     assert record["ep/intra_node_bytes"] is None and record["ep/inter_node_bytes"] is None
     t.close()

@@ -378,6 +378,11 @@ class RayRollouts:
         """The fleet manager's record of every worker seen (state and last heartbeat); only reads."""
         return list(self.manager.records.values())
 
+    def policy_lags(self) -> dict[str, int]:
+        """``version_lags`` of each worker's latest liveness answer, refreshed at each fleet poll; only
+        reads (a copy, safe from the scrape thread)."""
+        return dict(self._lags)
+
     def fleet_summary(self) -> dict:
         """Fleet figures for ``summary.json``."""
         m, q = self.manager.metrics(), self.queue_stats()

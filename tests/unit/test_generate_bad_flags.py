@@ -1,0 +1,66 @@
+"""``moerl generate``: bad flags are one-line errors, printed before any model loads or rank spawns."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moerl.cli import main
+from moerl.config import ModelConfig
+from moerl.models import build_model, save_pretrained
+from moerl.tasks import load_tokenizer
+
+
+@pytest.fixture
+def paths(tmp_path):
+    tok = load_tokenizer(None)
+    torch.manual_seed(0)
+    save_pretrained(build_model(ModelConfig(max_position_embeddings=64), tok.vocab_size), tmp_path / "m")
+    tok.save(tmp_path / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+2="}) + "\n")
+    return ["--model", str(tmp_path / "m"), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-new-tokens", "0"], "--max-new-tokens=0: must be >= 1"),
+        (["--max-slots", "0"], "--max-slots=0: must be >= 1"),
+        (["--ep-size", "0"], "--ep-size=0: must be >= 1"),
+        (["--ep-size", "2", "--ep-ranks-per-node", "0"], "--ep-ranks-per-node=0: must be >= 1"),
+        (["--ep-size", "4", "--ep-ranks-per-node", "3"], "--ep-ranks-per-node=3 must divide --ep-size=4"),
+        (["--kv-token-budget", "0"], "--kv-token-budget=0: must be >= 1"),
+        (["-n", "0"], "-n=0: must be >= 1"),
+        # the default model has 8 routed experts per MoE layer: 3 ranks cannot share them
+        (["--ep-size", "3"], "has 8 routed experts per MoE layer, which must be a positive multiple"),
+        (["--device", "nonsense"], "not a torch device"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(paths, capsys, tmp_path, flags, message):
+    assert main(["generate", *paths, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the check is for a machine without a usable GPU")
+def test_cuda_without_a_gpu_is_one_line(paths, capsys):
+    assert main(["generate", *paths, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moerl generate: error: --device cuda: ") and len(err.splitlines()) == 1, err
+
+
+def test_prompts_folder_is_named_a_folder(paths, capsys, tmp_path):
+    paths[3] = str(tmp_path)
+    assert main(["generate", *paths]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--prompts {tmp_path} is a folder" in err and len(err.splitlines()) == 1, err
+
+
+def test_max_new_tokens_one_is_honoured(paths, tmp_path):
+    assert main(["generate", *paths, "--max-new-tokens", "1"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [len(r["token_ids"]) for r in rows] == [1]
