@@ -45,6 +45,7 @@ from moerl.runtime.checkpoint import latest_checkpoint, load_checkpoint, restore
 from moerl.runtime.local import LocalRollouts
 from moerl.runtime.ray import RayRollouts, check_ray_address
 from moerl.runtime.recovery import StepJournal, recover_trainer
+from moerl.runtime.resume import check_resume_overrides, resume_checkpoint
 from moerl.runtime.rollouts import Rollouts
 from moerl.runtime.run_dir import LedgerEntry, RunDir, read_jsonl
 from moerl.runtime.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
@@ -400,9 +401,11 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
 
 
 def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: bool = True) -> dict:
-    """Continue the run in ``run_dir`` from its newest checkpoint (config overrides allowed).
+    """Continue the run in ``run_dir`` from its newest complete checkpoint, with its own config; ``overrides``
+    may change only ``moerl.runtime.resume.RESUME_FIELDS``.
 
     Raises:
+        ConfigError: an override of a field a resume does not apply.
         FileNotFoundError: no run folder or no complete checkpoint in it.
         RunInterrupted: Ctrl-C or SIGTERM.
     """
@@ -412,6 +415,7 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
         raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
     folder = RunDir(run_dir)
     cfg = load_config(folder.config, overrides)
+    check_resume_overrides(load_config(folder.config), cfg, overrides or [])  # the rest is the run's own
     done = folder.read_summary()
     if done and done.get("status") == "completed" and done.get("steps", 0) >= cfg.trainer.steps:
         ckpt = latest_checkpoint(folder.path)
@@ -423,13 +427,7 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
         )
         print(f"moerl: {run_dir} is already complete ({done['steps']} steps); {how}")
         return done
-    ckpt = latest_checkpoint(folder.path)
-    if ckpt is None:
-        every = cfg.trainer.checkpoint_every
-        raise FileNotFoundError(
-            f"{run_dir} has no complete checkpoint to resume from (trainer.checkpoint_every={every}: "
-            + ("checkpoints are off)" if every == 0 else f"the first is written at step {every})")
-        )
+    ckpt = resume_checkpoint(folder.path, cfg)  # the newest complete one; skipped ones named
     try:
         with sigterm_interrupts():
             run = Run(cfg, folder, live=live)
