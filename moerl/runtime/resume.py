@@ -5,17 +5,22 @@ A resumed run keeps its own config (``RUN_DIR/config.yaml``); a ``--set`` may ch
 ``RESUME_FIELDS`` (how long to train, how often to checkpoint or evaluate, where and on how many ranks or
 workers it runs, telemetry, storage access, and a moved ``init_from``). Any other field would be
 silently inconsistent with the checkpoint (a model size, a task, an algorithm setting), so it is refused
-unless it equals the run's own value. The checkpoint is the newest complete one
+unless it equals the run's own value. A run's ``init_from`` is stored as an absolute path (``train``), so
+a resume from another working folder finds it; the checkpoint is the newest complete one
 (``moerl.runtime.checkpoint.newest_complete_checkpoint``); newer damaged ones are named with the reason.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from moerl.config import ConfigError, RunConfig
+from moerl.config import ConfigError, RunConfig, load_config
 from moerl.configlib import to_dict
 from moerl.runtime.checkpoint import newest_complete_checkpoint
 
@@ -102,3 +107,43 @@ def resume_checkpoint(run_dir: str | Path, cfg: RunConfig) -> Path:
         f"{run_dir} has no complete checkpoint to resume from (trainer.checkpoint_every={every}: "
         + ("checkpoints are off)" if every == 0 else f"the first is written at step {every})")
     )
+
+
+def resumed_config(config_path: Path, overrides: list[str] | None) -> RunConfig:
+    """The run's own config with the ``overrides`` a resume applies (``check_resume_overrides``).
+
+    Raises:
+        ConfigError: a bad override, or one of a field a resume does not apply.
+    """
+    cfg = load_config(config_path, overrides)
+    check_resume_overrides(load_config(config_path), cfg, overrides or [])
+    return cfg
+
+
+def check_init_from(cfg: RunConfig, config_path: Path) -> None:
+    """A resume still builds the architecture, the tokenizer and the reference policy (KL) from
+    ``init_from``: check it is there before any work, and say how to point to a moved folder.
+
+    Raises:
+        ConfigError: ``init_from`` is set and is not a Hugging Face model folder (no ``config.json``).
+    """
+    init = cfg.init_from
+    if init is None or "://" in init or (Path(init) / "config.json").is_file():
+        return
+    where = f"relative to {os.getcwd()}, " if not Path(init).is_absolute() else ""
+    raise ConfigError(
+        f"init_from={init!r} (from {config_path}) is not a Hugging Face model folder ({where}no config.json); "
+        "the resume builds the model, tokenizer and reference policy from it: --set init_from=PATH"
+    )
+
+
+@contextmanager
+def removed_on_failure(fetched: Path | None) -> Iterator[None]:
+    """Remove ``fetched`` (a run folder just fetched from storage for this resume) if the block fails:
+    a remote resume that fails before training leaves no half-used copy behind. ``None``: a no-op."""
+    try:
+        yield
+    except BaseException:
+        if fetched is not None:
+            shutil.rmtree(fetched, ignore_errors=True)
+        raise
