@@ -433,7 +433,7 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
             )
             print(f"moerl: {run_dir} is already complete ({done['steps']} steps); {how}")
             return done
-        check_init_from(cfg, folder.config)
+        check_init_from(cfg, folder.path, folder.config)  # relative ones from the folder the run began in
         ckpt = resume_checkpoint(folder.path, cfg)  # the newest complete one; skipped ones named
     try:
         with sigterm_interrupts():

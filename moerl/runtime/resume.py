@@ -120,19 +120,34 @@ def resumed_config(config_path: Path, overrides: list[str] | None) -> RunConfig:
     return cfg
 
 
-def check_init_from(cfg: RunConfig, config_path: Path) -> None:
+def check_init_from(cfg: RunConfig, run_path: Path, config_path: Path) -> None:
     """A resume still builds the architecture, the tokenizer and the reference policy (KL) from
-    ``init_from``: check it is there before any work, and say how to point to a moved folder.
+    ``init_from``: check it is there before any work. A relative one (a run started before init_from was
+    stored absolute) is taken from the folder the run started in when the run's own relative
+    ``output_dir`` says which (``<start>/<output_dir>/<run>``; ``cfg.init_from`` is then made absolute),
+    else from the working folder.
 
     Raises:
-        ConfigError: ``init_from`` is set and is not a Hugging Face model folder (no ``config.json``).
+        ConfigError: ``init_from`` is set and is not a Hugging Face model folder (no ``config.json``);
+            the message says how to point to a moved folder.
     """
     init = cfg.init_from
-    if init is None or "://" in init or (Path(init) / "config.json").is_file():
+    if init is None or "://" in init:
+        return
+    stored = load_config(config_path)  # as the run was started, not with a resume's --set
+    if not Path(init).is_absolute() and init == stored.init_from:  # a --set one is relative to here
+        out = Path(stored.output_dir)
+        parents = Path(run_path).resolve().parents
+        if not out.is_absolute() and ".." not in out.parts and len(out.parts) < len(parents):
+            started_in = parents[len(out.parts)]
+            if (started_in / init / "config.json").is_file():
+                cfg.init_from = str(started_in / init)
+                return
+    if (Path(init) / "config.json").is_file():
         return
     where = f"relative to {os.getcwd()}, " if not Path(init).is_absolute() else ""
     raise ConfigError(
-        f"init_from={init!r} (from {config_path}) is not a Hugging Face model folder ({where}no config.json); "
+        f"init_from={init!r} (from {config_path if init == stored.init_from else '--set'}) is not a Hugging Face model folder ({where}no config.json); "
         "the resume builds the model, tokenizer and reference policy from it: --set init_from=PATH"
     )
 

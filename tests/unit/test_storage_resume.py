@@ -55,3 +55,20 @@ def test_a_failed_remote_resume_removes_what_it_fetched(tmp_path, store):
     with pytest.raises(ConfigError, match="--set model.hidden_size: a resumed run keeps its own config"):
         resume(store.url, [f"output_dir={tmp_path / 'b'}", "model.hidden_size=128"], live=False)
     assert list((tmp_path / "b").iterdir()) == []
+
+
+def test_a_stored_relative_init_from_is_found_from_the_folder_the_run_started_in(tmp_path, monkeypatch):
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    (start / "models" / "init").mkdir(parents=True)
+    (start / "models" / "init" / "config.json").write_text("{}")
+    elsewhere.mkdir()
+    monkeypatch.chdir(start)
+    run = RunDir.create(RunConfig(output_dir="runs", init_from="models/init"))  # as stored before: relative
+    path = run.path.resolve()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):  # past the init_from check
+        resume(path, live=False)
+    with pytest.raises(
+        ConfigError, match=r"init_from='models/init2' \(from --set\) .*relative to .*elsewhere"
+    ):
+        resume(path, ["init_from=models/init2"], live=False)  # a --set one: from here
