@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import fsspec
 from _runs import newest_run
 from conftest import short_config
 
@@ -13,8 +14,10 @@ from moerl.cli import main as cli_main
 from moerl.config import load_config
 from moerl.runtime.checkpoint import list_checkpoints, newest_complete_checkpoint
 from moerl.runtime.run_dir import read_jsonl
+from moerl.runtime.storage import RunStorage
+from moerl.tasks import sft
 from moerl.telemetry.metrics import without_wall_clock
-from moerl.train import train
+from moerl.train import resume, train
 
 
 def test_resume_skips_a_truncated_newest_checkpoint_from_another_folder(
@@ -50,3 +53,23 @@ def test_resume_skips_a_truncated_newest_checkpoint_from_another_folder(
     assert [without_wall_clock(r) for r in read_jsonl(run.metrics)] == before
     assert summary["final_eval_accuracy"] == full["final_eval_accuracy"]
     assert newest_complete_checkpoint(run.path) == (run.path / "checkpoints" / "step_4", [])  # rewritten
+
+
+def test_a_stored_run_resumed_on_another_machine_does_not_run_its_warm_start_again(tmp_path, monkeypatch):
+    """No init_from: the SFT warm start is stored once as ``sft/`` and fetched back for the resume."""
+    url = f"memory://moerl-sft-{id(tmp_path)}/runs"
+    cfg = short_config(tmp_path / "a", None, "trainer.steps=2", "trainer.checkpoint_every=2")
+    cfg.init_from = None
+    cfg.sft.steps, cfg.sft.batch_size, cfg.sft.num_examples, cfg.sft.warmup_steps = 2, 4, 16, 0
+    cfg.storage.url = url
+    summary = train(cfg, live=False)
+    stored = RunStorage(summary["storage_url"])
+    assert "config.json" in stored.committed_files("sft")
+
+    def no_second_warm_start(*args, **kwargs):
+        raise AssertionError("the SFT warm start ran again on resume")
+
+    monkeypatch.setattr(sft, "run_sft", no_second_warm_start)
+    resumed = resume(summary["storage_url"], ["trainer.steps=4", f"output_dir={tmp_path / 'b'}"], live=False)
+    assert resumed["steps"] == 4 and resumed["tasks_duplicated"] == resumed["tasks_lost"] == 0
+    fsspec.filesystem("memory").rm(url.removeprefix("memory://").split("/")[0], recursive=True)
