@@ -294,8 +294,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     Tensors come back on CPU with their saved dtypes; the step is ``read_checkpoint_step(path)``.
 
     Raises:
-        FileNotFoundError: ``path`` is not a complete checkpoint folder.
-        ValueError: unknown checkpoint format.
+        FileNotFoundError: ``path`` is not a checkpoint folder (no ``meta.json``).
+        ValueError: unknown checkpoint format, or a damaged checkpoint (``checkpoint_problem`` says what).
     """
     path = Path(path)
     meta_path = path / "meta.json"
@@ -306,6 +306,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise ValueError(
             f"{meta_path}: unknown checkpoint format {meta.get('format')!r}; expected {_FORMAT!r}"
         )
+    if (problem := checkpoint_problem(path)) is not None:  # one line, not a deep decoding traceback
+        raise ValueError(f"{path} is not a complete checkpoint: {problem}")
     state = {}
     for name in meta["parts"]:
         tensor_file = path / f"{name}.safetensors"

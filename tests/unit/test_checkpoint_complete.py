@@ -69,6 +69,9 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_its_reason(tmp_path, damage
     assert found == older and latest_checkpoint(tmp_path) == older
     assert len(skipped) == 1 and skipped[0].startswith(f"checkpoints/step_200: {reason}")
     assert load_checkpoint(older)["trainer"] == {"step": 100}  # what the resume then loads
+    if reason != "meta.json missing":  # loaded anyway: one line, not a decoding traceback
+        with pytest.raises(ValueError, match=f"step_200 is not a complete checkpoint: {reason[:20]}"):
+            load_checkpoint(newest)
 
 
 def test_a_safetensors_file_without_a_tensor_its_json_names_is_incomplete(tmp_path):
