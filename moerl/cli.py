@@ -39,6 +39,14 @@ def _config(args: argparse.Namespace):
 def _cmd_train(args: argparse.Namespace) -> int:
     import moerl.train as run  # here, not at the top: torch and the runtime load only for this command
 
+    if args.resume and args.config:  # a resumed run keeps its own config; silently ignoring it would mislead
+        from moerl.runtime.resume import RESUME_FIELDS  # here: loads torch, like moerl.train
+
+        raise ConfigError(
+            f"--config {args.config} with --resume: a resumed run keeps its own config "
+            f"({args.resume}/config.yaml); change fields with --set, a resume accepts only "
+            + ", ".join(RESUME_FIELDS)
+        )
     if args.ray_address:  # as an override: validated with the rest, and honoured by --resume too
         args.overrides.append(f"runtime.ray_address={json.dumps(args.ray_address)}")
     if args.metrics_port is not None:

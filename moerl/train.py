@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moerl.config import ConfigError, RunConfig, load_config
+from moerl.config import ConfigError, RunConfig
 from moerl.distributed.factory import (
     check_trainer_resources,
     load_trainer_state,
@@ -46,6 +46,7 @@ from moerl.runtime.local import LocalRollouts
 from moerl.runtime.preflight import check_run_inputs
 from moerl.runtime.ray import RayRollouts, check_ray_address
 from moerl.runtime.recovery import StepJournal, recover_trainer
+from moerl.runtime.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
 from moerl.runtime.rollouts import Rollouts
 from moerl.runtime.run_dir import LedgerEntry, RunDir, read_jsonl
 from moerl.runtime.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
@@ -106,6 +107,8 @@ class Run:
         if cfg.runtime.mode == "async" and cfg.runtime.ray_address:  # before the warm start, not after
             check_ray_address(cfg.runtime.ray_address)
         init_path = warm_start(cfg, self.dir, self.view)
+        if self.mirror is not None and cfg.init_from is None:  # a resume elsewhere then needs no SFT again
+            self.mirror.warm_start(Path(init_path))
         parts = load_checkpoint(checkpoint) if checkpoint is not None else None
         self.comp = build_components(cfg, init_path, self.store)
         # one rank: today's Trainer; more: a TrainerGroup (moerl.distributed), same interface
@@ -387,12 +390,15 @@ class Run:
 
 def train(cfg: RunConfig, *, live: bool = True) -> dict:
     """Run RL training from scratch in a new run folder; returns the summary (also in summary.json).
+    A local ``cfg.init_from`` is made absolute (so stored in ``config.yaml``: resumable from any folder).
 
     Raises:
         ConfigError: an invalid combination of settings, or a weight store URL that cannot be written.
         RunInterrupted: Ctrl-C or SIGTERM.
     """
     use_local_storage(cfg)
+    if cfg.init_from is not None and not is_remote(cfg.init_from):  # stored absolute: resumable from anywhere
+        cfg.init_from = str(Path(cfg.init_from).resolve())
     run_dir = RunDir.create(cfg)
     try:
         # a failure before step 1 leaves no half-written folder
@@ -405,40 +411,40 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
 
 
 def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: bool = True) -> dict:
-    """Continue the run in ``run_dir`` from its newest checkpoint (config overrides allowed).
+    """Continue the run in ``run_dir`` from its newest complete checkpoint, with its own config; ``overrides``
+    may change only ``moerl.runtime.resume.RESUME_FIELDS``.
 
     Raises:
+        ConfigError: an override of a field a resume does not apply.
         FileNotFoundError: no run folder or no complete checkpoint in it.
         RunInterrupted: Ctrl-C or SIGTERM.
     """
+    fetched = None
     if is_remote(str(run_dir)):  # a stored run's URL: fetch its files and newest checkpoint first
-        run_dir = fetch_for_resume(str(run_dir), overrides)
-    if not (Path(run_dir) / "config.yaml").exists():  # checked first: RunDir() creates the folder
-        raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
-    folder = RunDir(run_dir)
-    cfg = load_config(folder.config, overrides)
-    done = folder.read_summary()
-    if done and done.get("status") == "completed" and done.get("steps", 0) >= cfg.trainer.steps:
-        ckpt = latest_checkpoint(folder.path)
-        how = (
-            f"to continue it from its newest checkpoint ({ckpt.name}; later steps are trained again): "
-            f"moerl train --resume {run_dir} --set trainer.steps=N (N > {done['steps']})"
-            if ckpt is not None
-            else "it has no checkpoint to continue from (trainer.checkpoint_every)"
-        )
-        print(f"moerl: {run_dir} is already complete ({done['steps']} steps); {how}")
-        return done
-    ckpt = latest_checkpoint(folder.path)
-    if ckpt is None:
-        every = cfg.trainer.checkpoint_every
-        raise FileNotFoundError(
-            f"{run_dir} has no complete checkpoint to resume from (trainer.checkpoint_every={every}: "
-            + ("checkpoints are off)" if every == 0 else f"the first is written at step {every})")
-        )
+        run_dir = fetched = fetch_for_resume(str(run_dir), overrides)
+    with removed_on_failure(fetched):  # a failed remote resume leaves no fetched folder behind
+        if not (Path(run_dir) / "config.yaml").exists():  # checked first: RunDir() creates the folder
+            raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
+        folder = RunDir(run_dir)
+        cfg = resumed_config(folder.config, overrides)  # the run's own, with what a resume may change
+        done = folder.read_summary()
+        if done and done.get("status") == "completed" and done.get("steps", 0) >= cfg.trainer.steps:
+            ckpt = latest_checkpoint(folder.path)
+            how = (
+                f"to continue it from its newest checkpoint ({ckpt.name}; later steps are trained again): "
+                f"moerl train --resume {run_dir} --set trainer.steps=N (N > {done['steps']})"
+                if ckpt is not None
+                else "it has no checkpoint to continue from (trainer.checkpoint_every)"
+            )
+            print(f"moerl: {run_dir} is already complete ({done['steps']} steps); {how}")
+            return done
+        check_init_from(cfg, folder.path, folder.config)  # relative ones from the folder the run began in
+        ckpt = resume_checkpoint(folder.path, cfg)  # the newest complete one; skipped ones named
     try:
         with sigterm_interrupts():
             run = Run(cfg, folder, live=live)
-            run.start(checkpoint=ckpt)
+            with removed_on_failure(fetched):
+                run.start(checkpoint=ckpt)
             return run.run()
     except KeyboardInterrupt as e:
         raise RunInterrupted.of(folder.path) from e

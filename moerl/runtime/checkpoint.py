@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 _FORMAT = "moerl-checkpoint/1"
@@ -135,9 +137,102 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """Folder of the newest complete checkpoint of ``run_dir``, or ``None`` if there is none."""
-    found = list_checkpoints(run_dir)
-    return found[-1][1] if found else None
+    """Folder of the newest complete checkpoint of ``run_dir`` (``checkpoint_problem`` finds nothing
+    wrong with it), or ``None`` if there is none."""
+    return newest_complete_checkpoint(run_dir)[0]
+
+
+def newest_complete_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint folder of ``run_dir`` (or ``None``) and, for each newer step
+    folder skipped on the way, one line ``"checkpoints/step_200: model.safetensors unreadable (...)"``.
+
+    Cheap: headers and JSON are read, no tensor data (``checkpoint_problem``).
+    """
+    skipped = []
+    for _, path in reversed(list_checkpoints(run_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"{path.parent.name}/{path.name}: {problem}")
+    return None, skipped
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """What makes the step folder ``path`` an incomplete checkpoint (e.g. ``"meta.json missing"``,
+    ``"optimizer.safetensors missing"``, ``"model.safetensors unreadable (invalid header length)"``),
+    or ``None`` when every file it needs is there and readable.
+
+    Reads ``meta.json``, each part's JSON and each safetensors header (safetensors checks that the
+    header's offsets cover the file exactly, so a file cut short is caught); no tensor is loaded. A
+    part ``sharded`` (a trainer group's DCP folder) must have a readable ``.metadata`` (DCP writes
+    it last) and every shard file it names.
+    """
+    path = Path(path)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except FileNotFoundError:
+        return "meta.json missing"
+    except (OSError, ValueError) as e:
+        return f"meta.json unreadable ({e})"
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT or not isinstance(meta.get("parts"), list):
+        return f"meta.json is not a {_FORMAT} record"
+    for name in meta["parts"]:
+        problem = _part_problem(path, str(name))
+        if problem is not None:
+            return problem
+    return None
+
+
+def _part_problem(path: Path, name: str) -> str | None:
+    """What is wrong with the part ``name`` of the checkpoint folder ``path`` (``checkpoint_problem``)."""
+    try:
+        encoded = json.loads((path / f"{name}.json").read_text())
+    except FileNotFoundError:
+        return f"{name}.json missing"
+    except (OSError, ValueError) as e:
+        return f"{name}.json unreadable ({e})"
+    wanted = _tensor_keys(encoded)
+    tensor_file = path / f"{name}.safetensors"
+    if wanted:
+        if not tensor_file.is_file():
+            return f"{tensor_file.name} missing"
+        try:
+            with safe_open(str(tensor_file), framework="pt") as f:
+                have = set(f.keys())
+        except (SafetensorError, OSError) as e:
+            return f"{tensor_file.name} unreadable ({str(e).rsplit(': ', 1)[-1]})"
+        if missing := sorted(wanted - have):
+            return f"{tensor_file.name} lacks {len(missing)} tensor(s) of {name}.json, e.g. {missing[0]!r}"
+    if name == "sharded" and isinstance(encoded, dict) and isinstance(encoded.get("path"), str):
+        return _sharded_problem(path.parent / encoded["path"])
+    return None
+
+
+def _tensor_keys(encoded: Any) -> set[str]:
+    """The safetensors keys an encoded part refers to (its ``{"__tensor__": key}`` leaves)."""
+    if isinstance(encoded, list):
+        return set().union(*(_tensor_keys(v) for v in encoded))
+    if isinstance(encoded, dict):
+        if isinstance(encoded.get("__tensor__"), str):
+            return {encoded["__tensor__"]}
+        return set().union(*(_tensor_keys(v) for v in encoded.values()))
+    return set()
+
+
+def _sharded_problem(folder: Path) -> str | None:
+    """What is wrong with a DCP folder: no readable ``.metadata``, or a shard file it names missing."""
+    rel = f"{folder.parent.name}/{folder.name}"
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    except FileNotFoundError:
+        return f"{rel}/.metadata missing (shards not written completely)"
+    except Exception as e:  # noqa: BLE001 - an unpickling error of any kind: the file is damaged
+        return f"{rel}/.metadata unreadable ({type(e).__name__})"
+    files = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+    for file in sorted(f for f in files if f):
+        if not (folder / file).is_file():
+            return f"{rel}/{file} missing"
+    return None
 
 
 def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], *, keep: int = 3) -> Path:
@@ -199,8 +294,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     Tensors come back on CPU with their saved dtypes; the step is ``read_checkpoint_step(path)``.
 
     Raises:
-        FileNotFoundError: ``path`` is not a complete checkpoint folder.
-        ValueError: unknown checkpoint format.
+        FileNotFoundError: ``path`` is not a checkpoint folder (no ``meta.json``).
+        ValueError: unknown checkpoint format, or a damaged checkpoint (``checkpoint_problem`` says what).
     """
     path = Path(path)
     meta_path = path / "meta.json"
@@ -211,6 +306,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise ValueError(
             f"{meta_path}: unknown checkpoint format {meta.get('format')!r}; expected {_FORMAT!r}"
         )
+    if (problem := checkpoint_problem(path)) is not None:  # one line, not a deep decoding traceback
+        raise ValueError(f"{path} is not a complete checkpoint: {problem}")
     state = {}
     for name in meta["parts"]:
         tensor_file = path / f"{name}.safetensors"

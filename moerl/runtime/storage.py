@@ -10,6 +10,8 @@ s3://...``.
     <storage.url>/<name>-<timestamp>/
         config.yaml, metrics.jsonl, ledger.jsonl      after every checkpoint (and at the end)
         checkpoints/step_N/...  + COMPLETE.json       the step folder's files, then its marker
+        sft/...                 + COMPLETE.json       the SFT warm start (no init_from), once: a resume's
+                                                      model, tokenizer and reference policy
         weights/vNNNNNNNN/...   + manifest.json       the weight store's own commit protocol
         weights/init/...        + COMPLETE.json       async runs: the model folder the actors build from
         policy/...              + COMPLETE.json       the exported policy (Hugging Face folder)
@@ -249,6 +251,13 @@ class RunMirror:
             if (self.run_path / name).is_file():
                 self.storage.put_file(self.run_path / name, name)
 
+    def warm_start(self, folder: Path) -> None:
+        """Upload the run's SFT warm-start folder as ``sft/`` unless it is committed there already: a
+        resume on another machine builds its model, tokenizer and reference policy from it instead of
+        running the warm start again."""
+        if self.storage.committed_files("sft") is None:
+            self.storage.put_tree(Path(folder), "sft")
+
     def checkpoint(self, step: int) -> None:
         """After the local checkpoint of ``step``: upload the run files and the checkpoint folder (marker
         last), then prune older committed checkpoints beyond ``keep_checkpoints`` (marker first)."""
@@ -271,7 +280,8 @@ class RunMirror:
 
 def fetch_run(url: str, local_parent: str | Path, *, options: dict | None = None, retries: int = 3) -> Path:
     """Bring the stored run at ``url`` to ``<local_parent>/<run folder name>`` for a resume: its run
-    files, ``summary.json`` if any, and its newest committed checkpoint.
+    files, ``summary.json`` if any, its SFT warm start ``sft/`` if stored, and its newest committed
+    checkpoint. The copy is made in a temp folder renamed at the end: a failed fetch leaves nothing.
 
     Raises:
         FileNotFoundError: no ``config.yaml`` at ``url`` (not a stored run).
@@ -292,6 +302,8 @@ def fetch_run(url: str, local_parent: str | Path, *, options: dict | None = None
         for name in (*RUN_FILES, "summary.json"):
             if storage.exists(name):
                 storage.get_file(name, tmp / name)
+        if storage.committed_files("sft") is not None:  # no SFT warm start again on this machine
+            storage.get_tree("sft", tmp / "sft")
         found = storage.complete_checkpoints()
         if found:
             step, rel = found[-1]
