@@ -409,26 +409,13 @@ class RunConfig:
                 f"runtime.weight_sync=cuda_ipc needs one trainer process (trainer.num_ranks="
                 f"{self.trainer.num_ranks}); a trainer group streams its buckets with object_store"
             )
-        _check_fleet_bounds(self)
+        self.fleet.check_bounds(self.rollout.num_workers)
         check_episode_run(self.task.name, self.rollout.return_routed_experts)
         if estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.group_size < 2:
             raise ConfigError(
                 f"rollout.group_size={self.rollout.group_size}: the {estimator} estimator compares samples "
                 "of one prompt, so a group needs at least 2 (every advantage would be 0)"
             )
-
-
-def _check_fleet_bounds(cfg: RunConfig) -> None:
-    """``fleet.min_workers <= rollout.num_workers <= fleet.max_workers`` (the fleet manager's bounds).
-
-    Raises:
-        ConfigError: naming the fields out of order.
-    """
-    n, lo, hi = cfg.rollout.num_workers, cfg.fleet.min_workers, cfg.fleet.max_workers
-    if n < lo:
-        raise ConfigError(f"rollout.num_workers={n} is below fleet.min_workers={lo}")
-    if hi is not None and n > hi:
-        raise ConfigError(f"rollout.num_workers={n} is above fleet.max_workers={hi}")
 
 
 def _num_experts(cfg: RunConfig) -> int | None:

@@ -44,6 +44,21 @@ class FleetConfig:
     notice_poll_s: float = 5.0
     """Seconds between polls of ``notice_file`` / ``notice_url``."""
 
+    def check_bounds(self, num_workers: int) -> None:
+        """``min_workers <= num_workers <= max_workers`` (``num_workers``: ``rollout.num_workers``).
+
+        Raises:
+            ConfigError: naming the fields out of order.
+        """
+        if num_workers < self.min_workers:
+            raise ConfigError(
+                f"rollout.num_workers={num_workers} is below fleet.min_workers={self.min_workers}"
+            )
+        if self.max_workers is not None and num_workers > self.max_workers:
+            raise ConfigError(
+                f"rollout.num_workers={num_workers} is above fleet.max_workers={self.max_workers}"
+            )
+
     def __post_init__(self) -> None:
         check_range("fleet.min_workers", self.min_workers, 0)
         if self.max_workers is not None:
