@@ -83,7 +83,14 @@ def run_world(
             procs[r].join()
         errors = sorted(Path(folder).glob("error*.txt"))
         if errors:
-            raise RuntimeError("worker failed:\n" + "\n".join(e.read_text() for e in errors))
+            # a rank that died without a traceback (a signal, a crash in C++) shows only as its exit code
+            silent = {
+                r: p.exitcode
+                for r, p in enumerate(procs)
+                if r not in hung and p.exitcode != 0 and not (Path(folder) / f"error{r}.txt").exists()
+            }
+            died = f"\nranks that died without a traceback (rank: exit code): {silent}" if silent else ""
+            raise RuntimeError("worker failed:\n" + "\n".join(e.read_text() for e in errors) + died)
         if hung:
             raise RuntimeError(f"ranks {hung} did not finish within {timeout_s} s")
         bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
