@@ -90,6 +90,7 @@ class ModelConfig:
         ):
             check_range(f"model.{name}", getattr(self, name), 1)
         check_range("model.top_k", self.top_k, 1, self.num_experts)
+        check_range("model.rope_theta", self.rope_theta, 0.0, lo_open=True)
         if not re.fullmatch(r"(cpu|cuda)(:\d+)?|meta", self.device):
             raise ConfigError(f"model.device={self.device!r} is not a device; use cpu, cuda or cuda:N")
         if self.num_heads % self.num_kv_heads:

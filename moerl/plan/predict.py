@@ -30,7 +30,7 @@ returns one ``Prediction`` per dispatcher (flat all-to-all, hierarchical). Formu
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from math import ceil
+from math import ceil, isfinite
 
 from moerl.configlib import ConfigError
 from moerl.ep import ExpertPlacement, Topology
@@ -154,6 +154,10 @@ class Plan:
         get_hardware(self.hardware), get_model(self.model)  # noqa: B018 - raise on unknown names
 
     def _check_model_and_money(self) -> None:
+        for f in fields(self):  # inf or nan would print as a figure (``$ per useful episode: inf``)
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not isfinite(value):
+                raise ConfigError(f"{f.name}={value} is not a finite number")
         m = get_model(self.model)  # raises on an unknown name
         get_hardware(self.hardware)
         if not 0 <= self.top_k <= m.num_experts:

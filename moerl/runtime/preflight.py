@@ -10,6 +10,7 @@ this module imports the user's code (``task.reward_fn``, ``env.name``), reads th
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 from moerl.config import ConfigError, RunConfig, engine_slot_tokens
 from moerl.tasks import DatasetError, Task, load_reward_fn, make_task
@@ -27,10 +28,17 @@ def check_run_inputs(cfg: RunConfig) -> Task:
     its prompts plus ``rollout.max_new_tokens`` fit an engine cache slot. Returns the task.
 
     Raises:
-        ConfigError: naming the field: an import path that does not import or is not callable, a
-            malformed dataset (``file:line:`` and what is wrong), a task the config cannot build, or a
-            prompt too long for a cache slot.
+        ConfigError: naming the field: ``model.device=meta`` (no weights to train), a ``model.path``
+            without config.json, an import path that does not import or is not callable, a malformed
+            dataset (``file:line:`` and what is wrong), a task the config cannot build, a task with no
+            held-out prompts, or a prompt too long for a cache slot.
     """
+    if cfg.model.device == "meta":
+        raise ConfigError("model.device=meta holds shapes only, no weights: a run needs cpu, cuda or cuda:N")
+    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} is not a Hugging Face model folder (no config.json)"
+        )
     if cfg.task.reward_fn:
         _check_import("task.reward_fn", cfg.task.reward_fn)
     if cfg.task.name == "env":
@@ -57,8 +65,14 @@ def _check_prompt_length(cfg: RunConfig, task: Task) -> None:
     """The longest held-out prompt (and of the first training prompts) + ``max_new_tokens`` must fit the
     cache slot (``moerl.config.engine_slot_tokens``), else every request of it fails in the engine."""
     tokenizer = load_run_tokenizer(cfg, cfg.init_from)
-    prompts = task.eval_prompts()
-    prompts += list(itertools.islice(task.train_prompts(cfg.task.seed + cfg.seed), NUM_TRAIN_PROMPTS_CHECKED))
+    held_out = task.eval_prompts()
+    if not held_out:  # a dataset holds out at most half its rows: one row leaves none to evaluate
+        raise ConfigError(
+            f"task: no held-out prompts (task.name={cfg.task.name!r}, task.num_eval={cfg.task.num_eval}): "
+            "the dataset is too small to hold any out for eval"
+        )
+    train = list(itertools.islice(task.train_prompts(cfg.task.seed + cfg.seed), NUM_TRAIN_PROMPTS_CHECKED))
+    prompts = held_out + train
     longest = max(prompts, key=lambda p: len(tokenizer.encode(p.text)))
     num_tokens = len(tokenizer.encode(longest.text))
     slot, context = engine_slot_tokens(cfg)

@@ -230,3 +230,26 @@ def test_storage_url_of_an_unknown_protocol_names_storage_url(train_fails):
         "moerl: config error: storage.url='nosuchproto://x/y' cannot be opened: ValueError: Protocol not known: "
         "nosuchproto"
     )
+
+
+# second fresh-user pass
+
+
+def test_a_dataset_too_small_to_hold_out_any_prompt_fails_before_the_warm_start(train_fails, tmp_path):
+    data = tmp_path / "one.jsonl"
+    data.write_text('{"question": "1+1=", "answer": "#### 2"}\n')  # one row: none held out
+    err = train_fails("--set", "task.name=jsonl", "--set", f"task.path={data}")
+    assert err.startswith("moerl: config error: task: no held-out prompts (task.name='jsonl'"), err
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model.device=meta", "model.device=meta holds shapes only"),
+        ("model.path=/nonexistent", "model.path='/nonexistent' is not a Hugging Face model folder"),
+        ("model.rope_theta=0", "model.rope_theta"),
+    ],
+)
+def test_model_fields_a_run_cannot_use_fail_before_the_warm_start(train_fails, override, expected):
+    err = train_fails("--set", override)
+    assert err.startswith("moerl: config error: ") and expected in err, err

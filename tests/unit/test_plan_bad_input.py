@@ -39,6 +39,8 @@ def test_invalid_yaml_names_the_file_and_line(tmp_path, capsys):
         ("train_share=1.5", "train_share must be in [0, 1)"),
         ("train_share=-0.1", "train_share must be in [0, 1)"),
         ("price_on_demand=-5", "price_on_demand must be >= 0"),
+        ("price_on_demand=inf", "price_on_demand=inf is not a finite number"),
+        ("net_fraction=nan", "net_fraction=nan is not a finite number"),
     ],
 )
 def test_out_of_range_values_are_refused(setting, needle, capsys):
