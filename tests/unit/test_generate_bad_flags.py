@@ -6,19 +6,15 @@ import json
 
 import pytest
 import torch
+from _runs import save_fresh_policy
 
 from moerl.cli import main
 from moerl.config import ModelConfig
-from moerl.models import build_model, save_pretrained
-from moerl.tasks import load_tokenizer
 
 
 @pytest.fixture
 def paths(tmp_path):
-    tok = load_tokenizer(None)
-    torch.manual_seed(0)
-    save_pretrained(build_model(ModelConfig(max_position_embeddings=64), tok.vocab_size), tmp_path / "m")
-    tok.save(tmp_path / "m")
+    save_fresh_policy(tmp_path / "m", ModelConfig(max_position_embeddings=64))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "1+2="}) + "\n")
     return ["--model", str(tmp_path / "m"), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]

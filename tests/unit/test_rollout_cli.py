@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-import torch
+from _runs import save_fresh_policy
 
 from moerl.cli import main
 from moerl.config import ModelConfig
@@ -13,10 +13,8 @@ from moerl.tasks import load_tokenizer
 
 
 def test_generate_cli_writes_one_line_per_sample(tmp_path):
-    tok = load_tokenizer(None)
-    torch.manual_seed(0)
-    save_pretrained(build_model(ModelConfig(max_position_embeddings=64), tok.vocab_size), tmp_path / "m")
-    tok.save(tmp_path / "m")
+    save_fresh_policy(tmp_path / "m", ModelConfig(max_position_embeddings=64))
+    tok = load_tokenizer(tmp_path / "m")
     prompts = tmp_path / "p.jsonl"
     lines = [{"id": "a", "prompt": "1+2="}, {"prompt": "33-4="}, {"id": "long", "prompt": "9" * 70}]
     prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
