@@ -270,7 +270,9 @@ class Run:
             return {"start_accuracy": acc, "wall_s": 0.0, "loop_s": 0.0, "samples": 0}
         load_trainer_state(self.trainer, checkpoint, parts)  # written at any number of ranks
         self.dir.rewind(self.trainer.step)
-        self.view.carry_last_eval(read_jsonl(self.dir.metrics))  # `acc` until the next eval, not `-`
+        kept = read_jsonl(self.dir.metrics)
+        self.view.carry_last_eval(kept)  # `acc` until the next eval, not `-`
+        self.telemetry.carry_ep_totals(kept)  # the cumulative ep/* bytes go on from the checkpoint's
         self.store.discard_after(self.trainer.version)
         if (latest := self.store.latest()) is None or latest.version < self.trainer.version:
             self.trainer.publish(self.store)  # pruned meanwhile: workers must start from the checkpoint's

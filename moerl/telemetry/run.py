@@ -141,6 +141,16 @@ class RunTelemetry:
         """Start the trained-task count again from the ledger (after a trainer restart rewound it)."""
         self._trained = Counter(trained_task_ids)
 
+    def carry_ep_totals(self, records: Sequence[Mapping]) -> None:
+        """Start the cumulative ``ep/*`` keys from the newest of a resumed run's kept ``records`` (those of
+        ``metrics.jsonl`` up to the checkpoint's step) that has them, not from zero. The endpoint's
+        ``moerl_ep_bytes_total`` restarts with the process, as Prometheus counters do."""
+        for rec in reversed(records):
+            intra, inter = rec.get("ep/intra_node_bytes"), rec.get("ep/inter_node_bytes")
+            if intra is not None and inter is not None:
+                self._ep = Traffic(intra_node_bytes=int(intra), inter_node_bytes=int(inter))
+                return
+
     def add_ep_traffic(self, direction: str, traffic: Traffic) -> None:
         """EP bytes of a ``dispatch`` or ``combine`` (``moerl.ep.Traffic``): to the exporter's
         ``moerl_ep_bytes_total`` and to the ``ep/*`` keys of the next records."""

@@ -202,3 +202,22 @@ def test_run_without_ep_has_null_ep_keys(tmp_path):
     record = t.write_step(1, 1.0, {}, workers=[_rec("rollout-0", 10, 1, 0)], **kw)
     assert record["ep/intra_node_bytes"] is None and record["ep/inter_node_bytes"] is None
     t.close()
+
+
+def test_a_resumed_run_carries_the_cumulative_ep_bytes_on(tmp_path):
+    t = RunTelemetry.start(load_config(None, []), tmp_path, tmp_path / "metrics.jsonl")
+    kw = dict(groups=[], lags={}, queue=_queue(), buffer=_buffer(), step_s=0.1, weight_sync_s=None)
+    kept = [  # metrics.jsonl up to the checkpoint's step; the newest record with EP bytes counts
+        {"step": 1, "ep/intra_node_bytes": 100, "ep/inter_node_bytes": 10},
+        {"step": 2, "ep/intra_node_bytes": 300, "ep/inter_node_bytes": 30},
+        {"step": 3, "ep/intra_node_bytes": None, "ep/inter_node_bytes": None},
+    ]
+    t.carry_ep_totals(kept)
+    t.add_ep_traffic("dispatch", Traffic(intra_node_bytes=7, inter_node_bytes=1))
+    record = t.write_step(4, 4.0, {}, workers=[], **kw)
+    assert record["ep/intra_node_bytes"] == 307 and record["ep/inter_node_bytes"] == 31
+    t.close()
+    fresh = RunTelemetry.start(load_config(None, []), tmp_path, tmp_path / "m2.jsonl")
+    fresh.carry_ep_totals([{"step": 1, "ep/intra_node_bytes": None, "ep/inter_node_bytes": None}])
+    assert fresh.write_step(2, 2.0, {}, workers=[], **kw)["ep/intra_node_bytes"] is None
+    fresh.close()
