@@ -55,7 +55,7 @@ def _timed_generate(
     model, prompts, new_tokens: int, runs: int, sync_every: int, record: bool, device
 ) -> dict:
     """Median tokens/s of one engine's ``generate`` of the requests (recording experts or not)."""
-    engine = engine_for(model, prompts, new_tokens, sync_every)
+    engine = engine_for(model, len(prompts), len(prompts[0]), new_tokens, sync_every)
     t = time_generate(engine, prompts, new_tokens, 1.0, runs, device, record=record)
     med, prefill = t.median_s, t.prefill_s
     tokens = len(prompts) * new_tokens
@@ -153,7 +153,7 @@ def run(
     spec = SPECS[spec_name]
     model = same_weights_pair(spec, device, dtype)[1]
     prompts = random_prompts(spec.vocab_size, batch, prompt_len)
-    completions = engine_for(model, prompts, new_tokens, sync_every).generate(
+    completions = engine_for(model, batch, prompt_len, new_tokens, sync_every).generate(
         sampling_requests(prompts, new_tokens, 1.0, "a", record=True)
     )
     payload = {

@@ -186,7 +186,7 @@ def profile_decode(model, prompts: list[list[int]], device: torch.device, steps:
     """Kernel breakdown of ``steps`` pure decode steps of the engine (eager when it has a graph switch,
     so the kernels are visible), after a first ``step()`` that admits and prefills the whole batch."""
     kw = {"cuda_graphs": False} if "cuda_graphs" in inspect.signature(Engine.__init__).parameters else {}
-    engine = engine_for(model, prompts, steps + 2, steps + 4, **kw)
+    engine = engine_for(model, len(prompts), len(prompts[0]), steps + 2, steps + 4, **kw)
     for r in sampling_requests(prompts, steps + 2, 1.0, "prof"):
         engine.add_request(r)
     engine.step()
@@ -219,16 +219,16 @@ def sampling_requests(
 _requests = sampling_requests  # the name bench/ep_engine_gpu.py and older callers import
 
 
-def engine_for(model, prompts: Sequence[list[int]], new_tokens: int, sync_every: int, **kw) -> Engine:
-    """An ``Engine`` sized for the B prompts of P tokens and ``new_tokens``: B slots, a KV budget of
-    B (P + N) tokens, every prompt prefilled in one step; ``kw`` goes to ``Engine``."""
-    b, p = len(prompts), len(prompts[0])
+def engine_for(model, batch: int, prompt_len: int, new_tokens: int, sync_every: int, **kw) -> Engine:
+    """An ``Engine`` sized for B = ``batch`` prompts of P = ``prompt_len`` tokens and N = ``new_tokens``:
+    B slots, a KV budget of B (P + N) tokens, all B prompts prefilled in one step; ``kw`` goes to
+    ``Engine``."""
     return Engine(
         model,
-        max_slots=b,
-        kv_token_budget=b * (p + new_tokens),
-        max_seq_len=p + new_tokens,
-        max_prefill_tokens=b * p,
+        max_slots=batch,
+        kv_token_budget=batch * (prompt_len + new_tokens),
+        max_seq_len=prompt_len + new_tokens,
+        max_prefill_tokens=batch * prompt_len,
         sync_every=sync_every,
         **kw,
     )
@@ -275,7 +275,7 @@ def bench_engine(
     device: torch.device,
 ) -> tuple[dict, list]:
     """Warm-up run, ``runs`` timed runs and a prefill-only run of ``Engine.generate``."""
-    engine = engine_for(model, prompts, new_tokens, sync_every)
+    engine = engine_for(model, len(prompts), len(prompts[0]), new_tokens, sync_every)
     t = time_generate(engine, prompts, new_tokens, temperature, runs, device)
     completions = t.completions
     tokens = sum(len(c.token_ids) for c in completions)
