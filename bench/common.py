@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from moerl.plan.models import MODELS, ModelShape
 
@@ -256,6 +257,18 @@ def measure_ceilings(device: torch.device, *, copy_bytes: int = 4 << 30, matmul_
         copy_bytes=copy_bytes,
         matmul_size=n,
     )
+
+
+def init_one_rank_group(device: torch.device, port: int, backend: str, timeout_s: float) -> None:
+    """Join a process group of this process alone (rank 0 of 1; the EP benchmarks at world size 1):
+    rendezvous at 127.0.0.1:``port`` unless MASTER_ADDR / MASTER_PORT are set, the CUDA device made
+    current first (NCCL binds to it). ``backend``: as ``torch.distributed.init_process_group`` takes it
+    ("nccl", "gloo", "cpu:gloo,cuda:nccl"); ``timeout_s`` bounds every collective, in seconds."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    dist.init_process_group(backend, rank=0, world_size=1, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def peak_memory_gib(device: torch.device) -> float | None:

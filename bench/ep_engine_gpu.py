@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -39,6 +37,7 @@ from bench.common import (  # noqa: E402
     bench_dtype,
     device_info,
     free_device_memory,
+    init_one_rank_group,
     random_prompts,
     rel_err,
     same_weights_pair,
@@ -235,12 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         a.prompt_len or (128 if big else 8),
         a.new_tokens or (128 if big else 8),
     )
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29547")
-    if big:
-        torch.cuda.set_device(dev.index or 0)
-    dist.init_process_group("cpu:gloo,cuda:nccl" if big else "gloo", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    init_one_rank_group(dev, 29547, "cpu:gloo,cuda:nccl" if big else "gloo", 120)
     spec = SPECS[a.spec]
     model = same_weights_pair(spec, dev, bench_dtype(dev))[1]
     free_device_memory(dev)
