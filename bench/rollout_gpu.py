@@ -216,9 +216,6 @@ def sampling_requests(
     ]
 
 
-_requests = sampling_requests  # the name bench/ep_engine_gpu.py and older callers import
-
-
 def engine_for(model, batch: int, prompt_len: int, new_tokens: int, sync_every: int, **kw) -> Engine:
     """An ``Engine`` sized for B = ``batch`` prompts of P = ``prompt_len`` tokens and N = ``new_tokens``:
     B slots, a KV budget of B (P + N) tokens, all B prompts prefilled in one step; ``kw`` goes to
