@@ -4,7 +4,7 @@ What lives here: the model shapes (``SPECS``: the issue's reference OLMoE-sized 
 CPU smoke runs, the sizes taken from the planner's presets ``moerl.plan.models.MODELS``), FLOP and byte counts
 of those shapes, the measured hardware ceilings (device-to-device copy bandwidth and bf16 matrix-product rate,
 taken in the same process as the figures they normalize), timing with CUDA events (median of repeats), atomic
-JSON output, and the same-weights model pair: a seeded Hugging Face transformers model and the moerl model
+JSON output, the command-line arguments they share, and the same-weights model pair: a seeded Hugging Face transformers model and the moerl model
 holding identical tensors (copied in memory through moerl's checkpoint key map, so nothing is written to
 disk).
 
@@ -14,6 +14,7 @@ I expert intermediate size, B batch, T sequence length.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from moerl.plan.models import MODELS, ModelShape
 
@@ -257,6 +259,18 @@ def measure_ceilings(device: torch.device, *, copy_bytes: int = 4 << 30, matmul_
     )
 
 
+def init_one_rank_group(device: torch.device, port: int, backend: str, timeout_s: float) -> None:
+    """Join a process group of this process alone (rank 0 of 1; the EP benchmarks at world size 1):
+    rendezvous at 127.0.0.1:``port`` unless MASTER_ADDR / MASTER_PORT are set, the CUDA device made
+    current first (NCCL binds to it). ``backend``: as ``torch.distributed.init_process_group`` takes it
+    ("nccl", "gloo", "cpu:gloo,cuda:nccl"); ``timeout_s`` bounds every collective, in seconds."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    dist.init_process_group(backend, rank=0, world_size=1, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def peak_memory_gib(device: torch.device) -> float | None:
     """Peak allocated device memory since the last reset, GiB (None on CPU)."""
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -310,8 +324,47 @@ def print_table(title: str, header: list[str], rows: list[list[object]]) -> None
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
 
 
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of every one-GPU benchmark: ``--spec`` (a ``SPECS`` name, into ``spec_name``),
+    ``--device`` (parsed to a ``torch.device``) and ``--out-dir``; each argument's name is a keyword of the
+    benchmark's ``run``, so ``run(**vars(parser.parse_args(argv)))`` calls it."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", dest="spec_name", choices=sorted(SPECS), default="tiny")
+    ap.add_argument("--device", type=torch.device, default="cpu")
+    ap.add_argument("--out-dir", default=None, help="where the JSON result goes (default bench/results)")
+    return ap
+
+
+def add_decode_args(ap: argparse.ArgumentParser) -> None:
+    """The request shape and timing arguments of the decode benchmarks (B prompts of P random tokens,
+    N new tokens each; median of ``--runs`` runs)."""
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--sync-every", type=int, default=16, help="decode steps between host syncs")
+
+
 # ----------------------------------------------------------------------------------------------
 # The same-weights model pair
+
+
+def bench_dtype(device: torch.device) -> torch.dtype:
+    """The benchmarks' model dtype: bfloat16 on CUDA, float32 elsewhere (the CPU smoke runs)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def same_weights_pair(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> tuple:
+    """(transformers model, moerl model) of ``spec`` holding the same seed-0 weights: ``build_hf``, then
+    ``moerl_from_hf``."""
+    hf = build_hf(spec, device, dtype, seed=0)
+    return hf, moerl_from_hf(hf, device, dtype)
+
+
+def random_prompts(vocab_size: int, batch: int, prompt_len: int, seed: int = 3) -> list[list[int]]:
+    """``batch`` prompts of ``prompt_len`` token ids uniform in [0, vocab_size) (seeded CPU generator)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, prompt_len), generator=gen).tolist()
 
 
 def hf_config(spec: ModelSpec):

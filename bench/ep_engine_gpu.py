@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -34,8 +32,19 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import SPECS, build_hf, device_info, free_device_memory, moerl_from_hf, rel_err, wall_time  # noqa: E402
-from bench.rollout_gpu import _requests  # noqa: E402
+from bench.common import (  # noqa: E402
+    SPECS,
+    bench_dtype,
+    device_info,
+    free_device_memory,
+    init_one_rank_group,
+    random_prompts,
+    rel_err,
+    same_weights_pair,
+    wall_time,
+)
+from bench.rollout_gpu import engine_for  # noqa: E402
+from bench.rollout_gpu import sampling_requests as _requests  # noqa: E402
 from moerl.models import kernels, layers, moe  # noqa: E402
 from moerl.models.fast_paths import fast_paths, set_reference_rounding  # noqa: E402
 from moerl.rollout import Engine  # noqa: E402
@@ -160,11 +169,6 @@ def _time_generate(gen, prompts, new_tokens: int, runs: int, device, tag: str) -
     }
 
 
-def _engine(model, b: int, p: int, n: int, graphs: bool) -> Engine:
-    return Engine(model, max_slots=b, kv_token_budget=b * (p + n), max_seq_len=p + n,
-                  max_prefill_tokens=b * p, sync_every=16, cuda_graphs=graphs)  # fmt: skip
-
-
 def _graph_info(engine: Engine) -> dict | None:
     g = getattr(engine, "_graphs", None)
     return None if g is None else {"enabled": g.is_enabled, "graphs": g.num_graphs, "replays": g.num_replays}
@@ -175,14 +179,14 @@ def engines(model, prompts, n: int, runs: int, device, extra_batches: list[int],
     b, p = len(prompts), len(prompts[0])
     res = {}
     for graphs in (True, False) if ep else (True,):
-        e = _engine(model, b, p, n, graphs)
+        e = engine_for(model, b, p, n, 16, cuda_graphs=graphs)
         r = _time_generate(e.generate, prompts, n, runs, device, "e")
         r["cuda_graphs"] = _graph_info(e)
         res[f"engine/{'graphs' if graphs else 'eager'}"] = r
         del e
         free_device_memory(device)
     for dispatcher in ("alltoall", "hierarchical") if ep else ():
-        e = _engine(copy.deepcopy(model), b, p, n, True)
+        e = engine_for(copy.deepcopy(model), b, p, n, 16, cuda_graphs=True)
         ep = EPEngine(e, None, dispatcher=dispatcher)  # world size 1: the dispatcher path, nothing moves
         for graphs in (True, False):
             if not graphs:
@@ -198,7 +202,7 @@ def engines(model, prompts, n: int, runs: int, device, extra_batches: list[int],
         print(f"decode B={b} {p}+{n} {k:28s}: {r['tokens_per_s']:8.0f} tok/s, x{r['vs_engine_graphs']:.3f} of the "
               f"engine with graphs (graphs {r['cuda_graphs']})")  # fmt: skip
     for bb in extra_batches:
-        e = _engine(model, bb, p, n, True)
+        e = engine_for(model, bb, p, n, 16, cuda_graphs=True)
         r = _time_generate(e.generate, prompts[:bb], n, runs, device, f"x{bb}")
         r["cuda_graphs"] = _graph_info(e)
         res[f"engine/graphs B={bb}"] = r
@@ -230,24 +234,14 @@ def main(argv: list[str] | None = None) -> int:
         a.prompt_len or (128 if big else 8),
         a.new_tokens or (128 if big else 8),
     )
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29547")
-    if big:
-        torch.cuda.set_device(dev.index or 0)
-    dist.init_process_group("cpu:gloo,cuda:nccl" if big else "gloo", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
-    dtype = torch.bfloat16 if big else torch.float32
+    init_one_rank_group(dev, 29547, "cpu:gloo,cuda:nccl" if big else "gloo", 120)
     spec = SPECS[a.spec]
-    hf = build_hf(spec, dev, dtype, seed=0)
-    model = moerl_from_hf(hf, dev, dtype)
-    del hf
+    model = same_weights_pair(spec, dev, bench_dtype(dev))[1]
     free_device_memory(dev)
     try:
         rotary = rotary_bitwise(dev)
         logits = None if a.skip_logits else logits_ablation(model, spec.vocab_size, dev)
-        prompts = torch.randint(
-            0, spec.vocab_size, (b, p), generator=torch.Generator().manual_seed(3)
-        ).tolist()
+        prompts = random_prompts(spec.vocab_size, b, p)
         decode = engines(model, prompts, n, a.runs, dev, a.extra_batches, ep=not a.skip_ep)
     finally:
         dist.destroy_process_group()

@@ -15,7 +15,6 @@ not an interconnect one). Writes ``<out-dir>/ep_smoke.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -27,7 +26,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import TimeStats, device_info, print_table, rel_err, time_fn, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    TimeStats,
+    device_info,
+    init_one_rank_group,
+    print_table,
+    rel_err,
+    time_fn,
+    write_json,
+)
 from moerl.ep import AllToAllDispatcher, HierarchicalDispatcher, Topology  # noqa: E402
 from moerl.models.kernels import expert_order_no_sync, fused_experts, gather_sum_rows  # noqa: E402
 from moerl.rollout.cuda_graphs import GraphRunner  # noqa: E402
@@ -93,11 +100,7 @@ def run(
 ) -> dict:
     backend = "nccl" if device.type == "cuda" else "gloo"
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    if device.type == "cuda":
-        torch.cuda.set_device(device.index or 0)
-    dist.init_process_group(backend, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    init_one_rank_group(device, 29533, backend, 60)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, hidden, generator=gen, device=device, dtype=dtype)

@@ -16,7 +16,6 @@ Writes ``<out-dir>/moe_layer.json``.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import sys
@@ -28,14 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
     SPECS,
-    build_hf,
+    bench_dtype,
+    bench_parser,
     device_info,
     free_device_memory,
     measure_ceilings,
-    moerl_from_hf,
     peak_memory_gib,
     print_table,
     rel_err,
+    same_weights_pair,
     time_fn,
     write_json,
 )
@@ -112,11 +112,10 @@ def run(
     check_tokens: int = 2048,
 ) -> dict:
     """Build the same-weights pair, check agreement, time every implementation; returns the payload."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = bench_dtype(device)
     spec = dataclasses.replace(SPECS[spec_name], num_layers=1)
     ceilings = measure_ceilings(device)
-    hf = build_hf(spec, device, dtype, seed=0)
-    ours_model = moerl_from_hf(hf, device, dtype)
+    hf, ours_model = same_weights_pair(spec, device, dtype)
     hf_block, ours = hf.model.layers[0].mlp, ours_model.layers[0].mlp
     agreement = check_agreement(ours, min(check_tokens, tokens), device, dtype)
     gen = torch.Generator(device=device).manual_seed(7)
@@ -192,22 +191,13 @@ def _print(p: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--spec", choices=sorted(SPECS), default="tiny")
+    ap = bench_parser(__doc__)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--no-baseline", action="store_true", help="skip the transformers block")
-    ap.add_argument("--out-dir", default=None, help="where moe_layer.json goes (default bench/results)")
-    args = ap.parse_args(argv)
-    run(
-        args.spec,
-        args.tokens,
-        torch.device(args.device),
-        iters=args.iters,
-        baseline=not args.no_baseline,
-        out_dir=args.out_dir,
+    ap.add_argument(
+        "--no-baseline", dest="baseline", action="store_false", help="skip the transformers block"
     )
+    run(**vars(ap.parse_args(argv)))
     return 0
 
 

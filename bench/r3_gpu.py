@@ -22,9 +22,7 @@ only run). Writes ``<out-dir>/r3_gpu.json``.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,16 +32,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
     SPECS,
-    build_hf,
+    add_decode_args,
+    bench_dtype,
+    bench_parser,
     device_info,
-    moerl_from_hf,
     print_table,
-    wall_time,
+    random_prompts,
+    same_weights_pair,
     write_json,
 )
+from bench.rollout_gpu import engine_for, sampling_requests, time_generate  # noqa: E402
 from moerl.config import AlgorithmConfig, TrainerConfig  # noqa: E402
 from moerl.rl import rollout_mismatch_sums  # noqa: E402
-from moerl.rollout import Engine, Request, SamplingParams  # noqa: E402
 from moerl.runtime.batch import build_train_batch  # noqa: E402
 from moerl.runtime.trainer import Trainer  # noqa: E402
 from moerl.runtime.types import Group, Lease, RolloutTask, Sample  # noqa: E402
@@ -51,48 +51,17 @@ from moerl.runtime.types import Group, Lease, RolloutTask, Sample  # noqa: E402
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _requests(prompts, new_tokens: int, record: bool, tag: str) -> list[Request]:
-    return [
-        Request(
-            request_id=f"{tag}{i}",
-            prompt_ids=p,
-            params=SamplingParams(
-                temperature=1.0, max_new_tokens=new_tokens, seed=i, return_routed_experts=record
-            ),
-        )
-        for i, p in enumerate(prompts)
-    ]
-
-
-def _engine(model, prompts, new_tokens: int, sync_every: int) -> Engine:
-    b, p = len(prompts), len(prompts[0])
-    return Engine(
-        model,
-        max_slots=b,
-        kv_token_budget=b * (p + new_tokens),
-        max_seq_len=p + new_tokens,
-        max_prefill_tokens=b * p,
-        sync_every=sync_every,
-    )
-
-
 def _timed_generate(
     model, prompts, new_tokens: int, runs: int, sync_every: int, record: bool, device
 ) -> dict:
     """Median tokens/s of one engine's ``generate`` of the requests (recording experts or not)."""
-    engine = _engine(model, prompts, new_tokens, sync_every)
-
-    def gen(tag: str, n: int = new_tokens) -> None:
-        engine.generate(_requests(prompts, n, record, tag))
-
-    wall_time(lambda: gen("w"), device)  # warm-up: captures the CUDA graphs
-    times = [wall_time(lambda r=r: gen(f"r{r}_"), device) for r in range(runs)]
-    prefill = wall_time(lambda: gen("p", 1), device)
-    med = statistics.median(times)
+    engine = engine_for(model, len(prompts), len(prompts[0]), new_tokens, sync_every)
+    t = time_generate(engine, prompts, new_tokens, 1.0, runs, device, record=record)
+    med, prefill = t.median_s, t.prefill_s
     tokens = len(prompts) * new_tokens
     graphs = getattr(engine, "_graphs", None)
     return {
-        "seconds": times,
+        "seconds": t.seconds,
         "median_s": med,
         "tokens": tokens,
         "tokens_per_s": tokens / med,
@@ -179,16 +148,13 @@ def run(
     out_dir: str | None = None,
 ) -> dict:
     """The whole benchmark; returns the payload written to r3_gpu.json."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = bench_dtype(device)
     tdtype = DTYPES[trainer_dtype] if trainer_dtype else dtype
     spec = SPECS[spec_name]
-    model = moerl_from_hf(build_hf(spec, device, dtype, seed=0), device, dtype)
-    prompts = torch.randint(
-        0, spec.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(3)
-    )
-    prompts = prompts.tolist()
-    completions = _engine(model, prompts, new_tokens, sync_every).generate(
-        _requests(prompts, new_tokens, True, "a")
+    model = same_weights_pair(spec, device, dtype)[1]
+    prompts = random_prompts(spec.vocab_size, batch, prompt_len)
+    completions = engine_for(model, batch, prompt_len, new_tokens, sync_every).generate(
+        sampling_requests(prompts, new_tokens, 1.0, "a", record=True)
     )
     payload = {
         "benchmark": "r3_gpu",
@@ -230,30 +196,11 @@ def _print(p: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--spec", choices=sorted(SPECS), default="tiny")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--sync-every", type=int, default=16, help="decode steps between host syncs")
+    ap = bench_parser(__doc__)
+    add_decode_args(ap)
     ap.add_argument("--trainer-dtype", choices=sorted(DTYPES), default=None, help="default: the engine's")
     ap.add_argument("--micro-batch", type=int, default=8, help="trainer rows per forward")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out-dir", default=None)
-    args = ap.parse_args(argv)
-    run(
-        args.spec,
-        args.batch,
-        args.prompt_len,
-        args.new_tokens,
-        torch.device(args.device),
-        runs=args.runs,
-        sync_every=args.sync_every,
-        trainer_dtype=args.trainer_dtype,
-        micro_batch=args.micro_batch,
-        out_dir=args.out_dir,
-    )
+    run(**vars(ap.parse_args(argv)))
     return 0
 
 

@@ -25,11 +25,12 @@ Writes ``<out-dir>/rollout_gpu.json``.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import inspect
 import statistics
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,15 +40,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (  # noqa: E402
     SPECS,
     ModelSpec,
-    build_hf,
+    add_decode_args,
+    bench_dtype,
+    bench_parser,
     device_info,
     free_device_memory,
     measure_ceilings,
-    moerl_from_hf,
     peak_memory_gib,
     print_table,
     profile_top_kernels,
+    random_prompts,
     rel_err,
+    same_weights_pair,
     wall_time,
     write_json,
 )
@@ -181,18 +185,9 @@ def graphs_vs_eager(
 def profile_decode(model, prompts: list[list[int]], device: torch.device, steps: int = 8) -> list[dict]:
     """Kernel breakdown of ``steps`` pure decode steps of the engine (eager when it has a graph switch,
     so the kernels are visible), after a first ``step()`` that admits and prefills the whole batch."""
-    b, p = len(prompts), len(prompts[0])
     kw = {"cuda_graphs": False} if "cuda_graphs" in inspect.signature(Engine.__init__).parameters else {}
-    engine = Engine(
-        model,
-        max_slots=b,
-        kv_token_budget=b * (p + steps + 2),
-        max_seq_len=p + steps + 2,
-        max_prefill_tokens=b * p,
-        sync_every=steps + 4,
-        **kw,
-    )
-    for r in _requests(prompts, steps + 2, 1.0, "prof"):
+    engine = engine_for(model, len(prompts), len(prompts[0]), steps + 2, steps + 4, **kw)
+    for r in sampling_requests(prompts, steps + 2, 1.0, "prof"):
         engine.add_request(r)
     engine.step()
     engine.step()
@@ -204,15 +199,67 @@ def profile_decode(model, prompts: list[list[int]], device: torch.device, steps:
     return profile_top_kernels(decode_steps, device)
 
 
-def _requests(prompts: list[list[int]], new_tokens: int, temperature: float, tag: str) -> list[Request]:
+def sampling_requests(
+    prompts: Sequence[list[int]], new_tokens: int, temperature: float, tag: str, *, record: bool = False
+) -> list[Request]:
+    """One request per prompt (ids ``<tag><i>``, seed i): exactly ``new_tokens`` tokens at ``temperature``
+    (no stop tokens, no top-k/top-p); ``record`` asks for the routed experts (R3)."""
     return [
         Request(
             request_id=f"{tag}{i}",
             prompt_ids=p,
-            params=SamplingParams(temperature=temperature, max_new_tokens=new_tokens, seed=i),
+            params=SamplingParams(
+                temperature=temperature, max_new_tokens=new_tokens, seed=i, return_routed_experts=record
+            ),
         )
         for i, p in enumerate(prompts)
     ]
+
+
+def engine_for(model, batch: int, prompt_len: int, new_tokens: int, sync_every: int, **kw) -> Engine:
+    """An ``Engine`` sized for B = ``batch`` prompts of P = ``prompt_len`` tokens and N = ``new_tokens``:
+    B slots, a KV budget of B (P + N) tokens, all B prompts prefilled in one step; ``kw`` goes to
+    ``Engine``."""
+    return Engine(
+        model,
+        max_slots=batch,
+        kv_token_budget=batch * (prompt_len + new_tokens),
+        max_seq_len=prompt_len + new_tokens,
+        max_prefill_tokens=batch * prompt_len,
+        sync_every=sync_every,
+        **kw,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateTimes:
+    """Wall times of ``time_generate``, in seconds, and the completions of its last timed run."""
+
+    warmup_s: float
+    seconds: list[float]
+    prefill_s: float
+    completions: list
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def time_generate(
+    engine: Engine, prompts, new_tokens: int, temperature: float, runs: int, device, *, record: bool = False
+) -> GenerateTimes:
+    """A warm-up ``engine.generate`` of the requests (it captures the CUDA graphs), ``runs`` timed ones and
+    a prefill-only one (one new token each), each timed by ``wall_time`` (device synced around it)."""
+    outs: list = []
+
+    def gen(tag: str, n: int = new_tokens) -> None:
+        outs[:] = engine.generate(sampling_requests(prompts, n, temperature, tag, record=record))
+
+    warm_s = wall_time(lambda: gen("w"), device)
+    times = [wall_time(lambda tag=f"r{r}_": gen(tag), device) for r in range(runs)]
+    completions = list(outs)
+    prefill_s = wall_time(lambda: gen("p", 1), device)
+    return GenerateTimes(warm_s, times, prefill_s, completions)
 
 
 def bench_engine(
@@ -225,35 +272,20 @@ def bench_engine(
     device: torch.device,
 ) -> tuple[dict, list]:
     """Warm-up run, ``runs`` timed runs and a prefill-only run of ``Engine.generate``."""
-    b, p = len(prompts), len(prompts[0])
-    engine = Engine(
-        model,
-        max_slots=b,
-        kv_token_budget=b * (p + new_tokens),
-        max_seq_len=p + new_tokens,
-        max_prefill_tokens=b * p,
-        sync_every=sync_every,
-    )
-    outs: list = []
-
-    def gen(tag: str, n: int = new_tokens) -> None:
-        outs[:] = engine.generate(_requests(prompts, n, temperature, tag))
-
-    warm_s = wall_time(lambda: gen("w"), device)
-    times = [wall_time(lambda tag=f"r{r}_": gen(tag), device) for r in range(runs)]
-    completions = list(outs)
+    engine = engine_for(model, len(prompts), len(prompts[0]), new_tokens, sync_every)
+    t = time_generate(engine, prompts, new_tokens, temperature, runs, device)
+    completions = t.completions
     tokens = sum(len(c.token_ids) for c in completions)
-    prefill_s = wall_time(lambda: gen("p", 1), device)
-    med = statistics.median(times)
+    med = t.median_s
     graphs = getattr(engine, "_graphs", None)
     result = {
-        "seconds": times,
+        "seconds": t.seconds,
         "median_s": med,
-        "warmup_s": warm_s,
+        "warmup_s": t.warmup_s,
         "tokens": tokens,
         "tokens_per_s": tokens / med,
-        "prefill_only_s": prefill_s,
-        "decode_s": med - prefill_s,
+        "prefill_only_s": t.prefill_s,
+        "decode_s": med - t.prefill_s,
         "num_slots": engine.num_slots,
         "sync_every": sync_every,
         "peak_memory_gib": peak_memory_gib(device),
@@ -307,16 +339,12 @@ def run(
     profile_steps: int = 0,
 ) -> dict:
     """The whole benchmark; returns the payload written to rollout_gpu.json."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = bench_dtype(device)
     spec = SPECS[spec_name]
     ceilings = measure_ceilings(device)
-    hf = build_hf(spec, device, dtype, seed=0)
-    ours = moerl_from_hf(hf, device, dtype)
+    hf, ours = same_weights_pair(spec, device, dtype)
     agreement = {"logits": logits_agreement(hf, ours, spec.vocab_size, device)}
-    prompts = torch.randint(
-        0, spec.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(3)
-    )
-    prompts = prompts.tolist()
+    prompts = random_prompts(spec.vocab_size, batch, prompt_len)
     free_device_memory(device)
     results = {}
     results["moerl"], completions = bench_engine(
@@ -395,41 +423,20 @@ def _print(p: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--spec", choices=sorted(SPECS), default="tiny")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--sync-every", type=int, default=16, help="decode steps between host syncs")
+    ap = bench_parser(__doc__)
+    add_decode_args(ap)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false")
     ap.add_argument(
         "--hf-new-tokens",
         type=int,
         default=None,
         help="new tokens of the transformers run (default --new-tokens; fewer saves device time)",
     )
-    ap.add_argument("--out-dir", default=None)
     ap.add_argument(
         "--profile-steps", type=int, default=0, help="profile this many eager decode steps (CUDA)"
     )
-    args = ap.parse_args(argv)
-    run(
-        args.spec,
-        args.batch,
-        args.prompt_len,
-        args.new_tokens,
-        torch.device(args.device),
-        runs=args.runs,
-        sync_every=args.sync_every,
-        temperature=args.temperature,
-        baseline=not args.no_baseline,
-        hf_new_tokens=args.hf_new_tokens,
-        out_dir=args.out_dir,
-        profile_steps=args.profile_steps,
-    )
+    run(**vars(ap.parse_args(argv)))
     return 0
 
 

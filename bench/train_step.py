@@ -17,7 +17,6 @@ before moerl's optimizer is built, so each side has the whole GPU. Writes ``<out
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
@@ -29,14 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (  # noqa: E402
     SPECS,
-    build_hf,
+    bench_dtype,
+    bench_parser,
     device_info,
     free_device_memory,
     measure_ceilings,
-    moerl_from_hf,
     peak_memory_gib,
     print_table,
     profile_top_kernels,
+    same_weights_pair,
     wall_time,
 )
 from bench.common import write_json as _write_json  # noqa: E402
@@ -150,12 +150,11 @@ def run(
     micro_batch_size: int | None = None,
 ) -> dict:
     """transformers (at the first batch size) then moerl at every batch size; returns the payload."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = bench_dtype(device)
     spec = SPECS[spec_name]
     ceilings = measure_ceilings(device)
     flops_tok = spec.train_flops_per_token(seq_len)
-    hf = build_hf(spec, device, dtype, seed=0)
-    ours = moerl_from_hf(hf, device, dtype)
+    hf, ours = same_weights_pair(spec, device, dtype)
     results: dict[str, dict] = {}
     if baseline:
         free_device_memory(device)
@@ -226,14 +225,16 @@ def _print(p: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--spec", choices=sorted(SPECS), default="tiny")
-    ap.add_argument("--batches", default="2", help="comma-separated batch sizes (transformers: the first)")
+    ap = bench_parser(__doc__)
+    ap.add_argument(
+        "--batches",
+        type=_int_list,
+        default="2",
+        help="comma-separated batch sizes (transformers: the first)",
+    )
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--no-baseline", action="store_true")
-    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false")
     ap.add_argument("--profile", action="store_true", help="kernel breakdown of one moerl step (CUDA)")
     ap.add_argument(
         "--activation-checkpointing",
@@ -243,21 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--micro-batch-size", type=int, default=None, help="trainer.micro_batch_size (default: B)"
     )
-    args = ap.parse_args(argv)
-    batches = [int(b) for b in args.batches.split(",")]
-    run(
-        args.spec,
-        batches,
-        args.seq_len,
-        torch.device(args.device),
-        steps=args.steps,
-        baseline=not args.no_baseline,
-        out_dir=args.out_dir,
-        profile=args.profile,
-        activation_checkpointing=args.activation_checkpointing,
-        micro_batch_size=args.micro_batch_size,
-    )
+    run(**vars(ap.parse_args(argv)))
     return 0
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(b) for b in text.split(",")]
 
 
 if __name__ == "__main__":

@@ -93,8 +93,11 @@ class AllToAllDispatcher(Dispatcher):
     ) -> None:
         super().__init__(topology, num_experts, group, placement=placement)
         self.fp8_dispatch = fp8_dispatch
-        self._all = self._link(self.group, list(range(topology.world_size)))
         self._read = PinnedRead()
+
+    def _build_links(self) -> None:
+        """One link over the whole EP group."""
+        self._all = self._link(self.group, list(range(self.topology.world_size)))
 
     def _splits(self, counts: GlobalCounts) -> dict:
         """Host-side split sizes and block offsets, all from the exchanged counts (no device read)."""

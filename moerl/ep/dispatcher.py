@@ -68,8 +68,9 @@ class Dispatcher:
 
     Subclasses implement the data movement: ``_dispatch_rows`` (forward, with routing metadata),
     ``_forward`` (D: tokens -> expert-sorted copies), ``_reverse`` (D^T: copies -> per-token float32
-    sums) and ``_reverse_slots`` (per-copy scalars back to their [T, k] slots); a subclass that sets
-    ``_combine_at_source`` also implements ``_source_combine`` and ``_source_combine_backward``.
+    sums) and ``_reverse_slots`` (per-copy scalars back to their [T, k] slots), and opens its links in
+    ``_build_links``; a subclass that sets ``_combine_at_source`` also implements ``_source_combine``
+    and ``_source_combine_backward``.
 
     Args:
         topology: the EP ranks' node layout; its world size must equal the size of ``group``.
@@ -117,6 +118,11 @@ class Dispatcher:
         dispatch backward); the two always sum to ``total_traffic``."""
         self._links: list[Link] = []
         self._placement_cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        self._build_links()
+
+    def _build_links(self) -> None:
+        """Open the subclass's communication links with ``_link`` (called last by ``__init__``, so every
+        field above is set; collective over ``group`` where a subclass builds subgroups)."""
 
     _combine_at_source = False
     """Whether combine weights at the source (see the module docstring)."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from moerl.ep.alltoall import AllToAllDispatcher
 from moerl.ep.comm import (
@@ -36,9 +35,7 @@ from moerl.ep.comm import (
 )
 from moerl.ep.dispatcher import Dispatcher, DispatchHandle
 from moerl.ep.layout import Layout, rows_in_ranks
-from moerl.ep.placement import ExpertPlacement
 from moerl.ep.rows import positions_of_true
-from moerl.ep.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -72,20 +69,14 @@ class HierarchicalDispatcher(Dispatcher):
     the intra-node and cross-node subgroups (collective over ``group``).
     """
 
-    def __init__(
-        self,
-        topology: Topology,
-        num_experts: int,
-        group: dist.ProcessGroup | None = None,
-        *,
-        placement: str | ExpertPlacement = "contiguous",
-    ) -> None:
-        super().__init__(topology, num_experts, group, placement=placement)
+    def _build_links(self) -> None:
+        """The cross-node (same local index) and intra-node links, over subgroups built here."""
+        topology = self.topology
         groups = topology.build_groups(self.group)
         self._cross = self._link(groups.cross_node, topology.rail_ranks(groups.local_index))
         self._intra = self._link(groups.intra_node, topology.node_ranks(groups.node))
         self._flat = (
-            AllToAllDispatcher(topology, num_experts, self.group, placement=self.placement)
+            AllToAllDispatcher(topology, self.num_experts, self.group, placement=self.placement)
             if topology.world_size == 1
             else None
         )

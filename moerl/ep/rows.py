@@ -49,6 +49,38 @@ def _use_triton(*ts: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _token_slots(pos_ptr, t, NA, K: tl.constexpr, KP: tl.constexpr):
+        # Token t's K slots (padded to KP): j, the slot mask, the row p of each slot in cat(a, b) (-1 for
+        # none and for the padding) and whether that row is in a or in b.
+        j = tl.arange(0, KP)
+        jm = j < K
+        p = tl.load(pos_ptr + t * K + j, mask=jm, other=-1).to(tl.int64)
+        return j, jm, p, (p >= 0) & (p < NA), p >= NA
+
+    @triton.jit
+    def _slot_rows_f32(a_ptr, b_ptr, p, in_a, in_b, offs, hm, NA, H: tl.constexpr):
+        # The [KP, BLOCK_H] tile cat(a, b)[p, offs] in float32: 0 for slots with no row and columns >= H.
+        ya = tl.load(a_ptr + p[:, None] * H + offs[None, :], mask=in_a[:, None] & hm[None, :], other=0.0)
+        yb = tl.load(
+            b_ptr + (p - NA)[:, None] * H + offs[None, :], mask=in_b[:, None] & hm[None, :], other=0.0
+        )
+        return tl.where(in_a[:, None], ya, yb).to(tl.float32)
+
+    @triton.jit
+    def _chunk_buckets(ids_ptr, local_ptr, c, S, E, NB: tl.constexpr, BLOCK: tl.constexpr):
+        # Slots s of chunk c (BLOCK slots), the in-range mask sm, their ids, the valid-id mask ok, the
+        # buckets b = arange(NB) and hit[s, b]: slot s in bucket b (local_index[id] for ids in [0, E),
+        # E, the last bucket, for -1 and out-of-range ids).
+        s = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        sm = s < S
+        ids = tl.load(ids_ptr + s, mask=sm, other=-1)
+        ok = (ids >= 0) & (ids < E)
+        bucket = tl.where(ok, tl.load(local_ptr + tl.where(ok, ids, 0), mask=sm & ok, other=E), E)
+        b = tl.arange(0, NB)
+        hit = (bucket[:, None] == b[None, :]) & sm[:, None]
+        return s, sm, ids, ok, b, hit
+
+    @triton.jit
     def _gather_rows2_kernel(
         a_ptr,
         b_ptr,
@@ -92,21 +124,13 @@ if triton is not None:
     ):
         # out[t] = sum_j w[t, j] * cat(a, b)[pos[t, j]] in float32; pos = -1 contributes nothing.
         t = tl.program_id(0).to(tl.int64)
-        j = tl.arange(0, KP)
-        jm = j < K
-        p = tl.load(pos_ptr + t * K + j, mask=jm, other=-1).to(tl.int64)
-        in_a = (p >= 0) & (p < NA)
-        in_b = p >= NA
+        j, jm, p, in_a, in_b = _token_slots(pos_ptr, t, NA, K, KP)
         if HAS_W:
             w = tl.load(w_ptr + t * K + j, mask=jm, other=0.0).to(tl.float32)
         for h0 in range(0, H, BLOCK_H):
             offs = h0 + tl.arange(0, BLOCK_H)
             hm = offs < H
-            ya = tl.load(a_ptr + p[:, None] * H + offs[None, :], mask=in_a[:, None] & hm[None, :], other=0.0)
-            yb = tl.load(
-                b_ptr + (p - NA)[:, None] * H + offs[None, :], mask=in_b[:, None] & hm[None, :], other=0.0
-            )
-            y = tl.where(in_a[:, None], ya, yb).to(tl.float32)
+            y = _slot_rows_f32(a_ptr, b_ptr, p, in_a, in_b, offs, hm, NA, H)
             if HAS_W:
                 y = y * w[:, None]
             tl.store(out_ptr + t * H + offs, tl.sum(y, axis=0), mask=hm)
@@ -130,11 +154,7 @@ if triton is not None:
         # For each slot (t, j) with a row: grad row w[t, j] g[t] to that row of ga or gb, and
         # gw[t, j] = <g[t], row>; gw = 0 for empty slots.
         t = tl.program_id(0).to(tl.int64)
-        j = tl.arange(0, KP)
-        jm = j < K
-        p = tl.load(pos_ptr + t * K + j, mask=jm, other=-1).to(tl.int64)
-        in_a = (p >= 0) & (p < NA)
-        in_b = p >= NA
+        j, jm, p, in_a, in_b = _token_slots(pos_ptr, t, NA, K, KP)
         w = tl.load(w_ptr + t * K + j, mask=jm, other=0.0).to(tl.float32)
         dots = tl.zeros([KP], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
@@ -142,9 +162,7 @@ if triton is not None:
             hm = offs < H
             ma, mb = in_a[:, None] & hm[None, :], in_b[:, None] & hm[None, :]
             g = tl.load(g_ptr + t * H + offs, mask=hm, other=0.0).to(tl.float32)
-            ya = tl.load(a_ptr + p[:, None] * H + offs[None, :], mask=ma, other=0.0)
-            yb = tl.load(b_ptr + (p - NA)[:, None] * H + offs[None, :], mask=mb, other=0.0)
-            y = tl.where(in_a[:, None], ya, yb).to(tl.float32)
+            y = _slot_rows_f32(a_ptr, b_ptr, p, in_a, in_b, offs, hm, NA, H)
             dots += tl.sum(y * g[None, :], axis=1)
             gy = w[:, None] * g[None, :]
             tl.store(ga_ptr + p[:, None] * H + offs[None, :], gy.to(ga_ptr.dtype.element_ty), mask=ma)
@@ -158,13 +176,7 @@ if triton is not None:
         # hist[b, c] = slots of chunk c (BLOCK slots) in bucket b: b = local_index[id] for ids in [0, E),
         # b = E (the last bucket) for -1 and out-of-range ids; cmin/cmax[c] = the chunk's id range.
         c = tl.program_id(0)
-        s = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        sm = s < S
-        ids = tl.load(ids_ptr + s, mask=sm, other=-1)
-        ok = (ids >= 0) & (ids < E)
-        bucket = tl.where(ok, tl.load(local_ptr + tl.where(ok, ids, 0), mask=sm & ok, other=E), E)
-        b = tl.arange(0, NB)
-        hit = (bucket[:, None] == b[None, :]) & sm[:, None]
+        s, sm, ids, ok, b, hit = _chunk_buckets(ids_ptr, local_ptr, c, S, E, NB, BLOCK)
         tl.store(hist_ptr + b * C + c, tl.sum(hit.to(tl.int32), axis=0), mask=b <= E)
         tl.store(cmin_ptr + c, tl.min(tl.where(sm, ids, 2**62), axis=0))
         tl.store(cmax_ptr + c, tl.max(tl.where(sm, ids, -(2**62)), axis=0))
@@ -180,14 +192,8 @@ if triton is not None:
         # order[row] = s, row_ptr[row] = s // K (its token), rw[row] = w[s], pos[s] = row (-1 for the
         # last bucket); program 0 also writes counts[b] (b < E) and info = (min id, max id, valid slots).
         c = tl.program_id(0)
-        s = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        sm = s < S
-        ids = tl.load(ids_ptr + s, mask=sm, other=-1)
-        ok = (ids >= 0) & (ids < E)
-        bucket = tl.where(ok, tl.load(local_ptr + tl.where(ok, ids, 0), mask=sm & ok, other=E), E)
-        b = tl.arange(0, NB)
+        s, sm, ids, ok, b, hit = _chunk_buckets(ids_ptr, local_ptr, c, S, E, NB, BLOCK)
         bm = b <= E
-        hit = (bucket[:, None] == b[None, :]) & sm[:, None]
         rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
         base = tl.load(cum_ptr + b * C + c, mask=bm, other=0) - tl.load(
             hist_ptr + b * C + c, mask=bm, other=0
