@@ -172,6 +172,8 @@ def _records_problem(folder: Path, records: Any, label: str) -> str | None:
             size = (folder / name).stat().st_size
         except FileNotFoundError:
             return f"{label}{name} missing (meta.json records it)"
+        except OSError as e:
+            return f"{label}{name} unreadable ({e.strerror or e})"
         if size != record["size"]:
             return (
                 f"{label}{name} is {size} bytes, meta.json records {record['size']} (changed after the write)"
@@ -180,7 +182,10 @@ def _records_problem(folder: Path, records: Any, label: str) -> str | None:
         want = record.get(_DIGEST)
         if not isinstance(want, str):
             continue  # a record without this digest: the size was all there was to check
-        got = _file_record(folder / name)[_DIGEST]
+        try:
+            got = _file_record(folder / name)[_DIGEST]
+        except OSError as e:  # a folder in its place, no read permission
+            return f"{label}{name} unreadable ({e.strerror or e})"
         if got != want:
             return (
                 f"{label}{name} does not match its {_DIGEST} digest in meta.json (written {want[:16]}, "

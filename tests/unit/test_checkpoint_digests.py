@@ -141,6 +141,10 @@ def test_unreadable_records_are_damage(tmp_path):
     meta["files"] = {"gone.json": {"size": 3}}
     (folder / "meta.json").write_text(json.dumps(meta))
     assert checkpoint_problem(folder) == "gone.json missing (meta.json records it)"
+    (folder / "gone.json").mkdir()  # a folder where a file was recorded: unreadable, not an exception
+    meta["files"] = {"gone.json": {"size": (folder / "gone.json").stat().st_size, "xxh3_128": "ab"}}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    assert checkpoint_problem(folder) == "gone.json unreadable (Is a directory)"
 
 
 def test_resume_falls_back_to_the_older_good_checkpoint_with_one_line(tmp_path, capsys):
