@@ -6,7 +6,9 @@ the names and *global* shapes of the one-rank model: a dense parameter is its FS
 world mesh; an EP expert tensor, held as [L, ...] rows of its EP rank's experts, is presented as a
 DTensor [E, ...] placed ``(Shard(0), Shard(0))`` on the ("ep", "dp") mesh. DCP records which global
 rows each file holds, so a load at another number of ranks (or EP degree, or one rank without any
-process group) reads exactly the rows each new shard needs. DCP writes its ``.metadata`` last.
+process group) reads exactly the rows each new shard needs. DCP writes its ``.metadata`` last; the step
+folder's ``meta.json``, written after it by the driver (``moerl.runtime.checkpoint.save_checkpoint``),
+records the size and xxh3-128 digest of every file of the DCP folder, checked before a resume loads it.
 """
 
 from __future__ import annotations

@@ -280,7 +280,8 @@ class TrainerGroup:
 
     def checkpoint(self, run_dir: str | Path, extra: dict, *, keep: int = 2) -> Path:
         """Sharded model and optimizer (DCP, ``checkpoints/shards/step_<step>``) by the ranks, then the
-        step folder (counters, scheduler, RNG, ``extra``) atomically by the driver, which commits it."""
+        step folder (counters, scheduler, RNG, ``extra``) atomically by the driver, which commits it and
+        records every shard file's size and xxh3-128 digest in its meta.json (reading the shards once)."""
         root = Path(run_dir) / "checkpoints"
         shards = root / SHARDS_DIR / f"step_{self.step}"
         shutil.rmtree(shards, ignore_errors=True)

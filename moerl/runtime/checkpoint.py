@@ -3,10 +3,25 @@
 Layout::
 
     <run_dir>/checkpoints/step_120/
-        meta.json                 {"format", "step", "parts", "created_at"}
+        meta.json                 {"format", "step", "parts", "created_at", "files", "sharded_files"}
         model.json                the part's structure; each tensor replaced by {"__tensor__": key}
         model.safetensors         the part's tensors (only if it has any)
         optimizer.json / optimizer.safetensors, rng.json / rng.safetensors, queue.json, ...
+    <run_dir>/checkpoints/shards/step_120/   a trainer group's DCP folder (the part ``sharded`` names it)
+
+``meta.json``'s ``files`` maps each other file of the step folder to ``{"size": bytes, "xxh3_128": hex}``;
+``sharded_files`` does the same for every file of the DCP folder a ``sharded`` part names (its
+``.metadata`` and ``__<rank>_<n>.distcp`` shards, keyed by their path inside that folder). meta.json is
+written last, inside the temporary folder, so the records are as atomic as the files they describe.
+``checkpoint_problem`` checks them: a tensor file changed after the write (a flipped byte, a script that
+re-saved ``model.safetensors`` with other values) is a damaged checkpoint, skipped on resume like one cut
+short. The digest is xxh3-128 (``xxhash``, already used for weight buckets), not sha256: it runs at
+memory speed (about 24 GB/s on one core here, sha256 about 2 GB/s), so a resume and a trainer recovery
+check every byte at little cost, and 128 bits make an accidental match negligible. It is no defence
+against a deliberate edit (whoever can rewrite a tensor file can rewrite meta.json too). A checkpoint
+written before digests were recorded has no ``files``: its sizes and digests are not checked, it loads
+as before; the format string stays ``moerl-checkpoint/1`` because the records only add keys that readers
+of that format ignore.
 
 A part is any nesting of dicts, lists, tuples, ``str``/``int``/``float``/``bool``/``None``, torch tensors and
 numpy arrays; dicts with non-string keys (an optimizer's ``state``) and tuples (``random.getstate()``,
@@ -32,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
@@ -39,6 +55,7 @@ _FORMAT = "moerl-checkpoint/1"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PART_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _MARKERS = ("__tensor__", "__tuple__", "__dict__", "__ndarray__")
+_DIGEST = "xxh3_128"  # the key of a file record's digest in meta.json (see the module docstring)
 
 
 def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -119,6 +136,64 @@ def _write_part(folder: Path, name: str, part: Any) -> None:
     _write_synced(folder / f"{name}.json", json.dumps(encoded).encode())
 
 
+def _file_record(path: Path) -> dict[str, Any]:
+    """``{"size": bytes, "xxh3_128": hex digest}`` of the file ``path``, read in 4 MiB blocks."""
+    digest, size = xxhash.xxh3_128(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+            size += len(block)
+    return {"size": size, _DIGEST: digest.hexdigest()}
+
+
+def _folder_records(folder: Path) -> dict[str, dict[str, Any]]:
+    """The record (``_file_record``) of every file under ``folder``, keyed by its POSIX path inside it."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return {p.relative_to(folder).as_posix(): _file_record(p) for p in files}
+
+
+def _sharded_folder(checkpoints: Path, part: Any) -> Path | None:
+    """The DCP folder a ``sharded`` part (``{"path": "shards/step_N", ...}``) names, or None."""
+    if isinstance(part, dict) and isinstance(part.get("path"), str):
+        return checkpoints / part["path"]
+    return None
+
+
+def _records_problem(folder: Path, records: Any, label: str) -> str | None:
+    """The first file of ``folder`` whose size or digest differs from its meta.json record, in one line
+    (``label``: how the message names the folder's files, e.g. ``"shards/step_2/"``); sizes are checked
+    first (a stat each), then digests (every byte read)."""
+    if not isinstance(records, dict) or not all(
+        isinstance(r, dict) and isinstance(r.get("size"), int) for r in records.values()
+    ):
+        return f"meta.json has unreadable file records for {label or 'the step folder'}"
+    for name, record in records.items():
+        try:
+            size = (folder / name).stat().st_size
+        except FileNotFoundError:
+            return f"{label}{name} missing (meta.json records it)"
+        except OSError as e:
+            return f"{label}{name} unreadable ({e.strerror or e})"
+        if size != record["size"]:
+            return (
+                f"{label}{name} is {size} bytes, meta.json records {record['size']} (changed after the write)"
+            )
+    for name, record in records.items():
+        want = record.get(_DIGEST)
+        if not isinstance(want, str):
+            continue  # a record without this digest: the size was all there was to check
+        try:
+            got = _file_record(folder / name)[_DIGEST]
+        except OSError as e:  # a folder in its place, no read permission
+            return f"{label}{name} unreadable ({e.strerror or e})"
+        if got != want:
+            return (
+                f"{label}{name} does not match its {_DIGEST} digest in meta.json (written {want[:16]}, "
+                f"now {got[:16]}): changed after the checkpoint was written"
+            )
+    return None
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -146,7 +221,8 @@ def newest_complete_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[s
     """The newest complete checkpoint folder of ``run_dir`` (or ``None``) and, for each newer step
     folder skipped on the way, one line ``"checkpoints/step_200: model.safetensors unreadable (...)"``.
 
-    Cheap: headers and JSON are read, no tensor data (``checkpoint_problem``).
+    Reads every byte of the folders it checks once (``checkpoint_problem``: xxh3 digests, at about disk
+    speed): meant for a resume or a recovery, not for a loop; ``list_checkpoints`` reads no file.
     """
     skipped = []
     for _, path in reversed(list_checkpoints(run_dir)):
@@ -158,14 +234,18 @@ def newest_complete_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[s
 
 
 def checkpoint_problem(path: str | Path) -> str | None:
-    """What makes the step folder ``path`` an incomplete checkpoint (e.g. ``"meta.json missing"``,
-    ``"optimizer.safetensors missing"``, ``"model.safetensors unreadable (invalid header length)"``),
-    or ``None`` when every file it needs is there and readable.
+    """What makes the step folder ``path`` an incomplete or damaged checkpoint (e.g. ``"meta.json
+    missing"``, ``"optimizer.safetensors missing"``, ``"model.safetensors unreadable (invalid header
+    length)"``, ``"model.safetensors does not match its xxh3_128 digest in meta.json (written ..., now
+    ...): changed after the checkpoint was written"``), or ``None`` when every file it needs is there,
+    readable and as written.
 
-    Reads ``meta.json``, each part's JSON and each safetensors header (safetensors checks that the
-    header's offsets cover the file exactly, so a file cut short is caught); no tensor is loaded. A
-    part ``sharded`` (a trainer group's DCP folder) must have a readable ``.metadata`` (DCP writes
-    it last) and every shard file it names.
+    First the structure: ``meta.json``, each part's JSON and each safetensors header (safetensors checks
+    that the header's offsets cover the file exactly, so a file cut short is caught); a part ``sharded``
+    (a trainer group's DCP folder) must have a readable ``.metadata`` (DCP writes it last) and every
+    shard file it names. Then the contents: each file's size and xxh3-128 digest against meta.json's
+    ``files`` and ``sharded_files`` (every byte is read once; no tensor is built). A checkpoint written
+    before digests were recorded has no records: only its structure is checked.
     """
     path = Path(path)
     try:
@@ -180,6 +260,13 @@ def checkpoint_problem(path: str | Path) -> str | None:
         problem = _part_problem(path, str(name))
         if problem is not None:
             return problem
+    if "files" in meta and (problem := _records_problem(path, meta["files"], "")) is not None:
+        return problem
+    if "sharded_files" in meta and "sharded" in meta["parts"]:
+        folder = _sharded_folder(path.parent, json.loads((path / "sharded.json").read_text()))
+        if folder is not None:
+            rel = f"{folder.parent.name}/{folder.name}/"
+            return _records_problem(folder, meta["sharded_files"], rel)
     return None
 
 
@@ -203,8 +290,8 @@ def _part_problem(path: Path, name: str) -> str | None:
             return f"{tensor_file.name} unreadable ({str(e).rsplit(': ', 1)[-1]})"
         if missing := sorted(wanted - have):
             return f"{tensor_file.name} lacks {len(missing)} tensor(s) of {name}.json, e.g. {missing[0]!r}"
-    if name == "sharded" and isinstance(encoded, dict) and isinstance(encoded.get("path"), str):
-        return _sharded_problem(path.parent / encoded["path"])
+    if name == "sharded" and (folder := _sharded_folder(path.parent, encoded)) is not None:
+        return _sharded_problem(folder)
     return None
 
 
@@ -245,6 +332,9 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], *, ke
             "rng": capture_rng_state(), "queue": queue.state_dict(), "trainer": {"step": 120}}``.
         keep: complete checkpoints kept (>= 1), newest by step.
 
+    A part ``sharded`` (``{"path": "shards/step_N", ...}``, relative to ``<run_dir>/checkpoints``) names
+    a DCP folder written before this call; its files' sizes and digests are recorded too (read once here).
+
     Returns:
         The checkpoint folder.
 
@@ -270,6 +360,9 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], *, ke
         for name, part in state.items():
             _write_part(tmp, name, part)
         meta = {"format": _FORMAT, "step": step, "parts": list(state), "created_at": time.time()}
+        meta["files"] = _folder_records(tmp)  # before meta.json exists: it is not one of them
+        if (shards := _sharded_folder(root, state.get("sharded"))) is not None and shards.is_dir():
+            meta["sharded_files"] = _folder_records(shards)  # written by the ranks before this call
         _write_synced(tmp / "meta.json", json.dumps(meta, indent=1).encode())
         _fsync_dir(tmp)
         if final.exists():
@@ -295,7 +388,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: ``path`` is not a checkpoint folder (no ``meta.json``).
-        ValueError: unknown checkpoint format, or a damaged checkpoint (``checkpoint_problem`` says what).
+        ValueError: unknown checkpoint format, or a damaged checkpoint (``checkpoint_problem`` says what:
+            a file missing, unreadable, or changed since the write; every byte is read for its digest).
     """
     path = Path(path)
     meta_path = path / "meta.json"

@@ -89,7 +89,8 @@ def check_resume_overrides(stored: RunConfig, resumed: RunConfig, overrides: lis
 def resume_checkpoint(run_dir: str | Path, cfg: RunConfig) -> Path:
     """The newest complete checkpoint of ``run_dir``; prints one line for the newer ones it skips
     (``"moerl: checkpoints/step_200: model.safetensors unreadable (invalid header length); resuming from
-    step_100"``).
+    step_100"``). A file changed since the write (its size or xxh3-128 digest differs from meta.json's
+    record, e.g. a model re-saved with other values) is damage too; every file is read once for that.
 
     Raises:
         FileNotFoundError: no complete checkpoint (says why: none written yet, checkpoints off, or each
