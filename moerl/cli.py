@@ -106,7 +106,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     _check_out_folder(args.out)  # before training, not after it
-    check_run_inputs(cfg)  # import paths, dataset, prompt lengths, as moerl train checks them
+    check_run_inputs(cfg, rollouts=False)  # import paths, dataset, prompt lengths, memory, as moerl train
     view = LiveView(cfg.sft.steps)
     try:
         run_sft(cfg, out_dir=args.out, progress=view.warm_start_progress)

@@ -105,6 +105,10 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         (elem,) = typing.get_args(tp)[:1]
         return tuple(_coerce(f"{name}[]", v, elem) for v in value)
     if dataclasses.is_dataclass(tp):
+        if value is None:  # YAML null (``--set model=null``, ``model: ~``) would silently mean "all defaults"
+            raise ConfigError(
+                f"{name}: a section cannot be null; set its fields instead ({name}.<field>=...)"
+            )
         return from_dict(tp, value, prefix=f"{name}.")
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         check_finite(name, float(value))  # every float field: NaN/inf would only fail deep in a run

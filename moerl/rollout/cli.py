@@ -23,32 +23,33 @@ from moerl.models.dtypes import torch_dtype
 from moerl.rollout.engine import Engine
 from moerl.rollout.ep_generate import EPGenerateSpec, generate_ep
 from moerl.rollout.params import FINISH_ERROR, FINISH_STOP, Completion, Request, SamplingParams
-from moerl.tasks import load_tokenizer
+from moerl.tasks import DatasetError, load_tokenizer
+from moerl.tasks.datasets import jsonl_objects
 
 
 def read_prompts(path: str | Path) -> list[tuple[str, str]]:
     """``(id, prompt)`` pairs of a JSONL file; ``id`` defaults to the line number (from 0).
 
     Raises:
-        ValueError: a line that is not a JSON object with a string ``prompt``, or a duplicate id.
+        DatasetError: (a ``ValueError``, named ``<file>:<line>:``) a line that is not UTF-8, not a JSON
+            object, without a string ``prompt``, with an ``id`` that is not a string or integer, or a
+            duplicate id (``moerl.tasks.datasets.jsonl_objects`` reads the lines).
     """
     out: list[tuple[str, str]] = []
     seen: set[str] = set()
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise ValueError(f"{path}:{lineno}: expected an object with a string 'prompt' field")
-            pid = str(obj.get("id", len(out)))
-            if pid in seen:
-                raise ValueError(f"{path}:{lineno}: duplicate id {pid!r}")
-            seen.add(pid)
-            out.append((pid, obj["prompt"]))
+    for _, where, obj in jsonl_objects(path):
+        if obj is None:
+            continue
+        if not isinstance(obj.get("prompt"), str):
+            raise DatasetError(f"{where}: expected an object with a string 'prompt' field")
+        raw_id = obj.get("id", len(out))
+        if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
+            raise DatasetError(f"{where}: field 'id' must be a string or an integer, got {raw_id!r}")
+        pid = str(raw_id)
+        if pid in seen:
+            raise DatasetError(f"{where}: duplicate id {pid!r}")
+        seen.add(pid)
+        out.append((pid, obj["prompt"]))
     return out
 
 
@@ -85,7 +86,7 @@ def generate_main(args: argparse.Namespace) -> int:
     """
     try:
         return _generate(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # ValueError includes DatasetError (the --prompts file)
         print(f"moerl generate: error: {e}", file=sys.stderr)
         return 2
 

@@ -29,7 +29,7 @@ import torch
 
 from moerl.config import RolloutConfig
 from moerl.rollout.cuda_graphs import GraphRunner
-from moerl.rollout.kv_cache import KVLayout, SlotKVCache, kv_layout
+from moerl.rollout.kv_cache import KVLayout, SlotKVCache, cache_geometry, kv_layout
 from moerl.rollout.params import FINISH_ERROR, Completion, InvalidRequestError, Request, validate_request
 from moerl.rollout.sampler import SamplingRows, sample_key, sample_no_sync
 from moerl.rollout.scheduler import Admission, Scheduler, Sequence
@@ -93,8 +93,8 @@ class Engine:
         cuda_graphs: bool = True,
     ) -> None:
         cfg = model.config
-        slot_len = min(max_seq_len or kv_token_budget // max(max_slots, 1), cfg.max_position_embeddings)
-        num_slots = min(max_slots, kv_token_budget // max(slot_len, 1))
+        context = cfg.max_position_embeddings
+        num_slots, slot_len = cache_geometry(max_slots, kv_token_budget, context, max_seq_len)
         if slot_len < 2 or num_slots < 1:
             raise ValueError(
                 f"max_slots={max_slots}, kv_token_budget={kv_token_budget}, max_seq_len={max_seq_len} leave no "

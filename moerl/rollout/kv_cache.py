@@ -61,6 +61,37 @@ def kv_layout(config: Any) -> KVLayout:
     return KVLayout(config.num_hidden_layers, kv_heads, head_dim, head_dim)
 
 
+def cache_geometry(
+    max_slots: int, kv_token_budget: int, context: int, max_seq_len: int | None = None
+) -> tuple[int, int]:
+    """``(N, S)``: the slots and the tokens per slot of an engine's cache (``Engine`` sizes it so).
+
+    S = ``min(max_seq_len or kv_token_budget // max_slots, context)``, N = ``min(max_slots,
+    kv_token_budget // S)``. Either can be below what a run needs (S < 2 or N < 1); the engine
+    refuses such sizes, the run config checks them at load (``moerl.config_engine``).
+    """
+    slot_len = min(max_seq_len or kv_token_budget // max(max_slots, 1), context)
+    return min(max_slots, kv_token_budget // max(slot_len, 1)), slot_len
+
+
+def cache_bytes(
+    layout: KVLayout,
+    num_slots: int,
+    capacity: int,
+    dtype: torch.dtype,
+    routed: tuple[int, int] | None = None,
+) -> int:
+    """Bytes ``SlotKVCache(layout, num_slots=N, capacity=S, dtype=dtype)`` allocates: keys and values
+    ``N * S * layout.bytes_per_token(dtype)``, plus the int32 routed-experts buffer ``[N, S, Lm, K]``
+    when ``routed = (Lm, K)`` (an engine that records routed experts, R3)."""
+    total = num_slots * capacity * layout.bytes_per_token(dtype)
+    if routed is not None:
+        total += (
+            num_slots * capacity * routed[0] * routed[1] * torch.empty((), dtype=torch.int32).element_size()
+        )
+    return total
+
+
 class SlotKVCache:
     """Preallocated per-slot KV cache implementing the model's ``update`` / ``attn_mask`` seam.
 

@@ -4,7 +4,10 @@ a traceback after minutes of SFT.
 
 What the config alone decides (types, ranges, engine sizes) is checked when it loads (``moerl.config``);
 this module imports the user's code (``task.reward_fn``, ``env.name``), reads the dataset
-(``task.path``) and tokenizes the prompts, as the warm start would.
+(``task.path``) and tokenizes the prompts, as the warm start would, and checks that the rollout engines'
+KV caches and the policy fit the memory of the device they are built on (``moerl.runtime.memory_check``:
+run here, where the engines are built, not when a config loads, so that ``moerl cluster render`` never
+measures a cluster run against the laptop it runs on).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import itertools
 from pathlib import Path
 
 from moerl.config import ConfigError, RunConfig, engine_slot_tokens
-from moerl.tasks import DatasetError, Task, load_reward_fn, make_task
+from moerl.runtime.memory_check import check_memory
+from moerl.tasks import DatasetError, Task, Tokenizer, load_reward_fn, load_score_fn, make_task
 from moerl.tasks.tokenizer import load_run_tokenizer
 
 NUM_TRAIN_PROMPTS_CHECKED = 256
@@ -23,15 +27,21 @@ _IMPORT_ERRORS = (ImportError, AttributeError, ValueError, SyntaxError)
 """What importing ``package.module:attr`` raises for a bad path (``load_reward_fn``) or a broken module."""
 
 
-def check_run_inputs(cfg: RunConfig) -> Task:
-    """Import ``task.reward_fn`` and ``env.name``, build the task (reading ``task.path``) and check that
-    its prompts plus ``rollout.max_new_tokens`` fit an engine cache slot. Returns the task.
+def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
+    """Import ``task.reward_fn`` (and check its signature) and ``env.name``, build the task (reading
+    ``task.path``), check that its prompts plus ``rollout.max_new_tokens`` fit an engine cache slot and
+    that the engines and the policy fit the device's memory (``check_memory``). Returns the task.
 
+    Args:
+        cfg: the run config.
+        rollouts: count the rollout workers' engines in the memory estimate (False for ``moerl sft``,
+            which builds only its eval engine).
     Raises:
         ConfigError: naming the field: ``model.device=meta`` (no weights to train), a ``model.path``
-            without config.json, an import path that does not import or is not callable, a malformed
-            dataset (``file:line:`` and what is wrong), a task the config cannot build, a task with no
-            held-out prompts, or a prompt too long for a cache slot.
+            without config.json, an import path that does not import or is not callable, a reward
+            function that cannot take ``(prompt_text, response_text, answer)``, a malformed dataset
+            (``file:line:`` and what is wrong), a task the config cannot build, a task with no held-out
+            prompts, a prompt too long for a cache slot, or engine sizes beyond the device's memory.
     """
     if cfg.model.device == "meta":
         raise ConfigError("model.device=meta holds shapes only, no weights: a run needs cpu, cuda or cuda:N")
@@ -40,9 +50,11 @@ def check_run_inputs(cfg: RunConfig) -> Task:
             f"model.path={cfg.model.path!r} is not a Hugging Face model folder (no config.json)"
         )
     if cfg.task.reward_fn:
-        _check_import("task.reward_fn", cfg.task.reward_fn)
+        _check_import("task.reward_fn", cfg.task.reward_fn, load_score_fn)
     if cfg.task.name == "env":
-        _check_import("env.name", cfg.env.import_path)
+        _check_import("env.name", cfg.env.import_path, load_reward_fn)
+    tokenizer = load_run_tokenizer(cfg, cfg.init_from)
+    check_memory(cfg, tokenizer.vocab_size, rollouts=rollouts)  # before any dataset is read
     try:
         task = make_task(cfg.task, cfg.env)
     except DatasetError as e:  # the message starts with <file>:<line>:
@@ -50,21 +62,20 @@ def check_run_inputs(cfg: RunConfig) -> Task:
     except _IMPORT_ERRORS as e:  # an environment's own make_task refusing the env: section
         raise ConfigError(f"task.name={cfg.task.name!r}: {e}") from None
     if cfg.task.name != "env":  # episodes grow turn by turn; their engines check each turn's request
-        _check_prompt_length(cfg, task)
+        _check_prompt_length(cfg, task, tokenizer)
     return task
 
 
-def _check_import(field: str, spec: str) -> None:
+def _check_import(field: str, spec: str, load) -> None:
     try:
-        load_reward_fn(spec, what=field)
+        load(spec, what=field)
     except _IMPORT_ERRORS as e:
         raise ConfigError(str(e).splitlines()[0]) from None
 
 
-def _check_prompt_length(cfg: RunConfig, task: Task) -> None:
+def _check_prompt_length(cfg: RunConfig, task: Task, tokenizer: Tokenizer) -> None:
     """The longest held-out prompt (and of the first training prompts) + ``max_new_tokens`` must fit the
     cache slot (``moerl.config.engine_slot_tokens``), else every request of it fails in the engine."""
-    tokenizer = load_run_tokenizer(cfg, cfg.init_from)
     held_out = task.eval_prompts()
     if not held_out:  # a dataset holds out at most half its rows: one row leaves none to evaluate
         raise ConfigError(

@@ -15,7 +15,7 @@ from moerl.tasks.arithmetic import ArithmeticTask
 from moerl.tasks.base import Prompt, Reward, Task
 from moerl.tasks.countdown import CountdownTask
 from moerl.tasks.datasets import DatasetError, JsonlTask, load_jsonl
-from moerl.tasks.rewards import load_reward_fn
+from moerl.tasks.rewards import load_reward_fn, load_score_fn
 from moerl.tasks.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "Tokenizer",
     "load_jsonl",
     "load_reward_fn",
+    "load_score_fn",
     "load_tokenizer",
     "make_task",
 ]
@@ -41,11 +42,12 @@ def make_task(cfg: TaskConfig, env: EnvConfig | None = None) -> Task:
     (``Environment.make_task``, ``moerl.envs``); ``env`` is then required.
 
     Raises:
-        ValueError: unknown task name, or a bad reward function path.
+        ValueError: unknown task name, a bad reward function path, or a reward function whose signature
+            cannot take ``(prompt_text, response_text, answer)``.
         ImportError, AttributeError: ``cfg.reward_fn`` cannot be imported.
         FileNotFoundError, DatasetError: the JSONL file is missing or malformed.
     """
-    score_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
+    score_fn = load_score_fn(cfg.reward_fn) if cfg.reward_fn else None
     template = {"template": cfg.template} if cfg.template else {}
     if cfg.name == "arithmetic":
         return ArithmeticTask(

@@ -66,6 +66,33 @@ def _record(obj: dict, line: int, where: str, layout: str, prompt_field: str, an
     return Record(line, prompt, answer, answer)
 
 
+def jsonl_objects(path: str | Path) -> Iterator[tuple[int, str, dict | None]]:
+    """``(line, "<path>:<line>", object)`` for each line of a JSONL file, ``object`` None for a blank
+    line (1-based lines), the file read as UTF-8.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        DatasetError: a line that is not UTF-8 text, not JSON, or not a JSON object.
+    """
+    with Path(path).open("rb") as f:
+        for line, raw in enumerate(f, start=1):
+            where = f"{path}:{line}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start + 1})") from None
+            if not text.strip():
+                yield line, where, None
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            yield line, where, obj
+
+
 def load_jsonl(
     path: str | Path, *, layout: str = "gsm8k", prompt_field: str = "prompt", answer_field: str = "answer"
 ) -> list[Record]:
@@ -78,7 +105,7 @@ def load_jsonl(
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        DatasetError: a line that is not JSON or not an object, a missing or non-text field, a GSM8K
+        DatasetError: a line that is not UTF-8, not JSON or not an object, a missing or non-text field, a GSM8K
             answer without ``#### N``, or a file without records; the message names file and line.
     """
     path = Path(path)
@@ -86,17 +113,8 @@ def load_jsonl(
         raise ValueError(f"layout={layout!r}: choose 'gsm8k' or 'generic'")
     records: list[Record] = []
     num_lines = 0
-    with path.open(encoding="utf-8") as f:
-        for num_lines, text in enumerate(f, start=1):  # noqa: B007 - num_lines is used after the loop
-            if not text.strip():
-                continue
-            where = f"{path}:{num_lines}"
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for num_lines, where, obj in jsonl_objects(path):  # noqa: B007 - num_lines is used after the loop
+        if obj is not None:
             records.append(_record(obj, num_lines, where, layout, prompt_field, answer_field))
     if not records:
         raise DatasetError(f"{path}:{max(num_lines, 1)}: no records (the file is empty or blank)")

@@ -8,8 +8,13 @@ A reward function is any callable ``fn(prompt_text, response_text, answer) -> fl
 from __future__ import annotations
 
 import importlib
+import inspect
+from collections.abc import Callable
 
 from moerl.tasks.base import ScoreFn
+
+REWARD_ARGS = ("prompt_text", "response_text", "answer")
+"""The arguments ``Task.reward`` passes a reward function, positionally and in this order."""
 
 
 def load_reward_fn(spec: str, what: str = "reward_fn") -> ScoreFn:
@@ -35,3 +40,37 @@ def load_reward_fn(spec: str, what: str = "reward_fn") -> ScoreFn:
     if not callable(obj):
         raise ValueError(f"{what}={spec!r} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def check_reward_signature(fn: Callable, spec: str, what: str = "task.reward_fn") -> None:
+    """Check that ``fn`` accepts the three positional arguments ``Task.reward`` calls it with
+    (``REWARD_ARGS``), so that a wrong function fails at load and not on every sample. A callable
+    without an introspectable signature (some builtins) passes: there is nothing to check.
+
+    Raises:
+        ValueError: ``fn``'s signature cannot bind three positional arguments (the message names
+            ``what``, ``spec`` and why the binding failed).
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without __text_signature__
+        return
+    try:
+        signature.bind(*REWARD_ARGS)
+    except TypeError as e:
+        raise ValueError(
+            f"{what}={spec!r} cannot be called as fn({', '.join(REWARD_ARGS)}), the way moerl calls a "
+            f"reward function: its signature {signature} gives '{e}'"
+        ) from None
+
+
+def load_score_fn(spec: str, what: str = "task.reward_fn") -> ScoreFn:
+    """``load_reward_fn`` plus ``check_reward_signature``: the reward function of ``task.reward_fn``.
+
+    Raises:
+        ValueError, ImportError, AttributeError: as ``load_reward_fn``, or a signature that cannot take
+            ``(prompt_text, response_text, answer)``.
+    """
+    fn = load_reward_fn(spec, what=what)
+    check_reward_signature(fn, spec, what)
+    return fn

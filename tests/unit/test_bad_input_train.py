@@ -253,3 +253,53 @@ def test_a_dataset_too_small_to_hold_out_any_prompt_fails_before_the_warm_start(
 def test_model_fields_a_run_cannot_use_fail_before_the_warm_start(train_fails, override, expected):
     err = train_fails("--set", override)
     assert err.startswith("moerl: config error: ") and expected in err, err
+
+
+# third fresh-user pass
+
+
+def test_engine_sizes_beyond_the_host_memory_fail_before_the_warm_start(train_fails):
+    # sync mode: the worker's engine and the eval engine, each 10**6 slots x 4096 tokens x 512 bytes a
+    # token (2 layers x 2 kv heads x (16 + 16) dims x 4 bytes): about 3.8 TiB, more than any machine has
+    err = train_fails(
+        "--set", "rollout.max_slots=1000000",
+        "--set", "rollout.kv_token_budget=100000000000",
+        "--set", "model.max_position_embeddings=4096",
+    )  # fmt: skip
+    assert err.startswith(
+        "moerl: config error: rollout.max_slots=1000000, rollout.kv_token_budget=100000000000: the run "
+        "needs about 3906.3 GiB of host memory (2 rollout engine KV cache(s) of 1953.12 GiB each, "
+        "1000000 slots x 4096 tokens, plus 2 copies of the policy weights of "
+    ), err
+    assert "GiB is available (" in err and err.endswith("lower rollout.max_slots or rollout.kv_token_budget")
+
+
+def test_reward_fn_with_the_wrong_signature_fails_before_the_warm_start(train_fails):
+    err = train_fails("--set", "task.reward_fn=json:loads")  # loads(s, *, ...): one positional argument
+    assert err.startswith(
+        "moerl: config error: task.reward_fn='json:loads' cannot be called as fn(prompt_text, "
+        "response_text, answer), the way moerl calls a reward function: its signature (s, *, "
+    ), err
+    assert err.endswith("gives 'too many positional arguments'")
+
+
+@pytest.mark.parametrize("section", ["model", "rollout", "cluster.train"])
+def test_a_section_set_to_null_is_refused(train_fails, section):
+    err = train_fails("--set", f"{section}=null")
+    expected = f"{section}: a section cannot be null; set its fields instead ({section}.<field>=...)"
+    assert err == f"moerl: config error: {expected}"
+
+
+def test_a_null_section_in_a_yaml_file_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer: {steps: 5}\nmodel:\n")  # `model:` with nothing under it is YAML null
+    with pytest.raises(ConfigError, match=r"^model: a section cannot be null; set its fields instead"):
+        load_config(path)
+    assert load_config(None, ["model.hidden_size=32"]).model.hidden_size == 32  # a field is still fine
+
+
+def test_dataset_that_is_not_utf8_names_the_line(train_fails, tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"question": "1+1?", "answer": "#### 2"}\n\xff\n')
+    err = train_fails("--set", "task.name=jsonl", "--set", f"task.path={path}")
+    assert err == f"moerl: config error: task.path: {path}:2: not UTF-8 text (invalid start byte at byte 1)"

@@ -60,3 +60,20 @@ def test_max_new_tokens_one_is_honoured(paths, tmp_path):
     assert main(["generate", *paths, "--max-new-tokens", "1"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert [len(r["token_ids"]) for r in rows] == [1]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"prompt": "1+2="}\n\xff\n', ":2: not UTF-8 text (invalid start byte at byte 1)"),
+        (b'{"prompt": "1+2=", "id": [1]}\n', ":1: field 'id' must be a string or an integer, got [1]"),
+        (b'{"prompt": "1+2="\n', ":1: not valid JSON (Expecting ',' delimiter at column 1)"),
+        (b"[1, 2]\n", ":1: expected a JSON object, got list"),
+    ],
+)
+def test_bad_prompts_file_is_one_line_naming_file_and_line(paths, capsys, tmp_path, content, message):
+    (tmp_path / "p.jsonl").write_bytes(content)
+    assert main(["generate", *paths]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"moerl generate: error: {tmp_path / 'p.jsonl'}{message}", err
+    assert not (tmp_path / "o.jsonl").exists()

@@ -9,6 +9,7 @@ import pytest
 from moerl.config import ConfigError, TaskConfig, load_config
 from moerl.tasks import ArithmeticTask, CountdownTask, Prompt, Reward, load_reward_fn, make_task
 from moerl.tasks.base import EVAL_PERCENT, split_of, stable_hash
+from moerl.tasks.rewards import check_reward_signature
 
 PROBLEM = re.compile(r"(\d+)([-+*])(\d+)=")
 
@@ -118,6 +119,12 @@ class Scorers:
     def exact(prompt, response, answer):
         return response == answer
 value = 3
+def two_args(prompt, response):
+    return 1.0
+def with_extras(prompt, response, answer, *, weight=1.0, **info):
+    return weight
+def star_args(*args):
+    return 1.0
 """
 
 
@@ -157,6 +164,31 @@ def test_bad_reward_paths(user_module):
         load_reward_fn(f"{user_module}:missing")
     with pytest.raises(ValueError, match="not a callable"):
         load_reward_fn(f"{user_module}:value")
+
+
+@pytest.mark.parametrize(
+    ("fn", "ok"),
+    [
+        ("two_args", False),
+        ("with_extras", True),
+        ("star_args", True),
+        ("length_bonus", True),
+        ("Scorers.exact", True),
+    ],
+)
+def test_reward_signature_must_take_prompt_response_answer(user_module, fn, ok):
+    cfg = TaskConfig(reward_fn=f"{user_module}:{fn}")
+    if ok:
+        assert make_task(cfg).reward("1+1=", "2", "2").score in (0.0, 0.5, 1.0)
+        return
+    with pytest.raises(ValueError, match=r"cannot be called as fn\(prompt_text, response_text, answer\)"):
+        make_task(cfg)
+
+
+def test_reward_signature_of_a_builtin_without_one_is_not_checked():
+    check_reward_signature(max, "builtins:max")  # inspect.signature(max) raises: nothing to check
+    with pytest.raises(ValueError, match="too many positional arguments"):
+        check_reward_signature(len, "builtins:len")  # len(obj, /) has one
 
 
 def test_prompt_and_reward_are_plain_dataclasses():
