@@ -102,11 +102,11 @@ def test_host_available_memory_is_at_most_the_total():
 
 
 def test_cluster_configs_load_here_and_are_measured_only_where_the_engines_are_built():
-    # configs/cluster_qwen3_30b_1node.yaml: 30.5e9 bf16 parameters and 128 slots x 2048 tokens of
+    # configs/cluster_qwen3_30b_1node.yaml: 30.5e9 bf16 parameters and 32 slots x 2048 tokens of
     # 48 layers x 4 kv heads x 256 dims x 2 bytes per engine; it loads (and renders) on any machine
     cfg = load_config(CONFIGS / "cluster_qwen3_30b_1node.yaml")
     est = estimate_memory(cfg, 151936)
-    assert est.engine_bytes == 128 * 2048 * 48 * 4 * 256 * 2
+    assert est.engine_bytes == 32 * 2048 * 48 * 4 * 256 * 2
     assert est.weight_bytes == 30_532_122_624 * 2
     if est.total_bytes > MEMORY_HEADROOM * host_available_bytes()[0]:  # not a 600 GiB machine
         with pytest.raises(ConfigError, match="GiB of host memory"):
