@@ -126,7 +126,7 @@ def estimate_memory(cfg: RunConfig, vocab_size: int, *, rollouts: bool = True) -
     device = torch.device(cfg.model.device)
     num_slots, slot_tokens, engine = engine_cache_bytes(arch, cfg)
     engines, copies = residents(cfg, device, rollouts=rollouts)
-    name = "host" if device.type != "cuda" else str(device)
+    name = "host" if device.type != "cuda" else f"cuda:{device.index or 0}"
     weights = weight_bytes(arch, torch_dtype(cfg.model.dtype))
     return MemoryEstimate(name, num_slots, slot_tokens, engine, engines, weights, copies)
 
@@ -162,7 +162,7 @@ def available_bytes(device: torch.device) -> tuple[int, str] | None:
     if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return free, f"torch.cuda.mem_get_info({device})"
+    return free, f"torch.cuda.mem_get_info(cuda:{device.index or 0})"
 
 
 def check_memory(cfg: RunConfig, vocab_size: int, *, rollouts: bool = True) -> MemoryEstimate | None:
