@@ -38,6 +38,7 @@ def _config(args: argparse.Namespace):
 
 def _cmd_train(args: argparse.Namespace) -> int:
     import moerl.train as run  # here, not at the top: torch and the runtime load only for this command
+    from moerl.run_interrupt import ignore_further_interrupts  # (with moerl.train: it loads torch)
 
     if args.resume and args.config:  # a resumed run keeps its own config; silently ignoring it would mislead
         from moerl.runtime.resume import RESUME_FIELDS  # here: loads torch, like moerl.train
@@ -58,6 +59,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             run.resume(args.resume, overrides=args.overrides) if args.resume else run.train(_config(args))
         )
     except run.RunInterrupted as e:
+        ignore_further_interrupts()  # another Ctrl-C during Ray's shutdown at exit: one line, no traceback
         if e.resumable:
             hint = f"; continue with: moerl train --resume {e.folder}"
         elif e.folder is not None:

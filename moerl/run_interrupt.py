@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from pathlib import Path
@@ -37,10 +38,32 @@ class RunInterrupted(KeyboardInterrupt):
     def of(cls, path: Path) -> RunInterrupted:
         """The interrupt of the run in folder ``path`` (which may be gone)."""
         exists = path.is_dir()
-        return cls(path if exists else None, exists and latest_checkpoint(path) is not None)
+        # structure only: this process wrote its checkpoints; reading every byte would delay the exit
+        return cls(path if exists else None, exists and latest_checkpoint(path, contents=False) is not None)
+
+
+_STOPPING = b"moerl: already stopping (workers and Ray are being shut down; the newest checkpoint stays)\n"
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _already_stopping(signum, frame) -> None:
+    os.write(2, _STOPPING)  # not print(): a handler may run in the middle of another write to stderr
+
+
+def ignore_further_interrupts() -> None:
+    """From now on Ctrl-C and SIGTERM print one line and are otherwise ignored (main thread only).
+
+    A run's first interrupt installs this: a second KeyboardInterrupt raised inside the shutdown (the
+    fleet's, or Ray's own at exit) left a traceback, orphaned Ray processes and once a segfault. The CLI
+    installs it again after the run's handlers are restored, for the exit itself. ``kill -9`` still ends
+    the process."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in _SIGNALS:
+            signal.signal(sig, _already_stopping)
 
 
 def _raise_interrupt(signum, frame) -> None:
+    ignore_further_interrupts()
     raise KeyboardInterrupt
 
 
@@ -48,13 +71,15 @@ def _raise_interrupt(signum, frame) -> None:
 def sigterm_interrupts():
     """While a run lasts, SIGTERM (a scheduler or ``kill`` stopping the job) stops it as Ctrl-C does:
     workers are stopped, the newest checkpoint stays, and the CLI prints the ``--resume`` hint and exits
-    130. The previous handler comes back afterwards. Only from the main thread (Python's rule).
-    ``init_ray`` keeps it across ``ray.init``, which would install Ray's own."""
+    130. Either signal, once caught, makes later ones print a line and be ignored while the run shuts
+    down (``ignore_further_interrupts``). The previous handlers come back afterwards. Only from the main
+    thread (Python's rule). ``init_ray`` keeps them across ``ray.init``, which would install Ray's own."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in _SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

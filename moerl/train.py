@@ -431,7 +431,7 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
         cfg = resumed_config(folder.config, overrides)  # the run's own, with what a resume may change
         done = folder.read_summary()
         if done and done.get("status") == "completed" and done.get("steps", 0) >= cfg.trainer.steps:
-            ckpt = latest_checkpoint(folder.path)
+            ckpt = latest_checkpoint(folder.path, contents=False)  # named in a message, not loaded
             how = (
                 f"to continue it from its newest checkpoint ({ckpt.name}; later steps are trained again): "
                 f"moerl train --resume {run_dir} --set trainer.steps=N (N > {done['steps']})"

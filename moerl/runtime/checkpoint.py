@@ -211,29 +211,32 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
+def latest_checkpoint(run_dir: str | Path, *, contents: bool = True) -> Path | None:
     """Folder of the newest complete checkpoint of ``run_dir`` (``checkpoint_problem`` finds nothing
-    wrong with it), or ``None`` if there is none."""
-    return newest_complete_checkpoint(run_dir)[0]
+    wrong with it), or ``None`` if there is none; ``contents`` as in ``checkpoint_problem``."""
+    return newest_complete_checkpoint(run_dir, contents=contents)[0]
 
 
-def newest_complete_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
+def newest_complete_checkpoint(
+    run_dir: str | Path, *, contents: bool = True
+) -> tuple[Path | None, list[str]]:
     """The newest complete checkpoint folder of ``run_dir`` (or ``None``) and, for each newer step
     folder skipped on the way, one line ``"checkpoints/step_200: model.safetensors unreadable (...)"``.
 
-    Reads every byte of the folders it checks once (``checkpoint_problem``: xxh3 digests, at about disk
-    speed): meant for a resume or a recovery, not for a loop; ``list_checkpoints`` reads no file.
+    With ``contents`` it reads every byte of the folders it checks once (``checkpoint_problem``: xxh3
+    digests, at about disk speed): meant for a resume or a recovery, not for a loop; ``list_checkpoints``
+    reads no file. ``contents=False`` checks the structure only (headers and JSON).
     """
     skipped = []
     for _, path in reversed(list_checkpoints(run_dir)):
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, contents=contents)
         if problem is None:
             return path, skipped
         skipped.append(f"{path.parent.name}/{path.name}: {problem}")
     return None, skipped
 
 
-def checkpoint_problem(path: str | Path) -> str | None:
+def checkpoint_problem(path: str | Path, *, contents: bool = True) -> str | None:
     """What makes the step folder ``path`` an incomplete or damaged checkpoint (e.g. ``"meta.json
     missing"``, ``"optimizer.safetensors missing"``, ``"model.safetensors unreadable (invalid header
     length)"``, ``"model.safetensors does not match its xxh3_128 digest in meta.json (written ..., now
@@ -245,7 +248,9 @@ def checkpoint_problem(path: str | Path) -> str | None:
     (a trainer group's DCP folder) must have a readable ``.metadata`` (DCP writes it last) and every
     shard file it names. Then the contents: each file's size and xxh3-128 digest against meta.json's
     ``files`` and ``sharded_files`` (every byte is read once; no tensor is built). A checkpoint written
-    before digests were recorded has no records: only its structure is checked.
+    before digests were recorded has no records: only its structure is checked. ``contents=False``
+    skips the sizes and digests (a process asking whether the checkpoint it has just written exists, as
+    an interrupted run does before it exits).
     """
     path = Path(path)
     try:
@@ -260,6 +265,8 @@ def checkpoint_problem(path: str | Path) -> str | None:
         problem = _part_problem(path, str(name))
         if problem is not None:
             return problem
+    if not contents:
+        return None
     if "files" in meta and (problem := _records_problem(path, meta["files"], "")) is not None:
         return problem
     if "sharded_files" in meta and "sharded" in meta["parts"]:
