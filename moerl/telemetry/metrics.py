@@ -41,6 +41,8 @@ METRIC_KEYS: tuple[str, ...] = (
     "train/ppo_kl",  # mean (proximal log-prob - current log-prob) over tokens (0 with one update per step)
     "train/entropy",  # mean token entropy of the current policy
     "train/grad_norm",  # global gradient norm before clipping
+    "train/lr",  # learning rate of the step's optimizer updates (trainer.lr_schedule; a resume with a new
+    # trainer.steps recomputes a cosine schedule over the new total)
     "train/aux_loss",  # MoE load-balancing loss
     "train/expert_load_cv",  # coefficient of variation of tokens per expert, mean over MoE layers
     "train/expert_load_max_min",  # worst MoE layer's (max tokens of an expert) / max(1, min tokens)

@@ -88,6 +88,7 @@ def step_values(
             "train/ppo_kl": stats.ppo_kl,
             "train/entropy": stats.entropy,
             "train/grad_norm": stats.grad_norm,
+            "train/lr": stats.lr,
             "train/aux_loss": stats.aux_loss,
             "train/expert_load_cv": stats.expert_load_cv,
             **algo_values(stats),

@@ -13,6 +13,7 @@ from moerl.cli import main as cli_main
 from moerl.config import ConfigError
 from moerl.runtime.checkpoint import list_checkpoints
 from moerl.runtime.run_dir import read_jsonl
+from moerl.runtime.trainer import lr_factor
 from moerl.runtime.weights import WeightStore
 from moerl.telemetry.metrics import METRIC_KEYS, without_wall_clock
 from moerl.train import resume, train
@@ -32,8 +33,9 @@ def _metrics(run):
 
 def test_sync_runs_are_bit_for_bit_reproducible(tmp_path, tiny_init):
     cfg = short_config(
-        tmp_path, tiny_init, "trainer.steps=3", "eval.every=2", "trainer.lr=1e-3", DIGIT_REWARD
-    )
+        tmp_path, tiny_init, "trainer.steps=3", "eval.every=2", "trainer.lr=1e-3", DIGIT_REWARD,
+        "trainer.warmup_steps=2", "trainer.lr_schedule=cosine",
+    )  # fmt: skip
     s1, r1 = _run(cfg)
     s2, r2 = _run(cfg)
     m1, m2 = _metrics(r1), _metrics(r2)
@@ -41,6 +43,8 @@ def test_sync_runs_are_bit_for_bit_reproducible(tmp_path, tiny_init):
     assert m1 == m2  # every metric, every step, bit for bit
     assert m1[1]["eval/accuracy"] is not None and m1[0]["eval/accuracy"] is None
     assert any(m["train/grad_norm"] > 0 for m in m1)
+    cfg_t = cfg.trainer  # the step's learning rate as its schedule gives it (steps 0, 1, 2 of the schedule)
+    assert [m["train/lr"] for m in m1] == pytest.approx([cfg_t.lr * lr_factor(cfg_t, s) for s in range(3)])
     assert [e.task_id for e in r1.read_ledger()] == [e.task_id for e in r2.read_ledger()]
     w1, w2 = (WeightStore(str(r.weights)).load_latest()[1] for r in (r1, r2))
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
