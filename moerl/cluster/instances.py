@@ -49,3 +49,10 @@ def is_gpu_instance(instance_type: str) -> bool:
 def gpus_of(instance_type: str) -> int | None:
     """GPUs of one instance of the type; None when the size is not in ``GPUS_PER_INSTANCE``."""
     return GPUS_PER_INSTANCE.get(instance_type)
+
+
+def gpu_memory_gb(instance_type: str) -> float | None:
+    """Memory of one GPU of the type in GB (10^9 bytes, as ``GPU_FAMILIES`` and AWS state it); None for
+    a family not listed."""
+    gpu = GPU_FAMILIES.get(family(instance_type))
+    return float(gpu.split()[-2]) if gpu is not None else None

@@ -15,6 +15,7 @@ before anything is written: every ``ConfigError`` names the field.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import yaml
 from moerl.atomic import atomic_write_text
 from moerl.cluster.eks import efa_device_plugin, eksctl_cluster_config
 from moerl.cluster.kuberay import NOTICE_FILE, config_map_name, model_folder, ray_job
+from moerl.cluster.memory import memory_warnings
 from moerl.config import ConfigError, RunConfig, from_dict, to_dict
 
 RUN_CONFIG_KEY = "run.yaml"
@@ -246,10 +248,13 @@ def render(cfg: RunConfig, out_dir: str | Path) -> Rendered:
 
 
 def render_main(cfg: RunConfig, out_dir: str) -> int:
-    """``moerl cluster render``: render, then print each file written and each manifest skipped."""
+    """``moerl cluster render``: render, then print each file written and each manifest skipped, and
+    warn (stderr) of GPUs the run would overfill (``moerl.cluster.memory``)."""
     result = render(cfg, out_dir)
     for path in result.files:
         print(path)
     for line in result.skipped:
         print(f"skipped {line}")
+    for line in memory_warnings(cfg):  # told before any node is rented (moerl.cluster.memory)
+        print(f"warning: {line}", file=sys.stderr)
     return 0

@@ -101,6 +101,20 @@ def weight_bytes(arch: MoeConfig, dtype: torch.dtype) -> int:
     return sum(p.numel() for p in model.parameters()) * elem
 
 
+def ep_rank_weight_bytes(arch: MoeConfig, dtype: torch.dtype, ep_size: int) -> int:
+    """Bytes of the policy's parameters one EP rank of ``ep_size`` holds in ``dtype``: every non-expert
+    parameter (attention, router, embeddings, shared experts) and 1/``ep_size`` of the routed experts'
+    (``moerl.ep.parallelize`` splits ``gate_up_proj`` and ``down_proj`` along the expert dimension)."""
+    with torch.device("meta"):
+        model = MoeForCausalLM(arch)
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(
+        block.experts.gate_up_proj.numel() + block.experts.down_proj.numel() for block in model.moe_blocks()
+    )
+    return (total - routed + routed // ep_size) * elem
+
+
 def residents(cfg: RunConfig, device: torch.device, *, rollouts: bool = True) -> tuple[int, int]:
     """``(engines, policy copies)`` the run builds on ``device`` (the module docstring's table).
     ``rollouts=False``: ``moerl sft`` (its model and the eval engine only)."""

@@ -1,0 +1,67 @@
+"""What the rendered run will need of its GPUs' memory, told at ``moerl cluster render`` (before any node
+is rented): a rollout EP rank's share of the policy plus its engine's KV cache on a rollout GPU, and the
+driver's full policy copy plus its eval engine on GPU 0 of a train node. The same figures as the load-time
+check (``moerl.runtime.memory_check``), which refuses an overfull driver when ``moerl train`` starts on the
+cluster (the workers' engines would run out of memory when built); here they are warnings: the render has
+no GPU to measure, only the instance types' datasheet memory.
+"""
+
+from __future__ import annotations
+
+from moerl.cluster.instances import gpu_memory_gb
+from moerl.config import RunConfig
+from moerl.models.dtypes import torch_dtype
+from moerl.runtime.memory_check import (
+    GIB,
+    MEMORY_HEADROOM,
+    engine_cache_bytes,
+    ep_rank_weight_bytes,
+    policy_arch,
+    weight_bytes,
+)
+
+
+def _smallest_gpu_gb(instance_types: tuple[str, ...]) -> tuple[float, str] | None:
+    """(GB, instance type) of the group's smallest GPU; None when no type's GPU is listed."""
+    sizes = [(gb, t) for t in instance_types if (gb := gpu_memory_gb(t)) is not None]
+    return min(sizes) if sizes else None
+
+
+def memory_warnings(cfg: RunConfig) -> list[str]:
+    """One line for each GPU the run as configured would overfill (at most ``MEMORY_HEADROOM`` of the
+    datasheet memory counts as usable), [] when both fit. The vocabulary's embeddings are counted at the
+    config's ``model`` shapes with a 1-token vocabulary, so the figures are lower bounds."""
+    arch = policy_arch(cfg, vocab_size=1)
+    if arch is None or cfg.cluster is None:
+        return []
+    dtype = torch_dtype(cfg.model.dtype)
+    _, _, engine = engine_cache_bytes(arch, cfg)
+    r = cfg.rollout
+    needs = [  # (group, its instance types, bytes one GPU needs, what they are, what follows)
+        (
+            "rollout",
+            cfg.cluster.rollout.instance_types,
+            ep_rank_weight_bytes(arch, dtype, r.ep_size) + engine,
+            f"a rollout EP rank (rollout.ep_size={r.ep_size}) holds {{w:.1f}} GiB of the policy plus its "
+            f"engine's {engine / GIB:.1f} GiB KV cache (rollout.max_slots, rollout.kv_token_budget)",
+            "the rollout workers would run out of memory",
+        ),
+        (
+            "train",
+            cfg.cluster.train.instance_types,
+            weight_bytes(arch, dtype) + engine,
+            f"the driver holds a full {{w:.1f}} GiB copy of the policy plus its eval engine's "
+            f"{engine / GIB:.1f} GiB KV cache on GPU 0 of a train node, beside trainer rank 0",
+            "moerl train's memory check refuses it at start",
+        ),
+    ]
+    out = []
+    for group, types, need, what, outcome in needs:
+        gpu = _smallest_gpu_gb(types)
+        if gpu is None or need <= MEMORY_HEADROOM * gpu[0] * 1e9:
+            continue
+        out.append(
+            f"cluster.{group}: {what.format(w=(need - engine) / GIB)}: {need / GIB:.1f} GiB, more than "
+            f"{MEMORY_HEADROOM:.0%} of a {gpu[1]} GPU's {gpu[0]:.0f} GB: {outcome}"
+        )
+    return out
