@@ -25,6 +25,26 @@ from moerl.configlib import ConfigError, check_range
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a Kubernetes DNS-1123 label
 
 
+_IMAGE_REFERENCE = re.compile(
+    r"^(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?"  # registry host[:port]/ (optional)
+    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"  # repository path
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$"  # :tag, @digest
+)
+"""A container image reference: the grammar of the OCI distribution spec's ``reference`` (registry,
+lowercase path components, tag of up to 128 characters, sha256 digest)."""
+
+
+def check_image_reference(name: str, value: str) -> None:
+    """Raise ``ConfigError`` naming ``name`` unless ``value`` is a container image reference
+    (``_IMAGE_REFERENCE``; e.g. ``ghcr.io/moerl/moerl:0.1.0``): a pod with a malformed image never starts
+    (``InvalidImageName``), after the nodes are up."""
+    if not value or len(value) > 255 or not _IMAGE_REFERENCE.match(value):
+        raise ConfigError(
+            f"{name}={value!r} is not a container image reference (registry/path:tag, lowercase path, "
+            "no spaces), e.g. ghcr.io/moerl/moerl:0.1.0"
+        )
+
+
 def check_dns_label(name: str, value: str, max_len: int = 63) -> None:
     """Raise ``ConfigError`` unless ``value`` is a DNS-1123 label (lower-case letters, digits, '-')."""
     if not _NAME.match(value) or len(value) > max_len:
@@ -243,8 +263,8 @@ class ClusterConfig:
                 )
         if self.resume_from is not None and not self.resume_from.startswith("s3://"):
             raise ConfigError(f"cluster.resume_from={self.resume_from!r} must be a stored run's s3:// URL")
-        if not self.image:
-            raise ConfigError("cluster.image must name a container image with moerl installed")
+        for name in ("image", "efa_plugin_image"):
+            check_image_reference(f"cluster.{name}", getattr(self, name))
         if self.model_url is not None and not self.model_url.rstrip("/").startswith("s3://"):
             raise ConfigError(f"cluster.model_url={self.model_url!r} must be the s3:// URL of a model folder")
         for group in ("train", "rollout"):

@@ -200,6 +200,8 @@ def test_mission_recipe_is_the_mission():
         ("cluster.rollout.min_nodes=40", "min_nodes=40 is larger than cluster.rollout.max_nodes=32"),
         ("cluster.availability_zones=[us-west-2a,us-west-2b]", "not in cluster.region"),
         ("cluster.namespace=Moerl_NS", "lower-case letters"),
+        ("cluster.image='bad image name with spaces'", "cluster.image=.* is not a container image reference"),
+        ("cluster.efa_plugin_image=Repo/Plugin:v1", "cluster.efa_plugin_image=.* not a container image"),
     ],
 )
 def test_bad_cluster_configs_are_one_line_errors(override, match):
