@@ -33,6 +33,8 @@ def _config(args: argparse.Namespace):
     import os
 
     path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+    if path is None:  # run outside the repository: say so, the built-in defaults differ from default.yaml
+        print(f"moerl: no --config and no ./{DEFAULT_CONFIG}: using the built-in defaults", file=sys.stderr)
     return load_config(path, args.overrides)
 
 
@@ -208,7 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field per line")
     p.add_argument("--out", required=True, help="output JSONL")
     p.add_argument(
-        "--max-new-tokens", type=int, default=None, help="default: 64, capped by the model's context"
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="default: 64, fewer where a prompt leaves less of the model's context; a value given is "
+        "not capped (a request it does not fit fails, and is reported)",
     )
     p.add_argument(
         "--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)"
