@@ -33,8 +33,6 @@ def _config(args: argparse.Namespace):
     import os
 
     path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
-    if path is None:  # run outside the repository: say so, the built-in defaults differ from default.yaml
-        print(f"moerl: no --config and no ./{DEFAULT_CONFIG}: using the built-in defaults", file=sys.stderr)
     return load_config(path, args.overrides)
 
 

@@ -163,7 +163,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``section.field=value`` overrides (value parsed as YAML) to a nested dict in place.
+    """Apply ``section.field=value`` overrides (value parsed as YAML) to a nested dict in place; a mapping
+    given for a section is merged into it (``--set 'model={hidden_size: 32}'`` changes that field only).
 
     Raises:
         ConfigError: an override without ``=``, or whose value is not valid (safe) YAML.
@@ -172,6 +173,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like section.field=value")
         key, raw = item.split("=", 1)
+        if not key.strip():
+            raise ConfigError(f"override '{item}' names no field: it must look like section.field=value")
         node = data
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -179,8 +182,21 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{item}': '{part}' is not a section")
         try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as e:  # also a tag such as !!python/object, which safe_load refuses
             problem = getattr(e, "problem", None) or e
             raise ConfigError(f"--set {item!r}: the value {raw!r} is not valid YAML ({problem})") from None
+        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
+            _merge(node[parts[-1]], value)  # --set 'model={hidden_size: 32}' keeps the section's other fields
+        else:
+            node[parts[-1]] = value
     return data
+
+
+def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    """Deep-merge mapping ``new`` into ``into`` in place (``new`` wins on a leaf)."""
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value

@@ -10,6 +10,15 @@ def test_override_parses_yaml_values():
     assert cfg.runtime.mode == "sync"
 
 
+def test_a_mapping_for_a_section_changes_only_its_fields(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  max_position_embeddings: 64\n  hidden_size: 16\n")
+    cfg = load_config(path, ["model={hidden_size: 32}"])
+    assert (cfg.model.hidden_size, cfg.model.max_position_embeddings) == (32, 64)  # 64 kept from the file
+    with pytest.raises(ConfigError, match="names no field"):
+        load_config(None, ["=3"])
+
+
 def test_unknown_key_suggests_closest():
     with pytest.raises(ConfigError, match="did you mean 'trainer.lr'"):
         load_config(None, ["trainer.lrr=1e-5"])
