@@ -121,11 +121,24 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         else:
             check_finite(name, number)
             return number
+    if tp is int and isinstance(value, (str, float)) and not isinstance(value, bool):
+        number = _integral(value)  # 1e3 (YAML 1.1 reads it as a string), 1000.0
+        if number is not None:
+            return number
     if tp in (int, float, str, bool) and not (
         isinstance(value, tp) and not (tp is int and isinstance(value, bool))
     ):
         raise ConfigError(f"{name}={value!r} has type {type(value).__name__}; expected {tp.__name__}")
     return value
+
+
+def _integral(value: str | float) -> int | None:
+    """``value`` as an int when it is a finite number with no fractional part (``"1e3"``, ``1000.0``)."""
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return int(number) if math.isfinite(number) and number.is_integer() else None
 
 
 def from_dict(cls: type, data: dict[str, Any] | None, *, prefix: str = "") -> Any:

@@ -29,6 +29,13 @@ def test_out_of_range_names_field_value_and_range():
         load_config(None, ["trainer.lr=2"])
 
 
+def test_integers_in_exponent_notation_are_integers():
+    cfg = load_config(None, ["seed=1e3", "trainer.steps=1e1"])  # YAML 1.1 reads 1e3 as a string
+    assert (cfg.seed, cfg.trainer.steps) == (1000, 10) and isinstance(cfg.seed, int)
+    with pytest.raises(ConfigError, match="seed=1.5 has type float; expected int"):
+        load_config(None, ["seed=1.5"])
+
+
 def test_wrong_type_names_field():
     with pytest.raises(ConfigError, match="trainer.steps='abc'"):
         load_config(None, ["trainer.steps=abc"])
