@@ -244,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE")
     args = parser.parse_args(argv)
     data: dict = {}
+    names = ", ".join(f.name for f in dataclasses.fields(AlertParams))
+    for item in args.overrides:  # apply_overrides' message speaks of run-config sections
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            print(f"moerl.telemetry.alerts: --set {item!r} must look like NAME=VALUE, NAME one of: {names}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     try:
         apply_overrides(data, args.overrides)
         params = from_dict(AlertParams, data)

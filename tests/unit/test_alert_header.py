@@ -21,3 +21,11 @@ def test_header_names_the_overridden_thresholds(capsys):
     rules = {r["alert"]: r for r in yaml.safe_load(text)["groups"][0]["rules"]}
     assert "0.7 * max" in rules["MoerlWorkerRateSpread"]["expr"]  # the rules do use the set value
     assert ">= 5" in rules["MoerlSpotNoticeBurst"]["expr"]
+
+
+def test_a_set_without_a_value_names_the_parameters(capsys):
+    from moerl.telemetry.alerts import main
+
+    assert main(["--set", "spread"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--set 'spread' must look like NAME=VALUE" in err and "spread_for" in err
