@@ -201,6 +201,7 @@ class Plan:
                 f"rollout nodes ({self.total_nodes - self.train_nodes}) must be a multiple of rollout_ep_nodes={self.rollout_ep_nodes}"
             )
         self._check_routing()
+        self._check_spot()
 
     def _check_names(self) -> None:
         get_hardware(self.hardware), get_model(self.model)  # noqa: B018 - raise on unknown names
@@ -225,6 +226,22 @@ class Plan:
             raise ConfigError(
                 f"top_k={k} exceeds the {pool} experts of the topk_groups={self.topk_groups} of "
                 f"router_groups={self.router_groups} groups a token keeps"
+            )
+
+    def _check_spot(self) -> None:
+        """Spot availability 1 - n lambda (lost + replace_s) (``predict`` module docstring) is a first-order
+        model: it needs n lambda replace_s < 1, i.e. a replica of n nodes interrupted less often than once
+        per ``replace_s``."""
+        if not self.spot_rollout:
+            return
+        rate = self.interruptions_per_hour
+        rate = rate if rate >= 0 else get_hardware(self.hardware).interruptions_per_hour
+        down = rate / 3600 * self.rollout_ep_nodes * self.replace_s
+        if down >= 1:
+            raise ConfigError(
+                f"Spot: interruptions_per_hour={rate:g} x rollout_ep_nodes={self.rollout_ep_nodes} x "
+                f"replace_s={self.replace_s:g} / 3600 = {down:.2f} must be < 1 (a replica would be down longer "
+                "than it runs); lower interruptions_per_hour or replace_s"
             )
 
     @property

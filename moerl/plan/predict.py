@@ -21,7 +21,8 @@ returns one ``Prediction`` per dispatcher (flat all-to-all, hierarchical). Formu
   training nodes at ``storage_gb_s_per_node`` each; training blocks for it.
 - Spot: a replica of n nodes is interrupted at rate n lambda; with a notice of s seconds a sequence with
   remaining time u > s is lost, u ~ U[0, t_seq]: lost replica-seconds (t_seq - s)^2 / (2 t_seq), then the
-  replica is down for ``replace_s`` (new instance, weights reloaded). Availability = 1 - n lambda (lost + down).
+  replica is down for ``replace_s`` (new instance, weights reloaded). Availability = 1 - n lambda (lost + down),
+  a first-order model: a plan where it is <= 0 is a ConfigError, not a figure.
 - Async: useful episodes/s = min(rollout supply, training demand) (the staleness gate throttles the faster
   side); sync: one batch generated, then trained: episodes / (t_gen + t_train + t_sync).
 - Cost per hour = train nodes x on-demand + rollout nodes x (Spot or on-demand); $ per useful episode = cost
@@ -200,7 +201,12 @@ def predict(p: Plan, cal: dict) -> list[Prediction]:
         t_train = _train_step_s(p, hw, m, cal, disp) + ckpt_s / p.checkpoint_every
         t_seq = p.response_len * step
         lost = max(0.0, t_seq - p.notice_s) ** 2 / (2 * t_seq)
-        avail = max(1e-9, 1 - lam * (lost + p.replace_s))
+        avail = 1 - lam * (lost + p.replace_s)
+        if avail <= 0:  # Plan checks n lambda replace_s < 1; the lost work of long sequences adds to it
+            raise ConfigError(
+                f"Spot: availability 1 - n lambda (lost {lost:.0f} s + replace_s {p.replace_s:g} s) = {avail:.2f}"
+                " <= 0; lower interruptions_per_hour or replace_s, or raise notice_s"
+            )
         t_gen = episodes * p.response_len / (tok_s * avail)
         supply = episodes / (t_gen + (1 - p.sync_overlap) * sync_s)
         demand = episodes / t_train
@@ -247,17 +253,21 @@ def best_split(p: Plan, cal: dict, dispatcher: str = "hierarchical") -> tuple[in
 
 def _best_predictions(p: Plan, cal: dict) -> list[Prediction]:
     best: list[Prediction | None] = [None, None]
+    last = ""
     for train in range(1, p.total_nodes):
+        if (p.total_nodes - train) % p.rollout_ep_nodes:  # the rollout nodes are not whole replicas
+            continue
         try:
             preds = predict(replace(p, train_nodes=train, train_share=0.0, auto_split=False), cal)
-        except ConfigError:  # does not fit, or the rollout nodes are not whole replicas
+        except ConfigError as e:  # does not fit, or Spot availability <= 0
+            last = f"train_nodes={train}: {e}"
             continue
         best = [
             x if b is None or x.useful_episodes_s > b.useful_episodes_s else b
             for x, b in zip(preds, best, strict=True)
         ]
     if best[0] is None:
-        raise ConfigError(f"no split of total_nodes={p.total_nodes} fits the model")
+        raise ConfigError(f"no split of total_nodes={p.total_nodes} fits (the last tried, {last})")
     return best
 
 

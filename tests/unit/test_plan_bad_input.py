@@ -193,3 +193,15 @@ def test_calibrate_defaults_to_the_repository_results(tmp_path, monkeypatch, cap
     with pytest.raises(SystemExit) as e:
         calibrate.main(["--results", str(tmp_path / "none")])
     assert e.value.code == 2 and "not a folder" in capsys.readouterr().err
+
+
+def test_spot_rates_beyond_the_availability_model_are_refused(capsys):
+    spot = ["--set", "spot_rollout=true"]
+    err = _one_line_error([*spot, "--set", "interruptions_per_hour=10"], capsys)  # 10 x 2 x 600 / 3600 = 3.33
+    assert "interruptions_per_hour=10 x rollout_ep_nodes=2 x replace_s=600 / 3600 = 3.33 must be < 1" in err
+    # 2.9 x 2 x 600 / 3600 = 0.97 < 1, but each interruption also loses the sequences in flight (~149 s)
+    err = _one_line_error([*spot, "--set", "interruptions_per_hour=2.9"], capsys)
+    assert "Spot: availability 1 - n lambda (lost 149 s + replace_s 600 s) = -0.21 <= 0" in err
+    err = _one_line_error([*spot, "--set", "interruptions_per_hour=2.9", "--set", "auto_split=true"], capsys)
+    assert "no split of total_nodes=48 fits (the last tried, train_nodes=46: Spot: availability" in err
+    assert main(["plan", *spot, "--set", "interruptions_per_hour=2.9", "--set", "replace_s=300"]) == 0
