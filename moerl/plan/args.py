@@ -8,6 +8,9 @@ from pathlib import Path
 
 CALIBRATION = Path(__file__).with_name("calibration.json")
 """The fitted constants shipped with moerl (``python -m moerl.plan.calibrate`` rewrites it)."""
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+"""``bench/results`` of the repository this moerl is imported from (absent in an installed wheel): the
+default of ``--results`` for ``moerl plan --validate`` and ``python -m moerl.plan.calibrate``."""
 
 PRESETS: dict[str, dict] = {
     # The mission: 48 p5en (16 training, 32 rollout), a GLM-5-744B-A40B-like super-sparse MoE (top-8 of 256),
@@ -24,8 +27,11 @@ PRESETS: dict[str, dict] = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's options (``moerl/cli.py`` calls this)."""
-    p.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: mission)")
-    p.add_argument("--file", default=None, help="YAML plan: a mapping of plan parameters")
+    base = p.add_mutually_exclusive_group()  # a plan file starts from the mission preset, as its docs say
+    base.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: mission)")
+    base.add_argument(
+        "--file", default=None, help="YAML plan: a mapping of plan parameters over the mission preset's"
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -34,9 +40,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PARAM=VALUE",
         help="repeatable: a plan parameter (moerl.plan.predict.Plan). Defaults that defer: top_k=0 the model's "
         "own (at most its experts), train_share=0 off (train_nodes as given; else in (0, 1)), "
-        "price_on_demand=0 the catalog's (else > 0 $/node-hour), interruptions_per_hour<0 the catalog's",
+        "price_on_demand=0 the catalog's (else > 0 $/node-hour), interruptions_per_hour<0 the catalog's; "
+        "each numeric parameter has a valid range (moerl.plan.inputs.Plan), a value outside it is an error",
     )
-    p.add_argument("--sweep", action="append", default=[], metavar="PARAM=V1,V2,...", help="repeatable: grid")
+    p.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="PARAM=V1,V2,...",
+        help="repeatable, one per parameter: grid of all combinations",
+    )
     p.add_argument("--json", default=None, help="write all points to this JSON file")
     p.add_argument("--csv", default=None, help="write all points to this CSV file")
     p.add_argument(
@@ -48,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compare with bench/results and exit (alone: with --calibration, --results)",
     )
-    p.add_argument("--results", default="bench/results", help="bench results folder read by --validate")
+    p.add_argument(
+        "--results", default=None, help=f"bench results folder read by --validate (default: {RESULTS})"
+    )
     p.add_argument(
         "--sensitivity", action="store_true", help="one-at-a-time sensitivity of the hier/flat ratio"
     )

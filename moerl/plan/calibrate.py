@@ -2,6 +2,9 @@
 
     python -m moerl.plan.calibrate [--results bench/results] [--out moerl/plan/calibration.json]
 
+``--results`` defaults to the bench/results of the repository moerl is imported from (``args.RESULTS``), so
+the command runs from any folder; a missing folder is a one-line usage error.
+
 Every constant records the files, fields and points it was fitted on; ``validate`` predicts the points
 that were held out. Nothing here looks at the mission's +40%.
 
@@ -44,7 +47,7 @@ import torch
 from moerl.ep import ExpertPlacement, Topology, compute_layout
 from moerl.ep.layout import copies_per_rank
 from moerl.plan import timing
-from moerl.plan.args import CALIBRATION
+from moerl.plan.args import CALIBRATION, RESULTS
 from moerl.plan.hardware import get_hardware
 from moerl.plan.models import MODELS
 from moerl.plan.traffic import RowBytes, exact_traffic
@@ -250,9 +253,11 @@ def write(cal: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m moerl.plan.calibrate``: fit, write ``calibration.json``, print the constants."""
     parser = argparse.ArgumentParser(description="fit moerl.plan's constants on bench/results")
-    parser.add_argument("--results", default="bench/results")
+    parser.add_argument("--results", default=str(RESULTS), help=f"bench results folder (default: {RESULTS})")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
+    if not Path(args.results).is_dir():
+        parser.error(f"--results {args.results}: not a folder (bench/results of a moerl checkout)")
     cal = fit(Path(args.results))
     write(cal, Path(args.out))
     print(json.dumps(cal["constants"], indent=2), json.dumps(cal["ep_impls"], indent=2))

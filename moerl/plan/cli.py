@@ -5,8 +5,10 @@
     moerl plan --file plan.yaml --sweep total_nodes=13,63,125 --plot out.png --json out.json --csv out.csv
     moerl plan --validate            # predictions against bench/results (fitted and held-out points)
 
-Bad input (unknown preset or parameter, invalid value or YAML, --validate with plan flags) raises ConfigError,
-an unusable --json/--csv/--plot path an OSError naming it: one line, exit 2, before any prediction runs.
+Bad input (unknown preset or parameter, a value outside its range (``moerl.plan.inputs``), invalid YAML, a
+parameter swept twice, --validate with plan flags or without bench results) raises ConfigError, an unusable
+--json/--csv/--plot path an OSError naming it: one line, exit 2, before any prediction runs. --preset and
+--file exclude each other (argparse: a plan file starts from the mission preset).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from rich.table import Table
 
 from moerl.atomic import atomic_path, atomic_write_text
 from moerl.configlib import ConfigError
-from moerl.plan.args import PRESETS
-from moerl.plan.predict import Plan, as_rows, best_split, plan_hardware, plan_model, run, with_params
+from moerl.plan.args import PRESETS, RESULTS
+from moerl.plan.inputs import Plan, with_params
+from moerl.plan.predict import as_rows, best_split, plan_hardware, plan_model, run
 from moerl.plan.sensitivity import tornado
 from moerl.plan.validation import compare
 
@@ -94,15 +97,30 @@ def check_output_paths(args: argparse.Namespace) -> None:
 
 
 def sweep_points(base: Plan, sweeps: list[str]) -> list[tuple[dict, Plan]]:
-    """Every point of the grid of ``--sweep`` items (validated before any prediction runs)."""
-    axes = []
+    """Every point of the grid of ``--sweep`` items, each validated (ranges included) before any prediction
+    runs. Raises ConfigError for an item without values, a parameter swept twice, or an invalid point
+    (the message starts with the point)."""
+    axes, given = [], {}
     for item in sweeps:
         k, v = _split(item, "--sweep")
         values = [x for x in v.split(",") if x]
         if not values:
             raise ConfigError(f"--sweep {item!r}: no values")
+        if k in given:
+            raise ConfigError(
+                f"--sweep {k} given twice ({given[k]!r}, {item!r}); list its values once: {k}=a,b,..."
+            )
+        given[k] = item
         axes.append([(k, x) for x in values])
-    return [(dict(combo), with_params(base, dict(combo))) for combo in itertools.product(*axes)]
+    return [(dict(combo), _sweep_point(base, dict(combo))) for combo in itertools.product(*axes)]
+
+
+def _sweep_point(base: Plan, values: dict[str, str]) -> Plan:
+    try:
+        return with_params(base, values)
+    except ConfigError as e:
+        point = ", ".join(f"{k}={v}" for k, v in values.items())
+        raise ConfigError(f"--sweep point {point}: {e}") from None
 
 
 def _table(points: list[dict], swept: list[str]) -> Table:
@@ -224,12 +242,34 @@ def _tornado_table(rows: list[dict]) -> Table:
     return t
 
 
+def results_folder(given: str | None) -> Path:
+    """The bench results folder of ``--validate``: ``--results`` as given, else the repository's ``RESULTS``
+    (so ``moerl plan --validate`` runs from any folder). Raises ConfigError naming where it looked."""
+    folder = Path(given) if given else RESULTS
+    if given and not folder.is_dir():
+        raise ConfigError(
+            f"--results {given}: not a folder (give the bench/results folder of a moerl checkout)"
+        )
+    if not folder.is_dir():
+        raise ConfigError(
+            f"--validate: no bench results at {RESULTS} (bench/results beside this moerl); give --results FOLDER"
+        )
+    return folder
+
+
 def validation_table(cal: dict, folder: Path) -> Table:
-    """Predictions against bench/results, fitted and held-out points."""
+    """Predictions against bench/results, fitted and held-out points. Raises ConfigError naming a missing
+    bench file and the folder."""
     t = Table(title="moerl plan --validate: predictions vs bench/results")
     for c in ("role", "quantity", "measured", "predicted", "error"):
         t.add_column(c, justify="right" if c != "quantity" else "left")
-    for r in compare(cal, folder):
+    try:
+        rows = compare(cal, folder)
+    except FileNotFoundError as e:
+        raise ConfigError(
+            f"--validate: {e.filename} is missing (bench results read from {folder}; --results sets the folder)"
+        ) from None
+    for r in rows:
         t.add_row(
             r["role"],
             r["quantity"],
@@ -256,8 +296,10 @@ def plan_main(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"--validate compares the calibration with bench results only; drop {', '.join(ignored)}"
             )
-        console.print(validation_table(cal, Path(args.results)))
+        console.print(validation_table(cal, results_folder(args.results)))
         return 0
+    if args.results is not None:
+        raise ConfigError("--results is read by --validate only")
     if args.plot and not args.sweep:
         raise ConfigError("--plot needs a --sweep (its first parameter is the x axis)")
     check_output_paths(args)

@@ -5,7 +5,7 @@ in GB (1e9 B), prices in USD per instance-hour, interruption rates per instance-
 
 Datasheet figures are peaks. What moerl reaches of them is not a datasheet figure: the fractions live in
 ``calibration.json`` (``moerl.plan.calibrate``), fitted on ``bench/results``. Prices change; they are
-parameters (``--set hardware.price_on_demand=...``), and the defaults say where they were read.
+parameters (``moerl plan --set price_on_demand=...``), and the defaults say where they were read.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """One RL iteration on a cluster: rollout throughput, training step, balance, Spot, checkpoint, weight sync, cost.
 
-``Plan`` holds every parameter (flat, so ``--sweep name=v1,v2`` reaches any of them); ``predict(plan)``
+``Plan`` (``moerl.plan.inputs``) holds every parameter, flat so that ``--sweep name=v1,v2`` reaches any of
+them, each numeric one with its valid range, checked before any prediction; ``predict(plan)``
 returns one ``Prediction`` per dispatcher (flat all-to-all, hierarchical). Formulas (per replica of
 ``rollout_ep_nodes`` nodes, R = EP ranks, B = ``rollout_rows_per_gpu`` concurrent sequences per GPU):
 
@@ -20,7 +21,8 @@ returns one ``Prediction`` per dispatcher (flat all-to-all, hierarchical). Formu
   training nodes at ``storage_gb_s_per_node`` each; training blocks for it.
 - Spot: a replica of n nodes is interrupted at rate n lambda; with a notice of s seconds a sequence with
   remaining time u > s is lost, u ~ U[0, t_seq]: lost replica-seconds (t_seq - s)^2 / (2 t_seq), then the
-  replica is down for ``replace_s`` (new instance, weights reloaded). Availability = 1 - n lambda (lost + down).
+  replica is down for ``replace_s`` (new instance, weights reloaded). Availability = 1 - n lambda (lost + down),
+  a first-order model: a plan where it is <= 0 is a ConfigError, not a figure.
 - Async: useful episodes/s = min(rollout supply, training demand) (the staleness gate throttles the faster
   side); sync: one batch generated, then trained: episodes / (t_gen + t_train + t_sync).
 - Cost per hour = train nodes x on-demand + rollout nodes x (Spot or on-demand); $ per useful episode = cost
@@ -29,155 +31,24 @@ returns one ``Prediction`` per dispatcher (flat all-to-all, hierarchical). Formu
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
-from math import ceil, isfinite
+from dataclasses import asdict, dataclass, replace
 
 from moerl.configlib import ConfigError
 from moerl.ep import ExpertPlacement, Topology
 from moerl.plan import calibrate, timing
 from moerl.plan.hardware import get_hardware
+from moerl.plan.inputs import Plan, parse_param, set_param, with_params
 from moerl.plan.models import get_model
 from moerl.plan.traffic import RowBytes, expected_traffic
 from moerl.plan.validation import expected_work_bytes
 
+__all__ = ["DISPATCHERS", "Plan", "Prediction", "as_rows", "best_split", "parse_param", "plan_hardware",
+           "plan_model", "predict", "run", "set_param", "with_params"]  # fmt: skip
+"""Public names; ``Plan`` and its parsers live in ``moerl.plan.inputs`` and are re-exported here."""
+
 DISPATCHERS = ("flat", "hierarchical")
 PREFILL_CHUNK = 8192
 """Tokens per GPU of one prefill (and training) EP dispatch; longer batches are dispatched in chunks."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Plan:
-    """Every input of a prediction. Validated in ``__post_init__`` (ConfigError names the field)."""
-
-    hardware: str = "p5en"
-    model: str = "glm5-744b-a40b"
-    top_k: int = 0
-    """Routed experts per token, in [0, the model's num_experts]; 0 = the model's own."""
-    total_nodes: int = 48
-    train_nodes: int = 16
-    train_share: float = 0.0
-    """In [0, 1). > 0: train_nodes = the share of total_nodes (rounded so the rollout nodes fill whole
-    replicas, and at least the nodes that hold the training state); 0 = off: ``train_nodes`` is used as
-    given (with ``auto_split``, the search starts from 1/3)."""
-    auto_split: bool = False
-    """True: each dispatcher gets the training/rollout split of total_nodes that maximizes useful episodes/s."""
-    train_ep_nodes: int = 1
-    """Nodes per training EP group (the rest of the training GPUs are data/FSDP-parallel copies)."""
-    rollout_ep_nodes: int = 2
-    """Nodes per rollout replica (its EP group spans them)."""
-    rollout_rows_per_gpu: int = 128
-    placement: str = "grouped"
-    """``grouped``: router groups map onto nodes (contiguous); ``round_robin``: expert e on rank e % R."""
-    router_groups: int = 8
-    topk_groups: int = 4
-    """Group-limited routing: a token keeps ``topk_groups`` of ``router_groups`` expert groups."""
-    ep_impl: str = "kernel"
-    """``kernel``: fused dispatch kernels (DeepEP-like / NCCL); ``moerl``: moerl.ep today (fitted costs)."""
-    kernel_call_us: float = 30.0
-    net_fraction: float = 0.8
-    """Achieved fraction of EFA bandwidth (DeepEP normal kernels: 43-58 GB/s of ~50 GB/s on CX7, README)."""
-    nvlink_fraction: float = 0.8
-    flat_net_fraction: float = 0.0
-    """EFA fraction of the flat all-to-all; 0 = ``net_fraction`` (same fabric efficiency for both)."""
-    flat_message_factor: float = 1.0
-    """Per-message cost of the flat all-to-all relative to the hardware's ``net_message_us``."""
-    ep_overlap: float = 0.0
-    """Fraction of EP time hidden behind compute (two-micro-batch overlap, DeepSeek-V3 sec. 3.2.2)."""
-    weight_bytes: float = 2.0
-    """Rollout weights and KV cache bytes per element (2 bf16, 1 FP8)."""
-    dispatch_bytes: float = 2.0
-    """Bytes per hidden element on the EP wire (moerl sends x's dtype; DeepEP can dispatch FP8)."""
-    prompts_per_step: int = 256
-    group_size: int = 16
-    prompt_len: float = 1024
-    response_len: float = 4096
-    response_cv: float = 0.5
-    max_staleness: int = 1
-    mode: str = "async"
-    spot_rollout: bool = False
-    notice_s: float = 120.0
-    replace_s: float = 600.0
-    sync_overlap: float = 0.0
-    checkpoint_every: int = 50
-    checkpoint_bytes_per_param: float = 6.0
-    storage_gb_s_per_node: float = 5.0
-    steps_to_converge: int = 1000
-    price_on_demand: float = 0.0
-    """USD per node-hour, >= 0; 0 = the hardware catalog's price."""
-    interruptions_per_hour: float = -1.0
-    """Spot interruptions per node-hour; < 0 = the catalog's rate."""
-
-    def __post_init__(self) -> None:
-        self._check_model_and_money()
-        if self.auto_split and not self.train_share:  # a valid starting split; run() searches the rest
-            object.__setattr__(self, "train_share", 1 / 3)
-        if self.train_share > 0:  # at least the nodes that hold the training state (12 B per parameter)
-            hw, m = get_hardware(self.hardware), get_model(self.model)
-            need = ceil(m.num_params * 12 / (0.9 * hw.hbm_gb * 1e9 * hw.gpus_per_node))
-            train = max(need, round(self.total_nodes * self.train_share))
-            rollout = (self.total_nodes - train) // self.rollout_ep_nodes * self.rollout_ep_nodes
-            object.__setattr__(self, "train_nodes", self.total_nodes - max(rollout, self.rollout_ep_nodes))
-        if self.placement not in ("grouped", "round_robin"):
-            raise ConfigError(f"placement must be grouped or round_robin, got {self.placement!r}")
-        if self.ep_impl not in ("kernel", "moerl"):
-            raise ConfigError(f"ep_impl must be kernel or moerl, got {self.ep_impl!r}")
-        if self.mode not in ("async", "sync"):
-            raise ConfigError(f"mode must be async or sync, got {self.mode!r}")
-        if not 1 <= self.train_nodes < self.total_nodes:
-            raise ConfigError(
-                f"train_nodes must be in [1, total_nodes), got {self.train_nodes} of {self.total_nodes}"
-            )
-        if not 1 <= self.train_ep_nodes <= self.train_nodes:
-            raise ConfigError(
-                f"train_ep_nodes must be in [1, train_nodes={self.train_nodes}], got {self.train_ep_nodes}"
-            )
-        if self.rollout_ep_nodes < 1 or (self.total_nodes - self.train_nodes) % self.rollout_ep_nodes:
-            raise ConfigError(
-                f"rollout nodes ({self.total_nodes - self.train_nodes}) must be a multiple of rollout_ep_nodes={self.rollout_ep_nodes}"
-            )
-        for f in (
-            "rollout_rows_per_gpu",
-            "prompts_per_step",
-            "group_size",
-            "prompt_len",
-            "response_len",
-            "checkpoint_every",
-        ):
-            if getattr(self, f) <= 0:
-                raise ConfigError(f"{f} must be > 0, got {getattr(self, f)}")
-        if (
-            not 0 < self.net_fraction <= 1
-            or not 0 < self.nvlink_fraction <= 1
-            or not 0 <= self.sync_overlap <= 1
-        ):
-            raise ConfigError("net_fraction and nvlink_fraction must be in (0, 1], sync_overlap in [0, 1]")
-        get_hardware(self.hardware), get_model(self.model)  # noqa: B018 - raise on unknown names
-
-    def _check_model_and_money(self) -> None:
-        for f in fields(self):  # inf or nan would print as a figure (``$ per useful episode: inf``)
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not isfinite(value):
-                raise ConfigError(f"{f.name}={value} is not a finite number")
-        m = get_model(self.model)  # raises on an unknown name
-        get_hardware(self.hardware)
-        if not 0 <= self.top_k <= m.num_experts:
-            raise ConfigError(
-                f"top_k must be in [0, {m.num_experts}] (the routed experts of {m.name}; 0: the model's own "
-                f"top-{m.top_k}), got {self.top_k}"
-            )
-        if not 0 <= self.train_share < 1:
-            raise ConfigError(
-                f"train_share must be in [0, 1) (0: train_nodes as given), got {self.train_share}"
-            )
-        if self.price_on_demand < 0:
-            raise ConfigError(
-                f"price_on_demand must be >= 0 $/node-hour (0: the catalog's), got {self.price_on_demand}"
-            )
-
-    @property
-    def rollout_nodes(self) -> int:
-        """total_nodes - train_nodes."""
-        return self.total_nodes - self.train_nodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,36 +76,6 @@ class Prediction:
     usd_per_episode: float
     usd_per_1000_episodes: float
     usd_per_converged_policy: float
-
-
-def parse_param(name: str, value: object) -> object:
-    """``value`` (a string from the command line, or a YAML value) as the type of Plan field ``name``.
-
-    Raises:
-        ConfigError: unknown field (naming the fields) or a value of the wrong type.
-    """
-    names = [f.name for f in fields(Plan)]
-    if name not in names:
-        raise ConfigError(f"unknown plan parameter {name!r}; parameters: {', '.join(names)}")
-    kind = type(getattr(Plan(), name))
-    text = str(value)  # YAML values too: 2.5 for an int field is an error, not a silent float
-    try:
-        return (
-            {"True": True, "true": True, "False": False, "false": False}[text] if kind is bool else kind(text)
-        )
-    except (ValueError, KeyError):
-        raise ConfigError(f"{name}: {text!r} is not a valid {kind.__name__}") from None
-
-
-def with_params(plan: Plan, values: dict[str, object]) -> Plan:
-    """A copy of ``plan`` with all ``values`` applied at once (validated together, so that e.g. total_nodes
-    and train_nodes can change in one step). Raises ConfigError as ``parse_param`` and ``Plan``."""
-    return replace(plan, **{k: parse_param(k, v) for k, v in values.items()})
-
-
-def set_param(plan: Plan, name: str, value: object) -> Plan:
-    """``with_params`` for one field."""
-    return with_params(plan, {name: value})
 
 
 def _ep_s(
@@ -360,7 +201,12 @@ def predict(p: Plan, cal: dict) -> list[Prediction]:
         t_train = _train_step_s(p, hw, m, cal, disp) + ckpt_s / p.checkpoint_every
         t_seq = p.response_len * step
         lost = max(0.0, t_seq - p.notice_s) ** 2 / (2 * t_seq)
-        avail = max(1e-9, 1 - lam * (lost + p.replace_s))
+        avail = 1 - lam * (lost + p.replace_s)
+        if avail <= 0:  # Plan checks n lambda replace_s < 1; the lost work of long sequences adds to it
+            raise ConfigError(
+                f"Spot: availability 1 - n lambda (lost {lost:.0f} s + replace_s {p.replace_s:g} s) = {avail:.2f}"
+                " <= 0; lower interruptions_per_hour or replace_s, or raise notice_s"
+            )
         t_gen = episodes * p.response_len / (tok_s * avail)
         supply = episodes / (t_gen + (1 - p.sync_overlap) * sync_s)
         demand = episodes / t_train
@@ -407,17 +253,21 @@ def best_split(p: Plan, cal: dict, dispatcher: str = "hierarchical") -> tuple[in
 
 def _best_predictions(p: Plan, cal: dict) -> list[Prediction]:
     best: list[Prediction | None] = [None, None]
+    last = ""
     for train in range(1, p.total_nodes):
+        if (p.total_nodes - train) % p.rollout_ep_nodes:  # the rollout nodes are not whole replicas
+            continue
         try:
             preds = predict(replace(p, train_nodes=train, train_share=0.0, auto_split=False), cal)
-        except ConfigError:  # does not fit, or the rollout nodes are not whole replicas
+        except ConfigError as e:  # does not fit, or Spot availability <= 0
+            last = f"train_nodes={train}: {e}"
             continue
         best = [
             x if b is None or x.useful_episodes_s > b.useful_episodes_s else b
             for x, b in zip(preds, best, strict=True)
         ]
     if best[0] is None:
-        raise ConfigError(f"no split of total_nodes={p.total_nodes} fits the model")
+        raise ConfigError(f"no split of total_nodes={p.total_nodes} fits (the last tried, {last})")
     return best
 
 

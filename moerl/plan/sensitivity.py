@@ -35,7 +35,7 @@ def tornado(plan: Plan, cal: dict) -> list[dict]:
     base = _ratio(plan, cal)
     rows = []
     for name, lo, hi, what in RANGES:
-        r_lo, r_hi = (_ratio_or_none(set_param(plan, name, v), cal) for v in (lo, hi))
+        r_lo, r_hi = (_ratio_or_none(plan, name, v, cal) for v in (lo, hi))
         swing = max(abs((r or base) - base) for r in (r_lo, r_hi))
         rows.append({"param": name, "what": what, "low": lo, "high": hi, "ratio_low": r_lo, "ratio_high": r_hi,
                      "swing": swing, "base": base})  # fmt: skip
@@ -47,8 +47,8 @@ def _ratio(plan: Plan, cal: dict) -> float:
     return hier.rollout_tok_s / flat.rollout_tok_s
 
 
-def _ratio_or_none(plan: Plan, cal: dict) -> float | None:
-    try:
-        return _ratio(plan, cal)
+def _ratio_or_none(plan: Plan, name: str, value: str, cal: dict) -> float | None:
+    try:  # the value may be outside the plan's ranges (rollout_ep_nodes=4 for 6 rollout nodes) or not fit
+        return _ratio(set_param(plan, name, value), cal)
     except ConfigError:
         return None

@@ -178,3 +178,10 @@ def test_every_catalog_figure_has_a_source():
                "price_on_demand", "spot_fraction", "interruptions_per_hour", "gpus_per_node"}  # fmt: skip
     for hw in HARDWARE.values():
         assert figures <= set(hw.sources), hw.name
+
+
+def test_sensitivity_marks_a_value_the_plan_refuses_as_invalid():
+    rows = {r["param"]: r for r in tornado(Plan(total_nodes=15, train_nodes=9), CAL)}  # 6 rollout nodes
+    assert rows["rollout_ep_nodes"]["ratio_high"] is None  # 4 nodes per replica do not divide 6
+    assert rows["rollout_ep_nodes"]["ratio_low"] is None  # 1 node cannot hold the model's weights
+    assert None not in (rows["top_k"]["ratio_low"], rows["top_k"]["ratio_high"])
