@@ -16,6 +16,7 @@ entry points (``moerl train``); Ctrl-C or SIGTERM ends a run with ``RunInterrupt
 from __future__ import annotations
 
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from moerl.runtime.ray import RayRollouts, check_ray_address
 from moerl.runtime.recovery import StepJournal, recover_trainer
 from moerl.runtime.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
 from moerl.runtime.rollouts import Rollouts
-from moerl.runtime.run_dir import LedgerEntry, RunDir, read_jsonl
+from moerl.runtime.run_dir import LedgerEntry, RunDir, SummaryError, read_jsonl
 from moerl.runtime.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
 from moerl.runtime.trainer import NonFiniteLossError, Trainer, TrainStats
 from moerl.runtime.types import Group
@@ -429,7 +430,11 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
             raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
         folder = RunDir(run_dir)
         cfg = resumed_config(folder.config, overrides)  # the run's own, with what a resume may change
-        done = folder.read_summary()
+        try:
+            done = folder.read_summary()
+        except SummaryError as e:  # the checkpoints decide: a damaged summary does not block the resume
+            print(f"moerl: {e}; resuming as a run that has not finished", file=sys.stderr)
+            done = None
         if done and done.get("status") == "completed" and done.get("steps", 0) >= cfg.trainer.steps:
             ckpt = latest_checkpoint(folder.path, contents=False)  # named in a message, not loaded
             how = (

@@ -173,5 +173,21 @@ class RunDir:
         atomic_write_text(self.summary, json.dumps(summary, indent=2, sort_keys=True) + "\n")
 
     def read_summary(self) -> dict[str, Any] | None:
-        """The summary, or ``None`` when the run has not finished."""
-        return json.loads(self.summary.read_text()) if self.summary.exists() else None
+        """The summary, or ``None`` when the run has not finished.
+
+        Raises:
+            SummaryError: ``summary.json`` is not UTF-8 JSON of an object (the message names the file).
+        """
+        if not self.summary.exists():
+            return None
+        try:
+            summary = json.loads(self.summary.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SummaryError(f"{self.summary}: not valid JSON ({e})") from None
+        if not isinstance(summary, dict):
+            raise SummaryError(f"{self.summary}: expected a JSON object, got {type(summary).__name__}")
+        return summary
+
+
+class SummaryError(ValueError):
+    """A run's ``summary.json`` cannot be read (damaged, e.g. edited by hand or cut by a full disk)."""

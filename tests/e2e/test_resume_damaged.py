@@ -73,3 +73,20 @@ def test_a_stored_run_resumed_on_another_machine_does_not_run_its_warm_start_aga
     resumed = resume(summary["storage_url"], ["trainer.steps=4", f"output_dir={tmp_path / 'b'}"], live=False)
     assert resumed["steps"] == 4 and resumed["tasks_duplicated"] == resumed["tasks_lost"] == 0
     fsspec.filesystem("memory").rm(url.removeprefix("memory://").split("/")[0], recursive=True)
+
+
+def test_a_garbled_summary_does_not_block_the_resume(tmp_path, tiny_init, capsys):
+    """summary.json cut by hand or a full disk: the checkpoints decide, the summary is said to be ignored."""
+    cfg = short_config(tmp_path / "runs", tiny_init, "trainer.steps=2", "trainer.checkpoint_every=2")
+    train(cfg, live=False)
+    run = newest_run(cfg)
+    run.summary.write_text('{"status": "completed", "steps": 2')  # cut short
+    capsys.readouterr()
+    assert cli_main(["train", "--resume", str(run.path), "--set", "trainer.steps=3"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == (
+        f"moerl: {run.summary}: not valid JSON (Expecting ',' delimiter: line 1 column 35 (char 34)); "
+        "resuming as a run that has not finished"
+    ), err
+    summary = run.read_summary()  # rewritten whole at the end
+    assert summary["steps"] == 3 and summary["tasks_duplicated"] == summary["tasks_lost"] == 0
