@@ -354,3 +354,18 @@ def test_a_folder_without_tokenizer_says_the_run_uses_the_builtin_one(tmp_path, 
     load_tokenizer(None).save(tmp_path / "tok")
     check_policy_folders(load_config(None, [f"init_from={folder}", f"task.tokenizer={tmp_path / 'tok'}"]))
     assert capsys.readouterr().err == ""  # a tokenizer given: nothing to say
+
+
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [
+        ("garbage", "runtime.ray_address='garbage': expected host:port, ray://host:port, auto or local"),
+        ("::1:6379", "runtime.ray_address='::1:6379': expected host:port, ray://host:port, auto or local"),
+        ("head:99999", "runtime.ray_address='head:99999': expected host:port"),
+        ("http://head:8265", "runtime.ray_address='http://head:8265' is an HTTP address (the dashboard's?)"),
+        ("nosuchmodule://head", "runtime.ray_address='nosuchmodule://head': no Ray client for nosuchmodule://"),
+    ],
+)  # fmt: skip
+def test_a_ray_address_ray_init_refuses_fails_before_the_warm_start(train_fails, address, expected):
+    err = train_fails("--set", "runtime.mode=async", "--ray-address", address)
+    assert err.startswith(f"moerl: config error: {expected}"), err
