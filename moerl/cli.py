@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 
 from moerl.config import ConfigError, load_config
-from moerl.errors import StorageError
+from moerl.errors import DiskFullError, StorageError
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -285,6 +286,16 @@ def main(argv: list[str] | None = None) -> int:
         message = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
         print(f"moerl: {message}", file=sys.stderr)
         return 2
+    except DiskFullError as e:  # not a config error: the run's committed state is whole, it can go on
+        what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
+        if e.resumable:
+            hint = f"; free space and continue with: moerl train --resume {e.folder}"
+        elif e.folder is not None:
+            hint = f" before the first checkpoint: {e.folder} holds the metrics so far but cannot be resumed"
+        else:
+            hint = " before the first step (no run folder left); free space and start again"
+        print(f"moerl: {what} writing {e.filename or e.folder or 'the run folder'}{hint}", file=sys.stderr)
+        return 1
     except StorageError as e:  # an upload that failed after its retries: one line, the local copy is whole
         print(f"moerl: {e}", file=sys.stderr)
         return 1

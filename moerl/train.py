@@ -16,7 +16,6 @@ entry points (``moerl train``); Ctrl-C or SIGTERM ends a run with ``RunInterrupt
 from __future__ import annotations
 
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from moerl.distributed.recovery import restart_group
 from moerl.envs.stats import merge as env_merge
 from moerl.envs.stats import step_values as env_step_values
 from moerl.models import save_pretrained
-from moerl.run_interrupt import RunInterrupted, sigterm_interrupts
+from moerl.run_interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk
 from moerl.runtime.accounting import FleetState, accounting
 from moerl.runtime.allocator import keep_freed_memory
 from moerl.runtime.build import build_components
@@ -49,7 +48,7 @@ from moerl.runtime.ray import RayRollouts, check_ray_address
 from moerl.runtime.recovery import StepJournal, recover_trainer
 from moerl.runtime.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
 from moerl.runtime.rollouts import Rollouts
-from moerl.runtime.run_dir import LedgerEntry, RunDir, SummaryError, read_jsonl
+from moerl.runtime.run_dir import LedgerEntry, RunDir, read_jsonl
 from moerl.runtime.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
 from moerl.runtime.trainer import NonFiniteLossError, Trainer, TrainStats
 from moerl.runtime.types import Group
@@ -405,7 +404,7 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
     run_dir = RunDir.create(cfg)
     try:
         # a failure before step 1 leaves no half-written folder
-        with sigterm_interrupts(), run_dir.discarded_on_early_failure():
+        with stops_on_full_disk(run_dir.path), sigterm_interrupts(), run_dir.discarded_on_early_failure():
             run = Run(cfg, run_dir, live=live)
             run.start(checkpoint=None)
             return run.run()
@@ -430,11 +429,7 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
             raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
         folder = RunDir(run_dir)
         cfg = resumed_config(folder.config, overrides)  # the run's own, with what a resume may change
-        try:
-            done = folder.read_summary()
-        except SummaryError as e:  # the checkpoints decide: a damaged summary does not block the resume
-            print(f"moerl: {e}; resuming as a run that has not finished", file=sys.stderr)
-            done = None
+        done = folder.read_summary(damaged="warn")  # the checkpoints decide: a damaged one is not "done"
         if done and done.get("status") == "completed" and done.get("steps", 0) >= cfg.trainer.steps:
             ckpt = latest_checkpoint(folder.path, contents=False)  # named in a message, not loaded
             how = (
@@ -448,7 +443,7 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
         check_init_from(cfg, folder.path, folder.config)  # relative ones from the folder the run began in
         ckpt = resume_checkpoint(folder.path, cfg)  # the newest complete one; skipped ones named
     try:
-        with sigterm_interrupts():
+        with stops_on_full_disk(folder.path), sigterm_interrupts():
             run = Run(cfg, folder, live=live)
             with removed_on_failure(fetched):
                 run.start(checkpoint=ckpt)
