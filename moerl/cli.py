@@ -274,6 +274,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _disk_full_line(e: OSError) -> str:
+    """The one line of a write that found no space left (or the quota spent): the file, and for a run
+    (``DiskFullError``) whether and how it continues."""
+    what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
+    folder, hint = getattr(e, "folder", None), "; free space and try again"
+    if isinstance(e, DiskFullError) and e.resumable:
+        hint = f"; free space and continue with: moerl train --resume {folder}"
+    elif isinstance(e, DiskFullError) and folder is not None:
+        hint = f" before the first checkpoint: {folder} holds the metrics so far but cannot be resumed"
+    elif isinstance(e, DiskFullError):
+        hint = " before the first step (no run folder left); free space and start again"
+    return f"moerl: {what} writing {e.filename or folder or 'a file'}{hint}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -286,18 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         message = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
         print(f"moerl: {message}", file=sys.stderr)
         return 2
-    except DiskFullError as e:  # not a config error: the run's committed state is whole, it can go on
-        what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
-        if e.resumable:
-            hint = f"; free space and continue with: moerl train --resume {e.folder}"
-        elif e.folder is not None:
-            hint = f" before the first checkpoint: {e.folder} holds the metrics so far but cannot be resumed"
-        else:
-            hint = " before the first step (no run folder left); free space and start again"
-        print(f"moerl: {what} writing {e.filename or e.folder or 'the run folder'}{hint}", file=sys.stderr)
-        return 1
     except StorageError as e:  # an upload that failed after its retries: one line, the local copy is whole
         print(f"moerl: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk is not a config error: what was committed is whole, it can go on
+        if e.errno not in DiskFullError.ERRNOS:
+            raise
+        print(_disk_full_line(e), file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # outside a run (a run's interrupt is handled by its command)
         print("moerl: interrupted", file=sys.stderr)
