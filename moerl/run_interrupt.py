@@ -1,4 +1,5 @@
-"""How a run stops on Ctrl-C or SIGTERM (``RunInterrupted`` and the SIGTERM handler of ``moerl.train``) or on\na full disk (``stops_on_full_disk``)."""
+"""How a run stops on Ctrl-C or SIGTERM (``RunInterrupted`` and the SIGTERM handler of ``moerl.train``) or on
+a full disk (``stops_on_full_disk``)."""
 
 from __future__ import annotations
 

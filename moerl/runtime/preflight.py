@@ -40,7 +40,8 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
             which builds only its eval engine).
     Raises:
         ConfigError: naming the field: ``model.device=meta`` (no weights to train), an ``init_from`` or
-            ``model.path`` folder that ``check_policy_folders`` refuses, an import path that does not import or is not callable, a reward
+            ``model.path`` folder that ``check_policy_folders`` refuses, an import path that does not
+            import or is not callable, a reward
             function that cannot take ``(prompt_text, response_text, answer)``, a malformed dataset
             (``file:line:`` and what is wrong), a task the config cannot build, a task with no held-out
             prompts, a prompt too long for a cache slot, or engine sizes beyond the device's memory.
