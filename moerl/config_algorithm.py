@@ -207,8 +207,8 @@ def check_group_samples(cfg: RunConfig, estimator: str) -> None:
     greedy = f"rollout.temperature={r.temperature}" if r.temperature == 0 else "rollout.top_k=1"
     if (r.temperature == 0 or r.top_k == 1) and cfg.task.name != "env":
         raise ConfigError(
-            f"{greedy} decodes greedily: the {r.group_size} samples of a group are the same response, so the "
-            f"{estimator} estimator's group-relative advantages are all 0 and nothing is trained; sample with "
-            "rollout.temperature > 0 and rollout.top_k != 1 (or use algorithm.preset=ppo, whose critic gives "
-            "the baseline)"
+            f"{greedy} decodes greedily: the {r.group_size} samples of a group are the same response, so "
+            f"the {estimator} estimator's group-relative advantages are all 0 and nothing is trained; sample "
+            "with rollout.temperature > 0 and rollout.top_k != 1 (or use algorithm.preset=ppo, whose critic "
+            "gives the baseline)"
         )
