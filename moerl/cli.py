@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 
 from moerl.config import ConfigError, load_config
-from moerl.errors import StorageError
+from moerl.errors import DiskFullError, StorageError
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -273,6 +274,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _disk_full_line(e: OSError) -> str:
+    """The one line of a write that found no space left (or the quota spent): the file, and for a run
+    (``DiskFullError``) whether and how it continues."""
+    what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
+    folder, hint = getattr(e, "folder", None), "; free space and try again"
+    if isinstance(e, DiskFullError) and e.resumable:
+        hint = f"; free space and continue with: moerl train --resume {folder}"
+    elif isinstance(e, DiskFullError) and folder is not None:
+        hint = f" before the first checkpoint: {folder} holds the metrics so far but cannot be resumed"
+    elif isinstance(e, DiskFullError):
+        hint = " before the first step (no run folder left); free space and start again"
+    return f"moerl: {what} writing {e.filename or folder or 'a file'}{hint}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -287,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except StorageError as e:  # an upload that failed after its retries: one line, the local copy is whole
         print(f"moerl: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk is not a config error: what was committed is whole, it can go on
+        if e.errno not in DiskFullError.ERRNOS:
+            raise
+        print(_disk_full_line(e), file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # outside a run (a run's interrupt is handled by its command)
         print("moerl: interrupted", file=sys.stderr)

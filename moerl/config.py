@@ -20,7 +20,11 @@ import yaml
 
 from moerl.atomic import atomic_write_text
 from moerl.choices import DTYPE_NAMES, MODEL_FAMILIES
-from moerl.config_algorithm import AlgorithmConfig, check_algorithm_combination  # noqa: F401 - re-exported
+from moerl.config_algorithm import (  # noqa: F401 - re-exported
+    AlgorithmConfig,
+    check_algorithm_combination,
+    check_group_samples,
+)
 from moerl.config_cluster import ClusterConfig, StorageConfig  # noqa: F401 - re-exported
 from moerl.config_engine import check_engine_sizes, engine_slot_tokens  # noqa: F401 - re-exported
 from moerl.config_env import EnvConfig, check_episode_run  # noqa: F401 - re-exported
@@ -399,7 +403,6 @@ class RunConfig:
             preset = preset_from_config(self.algorithm)
         except ValueError as e:  # a combination the per-field checks cannot see
             raise ConfigError(f"algorithm: {e}") from e
-        estimator = preset.estimator
         check_algorithm_combination(self, preset)
         if self.algorithm.routing_replay == "r3":  # R3 replays what the engine records
             self.rollout.return_routed_experts = True
@@ -412,11 +415,7 @@ class RunConfig:
             )
         self.fleet.check_bounds(self.rollout.num_workers)
         check_episode_run(self.task.name, self.rollout.return_routed_experts)
-        if estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.group_size < 2:
-            raise ConfigError(
-                f"rollout.group_size={self.rollout.group_size}: the {estimator} estimator compares samples "
-                "of one prompt, so a group needs at least 2 (every advantage would be 0)"
-            )
+        check_group_samples(self, preset.estimator)
 
 
 def _num_experts(cfg: RunConfig) -> int | None:

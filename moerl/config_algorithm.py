@@ -178,3 +178,37 @@ def check_algorithm_combination(cfg: RunConfig, preset) -> None:
             f"(model families {list(_BIAS_FAMILIES)}); this model is {_model_family(cfg)!r}: set "
             "trainer.bias_update_rate=0 or use trainer.aux_loss_coef"
         )
+
+
+GROUP_RELATIVE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+"""Estimators whose baseline is the other samples of the group (``moerl.rl.advantages.GROUP_ESTIMATORS``):
+a group of identical samples has identical rewards, so every advantage is 0 and nothing is trained."""
+
+
+def check_group_samples(cfg: RunConfig, estimator: str) -> None:
+    """A group-relative estimator (GRPO, Dr. GRPO, RLOO: every preset but ``ppo``, whose critic gives the
+    baseline) needs groups whose samples can differ: at least 2 samples a prompt, drawn by sampling, not
+    greedy decoding (``rollout.temperature=0`` or ``rollout.top_k=1``: every sample of a prompt is the same
+    response). An episode task (``task.name=env``) is exempt from the greedy check: its environment may
+    answer the samples of a group differently. A tiny ``rollout.top_p`` is not refused: whether it keeps
+    only the most likely token depends on the policy's distribution.
+
+    Raises:
+        ConfigError: naming the field, the estimator and why every advantage would be 0.
+    """
+    if estimator not in GROUP_RELATIVE_ESTIMATORS:
+        return
+    r = cfg.rollout
+    if r.group_size < 2:
+        raise ConfigError(
+            f"rollout.group_size={r.group_size}: the {estimator} estimator compares samples "
+            "of one prompt, so a group needs at least 2 (every advantage would be 0)"
+        )
+    greedy = f"rollout.temperature={r.temperature}" if r.temperature == 0 else "rollout.top_k=1"
+    if (r.temperature == 0 or r.top_k == 1) and cfg.task.name != "env":
+        raise ConfigError(
+            f"{greedy} decodes greedily: the {r.group_size} samples of a group are the same response, so "
+            f"the {estimator} estimator's group-relative advantages are all 0 and nothing is trained; sample "
+            "with rollout.temperature > 0 and rollout.top_k != 1 (or use algorithm.preset=ppo, whose critic "
+            "gives the baseline)"
+        )

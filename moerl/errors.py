@@ -1,7 +1,28 @@
 """Errors that the ``moerl`` command turns into one line (kept free of heavy imports: the CLI loads it
 before any subcommand runs)."""
 
+import errno
+
 
 class StorageError(OSError):
     """An upload or download of run storage failed after its retries (``moerl.runtime.storage``); the
     message is one line naming the file."""
+
+
+class DiskFullError(OSError):
+    """A run stopped because a write found no space left (``ENOSPC``) or the disk quota spent
+    (``EDQUOT``); what was committed before it (checkpoints, weight versions) stays whole (atomic writes).
+
+    Args:
+        error: the write's own ``OSError`` (its ``errno``, ``strerror`` and ``filename`` are kept).
+        folder: the run folder, or None when it was removed (stopped before its first step).
+        resumable: True when ``folder`` holds a checkpoint that ``moerl train --resume`` continues from.
+    """
+
+    ERRNOS = frozenset(getattr(errno, name) for name in ("ENOSPC", "EDQUOT") if hasattr(errno, name))
+    """The ``errno`` values of a full disk: ``ENOSPC``, and ``EDQUOT`` where the platform has it."""
+
+    def __init__(self, error: OSError, folder, resumable: bool) -> None:
+        super().__init__(error.errno, error.strerror or str(error), error.filename)
+        self.folder = folder
+        self.resumable = resumable

@@ -1,4 +1,5 @@
-"""How a run stops on Ctrl-C or SIGTERM: ``RunInterrupted`` and the SIGTERM handler of ``moerl.train``."""
+"""How a run stops on Ctrl-C or SIGTERM (``RunInterrupted`` and the SIGTERM handler of ``moerl.train``) or on
+a full disk (``stops_on_full_disk``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import threading
 from pathlib import Path
 
+from moerl.errors import DiskFullError
 from moerl.runtime.checkpoint import latest_checkpoint
 
 
@@ -60,6 +62,22 @@ def ignore_further_interrupts() -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in _SIGNALS:
             signal.signal(sig, _already_stopping)
+
+
+@contextlib.contextmanager
+def stops_on_full_disk(folder: Path):
+    """Around a run in ``folder``: a write that finds no space left or the quota spent (``ENOSPC``,
+    ``EDQUOT``) becomes a ``DiskFullError`` with the same facts as an interrupt (the folder, if left, and
+    whether a checkpoint resumes it), which ``moerl train`` prints as one line with the resume command.
+    Other errors pass unchanged. Enter it outside ``RunDir.discarded_on_early_failure`` (which removes an
+    unstarted folder first)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in DiskFullError.ERRNOS:
+            raise
+        stopped = RunInterrupted.of(folder)
+        raise DiskFullError(e, stopped.folder, stopped.resumable) from e
 
 
 def _raise_interrupt(signum, frame) -> None:

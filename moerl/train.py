@@ -36,7 +36,7 @@ from moerl.distributed.recovery import restart_group
 from moerl.envs.stats import merge as env_merge
 from moerl.envs.stats import step_values as env_step_values
 from moerl.models import save_pretrained
-from moerl.run_interrupt import RunInterrupted, sigterm_interrupts
+from moerl.run_interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk
 from moerl.runtime.accounting import FleetState, accounting
 from moerl.runtime.allocator import keep_freed_memory
 from moerl.runtime.build import build_components
@@ -404,7 +404,7 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
     run_dir = RunDir.create(cfg)
     try:
         # a failure before step 1 leaves no half-written folder
-        with sigterm_interrupts(), run_dir.discarded_on_early_failure():
+        with stops_on_full_disk(run_dir.path), sigterm_interrupts(), run_dir.discarded_on_early_failure():
             run = Run(cfg, run_dir, live=live)
             run.start(checkpoint=None)
             return run.run()
@@ -429,7 +429,7 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
             raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
         folder = RunDir(run_dir)
         cfg = resumed_config(folder.config, overrides)  # the run's own, with what a resume may change
-        done = folder.read_summary()
+        done = folder.read_summary(damaged="warn")  # the checkpoints decide: a damaged one is not "done"
         if done and done.get("status") == "completed" and done.get("steps", 0) >= cfg.trainer.steps:
             ckpt = latest_checkpoint(folder.path, contents=False)  # named in a message, not loaded
             how = (
@@ -443,7 +443,7 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
         check_init_from(cfg, folder.path, folder.config)  # relative ones from the folder the run began in
         ckpt = resume_checkpoint(folder.path, cfg)  # the newest complete one; skipped ones named
     try:
-        with sigterm_interrupts():
+        with stops_on_full_disk(folder.path), sigterm_interrupts():
             run = Run(cfg, folder, live=live)
             with removed_on_failure(fetched):
                 run.start(checkpoint=ckpt)

@@ -7,6 +7,7 @@ Imported as ``_runs``: pytest puts ``tests/`` on ``sys.path`` when it loads ``te
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -58,6 +59,23 @@ def save_fresh_policy(path: Path, model: ModelConfig | None = None) -> Path:
     save_pretrained(build_model(cfg, tok.vocab_size), path)
     tok.save(path)
     return path
+
+
+def damage_model_folder(folder: Path, kind: str) -> None:
+    """Damage a saved policy folder as a fresh user found them: ``kind`` is ``"garbled config"`` (a
+    config.json that is not JSON), ``"truncated weights"`` (model.safetensors cut after 2000 bytes) or
+    ``"no model_type"`` (a config.json naming no architecture)."""
+    if kind == "garbled config":
+        (folder / "config.json").write_text('{"model_type": "qwen3_moe" "vocab_size": 3}')
+    elif kind == "truncated weights":
+        data = (folder / "model.safetensors").read_bytes()
+        (folder / "model.safetensors").write_bytes(data[:2000])
+    elif kind == "no model_type":
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.pop("model_type"), cfg.pop("architectures", None)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    else:
+        raise ValueError(f"unknown damage {kind!r}")
 
 
 def newest_run(cfg: RunConfig) -> RunDir:

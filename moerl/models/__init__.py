@@ -11,7 +11,7 @@ Public API (docs/architecture.md, "Model"):
 """
 
 from moerl.models.build import build_model
-from moerl.models.checkpoint import CheckpointError, from_pretrained, save_pretrained
+from moerl.models.checkpoint import CheckpointError, check_model_folder, from_pretrained, save_pretrained
 from moerl.models.config import SUPPORTED_ARCHITECTURES, MoeConfig, RopeScaling, UnsupportedArchitectureError
 from moerl.models.model import CausalLMOutput, MoeForCausalLM
 
@@ -24,6 +24,7 @@ __all__ = [
     "RopeScaling",
     "UnsupportedArchitectureError",
     "build_model",
+    "check_model_folder",
     "from_pretrained",
     "save_pretrained",
 ]

@@ -136,6 +136,55 @@ def _check_missing(state: dict[str, torch.Tensor], cov: _Coverage, mapper: KeyMa
         )
 
 
+def check_model_folder(path: str | os.PathLike[str]) -> MoeConfig:
+    """Check a Hugging Face model folder the way ``from_pretrained`` reads it, without loading a tensor:
+    ``config.json`` parses and names a supported architecture, and the header of every safetensors file
+    (``safe_open``: the JSON header and the file size it implies, no tensor data) is readable. Cheap: run it
+    before any long work (``moerl train``'s preflight, ``moerl generate``).
+
+    Returns:
+        The folder's ``MoeConfig``.
+    Raises:
+        FileNotFoundError: no config.json or no safetensors file (the message names the folder).
+        CheckpointError: naming the file: config.json or the shard index not valid JSON, an unsupported
+            architecture or a config value out of range, a shard the index lists that is missing, or a
+            safetensors file whose header cannot be read (truncated, not safetensors).
+    """
+    folder = Path(path)
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json")
+    try:
+        cfg = MoeConfig.from_hf_dict(_read_json(cfg_file))
+    except (ValueError, TypeError) as e:  # UnsupportedArchitectureError and ConfigError are ValueErrors
+        raise CheckpointError(f"{cfg_file}: {str(e).splitlines()[0]}") from None
+    try:
+        files = _shard_files(folder)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{folder / INDEX_FILE}: not a safetensors index ({e})") from None
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (listed in {INDEX_FILE})")
+        try:
+            with safe_open(str(file), framework="pt", device="cpu"):
+                pass
+        except Exception as e:  # safetensors raises its own SafetensorError (not a standard type)
+            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+    return cfg
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def from_pretrained(
     path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> MoeForCausalLM:

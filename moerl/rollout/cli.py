@@ -18,7 +18,7 @@ import torch
 
 from moerl.atomic import atomic_write_text
 from moerl.choices import DTYPE_NAMES
-from moerl.models import from_pretrained
+from moerl.models import CheckpointError, check_model_folder, from_pretrained
 from moerl.models.dtypes import torch_dtype
 from moerl.rollout.engine import Engine
 from moerl.rollout.ep_generate import EPGenerateSpec, generate_ep
@@ -153,6 +153,15 @@ def _check_paths(args: argparse.Namespace) -> None:
     if not Path(args.model).is_dir():
         raise FileNotFoundError(
             f"--model {args.model}: no such folder (a Hugging Face model folder is expected)"
+        )
+    try:  # config.json, architecture, safetensors headers: before the tokenizer and any tensor load
+        check_model_folder(args.model)
+    except (FileNotFoundError, CheckpointError) as e:
+        raise ValueError(f"--model {args.model}: {e}") from None
+    if getattr(args, "tokenizer", None) is None and not (Path(args.model) / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"--model {args.model}: no tokenizer.json in the folder; pass --tokenizer PATH (moerl train "
+            "uses the built-in character tokenizer for such a folder and says so)"
         )
     if Path(args.prompts).is_dir():
         raise ValueError(f"--prompts {args.prompts} is a folder; give the path of a .jsonl file of prompts")

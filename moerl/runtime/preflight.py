@@ -13,12 +13,14 @@ measures a cluster run against the laptop it runs on).
 from __future__ import annotations
 
 import itertools
+import sys
 from pathlib import Path
 
 from moerl.config import ConfigError, RunConfig, engine_slot_tokens
+from moerl.models import CheckpointError, MoeConfig, check_model_folder
 from moerl.runtime.memory_check import check_memory
 from moerl.tasks import DatasetError, Task, Tokenizer, load_reward_fn, load_score_fn, make_task
-from moerl.tasks.tokenizer import load_run_tokenizer
+from moerl.tasks.tokenizer import load_run_tokenizer, load_tokenizer, run_tokenizer_path
 
 NUM_TRAIN_PROMPTS_CHECKED = 256
 """Training prompts whose token length is checked (besides every held-out prompt)."""
@@ -37,18 +39,16 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
         rollouts: count the rollout workers' engines in the memory estimate (False for ``moerl sft``,
             which builds only its eval engine).
     Raises:
-        ConfigError: naming the field: ``model.device=meta`` (no weights to train), a ``model.path``
-            without config.json, an import path that does not import or is not callable, a reward
+        ConfigError: naming the field: ``model.device=meta`` (no weights to train), an ``init_from`` or
+            ``model.path`` folder that ``check_policy_folders`` refuses, an import path that does not
+            import or is not callable, a reward
             function that cannot take ``(prompt_text, response_text, answer)``, a malformed dataset
             (``file:line:`` and what is wrong), a task the config cannot build, a task with no held-out
             prompts, a prompt too long for a cache slot, or engine sizes beyond the device's memory.
     """
     if cfg.model.device == "meta":
         raise ConfigError("model.device=meta holds shapes only, no weights: a run needs cpu, cuda or cuda:N")
-    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(
-            f"model.path={cfg.model.path!r} is not a Hugging Face model folder (no config.json)"
-        )
+    check_policy_folders(cfg)
     if cfg.task.reward_fn:
         _check_import("task.reward_fn", cfg.task.reward_fn, load_score_fn)
     if cfg.task.name == "env":
@@ -64,6 +64,50 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
     if cfg.task.name != "env":  # episodes grow turn by turn; their engines check each turn's request
         _check_prompt_length(cfg, task, tokenizer)
     return task
+
+
+def check_policy_folders(cfg: RunConfig) -> None:
+    """Check the local model folders a run reads (``init_from``, ``model.path``) with
+    ``moerl.models.check_model_folder`` (config.json parses and names a supported architecture, every
+    safetensors header reads; no tensor is loaded), and the tokenizer the run takes for the folder it
+    starts from: without ``task.tokenizer`` and without a ``tokenizer.json`` in that folder, the run uses
+    the built-in character tokenizer (``moerl.tasks.tokenizer.run_tokenizer_path``), which is said in one
+    line on stderr, or refused when its vocabulary is not the model's ``vocab_size`` (then the folder's
+    model was not trained with it). A URL (``s3://...``) is left to the code that fetches it.
+
+    Raises:
+        ConfigError: naming the field and the file: no config.json, a config.json that is not JSON or
+            names no supported architecture, a truncated or unreadable safetensors file, or a folder
+            without tokenizer.json whose ``vocab_size`` is not the built-in tokenizer's.
+    """
+    for field, folder in (("init_from", cfg.init_from), ("model.path", cfg.model.path)):
+        if folder is None or "://" in folder:
+            continue
+        if not (Path(folder) / "config.json").is_file():
+            raise ConfigError(f"{field}={folder!r} is not a Hugging Face model folder (no config.json)")
+        try:
+            hf = check_model_folder(folder)
+        except (FileNotFoundError, CheckpointError) as e:
+            raise ConfigError(f"{field}={folder!r}: {e}") from None
+        if folder == (cfg.init_from or cfg.model.path):  # the folder the run's tokenizer is taken from
+            _check_builtin_tokenizer(cfg, field, folder, hf)
+
+
+def _check_builtin_tokenizer(cfg: RunConfig, field: str, folder: str, hf: MoeConfig) -> None:
+    if run_tokenizer_path(cfg, cfg.init_from) is not None:  # task.tokenizer, or the folder's own
+        return
+    vocab = load_tokenizer(None).vocab_size
+    if hf.vocab_size != vocab:
+        raise ConfigError(
+            f"{field}={folder!r} has no tokenizer.json, and the built-in character tokenizer the run would "
+            f"use instead has {vocab} tokens, not the model's vocab_size={hf.vocab_size}: put the model's "
+            "tokenizer.json in the folder or set task.tokenizer=PATH"
+        )
+    print(
+        f"moerl: {field}={folder!r} has no tokenizer.json: the run uses the built-in character tokenizer "
+        f"({vocab} tokens, the model's vocab_size); set task.tokenizer=PATH for another",
+        file=sys.stderr,
+    )
 
 
 def _check_import(field: str, spec: str, load) -> None:

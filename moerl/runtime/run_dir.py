@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -172,6 +173,36 @@ class RunDir:
         """Write ``summary.json`` atomically."""
         atomic_write_text(self.summary, json.dumps(summary, indent=2, sort_keys=True) + "\n")
 
-    def read_summary(self) -> dict[str, Any] | None:
-        """The summary, or ``None`` when the run has not finished."""
-        return json.loads(self.summary.read_text()) if self.summary.exists() else None
+    def read_summary(self, *, damaged: str = "raise") -> dict[str, Any] | None:
+        """The summary, or ``None`` when the run has not finished.
+
+        Args:
+            damaged: what a ``summary.json`` that cannot be read gives: ``"raise"`` a ``SummaryError``;
+                ``"warn"`` ``None`` (not finished) after one line on stderr saying so (a resume, whose
+                checkpoints decide where it goes on).
+        Raises:
+            SummaryError: ``summary.json`` is not UTF-8 JSON of an object (the message names the file).
+        """
+        if not self.summary.exists():
+            return None
+        try:
+            return _parse_summary(self.summary)
+        except SummaryError as e:
+            if damaged != "warn":
+                raise
+            print(f"moerl: {e}; resuming as a run that has not finished", file=sys.stderr)
+            return None
+
+
+def _parse_summary(path: Path) -> dict[str, Any]:
+    try:
+        summary = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SummaryError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(summary, dict):
+        raise SummaryError(f"{path}: expected a JSON object, got {type(summary).__name__}")
+    return summary
+
+
+class SummaryError(ValueError):
+    """A run's ``summary.json`` cannot be read (damaged, e.g. edited by hand or cut by a full disk)."""

@@ -33,6 +33,7 @@ import json
 import logging
 import re
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -60,6 +61,19 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+class DigestMismatchError(StorageError):
+    """A downloaded file of a committed folder does not match the sha256 its marker lists (damaged in
+    storage after the commit).
+
+    Args:
+        url: the storage's URL. rel: the folder. name: the file, relative to the folder.
+    """
+
+    def __init__(self, url: str, rel: str, name: str) -> None:
+        super().__init__(f"storage: {url}/{rel}/{name} does not match its sha256 in {MARKER}")
+        self.url, self.rel, self.name = url, rel, name
 
 
 class RunStorage:
@@ -176,7 +190,7 @@ class RunStorage:
 
         Raises:
             FileNotFoundError: ``rel`` is not a committed folder.
-            StorageError: a download failed, or a file's digest does not match its marker.
+            StorageError: a download failed; ``DigestMismatchError``: a file's digest does not match its marker.
         """
         files = self.committed_files(rel)
         if files is None:
@@ -189,9 +203,7 @@ class RunStorage:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 self.get_file(f"{rel}/{name}", target)
                 if _sha256(target) != entry["sha256"]:
-                    raise StorageError(
-                        f"storage: {self.url}/{rel}/{name} does not match its sha256 in {MARKER}"
-                    )
+                    raise DigestMismatchError(self.url, rel, name)
             tmp.chmod(0o755)
             tmp.rename(local_dir)
         except BaseException:
@@ -281,12 +293,14 @@ class RunMirror:
 def fetch_run(url: str, local_parent: str | Path, *, options: dict | None = None, retries: int = 3) -> Path:
     """Bring the stored run at ``url`` to ``<local_parent>/<run folder name>`` for a resume: its run
     files, ``summary.json`` if any, its SFT warm start ``sft/`` if stored, and its newest committed
-    checkpoint. The copy is made in a temp folder renamed at the end: a failed fetch leaves nothing.
+    checkpoint whose files match their sha256 (a newer damaged one is skipped with one line on stderr).
+    The copy is made in a temp folder renamed at the end: a failed fetch leaves nothing.
 
     Raises:
         FileNotFoundError: no ``config.yaml`` at ``url`` (not a stored run).
         FileExistsError: the local folder already exists (resume from it directly, or remove it).
-        StorageError: a download failed after its retries, or a file does not match its digest.
+        StorageError: a download failed after its retries, a file of the SFT warm start does not match its
+            digest, or no committed checkpoint does.
     """
     storage = RunStorage(url, options=options, retries=retries)
     local = Path(local_parent) / storage.url.rsplit("/", 1)[-1]
@@ -304,16 +318,37 @@ def fetch_run(url: str, local_parent: str | Path, *, options: dict | None = None
                 storage.get_file(name, tmp / name)
         if storage.committed_files("sft") is not None:  # no SFT warm start again on this machine
             storage.get_tree("sft", tmp / "sft")
-        found = storage.complete_checkpoints()
-        if found:
-            step, rel = found[-1]
-            storage.get_tree(rel, tmp / "checkpoints" / f"step_{step}")
+        _fetch_newest_good_checkpoint(storage, tmp / "checkpoints")
         tmp.chmod(0o755)
         tmp.rename(local)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return local
+
+
+def _fetch_newest_good_checkpoint(storage: RunStorage, local: Path) -> None:
+    """Download the newest committed checkpoint whose files match their sha256 into ``local/step_N``;
+    a newer one damaged in storage is skipped with one line on stderr, as a damaged local checkpoint is
+    (``moerl.runtime.resume.resume_checkpoint``). No committed checkpoint: nothing is fetched (the
+    resume then says why it has none).
+
+    Raises:
+        StorageError: a download failed after its retries, or every committed checkpoint is damaged.
+    """
+    skipped = []
+    found = storage.complete_checkpoints()
+    for step, rel in reversed(found):
+        try:
+            storage.get_tree(rel, local / f"step_{step}")
+        except DigestMismatchError as e:
+            skipped.append(f"{storage.url}/{rel}: {e.name} does not match its sha256 in {MARKER}")
+            continue
+        for line in skipped:
+            print(f"moerl: {line}; resuming from step_{step}", file=sys.stderr)
+        return
+    if skipped:
+        raise StorageError(f"storage: no checkpoint of {storage.url} is undamaged: {'; '.join(skipped)}")
 
 
 def use_local_storage(cfg: RunConfig) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moerl.atomic import atomic_path
-from moerl.runtime.run_dir import RunDir
+from moerl.runtime.run_dir import RunDir, SummaryError
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +240,10 @@ def plot_report(run_dir: str | Path) -> Path:
     records = read_metrics(run.metrics)
     if not records:
         raise FileNotFoundError(f"{run.metrics} has no records: nothing to plot")
-    start_accuracy = (run.read_summary() or {}).get("start_eval_accuracy")
+    try:
+        start_accuracy = (run.read_summary() or {}).get("start_eval_accuracy")
+    except SummaryError:  # the curves do not need it (report_main names the damage)
+        start_accuracy = None
     fig = report_figure(records, start_accuracy=start_accuracy, title=f"moerl run {run.path.name}")
     _save(fig, run.report)
     _save(fleet_figure(records, title=f"moerl fleet {run.path.name}"), run.path / FLEET_REPORT)
@@ -303,7 +306,8 @@ def report_main(run_dir: str | Path) -> int:
     """Regenerate ``report.png`` and print the summary table; returns a process exit code.
 
     Exit codes: 0 done; 2 the folder is not a run folder, has no metrics, or its ``metrics.jsonl`` is not
-    valid JSONL (one line on stderr, like the other commands' usage errors). Writes nothing but the figures.
+    valid JSONL, or its ``summary.json`` is not valid JSON (one line on stderr, like the other commands' usage
+    errors). Writes nothing but the figures.
     """
     from rich.console import Console
 
@@ -321,8 +325,12 @@ def report_main(run_dir: str | Path) -> int:
     if not records:
         _error(f"{run.metrics} has no records yet")
         return 2
+    try:
+        summary = run.read_summary() or {"status": "unfinished", "steps": records[-1]["step"]}
+    except SummaryError as e:
+        _error(str(e))
+        return 2
     png = plot_report(run.path)
-    summary = run.read_summary() or {"status": "unfinished", "steps": records[-1]["step"]}
     console.print(summary_table(summary, records))
     console.print(f"figures: {png}, {png.with_name(FLEET_REPORT)}")
     return 0

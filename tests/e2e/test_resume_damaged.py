@@ -4,6 +4,7 @@ saying which and why), finds the init folder (stored absolute) and ends like the
 
 from __future__ import annotations
 
+import errno
 import os
 
 import fsspec
@@ -15,6 +16,7 @@ from moerl.config import load_config
 from moerl.runtime.checkpoint import list_checkpoints, newest_complete_checkpoint
 from moerl.runtime.run_dir import read_jsonl
 from moerl.runtime.storage import RunStorage
+from moerl.runtime.weights import WeightStore
 from moerl.tasks import sft
 from moerl.telemetry.metrics import without_wall_clock
 from moerl.train import resume, train
@@ -73,3 +75,48 @@ def test_a_stored_run_resumed_on_another_machine_does_not_run_its_warm_start_aga
     resumed = resume(summary["storage_url"], ["trainer.steps=4", f"output_dir={tmp_path / 'b'}"], live=False)
     assert resumed["steps"] == 4 and resumed["tasks_duplicated"] == resumed["tasks_lost"] == 0
     fsspec.filesystem("memory").rm(url.removeprefix("memory://").split("/")[0], recursive=True)
+
+
+def test_a_garbled_summary_does_not_block_the_resume(tmp_path, tiny_init, capsys):
+    """summary.json cut by hand or a full disk: the checkpoints decide, the summary is said to be ignored."""
+    cfg = short_config(tmp_path / "runs", tiny_init, "trainer.steps=2", "trainer.checkpoint_every=2")
+    train(cfg, live=False)
+    run = newest_run(cfg)
+    run.summary.write_text('{"status": "completed", "steps": 2')  # cut short
+    capsys.readouterr()
+    assert cli_main(["train", "--resume", str(run.path), "--set", "trainer.steps=3"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == (
+        f"moerl: {run.summary}: not valid JSON (Expecting ',' delimiter: line 1 column 35 (char 34)); "
+        "resuming as a run that has not finished"
+    ), err
+    summary = run.read_summary()  # rewritten whole at the end
+    assert summary["steps"] == 3 and summary["tasks_duplicated"] == summary["tasks_lost"] == 0
+
+
+def test_a_full_disk_stops_the_run_with_the_resume_hint(tmp_path, tiny_init, monkeypatch, capsys):
+    """ENOSPC while writing weight version 3 (after the step-2 checkpoint): one line naming the file and
+    the resume command, exit 1 (not a config error); the resume it names then completes the run."""
+    import moerl.cli
+
+    cfg = short_config(tmp_path / "runs", tiny_init, "trainer.steps=4", "trainer.checkpoint_every=2")
+    real_write = WeightStore._write_file
+
+    def write_until_full(self, vdir, name, shard):
+        if vdir.endswith("v00000003"):
+            raise OSError(errno.ENOSPC, "No space left on device", f"{vdir}/{name}")
+        return real_write(self, vdir, name, shard)
+
+    monkeypatch.setattr(moerl.cli, "_config", lambda args: cfg)
+    monkeypatch.setattr(WeightStore, "_write_file", write_until_full)
+    capsys.readouterr()
+    assert cli_main(["train"]) == 1
+    run = newest_run(cfg)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"moerl: no space left on device writing {run.weights}/v00000003/model.safetensors; free space and "
+        f"continue with: moerl train --resume {run.path}"
+    ), err
+    monkeypatch.setattr(WeightStore, "_write_file", real_write)  # space freed
+    assert cli_main(["train", "--resume", str(run.path)]) == 0
+    assert run.read_summary()["steps"] == 4

@@ -19,13 +19,14 @@ from conftest import short_config
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 import boto3  # noqa: E402
+import torch  # noqa: E402
 from s3_faults import S3WithFaults  # noqa: E402
 
 from moerl.cli import main as cli_main  # noqa: E402
-from moerl.config import save_config  # noqa: E402
-from moerl.runtime.checkpoint import list_checkpoints, load_checkpoint  # noqa: E402
-from moerl.runtime.run_dir import read_jsonl  # noqa: E402
-from moerl.runtime.storage import RunStorage  # noqa: E402
+from moerl.config import RunConfig, save_config  # noqa: E402
+from moerl.runtime.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
+from moerl.runtime.run_dir import RunDir, read_jsonl  # noqa: E402
+from moerl.runtime.storage import MARKER, RunMirror, RunStorage, StorageError, fetch_run  # noqa: E402
 from moerl.runtime.weights import StoreNotWritableError, WeightStore  # noqa: E402
 from moerl.telemetry.metrics import without_wall_clock  # noqa: E402
 from moerl.train import train  # noqa: E402
@@ -167,3 +168,39 @@ def test_an_upload_that_keeps_failing_stops_the_run_with_one_line(tmp_path, tiny
     assert [s for s, _ in list_checkpoints(run_path)] == [2]  # the local checkpoint is whole
     remote = RunStorage(f"s3://{BUCKET}/stuck/{run_path.name}", options={"endpoint_url": s3.endpoint_url})
     assert remote.complete_checkpoints() == [] and remote.committed_files("checkpoints/step_2") is None
+
+
+def test_a_resume_skips_a_checkpoint_damaged_in_s3(tmp_path, s3, capsys):
+    """A file of the newest checkpoint changed in the bucket after its commit (same size, other bytes):
+    the fetch for a resume skips it with one line, as a damaged local checkpoint is, and takes the one
+    before; only when every checkpoint is damaged is the resume refused."""
+    run = RunDir.create(RunConfig(output_dir=str(tmp_path / "a")))
+    options = {"endpoint_url": s3.endpoint_url}
+    mirror = RunMirror(RunStorage(f"s3://{BUCKET}/damaged/{run.path.name}", options=options), run.path)
+    for step in (2, 4):
+        save_checkpoint(
+            run.path, step, {"model": {"w": torch.full((4,), float(step))}, "trainer": {"step": step}}
+        )
+        mirror.checkpoint(step)
+    url, s3_client = mirror.url, boto3.client("s3", endpoint_url=s3.endpoint_url)
+
+    def damage(step):
+        name = sorted(mirror.storage.committed_files(f"checkpoints/step_{step}"))[0]
+        key = f"damaged/{run.path.name}/checkpoints/step_{step}/{name}"
+        size = s3_client.head_object(Bucket=BUCKET, Key=key)["ContentLength"]
+        s3_client.put_object(Bucket=BUCKET, Key=key, Body=b"x" * size)  # same size: only the sha256 differs
+        return name
+
+    name = damage(4)
+    capsys.readouterr()
+    local = fetch_run(url, tmp_path / "b", options=options)
+    assert capsys.readouterr().err == (
+        f"moerl: {url}/checkpoints/step_4: {name} does not match its sha256 in {MARKER}; resuming from step_2\n"
+    )
+    assert [s for s, _ in list_checkpoints(local)] == [2]
+    damage(2)
+    with pytest.raises(
+        StorageError, match=rf"^storage: no checkpoint of {url} is undamaged: {url}/checkpoints/"
+    ):
+        fetch_run(url, tmp_path / "c", options=options)
+    assert not (tmp_path / "c").exists() or list((tmp_path / "c").iterdir()) == []

@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from _runs import damage_model_folder, save_fresh_policy
 
 from moerl.cli import main
 from moerl.config import ConfigError, TrainerConfig, load_config
+from moerl.runtime.preflight import check_policy_folders
+from moerl.tasks import load_tokenizer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -303,3 +307,65 @@ def test_dataset_that_is_not_utf8_names_the_line(train_fails, tmp_path):
     path.write_bytes(b'{"question": "1+1?", "answer": "#### 2"}\n\xff\n')
     err = train_fails("--set", "task.name=jsonl", "--set", f"task.path={path}")
     assert err == f"moerl: config error: task.path: {path}:2: not UTF-8 text (invalid start byte at byte 1)"
+
+
+# fourth fresh-user pass: damaged model folders, checked before the warm start
+
+
+@pytest.mark.parametrize("field", ["init_from", "model.path"])
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("garbled config", "config.json: not valid JSON (Expecting ',' delimiter: line 1 column 28"),
+        ("truncated weights", "model.safetensors: not a readable safetensors file (Error while deserializing header"),
+        ("no model_type", "config.json: unknown architecture (model_type=None, no 'architectures'); supported: "),
+    ],
+)  # fmt: skip
+def test_a_damaged_model_folder_fails_before_the_warm_start(train_fails, tmp_path, field, kind, message):
+    folder = save_fresh_policy(tmp_path / "m")
+    damage_model_folder(folder, kind)
+    err = train_fails("--set", f"{field}={folder}")
+    assert err.startswith(f"moerl: config error: {field}={str(folder)!r}: {folder}/{message}"), err
+
+
+def test_a_folder_without_tokenizer_of_another_vocab_is_refused(train_fails, tmp_path):
+    folder = save_fresh_policy(tmp_path / "m")
+    (folder / "tokenizer.json").unlink()
+    hf = json.loads((folder / "config.json").read_text())
+    builtin, hf["vocab_size"] = hf["vocab_size"], 151936  # a real model's vocabulary, its tokenizer left out
+    (folder / "config.json").write_text(json.dumps(hf))
+    err = train_fails("--set", f"init_from={folder}")
+    assert err == (
+        f"moerl: config error: init_from={str(folder)!r} has no tokenizer.json, and the built-in character "
+        f"tokenizer the run would use instead has {builtin} tokens, not the model's vocab_size=151936: put "
+        "the model's tokenizer.json in the folder or set task.tokenizer=PATH"
+    )
+
+
+def test_a_folder_without_tokenizer_says_the_run_uses_the_builtin_one(tmp_path, capsys):
+    folder = save_fresh_policy(tmp_path / "m")
+    (folder / "tokenizer.json").unlink()
+    check_policy_folders(load_config(None, [f"init_from={folder}"]))
+    assert capsys.readouterr().err == (
+        f"moerl: init_from={str(folder)!r} has no tokenizer.json: the run uses the built-in character "
+        f"tokenizer ({load_tokenizer(None).vocab_size} tokens, the model's vocab_size); set "
+        "task.tokenizer=PATH for another\n"
+    )
+    load_tokenizer(None).save(tmp_path / "tok")
+    check_policy_folders(load_config(None, [f"init_from={folder}", f"task.tokenizer={tmp_path / 'tok'}"]))
+    assert capsys.readouterr().err == ""  # a tokenizer given: nothing to say
+
+
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [
+        ("garbage", "runtime.ray_address='garbage': expected host:port, ray://host:port, auto or local"),
+        ("::1:6379", "runtime.ray_address='::1:6379': expected host:port, ray://host:port, auto or local"),
+        ("head:99999", "runtime.ray_address='head:99999': expected host:port"),
+        ("http://head:8265", "runtime.ray_address='http://head:8265' is an HTTP address (the dashboard's?)"),
+        ("nosuchmodule://head", "runtime.ray_address='nosuchmodule://head': no Ray client for nosuchmodule://"),
+    ],
+)  # fmt: skip
+def test_a_ray_address_ray_init_refuses_fails_before_the_warm_start(train_fails, address, expected):
+    err = train_fails("--set", "runtime.mode=async", "--ray-address", address)
+    assert err.startswith(f"moerl: config error: {expected}"), err

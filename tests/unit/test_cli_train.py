@@ -1,12 +1,17 @@
-"""``moerl train``: --ray-address goes through the validated overrides (fresh runs and --resume alike)."""
+"""``moerl train``: --ray-address goes through the validated overrides (fresh runs and --resume alike); a
+full disk is one line, exit 1."""
 
 from __future__ import annotations
+
+import errno
+from pathlib import Path
 
 import pytest
 
 import moerl.train as controller
 from moerl.cli import main
 from moerl.config import ConfigError
+from moerl.errors import DiskFullError
 
 
 @pytest.fixture
@@ -122,3 +127,44 @@ def test_sft_out_may_replace_an_earlier_checkpoint(tmp_path, monkeypatch):
     assert main(["sft", "--out", str(old), "--set", "sft.steps=1"]) == 0
     assert main(["sft", "--out", str(empty), "--set", "sft.steps=1"]) == 0
     assert calls == [str(old), str(empty)]
+
+
+@pytest.mark.parametrize(
+    ("error", "line"),
+    [
+        (
+            DiskFullError(
+                OSError(errno.ENOSPC, "No space left on device", "/r/weights/x"), Path("/r"), False
+            ),
+            "moerl: no space left on device writing /r/weights/x before the first checkpoint: /r holds the "
+            "metrics so far but cannot be resumed",
+        ),
+        (
+            DiskFullError(OSError(errno.EDQUOT, "Disk quota exceeded"), None, False),
+            "moerl: disk quota exceeded writing a file before the first step (no run folder left); free space "
+            "and start again",
+        ),
+        (
+            OSError(errno.ENOSPC, "No space left on device", "runs/x/config.yaml"),
+            "moerl: no space left on device writing runs/x/config.yaml; free space and try again",
+        ),
+    ],
+)
+def test_a_full_disk_is_one_line_exit_1(monkeypatch, tmp_path, error, line, capsys):
+    def full(cfg):
+        raise error
+
+    monkeypatch.setattr(controller, "train", full)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train"]) == 1
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_another_os_error_is_not_taken_for_a_full_disk(monkeypatch, tmp_path):
+    def broken(cfg):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(controller, "train", broken)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OSError, match="Input/output error"):
+        main(["train"])

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from moerl.config import ConfigError, load_config, save_config
@@ -78,6 +80,26 @@ def test_group_estimators_need_groups_of_two_or_more():
     with pytest.raises(ConfigError, match=r"rollout.group_size=1: the rloo estimator"):
         load_config(None, ["rollout.group_size=1", "algorithm.estimator=rloo"])
     assert load_config(None, ["rollout.group_size=2"]).rollout.group_size == 2
+
+
+@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "gspo", "cispo"])
+@pytest.mark.parametrize("greedy", ["rollout.temperature=0", "rollout.top_k=1"])
+def test_group_estimators_refuse_greedy_sampling(preset, greedy):
+    # every sample of a group the same response: every group-relative advantage is 0, nothing trains
+    with pytest.raises(
+        ConfigError, match=r"decodes greedily: the 8 samples of a group are the same response"
+    ):
+        load_config(None, [greedy, f"algorithm.preset={preset}"])
+    with pytest.raises(ConfigError, match=r"the rloo estimator's group-relative advantages are all 0"):
+        load_config(None, [greedy, f"algorithm.preset={preset}", "algorithm.estimator=rloo"])
+
+
+def test_greedy_sampling_is_left_to_ppo_and_episode_tasks():
+    assert load_config(None, ["rollout.temperature=0", "algorithm.preset=ppo"]).rollout.temperature == 0
+    assert load_config(None, ["rollout.top_k=1", "algorithm.preset=ppo"]).rollout.top_k == 1
+    assert load_config(None, ["rollout.temperature=0.7", "rollout.top_k=2"]).rollout.top_k == 2
+    episodes = Path(__file__).resolve().parents[2] / "configs" / "env_calculator.yaml"  # a GRPO env run
+    assert load_config(episodes, ["rollout.temperature=0"]).rollout.temperature == 0
 
 
 @pytest.mark.parametrize("name", ["../escape", "a/b", "..", "", "x\\y"])

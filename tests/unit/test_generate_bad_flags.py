@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from _runs import save_fresh_policy
+from _runs import damage_model_folder, save_fresh_policy
 
 from moerl.cli import main
 from moerl.config import ModelConfig
@@ -77,3 +77,29 @@ def test_bad_prompts_file_is_one_line_naming_file_and_line(paths, capsys, tmp_pa
     err = capsys.readouterr().err.strip()
     assert err == f"moerl generate: error: {tmp_path / 'p.jsonl'}{message}", err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("garbled config", "config.json: not valid JSON (Expecting ',' delimiter: line 1 column 28"),
+        ("truncated weights", "model.safetensors: not a readable safetensors file (Error while deserializing header"),
+        ("no model_type", "config.json: unknown architecture (model_type=None, no 'architectures'); supported: "),
+    ],
+)  # fmt: skip
+def test_a_damaged_model_folder_is_one_line_naming_the_file(paths, capsys, tmp_path, kind, message):
+    damage_model_folder(tmp_path / "m", kind)
+    assert main(["generate", *paths]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"moerl generate: error: --model {tmp_path / 'm'}: {tmp_path / 'm'}/{message}"), err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_model_folder_without_tokenizer_says_how_to_give_one(paths, capsys, tmp_path):
+    (tmp_path / "m" / "tokenizer.json").unlink()
+    assert main(["generate", *paths]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"moerl generate: error: --model {tmp_path / 'm'}: no tokenizer.json in the folder; pass --tokenizer "
+        "PATH (moerl train uses the built-in character tokenizer for such a folder and says so)"
+    )

@@ -61,3 +61,17 @@ def test_garbage_metrics_name_the_line(tmp_path, capsys, text, needle):
 def test_a_torn_last_line_after_records_is_ignored(tmp_path):
     run = _run_folder(tmp_path, _rec(1) + '{"step": 2, "wal')
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1]
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('{"status": "completed"', "not valid JSON (Expecting ',' delimiter: line 1 column 23 (char 22))"),
+        ("[1]", "expected a JSON object, got list"),
+    ],
+)
+def test_a_garbled_summary_is_one_line(tmp_path, capsys, text, needle):
+    run = _run_folder(tmp_path, _rec(1))
+    (run / "summary.json").write_text(text)
+    assert main(["report", str(run)]) == 2
+    assert capsys.readouterr().err == f"moerl report: {run / 'summary.json'}: {needle}\n"

@@ -2,6 +2,7 @@
 queue and the buffer, the rollout worker actor, and the fleet backend that spawns and watches workers.
 
     rollouts.py      RayRollouts (the ``Rollouts`` of async mode), init_ray, check_ray_address
+    address.py       ray_head: a ``runtime.ray_address`` read as ``ray.init`` reads it, without connecting
     exchange.py      ExchangeActor: TaskQueue + ExperienceBuffer in one actor, the staleness gate
     worker_actor.py  RolloutWorkerActor and the proxies it reaches the exchange through
     backend.py       RayWorkerBackend: the FleetManager's hands on worker actors

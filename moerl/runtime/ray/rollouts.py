@@ -50,6 +50,7 @@ from moerl.runtime.ipc_slots import IpcListener
 from moerl.runtime.ipc_sync import IpcPublisher
 from moerl.runtime.notice import notice_file_for
 from moerl.runtime.queue import QueueStats
+from moerl.runtime.ray.address import ray_head
 from moerl.runtime.ray.backend import RayWorkerBackend
 from moerl.runtime.ray.exchange import ExchangeActor
 from moerl.runtime.ray.worker_actor import RolloutWorkerActor
@@ -86,20 +87,19 @@ def version_lags(
 def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
     """Fail fast on a Ray address whose head cannot be reached (``ray.init`` would retry for minutes).
 
-    ``host:port`` and ``ray://host:port`` are probed with one TCP connection; other forms (``auto``,
-    ``local``) are left to Ray.
+    The form is checked as Ray reads it (``moerl.runtime.ray.address.ray_head``); ``host:port`` and
+    ``ray://host:port`` are then probed with one TCP connection; other forms (``auto``, ``local``) are
+    left to Ray.
 
     Raises:
         ConfigError: the address is malformed or nothing accepts a connection there within ``timeout_s``.
     """
-    target = address.removeprefix("ray://")
-    if address in ("auto", "local") or ":" not in target:
+    head = ray_head(address)
+    if head is None:
         return
-    host, _, port = target.rpartition(":")
-    if not port.isdigit():
-        raise ConfigError(f"runtime.ray_address={address!r}: expected host:port")
+    host, port = head
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as e:
         raise ConfigError(f"runtime.ray_address={address!r}: cannot reach {host}:{port} ({e})") from e
 
