@@ -9,6 +9,7 @@ Layout (``runs/<name>-<timestamp>/``)::
     checkpoints/       step_N/ full run state (moerl.runtime.checkpoint: save/load/latest_checkpoint)
     weights/           published weight versions (the default WeightStore)
     report.png         curves against step and wall time
+    run.lock           held (``flock``) by the one process that runs or resumes the run: ``RunFolderLock``
 
 Every file that another process may read is written atomically (temp file, then ``os.replace``);
 append-only JSONL files are flushed per line and cut back to a step on resume.
@@ -16,7 +17,9 @@ append-only JSONL files are flushed per line and cut back to a step on resume.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -27,6 +30,10 @@ from typing import Any
 
 from moerl.atomic import atomic_write_text
 from moerl.config import RunConfig, save_config
+from moerl.errors import RunFolderInUseError
+
+LOCK_FILE = "run.lock"
+"""The run folder's lock file (``RunFolderLock``); it holds the pid of the process that took the lock."""
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -97,8 +104,12 @@ class RunDir:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         base = Path(cfg.output_dir) / f"{cfg.name}-{stamp}"
         path, i = base, 1
-        while path.exists():  # two runs started within the same second
-            path, i = Path(f"{base}-{i}"), i + 1
+        while True:  # mkdir, not exists(): two runs started within the same second get two folders
+            try:
+                path.mkdir(parents=True)
+                break
+            except FileExistsError:
+                path, i = Path(f"{base}-{i}"), i + 1
         run = cls(path)
         save_config(cfg, run.config)
         return run
@@ -175,3 +186,56 @@ class RunDir:
     def read_summary(self) -> dict[str, Any] | None:
         """The summary, or ``None`` when the run has not finished."""
         return json.loads(self.summary.read_text()) if self.summary.exists() else None
+
+
+class RunFolderLock:
+    """An exclusive lock on a run folder, held by the process that runs or resumes it, for the life of the run.
+
+    ``flock`` on ``<folder>/run.lock``: the OS releases it when its holder exits, crashes or is killed, so a
+    resume after ``kill -9`` finds it free; the file stays (its pid is only read for the error message).
+    Taken before anything of the folder is read back, rewound or written; a second taker fails at once.
+    The descriptor is not inherited across ``exec`` (Ray workers, spawned trainer ranks): they neither need
+    nor hold it. Readers (``moerl report``) take no lock. Use as a context manager (acquire on enter,
+    release on exit).
+
+    Args:
+        folder: the run folder (must exist).
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self._fd: int | None = None
+
+    def acquire(self) -> RunFolderLock:
+        """Take the lock without waiting; returns ``self``.
+
+        Raises:
+            RunFolderInUseError: another process (or another ``RunFolderLock`` of this one) holds it.
+            FileNotFoundError: the folder does not exist.
+        """
+        path = self.folder / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            pid = path.read_text().strip() or "unknown"  # empty: its holder is just writing it
+            raise RunFolderInUseError(
+                f"run folder {self.folder} is in use by another moerl process (pid {pid})"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Give the lock back (idempotent): closing the descriptor releases the ``flock``."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunFolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
