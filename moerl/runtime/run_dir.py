@@ -33,7 +33,7 @@ from moerl.config import RunConfig, save_config
 from moerl.errors import RunFolderInUseError
 
 LOCK_FILE = "run.lock"
-"""The run folder's lock file (``RunFolderLock``); it holds the pid of the process that took the lock."""
+"""The run folder's lock file (``RunFolderLock``): empty, only ``flock``-ed."""
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -191,8 +191,9 @@ class RunDir:
 class RunFolderLock:
     """An exclusive lock on a run folder, held by the process that runs or resumes it, for the life of the run.
 
-    ``flock`` on ``<folder>/run.lock``: the OS releases it when its holder exits, crashes or is killed, so a
-    resume after ``kill -9`` finds it free; the file stays (its pid is only read for the error message).
+    ``flock`` on ``<folder>/run.lock`` (an empty file, created once, never written): the OS releases it when
+    its holder exits, crashes or is killed, so a resume after ``kill -9`` finds it free. The holder's pid
+    in the error comes from ``/proc/locks``.
     Taken before anything of the folder is read back, rewound or written; a second taker fails at once.
     The descriptor is not inherited across ``exec`` (Ray workers, spawned trainer ranks): they neither need
     nor hold it. Readers (``moerl report``) take no lock. Use as a context manager (acquire on enter,
@@ -213,18 +214,16 @@ class RunFolderLock:
             RunFolderInUseError: another process (or another ``RunFolderLock`` of this one) holds it.
             FileNotFoundError: the folder does not exist.
         """
-        path = self.folder / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # opened, never written: a refused resume leaves every file of the folder as it was
+        fd = os.open(self.folder / LOCK_FILE, os.O_RDONLY | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            pid = _flock_holder(fd)
             os.close(fd)
-            pid = path.read_text().strip() or "unknown"  # empty: its holder is just writing it
             raise RunFolderInUseError(
                 f"run folder {self.folder} is in use by another moerl process (pid {pid})"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
         return self
 
@@ -239,3 +238,18 @@ class RunFolderLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _flock_holder(fd: int) -> str:
+    """The pid holding a ``flock`` on the file open as ``fd``, from Linux's ``/proc/locks`` (lines like
+    ``1: FLOCK  ADVISORY  WRITE <pid> <major hex>:<minor hex>:<inode> 0 EOF``); ``"unknown"`` elsewhere."""
+    st = os.fstat(fd)
+    file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:  # not Linux
+        return "unknown"
+    for fields in (line.split() for line in lines):
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == file_id:
+            return fields[4]
+    return "unknown"
