@@ -91,7 +91,7 @@ def _check_out_folder(out: str) -> None:
     import os
     from pathlib import Path
 
-    from moerl.tasks.sft import SUMMARY_FILE, is_sft_file
+    from moerl.tasks.sft import SUMMARY_FILE, is_sft_file  # here: loads torch, like _cmd_sft
 
     path = Path(out).resolve()
     if path.is_file():
