@@ -8,7 +8,7 @@ import json
 import sys
 
 from moerl.config import ConfigError, load_config
-from moerl.errors import DiskFullError, StorageError
+from moerl.errors import DiskFullError, RunFolderInUseError, StorageError
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -79,11 +79,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _check_out_folder(out: str) -> None:
     """Check, before training, that a checkpoint can be written as the folder ``out``.
 
-    ``out`` may be missing (its parents are created) or an earlier checkpoint (a folder with a
-    ``config.json``), which is replaced whole; anything else is left alone.
+    ``out`` may be missing (its parents are created), empty, or an earlier ``moerl sft`` output, which is
+    replaced whole: a folder with its ``sft_summary.json`` and none but the files ``moerl sft`` writes
+    (``moerl.tasks.sft.is_sft_file``). Anything else (a downloaded model, a folder with notes or
+    sub-folders added) is left alone.
 
     Raises:
-        FileExistsError: ``out`` is a file, or a folder with other contents.
+        FileExistsError: ``out`` is a file, or a folder with other contents (the message names the first
+            foreign file).
         PermissionError: the parent folder is not writable.
         NotADirectoryError: a file stands where a parent folder is needed.
     """
@@ -91,9 +94,19 @@ def _check_out_folder(out: str) -> None:
     import os
     from pathlib import Path
 
+    from moerl.tasks.sft import SUMMARY_FILE, is_sft_file  # here: loads torch, like _cmd_sft
+
     path = Path(out).resolve()
-    if path.is_file() or (path.is_dir() and any(path.iterdir()) and not (path / "config.json").exists()):
-        raise FileExistsError(f"{path} exists and is not a model folder (no config.json); not replacing it")
+    if path.is_file():
+        raise FileExistsError(f"{path} exists and is not a model folder (a file); not replacing it")
+    if path.is_dir():
+        entries = sorted(path.iterdir())
+        foreign = next((e for e in entries if not (e.is_file() and is_sft_file(e.name))), None)
+        if foreign is not None or (entries and not (path / SUMMARY_FILE).is_file()):
+            why = f"{foreign.name} is not one of its files" if foreign is not None else f"no {SUMMARY_FILE}"
+            raise FileExistsError(
+                f"{path} exists and is not a model folder written by moerl sft ({why}); not replacing it"
+            )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
@@ -299,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         # user mistakes (missing config, not a run folder, unwritable output): one line, no traceback
         message = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
         print(f"moerl: {message}", file=sys.stderr)
+        return 2
+    except RunFolderInUseError as e:  # a second run or resume of a live run folder: nothing touched
+        print(f"moerl: {e}", file=sys.stderr)
         return 2
     except StorageError as e:  # an upload that failed after its retries: one line, the local copy is whole
         print(f"moerl: {e}", file=sys.stderr)

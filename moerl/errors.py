@@ -26,3 +26,9 @@ class DiskFullError(OSError):
         super().__init__(error.errno, error.strerror or str(error), error.filename)
         self.folder = folder
         self.resumable = resumable
+
+
+class RunFolderInUseError(RuntimeError):
+    """Another process holds a run folder's lock (``moerl.runtime.run_dir.RunFolderLock``): a second run or
+    resume of it would rewind or overwrite what the live one writes. The message is one line naming the
+    folder and the holder's pid."""

@@ -48,13 +48,13 @@ from moerl.runtime.ray import RayRollouts, check_ray_address
 from moerl.runtime.recovery import StepJournal, recover_trainer
 from moerl.runtime.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
 from moerl.runtime.rollouts import Rollouts
-from moerl.runtime.run_dir import LedgerEntry, RunDir, read_jsonl
+from moerl.runtime.run_dir import LedgerEntry, RunDir, RunFolderLock, read_jsonl
 from moerl.runtime.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
 from moerl.runtime.trainer import NonFiniteLossError, Trainer, TrainStats
 from moerl.runtime.types import Group
 from moerl.runtime.warm_start import warm_start
 from moerl.runtime.weights import StoreNotWritableError, WeightStore
-from moerl.telemetry.live import LiveView
+from moerl.telemetry.live import LiveView, done_line
 from moerl.telemetry.report import plot_report
 from moerl.telemetry.run import RunTelemetry
 from moerl.telemetry.step import StepTimings, step_values
@@ -240,11 +240,7 @@ class Run:
             plot_report(self.dir.path)
         if self.mirror is not None:
             self.mirror.finish()
-        self.view.message(
-            f"done: accuracy {summary['start_eval_accuracy']:.3f} -> {_accuracy(summary['final_eval_accuracy'])}, "
-            f"{summary['wall_time_s']:.0f} s; {self.dir.path}"
-            + (f" (stored at {self.mirror.url})" if self.mirror is not None else "")
-        )
+        self.view.message(done_line(summary, self.dir.path, summary.get("storage_url")))  # the one last line
         return summary
 
     def close(self) -> None:
@@ -403,11 +399,13 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
         cfg.init_from = str(Path(cfg.init_from).resolve())
     run_dir = RunDir.create(cfg)
     try:
-        # a failure before step 1 leaves no half-written folder
-        with stops_on_full_disk(run_dir.path), sigterm_interrupts(), run_dir.discarded_on_early_failure():
-            run = Run(cfg, run_dir, live=live)
-            run.start(checkpoint=None)
-            return run.run()
+        with RunFolderLock(run_dir.path), stops_on_full_disk(run_dir.path), sigterm_interrupts():
+            with (
+                run_dir.discarded_on_early_failure()
+            ):  # a failure before step 1 leaves no half-written folder
+                run = Run(cfg, run_dir, live=live)
+                run.start(checkpoint=None)
+                return run.run()
     except KeyboardInterrupt as e:
         raise RunInterrupted.of(run_dir.path) from e
 
@@ -420,13 +418,21 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
         ConfigError: an override of a field a resume does not apply.
         FileNotFoundError: no run folder or no complete checkpoint in it.
         RunInterrupted: Ctrl-C or SIGTERM.
+        RunFolderInUseError: another process runs or resumes the folder (nothing of it was touched).
     """
     fetched = None
     if is_remote(str(run_dir)):  # a stored run's URL: fetch its files and newest checkpoint first
-        run_dir = fetched = fetch_for_resume(str(run_dir), overrides)
+        run_dir = fetched = fetch_for_resume(str(run_dir), overrides)  # the local copy is what gets rewound
     with removed_on_failure(fetched):  # a failed remote resume leaves no fetched folder behind
         if not (Path(run_dir) / "config.yaml").exists():  # checked first: RunDir() creates the folder
             raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
+    with RunFolderLock(run_dir):  # before anything is read back or rewound; held until the run ends
+        return _resume(run_dir, fetched, overrides, live)
+
+
+def _resume(run_dir: str | Path, fetched: Path | None, overrides: list[str] | None, live: bool) -> dict:
+    """``resume`` of a local run folder whose lock this process holds."""
+    with removed_on_failure(fetched):
         folder = RunDir(run_dir)
         cfg = resumed_config(folder.config, overrides)  # the run's own, with what a resume may change
         done = folder.read_summary(damaged="warn")  # the checkpoints decide: a damaged one is not "done"
@@ -492,8 +498,3 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def _accuracy(value: float | None) -> str:
-    """An accuracy with three decimals, or "not evaluated"."""
-    return "not evaluated" if value is None else f"{value:.3f}"

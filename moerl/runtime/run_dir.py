@@ -9,6 +9,7 @@ Layout (``runs/<name>-<timestamp>/``)::
     checkpoints/       step_N/ full run state (moerl.runtime.checkpoint: save/load/latest_checkpoint)
     weights/           published weight versions (the default WeightStore)
     report.png         curves against step and wall time
+    run.lock           held (``flock``) by the one process that runs or resumes the run: ``RunFolderLock``
 
 Every file that another process may read is written atomically (temp file, then ``os.replace``);
 append-only JSONL files are flushed per line and cut back to a step on resume.
@@ -16,7 +17,9 @@ append-only JSONL files are flushed per line and cut back to a step on resume.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 import sys
 import time
@@ -28,6 +31,10 @@ from typing import Any
 
 from moerl.atomic import atomic_write_text
 from moerl.config import RunConfig, save_config
+from moerl.errors import RunFolderInUseError
+
+LOCK_FILE = "run.lock"
+"""The run folder's lock file (``RunFolderLock``): empty, only ``flock``-ed."""
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -98,8 +105,12 @@ class RunDir:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         base = Path(cfg.output_dir) / f"{cfg.name}-{stamp}"
         path, i = base, 1
-        while path.exists():  # two runs started within the same second
-            path, i = Path(f"{base}-{i}"), i + 1
+        while True:  # mkdir, not exists(): two runs started within the same second get two folders
+            try:
+                path.mkdir(parents=True)
+                break
+            except FileExistsError:
+                path, i = Path(f"{base}-{i}"), i + 1
         run = cls(path)
         save_config(cfg, run.config)
         return run
@@ -206,3 +217,70 @@ def _parse_summary(path: Path) -> dict[str, Any]:
 
 class SummaryError(ValueError):
     """A run's ``summary.json`` cannot be read (damaged, e.g. edited by hand or cut by a full disk)."""
+
+
+class RunFolderLock:
+    """An exclusive lock on a run folder, held by the process that runs or resumes it, for the life of the run.
+
+    ``flock`` on ``<folder>/run.lock`` (an empty file, created once, never written): the OS releases it when
+    its holder exits, crashes or is killed, so a resume after ``kill -9`` finds it free. The holder's pid
+    in the error comes from ``/proc/locks``.
+    Taken before anything of the folder is read back, rewound or written; a second taker fails at once.
+    The descriptor is not inherited across ``exec`` (Ray workers, spawned trainer ranks): they neither need
+    nor hold it. Readers (``moerl report``) take no lock. Use as a context manager (acquire on enter,
+    release on exit).
+
+    Args:
+        folder: the run folder (must exist).
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self._fd: int | None = None
+
+    def acquire(self) -> RunFolderLock:
+        """Take the lock without waiting; returns ``self``.
+
+        Raises:
+            RunFolderInUseError: another process (or another ``RunFolderLock`` of this one) holds it.
+            FileNotFoundError: the folder does not exist.
+        """
+        # opened, never written: a refused resume leaves every file of the folder as it was
+        fd = os.open(self.folder / LOCK_FILE, os.O_RDONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _flock_holder(fd)
+            os.close(fd)
+            raise RunFolderInUseError(
+                f"run folder {self.folder} is in use by another moerl process (pid {pid})"
+            ) from None
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Give the lock back (idempotent): closing the descriptor releases the ``flock``."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunFolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _flock_holder(fd: int) -> str:
+    """The pid holding a ``flock`` on the file open as ``fd``, from Linux's ``/proc/locks`` (lines like
+    ``1: FLOCK  ADVISORY  WRITE <pid> <major hex>:<minor hex>:<inode> 0 EOF``); ``"unknown"`` elsewhere."""
+    st = os.fstat(fd)
+    file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:  # not Linux
+        return "unknown"
+    for fields in (line.split() for line in lines):
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == file_id:
+            return fields[4]
+    return "unknown"

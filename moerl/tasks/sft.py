@@ -16,6 +16,7 @@ import itertools
 import json
 import logging
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from moerl.atomic import atomic_write_text
 from moerl.config import RunConfig
 from moerl.lr_schedule import warmup_cosine_lr
 from moerl.models import build_model, save_pretrained
+from moerl.models.checkpoint import INDEX_FILE
 from moerl.tasks import make_task
 from moerl.tasks.base import Prompt
 from moerl.tasks.eval import evaluate
@@ -37,6 +39,17 @@ from moerl.tasks.tokenizer import Tokenizer, load_run_tokenizer
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "sft_summary.json"
+_OUTPUT_FILES = frozenset(
+    {"config.json", "model.safetensors", INDEX_FILE, "tokenizer.json", "tokenizer_config.json", SUMMARY_FILE}
+)
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def is_sft_file(name: str) -> bool:
+    """Whether ``name`` is one of the files ``run_sft`` writes into its output folder: ``save_pretrained``'s
+    (``config.json``, ``model.safetensors`` or its shards and index), the tokenizer's and ``sft_summary.json``.
+    ``moerl sft --out`` replaces only a folder of such files (``moerl.cli``)."""
+    return name in _OUTPUT_FILES or _SHARD_FILE.fullmatch(name) is not None
 
 
 @dataclass(frozen=True, slots=True)

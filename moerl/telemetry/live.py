@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
 
@@ -27,6 +28,22 @@ def status_line(record: dict, total_steps: int, *, eval_step: int | None = None)
         f"rollout tok/s {_fmt(record.get('perf/rollout_tokens_per_s'), '.0f')}  "
         f"train tok/s {_fmt(record.get('perf/train_tokens_per_s'), '.0f')}  "
         f"buffer {_fmt(record.get('buffer/depth'), '.0f')} groups  v{_fmt(record.get('policy_version'), '.0f')}"
+    )
+
+
+def done_line(summary: dict, folder: str | Path, stored_at: str | None = None) -> str:
+    """The run's last console line: held-out accuracy at start -> end, wall time, the exactly-once
+    task accounting (``tasks_duplicated``, ``tasks_lost``: 0 and 0 in a sound run, see
+    ``moerl.runtime.accounting``) and where the run is (``stored_at``: its storage URL, if any).
+
+    ``summary`` is the run's ``summary.json`` dict; ``final_eval_accuracy`` may be None (not evaluated).
+    """
+    final = summary["final_eval_accuracy"]
+    return (
+        f"done: accuracy {summary['start_eval_accuracy']:.3f} -> "
+        f"{'not evaluated' if final is None else format(final, '.3f')}, {summary['wall_time_s']:.0f} s, "
+        f"tasks duplicated {summary['tasks_duplicated']} lost {summary['tasks_lost']}; {folder}"
+        + (f" (stored at {stored_at})" if stored_at is not None else "")
     )
 
 

@@ -50,6 +50,7 @@ def test_resume_skips_a_truncated_newest_checkpoint_from_another_folder(
         "moerl: checkpoints/step_4: model.safetensors unreadable (invalid header length); resuming from step_2"
     )
     assert "resumed at step 2 from" in err[1]
+    assert "tasks duplicated 0 lost 0;" in err[-1] and err[-1].startswith("[")  # the live view's last line
     summary = run.read_summary()
     assert summary["steps"] == 4 and summary["tasks_duplicated"] == summary["tasks_lost"] == 0
     assert [without_wall_clock(r) for r in read_jsonl(run.metrics)] == before

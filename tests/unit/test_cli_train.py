@@ -122,6 +122,7 @@ def test_sft_out_may_replace_an_earlier_checkpoint(tmp_path, monkeypatch):
     old = tmp_path / "ckpt"
     old.mkdir()
     (old / "config.json").write_text("{}")
+    (old / "sft_summary.json").write_text("{}")  # what marks a folder as a moerl sft output
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["sft", "--out", str(old), "--set", "sft.steps=1"]) == 0
