@@ -61,6 +61,14 @@ def save_fresh_policy(path: Path, model: ModelConfig | None = None) -> Path:
     return path
 
 
+DAMAGED_FOLDER_MESSAGES = [
+    ("garbled config", "config.json: not valid JSON (Expecting ',' delimiter: line 1 column 28"),
+    ("truncated weights", "model.safetensors: not a readable safetensors file (Error while deserializing header"),
+    ("no model_type", "config.json: unknown architecture (model_type=None, no 'architectures'); supported: "),
+]  # fmt: skip
+"""(kind of ``damage_model_folder``, what the one-line error then says of the folder's file)."""
+
+
 def damage_model_folder(folder: Path, kind: str) -> None:
     """Damage a saved policy folder as a fresh user found them: ``kind`` is ``"garbled config"`` (a
     config.json that is not JSON), ``"truncated weights"`` (model.safetensors cut after 2000 bytes) or

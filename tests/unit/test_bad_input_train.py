@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _runs import damage_model_folder, save_fresh_policy
+from _runs import DAMAGED_FOLDER_MESSAGES, damage_model_folder, save_fresh_policy
 
 from moerl.cli import main
 from moerl.config import ConfigError, TrainerConfig, load_config
@@ -315,12 +315,8 @@ def test_dataset_that_is_not_utf8_names_the_line(train_fails, tmp_path):
 @pytest.mark.parametrize("field", ["init_from", "model.path"])
 @pytest.mark.parametrize(
     ("kind", "message"),
-    [
-        ("garbled config", "config.json: not valid JSON (Expecting ',' delimiter: line 1 column 28"),
-        ("truncated weights", "model.safetensors: not a readable safetensors file (Error while deserializing header"),
-        ("no model_type", "config.json: unknown architecture (model_type=None, no 'architectures'); supported: "),
-    ],
-)  # fmt: skip
+    DAMAGED_FOLDER_MESSAGES,
+)
 def test_a_damaged_model_folder_fails_before_the_warm_start(train_fails, tmp_path, field, kind, message):
     folder = save_fresh_policy(tmp_path / "m")
     damage_model_folder(folder, kind)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from _runs import damage_model_folder, save_fresh_policy
+from _runs import DAMAGED_FOLDER_MESSAGES, damage_model_folder, save_fresh_policy
 
 from moerl.cli import main
 from moerl.config import ModelConfig
@@ -81,12 +81,8 @@ def test_bad_prompts_file_is_one_line_naming_file_and_line(paths, capsys, tmp_pa
 
 @pytest.mark.parametrize(
     ("kind", "message"),
-    [
-        ("garbled config", "config.json: not valid JSON (Expecting ',' delimiter: line 1 column 28"),
-        ("truncated weights", "model.safetensors: not a readable safetensors file (Error while deserializing header"),
-        ("no model_type", "config.json: unknown architecture (model_type=None, no 'architectures'); supported: "),
-    ],
-)  # fmt: skip
+    DAMAGED_FOLDER_MESSAGES,
+)
 def test_a_damaged_model_folder_is_one_line_naming_the_file(paths, capsys, tmp_path, kind, message):
     damage_model_folder(tmp_path / "m", kind)
     assert main(["generate", *paths]) == 2
