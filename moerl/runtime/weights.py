@@ -379,14 +379,21 @@ class WeightStore:
             raise ValueError(f"{self._uri(version)}/{MANIFEST}: {e}") from e
 
     def latest(self) -> WeightVersion | None:
-        """The newest complete version, or ``None`` if none was published."""
+        """The newest complete version, or ``None`` if none was published (or only unfinished ones are).
+
+        A writer may prune every version a listing named while this scans it (``keep`` versions, a fast
+        publisher): then the folder is listed again, until a listing holds a complete version or names
+        the same folders as the one before (nothing complete there)."""
         self.flush()
-        for version in reversed(self._all_version_dirs()):
-            try:
-                manifest = self.manifest(version)
-            except FileNotFoundError:
-                continue  # unfinished (or just pruned): not a version
-            return WeightVersion(version, self._uri(version), manifest, manifest.created_at)
+        listed: list[int] | None = None
+        while (dirs := self._all_version_dirs()) != listed:
+            for version in reversed(dirs):
+                try:
+                    manifest = self.manifest(version)
+                except FileNotFoundError:
+                    continue  # unfinished (or just pruned): not a version
+                return WeightVersion(version, self._uri(version), manifest, manifest.created_at)
+            listed = dirs
         return None
 
     def load(self, version: int) -> dict[str, torch.Tensor]:

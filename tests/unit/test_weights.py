@@ -250,3 +250,16 @@ def test_pack_weights_round_trip_keeps_names_dtypes_shapes_and_values():
         assert torch.equal(out[name], t), name
     out["tied"].add_(1)  # writable, and a copy: the source is untouched
     assert float(tensors["tied"][0, 0]) == 0.0 and float(out["tied"][0, 0]) == 1.0
+
+
+def test_latest_lists_again_when_a_writer_pruned_everything_it_listed(tmp_path, monkeypatch):
+    store = WeightStore(str(tmp_path), keep=3)
+    for v in (1, 2, 3):
+        store.publish(v, weights(v))
+    real = store._all_version_dirs
+    listings = iter([[97, 98]])  # folders listed, then pruned before their manifests were read
+
+    monkeypatch.setattr(store, "_all_version_dirs", lambda: next(listings, None) or real())
+    assert store.latest().version == 3  # not None: versions were published all along
+    empty = WeightStore(str(tmp_path / "none"), keep=3)
+    assert empty.latest() is None
