@@ -22,7 +22,7 @@ from typing import Any
 
 from moerl.config import ConfigError, RunConfig, load_config
 from moerl.configlib import to_dict
-from moerl.runtime.checkpoint import newest_complete_checkpoint
+from moerl.runtime.checkpoint import newest_complete_checkpoint, read_checkpoint_step
 
 RESUME_FIELDS = (
     "trainer.steps",
@@ -95,9 +95,11 @@ def resume_checkpoint(run_dir: str | Path, cfg: RunConfig) -> Path:
     Raises:
         FileNotFoundError: no complete checkpoint (says why: none written yet, checkpoints off, or each
             one's damage).
+        ConfigError: ``trainer.steps`` is below that checkpoint's step (``check_resume_steps``).
     """
     ckpt, skipped = newest_complete_checkpoint(run_dir)
     if ckpt is not None:
+        check_resume_steps(ckpt, cfg)
         for line in skipped:
             print(f"moerl: {line}; resuming from {ckpt.name}", file=sys.stderr)
         return ckpt
@@ -108,6 +110,20 @@ def resume_checkpoint(run_dir: str | Path, cfg: RunConfig) -> Path:
         f"{run_dir} has no complete checkpoint to resume from (trainer.checkpoint_every={every}: "
         + ("checkpoints are off)" if every == 0 else f"the first is written at step {every})")
     )
+
+
+def check_resume_steps(ckpt: Path, cfg: RunConfig) -> None:
+    """Refuse a resume whose ``trainer.steps`` is below the step of checkpoint ``ckpt``: it would train
+    nothing and report the run completed.
+
+    Raises:
+        ConfigError: naming ``trainer.steps``, the checkpoint and the least value that resumes.
+    """
+    if (step := read_checkpoint_step(ckpt)) > cfg.trainer.steps:
+        raise ConfigError(
+            f"trainer.steps={cfg.trainer.steps} is below the step of the checkpoint the run resumes from "
+            f"({ckpt.name}): nothing would be trained; set trainer.steps >= {step}"
+        )
 
 
 def resumed_config(config_path: Path, overrides: list[str] | None) -> RunConfig:

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from safetensors.torch import load_file, save_file
 
-from moerl.config import RunConfig
+from moerl.config import ConfigError, load_config
 from moerl.runtime.checkpoint import (
     checkpoint_problem,
     load_checkpoint,
@@ -23,6 +23,7 @@ from moerl.runtime.checkpoint import (
 )
 from moerl.runtime.resume import resume_checkpoint
 
+RUN = load_config(None, ["trainer.steps=300"])  # a run whose checkpoints are at steps 100 and 200
 CHANGED = "does not match its xxh3_128 digest in meta.json (written "
 
 
@@ -150,14 +151,14 @@ def test_unreadable_records_are_damage(tmp_path):
 def test_resume_falls_back_to_the_older_good_checkpoint_with_one_line(tmp_path, capsys):
     older, newest = _two_checkpoints(tmp_path)
     _nan_model(newest)
-    assert resume_checkpoint(tmp_path, RunConfig()) == older
+    assert resume_checkpoint(tmp_path, RUN) == older
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert err[0].startswith(f"moerl: checkpoints/step_200: model.safetensors {CHANGED}")
     assert err[0].endswith("changed after the checkpoint was written; resuming from step_100")
     _flip_byte(older / "optimizer.safetensors", -5)
     with pytest.raises(FileNotFoundError) as e:
-        resume_checkpoint(tmp_path, RunConfig())
+        resume_checkpoint(tmp_path, RUN)
     message = str(e.value)
     assert message.startswith(f"{tmp_path} has no complete checkpoint to resume from: checkpoints/step_200:")
     assert f"; checkpoints/step_100: optimizer.safetensors {CHANGED}" in message
@@ -180,3 +181,10 @@ def test_a_sharded_checkpoint_records_and_checks_its_dcp_files(tmp_path):
     _flip_byte(shards / "__0_0.distcp")
     problem = checkpoint_problem(step)
     assert problem is not None and problem.startswith(f"shards/step_2/__0_0.distcp {CHANGED}")
+
+
+def test_a_resume_below_the_checkpoints_step_is_refused(tmp_path):
+    _two_checkpoints(tmp_path)
+    with pytest.raises(ConfigError, match=r"trainer.steps=150 is below .* \(step_200\).*>= 200"):
+        resume_checkpoint(tmp_path, load_config(None, ["trainer.steps=150"]))
+    assert resume_checkpoint(tmp_path, load_config(None, ["trainer.steps=200"])).name == "step_200"
