@@ -37,6 +37,12 @@ def _config(args: argparse.Namespace):
     return load_config(path, args.overrides)
 
 
+def _local_url(path: str) -> str:
+    """A ``file://`` URL as the local path it names (a run stored with ``storage.url=file://...`` is a
+    local folder; resume and report read it there); anything else as it is."""
+    return path[len("file://") :] if path.startswith("file://") else path
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     import moerl.train as run  # here, not at the top: torch and the runtime load only for this command
     from moerl.run_interrupt import ignore_further_interrupts  # (with moerl.train: it loads torch)
@@ -57,7 +63,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         args.overrides.append(f"telemetry.metrics_address={json.dumps(args.metrics_address)}")
     try:
         summary = (
-            run.resume(args.resume, overrides=args.overrides) if args.resume else run.train(_config(args))
+            run.resume(_local_url(args.resume), overrides=args.overrides)
+            if args.resume
+            else run.train(_config(args))
         )
     except run.RunInterrupted as e:
         ignore_further_interrupts()  # another Ctrl-C during Ray's shutdown at exit: one line, no traceback
@@ -140,7 +148,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from moerl.telemetry.report import report_main
 
-    return report_main(args.run_dir)
+    return report_main(_local_url(args.run_dir))
 
 
 _CLUSTER_RENDER_DESCRIPTION = """\

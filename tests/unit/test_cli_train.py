@@ -45,6 +45,15 @@ def test_resume_honours_ray_address(calls):
     assert calls["resume"] == ("runs/x", ["trainer.steps=9", 'runtime.ray_address="auto"'])
 
 
+def test_file_urls_name_local_run_folders(calls, monkeypatch):
+    import moerl.telemetry.report as report
+
+    assert main(["train", "--resume", "file:///runs/x"]) == 0  # storage.url=file://... runs are local
+    assert calls["resume"] == ("/runs/x", [])
+    monkeypatch.setattr(report, "report_main", lambda run_dir: calls.setdefault("report", run_dir) and 0)
+    assert main(["report", "file:///runs/x"]) == 0 and calls["report"] == "/runs/x"
+
+
 def test_bad_override_is_a_config_error_before_any_run(calls, capsys):
     assert main(["train", "--set", "trainer.lr=-1"]) == 2
     assert "config error" in capsys.readouterr().err and "cfg" not in calls
