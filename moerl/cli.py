@@ -124,6 +124,7 @@ def _check_out_folder(out: str) -> None:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
+    from moerl.run_interrupt import sigterm_interrupts
     from moerl.runtime.preflight import check_run_inputs
     from moerl.tasks.sft import run_sft
     from moerl.telemetry.live import LiveView
@@ -133,7 +134,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     check_run_inputs(cfg, rollouts=False)  # import paths, dataset, prompt lengths, memory, as moerl train
     view = LiveView(cfg.sft.steps)
     try:
-        run_sft(cfg, out_dir=args.out, progress=view.warm_start_progress)
+        with sigterm_interrupts():  # SIGTERM as Ctrl-C: "moerl: interrupted", exit 130, --out left whole
+            run_sft(cfg, out_dir=args.out, progress=view.warm_start_progress)
     finally:
         view.close()
     return 0

@@ -97,3 +97,19 @@ def test_is_sft_file_knows_the_files_run_sft_writes():
         is_sft_file(f)
         for f in ("notes.txt", "model-1-of-2.safetensors", "pytorch_model.bin", ".gitattributes")
     )
+
+
+def test_sigterm_stops_sft_as_ctrl_c_does(tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    def terminated(cfg, out_dir, progress=None):
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler stopping the job would
+        signal.pause()  # not reached: the handler raises on delivery
+
+    monkeypatch.setattr(sft, "run_sft", terminated)
+    monkeypatch.chdir(tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["sft", "--set", "sft.steps=1", "--out", str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err.strip().endswith("moerl: interrupted")
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the command's only
