@@ -109,7 +109,8 @@ class Run:
         init_path = warm_start(cfg, self.dir, self.view)
         if self.mirror is not None and cfg.init_from is None:  # a resume elsewhere then needs no SFT again
             self.mirror.warm_start(Path(init_path))
-        parts = load_checkpoint(checkpoint) if checkpoint is not None else None
+        # its digests were read when resume_checkpoint picked it (the run folder is locked since)
+        parts = load_checkpoint(checkpoint, contents=False) if checkpoint is not None else None
         self.comp = build_components(cfg, init_path, self.store)
         # one rank: today's Trainer; more: a TrainerGroup (moerl.distributed), same interface
         self.trainer: Trainer | TrainerGroup = make_trainer(cfg, self.comp.model, init_path, self.dir.path)
@@ -400,9 +401,8 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
     run_dir = RunDir.create(cfg)
     try:
         with RunFolderLock(run_dir.path), stops_on_full_disk(run_dir.path), sigterm_interrupts():
-            with (
-                run_dir.discarded_on_early_failure()
-            ):  # a failure before step 1 leaves no half-written folder
+            # a failure before step 1 leaves no half-written folder
+            with run_dir.discarded_on_early_failure():
                 run = Run(cfg, run_dir, live=live)
                 run.start(checkpoint=None)
                 return run.run()

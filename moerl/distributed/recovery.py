@@ -51,7 +51,7 @@ def restart_group(
         ckpt = latest_checkpoint(run.path)
         if ckpt is None:  # no checkpoint yet: the new ranks start again from the warm-start weights
             return 0
-        load_trainer_state(trainer, ckpt, load_checkpoint(ckpt))
+        load_trainer_state(trainer, ckpt, load_checkpoint(ckpt, contents=False))  # checked when picked
         return trainer.step
 
     report = restart_and_publish(trainer, load, run, store, fleet, journal, failed_step, newest_pushed)

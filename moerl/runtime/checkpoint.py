@@ -388,10 +388,12 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], *, ke
     return final
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, *, contents: bool = True) -> dict[str, Any]:
     """Read a checkpoint folder (e.g. from ``latest_checkpoint``) back into its named parts.
 
     Tensors come back on CPU with their saved dtypes; the step is ``read_checkpoint_step(path)``.
+    ``contents=False``: the caller picked ``path`` with ``latest_checkpoint`` / ``newest_complete_checkpoint``,
+    which read every byte for its digest already; only the structure is checked again (``checkpoint_problem``).
 
     Raises:
         FileNotFoundError: ``path`` is not a checkpoint folder (no ``meta.json``).
@@ -407,7 +409,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise ValueError(
             f"{meta_path}: unknown checkpoint format {meta.get('format')!r}; expected {_FORMAT!r}"
         )
-    if (problem := checkpoint_problem(path)) is not None:  # one line, not a deep decoding traceback
+    if (problem := checkpoint_problem(path, contents=contents)) is not None:  # one line, no deep traceback
         raise ValueError(f"{path} is not a complete checkpoint: {problem}")
     state = {}
     for name in meta["parts"]:

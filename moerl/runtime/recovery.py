@@ -208,7 +208,7 @@ def recover_trainer(
                 load_policy(cfg, comp.init_path, comp.tokenizer.vocab_size).state_dict()
             )
             return 0
-        trainer.load_state_dict(load_checkpoint(ckpt))
+        trainer.load_state_dict(load_checkpoint(ckpt, contents=False))  # digests read by latest_checkpoint
         return trainer.step
 
     report = restart_and_publish(trainer, load, run, store, rollouts, journal, failed_step, newest_pushed)
