@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_json  # noqa: E402
 from moerl.config import load_config  # noqa: E402
-from moerl.runtime.allocator import keep_freed_memory  # noqa: E402
+from moerl.allocator import keep_freed_memory  # noqa: E402
 from moerl.runtime.build import build_components  # noqa: E402
 from moerl.runtime.local import LocalRollouts  # noqa: E402
-from moerl.runtime.trainer import Trainer  # noqa: E402
-from moerl.runtime.weights import WeightStore  # noqa: E402
+from moerl.trainer.local import LocalTrainer  # noqa: E402
+from moerl.weights.store import WeightStore  # noqa: E402
 
 
 def _sync_parts(
@@ -58,7 +58,7 @@ def measure(config: str | None, overrides: list[str], init_from: str | None, rou
     """Median seconds of one batch's generation (G), train step (T) at 1 and 2 threads, and publish (P)."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg, comp, fleet = _sync_parts(config, overrides, init_from, tmp)
-        trainer, store = Trainer.from_run_config(comp.model, cfg), comp.store
+        trainer, store = LocalTrainer.from_run_config(comp.model, cfg), comp.store
         times: dict[str, list[float]] = {"G1": [], "G2": [], "T1": [], "T2": [], "P": []}
         for i in range(2 * rounds + 2):  # the first two (one per thread count) are warm-up
             threads = 1 + i % 2
@@ -105,7 +105,7 @@ def measure_sharing(config: str | None, overrides: list[str], init_from: str | N
     try:
         with tempfile.TemporaryDirectory() as tmp:
             cfg, comp, fleet = _sync_parts(config, overrides, init_from, tmp)
-            trainer = Trainer.from_run_config(comp.model, cfg)
+            trainer = LocalTrainer.from_run_config(comp.model, cfg)
             batches = [
                 trainer.build_batch(fleet.next_groups(cfg.trainer.batch_groups)[0], comp.tokenizer.pad_id)
                 for _ in range(4)

@@ -1,4 +1,4 @@
-"""GPU check of ``moerl.runtime.memory_check`` (one H200): the CUDA reading, the default config passing, an
+"""GPU check of ``moerl.rollout.memory_check`` (one H200): the CUDA reading, the default config passing, an
 oversized engine refused, and the estimate against the bytes a real model and engine allocate on CUDA.
 
     PYTHONPATH=. python3 bench/memory_check_gpu.py
@@ -12,7 +12,7 @@ from moerl.config import ConfigError, load_config
 from moerl.models.dtypes import torch_dtype
 from moerl.models.model import MoeForCausalLM
 from moerl.rollout.engine import Engine
-from moerl.runtime.memory_check import available_bytes, check_memory, policy_arch
+from moerl.rollout.memory_check import available_bytes, check_memory, policy_arch
 
 VOCAB = 512
 

@@ -44,9 +44,9 @@ from bench.common import (  # noqa: E402
 from bench.rollout_gpu import engine_for, sampling_requests, time_generate  # noqa: E402
 from moerl.config import AlgorithmConfig, TrainerConfig  # noqa: E402
 from moerl.rl import rollout_mismatch_sums  # noqa: E402
-from moerl.runtime.batch import build_train_batch  # noqa: E402
-from moerl.runtime.trainer import Trainer  # noqa: E402
-from moerl.runtime.types import Group, Lease, RolloutTask, Sample  # noqa: E402
+from moerl.trainer.batch import build_train_batch  # noqa: E402
+from moerl.trainer.local import LocalTrainer  # noqa: E402
+from moerl.records import Group, Lease, RolloutTask, Sample  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -109,7 +109,7 @@ def replay_agreement(model, completions, trainer_dtype: torch.dtype, micro_batch
     fed[torch.arange(fed.shape[0]), batch.attention_mask.sum(1) - 1] = False  # the last token is never fed
     out = {"tokens": batch.num_tokens}
     for mode in ("off", "r3"):
-        trainer = Trainer(
+        trainer = LocalTrainer(
             trainer_model,
             TrainerConfig(micro_batch_size=micro_batch),
             AlgorithmConfig(routing_replay=mode, mismatch_mode="none"),

@@ -41,8 +41,8 @@ from bench.common import (  # noqa: E402
 )
 from bench.common import write_json as _write_json  # noqa: E402
 from moerl.config import AlgorithmConfig, TrainerConfig  # noqa: E402
-from moerl.runtime.batch import TrainBatch  # noqa: E402
-from moerl.runtime.trainer import Trainer  # noqa: E402
+from moerl.trainer.batch import TrainBatch  # noqa: E402
+from moerl.trainer.local import LocalTrainer  # noqa: E402
 
 
 def make_batch(batch: int, seq_len: int, vocab: int, prompt_len: int, group_size: int = 4) -> TrainBatch:
@@ -124,7 +124,7 @@ def bench_moerl(
         grad_clip=1.0,
         activation_checkpointing=activation_checkpointing,
     )
-    trainer = Trainer(model, cfg, AlgorithmConfig(preset="grpo"), temperature=1.0)
+    trainer = LocalTrainer(model, cfg, AlgorithmConfig(preset="grpo"), temperature=1.0)
     norms: list[float] = []
     wall_time(lambda: norms.append(trainer.train_step(batch).grad_norm), device)
     if profile is not None:

@@ -12,7 +12,7 @@ clock stops when the engine has copied the whole new version into its parameters
 - ``store`` (today's serialize-and-load path): ``WeightStore.publish`` (safetensors, sha256, fsspec write
   to a local folder, manifest last), then the engine ``load``s the version (sha256 verified) and copies it
   in. ``--store-rounds`` rounds (one is enough at 13.8 GB).
-- ``cuda_ipc`` (``runtime.weight_sync=cuda_ipc``, ``moerl.runtime.ipc_sync``): the trainer packs each bucket
+- ``cuda_ipc`` (``runtime.weight_sync=cuda_ipc``, ``moerl.weights.ipc``): the trainer packs each bucket
   of ``--bucket-mb`` into a ring of 2 device buffers whose CUDA IPC handles the engine mapped once; the
   engine copies each out (device to device), checks its on-device checksum, acknowledges it, and applies
   the version once whole. On CPU the ring is shared memory (the same code).
@@ -47,9 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import SPECS, device_info, print_table, write_json  # noqa: E402
 from bench.weight_sync_engine import RayEngineActor, engine_main, fingerprint, make_model  # noqa: E402
 from moerl.config import ModelConfig  # noqa: E402
-from moerl.runtime.ipc_sync import IpcPublisher, tensors_checksum_no_sync  # noqa: E402
-from moerl.runtime.weight_sync import BucketPublisher, bucket_bytes_of  # noqa: E402
-from moerl.runtime.weights import WeightStore, pack_weights  # noqa: E402
+from moerl.weights.ipc import IpcPublisher, tensors_checksum_no_sync  # noqa: E402
+from moerl.weights.buckets import BucketPublisher, bucket_bytes_of  # noqa: E402
+from moerl.weights.store import WeightStore, pack_weights  # noqa: E402
 from moerl.tasks import load_tokenizer  # noqa: E402
 
 PATHS = ("store", "cuda_ipc", "pinned_host", "packed", "buckets")

@@ -10,9 +10,9 @@ import torch
 from moerl.config import ModelConfig
 from moerl.models import build_model
 from moerl.rollout import Engine
-from moerl.runtime.ipc_sync import IpcReceiver, tensors_checksum_no_sync
-from moerl.runtime.weight_sync import BucketAssembler
-from moerl.runtime.weights import WeightStore, unpack_weights
+from moerl.weights.ipc import IpcReceiver, tensors_checksum_no_sync
+from moerl.weights.buckets import BucketAssembler
+from moerl.weights.store import WeightStore, unpack_weights
 
 
 def make_model(cfg: ModelConfig, vocab: int) -> torch.nn.Module:

@@ -5,7 +5,7 @@ written through here: to a temporary file in the same folder (so the rename stay
 flushed and fsynced, made readable by all (``mkstemp`` creates 0600; outputs are shared), then renamed
 over the target with ``os.replace``. On an error the temporary file is removed and the target is left
 as it was. Folders (checkpoints, model folders) and object stores have their own renames
-(``moerl.runtime.checkpoint``, ``moerl.models.checkpoint``, ``moerl.runtime.weights``).
+(``moerl.trainer.checkpoint``, ``moerl.models.checkpoint``, ``moerl.weights.store``).
 """
 
 from __future__ import annotations

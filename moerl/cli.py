@@ -45,10 +45,10 @@ def _local_url(path: str) -> str:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     import moerl.train as run  # here, not at the top: torch and the runtime load only for this command
-    from moerl.run_interrupt import ignore_further_interrupts  # (with moerl.train: it loads torch)
+    from moerl.run.interrupt import ignore_further_interrupts  # (with moerl.train: it loads torch)
 
     if args.resume and args.config:  # a resumed run keeps its own config; silently ignoring it would mislead
-        from moerl.runtime.resume import RESUME_FIELDS  # here: loads torch, like moerl.train
+        from moerl.run.resume import RESUME_FIELDS  # here: loads torch, like moerl.train
 
         raise ConfigError(
             f"--config {args.config} with --resume: a resumed run keeps its own config "
@@ -124,8 +124,8 @@ def _check_out_folder(out: str) -> None:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from moerl.run_interrupt import sigterm_interrupts
-    from moerl.runtime.preflight import check_run_inputs
+    from moerl.run.interrupt import sigterm_interrupts
+    from moerl.run.preflight import check_run_inputs
     from moerl.tasks.sft import run_sft
     from moerl.telemetry.live import LiveView
 

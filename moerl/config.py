@@ -209,7 +209,7 @@ class RolloutConfig:
     per-token versions); ``recompute`` re-prefills every running prefix under the new weights first
     (as partial rollout does), so later tokens are those a fresh prefill would give; ``abort`` releases
     the in-flight tasks to the queue (requeued, their tokens discarded). Per-token policy versions are
-    recorded in every case (``moerl.runtime.weight_sync``)."""
+    recorded in every case (``moerl.weights.buckets``)."""
 
     def __post_init__(self) -> None:
         if self.lease_ahead_groups is not None:
@@ -249,11 +249,11 @@ class RuntimeConfig:
     store_url: str | None = None
     """Weight store URL (fsspec): local folder or ``s3://bucket/prefix``; ``None``: RUN_DIR/weights."""
     weight_sync: str = "object_store"
-    """How async-mode workers get each new version (``moerl.runtime.weight_sync``): ``object_store``
+    """How async-mode workers get each new version (``moerl.weights.buckets``): ``object_store``
     streams it in buckets of ``publish_bucket_mb`` through Ray's object store (one ref per bucket, a
     version and a checksum per bucket, no whole-model copy; a trainer group streams from its rank 0)
     and writes the durable store in the background every ``durable_every`` versions; ``cuda_ipc``
-    (``moerl.runtime.ipc_sync``), for a trainer and workers sharing a GPU (one host), as hybrid /
+    (``moerl.weights.ipc``), for a trainer and workers sharing a GPU (one host), as hybrid /
     colocated RL engines do: buckets go through a ring of shared device buffers (CUDA IPC; shared
     memory on CPU), checksummed on the device, the durable store as with ``object_store`` (needs
     ``trainer.num_ranks=1``); ``store``: every version is written to the weight store and offered

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from moerl.cluster.instances import GPU_FAMILIES, gpus_of, is_gpu_instance
+from moerl.instances import GPU_FAMILIES, gpus_of, is_gpu_instance
 from moerl.configlib import ConfigError, check_range
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a Kubernetes DNS-1123 label
@@ -71,7 +71,7 @@ class NodeGroupConfig:
     """Spot (preemptible) capacity instead of on-demand."""
     gpus_per_node: int | None = 0
     """GPUs of one node, all requested by its Ray pod (``nvidia.com/gpu``); 0: a CPU group; None: the
-    instance type's GPUs (``moerl.cluster.instances``; resolved when the config is built)."""
+    instance type's GPUs (``moerl.instances``; resolved when the config is built)."""
     cpus_per_node: int = 30
     """vCPUs the Ray pod requests (the instance's vCPUs less a few for the kubelet and daemons)."""
     memory_gib: int = 120
@@ -108,7 +108,7 @@ class NodeGroupConfig:
 
     def resolve_gpus(self, group: str) -> None:
         """Check a GPU group's instance types against the known GPU families and set ``gpus_per_node``
-        to their GPUs when it is None (``moerl.cluster.instances``).
+        to their GPUs when it is None (``moerl.instances``).
 
         Raises:
             ConfigError: an instance type outside the GPU families, types with different GPU counts,
@@ -138,7 +138,7 @@ class NodeGroupConfig:
             if not known:
                 raise ConfigError(
                     f"{prefix}.gpus_per_node: the GPUs of {list(self.instance_types)} are not known "
-                    "(moerl.cluster.instances); set it"
+                    "(moerl.instances); set it"
                 )
             self.gpus_per_node = next(iter(known.values()))
 
@@ -282,7 +282,7 @@ class ClusterConfig:
 
 @dataclass(kw_only=True, slots=True)
 class StorageConfig:
-    """Where a run's files go: a local folder or an object store (``moerl.runtime.storage``)."""
+    """Where a run's files go: a local folder or an object store (``moerl.run.storage``)."""
 
     url: str | None = None
     """``s3://bucket/prefix`` or a local folder; runs go to ``<url>/<name>-<timestamp>`` (checkpoints,

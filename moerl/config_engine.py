@@ -3,7 +3,7 @@
 The engine (``moerl.rollout.Engine``) gives each sequence a KV cache slot of
 ``min(rollout.kv_token_budget // rollout.max_slots, model context)`` tokens; a request whose prompt +
 ``rollout.max_new_tokens`` exceeds it can never run. What the config alone decides is checked here;
-the prompts' own lengths are checked before the warm start (``moerl.runtime.preflight``).
+the prompts' own lengths are checked before the warm start (``moerl.run.preflight``).
 """
 
 from __future__ import annotations

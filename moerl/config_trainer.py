@@ -80,7 +80,7 @@ class TrainerConfig:
     num_ranks: int = 1
     """Size of the training group (torch.distributed ranks; one GPU each on a GPU machine, gloo
     processes on CPU). 1: today's one-process trainer. Every rank is a data-parallel rank: dense
-    parameters are sharded with FSDP2 over all of them (``moerl.distributed``)."""
+    parameters are sharded with FSDP2 over all of them (``moerl.trainer.distributed``)."""
     ep_size: int = 1
     """Expert-parallel degree: the routed experts of every MoE layer are split over groups of this many
     consecutive ranks (EP ranks), and each EP shard is FSDP2-sharded over the ``num_ranks / ep_size``

@@ -23,37 +23,37 @@ import numpy as np
 import torch
 
 from moerl.config import ConfigError, RunConfig
-from moerl.distributed.factory import (
+from moerl.trainer.distributed.factory import (
     check_trainer_resources,
     load_trainer_state,
     make_trainer,
     record_ranks,
     trainer_summary,
 )
-from moerl.distributed.group import TrainerGroup
-from moerl.distributed.rank import TrainerRankError
-from moerl.distributed.recovery import restart_group
+from moerl.trainer.distributed.group import TrainerGroup
+from moerl.trainer.distributed.rank import TrainerRankError
+from moerl.run.group_recovery import restart_group
 from moerl.envs.stats import merge as env_merge
 from moerl.envs.stats import step_values as env_step_values
 from moerl.models import save_pretrained
-from moerl.run_interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk
+from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk
 from moerl.runtime.accounting import FleetState, accounting
-from moerl.runtime.allocator import keep_freed_memory
+from moerl.allocator import keep_freed_memory
 from moerl.runtime.build import build_components
 from moerl.runtime.chaos import ChaosMonkey
-from moerl.runtime.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
+from moerl.trainer.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
 from moerl.runtime.local import LocalRollouts
-from moerl.runtime.preflight import check_run_inputs
+from moerl.run.preflight import check_run_inputs
 from moerl.runtime.ray import RayRollouts, check_ray_address
-from moerl.runtime.recovery import StepJournal, recover_trainer
-from moerl.runtime.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
+from moerl.run.recovery import StepJournal, recover_trainer
+from moerl.run.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
 from moerl.runtime.rollouts import Rollouts
-from moerl.runtime.run_dir import LedgerEntry, RunDir, RunFolderLock, read_jsonl
-from moerl.runtime.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
-from moerl.runtime.trainer import NonFiniteLossError, Trainer, TrainStats
-from moerl.runtime.types import Group
-from moerl.runtime.warm_start import warm_start
-from moerl.runtime.weights import StoreNotWritableError, WeightStore
+from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
+from moerl.run.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
+from moerl.trainer.local import NonFiniteLossError, LocalTrainer as Trainer, TrainStats
+from moerl.records import Group
+from moerl.run.warm_start import warm_start
+from moerl.weights.store import StoreNotWritableError, WeightStore
 from moerl.telemetry.live import LiveView, done_line
 from moerl.telemetry.report import plot_report
 from moerl.telemetry.run import RunTelemetry
@@ -99,11 +99,11 @@ class Run:
         cfg = self.cfg
         if self.telemetry.url:
             self.view.message(f"metrics at {self.telemetry.url}")
-        keep_freed_memory()  # no page faults on each step's activations (moerl.runtime.allocator)
+        keep_freed_memory()  # no page faults on each step's activations (moerl.allocator)
         _seed_everything(cfg.seed)
         self.store = _open_store(cfg, self.dir, self.mirror)
         check_trainer_resources(cfg)  # before the warm start, like every bad-input check
-        check_run_inputs(cfg)  # import paths, dataset, prompt lengths (moerl.runtime.preflight)
+        check_run_inputs(cfg)  # import paths, dataset, prompt lengths (moerl.run.preflight)
         if cfg.runtime.mode == "async" and cfg.runtime.ray_address:  # before the warm start, not after
             check_ray_address(cfg.runtime.ray_address)
         init_path = warm_start(cfg, self.dir, self.view)
@@ -112,7 +112,7 @@ class Run:
         # its digests were read when resume_checkpoint picked it (the run folder is locked since)
         parts = load_checkpoint(checkpoint, contents=False) if checkpoint is not None else None
         self.comp = build_components(cfg, init_path, self.store)
-        # one rank: today's Trainer; more: a TrainerGroup (moerl.distributed), same interface
+        # one rank: today's Trainer; more: a TrainerGroup (moerl.trainer.distributed), same interface
         self.trainer: Trainer | TrainerGroup = make_trainer(cfg, self.comp.model, init_path, self.dir.path)
         try:
             self.state = self._begin(parts, checkpoint)
@@ -177,7 +177,7 @@ class Run:
         return self.finish(stop_reason)
 
     def restart_group(self, error: BaseException | str, lost: list[Group] | tuple = ()) -> None:
-        """Replace a trainer group whose rank died, hung or failed (``moerl.distributed.recovery``);
+        """Replace a trainer group whose rank died, hung or failed (``moerl.run.group_recovery``);
         ``lost`` are the groups of a step that did not complete (requeued)."""
         self.view.message(f"trainer group failed ({error}); restarting it from the newest checkpoint")
         self.trainer, report = restart_group(
@@ -199,7 +199,7 @@ class Run:
         )
 
     def recover(self, failed_step: int) -> None:
-        """Replace the trainer that died after ``failed_step`` (``moerl.runtime.recovery``)."""
+        """Replace the trainer that died after ``failed_step`` (``moerl.run.recovery``)."""
         if isinstance(self.trainer, TrainerGroup):  # chaos kill of a group: a new group
             self.restart_group("chaos kill")
             return
@@ -303,7 +303,7 @@ class Run:
         cfg = self.cfg
         if self._is_publish_step(step):
             # object_store / cuda_ipc: buckets straight to the workers; the store is written in the background
-            # every runtime.durable_every versions (moerl.runtime.weight_sync), and at the end. A trainer
+            # every runtime.durable_every versions (moerl.weights.buckets), and at the end. A trainer
             # group streams the buckets from its rank 0 as it gathers them (a BucketStreamer).
             is_streamed = cfg.runtime.mode == "async" and cfg.runtime.weight_sync != "store"
             if not is_streamed:
@@ -412,7 +412,7 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
 
 def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: bool = True) -> dict:
     """Continue the run in ``run_dir`` from its newest complete checkpoint, with its own config; ``overrides``
-    may change only ``moerl.runtime.resume.RESUME_FIELDS``.
+    may change only ``moerl.run.resume.RESUME_FIELDS``.
 
     Raises:
         ConfigError: an override of a field a resume does not apply.

@@ -1,17 +1,17 @@
 """What the rendered run will need of its GPUs' memory, told at ``moerl cluster render`` (before any node
 is rented): a rollout EP rank's share of the policy plus its engine's KV cache on a rollout GPU, and the
 driver's full policy copy plus its eval engine on GPU 0 of a train node. The same figures as the load-time
-check (``moerl.runtime.memory_check``), which refuses an overfull driver when ``moerl train`` starts on the
+check (``moerl.rollout.memory_check``), which refuses an overfull driver when ``moerl train`` starts on the
 cluster (the workers' engines would run out of memory when built); here they are warnings: the render has
 no GPU to measure, only the instance types' datasheet memory.
 """
 
 from __future__ import annotations
 
-from moerl.cluster.instances import gpu_memory_gb
+from moerl.instances import gpu_memory_gb
 from moerl.config import RunConfig
 from moerl.models.dtypes import torch_dtype
-from moerl.runtime.memory_check import (
+from moerl.rollout.memory_check import (
     GIB,
     MEMORY_HEADROOM,
     engine_cache_bytes,

@@ -13,7 +13,7 @@ on both.
 
 Every actor requests a token amount (0.001) of its group's resource: the custom resource only says
 where, Ray's own ``CPU``/``GPU`` requests bound how many actors fit a node (a trainer rank takes one
-GPU, as ``moerl.distributed.ray_ranks`` asks). The names avoid Ray's built-in ``memory`` resource.
+GPU, as ``moerl.trainer.distributed.ray_ranks`` asks). The names avoid Ray's built-in ``memory`` resource.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ policy version that computed it; observation tokens carry the version of the tur
 
 Faults: an episode whose environment call errs ends its whole request (group): the request id is
 reported once by ``pop_failed()`` and its other episodes are cancelled (their turns in the engine run
-out and are discarded). The rollout worker hands the group's lease back (``moerl.envs.worker``).
+out and are discarded). The rollout worker hands the group's lease back (``moerl.runtime.episode_worker``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
-"""Runtime: task queue, experience buffer, weight store, checkpoints, and the parts of a run built on them
-(trainer, rollout workers, the ``Rollouts`` of each mode; the run itself is ``moerl.train``).
+"""Runtime: the rollout data plane -- task queue, experience buffer, rollout workers, the fleet, notices,
+and the ``Rollouts`` of each mode with their Ray glue (the run itself is ``moerl.train``; weights move
+through ``moerl.weights``, the trainer is ``moerl.trainer``, the run folder ``moerl.run``).
 
 Building blocks (each a plain, thread-safe Python class that a Ray actor can wrap):
 
 - ``TaskQueue``: prompts -> tasks leased to workers with a ttl, heartbeat, and fencing tokens.
 - ``ExperienceBuffer``: bounded, staleness-admitted, fenced hand-off of groups to the trainer.
-- ``WeightStore``: versioned safetensors snapshots at an fsspec URL, manifest written last.
-- ``save_checkpoint`` / ``load_checkpoint`` / ``latest_checkpoint``: atomic full-run checkpoints.
 
 Exactly-once protocol (how the pieces are wired)::
 
@@ -25,17 +24,8 @@ token, and an expired lease's token is never current again. Checkpoint the queue
 """
 
 from moerl.runtime.buffer import BufferClosed, BufferMetrics, ExperienceBuffer, PutResult, has_reward_variance
-from moerl.runtime.checkpoint import (
-    capture_rng_state,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    read_checkpoint_step,
-    restore_rng_state,
-    save_checkpoint,
-)
 from moerl.runtime.queue import PromptLike, QueueStats, TaskQueue
-from moerl.runtime.types import (
+from moerl.records import (
     FileEntry,
     Group,
     Lease,
@@ -47,12 +37,10 @@ from moerl.runtime.types import (
     WeightManifest,
     WeightVersion,
 )
-from moerl.runtime.weights import ChecksumError, StoreNotWritableError, WeightStore
 
 __all__ = [
     "BufferClosed",
     "BufferMetrics",
-    "ChecksumError",
     "ExperienceBuffer",
     "FileEntry",
     "Group",
@@ -64,18 +52,9 @@ __all__ = [
     "RolloutTask",
     "Sample",
     "Settlement",
-    "StoreNotWritableError",
     "TaskQueue",
     "TensorEntry",
     "WeightManifest",
-    "WeightStore",
     "WeightVersion",
-    "capture_rng_state",
     "has_reward_variance",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load_checkpoint",
-    "read_checkpoint_step",
-    "restore_rng_state",
-    "save_checkpoint",
 ]

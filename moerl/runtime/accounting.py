@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.queue import QueueStats
-from moerl.runtime.run_dir import LedgerEntry
+from moerl.run.folder import LedgerEntry
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from moerl.runtime.types import Group, Ready, RolloutTask, Sample, Settlement
+from moerl.records import Group, Ready, RolloutTask, Sample, Settlement
 
 _FORMAT = "moerl-buffer/1"
 

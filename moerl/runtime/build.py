@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from moerl.config import RunConfig
-from moerl.envs.worker import episode_worker
+from moerl.runtime.episode_worker import episode_worker
 from moerl.models import build_model, from_pretrained
 from moerl.models.dtypes import torch_dtype
 from moerl.rl import preset_from_config
@@ -20,8 +20,8 @@ from moerl.rollout import Engine
 from moerl.runtime.buffer import ExperienceBuffer, has_reward_variance
 from moerl.runtime.delivery import GroupSink
 from moerl.runtime.queue import TaskQueue
-from moerl.runtime.weight_sources import WeightSource
-from moerl.runtime.weights import WeightStore
+from moerl.weights.sources import WeightSource
+from moerl.weights.store import WeightStore
 from moerl.runtime.worker import RolloutWorker
 from moerl.tasks import Task, Tokenizer, make_task
 from moerl.tasks.eval import evaluate

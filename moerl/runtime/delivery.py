@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Generic, Protocol, TypeVar
 
 from moerl.runtime.buffer import PutResult
-from moerl.runtime.types import Group, Pending
+from moerl.records import Group, Pending
 
 Job = TypeVar("Job")
 

@@ -34,7 +34,7 @@ from typing import Protocol
 
 from moerl.rollout import Completion, Request, SamplingParams
 from moerl.runtime.notice import TerminationNotice
-from moerl.runtime.types import Lease, PartialResponse, RolloutTask
+from moerl.records import Lease, PartialResponse, RolloutTask
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,9 +77,9 @@ class WorkerHealth:
     groups_delivered: int = 0
     """Groups it handed to the buffer so far (cumulative, whatever the buffer decided)."""
     gpus: tuple = ()
-    """Its GPUs' utilization and memory (``moerl.telemetry.gpu.GpuSample``; empty without a GPU)."""
+    """Its GPUs' utilization and memory (``moerl.runtime.gpu.GpuSample``; empty without a GPU)."""
     comm_errors: tuple[tuple[str, int], ...] = ()
-    """Communication errors it caught, ``(kind, count)`` cumulative (``moerl.telemetry.counters``)."""
+    """Communication errors it caught, ``(kind, count)`` cumulative (``moerl.runtime.counters``)."""
     weight_sync_s: float | None = None
     """Seconds from the first bucket's offer of its current version to that version running in its
     engine (``runtime.weight_sync=object_store``; None: not measured)."""

@@ -22,8 +22,8 @@ from moerl.runtime.buffer import BufferMetrics, ExperienceBuffer
 from moerl.runtime.build import Components, make_buffer, make_queue, make_worker
 from moerl.runtime.fleet import WorkerHealth, WorkerRecord, WorkerState
 from moerl.runtime.queue import QueueStats, TaskQueue
-from moerl.runtime.types import Group, RolloutTask
-from moerl.runtime.weight_sources import LocalWeights
+from moerl.records import Group, RolloutTask
+from moerl.weights.sources import LocalWeights
 from moerl.runtime.worker import RolloutWorker, WorkerStats
 
 _NEVER = ("fleet/interruptions", "fleet/drained", "fleet/killed", "fleet/lost_work_frac")

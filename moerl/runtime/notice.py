@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Protocol
 
 from moerl.config import FleetConfig
-from moerl.telemetry.counters import count_comm_error
+from moerl.runtime.counters import count_comm_error
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from moerl.runtime.types import Lease, PartialResponse, RolloutTask, Settlement
+from moerl.records import Lease, PartialResponse, RolloutTask, Settlement
 
 _FORMAT = "moerl-queue/1"
 

@@ -23,7 +23,7 @@ from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.fleet import WorkerRecord
 from moerl.runtime.queue import QueueStats
-from moerl.runtime.types import Group, RolloutTask
+from moerl.records import Group, RolloutTask
 from moerl.runtime.worker import WorkerStats
 
 
@@ -44,7 +44,7 @@ class Rollouts(Protocol):
         """Offer the trainer's weights of policy ``version`` and advance the buffer's staleness clock to
         it. ``is_stored``: the caller already wrote this version to the weight store (trainer recovery),
         so a streaming implementation must not write it again. ``RayRollouts`` also takes a trainer
-        group as ``tensors`` (a ``moerl.runtime.weight_sync.BucketStreamer``: its rank 0 streams the
+        group as ``tensors`` (a ``moerl.weights.buckets.BucketStreamer``: its rank 0 streams the
         buckets itself)."""
         ...
 

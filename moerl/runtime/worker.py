@@ -41,8 +41,8 @@ from moerl.rollout.weight_update import cancel_all, recompute_running
 from moerl.runtime.buffer import BufferClosed, PutResult
 from moerl.runtime.delivery import GroupSink, Outbox
 from moerl.runtime.drain import InFlightGroup, ResumePlan, group_progress
-from moerl.runtime.types import Group, Lease, Sample, Settlement
-from moerl.runtime.weight_sources import WeightSource
+from moerl.records import Group, Lease, Sample, Settlement
+from moerl.weights.sources import WeightSource
 from moerl.tasks.base import stable_hash
 from moerl.tasks.tokenizer import Tokenizer
 

@@ -41,8 +41,8 @@ from prometheus_client.registry import Collector
 
 from moerl.configlib import ConfigError
 from moerl.ep.layout import Traffic
-from moerl.telemetry.counters import COMM_ERROR_KINDS, comm_error_counts, count_comm_error  # noqa: F401 - re-exported
-from moerl.telemetry.gpu import GpuSample
+from moerl.runtime.counters import COMM_ERROR_KINDS, comm_error_counts, count_comm_error  # noqa: F401 - re-exported
+from moerl.runtime.gpu import GpuSample
 
 SERIES: dict[str, str] = {
     "moerl_rollout_tokens_total": "counter",
@@ -100,7 +100,7 @@ class WorkerSeries:
     gpus: tuple[GpuSample, ...] = ()
     """Its GPUs (empty without a GPU or without NVML)."""
     comm_errors: tuple[tuple[str, int], ...] = ()
-    """Communication errors it caught, ``(kind, count)`` cumulative (``moerl.telemetry.counters``)."""
+    """Communication errors it caught, ``(kind, count)`` cumulative (``moerl.runtime.counters``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +207,7 @@ class MetricsExporter(Collector):
 
     @staticmethod
     def count_comm_error(kind: str, n: int = 1) -> None:
-        """``moerl.telemetry.counters.count_comm_error``: count errors of ``kind`` caught in this process.
+        """``moerl.runtime.counters.count_comm_error``: count errors of ``kind`` caught in this process.
 
         Raises:
             ValueError: unknown kind.

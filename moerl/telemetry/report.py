@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moerl.atomic import atomic_path
-from moerl.runtime.run_dir import RunDir, SummaryError
+from moerl.run.folder import RunDir, SummaryError
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +267,7 @@ ALGO_KEYS = (
     "train/expert_load_cv",
     "train/expert_load_max_min",
 )
-"""Algorithm metrics (``moerl.runtime.algorithms``) shown for the last step when the run logged them."""
+"""Algorithm metrics (``moerl.trainer.algorithms``) shown for the last step when the run logged them."""
 
 
 def summary_table(summary: dict, records: list[dict]):

@@ -26,8 +26,8 @@ from moerl.ep.traffic import DirectionTraffic, traffic_delta
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.fleet import WorkerRecord, WorkerState
 from moerl.runtime.queue import QueueStats
-from moerl.runtime.types import Group
-from moerl.telemetry.gpu import read_gpus
+from moerl.records import Group
+from moerl.runtime.gpu import read_gpus
 from moerl.telemetry.loggers import Loggers
 from moerl.telemetry.metrics import WORKERS_KEY, MetricsWriter
 from moerl.telemetry.prometheus import (

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.queue import QueueStats
-from moerl.runtime.trainer import TrainStats
-from moerl.runtime.types import Group
+from moerl.trainer.local import TrainStats
+from moerl.records import Group
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,7 @@ def rollout_values(groups: Sequence[Group]) -> dict[str, float]:
 
 
 def algo_values(stats: TrainStats) -> dict[str, float]:
-    """The step's algorithm figures (``moerl.runtime.algorithms.AlgoStats``) under their metric names."""
+    """The step's algorithm figures (``moerl.trainer.algorithms.AlgoStats``) under their metric names."""
     a = stats.algo
     return {
         "train/expert_load_max_min": a.expert_load_max_min,

@@ -13,14 +13,14 @@ import torch
 import trainer_cases
 
 from moerl.config import AlgorithmConfig
-from moerl.distributed.algo_models import build_algo_models
-from moerl.distributed.batching import split_by_groups
-from moerl.distributed.mesh import build_mesh
-from moerl.distributed.parallelize import build_sharded_policy
-from moerl.distributed.publish import iter_full_tensors
-from moerl.distributed.sharded import ShardedTrainer
+from moerl.trainer.distributed.algo_models import build_algo_models
+from moerl.trainer.distributed.batching import split_by_groups
+from moerl.trainer.distributed.mesh import build_mesh
+from moerl.trainer.distributed.parallelize import build_sharded_policy
+from moerl.trainer.distributed.publish import iter_full_tensors
+from moerl.trainer.distributed.sharded import ShardedTrainer
 from moerl.models import from_pretrained
-from moerl.runtime.trainer import Trainer
+from moerl.trainer.local import LocalTrainer
 
 STEPS = 2
 CASES = {  # name: (algorithm fields, trainer overrides, with recorded experts)
@@ -75,7 +75,7 @@ def reference(folder, name: str) -> dict:
     _, overrides, with_experts = CASES[name]
     torch.manual_seed(0)
     cfg = trainer_cases.trainer_config(lr=LR, **overrides, share_prompt=False)
-    trainer = Trainer(from_pretrained(folder), cfg, _algorithm(name))
+    trainer = LocalTrainer(from_pretrained(folder), cfg, _algorithm(name))
     rows = [_record(trainer.train_step(b)) for b in _batches(with_experts)]
     critic = trainer.algo.critic
     return {

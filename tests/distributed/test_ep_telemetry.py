@@ -18,9 +18,9 @@ from dist_harness import run_world
 from prometheus_client.parser import text_string_to_metric_families
 
 from moerl.config import load_config
-from moerl.distributed.group import TrainerGroup
+from moerl.trainer.distributed.group import TrainerGroup
 from moerl.ep.traffic import DIRECTIONS, sum_traffic
-from moerl.runtime.run_dir import RunDir, read_jsonl
+from moerl.run.folder import RunDir, read_jsonl
 from moerl.tasks.sft import run_sft
 from moerl.train import Run
 

@@ -10,9 +10,9 @@ import pytest
 import trainer_cases
 
 from moerl.config import load_config
-from moerl.distributed.batching import split_by_groups
-from moerl.distributed.group import TrainerGroup
-from moerl.distributed.rank import TrainerRankError
+from moerl.trainer.distributed.batching import split_by_groups
+from moerl.trainer.distributed.group import TrainerGroup
+from moerl.trainer.distributed.rank import TrainerRankError
 
 
 def test_a_stopped_rank_makes_the_step_fail_within_the_timeout(tmp_path):

@@ -15,8 +15,8 @@ import torch
 import train_cases
 
 from moerl.models import from_pretrained
-from moerl.runtime.run_dir import read_jsonl
-from moerl.runtime.weights import WeightStore
+from moerl.run.folder import read_jsonl
+from moerl.weights.store import WeightStore
 from moerl.train import resume
 
 LAYOUTS = {

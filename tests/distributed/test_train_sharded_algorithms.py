@@ -9,8 +9,8 @@ import shutil
 import pytest
 import train_cases
 
-from moerl.runtime.run_dir import read_jsonl
-from moerl.runtime.weights import WeightStore
+from moerl.run.folder import read_jsonl
+from moerl.weights.store import WeightStore
 from moerl.train import resume
 
 ALGORITHM = [

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from moerl.config import load_config
-from moerl.runtime.run_dir import read_jsonl
-from moerl.runtime.weights import WeightStore
+from moerl.run.folder import read_jsonl
+from moerl.weights.store import WeightStore
 from moerl.tasks.sft import run_sft
 from moerl.train import train
 

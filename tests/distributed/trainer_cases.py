@@ -12,17 +12,17 @@ import random
 import torch
 
 from moerl.config import AlgorithmConfig, ModelConfig, TrainerConfig
-from moerl.distributed.batching import split_by_groups
-from moerl.distributed.mesh import build_mesh
-from moerl.distributed.parallelize import build_sharded_policy
-from moerl.distributed.publish import iter_full_tensors, publish_sharded, stream_sharded
-from moerl.distributed.sharded import ShardedTrainer
+from moerl.trainer.distributed.batching import split_by_groups
+from moerl.trainer.distributed.mesh import build_mesh
+from moerl.trainer.distributed.parallelize import build_sharded_policy
+from moerl.trainer.distributed.publish import iter_full_tensors, publish_sharded, stream_sharded
+from moerl.trainer.distributed.sharded import ShardedTrainer
 from moerl.models import build_model, from_pretrained, save_pretrained
-from moerl.runtime.batch import build_train_batch
-from moerl.runtime.trainer import Trainer
-from moerl.runtime.types import Group, Lease, RolloutTask, Sample
-from moerl.runtime.weight_sync import BucketAssembler
-from moerl.runtime.weights import WeightStore
+from moerl.trainer.batch import build_train_batch
+from moerl.trainer.local import LocalTrainer
+from moerl.records import Group, Lease, RolloutTask, Sample
+from moerl.weights.buckets import BucketAssembler
+from moerl.weights.store import WeightStore
 
 VOCAB = 40
 STEPS = 5
@@ -83,7 +83,7 @@ def batches():
 def reference(folder, **overrides) -> dict:
     """One process, today's ``Trainer``: per-step pg_loss and grad_norm, final weights."""
     model = from_pretrained(folder)
-    trainer = Trainer(model, trainer_config(**overrides), AlgorithmConfig())
+    trainer = LocalTrainer(model, trainer_config(**overrides), AlgorithmConfig())
     stats = [trainer.train_step(b) for b in batches()]
     return {
         "pg_loss": [s.pg_loss for s in stats],

@@ -6,9 +6,9 @@ import pytest
 from conftest import short_config
 
 from moerl.models import from_pretrained
-from moerl.runtime.checkpoint import load_checkpoint
-from moerl.runtime.run_dir import RunDir, read_jsonl
-from moerl.runtime.weights import WeightStore
+from moerl.trainer.checkpoint import load_checkpoint
+from moerl.run.folder import RunDir, read_jsonl
+from moerl.weights.store import WeightStore
 from moerl.train import train
 
 ray = pytest.importorskip("ray")

@@ -30,7 +30,7 @@ from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.drain import DrainReport
 from moerl.runtime.fleet import FleetManager, WorkerExit, WorkerHealth, WorkerState
 from moerl.runtime.notice import watcher_from_config
-from moerl.runtime.run_dir import RunDir, read_jsonl
+from moerl.run.folder import RunDir, read_jsonl
 from moerl.train import train
 
 ray = pytest.importorskip("ray")

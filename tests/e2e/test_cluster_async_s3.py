@@ -23,7 +23,7 @@ from s3_faults import S3WithFaults  # noqa: E402
 
 from moerl.cluster.resources import node_resources  # noqa: E402
 from moerl.config import load_config  # noqa: E402
-from moerl.runtime.storage import RunStorage  # noqa: E402
+from moerl.run.storage import RunStorage  # noqa: E402
 from moerl.train import train  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

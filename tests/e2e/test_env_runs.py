@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import short_config
 
-from moerl.runtime.run_dir import read_jsonl
+from moerl.run.folder import read_jsonl
 from moerl.train import train
 
 E2E_DIR = Path(__file__).parent

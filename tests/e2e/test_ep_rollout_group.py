@@ -18,7 +18,7 @@ import pytest
 from _runs import DEFAULT_CONFIG, assert_trained_exactly_once, newest_run, run_config
 
 from moerl.models import build_model
-from moerl.runtime.run_dir import read_jsonl
+from moerl.run.folder import read_jsonl
 from moerl.tasks import load_tokenizer
 from moerl.train import train
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moerl.cli import main as cli_main
-from moerl.runtime.run_dir import RunDir, read_jsonl
+from moerl.run.folder import RunDir, read_jsonl
 from moerl.tasks import load_tokenizer
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "test.jsonl"

@@ -13,10 +13,10 @@ from conftest import short_config
 
 from moerl.cli import main as cli_main
 from moerl.config import load_config
-from moerl.runtime.checkpoint import list_checkpoints, newest_complete_checkpoint
-from moerl.runtime.run_dir import read_jsonl
-from moerl.runtime.storage import RunStorage
-from moerl.runtime.weights import WeightStore
+from moerl.trainer.checkpoint import list_checkpoints, newest_complete_checkpoint
+from moerl.run.folder import read_jsonl
+from moerl.run.storage import RunStorage
+from moerl.weights.store import WeightStore
 from moerl.tasks import sft
 from moerl.telemetry.metrics import without_wall_clock
 from moerl.train import resume, train

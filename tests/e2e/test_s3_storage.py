@@ -24,10 +24,10 @@ from s3_faults import S3WithFaults  # noqa: E402
 
 from moerl.cli import main as cli_main  # noqa: E402
 from moerl.config import RunConfig, save_config  # noqa: E402
-from moerl.runtime.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
-from moerl.runtime.run_dir import RunDir, read_jsonl  # noqa: E402
-from moerl.runtime.storage import MARKER, RunMirror, RunStorage, StorageError, fetch_run  # noqa: E402
-from moerl.runtime.weights import StoreNotWritableError, WeightStore  # noqa: E402
+from moerl.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
+from moerl.run.folder import RunDir, read_jsonl  # noqa: E402
+from moerl.run.storage import MARKER, RunMirror, RunStorage, StorageError, fetch_run  # noqa: E402
+from moerl.weights.store import StoreNotWritableError, WeightStore  # noqa: E402
 from moerl.telemetry.metrics import without_wall_clock  # noqa: E402
 from moerl.train import train  # noqa: E402
 

@@ -11,10 +11,10 @@ from conftest import short_config
 
 from moerl.cli import main as cli_main
 from moerl.config import ConfigError
-from moerl.runtime.checkpoint import list_checkpoints
-from moerl.runtime.run_dir import read_jsonl
-from moerl.runtime.trainer import lr_factor
-from moerl.runtime.weights import WeightStore
+from moerl.trainer.checkpoint import list_checkpoints
+from moerl.run.folder import read_jsonl
+from moerl.trainer.local import lr_factor
+from moerl.weights.store import WeightStore
 from moerl.telemetry.metrics import METRIC_KEYS, without_wall_clock
 from moerl.train import resume, train
 
@@ -100,7 +100,7 @@ def test_raising_reward_scores_zero_and_is_counted(tmp_path, tiny_init):
 
 
 def test_nan_loss_steps_are_skipped_then_the_run_stops(tmp_path, tiny_init, monkeypatch):
-    import moerl.runtime.trainer as trainer_mod
+    import moerl.trainer.local as trainer_mod
 
     real = trainer_mod.policy_loss
 
@@ -109,14 +109,14 @@ def test_nan_loss_steps_are_skipped_then_the_run_stops(tmp_path, tiny_init, monk
         return (loss * math.nan if nan_after_first_step.calls >= 2 else loss), metrics
 
     nan_after_first_step.calls = 0
-    original_step = trainer_mod.Trainer.train_step
+    original_step = trainer_mod.LocalTrainer.train_step
 
     def counting_step(self, batch):
         nan_after_first_step.calls += 1
         return original_step(self, batch)
 
     monkeypatch.setattr(trainer_mod, "policy_loss", nan_after_first_step)
-    monkeypatch.setattr(trainer_mod.Trainer, "train_step", counting_step)
+    monkeypatch.setattr(trainer_mod.LocalTrainer, "train_step", counting_step)
     cfg = short_config(
         tmp_path, tiny_init, "trainer.steps=10", "trainer.max_nan_steps=3", "trainer.checkpoint_every=1"
     )
@@ -153,16 +153,16 @@ def test_finished_run_exports_its_policy_and_a_second_resume_changes_nothing(tmp
 
 
 def test_interrupt_names_the_run_to_resume_only_when_it_can_be_resumed(tmp_path, tiny_init, monkeypatch):
-    from moerl.runtime.trainer import Trainer
+    from moerl.trainer.local import LocalTrainer
 
-    real_step = Trainer.train_step
+    real_step = LocalTrainer.train_step
 
     def step_then_interrupt(self, batch):
         if self.step == 2:
             raise KeyboardInterrupt
         return real_step(self, batch)
 
-    monkeypatch.setattr(Trainer, "train_step", step_then_interrupt)
+    monkeypatch.setattr(LocalTrainer, "train_step", step_then_interrupt)
     cfg = short_config(tmp_path / "a", tiny_init, "trainer.steps=4", "trainer.checkpoint_every=2")
     with pytest.raises(KeyboardInterrupt) as info:
         train(cfg, live=False)
@@ -180,9 +180,9 @@ def test_sigterm_stops_the_run_like_ctrl_c(tmp_path, tiny_init, monkeypatch):
     import os
     import signal
 
-    from moerl.runtime.trainer import Trainer
+    from moerl.trainer.local import LocalTrainer
 
-    real_step = Trainer.train_step
+    real_step = LocalTrainer.train_step
     sent = []
 
     def step_then_sigterm(self, batch):
@@ -191,7 +191,7 @@ def test_sigterm_stops_the_run_like_ctrl_c(tmp_path, tiny_init, monkeypatch):
             os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler stopping the job would
         return real_step(self, batch)
 
-    monkeypatch.setattr(Trainer, "train_step", step_then_sigterm)
+    monkeypatch.setattr(LocalTrainer, "train_step", step_then_sigterm)
     before = signal.getsignal(signal.SIGTERM)
     cfg = short_config(tmp_path, tiny_init, "trainer.steps=6", "trainer.checkpoint_every=2")
     with pytest.raises(KeyboardInterrupt) as info:

@@ -1,4 +1,4 @@
-"""Trainer algorithms: mismatch correction from behaviour log-probs, KL to a reference, PPO's critic,
+"""LocalTrainer algorithms: mismatch correction from behaviour log-probs, KL to a reference, PPO's critic,
 epochs and mini-batches, aux-loss-free balancing, the sequence balance loss, expert-load figures."""
 
 import math
@@ -13,15 +13,15 @@ from moerl.config import AlgorithmConfig, TrainerConfig
 from moerl.models.moe import sequence_balance_loss, update_correction_bias
 from moerl.rl import explained_variance, preset_from_config, rollout_mismatch_sums, whiten
 from moerl.rl.mismatch import mismatch_weights
-from moerl.runtime.batch import build_train_batch
-from moerl.runtime.critic import gae_targets, with_value_head
-from moerl.runtime.reference import kl_penalized_group_advantages
-from moerl.runtime.trainer import Trainer
+from moerl.trainer.batch import build_train_batch
+from moerl.trainer.critic import gae_targets, with_value_head
+from moerl.trainer.reference import kl_penalized_group_advantages
+from moerl.trainer.local import LocalTrainer
 
 
 def _trainer(model=None, algorithm=None, **cfg):
     cfg = {"lr": 1e-2, "micro_batch_size": 4, **cfg}
-    return Trainer(model or _model(), TrainerConfig(**cfg), algorithm or AlgorithmConfig())
+    return LocalTrainer(model or _model(), TrainerConfig(**cfg), algorithm or AlgorithmConfig())
 
 
 def _on_policy_batch(trainer, offset=0.0):

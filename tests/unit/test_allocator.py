@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from moerl.runtime.allocator import MMAP_THRESHOLD_MAX, keep_freed_memory
+from moerl.allocator import MMAP_THRESHOLD_MAX, keep_freed_memory
 
 # Each round allocates three zero-filled 4 MiB blocks (every page touched) and frees them. By default glibc
 # serves them from its heap after the first round, but the 12 MiB freed at the top of the heap exceed its
@@ -13,7 +13,7 @@ from moerl.runtime.allocator import MMAP_THRESHOLD_MAX, keep_freed_memory
 ROUNDS = """
 import resource, sys
 if sys.argv[1] == "keep":
-    from moerl.runtime.allocator import keep_freed_memory
+    from moerl.allocator import keep_freed_memory
     assert keep_freed_memory()
 faults = []
 for _ in range(5):

@@ -13,7 +13,7 @@ from _runs import DAMAGED_FOLDER_MESSAGES, damage_model_folder, save_fresh_polic
 
 from moerl.cli import main
 from moerl.config import ConfigError, TrainerConfig, load_config
-from moerl.runtime.preflight import check_policy_folders
+from moerl.run.preflight import check_policy_folders
 from moerl.tasks import load_tokenizer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -17,9 +17,8 @@ from moerl.runtime import (
     Settlement,
     TaskQueue,
     has_reward_variance,
-    load_checkpoint,
-    save_checkpoint,
 )
+from moerl.trainer.checkpoint import load_checkpoint, save_checkpoint
 
 Prompt = namedtuple("Prompt", "id text answer")
 

@@ -14,15 +14,15 @@ from safetensors.torch import save_file
 
 from moerl.cli import main as cli_main
 from moerl.config import ConfigError, RunConfig
-from moerl.runtime.checkpoint import (
+from moerl.trainer.checkpoint import (
     checkpoint_problem,
     latest_checkpoint,
     load_checkpoint,
     newest_complete_checkpoint,
     save_checkpoint,
 )
-from moerl.runtime.resume import RESUME_FIELDS
-from moerl.runtime.run_dir import RunDir
+from moerl.run.resume import RESUME_FIELDS
+from moerl.run.folder import RunDir
 from moerl.train import resume
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from moerl.runtime import (
+from moerl.trainer.checkpoint import (
     capture_rng_state,
     latest_checkpoint,
     list_checkpoints,
@@ -16,7 +16,7 @@ from moerl.runtime import (
     restore_rng_state,
     save_checkpoint,
 )
-from moerl.runtime import checkpoint as checkpoint_module
+from moerl.trainer import checkpoint as checkpoint_module
 
 
 def trained_model_and_optimizer():

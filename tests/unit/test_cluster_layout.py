@@ -19,7 +19,7 @@ import yaml
 
 from moerl.cluster.fetch import FetchError, fetch_model
 from moerl.cluster.fetch import main as fetch_main
-from moerl.cluster.instances import GPUS_PER_INSTANCE, is_gpu_instance
+from moerl.instances import GPUS_PER_INSTANCE, is_gpu_instance
 from moerl.cluster.kuberay import CONFIG_DIR, MODEL_DIR
 from moerl.cluster.render import cluster_run_config, manifests
 from moerl.config import ConfigError, load_config

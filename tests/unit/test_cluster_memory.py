@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 from moerl.cli import main as cli_main
-from moerl.cluster.instances import gpu_memory_gb
+from moerl.instances import gpu_memory_gb
 from moerl.cluster.memory import memory_warnings
 from moerl.config import load_config
-from moerl.runtime.memory_check import ep_rank_weight_bytes, policy_arch, weight_bytes
+from moerl.rollout.memory_check import ep_rank_weight_bytes, policy_arch, weight_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 QWEN, MISSION = CONFIGS / "cluster_qwen3_30b_1node.yaml", CONFIGS / "cluster_mission.yaml"

@@ -98,14 +98,14 @@ def test_scaling_hint_requests_rollout_capacity_from_the_autoscaler(cluster):
 
 
 def test_trainer_rank_group_is_placed_on_the_train_node_only(cluster):
-    """The trainer group's own placement (``moerl.distributed.ray_ranks``: its bundle, a PACK placement
+    """The trainer group's own placement (``moerl.trainer.distributed.ray_ranks``: its bundle, a PACK placement
     group) puts every rank on the train node; a group larger than the train node waits, never spilling."""
     from dataclasses import replace
 
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from moerl.distributed.ray_ranks import _bundle
+    from moerl.trainer.distributed.ray_ranks import _bundle
 
     cfg, node_of = cluster
     cfg = replace(cfg, model=replace(cfg.model, device="cpu"))  # no GPUs on these fake nodes: CPU bundles

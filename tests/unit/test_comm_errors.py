@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from moerl.runtime.notice import HttpNotice
-from moerl.telemetry.counters import comm_error_counts
+from moerl.runtime.counters import comm_error_counts
 from moerl.telemetry.prometheus import MetricsExporter
 
 

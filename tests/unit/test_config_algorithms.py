@@ -2,7 +2,7 @@
 
 import pytest
 
-import moerl.runtime.warm_start as warm_start_module
+import moerl.run.warm_start as warm_start_module
 import moerl.tasks.sft as sft
 import moerl.train as train_module
 from moerl.cli import main
@@ -81,7 +81,7 @@ def test_moerl_train_refuses_before_the_warm_start(monkeypatch, tmp_path, capsys
     ],
 )
 def test_critic_reference_and_replay_load_with_several_trainer_ranks(overrides):
-    # built sharded by the trainer group (moerl.distributed.algo_models); equivalence with one rank:
+    # built sharded by the trainer group (moerl.trainer.distributed.algo_models); equivalence with one rank:
     # tests/distributed/test_sharded_algorithms.py
     cfg = load_config(None, ["trainer.num_ranks=2", "trainer.ep_size=2", *overrides])
     assert cfg.trainer.num_ranks == 2

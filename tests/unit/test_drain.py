@@ -14,7 +14,7 @@ from moerl.rollout import Completion, Engine, Request, SamplingParams
 from moerl.runtime.drain import Drainer, InFlightGroup, ResumePlan, group_progress
 from moerl.runtime.notice import TerminationNotice
 from moerl.runtime.queue import TaskQueue
-from moerl.runtime.types import PartialResponse, RolloutTask, Settlement
+from moerl.records import PartialResponse, RolloutTask, Settlement
 from moerl.tasks import Prompt
 
 

@@ -9,9 +9,9 @@ from moerl.config import AlgorithmConfig, EnvConfig, TrainerConfig
 from moerl.envs import EpisodeEngine, LocalEnvPool
 from moerl.envs.pool import STEP
 from moerl.rollout import Engine, Request, SamplingParams
-from moerl.runtime.batch import build_train_batch
-from moerl.runtime.trainer import Trainer
-from moerl.runtime.types import Group, RolloutTask, Sample
+from moerl.trainer.batch import build_train_batch
+from moerl.trainer.local import LocalTrainer
+from moerl.records import Group, RolloutTask, Sample
 from moerl.tasks import Prompt, load_tokenizer
 
 TOK = load_tokenizer(None)
@@ -140,7 +140,7 @@ def test_observation_tokens_get_no_gradient_and_policy_tokens_do():
         num_tokens=0,
     )
     batch = build_train_batch([group], pad_id=TOK.pad_id)
-    trainer = Trainer(
+    trainer = LocalTrainer(
         model, TrainerConfig(micro_batch_size=8, share_prompt=False), AlgorithmConfig(preset="grpo")
     )
     captured = []

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from moerl.runtime.ray.ep_group import FollowerWeights
-from moerl.runtime.weight_sync import BucketAssembler, iter_packed
-from moerl.runtime.weights import WeightStore
+from moerl.weights.buckets import BucketAssembler, iter_packed
+from moerl.weights.store import WeightStore
 
 
 def _tensors(v: int) -> dict[str, torch.Tensor]:

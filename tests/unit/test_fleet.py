@@ -216,7 +216,7 @@ def test_lost_worker_late_delivery_is_fenced_and_task_trained_once():
     from moerl.runtime.buffer import ExperienceBuffer, PutResult
     from moerl.runtime.fleet import EXPIRE_NOW_TTL_S
     from moerl.runtime.queue import TaskQueue
-    from moerl.runtime.types import Group, Sample
+    from moerl.records import Group, Sample
     from moerl.tasks import Prompt
 
     clock = Clock()

@@ -1,4 +1,4 @@
-"""recover_trainer with a real Trainer, checkpoint, run folder and weight store (fleet faked)."""
+"""recover_trainer with a real LocalTrainer, checkpoint, run folder and weight store (fleet faked)."""
 
 import copy
 from types import SimpleNamespace
@@ -7,12 +7,12 @@ import torch
 
 from moerl.config import load_config
 from moerl.models import build_model
-from moerl.runtime.batch import build_train_batch
-from moerl.runtime.recovery import StepJournal, recover_trainer
-from moerl.runtime.run_dir import LedgerEntry, RunDir
-from moerl.runtime.trainer import Trainer
-from moerl.runtime.types import Group, Lease, RolloutTask, Sample
-from moerl.runtime.weights import WeightStore
+from moerl.trainer.batch import build_train_batch
+from moerl.run.recovery import StepJournal, recover_trainer
+from moerl.run.folder import LedgerEntry, RunDir
+from moerl.trainer.local import LocalTrainer
+from moerl.records import Group, Lease, RolloutTask, Sample
+from moerl.weights.store import WeightStore
 
 VOCAB = 16
 
@@ -75,7 +75,7 @@ def test_recover_trainer_restores_checkpoint_requeues_lost_steps_and_publishes_n
         FakeFleet(),
         StepJournal(),
     )
-    trainer = Trainer(model, cfg.trainer, cfg.algorithm)
+    trainer = LocalTrainer(model, cfg.trainer, cfg.algorithm)
     trainer.publish(store)  # version 0
     for step in (1, 2, 3, 4):
         groups = _groups(step)

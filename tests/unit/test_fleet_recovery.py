@@ -3,8 +3,8 @@
 import pytest
 
 from moerl.runtime.queue import TaskQueue
-from moerl.runtime.recovery import StepJournal, restart_trainer
-from moerl.runtime.types import Settlement
+from moerl.run.recovery import StepJournal, restart_trainer
+from moerl.records import Settlement
 from moerl.tasks import Prompt
 
 

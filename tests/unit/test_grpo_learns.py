@@ -12,8 +12,8 @@ import torch
 from moerl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from moerl.models import build_model
 from moerl.rollout import Engine, Request, SamplingParams
-from moerl.runtime.trainer import Trainer
-from moerl.runtime.types import Group, Lease, RolloutTask, Sample
+from moerl.trainer.local import LocalTrainer
+from moerl.records import Group, Lease, RolloutTask, Sample
 
 VOCAB = 16
 PAD = 0
@@ -68,7 +68,7 @@ def test_grpo_steps_raise_rewarded_answer_probability():
     torch.manual_seed(0)
     model = _model()
     engine = Engine(_model(), max_slots=32, kv_token_budget=32 * 8, seed=0, version=-1)
-    trainer = Trainer(model, TrainerConfig(lr=3e-3, micro_batch_size=64), AlgorithmConfig(preset="grpo"))
+    trainer = LocalTrainer(model, TrainerConfig(lr=3e-3, micro_batch_size=64), AlgorithmConfig(preset="grpo"))
     engine.update_weights(trainer.named_weights(), trainer.version)
     before = _p_rewarded(model)
     assert 0.2 < before < 0.8  # a near-uniform random policy: both outcomes are sampled

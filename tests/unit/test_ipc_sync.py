@@ -1,4 +1,4 @@
-"""runtime.weight_sync=cuda_ipc (moerl.runtime.ipc_sync) on CPU: the trainer's ring of shared buffers and
+"""runtime.weight_sync=cuda_ipc (moerl.weights.ipc) on CPU: the trainer's ring of shared buffers and
 an engine in another process (spawned), whole-version switching, acknowledgements, checksums."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from moerl.config import ConfigError, load_config
-from moerl.runtime.ipc_slots import IpcListener, connect
-from moerl.runtime.ipc_sync import IpcPublisher, IpcReceiver, _checksum_no_sync, tensors_checksum_no_sync
+from moerl.weights.ipc_slots import IpcListener, connect
+from moerl.weights.ipc import IpcPublisher, IpcReceiver, _checksum_no_sync, tensors_checksum_no_sync
 
 
 def _tensors(version: int) -> dict[str, torch.Tensor]:

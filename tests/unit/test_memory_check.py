@@ -1,4 +1,4 @@
-"""The load-time memory estimate (``moerl.runtime.memory_check``): the engine's own cache and weight
+"""The load-time memory estimate (``moerl.rollout.memory_check``): the engine's own cache and weight
 bytes, the engines each mode builds on the checked device, and the refusal against what is available."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from moerl.config import ConfigError, load_config
 from moerl.models import build_model
 from moerl.rollout import Engine
-from moerl.runtime import memory_check
-from moerl.runtime.memory_check import (
+from moerl.rollout import memory_check
+from moerl.rollout.memory_check import (
     MEMORY_HEADROOM,
     check_memory,
     engine_cache_bytes,
@@ -22,7 +22,7 @@ from moerl.runtime.memory_check import (
     residents,
     weight_bytes,
 )
-from moerl.runtime.preflight import check_run_inputs
+from moerl.run.preflight import check_run_inputs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 VOCAB = 20

@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from moerl.config import ConfigError
 from moerl.ep.layout import Traffic
-from moerl.telemetry.counters import classify_comm_error, count_comm_error
-from moerl.telemetry.gpu import GpuSample, read_gpus
+from moerl.runtime.counters import classify_comm_error, count_comm_error
+from moerl.runtime.gpu import GpuSample, read_gpus
 from moerl.telemetry.prometheus import (
     SERIES,
     MetricsExporter,

@@ -8,9 +8,9 @@ from _tiny import tiny_model
 
 from moerl.config import AlgorithmConfig, TrainerConfig
 from moerl.rollout import Engine, Request, SamplingParams
-from moerl.runtime.batch import build_train_batch
-from moerl.runtime.trainer import Trainer
-from moerl.runtime.types import Group, Lease, RolloutTask, Sample
+from moerl.trainer.batch import build_train_batch
+from moerl.trainer.local import LocalTrainer
+from moerl.records import Group, Lease, RolloutTask, Sample
 
 VOCAB = 32
 
@@ -62,7 +62,7 @@ def _engine_groups(engine_model, *, num_prompts=6, n=4, new_tokens=10):
 
 
 def _trainer(model, replay, share_prompt=True):
-    return Trainer(
+    return LocalTrainer(
         model,
         TrainerConfig(lr=1e-3, micro_batch_size=64, share_prompt=share_prompt),
         AlgorithmConfig(routing_replay=replay),

@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from moerl.cli import main as cli_main
-from moerl.run_interrupt import sigterm_interrupts
+from moerl.run.interrupt import sigterm_interrupts
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import fsspec
 import pytest
 
 from moerl.config import load_config
-from moerl.runtime.storage import (
+from moerl.run.storage import (
     MARKER,
     RunMirror,
     RunStorage,

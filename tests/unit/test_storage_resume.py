@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moerl.config import ConfigError, RunConfig
-from moerl.runtime.checkpoint import save_checkpoint
-from moerl.runtime.run_dir import RunDir
-from moerl.runtime.storage import MARKER, RunMirror, RunStorage, fetch_run
+from moerl.trainer.checkpoint import save_checkpoint
+from moerl.run.folder import RunDir
+from moerl.run.storage import MARKER, RunMirror, RunStorage, fetch_run
 from moerl.train import resume
 
 

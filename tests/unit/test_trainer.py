@@ -1,4 +1,4 @@
-"""Trainer: batch building, micro-batch equivalence, NaN skipping, expert load CV, state round trip."""
+"""LocalTrainer: batch building, micro-batch equivalence, NaN skipping, expert load CV, state round trip."""
 
 import math
 
@@ -8,10 +8,10 @@ from _tiny import tiny_model
 
 from moerl.config import AlgorithmConfig, ConfigError, TrainerConfig
 from moerl.rl import entropy_from_logits
-from moerl.runtime.batch import build_train_batch
-from moerl.runtime.checkpoint import load_checkpoint
-from moerl.runtime.trainer import NonFiniteLossError, Trainer, expert_load_cv
-from moerl.runtime.types import Group, Lease, RolloutTask, Sample
+from moerl.trainer.batch import build_train_batch
+from moerl.trainer.checkpoint import load_checkpoint
+from moerl.trainer.local import NonFiniteLossError, LocalTrainer, expert_load_cv
+from moerl.records import Group, Lease, RolloutTask, Sample
 
 VOCAB = 16
 PAD = 0
@@ -137,7 +137,7 @@ def test_expert_load_cv_hand_computed():
 
 def _trainer(model, **kw):
     cfg = TrainerConfig(**{"lr": 1e-2, "micro_batch_size": 4, "grad_clip": 0.0, **kw})
-    return Trainer(model, cfg, AlgorithmConfig(preset="grpo"), temperature=1.0)
+    return LocalTrainer(model, cfg, AlgorithmConfig(preset="grpo"), temperature=1.0)
 
 
 def _behaviour_from(model, batch):
@@ -224,9 +224,9 @@ def test_state_round_trip_through_a_checkpoint(tmp_path):
 
 
 def test_ppo_builds_a_critic_and_kl_coef_a_frozen_reference():
-    ppo = Trainer(_model(), TrainerConfig(), AlgorithmConfig(preset="ppo"))
+    ppo = LocalTrainer(_model(), TrainerConfig(), AlgorithmConfig(preset="ppo"))
     assert ppo.algo.critic is not None and ppo.algo.reference is None
-    kl = Trainer(_model(), TrainerConfig(), AlgorithmConfig(kl_coef=0.1))
+    kl = LocalTrainer(_model(), TrainerConfig(), AlgorithmConfig(kl_coef=0.1))
     assert kl.algo.reference is not None and kl.algo.critic is None
     assert not any(p.requires_grad for p in kl.algo.reference.model.parameters())
 
@@ -235,9 +235,9 @@ def test_ppo_builds_a_critic_and_kl_coef_a_frozen_reference():
 def test_a_crash_while_saving_never_exposes_a_partial_checkpoint_or_weight_version(
     tmp_path, monkeypatch, background
 ):
-    import moerl.runtime.checkpoint as ckpt_mod
-    from moerl.runtime.checkpoint import latest_checkpoint
-    from moerl.runtime.weights import WeightStore
+    import moerl.trainer.checkpoint as ckpt_mod
+    from moerl.trainer.checkpoint import latest_checkpoint
+    from moerl.weights.store import WeightStore
 
     trainer = _trainer(_model(), background_publish=background)
     store = WeightStore(str(tmp_path / "weights"))
@@ -265,7 +265,7 @@ def test_a_crash_while_saving_never_exposes_a_partial_checkpoint_or_weight_versi
 
 
 def test_lr_schedule_warmup_constant_and_cosine_hand_values():
-    from moerl.runtime.trainer import lr_factor
+    from moerl.trainer.local import lr_factor
 
     const = TrainerConfig(steps=100, warmup_steps=10)
     assert [lr_factor(const, s) for s in (0, 4, 9, 10, 99)] == [0.1, 0.5, 1.0, 1.0, 1.0]
@@ -283,7 +283,7 @@ def test_entropy_metric_equals_masked_mean_of_entropy_from_logits():
     labels = torch.randint(0, VOCAB, (3, 6), generator=gen)
     labels[0, :4] = -100  # prompt and padding positions
     labels[2] = -100  # a row with nothing trained
-    trainer = Trainer(_model(), TrainerConfig(), AlgorithmConfig(preset="grpo"), temperature=0.7)
+    trainer = LocalTrainer(_model(), TrainerConfig(), AlgorithmConfig(preset="grpo"), temperature=0.7)
     full = entropy_from_logits(logits, labels, temperature=0.7)  # 0 where not trained
     assert trainer._entropy_sum(logits, labels) == pytest.approx(float(full.sum()), rel=1e-6)
     # hand check of one position: H = -sum p log p of softmax(logits[1, 2] / 0.7) describes labels[1, 3]
@@ -299,7 +299,7 @@ def test_activation_checkpointing_gives_the_same_step(share_prompt):
     for ac in (False, True):
         torch.manual_seed(0)
         cfg = TrainerConfig(lr=1e-2, share_prompt=share_prompt, activation_checkpointing=ac)
-        trainer = Trainer(_model(), cfg, AlgorithmConfig())
+        trainer = LocalTrainer(_model(), cfg, AlgorithmConfig())
         stats = trainer.train_step(build_train_batch(_groups(), pad_id=PAD))
         results.append((stats.pg_loss, stats.grad_norm, trainer.named_weights()))
     (loss0, norm0, w0), (loss1, norm1, w1) = results

@@ -1,4 +1,4 @@
-"""Bucketed weight sync (moerl.runtime.weight_sync): buckets, checksums, whole-version switching, the
+"""Bucketed weight sync (moerl.weights.buckets): buckets, checksums, whole-version switching, the
 durable store written in the background from the packed buckets."""
 
 import dataclasses
@@ -11,7 +11,7 @@ import torch
 
 from moerl.runtime.fleet import WorkerHealth, WorkerRecord
 from moerl.runtime.ray.rollouts import RayRollouts, version_lags
-from moerl.runtime.weight_sync import (
+from moerl.weights.buckets import (
     BucketAssembler,
     BucketPublisher,
     bucket_bytes_of,
@@ -20,7 +20,7 @@ from moerl.runtime.weight_sync import (
     split_buckets,
     unpack_bucket,
 )
-from moerl.runtime.weights import ChecksumError, WeightStore
+from moerl.weights.store import ChecksumError, WeightStore
 
 
 def _tensors(seed=0):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from moerl.runtime import ChecksumError, StoreNotWritableError, WeightStore
-from moerl.runtime.weights import pack_weights, unpack_weights
+from moerl.weights import ChecksumError, StoreNotWritableError, WeightStore
+from moerl.weights.store import pack_weights, unpack_weights
 
 
 def weights(version: int) -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moerl.runtime.weights import WeightStore
+from moerl.weights.store import WeightStore
 
 
 def _tensors():

@@ -9,7 +9,7 @@ from moerl.rollout import Engine
 from moerl.runtime.buffer import ExperienceBuffer
 from moerl.runtime.local import LocalRollouts
 from moerl.runtime.queue import TaskQueue
-from moerl.runtime.weight_sources import LocalWeights
+from moerl.weights.sources import LocalWeights
 from moerl.runtime.worker import RolloutWorker, sample_seed
 from moerl.tasks import Prompt, Reward, load_tokenizer
 

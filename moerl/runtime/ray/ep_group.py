@@ -44,11 +44,11 @@ import torch.distributed as dist
 from moerl.config import RunConfig
 from moerl.rollout.ep_engine import EPEngine
 from moerl.rollout.ep_group import EPFollower, EPGroupEngine, EPGroupError
-from moerl.runtime.allocator import keep_freed_memory
+from moerl.allocator import keep_freed_memory
 from moerl.runtime.build import load_policy, make_engine
-from moerl.runtime.storage import is_remote, local_model_folder
-from moerl.runtime.weight_sync import BucketAssembler
-from moerl.runtime.weights import WeightStore
+from moerl.run.storage import is_remote, local_model_folder
+from moerl.weights.buckets import BucketAssembler
+from moerl.weights.store import WeightStore
 from moerl.tasks.tokenizer import load_run_tokenizer
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from moerl.config import RunConfig
 from moerl.runtime.buffer import BufferMetrics, PutResult
 from moerl.runtime.build import make_buffer, make_queue
 from moerl.runtime.queue import QueueStats
-from moerl.runtime.storage import local_model_folder
-from moerl.runtime.types import Group, Lease, PartialResponse, RolloutTask, Settlement
+from moerl.run.storage import local_model_folder
+from moerl.records import Group, Lease, PartialResponse, RolloutTask, Settlement
 from moerl.tasks import make_task
 from moerl.tasks.tokenizer import load_run_tokenizer
 

@@ -46,18 +46,18 @@ from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager, WorkerRecord
-from moerl.runtime.ipc_slots import IpcListener
-from moerl.runtime.ipc_sync import IpcPublisher
+from moerl.weights.ipc_slots import IpcListener
+from moerl.weights.ipc import IpcPublisher
 from moerl.runtime.notice import notice_file_for
 from moerl.runtime.queue import QueueStats
 from moerl.runtime.ray.address import ray_head
 from moerl.runtime.ray.backend import RayWorkerBackend
 from moerl.runtime.ray.exchange import ExchangeActor
 from moerl.runtime.ray.worker_actor import RolloutWorkerActor
-from moerl.runtime.storage import stage_model_folder
-from moerl.runtime.types import Group, RolloutTask
-from moerl.runtime.weight_sync import BucketPublisher, BucketStreamer, bucket_bytes_of, bucket_offer
-from moerl.runtime.weights import WeightStore, pack_weights
+from moerl.run.storage import stage_model_folder
+from moerl.records import Group, RolloutTask
+from moerl.weights.buckets import BucketPublisher, BucketStreamer, bucket_bytes_of, bucket_offer
+from moerl.weights.store import WeightStore, pack_weights
 from moerl.runtime.worker import WorkerStats
 
 
@@ -116,7 +116,7 @@ def init_ray(cfg: RunConfig) -> None:
         ray.init(address=cfg.runtime.ray_address, log_to_driver=True)
     else:
         ranks = cfg.rollout.num_workers * cfg.rollout.ep_size  # rollout processes, one CPU each
-        # a trainer group's rank actors need a (fractional) CPU beside them (moerl.distributed.ray_ranks)
+        # a trainer group's rank actors need a (fractional) CPU beside them (moerl.trainer.distributed.ray_ranks)
         trainer_cpus = int(cfg.trainer.num_ranks > 1)
         ray.init(
             address="local",  # a new instance, as documented: never another process's running cluster

@@ -27,25 +27,25 @@ import torch
 
 from moerl.config import RunConfig
 from moerl.rollout.ep_group import EPGroupError
-from moerl.runtime.allocator import keep_freed_memory
+from moerl.allocator import keep_freed_memory
 from moerl.runtime.buffer import BufferClosed
 from moerl.runtime.build import load_policy, make_worker
 from moerl.runtime.chaos import Slowdown
 from moerl.runtime.drain import Drainer
 from moerl.runtime.fleet import WorkerExit, WorkerHealth
-from moerl.runtime.ipc_slots import connect
-from moerl.runtime.ipc_sync import IpcReceiver
+from moerl.weights.ipc_slots import connect
+from moerl.weights.ipc import IpcReceiver
 from moerl.runtime.notice import watcher_from_config
 from moerl.runtime.ray.ep_group import EPRolloutGroup
-from moerl.runtime.storage import is_remote, local_model_folder
-from moerl.runtime.types import Group, Lease, PartialResponse, Settlement
-from moerl.runtime.weight_sources import StoreWeights
-from moerl.runtime.weight_sync import BucketAssembler
-from moerl.runtime.weights import WeightStore, unpack_weights
+from moerl.run.storage import is_remote, local_model_folder
+from moerl.records import Group, Lease, PartialResponse, Settlement
+from moerl.weights.sources import StoreWeights
+from moerl.weights.buckets import BucketAssembler
+from moerl.weights.store import WeightStore, unpack_weights
 from moerl.tasks import make_task
 from moerl.tasks.tokenizer import load_run_tokenizer
-from moerl.telemetry.counters import comm_error_counts
-from moerl.telemetry.gpu import read_gpus
+from moerl.runtime.counters import comm_error_counts
+from moerl.runtime.gpu import read_gpus
 
 
 def _ray():
@@ -60,7 +60,7 @@ def _remote_call(handle, method: str, *args, **kwargs):
 
 
 class RayPending:
-    """An actor call in progress (``moerl.runtime.types.Pending``): polled without blocking."""
+    """An actor call in progress (``moerl.records.Pending``): polled without blocking."""
 
     def __init__(self, ref) -> None:
         self.ref = ref
@@ -158,7 +158,7 @@ class RolloutWorkerActor:
         ipc_address: tuple[str, bytes] | None = None,
     ):
         torch.set_num_threads(int(os.environ.get("MOERL_ACTOR_THREADS", "1")))
-        keep_freed_memory()  # no page faults on each step's activations (moerl.runtime.allocator)
+        keep_freed_memory()  # no page faults on each step's activations (moerl.allocator)
         torch.manual_seed(cfg.seed)
         init_path = local_model_folder(init_path, cfg.storage.options)  # staged in the store: a local copy
         tokenizer = load_run_tokenizer(cfg, init_path)

@@ -1,0 +1,216 @@
+"""Load-time memory estimate of a run: the rollout engines' KV caches plus the policy's weights on the
+device the run builds them on, against what that device has free (``check_memory``, called by
+``moerl.run.preflight.check_run_inputs`` before the warm start).
+
+The engines preallocate their whole cache (``moerl.rollout.kv_cache.SlotKVCache``), so engine sizes
+too large for the machine are certain to fail, minutes later (an OOM kill after the warm start). The
+estimate is a lower bound of what the device must hold: every engine's cache, sized by the same
+functions the engine uses (``cache_geometry``, ``cache_bytes``), plus one copy of the weights per
+process that holds the policy there. Activations, optimizer state and the CUDA context come on top;
+``MEMORY_HEADROOM`` leaves room for them.
+
+Which parts share the checked device (``model.device``, where the driver builds its engines):
+
+    sft (``moerl sft``)          its model + the eval engine
+    sync                         trainer + eval engine, the worker's copy of the policy + its engine
+    async, local Ray, CPU        the driver's as in sft, and each of the ``rollout.num_workers`` workers'
+                                 copy + one engine per EP rank (``rollout.ep_size``)
+    async, local Ray, CUDA       the driver's, and at most one worker rank (Ray gives each a GPU of its own)
+    async, ``runtime.ray_address``  the driver's only (the workers run on the cluster's nodes)
+
+A trainer group (``trainer.num_ranks > 1``) of local processes on the host adds one more copy (its
+shards). Cluster runs are checked where ``moerl train`` runs, never by ``moerl cluster render``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moerl.config import ConfigError, RunConfig
+from moerl.models.build import arch_from_model_config
+from moerl.models.config import MoeConfig
+from moerl.models.dtypes import torch_dtype
+from moerl.models.model import MoeForCausalLM
+from moerl.rollout.kv_cache import cache_bytes, cache_geometry, kv_layout
+
+MEMORY_HEADROOM = 0.9
+"""The estimate must fit in this share of the device's available memory (the rest: activations,
+optimizer state, allocator slack)."""
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """What the engines and the policy copies of a run need on one device (bytes)."""
+
+    device: str
+    """``host`` or ``cuda:N``."""
+    num_slots: int
+    """N: slots of one engine's cache (``cache_geometry``)."""
+    slot_tokens: int
+    """S: tokens per slot."""
+    engine_bytes: int
+    """One engine's cache: keys, values and (R3) routed experts."""
+    num_engines: int
+    """Engines built on the device."""
+    weight_bytes: int
+    """One copy of the policy's parameters in ``model.dtype``."""
+    num_copies: int
+    """Copies of the policy held on the device."""
+
+    @property
+    def total_bytes(self) -> int:
+        """``num_engines * engine_bytes + num_copies * weight_bytes``."""
+        return self.num_engines * self.engine_bytes + self.num_copies * self.weight_bytes
+
+
+def policy_arch(cfg: RunConfig, vocab_size: int) -> MoeConfig | None:
+    """The architecture of the run's policy: ``init_from``'s or ``model.path``'s config.json when the
+    folder has one, else the fresh model of ``cfg.model`` with ``vocab_size`` tokens. None when the
+    config.json cannot be read (the loader reports that folder with its own message)."""
+    for folder in (cfg.init_from, cfg.model.path):
+        if folder is not None and (Path(folder) / "config.json").is_file():
+            try:
+                return MoeConfig.from_hf_dict(json.loads((Path(folder) / "config.json").read_text()))
+            except (OSError, ValueError, TypeError, KeyError):
+                return None
+    return arch_from_model_config(cfg.model, vocab_size)
+
+
+def engine_cache_bytes(arch: MoeConfig, cfg: RunConfig) -> tuple[int, int, int]:
+    """``(N, S, bytes)`` of one rollout engine of the run (``Engine.from_config`` over ``arch``)."""
+    r = cfg.rollout
+    num_slots, slot_tokens = cache_geometry(r.max_slots, r.kv_token_budget, arch.max_position_embeddings)
+    routed = (len(arch.moe_layer_ids), arch.num_experts_per_tok) if r.return_routed_experts else None
+    dtype = torch_dtype(cfg.model.dtype)
+    return num_slots, slot_tokens, cache_bytes(kv_layout(arch), num_slots, slot_tokens, dtype, routed)
+
+
+def weight_bytes(arch: MoeConfig, dtype: torch.dtype) -> int:
+    """Bytes of the policy's parameters in ``dtype``, counted on a model built on the meta device (no
+    memory allocated)."""
+    with torch.device("meta"):
+        model = MoeForCausalLM(arch)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(p.numel() for p in model.parameters()) * elem
+
+
+def ep_rank_weight_bytes(arch: MoeConfig, dtype: torch.dtype, ep_size: int) -> int:
+    """Bytes of the policy's parameters one EP rank of ``ep_size`` holds in ``dtype``: every non-expert
+    parameter (attention, router, embeddings, shared experts) and 1/``ep_size`` of the routed experts'
+    (``moerl.ep.parallelize`` splits ``gate_up_proj`` and ``down_proj`` along the expert dimension)."""
+    with torch.device("meta"):
+        model = MoeForCausalLM(arch)
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(
+        block.experts.gate_up_proj.numel() + block.experts.down_proj.numel() for block in model.moe_blocks()
+    )
+    return (total - routed + routed // ep_size) * elem
+
+
+def residents(cfg: RunConfig, device: torch.device, *, rollouts: bool = True) -> tuple[int, int]:
+    """``(engines, policy copies)`` the run builds on ``device`` (the module docstring's table).
+    ``rollouts=False``: ``moerl sft`` (its model and the eval engine only)."""
+    engines, copies = 1, 1  # the driver's policy (trainer, eval) and its eval engine
+    local_ray = cfg.runtime.mode == "async" and not cfg.runtime.ray_address
+    if rollouts and cfg.runtime.mode == "sync":
+        engines, copies = engines + 1, copies + 1
+    elif rollouts and local_ray and device.type == "cuda":
+        engines, copies = engines + 1, copies + 1
+    elif rollouts and local_ray:
+        workers = cfg.rollout.num_workers
+        engines, copies = engines + workers * cfg.rollout.ep_size, copies + workers
+    if device.type != "cuda" and cfg.trainer.num_ranks > 1 and (cfg.runtime.mode == "sync" or local_ray):
+        copies += 1
+    return engines, copies
+
+
+def estimate_memory(cfg: RunConfig, vocab_size: int, *, rollouts: bool = True) -> MemoryEstimate | None:
+    """The run's ``MemoryEstimate`` on ``model.device``; None when the policy's config cannot be read."""
+    arch = policy_arch(cfg, vocab_size)
+    if arch is None:
+        return None
+    device = torch.device(cfg.model.device)
+    num_slots, slot_tokens, engine = engine_cache_bytes(arch, cfg)
+    engines, copies = residents(cfg, device, rollouts=rollouts)
+    name = "host" if device.type != "cuda" else f"cuda:{device.index or 0}"
+    weights = weight_bytes(arch, torch_dtype(cfg.model.dtype))
+    return MemoryEstimate(name, num_slots, slot_tokens, engine, engines, weights, copies)
+
+
+def host_available_bytes() -> tuple[int, str]:
+    """``(bytes, source)``: memory this process can still get on the host: ``MemAvailable`` of
+    /proc/meminfo (else ``os.sysconf`` free pages), lowered to the cgroup v2 limit's remainder
+    (``memory.max - memory.current``) inside a container that has one."""
+    available, source = None, "MemAvailable"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    if available is None:
+        available, source = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free pages"
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return available, source
+    if limit != "max" and int(limit) - used < available:
+        return max(int(limit) - used, 0), "cgroup memory.max - memory.current"
+    return available, source
+
+
+def available_bytes(device: torch.device) -> tuple[int, str] | None:
+    """``(bytes, source)`` free on ``device``: the host's (``host_available_bytes``) or a GPU's
+    (``torch.cuda.mem_get_info``); None for a CUDA device this machine lacks (checked elsewhere)."""
+    if device.type != "cuda":
+        return host_available_bytes()
+    if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free, f"torch.cuda.mem_get_info(cuda:{device.index or 0})"
+
+
+def check_memory(cfg: RunConfig, vocab_size: int, *, rollouts: bool = True) -> MemoryEstimate | None:
+    """Refuse a run whose engines' caches and policy copies cannot fit ``model.device``'s memory.
+
+    Args:
+        cfg: the run config.
+        vocab_size: the run tokenizer's vocabulary (a fresh policy's V).
+        rollouts: count the rollout workers' engines (False for ``moerl sft``).
+    Returns:
+        The estimate (None when the policy's config.json cannot be read, or the device is absent).
+    Raises:
+        ConfigError: the estimate exceeds ``MEMORY_HEADROOM`` of the available memory; names
+            ``rollout.max_slots`` and ``rollout.kv_token_budget``, the estimate and the available GiB.
+    """
+    est = estimate_memory(cfg, vocab_size, rollouts=rollouts)
+    device = torch.device(cfg.model.device)
+    free = available_bytes(device) if est is not None else None
+    if est is None or free is None:
+        return est
+    available, source = free
+    if est.total_bytes <= MEMORY_HEADROOM * available:
+        return est
+    r = cfg.rollout
+    hint = (
+        "lower rollout.max_slots or rollout.kv_token_budget"
+        if est.num_engines * est.engine_bytes >= est.num_copies * est.weight_bytes
+        else "use a smaller model (model.*), another model.device or fewer rollout.num_workers"
+    )
+    raise ConfigError(
+        f"rollout.max_slots={r.max_slots}, rollout.kv_token_budget={r.kv_token_budget}: the run needs about "
+        f"{est.total_bytes / GIB:.1f} GiB of {est.device} memory ({est.num_engines} rollout engine KV "
+        f"cache(s) of {est.engine_bytes / GIB:.2f} GiB each, {est.num_slots} slots x {est.slot_tokens} tokens, "
+        f"plus {est.num_copies} copies of the policy weights of {est.weight_bytes / GIB:.2f} GiB each), but "
+        f"{available / GIB:.1f} GiB is available ({source}; at most {MEMORY_HEADROOM:.0%} of it is used); "
+        f"{hint}"
+    )

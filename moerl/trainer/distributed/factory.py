@@ -1,0 +1,141 @@
+"""The run's trainer from its config: today's one-process ``Trainer`` at ``trainer.num_ranks=1``, else a
+``TrainerGroup``; and checkpoint loading that works across world sizes for both."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from moerl.config import ConfigError, RunConfig
+from moerl.trainer.distributed.checkpoint import (
+    ShardedCheckpointError,
+    load_critic_scheduler,
+    load_sharded,
+    set_lr_from_scheduler,
+)
+from moerl.trainer.distributed.group import TrainerGroup
+from moerl.trainer.local import LocalTrainer
+
+
+def check_trainer_resources(cfg: RunConfig) -> None:
+    """Before any warm start or launch: a CUDA policy needs one GPU per local rank.
+
+    Raises:
+        ConfigError: ``trainer.num_ranks`` is larger than the GPUs this machine has (sync mode: the
+            ranks are local processes), or one rank's ``model.device`` (``cuda:N``) is not on it.
+    """
+    t = cfg.trainer
+    device = torch.device(cfg.model.device)  # its form is checked at load: cpu, cuda, cuda:N
+    if t.num_ranks == 1 and device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(  # the trainer runs in this process (sync and async mode alike)
+            f"model.device={cfg.model.device} needs a GPU (trainer.num_ranks=1) but this machine has "
+            f"{torch.cuda.device_count()}; use model.device=cpu"
+        )
+    if t.num_ranks > 1 and str(cfg.model.device).startswith("cuda") and cfg.runtime.mode == "sync":
+        available = torch.cuda.device_count()
+        if t.num_ranks > available:
+            raise ConfigError(
+                f"trainer.num_ranks={t.num_ranks} needs {t.num_ranks} GPUs (one per rank) but this machine has "
+                f"{available}; lower trainer.num_ranks or use model.device=cpu"
+            )
+
+
+def make_trainer(
+    cfg: RunConfig, model: torch.nn.Module, init_path: str | None, scratch: Path
+) -> LocalTrainer | TrainerGroup:
+    """The trainer of the run.
+
+    Args:
+        cfg: the run config.
+        model: the driver's policy (trained in place at one rank; refreshed from each publish otherwise).
+        init_path: Hugging Face folder of the starting weights; None: ``model`` is a fresh model, which
+            is saved under ``scratch`` for the ranks to load their shards from.
+        scratch: a folder of the run for that copy.
+    """
+    if cfg.trainer.num_ranks == 1:
+        return LocalTrainer.from_run_config(model, cfg)
+    if init_path is None:  # a fresh policy: saved once, so that a restarted group loads the same weights
+        from moerl.models import save_pretrained
+
+        init_path = str(scratch / "trainer_init")
+        if not (Path(init_path) / "config.json").exists():
+            save_pretrained(model, init_path)
+    if cfg.runtime.mode == "async":
+        import ray
+
+        from moerl.runtime.ray.rollouts import init_ray  # lazy: Ray only in async mode
+
+        if not ray.is_initialized():  # the rollout fleet joins the same instance
+            init_ray(cfg)
+        return TrainerGroup(cfg, init_path, model, ranks="ray")
+    return TrainerGroup(cfg, init_path, model)
+
+
+def load_trainer_state(trainer: LocalTrainer | TrainerGroup, folder: Path, parts: dict) -> None:
+    """Restore ``trainer`` from the checkpoint step folder ``folder`` (read as ``parts``), whichever number
+    of ranks wrote it.
+
+    Raises:
+        ConfigError: the checkpoint's shards do not match the model (names the tensor and both shapes),
+            or a one-rank checkpoint resumed with ``trainer.num_ranks > 1`` (not supported yet).
+    """
+    try:
+        _load_trainer_state(trainer, Path(folder), parts)
+    except ShardedCheckpointError as e:
+        raise ConfigError(
+            f"{e} (resume with the run's own model: the checkpoint's shards do not fit this one)"
+        ) from None
+
+
+def _load_trainer_state(trainer: LocalTrainer | TrainerGroup, folder: Path, parts: dict) -> None:
+    sharded = parts.get("sharded")
+    if isinstance(trainer, TrainerGroup):
+        if sharded is None:
+            raise ConfigError(
+                f"{folder} was written by a one-rank trainer; resume it with trainer.num_ranks=1 "
+                "(a sharded resume needs a sharded checkpoint)"
+            )
+        trainer.load_checkpoint_folder(Path(folder), parts)
+        if trainer.model is not None:
+            trainer.model.load_state_dict(trainer.named_weights())
+        return
+    if sharded is None:
+        trainer.load_state_dict(parts)
+        return
+    load_sharded(trainer, Path(folder).parent / sharded["path"])
+    trainer.scheduler.load_state_dict(parts["scheduler"])
+    set_lr_from_scheduler(trainer)
+    load_critic_scheduler(trainer, parts.get("critic_scheduler"))
+    counters = parts["trainer"]
+    trainer.step, trainer.nan_streak, trainer.num_skipped = (
+        counters["step"],
+        counters["nan_streak"],
+        counters["num_skipped"],
+    )
+    trainer.version_offset = counters.get("version_offset", 0)
+
+
+def trainer_summary(trainer: LocalTrainer | TrainerGroup) -> dict:
+    """``trainer_ranks`` and ``trainer_rank_pids`` (the driver's pid for the one-process trainer)."""
+    if isinstance(trainer, TrainerGroup):
+        return {"trainer_ranks": trainer.num_ranks, "trainer_rank_pids": trainer.pids}
+    return {"trainer_ranks": 1, "trainer_rank_pids": [os.getpid()]}
+
+
+def record_ranks(trainer: LocalTrainer | TrainerGroup, run_dir: Path) -> None:
+    """Write ``RUN_DIR/trainer_ranks.json`` ({"num_ranks", "pids"}) atomically: which processes train."""
+    import json
+
+    path = Path(run_dir) / "trainer_ranks.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(
+        json.dumps(
+            {
+                "num_ranks": trainer_summary(trainer)["trainer_ranks"],
+                "pids": trainer_summary(trainer)["trainer_rank_pids"],
+            }
+        )
+    )
+    tmp.replace(path)
