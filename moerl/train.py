@@ -35,7 +35,6 @@ from moerl.trainer.distributed.rank import TrainerRankError
 from moerl.run.group_recovery import restart_group
 from moerl.envs.stats import merge as env_merge
 from moerl.envs.stats import step_values as env_step_values
-from moerl.models import save_pretrained
 from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk
 from moerl.runtime.accounting import FleetState, accounting
 from moerl.allocator import keep_freed_memory
@@ -50,7 +49,8 @@ from moerl.run.resume import check_init_from, removed_on_failure, resume_checkpo
 from moerl.runtime.rollouts import Rollouts
 from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
 from moerl.run.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
-from moerl.trainer.local import NonFiniteLossError, LocalTrainer as Trainer, TrainStats
+from moerl.trainer.local import NonFiniteLossError, TrainStats
+from moerl.trainer.protocol import Trainer
 from moerl.records import Group
 from moerl.run.warm_start import warm_start
 from moerl.weights.store import StoreNotWritableError, WeightStore
@@ -112,8 +112,8 @@ class Run:
         # its digests were read when resume_checkpoint picked it (the run folder is locked since)
         parts = load_checkpoint(checkpoint, contents=False) if checkpoint is not None else None
         self.comp = build_components(cfg, init_path, self.store)
-        # one rank: today's Trainer; more: a TrainerGroup (moerl.trainer.distributed), same interface
-        self.trainer: Trainer | TrainerGroup = make_trainer(cfg, self.comp.model, init_path, self.dir.path)
+        # one rank: a LocalTrainer; more: a TrainerGroup (moerl.trainer.distributed); both a Trainer
+        self.trainer: Trainer = make_trainer(cfg, self.comp.model, init_path, self.dir.path)
         try:
             self.state = self._begin(parts, checkpoint)
         except BaseException:
@@ -139,7 +139,7 @@ class Run:
         except TrainerRankError as e:  # a rank died or hung: a new group from the newest checkpoint
             self.restart_group(e, lost=groups)
             return
-        if isinstance(self.trainer, TrainerGroup) and self.trainer.last_ep_traffic is not None:
+        if self.trainer.last_ep_traffic is not None:
             for direction, traffic in self.trainer.last_ep_traffic.items():  # EP bytes of all ranks
                 self.telemetry.add_ep_traffic(direction, traffic)
         self._record(groups, stats.step)
@@ -200,7 +200,7 @@ class Run:
 
     def recover(self, failed_step: int) -> None:
         """Replace the trainer that died after ``failed_step`` (``moerl.run.recovery``)."""
-        if isinstance(self.trainer, TrainerGroup):  # chaos kill of a group: a new group
+        if self.trainer.num_ranks > 1:  # chaos kill of a group: a new group
             self.restart_group("chaos kill")
             return
         self.trainer, report = recover_trainer(
@@ -252,7 +252,7 @@ class Run:
 
     def close_trainer(self) -> None:
         """Stop a trainer group's ranks (idempotent; the one-process trainer has none)."""
-        if isinstance(getattr(self, "trainer", None), TrainerGroup):
+        if getattr(self, "trainer", None) is not None:
             self.trainer.close()
 
     # -- the parts of start and step -------------------------------------------------------------
@@ -326,7 +326,7 @@ class Run:
         """Held-out accuracy every ``eval.every`` steps and at the end, else None."""
         every = self.cfg.eval.every
         is_due = step == self.cfg.trainer.steps or (every and step % every == 0)
-        if is_due and isinstance(self.trainer, TrainerGroup):
+        if is_due:
             self.trainer.refresh_model()  # a streamed version reaches the driver's copy only when needed
         return self.comp.evaluate() if is_due else None
 
@@ -458,14 +458,11 @@ def _resume(run_dir: str | Path, fetched: Path | None, overrides: list[str] | No
         raise RunInterrupted.of(folder.path) from e
 
 
-def export_policy(trainer: Trainer | TrainerGroup, tokenizer, folder: Path) -> Path:
+def export_policy(trainer: Trainer, tokenizer, folder: Path) -> Path:
     """Save the policy as a Hugging Face folder with its tokenizer (what ``moerl generate`` and
-    transformers load), replacing ``folder`` atomically: ``save_pretrained`` of the one-process trainer's
-    model, or streamed from the shards of a trainer group (``TrainerGroup.export_policy``)."""
-    if isinstance(trainer, TrainerGroup):
-        return trainer.export_policy(folder, extra=tokenizer.save)
-    save_pretrained(trainer.model, folder, extra=tokenizer.save)
-    return folder
+    transformers load), replacing ``folder`` atomically (``Trainer.export_policy``: ``save_pretrained`` of the
+    one-process trainer's model, or streamed from the shards of a trainer group)."""
+    return trainer.export_policy(folder, extra=tokenizer.save)
 
 
 def _open_mirror(cfg: RunConfig, run_dir: RunDir) -> RunMirror | None:

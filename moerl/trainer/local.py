@@ -25,8 +25,9 @@ The policy version is the number of trainer steps taken: weights after step s ar
 from __future__ import annotations
 
 import math
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from moerl.config import AlgorithmConfig, RunConfig, TrainerConfig
 from moerl.lr_schedule import warmup_cosine_lr
+from moerl.models import save_pretrained
 from moerl.rl import (
     entropy_from_logits,
     policy_loss,
@@ -139,7 +141,8 @@ def lr_factor(cfg: TrainerConfig, step: int) -> float:
 
 
 class LocalTrainer:
-    """Owns the policy being trained, its AdamW optimizer and LR schedule.
+    """Owns the policy being trained, its AdamW optimizer and LR schedule: the one-process implementation
+    of ``moerl.trainer.protocol.Trainer``.
 
     Args:
         model: the policy (``moerl.models.MoeForCausalLM``), on its training device.
@@ -194,6 +197,8 @@ class LocalTrainer:
         (``moerl.run.recovery``), so that versions never go backwards."""
         self.nan_streak = 0
         self.num_skipped = 0
+        self.num_ranks = 1
+        self.last_ep_traffic = None  # one process: no EP bytes cross ranks
         self.device = next(model.parameters()).device
         self.num_experts = int(getattr(getattr(model, "config", None), "num_experts", 0) or 0)
         self._has_published = False
@@ -236,6 +241,11 @@ class LocalTrainer:
     def version(self) -> int:
         """Policy version of the current weights: trainer steps taken + ``version_offset``."""
         return self.step + self.version_offset
+
+    @property
+    def pids(self) -> list[int]:
+        """This process: the one training rank."""
+        return [os.getpid()]
 
     def build_batch(self, groups: Sequence[Group], pad_id: int) -> TrainBatch:
         """``build_train_batch`` with this trainer's advantage estimator."""
@@ -497,3 +507,14 @@ class LocalTrainer:
         return save_checkpoint(
             run_dir, self.step, {**self.state_dict(), "rng": capture_rng_state(), **extra}, keep=keep
         )
+
+    def refresh_model(self) -> None:
+        """Nothing to do: evaluation reads this trainer's own model."""
+
+    def export_policy(self, folder: str | Path, extra: Callable[[Path], None] | None = None) -> Path:
+        """``save_pretrained`` of the policy to ``folder`` (atomic folder rename), ``extra`` adding files."""
+        save_pretrained(self.model, folder, extra=extra)
+        return Path(folder)
+
+    def close(self) -> None:
+        """Nothing to stop: the trainer is this process."""

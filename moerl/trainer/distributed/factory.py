@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -119,9 +118,7 @@ def _load_trainer_state(trainer: LocalTrainer | TrainerGroup, folder: Path, part
 
 def trainer_summary(trainer: LocalTrainer | TrainerGroup) -> dict:
     """``trainer_ranks`` and ``trainer_rank_pids`` (the driver's pid for the one-process trainer)."""
-    if isinstance(trainer, TrainerGroup):
-        return {"trainer_ranks": trainer.num_ranks, "trainer_rank_pids": trainer.pids}
-    return {"trainer_ranks": 1, "trainer_rank_pids": [os.getpid()]}
+    return {"trainer_ranks": trainer.num_ranks, "trainer_rank_pids": trainer.pids}
 
 
 def record_ranks(trainer: LocalTrainer | TrainerGroup, run_dir: Path) -> None:
