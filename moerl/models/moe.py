@@ -268,6 +268,33 @@ def grouped_expert_mlp(
     return torch.cat(outs) if outs else x_sorted.new_zeros(0, h)
 
 
+def dense_experts(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """sum_j w_j expert_{idx_j}(x) [N, H] computed by every expert for every token, with no host sync.
+
+    The path of a CUDA-graph capture where the fused bf16 kernels do not apply (float32 on CUDA): the
+    sorted path's ``bincount`` and ``torch._grouped_mm``'s float32 fallback both read from the host, which a
+    capture forbids. E/k times the FLOPs of the routed computation, so used only inside a capture (decode
+    steps of small batches); weighted and summed in float32 as the sorted path.
+
+    Args:
+        x: [N, H]. topk_idx: [N, k] int64. topk_weights: [N, k]. gate_up: [E, 2I, H]. down: [E, H, I].
+    Returns:
+        [N, H] in x's dtype.
+    """
+    acc = torch.promote_types(x.dtype, torch.float32)
+    weights = torch.zeros(x.shape[0], gate_up.shape[0], dtype=acc, device=x.device)  # [N, E]
+    weights.scatter_add_(1, topk_idx, topk_weights.to(acc))
+    gate, up = torch.einsum("nh,eoh->neo", x, gate_up).chunk(2, dim=-1)  # [N, E, I] each
+    y = torch.einsum("nei,ehi->neh", F.silu(gate) * up, down)  # [N, E, H]
+    return (y.to(acc) * weights[..., None]).sum(1).to(x.dtype)
+
+
 class Experts(nn.Module):
     """E routed SwiGLU experts stored stacked: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
 
@@ -283,6 +310,8 @@ class Experts(nn.Module):
         """x [N, H], topk_idx [N, k] int64, topk_weights [N, k] float32 -> sum_j w_j expert_{idx_j}(x) [N, H]."""
         if fused_experts_supported(x, self.gate_up_proj, self.down_proj):  # CUDA bf16: no host sync
             return fused_experts(x, topk_idx, topk_weights, self.gate_up_proj, self.down_proj)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # a CUDA graph of a decode step
+            return dense_experts(x, topk_idx, topk_weights, self.gate_up_proj, self.down_proj)
         n, k = topk_idx.shape
         flat = topk_idx.reshape(-1)
         order = flat.argsort(stable=True)  # (M,) expert-sorted copy -> flat slot

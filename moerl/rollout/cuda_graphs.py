@@ -23,7 +23,9 @@ the next replay (of any key) may reuse that memory.
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable, Hashable
+from pathlib import Path
 
 import torch
 
@@ -87,7 +89,12 @@ class GraphRunner:
             with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                 outs = tuple(fn())
         except RuntimeError as e:  # a host sync or an unsupported op inside fn: stay eager from now on
-            log.warning("CUDA graph capture failed for key %r (%s); decoding eagerly from now on", key, e)
+            log.warning(
+                "CUDA graph capture failed for key %r at %s (%s); decoding eagerly from now on",
+                key,
+                _innermost_moerl_frame(e),
+                e,
+            )
             torch.cuda.synchronize(self.device)
             self.is_enabled = False
             return None
@@ -97,3 +104,13 @@ class GraphRunner:
     def clear(self) -> None:
         """Drop every captured graph (e.g. after the engine's buffers were reallocated)."""
         self._graphs.clear()
+
+
+def _innermost_moerl_frame(error: BaseException) -> str:
+    """``file:line in function`` of the innermost moerl frame of ``error``'s traceback (where the op that
+    broke the capture was called), or ``?``."""
+    where = "?"
+    for frame in traceback.extract_tb(error.__traceback__):
+        if "moerl" in frame.filename.replace("\\", "/").split("/"):
+            where = f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
+    return where

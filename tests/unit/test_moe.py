@@ -127,3 +127,22 @@ def test_experts_module_is_replaceable():
     y, _ = block(torch.randn(2, 3, H))
     assert torch.count_nonzero(y) == 0
     assert seen == {"x": (6, H), "idx": ((6, 2), torch.int64), "w": ((6, 2), torch.float32)}
+
+
+def test_dense_experts_equal_the_routed_path():
+    """The capture-safe path (every expert for every token, weighted) gives the routed result."""
+    from moerl.models.moe import Experts, dense_experts
+
+    torch.manual_seed(0)
+    experts = Experts(8, 16, 12)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.2)
+    torch.nn.init.normal_(experts.down_proj, std=0.2)
+    x = torch.randn(10, 16)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(10)])
+    w = torch.rand(10, 2)
+    dense = dense_experts(x, idx, w, experts.gate_up_proj, experts.down_proj)
+    torch.testing.assert_close(dense, experts(x, idx, w), rtol=1e-5, atol=1e-6)
+    w[3, 1] = 0.0  # an unselected expert contributes nothing, a zero weight neither
+    torch.testing.assert_close(
+        dense_experts(x, idx, w, experts.gate_up_proj, experts.down_proj), experts(x, idx, w), rtol=1e-5, atol=1e-6
+    )
