@@ -30,8 +30,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 GPU_SIZES = {"spec": "reference", "decode_batches": (32, 96, 192), "prompt_len": 128, "new_tokens": 128,
              "train": ((12, 1024), (4, 2048)), "moe_tokens": (4096, 32768), "runs": 3, "steps": 3, "iters": 10}  # fmt: skip
-DRY_SIZES = {"spec": "tiny", "decode_batches": (2, 3), "prompt_len": 8, "new_tokens": 8,
-             "train": ((2, 64), (1, 128)), "moe_tokens": (64, 128), "runs": 1, "steps": 1, "iters": 2}  # fmt: skip
+DRY_SIZES = {"spec": "tiny", "decode_batches": (2,), "prompt_len": 8, "new_tokens": 4,
+             "train": ((2, 32),), "moe_tokens": (32,), "runs": 1, "steps": 1, "iters": 1}  # fmt: skip
 
 
 def _load_freeze_module():

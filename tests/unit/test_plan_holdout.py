@@ -153,3 +153,22 @@ def test_calibration_keeps_no_unread_negative_fit():
     for imp in CAL["ep_impls"].values():
         assert set(imp) == {"call_s", "proc_gb_s", "decode_call_s"} and min(imp.values()) > 0
     assert any("slopes" in n and "not used" in n for n in CAL["notes"])
+
+
+def test_holdout_bench_dry_run_writes_what_validate_reads(tmp_path, capsys):
+    """bench/plan_holdout_gpu.py on CPU (tiny model, toy sizes): the file carries the freeze, its date and
+    the timed code's digest; --validate's reader predicts every point and marks them dry run."""
+    from bench.plan_holdout_gpu import main as holdout_main
+
+    with pytest.raises(SystemExit):  # a real point is an H200 measurement
+        holdout_main(["--device", "cpu"])
+    assert "--device cuda" in capsys.readouterr().err
+    assert holdout_main(["--device", "cpu", "--dry-run", "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("plan_holdout_*.json")
+    payload = json.loads(path.read_text())
+    assert payload["freeze"] == CAL["freeze"] and payload["dry_run"] and payload["role"] == "held out"
+    assert parse_date(payload["date"], "run") > FROZEN
+    rows = assign_roles(holdout_rows(CAL, payload, path.name), CAL)
+    assert {p["kind"] for p in payload["points"]} == {"decode", "train_step", "moe_layer"}
+    assert len(rows) == 4 and {r["role"] for r in rows} == {"dry run"}
+    assert all(r["measured"] > 0 and r["predicted"] > 0 for r in rows)
