@@ -5,8 +5,10 @@
 ``--results`` defaults to the bench/results of the repository moerl is imported from (``args.RESULTS``), so
 the command runs from any folder; a missing folder is a one-line usage error.
 
-Every constant records the files, fields and points it was fitted on; ``validate`` predicts the points
-that were held out. Nothing here looks at the mission's +40%.
+Every constant records the files, fields and points it was fitted on. Writing the record freezes the
+model (``freeze``: date, commit, model digest): only runs recorded after it count as held out
+(``moerl.plan.holdout``); the points of the files below that the fit does not use are "seen", not held
+out, as they were measured before the freeze. Nothing here looks at the mission's +40%.
 
 Fits (H200 datasheet peaks as the denominators, so the fractions carry to other GPUs):
 - prefill_matmul_fraction: ``rollout_gpu.json`` prefill-only generate (B = 256 prompts of 128 tokens).
@@ -22,6 +24,9 @@ Fits (H200 datasheet peaks as the denominators, so the fractions carry to other 
   ``decode_call_s``, below).
 - decode_call_s per dispatcher: the per-call fixed cost at decode sizes, from the same code's round trips at
   EP world size 1 and T = 16..1024 (``perfplan/ep_percall_base.json``), not from the EP = 2 decode runs.
+  The intercept of a line in T; its slope is not kept: the round trip does not grow with T over that
+  range (hierarchical's slope comes out at -0.56 us/token, within the ~1 ms spread of the points), which
+  the record's ``notes`` report. Read only when ``eager_decode`` is absent.
 - decode_layer_w1_s per dispatcher and host_scale (``eager_decode``): what each dispatcher adds to an eager
   decode step per MoE layer at EP world size 1, inside the same decode loop and code
   (``perfplan/call2/ep_decode_w1_base.json``, one H200, 2026-12-01), and the host speed of the EP bench's
@@ -29,6 +34,8 @@ Fits (H200 datasheet peaks as the denominators, so the fractions carry to other 
   engine (``ep_multi_gpu.json`` ep1 / ep1_graphs against the w1 file's plain/eager / plain/graphs). Eager
   decode is host-bound (host ~4 ms against ~1 ms of device work per layer), so per-call host costs move
   with the machine's host speed (1.7-2x between the two machines).
+- measured_code: the moerl code these files timed (``MEASURED_CODE``) and its tree digest; the model
+  predicts that code, so a new point must time it to test the model.
 - EP round trip per dispatcher (call_s, proc_gb_s): ``ep_multi_gpu.json`` dispatch rows of topology 2x1
   (H 7168 / 4096, uniform / zipf); held out: the four 1x2 rows of each dispatcher. nvlink_fraction: the
   2x1 ``floor_a2a`` rows (plain all_to_all_single of the same bytes).
@@ -39,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +54,7 @@ import torch
 
 from moerl.ep import ExpertPlacement, Topology, compute_layout
 from moerl.ep.layout import copies_per_rank
-from moerl.plan import timing
+from moerl.plan import freeze, timing
 from moerl.plan.args import CALIBRATION, RESULTS
 from moerl.plan.hardware import get_hardware
 from moerl.plan.models import MODELS
@@ -140,17 +148,29 @@ def _eager_decode(folder: Path, run_eager_layer_s: float, layers: int, steps: in
     }
 
 
-def _percall(folder: Path) -> dict[str, dict[str, float]]:
-    """{method: {decode_call_s, decode_per_token_s}} from ``PERCALL`` ({} when the file is absent)."""
+def _percall(folder: Path) -> tuple[dict[str, dict[str, float]], list[str]]:
+    """({method: {decode_call_s}}, notes) from ``PERCALL`` (({}, []) when the file is absent).
+
+    Only the intercept of each line in T is kept. The slopes are not a measurement of a per-token cost:
+    over T = 16..1024 the round trip does not grow with T (the spread between points exceeds any trend, and
+    the hierarchical slope comes out negative), so the note reports them and nothing reads them."""
     path = folder / PERCALL
     if not path.exists():
-        return {}
-    fits = json.loads(path.read_text())["fits"]
-    out = {}
+        return {}, []
+    data = json.loads(path.read_text())
+    out, slopes = {}, []
     for method, key in (("alltoall", "AllToAllDispatcher"), ("hierarchical", "HierarchicalDispatcher")):
-        f = fits[f"{key}/events_ms"]
-        out[method] = {"decode_call_s": f["call_ms"] / 1e3, "decode_per_token_s": f["per_token_ms"] / 1e3}
-    return out
+        f = data["fits"][f"{key}/events_ms"]
+        out[method] = {"decode_call_s": f["call_ms"] / 1e3}
+        ms = [r["events_ms"] for r in data["rows"] if r["dispatcher"] == key]
+        slopes.append(
+            f"{method} {1e3 * f['per_token_ms']:+.2f} us/token (points {min(ms):.2f}-{max(ms):.2f} ms)"
+        )
+    note = (
+        f"{PERCALL}: per-token slopes of the decode-size round trips not used ({'; '.join(slopes)}): "
+        "flat in T at T = 16..1024 within the spread of the points; work bytes use proc_gb_s"
+    )
+    return out, [note]
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -198,7 +218,8 @@ def fit(folder: Path) -> dict:
         fit_pts = [q for q in pts if q["method"] == method and q["topology"] == "2x1"]
         call_ms, ms_per_byte = _line([q["work_bytes"] for q in fit_pts], [q["total_ms"] for q in fit_pts])
         impls[method] = {"call_s": call_ms / 1e3, "proc_gb_s": 1e-6 / ms_per_byte}
-    for method, q in _percall(folder).items():
+    percall, notes = _percall(folder)
+    for method, q in percall.items():
         impls[method].update(q)
     floor = [q for q in pts if q["method"] == "floor_a2a" and q["topology"] == "2x1"]
     _, ms_per_wire = _line([q["wire_bytes"] / 2 for q in floor], [q["total_ms"] for q in floor])
@@ -213,7 +234,8 @@ def fit(folder: Path) -> dict:
         "eager_layer_s": "ep_multi_gpu.json model.decode ep1 (eager) minus ep1_graphs, per layer and step",
         "ep": "ep_multi_gpu.json dispatch rows, topology 2x1 (4 per dispatcher); nvlink_fraction: 2x1 floor_a2a",
         "ep_decode_call": f"{PERCALL}: the same code's dispatch + combine at EP world size 1 (one H200, NCCL), "
-        "T = 16..1024 tokens, H = 2048, top-8 of 64, CUDA events; intercept of a line in T (decode_call_s)",
+        "T = 16..1024 tokens, H = 2048, top-8 of 64, CUDA events; intercept of a line in T (decode_call_s; "
+        "the slopes are not used, see notes)",
         "eager_decode": f"{W1}: decode_layer_w1_s = (EP world 1 eager decode - plain eager decode) per MoE "
         "layer and step (64 requests, 128 + 128, same code and loop as the EP bench); w1_eager_layer_s = "
         "(plain eager - plain graphs) per layer and step of that run; host_scale = eager_layer_s / "
@@ -230,12 +252,30 @@ def fit(folder: Path) -> dict:
         "ep_impls": impls,
         **({"eager_decode": eager_decode} if eager_decode else {}),
         "nvlink_fraction_all_to_all": nvl_frac,
+        "measured_code": measured_code(),
+        "notes": notes,
         "dispatch_points": pts,
         "sources": src,
         "device": {n: _load(folder, n).get("device") for n in ("rollout_gpu", "train_step", "moe_layer", "ep_multi_gpu")},
         "dates": {n: _load(folder, n).get("date") for n in ("rollout_gpu", "train_step", "moe_layer", "ep_multi_gpu")},
         "denominators": "H200 datasheet: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM, NVLink 450 GB/s per direction",
     }  # fmt: skip
+
+
+MEASURED_CODE = "0f58815"
+"""The moerl code the fitted files measured: the issue-10 code (rollout_gpu, train_step and moe_layer were
+run at b799bb0, ep_multi_gpu at 7098dcd; 0f58815 holds both and is the code of the later ``perfplan/*_base``
+runs). The model predicts this code; a bench point of other code does not test it (``holdout``)."""
+
+
+def measured_code(commit: str = MEASURED_CODE) -> dict:
+    """{commit, moerl_digest} of the measured code (``freeze.moerl_digest`` of its moerl tree at
+    ``commit``; None without the git history)."""
+    try:
+        digest = freeze.moerl_digest(freeze.commit_files(commit))
+    except (OSError, subprocess.SubprocessError):
+        digest = None
+    return {"commit": commit, "moerl_digest": digest}
 
 
 def constants(cal: dict) -> timing.Constants:
@@ -251,7 +291,9 @@ def write(cal: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m moerl.plan.calibrate``: fit, write ``calibration.json``, print the constants."""
+    """``python -m moerl.plan.calibrate``: fit, freeze (``freeze.freeze_record``: date, commit, model digest;
+    a refit is a new model, so every point measured before it counts as seen), write ``calibration.json``,
+    print the constants and the fit's notes."""
     parser = argparse.ArgumentParser(description="fit moerl.plan's constants on bench/results")
     parser.add_argument("--results", default=str(RESULTS), help=f"bench results folder (default: {RESULTS})")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
@@ -259,7 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.results).is_dir():
         parser.error(f"--results {args.results}: not a folder (bench/results of a moerl checkout)")
     cal = fit(Path(args.results))
+    cal = {"freeze": freeze.freeze_record(cal), **cal}
     write(cal, Path(args.out))
+    for note in cal["notes"]:
+        print(f"note: {note}")
     print(json.dumps(cal["constants"], indent=2), json.dumps(cal["ep_impls"], indent=2))
     return 0
 

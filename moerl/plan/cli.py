@@ -32,7 +32,7 @@ from moerl.plan.args import PRESETS, RESULTS
 from moerl.plan.inputs import Plan, with_params
 from moerl.plan.predict import as_rows, best_split, plan_hardware, plan_model, run
 from moerl.plan.sensitivity import tornado
-from moerl.plan.validation import compare
+from moerl.plan.validate_report import validation_lines, validation_rows, validation_table
 
 
 def _split(item: str, flag: str) -> tuple[str, str]:
@@ -257,29 +257,6 @@ def results_folder(given: str | None) -> Path:
     return folder
 
 
-def validation_table(cal: dict, folder: Path) -> Table:
-    """Predictions against bench/results, fitted and held-out points. Raises ConfigError naming a missing
-    bench file and the folder."""
-    t = Table(title="moerl plan --validate: predictions vs bench/results")
-    for c in ("role", "quantity", "measured", "predicted", "error"):
-        t.add_column(c, justify="right" if c != "quantity" else "left")
-    try:
-        rows = compare(cal, folder)
-    except FileNotFoundError as e:
-        raise ConfigError(
-            f"--validate: {e.filename} is missing (bench results read from {folder}; --results sets the folder)"
-        ) from None
-    for r in rows:
-        t.add_row(
-            r["role"],
-            r["quantity"],
-            f"{r['measured']:.4g}",
-            f"{r['predicted']:.4g}",
-            f"{100 * r['rel_err']:+.1f}%",
-        )
-    return t
-
-
 def plan_main(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit code."""
     try:
@@ -296,7 +273,9 @@ def plan_main(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"--validate compares the calibration with bench results only; drop {', '.join(ignored)}"
             )
-        console.print(validation_table(cal, results_folder(args.results)))
+        rows = validation_rows(cal, results_folder(args.results))
+        console.print(validation_table(rows))
+        console.print("\n".join(validation_lines(rows, cal)), highlight=False)
         return 0
     if args.results is not None:
         raise ConfigError("--results is read by --validate only")

@@ -1,7 +1,13 @@
-"""Predictions of the planner against bench/results: the fitted points (in-sample) and the held-out ones.
+"""Predictions of the planner against bench/results: one row per measured point.
 
-``compare(cal, folder)`` returns one row per point: quantity, measured, predicted, relative error, and
-whether the point was used for fitting (``calibrate`` module docstring lists which).
+``compare(cal, folder)`` returns one row per point: quantity, unit, measured, predicted, relative error,
+``fitted`` (the point was used by ``calibrate.fit``), ``date`` (when the point was measured, ISO 8601 from
+its bench file) and ``source`` (the file). Which rows count as held out is decided by the protocol in
+``moerl.plan.holdout`` from these fields and the calibration's freeze, not here.
+
+The points come from the files the fit read (``calibrate`` module docstring) and from every
+``plan_holdout_*.json`` of the folder (``bench/plan_holdout_gpu.py``: dated runs taken after a freeze, read
+by ``holdout_rows``).
 """
 
 from __future__ import annotations
@@ -16,10 +22,15 @@ from moerl.plan.calibrate import H200, constants
 from moerl.plan.models import MODELS
 from moerl.plan.traffic import RowBytes
 
+HOLDOUT_GLOB = "plan_holdout_*.json"
+"""Files of dated runs taken after a freeze (``bench/plan_holdout_gpu.py``), read from the results folder."""
 
-def _row(name: str, measured: float, predicted: float, role: str, unit: str) -> dict:
+
+def _row(
+    name: str, measured: float, predicted: float, fitted: bool, unit: str, date: str, source: str
+) -> dict:
     return {"quantity": name, "unit": unit, "measured": measured, "predicted": predicted,
-            "rel_err": predicted / measured - 1.0, "role": role}  # fmt: skip
+            "rel_err": predicted / measured - 1.0, "fitted": fitted, "date": date, "source": source}  # fmt: skip
 
 
 def moerl_round_trip_s(cal: dict, method: str, work_bytes: float, *, decode: bool = False) -> float:
@@ -45,8 +56,10 @@ def _comb_ratio(a: int, b: int, k: int) -> float:
     return comb(a, k) / comb(b, k)
 
 
-def compare(cal: dict, folder: Path) -> list[dict]:
-    """All rows (module docstring)."""
+def compare(cal: dict, folder: Path, holdout_files: list[Path] | None = None) -> list[dict]:
+    """All rows (module docstring): the fit's files in ``folder``, then ``holdout_files`` (default: every
+    ``HOLDOUT_GLOB`` file of ``folder``, sorted). Raises FileNotFoundError naming a missing bench file and
+    ValueError for a hold-out file that is not in ``holdout_rows``'s format."""
     c = constants(cal)
     read = lambda n: json.loads((folder / f"{n}.json").read_text())  # noqa: E731
     ep = read("ep_multi_gpu")
@@ -59,73 +72,80 @@ def compare(cal: dict, folder: Path) -> list[dict]:
     for q in cal["dispatch_points"]:
         if q["method"] == "floor_a2a":
             continue
-        role = "fitted" if q["topology"] == "2x1" else "held out"
         pred = 1e3 * moerl_round_trip_s(cal, q["method"], q["work_bytes"])
         name = f"EP dispatch+combine ms, {q['method']} {q['topology']} H={q['hidden']} {q['routing']}"
-        rows.append(_row(name, q["total_ms"], pred, role, "ms"))
+        rows.append(
+            _row(name, q["total_ms"], pred, q["topology"] == "2x1", "ms", ep["date"], "ep_multi_gpu.json")
+        )
     t_ep1 = next(r["predicted"] for r in rows if r["quantity"].startswith("train step s, ep-bench EP=1"))
     rows += _ep2_training(cal, c, ep, MODELS["ep-bench"], t_ep1)
     rows += _ep2_decode(cal, c, ep, MODELS["ep-bench"], 128, 128)
     rows += _ep_smoke(cal, read("ep_smoke"))
+    for path in sorted(folder.glob(HOLDOUT_GLOB)) if holdout_files is None else holdout_files:
+        rows += holdout_rows(cal, json.loads(Path(path).read_text()), Path(path).name)
     return rows
 
 
+def predict_decode_tok_s(c: timing.Constants, model, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Graph-mode decode throughput (tok/s) of ``batch`` prompts of ``prompt_len`` tokens each generating
+    ``new_tokens`` on one H200, all prefilled in one step (``bench/rollout_gpu.py``'s setting)."""
+    step = timing.decode_step_s(model, H200, c, batch, prompt_len + new_tokens / 2, 1, 2)
+    gen = timing.prefill_s(model, H200, c, batch * prompt_len, prompt_len, 2) + (new_tokens - 1) * step
+    return batch * new_tokens / gen
+
+
+def predict_train_step_s(c: timing.Constants, model, batch: int, seq_len: int) -> float:
+    """One-GPU training step (s) of ``batch`` sequences of ``seq_len`` tokens: FLOPs + optimizer pass."""
+    return timing.train_compute_s(model, H200, c, batch * seq_len, seq_len) + timing.optimizer_s(
+        H200, c, model.num_params
+    )
+
+
+def predict_moe_ms(c: timing.Constants, flops_fwd: float, backward: bool) -> float:
+    """MoE layer time (ms) of ``flops_fwd`` forward FLOPs; with ``backward`` forward + backward (3x)."""
+    return (3e3 if backward else 1e3) * flops_fwd / (c.moe_matmul_fraction * H200.bf16_tflops * 1e12)
+
+
 def _decode(c: timing.Constants, roll: dict, ep: dict, held: dict | None = None) -> list[dict]:
-    """The two CUDA-graph decode runs (both fitted) and the held-out ones of the same code
+    """The two CUDA-graph decode runs (both fitted) and the later ones of the same code
     (``decode_points``): prefill + (N - 1) decode steps."""
-    b, p, n = roll["batch"], roll["prompt_len"], roll["new_tokens"]
+    p, n = roll["prompt_len"], roll["new_tokens"]
     points = [
-        (MODELS["reference"], b, roll["results"]["moerl"]["tokens_per_s"], "fitted", ""),
-        (MODELS["ep-bench"], 64, ep["model"]["decode"]["ep1_graphs"]["tokens_per_s"], "fitted", ""),
-    ]
+        (MODELS["reference"], roll["batch"], roll["results"]["moerl"]["tokens_per_s"], True, "", roll["date"], "rollout_gpu.json"),
+        (MODELS["ep-bench"], 64, ep["model"]["decode"]["ep1_graphs"]["tokens_per_s"], True, "", ep["date"], "ep_multi_gpu.json"),
+    ]  # fmt: skip
     if held is not None:
-        points += [(MODELS[held["spec"]], q["batch"], q["tokens_per_s"], "held out", ", issue-10 code")
-                   for q in held["points"]]  # fmt: skip
+        points += [(MODELS[held["spec"]], q["batch"], q["tokens_per_s"], False, ", issue-10 code", held["date"],
+                    "perfplan/decode_points_base.json") for q in held["points"]]  # fmt: skip
     out = []
-    for model, rows, measured, role, tag in points:
-        step = timing.decode_step_s(model, H200, c, rows, p + n / 2, 1, 2)
-        gen = timing.prefill_s(model, H200, c, rows * p, p, 2) + (n - 1) * step
+    for model, rows, measured, fitted, tag, date, src in points:
         name = f"decode tok/s, {model.name} {model.num_layers} layers B={rows} {p}+{n} (graphs{tag})"
-        out.append(_row(name, measured, rows * n / gen, role, "tok/s"))
+        out.append(
+            _row(name, measured, predict_decode_tok_s(c, model, rows, p, n), fitted, "tok/s", date, src)
+        )
     return out
 
 
 def _training(c: timing.Constants, train: dict, ep: dict) -> list[dict]:
-    """train_step.json batches 8 and 24 (fitted), 16 (held out); the EP bench model at EP = 1 (held out)."""
-    ref, epm, seq, out = MODELS["reference"], MODELS["ep-bench"], train["seq_len"], []
+    """train_step.json batches 8 and 24 (fitted), 16 (not fitted); the EP bench model at EP = 1."""
+    ref, seq, out = MODELS["reference"], train["seq_len"], []
     for batch in (8, 16, 24):
-        t = timing.train_compute_s(ref, H200, c, batch * seq, seq) + timing.optimizer_s(
-            H200, c, ref.num_params
-        )
         measured = train["results"][f"moerl/b{batch}"]["median_step_s"]
-        out.append(
-            _row(
-                f"train step s, reference b{batch} x {seq}",
-                measured,
-                t,
-                "held out" if batch == 16 else "fitted",
-                "s",
-            )
-        )
-    t = timing.train_compute_s(epm, H200, c, 8 * 1024, 1024) + timing.optimizer_s(H200, c, epm.num_params)
+        out.append(_row(f"train step s, reference b{batch} x {seq}", measured, predict_train_step_s(c, ref, batch, seq),
+                        batch != 16, "s", train["date"], "train_step.json"))  # fmt: skip
+    t = predict_train_step_s(c, MODELS["ep-bench"], 8, 1024)
+    measured = ep["model"]["train"]["ep1"]["step_ms"] / 1e3
     out.append(
-        _row(
-            "train step s, ep-bench EP=1 8 x 1024",
-            ep["model"]["train"]["ep1"]["step_ms"] / 1e3,
-            t,
-            "held out",
-            "s",
-        )
+        _row("train step s, ep-bench EP=1 8 x 1024", measured, t, False, "s", ep["date"], "ep_multi_gpu.json")
     )
     return out
 
 
 def _moe(c: timing.Constants, moe: dict) -> list[dict]:
-    """moe_layer.json: forward fitted, forward + backward (3x the FLOPs) held out."""
-    fwd = moe["flops_fwd"] / (c.moe_matmul_fraction * H200.bf16_tflops * 1e12)
-    res = moe["results"]["moerl"]
-    return [_row("MoE layer fwd ms, 16384 tokens", res["fwd"]["median_ms"], 1e3 * fwd, "fitted", "ms"),
-            _row("MoE layer fwd+bwd ms, 16384 tokens", res["fwd_bwd"]["median_ms"], 3e3 * fwd, "held out", "ms")]  # fmt: skip
+    """moe_layer.json: forward fitted, forward + backward (3x the FLOPs) not."""
+    res, d, src = moe["results"]["moerl"], moe["date"], "moe_layer.json"
+    return [_row("MoE layer fwd ms, 16384 tokens", res["fwd"]["median_ms"], predict_moe_ms(c, moe["flops_fwd"], False), True, "ms", d, src),
+            _row("MoE layer fwd+bwd ms, 16384 tokens", res["fwd_bwd"]["median_ms"], predict_moe_ms(c, moe["flops_fwd"], True), False, "ms", d, src)]  # fmt: skip
 
 
 def _ep_smoke(cal: dict, smoke: dict) -> list[dict]:
@@ -137,7 +157,8 @@ def _ep_smoke(cal: dict, smoke: dict) -> list[dict]:
             cal, method, expected_work_bytes(method, placement, smoke["tokens"], rows)
         )
         name = f"EP dispatch+combine ms, {method} world size 1 (1 GPU, no peer)"
-        out.append(_row(name, smoke["results"][key]["dispatch_combine_ms"], pred, "held out", "ms"))
+        measured = smoke["results"][key]["dispatch_combine_ms"]
+        out.append(_row(name, measured, pred, False, "ms", smoke["date"], "ep_smoke.json"))
     return out
 
 
@@ -159,8 +180,10 @@ def _ep2_training(cal: dict, c: timing.Constants, ep: dict, epm, t_ep1: float) -
                 f"train step s, ep-bench EP=2 {method}",
                 ep["model"]["train"][method]["step_ms"] / 1e3,
                 pred,
-                "held out",
+                False,
                 "s",
+                ep["date"],
+                "ep_multi_gpu.json",
             )
         )
     return out
@@ -191,7 +214,68 @@ def _ep2_decode(cal: dict, c: timing.Constants, ep: dict, epm, p: int, n: int) -
             rt = moerl_round_trip_s(cal, method, work, decode=True)
         gen = timing.prefill_s(epm, H200, c, 64 * p, p, 2) + (n - 1) * (step + epm.num_moe_layers * rt)
         name = f"decode tok/s, ep-bench EP=2 {method} (eager)"
-        out.append(
-            _row(name, ep["model"]["decode"][method]["tokens_per_s"], 2 * 64 * n / gen, "held out", "tok/s")
+        measured = ep["model"]["decode"][method]["tokens_per_s"]
+        out.append(_row(name, measured, 2 * 64 * n / gen, False, "tok/s", ep["date"], "ep_multi_gpu.json"))
+    return out
+
+
+HOLDOUT_KINDS = {
+    "decode": ("spec", "batch", "prompt_len", "new_tokens", "tokens_per_s"),
+    "train_step": ("spec", "batch", "seq_len", "median_step_s"),
+    "moe_layer": ("spec", "tokens", "fwd_ms", "fwd_bwd_ms"),
+}
+"""Fields of each kind of point in a ``plan_holdout_*.json`` file (``bench/plan_holdout_gpu.py``)."""
+
+
+def moe_flops_fwd(model, tokens: int) -> float:
+    """Forward FLOPs of one MoE block of ``model`` on ``tokens`` tokens: 2 T (H E router + k 3 H I experts)."""
+    return 2.0 * tokens * (model.hidden_size * model.num_experts + model.top_k * model.expert_params)
+
+
+def holdout_rows(cal: dict, payload: dict, source: str) -> list[dict]:
+    """The rows of one hold-out file: each point predicted by the model of ``cal``. Every row also carries
+    the file's ``freeze`` (the calibration freeze it was taken against), ``code_digest`` (``freeze.
+    moerl_digest`` of the moerl code it timed) and ``dry_run``; ``fitted`` is False.
+
+    Payload: {benchmark: "plan_holdout", date (ISO 8601 with zone), freeze, code: {moerl_digest, ...},
+    dry_run, points: [{kind, ...}]} with the fields of ``HOLDOUT_KINDS`` per kind (times in s or ms as named, batch
+    and lengths in sequences and tokens, spec a ``moerl.plan.models.MODELS`` name).
+
+    Raises:
+        ValueError: not a plan_holdout payload, a point of unknown kind, a missing field or unknown spec
+            (one line naming ``source`` and the point).
+    """
+    if payload.get("benchmark") != "plan_holdout" or not isinstance(payload.get("points"), list):
+        raise ValueError(
+            f"{source}: not a plan_holdout file (benchmark 'plan_holdout' with a list of points)"
         )
+    for key in ("date", "freeze"):
+        if key not in payload:
+            raise ValueError(f"{source}: no {key!r}")
+    c, out = constants(cal), []
+    extra = {"freeze": payload["freeze"], "code_digest": (payload.get("code") or {}).get("moerl_digest"),
+             "dry_run": bool(payload.get("dry_run"))}  # fmt: skip
+    for i, q in enumerate(payload["points"]):
+        kind = q.get("kind")
+        missing = [f for f in HOLDOUT_KINDS.get(kind, ()) if f not in q]
+        if kind not in HOLDOUT_KINDS or missing:
+            why = f"unknown kind {kind!r}" if kind not in HOLDOUT_KINDS else f"missing {', '.join(missing)}"
+            raise ValueError(f"{source}: point {i}: {why} (kinds: {', '.join(HOLDOUT_KINDS)})")
+        if q["spec"] not in MODELS:
+            raise ValueError(f"{source}: point {i}: unknown spec {q['spec']!r}")
+        m, d = MODELS[q["spec"]], payload["date"]
+        if kind == "decode":
+            name = f"decode tok/s, {m.name} {m.num_layers} layers B={q['batch']} {q['prompt_len']}+{q['new_tokens']} (graphs)"
+            pred = predict_decode_tok_s(c, m, q["batch"], q["prompt_len"], q["new_tokens"])
+            rows = [_row(name, q["tokens_per_s"], pred, False, "tok/s", d, source)]
+        elif kind == "train_step":
+            pred = predict_train_step_s(c, m, q["batch"], q["seq_len"])
+            name = f"train step s, {m.name} b{q['batch']} x {q['seq_len']}"
+            rows = [_row(name, q["median_step_s"], pred, False, "s", d, source)]
+        else:
+            flops = moe_flops_fwd(m, q["tokens"])
+            rows = [_row(f"MoE layer {tag} ms, {q['tokens']} tokens ({m.name})", q[f"{tag.replace('+', '_')}_ms"],
+                         predict_moe_ms(c, flops, tag == "fwd+bwd"), False, "ms", d, source)
+                    for tag in ("fwd", "fwd+bwd")]  # fmt: skip
+        out += [{**r, **extra} for r in rows]
     return out
