@@ -141,7 +141,8 @@ def decode_rows(model, batch: int, prompt_len: int, steps: int, device) -> dict:
             e = engine_for(copy.deepcopy(model), batch, prompt_len, n, 16, cuda_graphs=graphs,
                            batch_buckets=(batch,))  # fmt: skip
             ep = EPEngine(e, None, dispatcher=name)  # world size 1: the dispatcher path, nothing moves
-            out[f"ep1 {name}/{'graphs' if graphs else 'eager'}"] = decode_ms(ep.step, e, prompts, steps, device)
+            key = f"ep1 {name}/{'graphs' if graphs else 'eager'}"
+            out[key] = decode_ms(ep.step, e, prompts, steps, device)
             del e, ep
             free_device_memory(device)
     for name, ms in out.items():
