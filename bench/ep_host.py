@@ -89,7 +89,7 @@ def _stub_kernels(x, idx, w, local_index, experts):
 
 def _measure(disp, x, idx, w, calls: int = 200, repeats: int = 7) -> dict:
     def roundtrip() -> None:
-        recv_x, _, handle = disp.dispatch(x, idx, w)
+        recv_x, handle = disp.dispatch(x, idx, w)
         disp.combine(recv_x, handle)
 
     for _ in range(20):

@@ -242,7 +242,7 @@ def _dispatcher_phases(disp, x, idx, w, expected) -> tuple[list, Callable[[], tu
     state: dict = {}
 
     def dispatch() -> None:
-        state["recv"], _, state["handle"] = disp.dispatch(x, idx, w)
+        state["recv"], state["handle"] = disp.dispatch(x, idx, w)
         state["t_dispatch"] = disp.last_traffic
 
     def combine() -> None:

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 def roundtrip(d=disp, x=x, idx=idx, w=w) -> None:
                     with torch.no_grad():
-                        recv_x, _, handle = d.dispatch(x, idx, w)
+                        recv_x, handle = d.dispatch(x, idx, w)
                         d.combine(recv_x, handle)
 
                 ev = _events_ms(roundtrip, a.iters)

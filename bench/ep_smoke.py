@@ -41,7 +41,8 @@ from moerl.rollout.cuda_graphs import GraphRunner  # noqa: E402
 
 
 def _ep_moe(disp, x, idx, w, gate_up, down):
-    recv_x, counts, handle = disp.dispatch(x, idx, w)
+    recv_x, handle = disp.dispatch(x, idx, w)
+    counts = handle.tokens_per_local_expert
     offs = counts.cumsum(0).to(torch.int32)
     if x.is_cuda:
         gu = torch._grouped_mm(recv_x, gate_up.transpose(-2, -1), offs=offs)
@@ -82,7 +83,7 @@ def _graph_roundtrip(disp, x, idx, w, device: torch.device) -> dict:
         return {}
 
     def fn() -> tuple[torch.Tensor]:
-        recv_x, _, handle = disp.dispatch(x, idx, w)
+        recv_x, handle = disp.dispatch(x, idx, w)
         return (disp.combine(recv_x, handle),)
 
     with torch.no_grad():
@@ -134,7 +135,7 @@ def run(
             (gx,) = torch.autograd.grad(out, xe, dy)
 
             def roundtrip(d=disp) -> None:
-                recv_x, _, handle = d.dispatch(x, idx, w)
+                recv_x, handle = d.dispatch(x, idx, w)
                 d.combine(recv_x, handle)
 
             t = time_fn(roundtrip, device, warmup=2, iters=20)

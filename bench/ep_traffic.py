@@ -141,7 +141,7 @@ def _timing_worker(rank: int, world: int, folder: str, shape: dict) -> None:
         for it in range(shape["iters"] + 1):
             dist.barrier()
             t0 = time.perf_counter()
-            recv_x, _, handle = disp.dispatch(x, idx, w)
+            recv_x, handle = disp.dispatch(x, idx, w)
             disp.combine(recv_x, handle)
             if it:  # the first iteration is a warm-up
                 samples.append(time.perf_counter() - t0)

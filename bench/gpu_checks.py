@@ -193,7 +193,8 @@ def check_single_rank_dispatch(device: torch.device) -> None:
             res = []
             for disp, dev in ((gpu, device), (cpu, torch.device("cpu"))):
                 xd, wd = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
-                recv_x, counts, handle = disp.dispatch(xd, idx.to(dev), wd)
+                recv_x, handle = disp.dispatch(xd, idx.to(dev), wd)
+                counts = handle.tokens_per_local_expert
                 out = disp.combine(recv_x * 2, handle)
                 gx, gw = torch.autograd.grad(out, [xd, wd], dy.to(dev))
                 res.append([recv_x, counts, handle.recv_weights, out, gx, gw])
@@ -212,8 +213,9 @@ def check_single_rank_dispatch(device: torch.device) -> None:
             raised = False
         except EPInputError:
             raised = True
-        recv_x, counts, _ = gpu.dispatch(torch.randn(50, 64, device=device), idx.clamp(max=15),
-                                         torch.rand(50, 2, device=device))  # fmt: skip
+        recv_x, handle = gpu.dispatch(torch.randn(50, 64, device=device), idx.clamp(max=15),
+                                      torch.rand(50, 2, device=device))  # fmt: skip
+        counts = handle.tokens_per_local_expert
         ok = raised and recv_x.shape[0] == 100 and int(counts.sum()) == 100
         check(f"single-rank {cls.__name__} out-of-range ids raise, next call right", 0.0 if ok else 1.0, 0.5)
     if made:

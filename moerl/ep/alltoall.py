@@ -15,6 +15,13 @@ combine sends the unweighted expert outputs of other ranks' copies back, and eac
 tokens' k rows from its own outputs and the returned rows in one weighted pass (float32 accumulation,
 its own ``topk_weights``). With ``fp8_dispatch`` the forward payload is float8 (e4m3) with one float32
 scale per token, dequantized to x's dtype by the gathering pass.
+
+Autograd (this file's own, ``_FlatDispatchFn`` and ``_FlatCombineFn``): backward(dispatch) sends the
+copies' gradients back and sums them per token (D^T g, unweighted; the received weights' gradient rides
+along to their [T, k] slots); backward(combine) sends w g out to the copies (D (w g)) and forms the
+router-weight gradient <g[t], y[copy (t, j)]> at the source, from the rows combine already brought back.
+A group of one rank takes a sync-free counting sort instead of the exchange (``_dispatch_single_rank``),
+with the same autograd.
 """
 
 from __future__ import annotations
@@ -24,8 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moerl.ep.collective import CollectiveDispatcher, RowHandle, needs_grad
 from moerl.ep.comm import GlobalCounts, PinnedRead, SingleRankInputs, accumulation_dtype, check_single_rank
-from moerl.ep.dispatcher import Dispatcher
 from moerl.ep.layout import Layout
 from moerl.ep.placement import ExpertPlacement
 from moerl.ep.rows import (
@@ -68,19 +75,16 @@ def _excl_cumsum(c: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return c.cumsum(dim) - c
 
 
-class AllToAllDispatcher(Dispatcher):
-    """One copy per (token, expert) through one ``all_to_all_single`` (see ``Dispatcher`` for the API).
+class AllToAllDispatcher(CollectiveDispatcher):
+    """One copy per (token, expert) through one ``all_to_all_single``; a ``moerl.ep.Dispatcher``.
 
-    Args: as ``Dispatcher``: ``(topology, num_experts, group=None, *, placement="contiguous")``, and
+    Args: as ``CollectiveDispatcher``: ``(topology, num_experts, group=None, *, placement="contiguous")``, and
         fp8_dispatch: send the forward payload as float8_e4m3fn with a float32 scale per token
             (``moerl.ep.rows.quantize_rows_fp8``); recv_x is dequantized to x's dtype. Every copy is
             quantized, local ones too, so the result does not depend on the placement. Relative error
             of recv_x about 3e-2 (e4m3 has 3 mantissa bits); backward passes stay in x's dtype
             (straight-through: the quantization's gradient is taken as the identity).
     """
-
-    _combine_at_source = True
-    _single_rank_fast = True
 
     def __init__(
         self,
@@ -98,6 +102,59 @@ class AllToAllDispatcher(Dispatcher):
     def _build_links(self) -> None:
         """One link over the whole EP group."""
         self._all = self._link(self.group, list(range(self.topology.world_size)))
+
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, RowHandle]:
+        """Send each token to the EP ranks of its experts (``moerl.ep.Dispatcher.dispatch``).
+
+        Args:
+            x: [T, H] float32/bfloat16/float16 tokens (T may be 0; H and dtype equal on all ranks).
+            topk_idx: [T, k] int64 expert ids in [0, E), -1 = empty slot.
+            topk_weights: [T, k] float router weights (gradients flow to them through combine).
+        Returns:
+            recv_x [M, H] in x's dtype, sorted by local expert, then source rank, then source token (in a
+            group of one rank during a CUDA graph capture: [T k, H], the M copies first and the rest never
+            read by ``combine``; ids are then not range-checked), and the handle for ``combine``
+            (``tokens_per_local_expert`` [L] int64, ``recv_weights`` [M] float32).
+        Raises:
+            EPInputError: on every rank, when any rank's inputs are invalid (shape, dtype, ids out of
+                range) or ranks disagree on H, k or dtype. Collective: every EP rank must call it.
+        """
+        layout, counts = self._route(x, topk_idx, topk_weights, single_rank_fast=True)
+        counted = not isinstance(counts, SingleRankInputs)  # a group of one rank sends nothing
+        start = self._traffic_now() if counted else None
+        if needs_grad(x, topk_weights):
+            recv_x, recv_w, plan = _FlatDispatchFn.apply(x, topk_weights, topk_idx, layout, counts, self)
+        else:  # nothing to differentiate: no autograd node (its bookkeeping is host time per call)
+            recv_x, recv_w, plan = self._dispatch_rows(x, topk_idx, topk_weights, layout, counts)
+        if counted:
+            self._finish(start, "dispatch")
+        handle = RowHandle(plan, recv_w, plan.tokens_per_local_expert, x.shape[0], topk_weights)
+        return recv_x, handle
+
+    def combine(self, y: torch.Tensor, handle: RowHandle) -> torch.Tensor:
+        """out[t] = sum_j topk_weights[t, j] * y[copy of (t, j)], weighted and summed at the source.
+
+        Args:
+            y: [M, H] expert outputs in recv_x's order (any float dtype; sent in this dtype).
+            handle: from the matching ``dispatch``.
+        Returns:
+            [T, H] float32 (float64 for float64 y), each token's copies summed in float32.
+        Raises:
+            ValueError: y has the wrong number of rows (local check: a caller bug, not a routing one).
+        """
+        self._check_combine_input(y, handle)
+        counted = self.topology.world_size > 1  # a group of one rank sends nothing: its Traffic stays 0
+        start = self._traffic_now() if counted else None
+        w = handle.topk_weights
+        if needs_grad(y, w):
+            out = _FlatCombineFn.apply(y, w, handle.plan, self)
+        else:  # nothing to differentiate: no autograd node
+            out = self._source_combine(y, w, handle.plan)[0]
+        if counted:
+            self._finish(start, "combine")
+        return out
 
     def _splits(self, counts: GlobalCounts) -> dict:
         """Host-side split sizes and block offsets, all from the exchanged counts (no device read)."""
@@ -250,11 +307,6 @@ class AllToAllDispatcher(Dispatcher):
         recv_x = gather_rows2(xq, rx, plan.src_row, scale=torch.cat([scale, rs]), out_dtype=x.dtype)
         return recv_x, torch.cat([w_flat, rw])[plan.src_slot]
 
-    def _forward(self, g: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
-        """D: [T, C] -> [M, C] expert-sorted copies."""
-        (recv,) = self._all.exchange_many([g[plan.send_token]], plan.send_splits, plan.recv_splits)
-        return gather_rows2(g, recv, plan.src_row)
-
     def _send_back(self, z: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
         """Rows [M, ...] of copies that came through the collective, back to their senders -> [P_o, ...]."""
         if self.topology.world_size == 1:
@@ -262,18 +314,11 @@ class AllToAllDispatcher(Dispatcher):
         (back,) = self._all.exchange_many([z[plan.recv_out_row]], plan.recv_splits, plan.send_splits)
         return back
 
-    def _reverse(
-        self,
-        z: torch.Tensor,
-        plan: AllToAllPlan,
-        wire_dtype: torch.dtype,
-        weights: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """D^T (w * z): [M, C] -> [T, C] float32 (float64), each token's copies summed in slot order; rows
-        cross links in ``wire_dtype``."""
+    def _reverse(self, z: torch.Tensor, plan: AllToAllPlan, wire_dtype: torch.dtype) -> torch.Tensor:
+        """D^T z: [M, C] -> [T, C] float32 (float64), each token's copies summed in slot order; rows cross
+        links in ``wire_dtype``."""
         z = z.to(wire_dtype)
-        w = None if weights is None else gather_slots2(weights, self._send_back(weights, plan), plan.slot_src)
-        return gather_sum2(z, self._send_back(z, plan), plan.slot_src, w)
+        return gather_sum2(z, self._send_back(z, plan), plan.slot_src)
 
     def _reverse_slots(self, g: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
         """[M] per-copy values -> [T, k] at their slots (0 for empty slots), in g's dtype."""
@@ -289,9 +334,53 @@ class AllToAllDispatcher(Dispatcher):
     def _source_combine_backward(
         self, g: torch.Tensor, w: torch.Tensor, saved: tuple[torch.Tensor, ...], plan: AllToAllPlan
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(grad_y [M, C] in y's dtype, grad_w [T, k]) of ``_source_combine`` for the output gradient g."""
         y, back = saved
         grad_y, grad_back, grad_w = gather_sum2_backward(g, y, back, plan.slot_src, w)
         (recv,) = self._all.exchange_many([grad_back], plan.send_splits, plan.recv_splits)
         if recv.shape[0]:
             grad_y.index_copy_(0, plan.recv_out_row, recv)
         return grad_y, grad_w
+
+
+class _FlatDispatchFn(torch.autograd.Function):
+    """recv_x = D x and recv_w = D_w w; backward: D^T g_x (the copies' gradients summed per token) and
+    the received weights' gradients back to their slots."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, topk_idx, layout, counts, disp):  # noqa: D102
+        with torch.no_grad():
+            recv_x, recv_w, plan = disp._dispatch_rows(x, topk_idx, topk_weights, layout, counts)
+        ctx.disp, ctx.plan, ctx.x_dtype, ctx.w_dtype = disp, plan, x.dtype, topk_weights.dtype
+        return recv_x, recv_w, plan
+
+    @staticmethod
+    def backward(ctx, g_x, g_w, _):  # noqa: D102
+        # Both collectives run on every rank whatever needs_input_grad says, so ranks stay in step.
+        disp, plan = ctx.disp, ctx.plan
+        start = disp._traffic_now()
+        grad_x = disp._reverse(g_x, plan, ctx.x_dtype).to(ctx.x_dtype)
+        grad_w = disp._reverse_slots(g_w.to(accumulation_dtype(ctx.w_dtype)), plan).to(ctx.w_dtype)
+        disp._count(start, "combine")  # gradients go back to the tokens' ranks
+        return grad_x, grad_w, None, None, None, None
+
+
+class _FlatCombineFn(torch.autograd.Function):
+    """out[t] = sum_j w[t, j] y[copy (t, j)], weighted at the source; backward: grad_y = D (w g) and
+    grad_w[t, j] = <g[t], y[copy (t, j)]>, both formed at the source."""
+
+    @staticmethod
+    def forward(ctx, y, topk_weights, plan, disp):  # noqa: D102
+        with torch.no_grad():
+            out, saved = disp._source_combine(y, topk_weights, plan)
+        ctx.disp, ctx.plan, ctx.saved = disp, plan, saved
+        ctx.save_for_backward(topk_weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        (w,) = ctx.saved_tensors
+        start = ctx.disp._traffic_now()
+        grad_y, grad_w = ctx.disp._source_combine_backward(g, w, ctx.saved, ctx.plan)
+        ctx.disp._count(start, "dispatch")  # gradients go out to the experts' ranks
+        return grad_y, grad_w, None, None

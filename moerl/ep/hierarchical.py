@@ -15,6 +15,12 @@ The algorithm of DeepEP's normal-mode kernels (DeepSeek, 2025), on ``torch.distr
 Combine runs the reverse path: the destination sums the weighted outputs of a token's local experts,
 the forwarding rank sums the partials of its node's ranks, and only that node-level partial crosses
 the node boundary; the source sums the node partials. Every sum runs in a fixed order, in float32.
+
+Autograd (this file's own, ``_HierDispatchFn`` and ``_HierCombineFn``): backward(dispatch) runs the
+combine path on the copies' gradients (D^T g, unweighted) and brings the received weights' gradients back
+to their [T, k] slots the same way; backward(combine) runs the dispatch path on the output gradient (D g,
+stages 1 and 2 without metadata) and forms grad_y = w D g and the weights' gradient <D g, y> on the
+expert's rank, which backward(dispatch) then carries home.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from moerl.ep.alltoall import AllToAllDispatcher
+from moerl.ep.collective import CollectiveDispatcher, RowHandle, needs_grad
 from moerl.ep.comm import (
     GlobalCounts,
     accumulation_dtype,
@@ -33,7 +40,6 @@ from moerl.ep.comm import (
     pack_rows,
     unpack_rows,
 )
-from moerl.ep.dispatcher import Dispatcher, DispatchHandle
 from moerl.ep.layout import Layout, rows_in_ranks
 from moerl.ep.rows import positions_of_true
 
@@ -62,11 +68,11 @@ class HierarchicalPlan:
     """[L] int64."""
 
 
-class HierarchicalDispatcher(Dispatcher):
-    """Two-stage (cross-node, then intra-node) dispatch and the reverse combine; API of ``Dispatcher``.
+class HierarchicalDispatcher(CollectiveDispatcher):
+    """Two-stage (cross-node, then intra-node) dispatch and the reverse combine; a ``moerl.ep.Dispatcher``.
 
-    Args: as ``Dispatcher``: ``(topology, num_experts, group=None, *, placement="contiguous")``; builds
-    the intra-node and cross-node subgroups (collective over ``group``).
+    Args: as ``CollectiveDispatcher``: ``(topology, num_experts, group=None, *, placement="contiguous")``;
+    builds the intra-node and cross-node subgroups (collective over ``group``).
     """
 
     def _build_links(self) -> None:
@@ -85,17 +91,47 @@ class HierarchicalDispatcher(Dispatcher):
 
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-        """See ``Dispatcher.dispatch``."""
+    ) -> tuple[torch.Tensor, RowHandle]:
+        """Send each token once to every node it needs, then to its experts' ranks there.
+
+        Args and returns as ``AllToAllDispatcher.dispatch`` (the same recv_x, bitwise, in the same order).
+        Raises:
+            EPInputError: on every rank, when any rank's inputs are invalid (shape, dtype, ids out of
+                range) or ranks disagree on H, k or dtype. Collective: every EP rank must call it.
+        """
         if self._flat is not None:
             return self._flat.dispatch(x, topk_idx, topk_weights)
-        return super().dispatch(x, topk_idx, topk_weights)
+        layout, counts = self._route(x, topk_idx, topk_weights, single_rank_fast=False)
+        start = self._traffic_now()
+        if needs_grad(x, topk_weights):
+            recv_x, recv_w, plan = _HierDispatchFn.apply(x, topk_weights, topk_idx, layout, counts, self)
+        else:  # nothing to differentiate: no autograd node (its bookkeeping is host time per call)
+            recv_x, recv_w, plan = self._dispatch_rows(x, topk_idx, topk_weights, layout, counts)
+        self._finish(start, "dispatch")
+        return recv_x, RowHandle(plan, recv_w, plan.tokens_per_local_expert, x.shape[0], topk_weights)
 
-    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """See ``Dispatcher.combine``."""
+    def combine(self, y: torch.Tensor, handle: RowHandle) -> torch.Tensor:
+        """out[t] = sum_j w[t, j] * y[copy of (t, j)]: weighted on the expert's rank, reduced per node on
+        the forwarding rank, summed over nodes at the source.
+
+        Args:
+            y: [M, H] expert outputs in recv_x's order (any float dtype; partials cross links in it).
+            handle: from the matching ``dispatch``.
+        Returns:
+            [T, H] float32 (float64 for float64 y).
+        Raises:
+            ValueError: y has the wrong number of rows (local check: a caller bug, not a routing one).
+        """
         if self._flat is not None:
             return self._flat.combine(y, handle)
-        return super().combine(y, handle)
+        self._check_combine_input(y, handle)
+        start = self._traffic_now()
+        if needs_grad(y, handle.recv_weights):
+            out = _HierCombineFn.apply(y, handle.recv_weights, handle.plan, self)
+        else:  # nothing to differentiate: no autograd node
+            out = self._reverse(y, handle.plan, y.dtype, weights=handle.recv_weights)
+        self._finish(start, "combine")
+        return out
 
     def _dispatch_rows(
         self,
@@ -209,3 +245,46 @@ class HierarchicalDispatcher(Dispatcher):
     def _reverse_slots(self, g: torch.Tensor, plan: HierarchicalPlan) -> torch.Tensor:
         """[M] per-copy values -> [T, k] in g's dtype (slots are disjoint, so the sums are exact)."""
         return self._reverse_rows(gather_slots(g, plan.pos2), plan, g.dtype)
+
+
+class _HierDispatchFn(torch.autograd.Function):
+    """recv_x = D x and recv_w = D_w w; backward: D^T g_x (unweighted combine path) and D_w^T g_w."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, topk_idx, layout, counts, disp):  # noqa: D102
+        with torch.no_grad():
+            recv_x, recv_w, plan = disp._dispatch_rows(x, topk_idx, topk_weights, layout, counts)
+        ctx.disp, ctx.plan, ctx.x_dtype, ctx.w_dtype = disp, plan, x.dtype, topk_weights.dtype
+        return recv_x, recv_w, plan
+
+    @staticmethod
+    def backward(ctx, g_x, g_w, _):  # noqa: D102
+        # Both collectives run on every rank whatever needs_input_grad says, so ranks stay in step.
+        disp, plan = ctx.disp, ctx.plan
+        start = disp._traffic_now()
+        grad_x = disp._reverse(g_x, plan, ctx.x_dtype).to(ctx.x_dtype)
+        grad_w = disp._reverse_slots(g_w.to(accumulation_dtype(ctx.w_dtype)), plan).to(ctx.w_dtype)
+        disp._count(start, "combine")  # gradients go back to the tokens' ranks
+        return grad_x, grad_w, None, None, None, None
+
+
+class _HierCombineFn(torch.autograd.Function):
+    """out = D^T (w * y); backward: grad_y = w * D g, grad_w = <D g, y> per copy (on the expert's rank)."""
+
+    @staticmethod
+    def forward(ctx, y, recv_w, plan, disp):  # noqa: D102
+        ctx.save_for_backward(y, recv_w)
+        ctx.disp, ctx.plan = disp, plan
+        with torch.no_grad():
+            return disp._reverse(y, plan, y.dtype, weights=recv_w)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        y, recv_w = ctx.saved_tensors
+        acc = accumulation_dtype(y.dtype)
+        start = ctx.disp._traffic_now()
+        gy = ctx.disp._forward(g.to(y.dtype), ctx.plan).to(acc)
+        ctx.disp._count(start, "dispatch")  # gradients go out to the experts' ranks
+        grad_y = (recv_w.to(acc)[:, None] * gy).to(y.dtype)
+        grad_w = (gy * y.to(acc)).sum(-1).to(recv_w.dtype)
+        return grad_y, grad_w, None, None

@@ -18,16 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moerl.ep.alltoall import AllToAllDispatcher
 from moerl.ep.dispatcher import Dispatcher
-from moerl.ep.hierarchical import HierarchicalDispatcher
+from moerl.ep.registry import DISPATCHERS, build_dispatcher
 from moerl.ep.topology import Topology
 from moerl.models.kernels import small_grouped_mm, small_grouped_mm_supported, swiglu
 
-DISPATCHERS: dict[str, type[Dispatcher]] = {
-    "alltoall": AllToAllDispatcher,
-    "hierarchical": HierarchicalDispatcher,
-}
+__all__ = ["DISPATCHERS", "ExpertParallelExperts", "parallelize", "replicated_parameters"]
 
 
 class ExpertParallelExperts(nn.Module):
@@ -51,7 +47,8 @@ class ExpertParallelExperts(nn.Module):
         x's dtype. Collective over the EP group (every rank calls it, also with N = 0)."""
         from moerl.models.moe import grouped_expert_mlp  # the model's expert math, shared with EP=1
 
-        recv_x, tokens_per_expert, handle = self.dispatcher.dispatch(x, topk_idx, topk_weights)
+        recv_x, handle = self.dispatcher.dispatch(x, topk_idx, topk_weights)
+        tokens_per_expert = handle.tokens_per_local_expert
         if small_grouped_mm_supported(recv_x, self.gate_up_proj):  # decode sizes, no gradient: as EP = 1
             offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             act = swiglu(small_grouped_mm(recv_x, self.gate_up_proj, offsets))
@@ -89,7 +86,8 @@ def parallelize(
         model: a model with ``moe_blocks()`` (``MoeForCausalLM``) or blocks with an ``experts`` module
             holding ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``.
         ep_group: the EP process group; None = the default group.
-        dispatcher: ``"hierarchical"``, ``"alltoall"``, or a built ``Dispatcher`` (shared by all layers).
+        dispatcher: a name of ``moerl.ep.registry.DISPATCHERS`` (``"hierarchical"``, ``"alltoall"``), or a
+            built ``Dispatcher`` (shared by all layers).
         topology: node layout of the EP ranks; default: ``LOCAL_WORLD_SIZE`` ranks per node (torchrun
             sets it), else a single node.
         placement: expert placement for a dispatcher built here (``contiguous`` or ``round_robin``).
@@ -104,12 +102,12 @@ def parallelize(
         raise ValueError("parallelize: the model has no MoE block with an `experts` module")
     num_experts = blocks[0].experts.gate_up_proj.shape[0]
     if isinstance(dispatcher, str):
-        if dispatcher not in DISPATCHERS:
+        if dispatcher not in DISPATCHERS:  # before the topology: a typo is reported as such
             raise ValueError(f"unknown dispatcher {dispatcher!r}; choose one of {sorted(DISPATCHERS)}")
         if topology is None:
             size = dist.get_world_size(ep_group)
             topology = Topology(size, int(os.environ.get("LOCAL_WORLD_SIZE", size)))
-        dispatcher = DISPATCHERS[dispatcher](topology, num_experts, ep_group, placement=placement)
+        dispatcher = build_dispatcher(dispatcher, topology, num_experts, ep_group, placement=placement)
     if dispatcher.num_experts != num_experts:
         raise ValueError(f"dispatcher has {dispatcher.num_experts} experts but the model has {num_experts}")
     for block in blocks:

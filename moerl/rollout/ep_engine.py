@@ -39,7 +39,8 @@ class EPEngine:
         engine: this rank's engine, built on a model with the full (replicated) weights; its experts are
             sharded here by ``moerl.ep.parallelize`` (every rank must pass the same weights).
         group: the EP process group (None: the default group).
-        dispatcher: ``alltoall`` or ``hierarchical`` (``rollout.ep_dispatcher``).
+        dispatcher: a backend name of ``moerl.ep.DISPATCHERS`` (``alltoall``, ``hierarchical``;
+            ``rollout.ep_dispatcher``).
         ranks_per_node: node layout of the group (simulated nodes on CPU); None: one node.
 
     ``step`` and ``generate`` are collective: every rank of the group calls them the same number of

@@ -106,7 +106,8 @@ def run_ep(disp, p: dict, rank: int) -> dict:
     w = p["w"][sl].clone().requires_grad_()
     gate_up = p["gate_up"][local].clone().requires_grad_()
     down = p["down"][local].clone().requires_grad_()
-    recv_x, per_expert, handle = disp.dispatch(x, p["idx"][sl], w)
+    recv_x, handle = disp.dispatch(x, p["idx"][sl], w)
+    per_expert = handle.tokens_per_local_expert
     traffic = disp.last_traffic
     y = grouped_expert_mlp(recv_x, per_expert, gate_up, down)
     out = disp.combine(y, handle)
@@ -245,7 +246,8 @@ def check_order(disps: dict, world: int, num_experts: int, top_k: int, rank: int
     x = torch.stack([torch.full((t,), float(rank)), torch.arange(t, dtype=torch.float32)], dim=1)
     ok = {}
     for name, d in disps.items():
-        recv_x, per_expert, _ = d.dispatch(x, idx_all[rank], torch.ones(t, top_k))
+        recv_x, handle = d.dispatch(x, idx_all[rank], torch.ones(t, top_k))
+        per_expert = handle.tokens_per_local_expert
         expert = torch.arange(per_expert.numel()).repeat_interleave(per_expert)
         keys = (expert * world + recv_x[:, 0].long()) * t + recv_x[:, 1].long()
         local = d.local_experts
@@ -276,7 +278,7 @@ def run_bad_inputs(rank: int, world: int, num_experts: int, top_k: int) -> dict[
         seen["topology"] = "no error"
     except ValueError as err:
         seen["topology"] = str(err)
-    recv_x, _, handle = disp.dispatch(x, idx, w)  # the group still works after the errors
+    recv_x, handle = disp.dispatch(x, idx, w)  # the group still works after the errors
     seen["after"] = str(torch.allclose(disp.combine(recv_x, handle), x * w.sum(1, keepdim=True), atol=1e-5))
     dist.barrier()
     return seen

@@ -18,7 +18,7 @@ def run_directions(rank: int, world: int, ranks_per_node: int) -> dict:
         x = torch.randn(6, 16, generator=g, requires_grad=True)
         idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(6)])
         w = torch.rand(6, 2, generator=g).requires_grad_()
-        recv, _, handle = disp.dispatch(x, idx, w)
+        recv, handle = disp.dispatch(x, idx, w)
         dispatched = disp.last_traffic
         y = disp.combine(recv * 2.0, handle)
         combined = disp.last_traffic

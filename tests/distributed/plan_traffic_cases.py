@@ -50,7 +50,7 @@ def run(rank: int, world: int, ranks_per_node_list: list[int]) -> dict:
             w = torch.rand(idx.shape[0], k)
             for label, cls in (("flat", AllToAllDispatcher), ("hier", HierarchicalDispatcher)):
                 disp = cls(topo, e, placement=ExpertPlacement(e, topo, kind))
-                recv, _, handle = disp.dispatch(x, idx, w)
+                recv, handle = disp.dispatch(x, idx, w)
                 sent = disp.last_traffic
                 disp.combine(recv, handle)
                 out[(g, name, label)] = (sent, disp.last_traffic)

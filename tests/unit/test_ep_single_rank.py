@@ -30,7 +30,8 @@ def one_rank(tmp_path_factory):
 
 
 def _moe(disp, x, w, gate_up, down, idx):
-    recv_x, counts, handle = disp.dispatch(x, idx, w)
+    recv_x, handle = disp.dispatch(x, idx, w)
+    counts = handle.tokens_per_local_expert
     ys = [torch.tanh(xe @ gate_up[e]) @ down[e] for e, xe in enumerate(recv_x.split(counts.tolist()))]
     return disp.combine(torch.cat(ys), handle)
 
@@ -54,7 +55,8 @@ def test_dispatch_layout_and_combine_values(one_rank, cls):
     idx = torch.tensor([[2, 0], [0, -1], [2, 1]])
     x = torch.tensor([[1.0], [2.0], [3.0]])
     w = torch.tensor([[0.5, 0.25], [1.0, 9.0], [2.0, 3.0]])
-    recv_x, counts, handle = disp.dispatch(x, idx, w)
+    recv_x, handle = disp.dispatch(x, idx, w)
+    counts = handle.tokens_per_local_expert
     assert counts.tolist() == [2, 1, 2]
     assert recv_x.flatten().tolist() == [1.0, 2.0, 3.0, 1.0, 3.0]  # by expert, then token
     assert handle.recv_weights.tolist() == [0.25, 1.0, 3.0, 0.5, 2.0]
@@ -71,17 +73,19 @@ def test_no_grad_round_trip_equals_autograd_one(one_rank, cls):
     disp = cls(Topology(1, 1), 4)
     idx = torch.tensor([[3, 0], [1, -1], [2, 1], [0, 3]])
     x, w = torch.randn(4, 5), torch.rand(4, 2)
-    recv_x, counts, handle = disp.dispatch(x, idx, w)
+    recv_x, handle = disp.dispatch(x, idx, w)
+    counts = handle.tokens_per_local_expert
     out = disp.combine(recv_x * 3, handle)
     assert recv_x.grad_fn is None and out.grad_fn is None
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-    recv_g, counts_g, handle_g = disp.dispatch(xg, idx, wg)
+    recv_g, handle_g = disp.dispatch(xg, idx, wg)
+    counts_g = handle_g.tokens_per_local_expert
     out_g = disp.combine(recv_g * 3, handle_g)
     assert out_g.grad_fn is not None
     assert torch.equal(recv_x, recv_g.detach()) and torch.equal(counts, counts_g)
     assert torch.equal(out, out_g.detach())
     with torch.no_grad():
-        recv_n, _, handle_n = disp.dispatch(xg, idx, wg)
+        recv_n, handle_n = disp.dispatch(xg, idx, wg)
         assert disp.combine(recv_n, handle_n).grad_fn is None
     out_g.sum().backward()
     assert disp.total_traffic == disp.last_traffic == Traffic()
@@ -92,7 +96,7 @@ def test_bad_input_single_rank(one_rank):
     with pytest.raises(EPInputError, match="ids in"):
         disp.dispatch(torch.zeros(2, 3), torch.tensor([[0], [2]]), torch.ones(2, 1))
     with pytest.raises(ValueError, match="combine: y must be"):
-        _, _, h = disp.dispatch(torch.zeros(2, 3), torch.tensor([[0], [1]]), torch.ones(2, 1))
+        _, h = disp.dispatch(torch.zeros(2, 3), torch.tensor([[0], [1]]), torch.ones(2, 1))
         disp.combine(torch.zeros(5, 3), h)
     with pytest.raises(ValueError, match="world_size=2 but the EP process group has 1"):
         AllToAllDispatcher(Topology(2, 1), 2)

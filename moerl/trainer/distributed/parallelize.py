@@ -27,7 +27,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from moerl.trainer.distributed.mesh import TrainMesh
-from moerl.ep.parallelize import DISPATCHERS, ExpertParallelExperts, parallelize
+from moerl.ep.parallelize import ExpertParallelExperts, parallelize
+from moerl.ep.registry import build_dispatcher
 from moerl.models.checkpoint import CheckpointError
 from moerl.models.config import MoeConfig
 from moerl.models.keymaps import KeyMapper
@@ -184,7 +185,7 @@ def build_sharded_policy(
     if mesh.ep_size > 1:
         if cfg.num_experts % mesh.ep_size:
             raise ValueError(f"ep_size={mesh.ep_size} does not divide the model's {cfg.num_experts} experts")
-        dispatcher = DISPATCHERS[ep_dispatcher](mesh.topology, cfg.num_experts, mesh.ep_group)
+        dispatcher = build_dispatcher(ep_dispatcher, mesh.topology, cfg.num_experts, mesh.ep_group)
         parallelize(model, dispatcher=dispatcher)
     shard_model(model, mesh)
     model.to_empty(device=device)
