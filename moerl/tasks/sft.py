@@ -21,12 +21,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from moerl.atomic import atomic_write_text
-from moerl.config import RunConfig
 from moerl.lr_schedule import warmup_cosine_lr
 from moerl.models import build_model, save_pretrained
 from moerl.models.checkpoint import INDEX_FILE
@@ -35,6 +35,9 @@ from moerl.tasks.base import Prompt
 from moerl.tasks.eval import evaluate
 from moerl.tasks.examples import Example, SFTBatch, collate, encode_example
 from moerl.tasks.tokenizer import Tokenizer, load_run_tokenizer
+
+if TYPE_CHECKING:  # the config sits above this package (docs/architecture.md, Layers)
+    from moerl.config import RunConfig
 
 log = logging.getLogger(__name__)
 
