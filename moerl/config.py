@@ -229,11 +229,13 @@ class RolloutConfig:
         check_range("rollout.kv_token_budget", self.kv_token_budget, 1)
         check_range("rollout.max_prefill_tokens", self.max_prefill_tokens, 1)
         check_range("rollout.sync_every", self.sync_every, 1)
-        from moerl.ep.parallelize import DISPATCHERS  # here: moerl.ep loads torch, this module must not
+        # here, not at the top: moerl.ep and moerl.rollout load torch, and this module must load without it
+        from moerl.ep.parallelize import DISPATCHERS
+        from moerl.rollout.weight_update import ON_WEIGHT_UPDATE
 
         check_choice("rollout.ep_dispatcher", self.ep_dispatcher, DISPATCHERS)
         check_range("rollout.ep_size", self.ep_size, 1)
-        check_choice("rollout.on_weight_update", self.on_weight_update, ["continue", "recompute", "abort"])
+        check_choice("rollout.on_weight_update", self.on_weight_update, ON_WEIGHT_UPDATE)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -72,3 +72,12 @@ def test_a_new_task_layout_operation_or_environment_is_a_choice(monkeypatch):
     task = TaskConfig(name="mine", layout="alpaca", operations=("/",))
     assert moerl.tasks.make_task(task) == ("built", "mine")
     assert EnvConfig(name="mine").import_path == "moerl.envs.guess:GuessEnv"
+
+
+def test_a_new_weight_update_policy_is_a_rollout_choice(monkeypatch):
+    import moerl.rollout.weight_update as wu
+
+    with pytest.raises(ConfigError, match="rollout.on_weight_update='drain'"):
+        RolloutConfig(on_weight_update="drain")
+    monkeypatch.setattr(wu, "ON_WEIGHT_UPDATE", (*wu.ON_WEIGHT_UPDATE, "drain"))
+    assert RolloutConfig(on_weight_update="drain").on_weight_update == "drain"
