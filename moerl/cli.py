@@ -142,7 +142,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from moerl.rollout.cli import generate_main
+    from moerl.generate import generate_main  # here: loads torch, only for this command
 
     return generate_main(args)
 
@@ -267,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ep-dispatcher",
         default="alltoall",
-        choices=["alltoall", "hierarchical"],
-        help="token dispatch/combine between EP ranks (default: alltoall)",
+        help="token dispatch/combine between EP ranks, by its moerl.ep name (default: alltoall; an unknown "
+        "name is refused with the list)",
     )
     p.add_argument(
         "--ep-ranks-per-node",

@@ -142,7 +142,12 @@ class TaskConfig:
     (arithmetic ``"{prompt}="``, countdown ``"{prompt}:"``, jsonl ``"Question: {prompt}\nAnswer:"``)."""
 
     def __post_init__(self) -> None:
-        check_choice("task.name", self.name, ["arithmetic", "countdown", "jsonl", "env"])
+        # here, not at the top: moerl.tasks loads torch, and this module must load without it (``moerl --help``)
+        from moerl.tasks import TASKS
+        from moerl.tasks.arithmetic import OPERATIONS
+        from moerl.tasks.datasets import LAYOUTS
+
+        check_choice("task.name", self.name, TASKS)
         check_range("task.num_eval", self.num_eval, 1)
         check_range("task.countdown_min_numbers", self.countdown_min_numbers, 2)
         check_range("task.countdown_max_numbers", self.countdown_max_numbers, self.countdown_min_numbers)
@@ -156,9 +161,9 @@ class TaskConfig:
                 f"task.min_digits={self.min_digits} is larger than task.max_digits={self.max_digits}; "
                 "set both (min_digits <= max_digits)"
             )
-        check_choice("task.layout", self.layout, ["gsm8k", "generic"])
+        check_choice("task.layout", self.layout, LAYOUTS)
         for op in self.operations:
-            check_choice("task.operations[]", op, ["+", "-", "*"])
+            check_choice("task.operations[]", op, OPERATIONS)
         if self.name == "arithmetic" and not self.operations:
             raise ConfigError("task.operations=[] is empty; arithmetic needs at least one of + - *")
         if self.name == "jsonl" and not self.path:
@@ -224,9 +229,13 @@ class RolloutConfig:
         check_range("rollout.kv_token_budget", self.kv_token_budget, 1)
         check_range("rollout.max_prefill_tokens", self.max_prefill_tokens, 1)
         check_range("rollout.sync_every", self.sync_every, 1)
-        check_choice("rollout.ep_dispatcher", self.ep_dispatcher, ["alltoall", "hierarchical"])
+        # here, not at the top: moerl.ep and moerl.rollout load torch, and this module must load without it
+        from moerl.ep.parallelize import DISPATCHERS
+        from moerl.rollout.weight_update import ON_WEIGHT_UPDATE
+
+        check_choice("rollout.ep_dispatcher", self.ep_dispatcher, DISPATCHERS)
         check_range("rollout.ep_size", self.ep_size, 1)
-        check_choice("rollout.on_weight_update", self.on_weight_update, ["continue", "recompute", "abort"])
+        check_choice("rollout.on_weight_update", self.on_weight_update, ON_WEIGHT_UPDATE)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -390,8 +399,7 @@ class RunConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
-        # lazy: moerl.rl imports torch, and the config must load without it (``moerl --help``, YAML checks);
-        # not a cycle: moerl.rl.presets needs this module only for type checking
+        # here, not at the top: moerl.rl loads torch, and this module must load without it (``moerl --help``)
         from moerl.rl.presets import preset_from_config
 
         if not self.name or self.name in (".", "..") or any(c in self.name for c in "/\\"):

@@ -90,21 +90,21 @@ class AlgorithmConfig:
         for suffix, value in former.items():
             if value is not None:
                 setattr(self, f"mismatch_{suffix}", value)
-        check_choice("algorithm.preset", self.preset, ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"])
-        check_choice("algorithm.kl_kind", self.kl_kind, ["k1", "k2", "k3"])
+        # here, not at the top: moerl.rl loads torch, and this module must load without it (``moerl --help``)
+        from moerl.rl.aggregate import AGGREGATION_MODES
+        from moerl.rl.kl import KL_ESTIMATORS
+        from moerl.rl.presets import ESTIMATORS, MISMATCH_MODES, PRESETS, RATIO_LEVELS
+
+        check_choice("algorithm.preset", self.preset, PRESETS)
+        check_choice("algorithm.kl_kind", self.kl_kind, KL_ESTIMATORS)
         check_choice("algorithm.routing_replay", self.routing_replay, ["off", "r3"])
         check_range("algorithm.kl_coef", self.kl_coef, 0.0)
         check_range("algorithm.entropy_coef", self.entropy_coef, 0.0)
         choices = {
-            "estimator": ["grpo", "dr_grpo", "rloo", "gae"],
-            "aggregation": [
-                "token-mean",
-                "seq-mean-token-mean",
-                "seq-mean-token-sum",
-                "seq-mean-token-sum-norm",
-            ],
-            "mismatch_mode": ["none", "truncate", "mask", "icepop"],
-            "mismatch_level": ["token", "sequence"],
+            "estimator": ESTIMATORS,
+            "aggregation": AGGREGATION_MODES,
+            "mismatch_mode": MISMATCH_MODES,
+            "mismatch_level": RATIO_LEVELS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) is not None:
@@ -130,10 +130,6 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.kl_in_reward=True needs algorithm.kl_coef > 0")
 
 
-_BIAS_FAMILIES = ("deepseek_v3", "glm4_moe")
-"""Model families whose routers carry ``e_score_correction_bias`` (aux-loss-free balancing)."""
-
-
 def _model_family(cfg: RunConfig) -> str:
     """The policy's family: the ``model_type`` of the checkpoint RL starts from when it is a folder with a
     config.json (``init_from``, else ``model.path``), else ``model.family`` (the fresh or SFT model)."""
@@ -153,6 +149,8 @@ def check_algorithm_combination(cfg: RunConfig, preset) -> None:
     Raises:
         ConfigError: naming the settings and what to change.
     """
+    from moerl.models.build import BIAS_FAMILIES  # here: moerl.models loads torch, this module must not
+
     alg, tr = cfg.algorithm, cfg.trainer
     if alg.kl_coef > 0 and not preset.allows_kl:
         raise ConfigError(
@@ -172,17 +170,12 @@ def check_algorithm_combination(cfg: RunConfig, preset) -> None:
             "log-probs are no longer the proximal policy's; set trainer.recompute_proximal=true (one extra "
             "forward) or algorithm.mismatch_mode=none"
         )
-    if tr.bias_update_rate > 0 and _model_family(cfg) not in _BIAS_FAMILIES:
+    if tr.bias_update_rate > 0 and _model_family(cfg) not in BIAS_FAMILIES:
         raise ConfigError(
             f"trainer.bias_update_rate={tr.bias_update_rate} needs routers with an e_score_correction_bias "
-            f"(model families {list(_BIAS_FAMILIES)}); this model is {_model_family(cfg)!r}: set "
+            f"(model families {list(BIAS_FAMILIES)}); this model is {_model_family(cfg)!r}: set "
             "trainer.bias_update_rate=0 or use trainer.aux_loss_coef"
         )
-
-
-GROUP_RELATIVE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
-"""Estimators whose baseline is the other samples of the group (``moerl.rl.advantages.GROUP_ESTIMATORS``):
-a group of identical samples has identical rewards, so every advantage is 0 and nothing is trained."""
 
 
 def check_group_samples(cfg: RunConfig, estimator: str) -> None:
@@ -196,7 +189,9 @@ def check_group_samples(cfg: RunConfig, estimator: str) -> None:
     Raises:
         ConfigError: naming the field, the estimator and why every advantage would be 0.
     """
-    if estimator not in GROUP_RELATIVE_ESTIMATORS:
+    from moerl.rl.advantages import GROUP_ESTIMATORS  # the baseline is the other samples of the group
+
+    if estimator not in GROUP_ESTIMATORS:
         return
     r = cfg.rollout
     if r.group_size < 2:

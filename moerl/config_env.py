@@ -7,12 +7,6 @@ from dataclasses import dataclass
 
 from moerl.configlib import ConfigError, check_range
 
-BUILTIN_ENVS = {
-    "calculator": "moerl.envs.calculator:CalculatorEnv",
-    "guess": "moerl.envs.guess:GuessEnv",
-}
-"""Built-in environment names and the import paths they stand for."""
-
 
 @dataclass(kw_only=True, slots=True)
 class EnvConfig:
@@ -72,6 +66,8 @@ class EnvConfig:
     instead of guessing midpoints; a scan rarely finds the secret within ``max_turns``."""
 
     def __post_init__(self) -> None:
+        from moerl.envs.base import BUILTIN_ENVS  # here: moerl.envs loads torch, the config module must not
+
         if not self.name or (self.name not in BUILTIN_ENVS and ":" not in self.name):
             raise ConfigError(
                 f"env.name={self.name!r}: choose {', '.join(BUILTIN_ENVS)} or an import path 'package.module:Class'"
@@ -98,6 +94,8 @@ class EnvConfig:
     @property
     def import_path(self) -> str:
         """``package.module:Class`` of the environment (built-in names resolved)."""
+        from moerl.envs.base import BUILTIN_ENVS
+
         return BUILTIN_ENVS.get(self.name, self.name)
 
 
@@ -107,4 +105,4 @@ def check_episode_run(task_name: str, return_routed_experts: bool) -> None:
         raise ConfigError("rollout.return_routed_experts is not supported with task.name=env (episodes)")
 
 
-__all__ = ["BUILTIN_ENVS", "ConfigError", "EnvConfig", "check_episode_run"]
+__all__ = ["ConfigError", "EnvConfig", "check_episode_run"]

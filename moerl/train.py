@@ -43,7 +43,7 @@ from moerl.runtime.chaos import ChaosMonkey
 from moerl.trainer.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
 from moerl.runtime.local import LocalRollouts
 from moerl.run.preflight import check_run_inputs
-from moerl.runtime.ray import RayRollouts, check_ray_address
+from moerl.runtime.ray import RayRollouts, check_ray_address, init_ray
 from moerl.run.recovery import StepJournal, recover_trainer
 from moerl.run.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
 from moerl.runtime.rollouts import Rollouts
@@ -112,6 +112,8 @@ class Run:
         # its digests were read when resume_checkpoint picked it (the run folder is locked since)
         parts = load_checkpoint(checkpoint, contents=False) if checkpoint is not None else None
         self.comp = build_components(cfg, init_path, self.store)
+        if cfg.runtime.mode == "async" and cfg.trainer.num_ranks > 1:  # the group's rank actors, then the
+            init_ray(cfg)  # rollout fleet, on one Ray instance (make_trainer expects it)
         # one rank: a LocalTrainer; more: a TrainerGroup (moerl.trainer.distributed); both a Trainer
         self.trainer: Trainer = make_trainer(cfg, self.comp.model, init_path, self.dir.path)
         try:

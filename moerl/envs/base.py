@@ -3,7 +3,7 @@ reward, done, info`` (the shape of Gym and of the agentic RL frameworks), and it
 
 An ``Environment`` holds the state of one episode. A class is registered by import path
 (``env.name = "package.module:Class"``, like ``task.reward_fn``) or by a built-in name
-(``moerl.config_env.BUILTIN_ENVS``). Each class also says where its tasks come from
+(``BUILTIN_ENVS``). Each class also says where its tasks come from
 (``make_task``: training prompts and a held-out split) and how a reference policy plays them
 (``demonstration``: the warm start's supervised data).
 """
@@ -19,6 +19,13 @@ from moerl.tasks.base import Prompt
 if TYPE_CHECKING:
     from moerl.config_env import EnvConfig
     from moerl.envs.task import EnvTask
+
+BUILTIN_ENVS: dict[str, str] = {
+    "calculator": "moerl.envs.calculator:CalculatorEnv",
+    "guess": "moerl.envs.guess:GuessEnv",
+}
+"""The built-in environments: ``env.name`` -> the import path of its class (``load_env_class``); the
+config's choice of names is this table's keys."""
 
 
 class StepResult(NamedTuple):

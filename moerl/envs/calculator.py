@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import random
 import time
+from typing import TYPE_CHECKING
 
-from moerl.config_env import EnvConfig
 from moerl.envs.base import Environment, StepResult
 from moerl.envs.calc import CalcError, evaluate, format_value
 from moerl.envs.task import EnvTask
 from moerl.tasks.base import Prompt, stable_hash
+
+if TYPE_CHECKING:  # the config sits above this package (docs/architecture.md, Layers)
+    from moerl.config_env import EnvConfig
 
 
 def draw_problem(cfg: EnvConfig, rng: random.Random) -> tuple[str, Prompt]:

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import random
 import re
+from typing import TYPE_CHECKING
 
-from moerl.config_env import EnvConfig
 from moerl.envs.base import Environment, StepResult
 from moerl.envs.task import EnvTask
 from moerl.tasks.base import Prompt, stable_hash
+
+if TYPE_CHECKING:  # the config sits above this package (docs/architecture.md, Layers)
+    from moerl.config_env import EnvConfig
 
 _RANGE = re.compile(r"guess (\d+)\.\.(\d+)")
 

@@ -12,10 +12,13 @@ a replacement; a call past ``env.step_timeout_s`` kills the actor the same way (
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from moerl.config_env import EnvConfig
 from moerl.envs.base import load_env_class
 from moerl.envs.pool import EnvCall, EnvHost, _PoolBase, _Worker
+
+if TYPE_CHECKING:  # the config sits above this package (docs/architecture.md, Layers)
+    from moerl.config_env import EnvConfig
 
 ENV_RESOURCE = "cpu"
 """Custom Ray resource that environment actors request when the cluster defines it."""

@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from moerl.config_env import EnvConfig
 from moerl.envs.base import Environment
 from moerl.envs.episodes import EpisodeEngine
 from moerl.envs.pool import LocalEnvPool
@@ -24,6 +24,9 @@ from moerl.tasks.base import GeneratedTask, Prompt, Reward
 from moerl.tasks.eval import EvalResult
 from moerl.tasks.examples import Example
 from moerl.tasks.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the config sits above this package (docs/architecture.md, Layers)
+    from moerl.config_env import EnvConfig
 
 
 def turn_stop_ids(tokenizer: Tokenizer, env_cls: type[Environment]) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moerl.choices import SUPPORTED_ARCHITECTURES
-from moerl.config import ConfigError, check_choice, check_range
+from moerl.configlib import ConfigError, check_choice, check_range
 
 MODEL_TYPES: dict[str, str] = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 """Model family -> its ``architectures[0]`` name."""

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-from moerl.config import ConfigError, ModelConfig
+from typing import TYPE_CHECKING
+
+from moerl.configlib import ConfigError
 from moerl.models.checkpoint import from_pretrained
 from moerl.models.config import MoeConfig
 from moerl.models.dtypes import torch_dtype
 from moerl.models.model import MoeForCausalLM
+
+if TYPE_CHECKING:  # the config sits above the models (docs/architecture.md, Layers)
+    from moerl.config import ModelConfig
+
+
+BIAS_FAMILIES = ("deepseek_v3", "glm4_moe")
+"""Model families whose routers carry ``e_score_correction_bias`` (aux-loss-free balancing); the config
+checks ``trainer.bias_update_rate`` against this list."""
 
 
 def arch_from_model_config(m: ModelConfig, vocab_size: int) -> MoeConfig:
@@ -35,6 +45,7 @@ def arch_from_model_config(m: ModelConfig, vocab_size: int) -> MoeConfig:
         num_experts_per_tok=m.top_k,
         rope_theta=m.rope_theta,
         max_position_embeddings=m.max_position_embeddings,
+        use_score_correction_bias=m.family in BIAS_FAMILIES,
     )
     hd = m.head_dim
     dense0 = 1 if m.num_layers > 1 else 0
@@ -47,7 +58,6 @@ def arch_from_model_config(m: ModelConfig, vocab_size: int) -> MoeConfig:
         "olmoe": dict(qk_norm="full"),
         "deepseek_v3": dict(
             scoring_func="sigmoid",
-            use_score_correction_bias=True,
             norm_topk_prob=True,
             shared_intermediate_size=m.moe_intermediate_size,
             first_k_dense_replace=dense0,
@@ -61,7 +71,6 @@ def arch_from_model_config(m: ModelConfig, vocab_size: int) -> MoeConfig:
         ),
         "glm4_moe": dict(
             scoring_func="sigmoid",
-            use_score_correction_bias=True,
             norm_topk_prob=True,
             shared_intermediate_size=m.moe_intermediate_size,
             first_k_dense_replace=dense0,

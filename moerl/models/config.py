@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moerl.choices import SUPPORTED_ARCHITECTURES
-from moerl.config import ConfigError, check_choice, check_range
+from moerl.configlib import ConfigError, check_choice, check_range
 from moerl.models.arch import MODEL_TYPES, RopeScaling, UnsupportedArchitectureError
 from moerl.models.hf_config import fields_to_hf, hf_to_fields
 

@@ -27,8 +27,6 @@ Shao et al. 2024, eq. 3-4); the sum is reduced by ``aggregate`` with the preset'
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from moerl.rl._checks import as_mask, check_ndim, check_same_shape
@@ -36,31 +34,10 @@ from moerl.rl.aggregate import aggregate
 from moerl.rl.kl import kl_estimate
 from moerl.rl.mismatch import mismatch_weights
 from moerl.rl.presets import LossPreset, resolve_preset
+from moerl.rl.surrogates import SURROGATES
 
 MAX_LOG_RATIO = 20.0
 """log pi_theta - log pi_old is clamped to +-MAX_LOG_RATIO before exp, so a stale token cannot overflow."""
-
-# (per-token loss, clipped-high flag, clipped-low flag) from (ratio, clipped ratio, A, logp, preset).
-Surrogate = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def _ppo_clip(ratio, clipped, adv, logp, preset: LossPreset):
-    del logp
-    loss = torch.maximum(-ratio * adv, -clipped * adv)
-    if preset.dual_clip_c is not None:
-        loss = torch.where(adv < 0, torch.minimum(loss, -preset.dual_clip_c * adv), loss)
-    high = (adv > 0) & (ratio > 1.0 + preset.eps_high)
-    low = (adv < 0) & (ratio < 1.0 - preset.eps_low)
-    return loss, high, low
-
-
-def _cispo(ratio, clipped, adv, logp, preset: LossPreset):
-    loss = -clipped.detach() * adv * logp
-    return loss, ratio > 1.0 + preset.eps_high, ratio < 1.0 - preset.eps_low
-
-
-SURROGATES: dict[str, Surrogate] = {"ppo_clip": _ppo_clip, "cispo": _cispo}
-"""``LossPreset.surrogate`` -> function giving the per-token surrogate loss and clip flags."""
 
 
 def _log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:

@@ -11,15 +11,19 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from moerl.rl.advantages import GROUP_ESTIMATORS
 from moerl.rl.aggregate import AGGREGATION_MODES
+from moerl.rl.surrogates import SURROGATES
 
 if TYPE_CHECKING:
     from moerl.config import AlgorithmConfig
 
-SURROGATES = ("ppo_clip", "cispo")
 RATIO_LEVELS = ("token", "sequence")
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "gae")
+"""Where the ratio (and the mismatch weight) is taken: per token, or per sequence (GSPO)."""
+ESTIMATORS = (*GROUP_ESTIMATORS, "gae")
+"""Advantage estimators: the group ones (``group_advantages``) and gae (a value head)."""
 MISMATCH_MODES = ("none", "truncate", "mask", "icepop")
+"""Train/rollout mismatch corrections (``LossPreset.mismatch_mode``, ``moerl.rl.mismatch``)."""
 ICEPOP_CAP = 5.0
 """IcePop's upper bound beta (Ling Team 2025, arXiv:2510.18855, Sec. 3.1: [alpha, beta] = [0.5, 5])."""
 

@@ -24,15 +24,18 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from moerl.config import RolloutConfig
 from moerl.rollout.cuda_graphs import GraphRunner
 from moerl.rollout.kv_cache import KVLayout, SlotKVCache, cache_geometry, kv_layout
 from moerl.rollout.params import FINISH_ERROR, Completion, InvalidRequestError, Request, validate_request
 from moerl.rollout.sampler import SamplingRows, sample_key, sample_no_sync
 from moerl.rollout.scheduler import Admission, Scheduler, Sequence
+
+if TYPE_CHECKING:  # the config sits above the rollout engine (docs/architecture.md, Layers)
+    from moerl.config import RolloutConfig
 
 
 @dataclass(slots=True)

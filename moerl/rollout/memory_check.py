@@ -28,15 +28,19 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from moerl.config import ConfigError, RunConfig
+from moerl.configlib import ConfigError
 from moerl.models.build import arch_from_model_config
 from moerl.models.config import MoeConfig
 from moerl.models.dtypes import torch_dtype
 from moerl.models.model import MoeForCausalLM
 from moerl.rollout.kv_cache import cache_bytes, cache_geometry, kv_layout
+
+if TYPE_CHECKING:  # the config sits above the rollout engine (docs/architecture.md, Layers)
+    from moerl.config import RunConfig
 
 MEMORY_HEADROOM = 0.9
 """The estimate must fit in this share of the device's available memory (the rest: activations,

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from moerl.config import RolloutConfig
+if TYPE_CHECKING:  # the config sits above the rollout engine (docs/architecture.md, Layers)
+    from moerl.config import RolloutConfig
+
 
 FINISH_STOP = "stop"
 """The completion ended with one of its stop tokens (included in the output and its loss mask)."""

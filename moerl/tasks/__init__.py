@@ -1,22 +1,26 @@
 """Verifiable tasks, datasets, reward functions and tokenizers: where moerl's data flow starts.
 
 Public API (contract in docs/architecture.md, "Tokenizer and tasks"):
-- ``make_task(task_cfg, env_cfg=None) -> Task``: ``train_prompts(seed)``, ``eval_prompts()``, ``reward(...)``.
+- ``make_task(task_cfg, env_cfg=None) -> Task`` (the names: ``TASKS``): ``train_prompts(seed)``, ``eval_prompts()``, ``reward(...)``.
 - ``Prompt(id, text, answer, solution=None)``, ``Reward(score, info)``.
 - ``load_tokenizer(path_or_none) -> Tokenizer`` (``None``: the built-in character tokenizer).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from moerl.config import EnvConfig, TaskConfig
 from moerl.tasks.arithmetic import ArithmeticTask
 from moerl.tasks.base import Prompt, Reward, Task
 from moerl.tasks.countdown import CountdownTask
 from moerl.tasks.datasets import DatasetError, JsonlTask, load_jsonl
 from moerl.tasks.rewards import load_reward_fn, load_score_fn
 from moerl.tasks.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:  # the config sits above this package (docs/architecture.md, Layers)
+    from moerl.config import EnvConfig, TaskConfig
 
 __all__ = [
     "ArithmeticTask",
@@ -25,6 +29,7 @@ __all__ = [
     "JsonlTask",
     "Prompt",
     "Reward",
+    "TASKS",
     "Task",
     "Tokenizer",
     "load_jsonl",
@@ -35,6 +40,56 @@ __all__ = [
 ]
 
 
+def _arithmetic(cfg: TaskConfig, env: EnvConfig | None, score_fn, template: dict) -> Task:
+    return ArithmeticTask(
+        min_digits=cfg.min_digits,
+        max_digits=cfg.max_digits,
+        operations=cfg.operations,
+        num_eval=cfg.num_eval,
+        seed=cfg.seed,
+        score_fn=score_fn,
+        **template,
+    )
+
+
+def _countdown(cfg: TaskConfig, env: EnvConfig | None, score_fn, template: dict) -> Task:
+    return CountdownTask(
+        min_numbers=cfg.countdown_min_numbers,
+        max_numbers=cfg.countdown_max_numbers,
+        max_value=cfg.countdown_max_value,
+        num_eval=cfg.num_eval,
+        seed=cfg.seed,
+        score_fn=score_fn,
+        **template,
+    )
+
+
+def _jsonl(cfg: TaskConfig, env: EnvConfig | None, score_fn, template: dict) -> Task:
+    records = load_jsonl(
+        cfg.path, layout=cfg.layout, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field
+    )
+    return JsonlTask(records, name=Path(cfg.path).stem, num_eval=cfg.num_eval, score_fn=score_fn, **template)
+
+
+def _env(cfg: TaskConfig, env: EnvConfig | None, score_fn, template: dict) -> Task:
+    if env is None:
+        raise ValueError("task.name='env' needs the run's env section: make_task(cfg.task, cfg.env)")
+    env_cls = load_reward_fn(env.import_path, what="env.name")  # the registry is the import path
+    if not hasattr(env_cls, "make_task"):
+        raise ValueError(f"env.name={env.name!r} is not an moerl.envs.Environment subclass (no make_task)")
+    return env_cls.make_task(env, num_eval=cfg.num_eval, seed=cfg.seed)
+
+
+TASKS: dict[str, Callable[..., Task]] = {
+    "arithmetic": _arithmetic,
+    "countdown": _countdown,
+    "jsonl": _jsonl,
+    "env": _env,
+}
+"""The task registry: ``task.name`` -> its builder ``(task_cfg, env_cfg, score_fn, template) -> Task``
+(``env``: an environment's tasks, ``moerl.envs``). The config's choice of task names is this table's keys."""
+
+
 def make_task(cfg: TaskConfig, env: EnvConfig | None = None) -> Task:
     """Build the task a ``TaskConfig`` describes (``cfg.template`` or the task's default template).
 
@@ -42,47 +97,13 @@ def make_task(cfg: TaskConfig, env: EnvConfig | None = None) -> Task:
     (``Environment.make_task``, ``moerl.envs``); ``env`` is then required.
 
     Raises:
-        ValueError: unknown task name, a bad reward function path, or a reward function whose signature
-            cannot take ``(prompt_text, response_text, answer)``.
+        ValueError: a task name not in ``TASKS``, a bad reward function path, or a reward function whose
+            signature cannot take ``(prompt_text, response_text, answer)``.
         ImportError, AttributeError: ``cfg.reward_fn`` cannot be imported.
         FileNotFoundError, DatasetError: the JSONL file is missing or malformed.
     """
+    if cfg.name not in TASKS:
+        raise ValueError(f"task.name={cfg.name!r}: choose one of {', '.join(TASKS)}")
     score_fn = load_score_fn(cfg.reward_fn) if cfg.reward_fn else None
     template = {"template": cfg.template} if cfg.template else {}
-    if cfg.name == "arithmetic":
-        return ArithmeticTask(
-            min_digits=cfg.min_digits,
-            max_digits=cfg.max_digits,
-            operations=cfg.operations,
-            num_eval=cfg.num_eval,
-            seed=cfg.seed,
-            score_fn=score_fn,
-            **template,
-        )
-    if cfg.name == "countdown":
-        return CountdownTask(
-            min_numbers=cfg.countdown_min_numbers,
-            max_numbers=cfg.countdown_max_numbers,
-            max_value=cfg.countdown_max_value,
-            num_eval=cfg.num_eval,
-            seed=cfg.seed,
-            score_fn=score_fn,
-            **template,
-        )
-    if cfg.name == "jsonl":
-        records = load_jsonl(
-            cfg.path, layout=cfg.layout, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field
-        )
-        return JsonlTask(
-            records, name=Path(cfg.path).stem, num_eval=cfg.num_eval, score_fn=score_fn, **template
-        )
-    if cfg.name == "env":
-        if env is None:
-            raise ValueError("task.name='env' needs the run's env section: make_task(cfg.task, cfg.env)")
-        env_cls = load_reward_fn(env.import_path, what="env.name")  # the registry is the import path
-        if not hasattr(env_cls, "make_task"):
-            raise ValueError(
-                f"env.name={env.name!r} is not an moerl.envs.Environment subclass (no make_task)"
-            )
-        return env_cls.make_task(env, num_eval=cfg.num_eval, seed=cfg.seed)
-    raise ValueError(f"task.name={cfg.name!r}: choose arithmetic, countdown, jsonl or env")
+    return TASKS[cfg.name](cfg, env, score_fn, template)

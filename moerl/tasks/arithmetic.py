@@ -16,6 +16,9 @@ from moerl.tasks.base import GeneratedTask, Prompt, Reward, ScoreFn
 
 _INTEGER = re.compile(r"-?\d+")
 
+OPERATIONS = ("+", "-", "*")
+"""The operators an arithmetic problem may use (``task.operations``)."""
+
 
 class ArithmeticTask(GeneratedTask):
     """Generated arithmetic problems with disjoint (hash-partitioned) train and eval splits.
@@ -43,8 +46,8 @@ class ArithmeticTask(GeneratedTask):
         score_fn: ScoreFn | None = None,
     ) -> None:
         super().__init__(score_fn)
-        if not operations or any(op not in "+-*" for op in operations):
-            raise ValueError(f"operations={operations!r}: choose among '+', '-', '*'")
+        if not operations or any(op not in OPERATIONS for op in operations):
+            raise ValueError(f"operations={operations!r}: choose among {', '.join(map(repr, OPERATIONS))}")
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
         self.min_digits, self.max_digits = min_digits, max_digits

@@ -22,6 +22,9 @@ from pathlib import Path
 from moerl.tasks.answers import answers_match, extract_answer, format_number
 from moerl.tasks.base import Prompt, Reward, ScoreFn, Task, stable_hash
 
+LAYOUTS = ("gsm8k", "generic")
+"""The JSONL layouts ``load_jsonl`` reads (``task.layout``; see the module docstring)."""
+
 
 class DatasetError(ValueError):
     """A dataset file is malformed; the message starts with ``<file>:<line>:``."""
@@ -109,8 +112,8 @@ def load_jsonl(
             answer without ``#### N``, or a file without records; the message names file and line.
     """
     path = Path(path)
-    if layout not in ("gsm8k", "generic"):
-        raise ValueError(f"layout={layout!r}: choose 'gsm8k' or 'generic'")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: choose one of {', '.join(LAYOUTS)}")
     records: list[Record] = []
     num_lines = 0
     for num_lines, where, obj in jsonl_objects(path):  # noqa: B007 - num_lines is used after the loop

@@ -21,12 +21,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from moerl.atomic import atomic_write_text
-from moerl.config import RunConfig
 from moerl.lr_schedule import warmup_cosine_lr
 from moerl.models import build_model, save_pretrained
 from moerl.models.checkpoint import INDEX_FILE
@@ -35,6 +35,9 @@ from moerl.tasks.base import Prompt
 from moerl.tasks.eval import evaluate
 from moerl.tasks.examples import Example, SFTBatch, collate, encode_example
 from moerl.tasks.tokenizer import Tokenizer, load_run_tokenizer
+
+if TYPE_CHECKING:  # the config sits above this package (docs/architecture.md, Layers)
+    from moerl.config import RunConfig, SFTConfig
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +95,9 @@ def lr_at(step: int, num_steps: int, peak: float, warmup: int) -> float:
 
 
 def _examples(
-    cfg: RunConfig, tokenizer: Tokenizer, prompts: list[Prompt], encode=encode_example
+    tokenizer: Tokenizer, prompts: list[Prompt], limit: int, encode=encode_example
 ) -> list[Example]:
     examples = [encode(tokenizer, p) for p in prompts]
-    limit = cfg.model.max_position_embeddings
     too_long = sum(len(e.ids) > limit for e in examples)
     if too_long == len(examples):
         raise ValueError(f"every SFT example is longer than model.max_position_embeddings={limit}")
@@ -108,20 +110,26 @@ def train_sft(
     model: torch.nn.Module,
     tokenizer: Tokenizer,
     train: list[Prompt],
-    cfg: RunConfig,
+    sft: SFTConfig,
+    *,
+    seed: int,
+    max_len: int,
     log_every: int = 100,
     progress: Callable[[int, int, float], None] | None = None,
     encode: Callable[[Tokenizer, Prompt], Example] = encode_example,
 ) -> float:
-    """Fine-tune ``model`` in place on ``train`` for ``cfg.sft.steps`` steps; returns the final loss.
+    """Fine-tune ``model`` in place on ``train`` for ``sft.steps`` steps; returns the final loss.
 
-    Batches are ``cfg.sft.batch_size`` examples drawn in shuffled epochs (seeded by ``cfg.seed``).
+    Batches are ``sft.batch_size`` examples drawn in shuffled epochs (seeded by ``seed``); examples longer
+    than ``max_len`` tokens (the model's context, ``model.max_position_embeddings``) are dropped.
     ``progress(step, num_steps, loss)`` is called after each optimizer step (step 1-based, loss the
     step's completion NLL in nats/token), e.g. ``moerl.telemetry.live.LiveView.warm_start_progress``.
+
+    Raises:
+        ValueError: every example is longer than ``max_len``.
     """
-    sft = cfg.sft
-    examples = _examples(cfg, tokenizer, train, encode)
-    rng = random.Random(cfg.seed)
+    examples = _examples(tokenizer, train, max_len, encode)
+    rng = random.Random(seed)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, betas=(0.9, 0.95), weight_decay=0.0)
     model.train()
@@ -184,7 +192,14 @@ def run_sft(
     train = list(itertools.islice(task.train_prompts(cfg.seed), cfg.sft.num_examples))
     t0 = time.perf_counter()
     final_loss = train_sft(
-        model, tokenizer, train, cfg, progress=progress, encode=getattr(task, "sft_example", encode_example)
+        model,
+        tokenizer,
+        train,
+        cfg.sft,
+        seed=cfg.seed,
+        max_len=cfg.model.max_position_embeddings,
+        progress=progress,
+        encode=getattr(task, "sft_example", encode_example),
     )
     train_seconds = time.perf_counter() - t0
     after = evaluate(model, tokenizer, task, held_out, **eval_kwargs).accuracy

@@ -41,6 +41,7 @@ from dataclasses import replace as dc_replace
 import torch
 
 from moerl.config import AlgorithmConfig, TrainerConfig
+from moerl.models.build import BIAS_FAMILIES
 from moerl.models.moe import update_correction_bias
 from moerl.rl import rollout_mismatch_sums
 from moerl.rl.presets import LossPreset
@@ -137,7 +138,8 @@ class AlgoParts:
         bias_blocks = [b for b in blocks if b.router.e_score_correction_bias is not None]
         if cfg.bias_update_rate > 0 and not bias_blocks:
             raise ValueError(
-                "trainer.bias_update_rate > 0 needs routers with an e_score_correction_bias (deepseek_v3, glm4_moe)"
+                "trainer.bias_update_rate > 0 needs routers with an e_score_correction_bias "
+                f"({', '.join(BIAS_FAMILIES)})"
             )
         reference = critic = None
         if algorithm.kl_coef > 0:

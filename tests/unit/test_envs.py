@@ -2,11 +2,11 @@ import itertools
 
 import pytest
 
-from moerl.config import ConfigError, EnvConfig, load_config
+from moerl.config import ConfigError, EnvConfig, TaskConfig, load_config
 from moerl.envs import Environment, load_env_class
 from moerl.envs.calculator import CalculatorEnv
 from moerl.envs.guess import GuessEnv
-from moerl.tasks import TaskConfig, load_tokenizer, make_task
+from moerl.tasks import load_tokenizer, make_task
 
 
 def _play(env_cls, cfg, prompt, actions):

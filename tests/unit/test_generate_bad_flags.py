@@ -10,6 +10,7 @@ from _runs import DAMAGED_FOLDER_MESSAGES, damage_model_folder, save_fresh_polic
 
 from moerl.cli import main
 from moerl.config import ModelConfig
+from moerl.ep.parallelize import DISPATCHERS
 
 
 @pytest.fixture
@@ -30,6 +31,7 @@ def paths(tmp_path):
         (["--ep-size", "4", "--ep-ranks-per-node", "3"], "--ep-ranks-per-node=3 must divide --ep-size=4"),
         (["--kv-token-budget", "0"], "--kv-token-budget=0: must be >= 1"),
         (["-n", "0"], "-n=0: must be >= 1"),
+        (["--ep-dispatcher", "nope"], f"--ep-dispatcher='nope': choose one of {', '.join(DISPATCHERS)}"),
         # the default model has 8 routed experts per MoE layer: 3 ranks cannot share them
         (["--ep-size", "3"], "has 8 routed experts per MoE layer, which must be a positive multiple"),
         (["--device", "nonsense"], "not a torch device"),

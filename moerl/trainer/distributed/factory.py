@@ -52,6 +52,10 @@ def make_trainer(
         init_path: Hugging Face folder of the starting weights; None: ``model`` is a fresh model, which
             is saved under ``scratch`` for the ranks to load their shards from.
         scratch: a folder of the run for that copy.
+
+    Raises:
+        RuntimeError: async mode with ``trainer.num_ranks > 1`` before the run's Ray instance is up
+            (``moerl.runtime.ray.init_ray``; the trainer sits below the runtime and does not start it).
     """
     if cfg.trainer.num_ranks == 1:
         return LocalTrainer.from_run_config(model, cfg)
@@ -62,12 +66,10 @@ def make_trainer(
         if not (Path(init_path) / "config.json").exists():
             save_pretrained(model, init_path)
     if cfg.runtime.mode == "async":
-        import ray
+        import ray  # here: Ray only in async mode
 
-        from moerl.runtime.ray.rollouts import init_ray  # lazy: Ray only in async mode
-
-        if not ray.is_initialized():  # the rollout fleet joins the same instance
-            init_ray(cfg)
+        if not ray.is_initialized():  # ray.remote would start an instance the rollout fleet cannot share
+            raise RuntimeError("async mode: the run's Ray instance must be up (moerl.runtime.ray.init_ray)")
         return TrainerGroup(cfg, init_path, model, ranks="ray")
     return TrainerGroup(cfg, init_path, model)
 

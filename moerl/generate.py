@@ -18,6 +18,7 @@ import torch
 
 from moerl.atomic import atomic_write_text
 from moerl.choices import DTYPE_NAMES
+from moerl.ep.parallelize import DISPATCHERS
 from moerl.models import CheckpointError, check_model_folder, from_pretrained
 from moerl.models.dtypes import torch_dtype
 from moerl.rollout.engine import Engine
@@ -96,8 +97,9 @@ def check_sizes(args: argparse.Namespace) -> None:
 
     Raises:
         ValueError: ``--max-new-tokens``, ``--max-slots``, ``--kv-token-budget``, ``-n``, ``--ep-size`` or
-            ``--ep-ranks-per-node`` below 1 (the optional ones only when given), or ``--ep-ranks-per-node``
-            that does not divide ``--ep-size`` (the EP ranks form whole nodes, ``moerl.ep.Topology``).
+            ``--ep-ranks-per-node`` below 1 (the optional ones only when given), ``--ep-ranks-per-node``
+            that does not divide ``--ep-size`` (the EP ranks form whole nodes, ``moerl.ep.Topology``), or an
+            ``--ep-dispatcher`` that is not a ``moerl.ep.parallelize.DISPATCHERS`` name.
     """
     for flag, name in (
         ("--max-new-tokens", "max_new_tokens"),
@@ -110,6 +112,9 @@ def check_sizes(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise ValueError(f"{flag}={value}: must be >= 1")
+    dispatcher = getattr(args, "ep_dispatcher", None)
+    if dispatcher is not None and dispatcher not in DISPATCHERS:
+        raise ValueError(f"--ep-dispatcher={dispatcher!r}: choose one of {', '.join(DISPATCHERS)}")
     ep_size, per_node = getattr(args, "ep_size", None) or 1, getattr(args, "ep_ranks_per_node", None)
     if per_node is not None and ep_size % per_node:
         raise ValueError(f"--ep-ranks-per-node={per_node} must divide --ep-size={ep_size}")
