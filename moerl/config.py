@@ -230,7 +230,7 @@ class RolloutConfig:
         check_range("rollout.max_prefill_tokens", self.max_prefill_tokens, 1)
         check_range("rollout.sync_every", self.sync_every, 1)
         # here, not at the top: moerl.ep and moerl.rollout load torch, and this module must load without it
-        from moerl.ep.parallelize import DISPATCHERS
+        from moerl.ep.registry import DISPATCHERS
         from moerl.rollout.weight_update import ON_WEIGHT_UPDATE
 
         check_choice("rollout.ep_dispatcher", self.ep_dispatcher, DISPATCHERS)

@@ -119,7 +119,7 @@ class TrainerConfig:
         check_range("trainer.max_nan_steps", self.max_nan_steps, 1)
         check_range("trainer.num_ranks", self.num_ranks, 1)
         check_range("trainer.ep_size", self.ep_size, 1)
-        from moerl.ep.parallelize import DISPATCHERS  # here: moerl.ep loads torch, this module must not
+        from moerl.ep.registry import DISPATCHERS  # here: moerl.ep loads torch, this module must not
 
         check_choice("trainer.ep_dispatcher", self.ep_dispatcher, DISPATCHERS)
         check_range("trainer.gpus_per_node", self.gpus_per_node, 1)

@@ -18,7 +18,7 @@ import torch
 
 from moerl.atomic import atomic_write_text
 from moerl.choices import DTYPE_NAMES
-from moerl.ep.parallelize import DISPATCHERS
+from moerl.ep.registry import DISPATCHERS
 from moerl.models import CheckpointError, check_model_folder, from_pretrained
 from moerl.models.dtypes import torch_dtype
 from moerl.rollout.engine import Engine
