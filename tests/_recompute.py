@@ -12,7 +12,7 @@ import torch
 
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread."""
-    return torch._C._current_graph_task_id() != -1
+    return torch._C._current_graph_task_id() != -1  # private, but torch's own checkpoint code relies on it
 
 
 @contextmanager
