@@ -22,15 +22,15 @@ multipart upload becomes visible when it completes), so a folder is committed by
 uploaded after every file of it: ``COMPLETE.json`` lists each file's size and sha256. Readers
 (``complete_checkpoints``, ``fetch_run``) ignore folders without a marker and check sizes and digests,
 so an upload cut half-way is never read as a checkpoint. A marker is deleted before its folder is
-replaced or pruned. Each upload is tried ``storage.retries`` times (exponential backoff) and then stops
-the run with a ``StorageError`` that names the file; the local copy stays complete.
+replaced or pruned. Each upload, download, lookup and listing is tried ``storage.retries`` times
+(exponential backoff, ``moerl.retry``) and then stops the run with a ``StorageError`` that names the file;
+the local copy stays complete.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import re
 import shutil
 import sys
@@ -42,8 +42,7 @@ import fsspec
 
 from moerl.config import RunConfig, load_config
 from moerl.errors import StorageError  # noqa: F401 - re-exported: raised here
-
-log = logging.getLogger(__name__)
+from moerl.retry import with_retries
 
 MARKER = "COMPLETE.json"
 RUN_FILES = ("config.yaml", "metrics.jsonl", "ledger.jsonl")
@@ -97,21 +96,7 @@ class RunStorage:
         return f"{self.root}/{rel}" if rel else self.root
 
     def _retry(self, what: str, fn):
-        wait = self.backoff_s
-        for attempt in range(1, self.retries + 1):
-            try:
-                return fn()
-            except FileNotFoundError:
-                raise
-            except Exception as e:  # s3fs/botocore/aiohttp raise many types for one failed request
-                if attempt == self.retries:
-                    raise StorageError(
-                        f"storage: {what} failed after {attempt} attempts: {type(e).__name__}: {e}"
-                    ) from e
-                log.warning("storage: %s failed (%s), retrying in %.1f s", what, e, wait)
-                time.sleep(wait)
-                wait *= 2
-        return None  # pragma: no cover - the loop returns or raises
+        return with_retries(what, fn, attempts=self.retries, backoff_s=self.backoff_s)
 
     # -- files -------------------------------------------------------------------------------------
 
@@ -177,10 +162,12 @@ class RunStorage:
         except (FileNotFoundError, json.JSONDecodeError):
             return None
         for name, entry in marker["files"].items():
+            path = self._path(f"{rel}/{name}")
             try:
-                if self.fs.info(self._path(f"{rel}/{name}"))["size"] != entry["size"]:
-                    return None
+                info = self._retry(f"lookup of {self.url}/{rel}/{name}", lambda p=path: self.fs.info(p))
             except FileNotFoundError:
+                return None
+            if info["size"] != entry["size"]:
                 return None
         return marker["files"]
 
@@ -215,9 +202,12 @@ class RunStorage:
         prefix = f"{run_rel}/checkpoints" if run_rel else "checkpoints"
         self.fs.invalidate_cache()
         try:
-            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self._path(prefix), detail=False)]
+            listed = self._retry(
+                f"listing of {self.url}/{prefix}", lambda: self.fs.ls(self._path(prefix), detail=False)
+            )
         except FileNotFoundError:
             return []
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in listed]
         steps = sorted(int(m.group(1)) for n in names if (m := _STEP_DIR.match(n)))
         return [
             (s, f"{prefix}/step_{s}") for s in steps if self.committed_files(f"{prefix}/step_{s}") is not None

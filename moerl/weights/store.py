@@ -40,6 +40,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from moerl.records import FileEntry, TensorEntry, WeightManifest, WeightVersion
+from moerl.retry import with_retries
 
 log = logging.getLogger(__name__)
 
@@ -129,13 +130,25 @@ class WeightStore:
     def _uri(self, version: int) -> str:
         return f"{self.url}/v{version:08d}"
 
+    read_attempts = 3
+    """Attempts of each read of a remote store (listing, lookup, file) before a ``StorageError``."""
+    read_backoff_s = 0.5
+    """Wait before a read's second attempt, doubled after each further failure (``moerl.retry``)."""
+
+    def _read(self, what: str, fn):
+        """``fn()``: on a remote store retried (throttling, 5xx, dropped connections), then one line."""
+        if self._is_local:
+            return fn()
+        return with_retries(what, fn, attempts=self.read_attempts, backoff_s=self.read_backoff_s)
+
     def _all_version_dirs(self) -> list[int]:
         """Every version folder, complete or not, ascending."""
         self._fs.invalidate_cache()  # object-store filesystems (s3fs) cache listings; other writers add versions
         try:
-            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self._fs.ls(self._root, detail=False)]
+            listed = self._read(f"listing of {self.url}", lambda: self._fs.ls(self._root, detail=False))
         except FileNotFoundError:
             return []
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in listed]
         return sorted(int(m.group(1)) for n in names if (m := _VERSION_DIR.match(n)))
 
     # -- writer --------------------------------------------------------------------------------
@@ -356,7 +369,14 @@ class WeightStore:
         return self._complete_versions()
 
     def _complete_versions(self) -> list[int]:
-        return [v for v in self._all_version_dirs() if self._fs.exists(f"{self._dir(v)}/{MANIFEST}")]
+        return [
+            v
+            for v in self._all_version_dirs()
+            if self._read(
+                f"lookup of {self._uri(v)}/{MANIFEST}",
+                lambda v=v: self._fs.exists(f"{self._dir(v)}/{MANIFEST}"),
+            )
+        ]
 
     def manifest(self, version: int) -> WeightManifest:
         """Read a version's manifest.
@@ -368,7 +388,7 @@ class WeightStore:
         self.flush()
         path = f"{self._dir(version)}/{MANIFEST}"
         try:
-            raw = self._fs.cat_file(path)
+            raw = self._read(f"read of {self._uri(version)}/{MANIFEST}", lambda: self._fs.cat_file(path))
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"weight version {version} not found in {self.url!r} (no {MANIFEST})"
@@ -401,6 +421,7 @@ class WeightStore:
 
         Raises:
             FileNotFoundError: the version or one of its files does not exist (e.g. pruned meanwhile).
+            StorageError: a remote read failed ``read_attempts`` times (one line naming the file).
             ChecksumError: a file's sha256 differs from the manifest; the message names the file.
             ValueError: a file's tensors do not match the manifest's names, shapes or dtypes.
         """
@@ -409,7 +430,8 @@ class WeightStore:
         out: dict[str, torch.Tensor] = {}
         for entry in manifest.files:
             uri = f"{self._uri(version)}/{entry.path}"
-            data = self._fs.cat_file(f"{self._dir(version)}/{entry.path}")
+            path = f"{self._dir(version)}/{entry.path}"
+            data = self._read(f"read of {uri}", lambda p=path: self._fs.cat_file(p))
             digest = _sha256(data)
             if digest != entry.sha256:
                 raise ChecksumError(f"{uri}: sha256 {digest} does not match the manifest's {entry.sha256}")

@@ -6,11 +6,10 @@ import os
 from pathlib import Path
 
 import pytest
+import ray
 from _runs import DEFAULT_CONFIG, SHARDED_ASYNC, run_config
 
 from moerl.train import train
-
-ray = pytest.importorskip("ray")
 
 
 @pytest.fixture

@@ -62,3 +62,26 @@ def test_sharded_steps_and_weights_equal_one_rank(policy, layout):
     assert all(torch.equal(published[k], w) for k, w in weights.items())
     moved = max(float((ref["weights"][n] - w).abs().max()) for n, w in weights.items())
     assert moved > 0
+
+
+def test_sharded_activation_checkpointing_recomputes_every_layer_in_backward(policy):
+    """2 ranks (FSDP2): with ``activation_checkpointing`` every decoder layer runs again inside backward,
+    once per gradient-enabled forward; without it none does (the equal-values layout above cannot tell)."""
+    folder, _ = policy
+    calls = {
+        ac: run_world(
+            trainer_cases.layer_calls,
+            2,
+            str(folder),
+            {"activation_checkpointing": ac},
+            preload=("trainer_cases",),
+        )
+        for ac in (False, True)
+    }
+    for rank in range(2):
+        off, on = calls[False][rank], calls[True][rank]
+        layers = range(trainer_cases.MODEL.num_layers)
+        assert all(off["forward"].get(i, 0) > 0 for i in layers), off
+        assert not off["backward"], off
+        assert on["forward"] == off["forward"]
+        assert all(on["backward"].get(i, 0) == on["forward"][i] for i in layers), on

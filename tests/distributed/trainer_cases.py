@@ -10,6 +10,7 @@ import dataclasses
 import random
 
 import torch
+from _recompute import layer_forwards
 
 from moerl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from moerl.trainer.distributed.batching import split_by_groups
@@ -114,6 +115,18 @@ def run_sharded(
         "local_numel": local_numel,
         "full_numel": sum(v.numel() for v in weights.values()),
     }
+
+
+def layer_calls(rank: int, world: int, folder: str, overrides: dict) -> dict:
+    """One step of the sharded trainer (EP 1: FSDP2 only) with its layer forwards counted
+    (``_recompute.layer_forwards``): ``{"forward": {layer: calls}, "backward": {layer: calls}}``."""
+    torch.manual_seed(0)
+    mesh = build_mesh(1, 8)
+    model = build_sharded_policy(folder, mesh, ep_dispatcher="alltoall")
+    trainer = ShardedTrainer(model, trainer_config(**overrides), AlgorithmConfig(), mesh)
+    with layer_forwards(model) as counts:
+        trainer.train_step(split_by_groups(batches()[0], world)[rank])
+    return {where: dict(c) for where, c in counts.items()}
 
 
 def run_streamed(rank: int, world: int, folder: str, ep_size: int, bucket_bytes: int) -> dict:

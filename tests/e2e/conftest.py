@@ -31,7 +31,8 @@ def tiny_init(tmp_path_factory):
 def local_ray(request):
     """One local Ray instance for the test module; its workers find ``e2e_rewards`` through PYTHONPATH,
     and the module itself travels by value (so do the actor classes it defines, e.g. a stand-in worker)."""
-    ray = pytest.importorskip("ray")  # optional and heavy: only the Ray tests load it
+    import ray
+
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), old) if p)
     ray.init(num_cpus=6, include_dashboard=False, configure_logging=False, log_to_driver=False)

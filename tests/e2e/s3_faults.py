@@ -1,9 +1,13 @@
-"""A real S3 API server on 127.0.0.1 (moto's server mode) behind a proxy that fails uploads on demand.
+"""A real S3 API server on 127.0.0.1 (moto's server mode) behind a proxy that fails requests on demand.
 
 ``S3WithFaults`` starts ``moto.server.ThreadedMotoServer`` and a small HTTP proxy in front of it; clients
 (s3fs through ``endpoint_url``) talk to the proxy. The proxy forwards every request unchanged, except
-uploads (PUT/POST) that its fault plan picks: those get a 500 ``InternalError`` or have their connection
-cut half-way through the body (no response at all), as a flaky network or an overloaded endpoint does.
+those its fault plan picks, as a flaky network or an overloaded endpoint fails them:
+
+- request classes (``Fault.method``): ``upload`` (PUT/POST), ``read`` (GET of an object, HEAD),
+  ``list`` (GET of a bucket: a listing);
+- kinds (``Fault.kind``): ``500`` (``InternalError``), ``503`` (``SlowDown``: S3's throttling answer),
+  ``cut`` (the connection closed without an answer; an upload's half-way through its body).
 """
 
 import http.client
@@ -11,6 +15,8 @@ import http.server
 import random
 import socket
 import threading
+from collections import Counter
+from dataclasses import dataclass
 
 from moto.server import ThreadedMotoServer
 
@@ -21,6 +27,36 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_ERRORS = {
+    "500": (500, b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"),
+    "503": (503, b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"),
+}
+
+
+@dataclass
+class Fault:
+    """Fail requests of class ``method`` (``upload``, ``read``, ``list``) with ``kind`` (``500``, ``503``,
+    ``cut``): the next ``times`` matching ones, or every one while it is planned (``times=None``: a fault
+    that persists). ``match``: only requests whose path contains this string."""
+
+    method: str
+    kind: str
+    times: int | None = None
+    match: str | None = None
+
+    def __post_init__(self):
+        if self.method not in ("upload", "read", "list") or self.kind not in ("500", "503", "cut"):
+            raise ValueError(f"Fault: unknown method {self.method!r} or kind {self.kind!r}")
+
+
+def request_class(method: str, path: str) -> str:
+    """``upload``, ``list`` or ``read`` for an S3 request (path-style addressing: ``/bucket/key?query``)."""
+    if method in ("PUT", "POST"):
+        return "upload"
+    target = path.split("?", 1)[0].strip("/")
+    return "list" if method == "GET" and "/" not in target else "read"
 
 
 class _Proxy(http.server.BaseHTTPRequestHandler):
@@ -41,19 +77,21 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
 
     def _handle(self):
         fault = self.owner.pick_fault(self.command, self.path)
-        if fault == "cut":  # read part of the upload, then drop the connection without an answer
-            self.rfile.read(max(1, int(self.headers.get("Content-Length") or 2) // 2))
+        if fault == "cut":  # read part of an upload, then drop the connection without an answer
+            if self.command in ("PUT", "POST"):
+                self.rfile.read(max(1, int(self.headers.get("Content-Length") or 2) // 2))
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
             return
         body = self._read_body()
-        if fault == "500":
-            payload = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
-            self.send_response(500)
+        if fault in _ERRORS:
+            status, payload = _ERRORS[fault]
+            self.send_response(status)
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
-            self.wfile.write(payload)
+            if self.command != "HEAD":  # a HEAD answer has no body (S3 sends only the status)
+                self.wfile.write(payload)
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
         conn = http.client.HTTPConnection("127.0.0.1", self.owner.moto_port, timeout=60)
@@ -82,9 +120,10 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
 class S3WithFaults:
     """moto S3 on 127.0.0.1 plus a fault-injecting proxy; ``endpoint_url`` is the proxy's.
 
-    Faults (both off by default): ``fail_rate`` — each upload fails with this probability (seeded),
+    Faults (all off by default): ``fail_rate`` — each upload fails with this probability (seeded),
     half of them with a 500, half with a connection cut mid-body; ``block`` — every upload whose path
-    contains this string fails with a 500. ``injected`` counts the faults served.
+    contains this string fails with a 500; ``plan`` — a list of ``Fault`` (the first that matches a
+    request serves it). ``injected`` counts the faults served by kind, ``injected_by`` by (class, kind).
     """
 
     def __init__(self, *, seed: int = 0):
@@ -95,7 +134,9 @@ class S3WithFaults:
         self.proxy.daemon_threads = True
         self.fail_rate = 0.0
         self.block: str | None = None
-        self.injected = {"500": 0, "cut": 0}
+        self.injected = {"500": 0, "503": 0, "cut": 0}
+        self.injected_by: Counter = Counter()
+        self.plan: list[Fault] = []
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
 
@@ -104,17 +145,27 @@ class S3WithFaults:
         return f"http://127.0.0.1:{self.proxy_port}"
 
     def pick_fault(self, method: str, path: str) -> str | None:
-        if method not in ("PUT", "POST"):
-            return None
+        """The fault to serve for this request, or None to forward it."""
+        what = request_class(method, path)
         with self._lock:
-            if self.block is not None and self.block in path:
-                fault = "500"
-            elif self.fail_rate and self._rng.random() < self.fail_rate:
-                fault = self._rng.choice(["500", "cut"])
-            else:
-                return None
-            self.injected[fault] += 1
+            fault = self._planned_locked(what, path)
+            if fault is None and what == "upload":
+                if self.block is not None and self.block in path:
+                    fault = "500"
+                elif self.fail_rate and self._rng.random() < self.fail_rate:
+                    fault = self._rng.choice(["500", "cut"])
+            if fault is not None:
+                self.injected[fault] += 1
+                self.injected_by[what, fault] += 1
             return fault
+
+    def _planned_locked(self, what: str, path: str) -> str | None:
+        for f in self.plan:
+            if f.method == what and (f.match is None or f.match in path) and f.times != 0:
+                if f.times is not None:
+                    f.times -= 1
+                return f.kind
+        return None
 
     def __enter__(self) -> "S3WithFaults":
         self.moto.start()

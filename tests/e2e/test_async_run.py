@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import ray
 from conftest import short_config
 
 from moerl.models import from_pretrained
@@ -10,8 +11,6 @@ from moerl.trainer.checkpoint import load_checkpoint
 from moerl.run.folder import RunDir, read_jsonl
 from moerl.weights.store import WeightStore
 from moerl.train import train
-
-ray = pytest.importorskip("ray")
 
 
 ASYNC_4_STEPS = (

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 from _runs import DEFAULT_CONFIG, assert_trained_exactly_once, newest_run, run_config
 
 from moerl.config import ChaosConfig, FleetConfig
@@ -32,8 +33,6 @@ from moerl.runtime.fleet import FleetManager, WorkerExit, WorkerHealth, WorkerSt
 from moerl.runtime.notice import watcher_from_config
 from moerl.run.folder import RunDir, read_jsonl
 from moerl.train import train
-
-ray = pytest.importorskip("ray")
 
 STEPS, BATCH, NUM_EVAL = 16, 8, 100
 ACCURACY_NOISE = 0.3

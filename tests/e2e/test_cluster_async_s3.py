@@ -10,21 +10,20 @@ hint into Ray autoscaler requests, within ``fleet.min_workers``/``fleet.max_work
 import json
 import os
 
+import boto3
 import pytest
+import ray
+import s3fs  # noqa: F401 - the test extra installs it: missing fails, not skips
 from conftest import short_config
+from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+from ray.cluster_utils import Cluster
+from ray.experimental.internal_kv import _internal_kv_get
+from s3_faults import S3WithFaults
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("s3fs")
-import boto3  # noqa: E402
-from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-from ray.experimental.internal_kv import _internal_kv_get  # noqa: E402
-from s3_faults import S3WithFaults  # noqa: E402
-
-from moerl.cluster.resources import node_resources  # noqa: E402
-from moerl.config import load_config  # noqa: E402
-from moerl.run.storage import RunStorage  # noqa: E402
-from moerl.train import train  # noqa: E402
+from moerl.cluster.resources import node_resources
+from moerl.config import load_config
+from moerl.run.storage import RunStorage
+from moerl.train import train
 
 pytestmark = pytest.mark.timeout(300)
 BUCKET = "moerl-cluster"

@@ -15,14 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 from _runs import DEFAULT_CONFIG, assert_trained_exactly_once, newest_run, run_config
 
 from moerl.models import build_model
 from moerl.run.folder import read_jsonl
 from moerl.tasks import load_tokenizer
 from moerl.train import train
-
-ray = pytest.importorskip("ray")
 
 BATCH = 4
 

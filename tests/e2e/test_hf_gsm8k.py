@@ -4,13 +4,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from moerl.cli import main as cli_main
 from moerl.run.folder import RunDir, read_jsonl
 from moerl.tasks import load_tokenizer
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "test.jsonl"
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.mark.skipif(not GSM8K.exists(), reason=f"{GSM8K} not present")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,14 +26,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _needs import program
 from conftest import TINY_MODEL
 
 from moerl.telemetry.alerts import AlertParams, render_rules
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("prometheus") is None,
-    reason="prometheus not installed (Debian package prometheus; bash tests/setup.sh installs it)",
-)
+
+@pytest.fixture(scope="module", autouse=True)
+def _prometheus_installed():
+    program("prometheus")  # the test command installs it: a missing server fails these tests, not skips
+
 
 E2E_PARAMS = AlertParams(
     rate_window="15s",

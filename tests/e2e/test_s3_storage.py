@@ -13,23 +13,22 @@ import threading
 import time
 from pathlib import Path
 
+import boto3
+import moto.server  # noqa: F401 - the test extra installs it: missing fails, not skips
 import pytest
+import s3fs  # noqa: F401 - the test extra installs it: missing fails, not skips
+import torch
 from conftest import short_config
+from s3_faults import S3WithFaults
 
-pytest.importorskip("s3fs")
-pytest.importorskip("moto.server")
-import boto3  # noqa: E402
-import torch  # noqa: E402
-from s3_faults import S3WithFaults  # noqa: E402
-
-from moerl.cli import main as cli_main  # noqa: E402
-from moerl.config import RunConfig, save_config  # noqa: E402
-from moerl.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
-from moerl.run.folder import RunDir, read_jsonl  # noqa: E402
-from moerl.run.storage import MARKER, RunMirror, RunStorage, StorageError, fetch_run  # noqa: E402
-from moerl.weights.store import StoreNotWritableError, WeightStore  # noqa: E402
-from moerl.telemetry.metrics import without_wall_clock  # noqa: E402
-from moerl.train import train  # noqa: E402
+from moerl.cli import main as cli_main
+from moerl.config import RunConfig, save_config
+from moerl.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from moerl.run.folder import RunDir, read_jsonl
+from moerl.run.storage import MARKER, RunMirror, RunStorage, StorageError, fetch_run
+from moerl.weights.store import StoreNotWritableError, WeightStore
+from moerl.telemetry.metrics import without_wall_clock
+from moerl.train import train
 
 BUCKET = "moerl-runs"
 pytestmark = pytest.mark.timeout(240)

@@ -1,10 +1,8 @@
 """Tiny random transformers checkpoints that the parity tests against transformers share (``test_models_hf``,
 ``test_rollout_hf``). Importing this module skips the importing test module when transformers is missing."""
 
-import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 HF_BASE = dict(
     vocab_size=64,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _needs import program
 
 from moerl.config import ConfigError
 from moerl.telemetry.alerts import AlertParams, main, render_rules, rule_groups
@@ -18,16 +19,11 @@ from moerl.telemetry.prometheus import SERIES
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "rules.yaml"
 TESTS = ROOT / "deploy" / "prometheus" / "rules_test.yaml"
-PROMTOOL = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(
-    PROMTOOL is None,
-    reason="promtool not installed (Debian package prometheus; bash tests/setup.sh installs it)",
-)
 ALERTS = [r["alert"] for r in rule_groups(AlertParams())["groups"][0]["rules"]]
 
 
 def _promtool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([program("promtool"), *args], capture_output=True, text=True, timeout=60)
 
 
 def test_committed_rules_are_the_rendered_defaults():
@@ -63,7 +59,6 @@ def test_every_alert_has_a_firing_and_a_silent_case():
     assert fires == set(ALERTS) and silent == set(ALERTS)
 
 
-@needs_promtool
 @pytest.mark.parametrize(
     "params",
     [
@@ -79,7 +74,6 @@ def test_promtool_check_rules(tmp_path, params):
     assert f"SUCCESS: {len(ALERTS)} rules found" in result.stdout
 
 
-@needs_promtool
 def test_promtool_unit_tests_pass():
     result = _promtool("test", "rules", str(TESTS))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -92,7 +86,6 @@ def _run_with(tmp_path: Path, groups: dict) -> subprocess.CompletedProcess:
     return _promtool("test", "rules", str(tmp_path / "rules_test.yaml"))
 
 
-@needs_promtool
 @pytest.mark.parametrize("alert", ALERTS)
 def test_unit_tests_fail_without_the_alert(tmp_path, alert):
     groups = rule_groups(AlertParams())
@@ -102,7 +95,6 @@ def test_unit_tests_fail_without_the_alert(tmp_path, alert):
     assert result.returncode != 0 and alert in result.stdout + result.stderr
 
 
-@needs_promtool
 @pytest.mark.parametrize(
     "loose",
     [
@@ -118,7 +110,6 @@ def test_unit_tests_fail_with_looser_thresholds(tmp_path, loose):
     assert result.returncode != 0, f"{loose}: promtool tests still pass"
 
 
-@needs_promtool
 def test_example_server_config_is_valid():
     result = _promtool("check", "config", str(RULES.with_name("prometheus.yml")))
     assert result.returncode == 0, result.stdout + result.stderr

@@ -10,10 +10,9 @@ import json
 
 import pytest
 import torch
+import transformers  # noqa: F401 - the test extra installs it: missing fails, not skips
 
-pytest.importorskip("transformers")
-
-from bench import common, moe_layer, rollout_gpu, summarize, train_step  # noqa: E402
+from bench import common, moe_layer, rollout_gpu, summarize, train_step
 
 CPU = torch.device("cpu")
 

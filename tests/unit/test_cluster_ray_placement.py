@@ -10,15 +10,14 @@ the training node. The fleet's scaling hint reaches the Ray autoscaler as a reso
 import json
 
 import pytest
+import ray
+from ray.cluster_utils import Cluster
 
-ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from moerl.cluster.autoscale import RolloutCapacity  # noqa: E402
-from moerl.cluster.render import cluster_run_config  # noqa: E402
-from moerl.cluster.resources import actor_resources, node_resources  # noqa: E402
-from moerl.config import load_config  # noqa: E402
-from moerl.runtime.ray.rollouts import _labels  # noqa: E402
+from moerl.cluster.autoscale import RolloutCapacity
+from moerl.cluster.render import cluster_run_config
+from moerl.cluster.resources import actor_resources, node_resources
+from moerl.config import load_config
+from moerl.runtime.ray.rollouts import _labels
 
 pytestmark = pytest.mark.timeout(120)
 

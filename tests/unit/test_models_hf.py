@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from _hf import HF_BASE, save_random_hf_model
 
 import moerl.models as mm
-
-transformers = pytest.importorskip("transformers")
 
 FAMILIES = {
     "qwen3_moe": dict(

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # noqa: F401 - the test extra installs it: missing fails, not skips
 from _hf import HF_BASE, save_random_hf_model
 
 import moerl.models as mm
 from moerl.rollout import Engine, Request, SamplingParams
-
-transformers = pytest.importorskip("transformers")
 
 _BASE = dict(HF_BASE, pad_token_id=0, eos_token_id=None, bos_token_id=None)
 _FAMILIES = {

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from _recompute import layer_forwards
 from _tiny import tiny_model
 
 from moerl.config import AlgorithmConfig, ConfigError, TrainerConfig
@@ -305,3 +306,24 @@ def test_activation_checkpointing_gives_the_same_step(share_prompt):
     (loss0, norm0, w0), (loss1, norm1, w1) = results
     assert loss1 == pytest.approx(loss0, rel=1e-6) and norm1 == pytest.approx(norm0, rel=1e-6)
     assert all(torch.allclose(w0[k], w1[k], rtol=1e-5, atol=1e-7) for k in w0)
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_activation_checkpointing_recomputes_every_layer_in_backward(share_prompt):
+    """With it on, every decoder layer runs again inside backward, once per gradient-enabled forward
+    (the recompute); with it off, no layer runs inside backward (hooks count layer calls; the equal-values
+    test above cannot tell a recompute from a plain call)."""
+    counts = {}
+    for ac in (False, True):
+        model = _model()
+        trainer = LocalTrainer(
+            model, TrainerConfig(share_prompt=share_prompt, activation_checkpointing=ac), AlgorithmConfig()
+        )
+        batch = build_train_batch(_groups(), pad_id=PAD)
+        with layer_forwards(model) as counts[ac]:
+            trainer.train_step(batch)
+    layers = range(len(model.layers))
+    assert all(counts[False]["forward"][i] > 0 for i in layers)
+    assert sum(counts[False]["backward"].values()) == 0, counts[False]
+    assert counts[True]["forward"] == counts[False]["forward"]
+    assert all(counts[True]["backward"][i] == counts[True]["forward"][i] for i in layers), counts[True]

@@ -1,0 +1,160 @@
+"""Mutation check: the suite catches a feature removed. Each mutation is a small source edit applied to a
+scratch copy of the repository (the files ``git ls-files`` lists); the few test files that must catch it
+run there (``pytest -x -q`` in a subprocess that imports the copy's moerl through ``PYTHONPATH``) and must
+fail. The same tests run once on an unmutated copy and must pass, so a failure is the mutation's.
+
+A mutation is ``(file, old text, new text)``: when the code under it is reworked, the old text is checked
+first and a drift fails with a line naming the mutation (update ``MUTATIONS``), never silently passes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """``old`` replaced by ``new`` in ``file`` (repository-relative; ``old`` must occur exactly once);
+    ``tests`` are the node ids of the tests that must catch it (a renamed test is a clear error)."""
+
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = (
+    Mutation(
+        "activation checkpointing off (each layer called plainly, no recompute)",
+        "moerl/models/model.py",
+        "x, s = checkpoint(layer, x, cos, sin, mask, cache, token_mask, forced, use_reentrant=False)",
+        "x, s = layer(x, cos, sin, mask, cache, token_mask, forced)",
+        ("tests/unit/test_trainer.py::test_activation_checkpointing_recomputes_every_layer_in_backward",),
+    ),
+    Mutation(
+        "weight-bucket checksum skipped",
+        "moerl/weights/buckets.py",
+        "        digest = xxhash.xxh3_64_hexdigest(bucket.data)\n        if digest != bucket.checksum:",
+        "        digest = xxhash.xxh3_64_hexdigest(bucket.data)\n        if False:",
+        (
+            "tests/unit/test_weight_sync.py::test_pack_unpack_roundtrip_and_checksum_catches_corruption",
+            "tests/unit/test_weight_sync.py::test_assembler_drops_a_version_with_a_corrupt_or_misfiled_bucket",
+        ),
+    ),
+    Mutation(
+        "staleness admission off (every group admitted at put)",
+        "moerl/runtime/buffer.py",
+        "        if group.min_policy_version < version - self.max_staleness:",
+        "        if False:",
+        (
+            "tests/unit/test_buffer.py::test_staleness_admission_at_put_drop",
+            "tests/unit/test_buffer.py::test_staleness_admission_at_put_requeue",
+        ),
+    ),
+    Mutation(
+        "fencing off (settle accepts any token of a known task)",
+        "moerl/runtime/queue.py",
+        "            self._reap_locked()\n            entry = self._current_entry_locked(task_id, token)\n"
+        '            if entry is None:\n                self._counts["refused"] += 1',
+        "            self._reap_locked()\n            entry = self._entries.get(task_id)\n"
+        '            if entry is None:\n                self._counts["refused"] += 1',
+        (
+            "tests/unit/test_buffer.py::test_late_delivery_refused_by_fencing_token",
+            "tests/unit/test_queue.py::test_ack_after_expiry_refused_and_task_released_with_higher_token",
+        ),
+    ),
+    Mutation(
+        "sharded loss normalizers swapped for the one-rank ones (per-rank token and sequence counts)",
+        "moerl/trainer/distributed/sharded.py",
+        "        dist.all_reduce(counts)\n        return replace(batch, num_tokens=int(counts[0]), num_seqs=int(counts[1]))",
+        "        return batch",
+        (
+            "tests/distributed/test_sharded_trainer.py::test_sharded_steps_and_weights_equal_one_rank[R2-EP2-alltoall-G8]",
+        ),
+    ),
+)
+
+
+def _is_git_checkout() -> bool:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--is-inside-work-tree"], capture_output=True
+        )
+    except FileNotFoundError:
+        return False
+    return out.returncode == 0
+
+
+pytestmark = [
+    pytest.mark.skipif(not _is_git_checkout(), reason="needs git and a git checkout (git ls-files)"),
+    pytest.mark.timeout(TIMEOUT_S + 60),
+]
+
+
+def _copy_repo(dest: Path) -> Path:
+    """The tracked files of this checkout (as they are in the work tree) copied under ``dest``."""
+    files = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True
+    ).stdout.split(b"\0")
+    for rel in (f.decode() for f in files if f):
+        src = ROOT / rel
+        if src.is_file():  # a file deleted in the work tree but still tracked is skipped
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest
+
+
+def _pytest(copy: Path, args: tuple[str, ...]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(copy)}  # the copy's moerl, not the installed one
+    env.pop("PYTEST_ADDOPTS", None)
+    check = "import moerl, sys; sys.exit(0 if moerl.__file__.startswith(sys.argv[1]) else 1)"
+    assert subprocess.run([sys.executable, "-c", check, str(copy)], env=env, cwd=copy).returncode == 0, (
+        "the copy's subprocess imports another moerl"
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+
+
+def _tail(proc: subprocess.CompletedProcess, lines: int = 15) -> str:
+    return "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-lines:])
+
+
+def test_the_catching_tests_pass_unmutated(tmp_path):
+    tests = tuple(dict.fromkeys(t for m in MUTATIONS for t in m.tests))
+    proc = _pytest(_copy_repo(tmp_path / "repo"), tests)  # an unknown node id exits 4
+    assert proc.returncode == 0, f"the catching tests fail without any mutation:\n{_tail(proc)}"
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, _tail(proc)
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda m: Path(m.file).stem)
+def test_mutation_is_caught(tmp_path, mutation):
+    copy = _copy_repo(tmp_path / "repo")
+    path = copy / mutation.file
+    text = path.read_text()
+    assert text.count(mutation.old) == 1, (
+        f"mutation {mutation.name!r}: its old text occurs {text.count(mutation.old)} times in {mutation.file} "
+        "(the code moved): update MUTATIONS in tests/meta/test_mutations.py"
+    )
+    path.write_text(text.replace(mutation.old, mutation.new))
+    proc = _pytest(copy, mutation.tests)
+    assert proc.returncode == 1 and " failed" in proc.stdout, (
+        f"mutation {mutation.name!r} not caught by {' '.join(mutation.tests)} (exit {proc.returncode}):\n"
+        + _tail(proc)
+    )
