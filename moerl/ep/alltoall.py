@@ -16,7 +16,7 @@ tokens' k rows from its own outputs and the returned rows in one weighted pass (
 its own ``topk_weights``). With ``fp8_dispatch`` the forward payload is float8 (e4m3) with one float32
 scale per token, dequantized to x's dtype by the gathering pass.
 
-Autograd (this file's own, ``_FlatDispatchFn`` and ``_FlatCombineFn``): backward(dispatch) sends the
+Autograd (this file's own, ``RowDispatchFn`` and ``_FlatCombineFn``): backward(dispatch) sends the
 copies' gradients back and sums them per token (D^T g, unweighted; the received weights' gradient rides
 along to their [T, k] slots); backward(combine) sends w g out to the copies (D (w g)) and forms the
 router-weight gradient <g[t], y[copy (t, j)]> at the source, from the rows combine already brought back.
@@ -125,7 +125,7 @@ class AllToAllDispatcher(CollectiveDispatcher):
         counted = not isinstance(counts, SingleRankInputs)  # a group of one rank sends nothing
         start = self._traffic_now() if counted else None
         if needs_grad(x, topk_weights):
-            recv_x, recv_w, plan = _FlatDispatchFn.apply(x, topk_weights, topk_idx, layout, counts, self)
+            recv_x, recv_w, plan = RowDispatchFn.apply(x, topk_weights, topk_idx, layout, counts, self)
         else:  # nothing to differentiate: no autograd node (its bookkeeping is host time per call)
             recv_x, recv_w, plan = self._dispatch_rows(x, topk_idx, topk_weights, layout, counts)
         if counted:
@@ -343,9 +343,10 @@ class AllToAllDispatcher(CollectiveDispatcher):
         return grad_y, grad_w
 
 
-class _FlatDispatchFn(torch.autograd.Function):
+class RowDispatchFn(torch.autograd.Function):
     """recv_x = D x and recv_w = D_w w; backward: D^T g_x (the copies' gradients summed per token) and
-    the received weights' gradients back to their slots."""
+    the received weights' gradients back to their slots. Shared by the hierarchical dispatcher, whose
+    ``_dispatch_rows`` / ``_reverse`` / ``_reverse_slots`` implement the same three maps its own way."""
 
     @staticmethod
     def forward(ctx, x, topk_weights, topk_idx, layout, counts, disp):  # noqa: D102

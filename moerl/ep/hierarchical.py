@@ -16,8 +16,8 @@ Combine runs the reverse path: the destination sums the weighted outputs of a to
 the forwarding rank sums the partials of its node's ranks, and only that node-level partial crosses
 the node boundary; the source sums the node partials. Every sum runs in a fixed order, in float32.
 
-Autograd (this file's own, ``_HierDispatchFn`` and ``_HierCombineFn``): backward(dispatch) runs the
-combine path on the copies' gradients (D^T g, unweighted) and brings the received weights' gradients back
+Autograd (``RowDispatchFn``, shared with the flat dispatcher, and this file's ``_HierCombineFn``):
+backward(dispatch) runs the combine path on the copies' gradients (D^T g, unweighted) and brings the received weights' gradients back
 to their [T, k] slots the same way; backward(combine) runs the dispatch path on the output gradient (D g,
 stages 1 and 2 without metadata) and forms grad_y = w D g and the weights' gradient <D g, y> on the
 expert's rank, which backward(dispatch) then carries home.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moerl.ep.alltoall import AllToAllDispatcher
+from moerl.ep.alltoall import AllToAllDispatcher, RowDispatchFn
 from moerl.ep.collective import CollectiveDispatcher, RowHandle, needs_grad
 from moerl.ep.comm import (
     GlobalCounts,
@@ -104,7 +104,7 @@ class HierarchicalDispatcher(CollectiveDispatcher):
         layout, counts = self._route(x, topk_idx, topk_weights, single_rank_fast=False)
         start = self._traffic_now()
         if needs_grad(x, topk_weights):
-            recv_x, recv_w, plan = _HierDispatchFn.apply(x, topk_weights, topk_idx, layout, counts, self)
+            recv_x, recv_w, plan = RowDispatchFn.apply(x, topk_weights, topk_idx, layout, counts, self)
         else:  # nothing to differentiate: no autograd node (its bookkeeping is host time per call)
             recv_x, recv_w, plan = self._dispatch_rows(x, topk_idx, topk_weights, layout, counts)
         self._finish(start, "dispatch")
@@ -245,27 +245,6 @@ class HierarchicalDispatcher(CollectiveDispatcher):
     def _reverse_slots(self, g: torch.Tensor, plan: HierarchicalPlan) -> torch.Tensor:
         """[M] per-copy values -> [T, k] in g's dtype (slots are disjoint, so the sums are exact)."""
         return self._reverse_rows(gather_slots(g, plan.pos2), plan, g.dtype)
-
-
-class _HierDispatchFn(torch.autograd.Function):
-    """recv_x = D x and recv_w = D_w w; backward: D^T g_x (unweighted combine path) and D_w^T g_w."""
-
-    @staticmethod
-    def forward(ctx, x, topk_weights, topk_idx, layout, counts, disp):  # noqa: D102
-        with torch.no_grad():
-            recv_x, recv_w, plan = disp._dispatch_rows(x, topk_idx, topk_weights, layout, counts)
-        ctx.disp, ctx.plan, ctx.x_dtype, ctx.w_dtype = disp, plan, x.dtype, topk_weights.dtype
-        return recv_x, recv_w, plan
-
-    @staticmethod
-    def backward(ctx, g_x, g_w, _):  # noqa: D102
-        # Both collectives run on every rank whatever needs_input_grad says, so ranks stay in step.
-        disp, plan = ctx.disp, ctx.plan
-        start = disp._traffic_now()
-        grad_x = disp._reverse(g_x, plan, ctx.x_dtype).to(ctx.x_dtype)
-        grad_w = disp._reverse_slots(g_w.to(accumulation_dtype(ctx.w_dtype)), plan).to(ctx.w_dtype)
-        disp._count(start, "combine")  # gradients go back to the tokens' ranks
-        return grad_x, grad_w, None, None, None, None
 
 
 class _HierCombineFn(torch.autograd.Function):
