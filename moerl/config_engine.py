@@ -32,10 +32,14 @@ def model_context(cfg: RunConfig) -> int:
 
 
 def engine_slot_tokens(cfg: RunConfig) -> tuple[int, int]:
-    """``(slot, context)``: tokens of one engine cache slot (as ``Engine.from_config`` sizes it) and the
-    model context that caps it."""
+    """``(slot, context)``: the longest sequence one engine holds (a slot of ``rollout.kv_cache: slots``,
+    the whole cache when ``paged``), as ``moerl.runtime.build.make_engine`` sizes it, and the model
+    context that caps it."""
     context = model_context(cfg)
-    return min(cfg.rollout.kv_token_budget // cfg.rollout.max_slots, context), context
+    r = cfg.rollout
+    if r.kv_cache == "paged":  # one sequence may use the whole cache
+        return min(r.kv_token_budget // r.kv_block_size * r.kv_block_size, context), context
+    return min(r.kv_token_budget // r.max_slots, context), context
 
 
 def check_engine_sizes(cfg: RunConfig) -> None:
@@ -47,10 +51,11 @@ def check_engine_sizes(cfg: RunConfig) -> None:
     """
     r = cfg.rollout
     slot, context = engine_slot_tokens(cfg)
-    sizes = (
-        f"(rollout.kv_token_budget={r.kv_token_budget} // rollout.max_slots={r.max_slots}, capped by the "
-        f"model context {context}: model.max_position_embeddings or the model folder's)"
-    )
+    cap = f"capped by the model context {context}: model.max_position_embeddings or the model folder's"
+    if r.kv_cache == "paged":
+        sizes = f"(rollout.kv_token_budget={r.kv_token_budget} in blocks of rollout.kv_block_size={r.kv_block_size}, {cap})"
+    else:
+        sizes = f"(rollout.kv_token_budget={r.kv_token_budget} // rollout.max_slots={r.max_slots}, {cap})"
     if slot < 2:
         raise ConfigError(
             f"the engine's cache slot is {slot} tokens {sizes}; it must hold at least 2 (a prompt token "
