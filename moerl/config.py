@@ -189,7 +189,7 @@ class RolloutConfig:
     """KV cache capacity of one engine in tokens (keys and values of every layer of that many tokens).
     Paged: any sequence up to this length (and the model context) can run; sequences are admitted while
     their blocks fit, and the youngest are preempted (recomputed later) when decoding outgrows it."""
-    kv_cache: str = "slots"
+    kv_cache: str = "paged"
     """KV cache of the rollout engine: ``paged`` (``moerl.rollout.paged_engine.PagedEngine``: blocks of
     ``kv_block_size`` tokens, a group's prompt prefilled once and its blocks shared, common prompt
     preambles shared, memory bounded by the tokens held) or ``slots`` (``moerl.rollout.engine.Engine``:

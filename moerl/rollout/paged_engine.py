@@ -41,8 +41,9 @@ class PagedEngine(Engine):
     Args:
         model: as ``Engine``.
         max_slots: most sequences decoding together (rows of the block table).
-        kv_token_budget: KV cache capacity in tokens (``kv_token_budget // block_size`` blocks); one
-            sequence may use all of it, up to the model's ``max_position_embeddings``.
+        kv_token_budget: KV cache capacity in tokens (``kv_token_budget // block_size`` blocks, at most
+            what ``max_slots`` sequences of the model's context fill); one sequence may use all of it, up
+            to the model's ``max_position_embeddings``.
         block_size: tokens per cache block.
         max_prefill_tokens: tokens computed by the prefills of one step (at least one admission).
         max_stop_tokens, sync_every, batch_buckets, seed, version, kv_layout_override, cuda_graphs: as
@@ -73,7 +74,7 @@ class PagedEngine(Engine):
         cfg = model.config
         if block_size < 1 or max_slots < 1:
             raise ValueError(f"block_size={block_size} and max_slots={max_slots} must be >= 1")
-        num_blocks, max_len = paged_geometry(kv_token_budget, block_size, cfg.max_position_embeddings)
+        num_blocks, max_len = paged_geometry(kv_token_budget, block_size, cfg.max_position_embeddings, max_slots)
         if max_len < 2:
             raise ValueError(
                 f"kv_token_budget={kv_token_budget}, block_size={block_size} leave no room for a sequence of "

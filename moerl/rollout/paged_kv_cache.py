@@ -28,14 +28,16 @@ import torch
 from moerl.rollout.kv_cache import KVLayout
 
 
-def paged_geometry(kv_token_budget: int, block_size: int, context: int) -> tuple[int, int]:
+def paged_geometry(kv_token_budget: int, block_size: int, context: int, max_slots: int) -> tuple[int, int]:
     """``(NB, S)``: blocks of an engine's paged cache and the longest sequence it can hold.
 
-    NB = ``kv_token_budget // block_size``; S = ``min(NB * block_size, context)`` (one sequence may use
-    the whole cache). Either can be too small for a run (NB < 1, S < 2); the engine refuses such sizes.
+    NB = ``min(kv_token_budget // block_size, max_slots * ceil(context / block_size))`` (no more than
+    ``max_slots`` sequences of the model's context can use); S = ``min(NB * block_size, context)`` (one
+    sequence may use the whole cache). Either can be too small for a run (S < 2); the engine refuses it.
     """
-    num_blocks = kv_token_budget // max(block_size, 1)
-    return num_blocks, min(num_blocks * block_size, context)
+    bs = max(block_size, 1)
+    num_blocks = min(kv_token_budget // bs, max_slots * -(-context // bs))
+    return num_blocks, min(num_blocks * bs, context)
 
 
 class PagedKVCache:
