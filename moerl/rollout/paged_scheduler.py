@@ -70,6 +70,14 @@ class PagedScheduler(Scheduler):
         """Samples waiting, preempted or running."""
         return sum(self._in_flight.values())
 
+    def running_by_request(self) -> dict[str, list[Sequence]]:
+        """The running and preempted sequences of each request id (both in flight, with host-synced
+        tokens); a copy, safe to call from another thread."""
+        out = super().running_by_request()
+        for seq in list(self.preempted):
+            out.setdefault(seq.request.request_id, []).append(seq)
+        return out
+
     # -- Admission ------------------------------------------------------------------------------
 
     def admit(self, noise_key) -> list[Admission]:

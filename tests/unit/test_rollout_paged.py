@@ -192,3 +192,25 @@ def test_greedy_equals_transformers_with_preemption(tmp_path):
     outs = engine.generate([Request(request_id=str(i), prompt_ids=p, params=params) for i, p in enumerate(prompts)])
     assert [c.token_ids for c in outs] == [r for r in refs for _ in range(3)]
     assert engine.stats.preemptions > 0 and engine.stats.prefix_hit_tokens > 0
+
+
+def test_preempted_sequences_stay_visible_in_flight(model):
+    # 8 sequences of up to 8 + 40 tokens in 24 blocks of 4: some are preempted along the way
+    reqs = [
+        Request(request_id=f"s{i}", prompt_ids=p[:8], params=SamplingParams(temperature=0.0, max_new_tokens=40, n=2))
+        for i, p in enumerate(_prompts())
+    ]
+    engine = PagedEngine(model, max_slots=8, kv_token_budget=96, block_size=4)
+    for r in reqs:
+        engine.add_request(r)
+    seen_preempted = False
+    while engine.num_unfinished:
+        engine.step()
+        preempted = {(s.request.request_id, s.sample_index) for s in engine.scheduler.preempted}
+        in_flight = {(s.request.request_id, s.sample_index) for v in engine.running_by_request().values() for s in v}
+        assert preempted <= in_flight and not preempted & {
+            (s.request.request_id, s.sample_index) for s in engine.scheduler.running
+        }
+        seen_preempted |= bool(preempted)
+        assert engine.pool.num_used <= engine.pool.num_blocks
+    assert seen_preempted and engine.pool.num_free == engine.pool.num_blocks
