@@ -97,7 +97,11 @@ def _buckets(n: int) -> tuple[int, ...]:
 
 def run(engine: Engine, requests: list[Request], device: torch.device) -> tuple[dict, list]:
     """Generate ``requests`` (after a short warm-up) and return the figures and the completions."""
-    warm = [dataclasses.replace(requests[0], request_id="warm", params=dataclasses.replace(requests[0].params, max_new_tokens=4))]
+    warm = [
+        dataclasses.replace(
+            requests[0], request_id="warm", params=dataclasses.replace(requests[0].params, max_new_tokens=4)
+        )
+    ]
     engine.generate(warm)
     before = engine.stats
     _sync(device)
@@ -139,8 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--median-new", type=int, default=30, help="median response length (tokens)")
     p.add_argument("--max-new", type=int, default=300, help="longest response; 1%% of groups reach it")
-    p.add_argument("--kv-slots", type=int, default=8, help="KV memory, in slots of prompt-len + max-new tokens")
-    p.add_argument("--max-slots", type=int, default=64, help="most sequences the paged engine decodes together")
+    p.add_argument(
+        "--kv-slots", type=int, default=8, help="KV memory, in slots of prompt-len + max-new tokens"
+    )
+    p.add_argument(
+        "--max-slots", type=int, default=64, help="most sequences the paged engine decodes together"
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--sync-every", type=int, default=1)
     p.add_argument("--engines", default="slots,paged", help="comma-separated: slots, paged")
@@ -164,10 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(kv_token_budget=budget, sync_every=args.sync_every, seed=args.seed)
     makers = {
         "slots": lambda: Engine(
-            model, max_slots=args.kv_slots, max_seq_len=seq_len, batch_buckets=_buckets(args.kv_slots), **common
+            model,
+            max_slots=args.kv_slots,
+            max_seq_len=seq_len,
+            batch_buckets=_buckets(args.kv_slots),
+            **common,
         ),
         "paged": lambda: PagedEngine(
-            model, max_slots=args.max_slots, block_size=args.block_size, batch_buckets=_buckets(args.max_slots), **common
+            model,
+            max_slots=args.max_slots,
+            block_size=args.block_size,
+            batch_buckets=_buckets(args.max_slots),
+            **common,
         ),
     }
     results, outs = {}, {}
@@ -188,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         f"new: median {sorted(lengths)[len(lengths) // 2]} max {max(lengths)} (cap {args.max_new}); "
         f"KV {budget} tokens; device={device} dtype={args.dtype}"
     )
-    print(f"{'engine':<8}{'tokens':>9}{'seconds':>9}{'tokens/s':>10}{'together':>10}{'prefill':>9}{'hits':>9}{'preempt':>9}")
+    print(
+        f"{'engine':<8}{'tokens':>9}{'seconds':>9}{'tokens/s':>10}{'together':>10}{'prefill':>9}{'hits':>9}{'preempt':>9}"
+    )
     for name in ("slots", "paged"):
         if name in results:
             r = results[name]
@@ -198,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['preemptions']:>9}"
             )
     if "speedup" in results:
-        print(f"paged / slots tokens/s: {results['speedup']:.2f}x; identical completions {results['identical_completions']}")
+        print(
+            f"paged / slots tokens/s: {results['speedup']:.2f}x; identical completions {results['identical_completions']}"
+        )
     payload = {
         "benchmark": "paged_kv",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

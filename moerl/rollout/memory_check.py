@@ -93,7 +93,9 @@ def engine_cache_bytes(arch: MoeConfig, cfg: RunConfig) -> tuple[int, int, int]:
     routed = (len(arch.moe_layer_ids), arch.num_experts_per_tok) if r.return_routed_experts else None
     dtype = torch_dtype(cfg.model.dtype)
     if r.kv_cache == "paged":
-        num_blocks, _ = paged_geometry(r.kv_token_budget, r.kv_block_size, arch.max_position_embeddings, r.max_slots)
+        num_blocks, _ = paged_geometry(
+            r.kv_token_budget, r.kv_block_size, arch.max_position_embeddings, r.max_slots
+        )
         tokens = (num_blocks + 1) * r.kv_block_size
         return 1, tokens, cache_bytes(kv_layout(arch), 1, tokens, dtype, routed)
     num_slots, slot_tokens = cache_geometry(r.max_slots, r.kv_token_budget, arch.max_position_embeddings)

@@ -74,7 +74,9 @@ class PagedEngine(Engine):
         cfg = model.config
         if block_size < 1 or max_slots < 1:
             raise ValueError(f"block_size={block_size} and max_slots={max_slots} must be >= 1")
-        num_blocks, max_len = paged_geometry(kv_token_budget, block_size, cfg.max_position_embeddings, max_slots)
+        num_blocks, max_len = paged_geometry(
+            kv_token_budget, block_size, cfg.max_position_embeddings, max_slots
+        )
         if max_len < 2:
             raise ValueError(
                 f"kv_token_budget={kv_token_budget}, block_size={block_size} leave no room for a sequence of "
@@ -304,7 +306,11 @@ class PagedEngine(Engine):
         pos = seq_len - 1
         self.cache.bind_decode(self._block_table[:b, :read_len], pos)
         out = self.model(
-            self._last_token[:b, None], None, pos[:, None], cache=self.cache, return_routed_experts=want_routed
+            self._last_token[:b, None],
+            None,
+            pos[:, None],
+            cache=self.cache,
+            return_routed_experts=want_routed,
         )
         write = self.cache.write_slots[:, 0]
         self.cache.unbind()

@@ -155,8 +155,12 @@ class PagedKVCache:
             )
         b = k.shape[0]
         write = self.write_slots.reshape(-1)
-        self.k[layer].index_copy_(0, write, k.transpose(1, 2).reshape(-1, lay.num_kv_heads, lay.k_head_dim).to(self.k.dtype))
-        self.v[layer].index_copy_(0, write, v.transpose(1, 2).reshape(-1, lay.num_kv_heads, lay.v_head_dim).to(self.v.dtype))
+        self.k[layer].index_copy_(
+            0, write, k.transpose(1, 2).reshape(-1, lay.num_kv_heads, lay.k_head_dim).to(self.k.dtype)
+        )
+        self.v[layer].index_copy_(
+            0, write, v.transpose(1, 2).reshape(-1, lay.num_kv_heads, lay.v_head_dim).to(self.v.dtype)
+        )
         read = self._read
         r = read.shape[1]
         k_all = self.k[layer].index_select(0, read.reshape(-1)).view(b, r, lay.num_kv_heads, lay.k_head_dim)

@@ -116,7 +116,9 @@ class PagedScheduler(Scheduler):
                 seq = self.preempted.pop(0)
                 seq.blocks, seq.slot = blocks, len(self.running)
                 self.running.append(seq)
-                adm = PagedAdmission(request=seq.request, sequences=[seq], tokens=tokens, cached=cached, resumed=True)
+                adm = PagedAdmission(
+                    request=seq.request, sequences=[seq], tokens=tokens, cached=cached, resumed=True
+                )
             else:
                 adm = self._admit_group(head, noise_key, tokens, blocks, cached, take)
             admissions.append(adm)
@@ -153,7 +155,9 @@ class PagedScheduler(Scheduler):
         head.next_sample += take
         if head.next_sample == head.request.params.n:
             self._waiting.popleft()
-        return PagedAdmission(request=head.request, sequences=seqs, tokens=tokens, cached=cached, copies=copies)
+        return PagedAdmission(
+            request=head.request, sequences=seqs, tokens=tokens, cached=cached, copies=copies
+        )
 
     def _prefix_hits(self, tokens: list[int], want_routed: bool) -> tuple[list[int], list[int]]:
         """Chained hashes of the full blocks of ``tokens`` and the leading indexed blocks that match
@@ -181,7 +185,9 @@ class PagedScheduler(Scheduler):
                 return take
         return 0
 
-    def _allocate(self, tokens: list[int], hashes: list[int], hits: list[int], want_routed: bool) -> list[int]:
+    def _allocate(
+        self, tokens: list[int], hashes: list[int], hits: list[int], want_routed: bool
+    ) -> list[int]:
         """The block table of ``tokens``: the hits shared, fresh blocks for the rest; fresh full blocks
         are indexed now (a later admission in this step may hit them: the prefill computes them first,
         with routed experts when ``want_routed``)."""

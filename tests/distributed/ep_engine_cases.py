@@ -120,7 +120,9 @@ def run_paged_cases(rank: int, world: int, ranks_per_node: int) -> dict:
     mine = [q for i, q in enumerate(paged_requests()) if i % world == rank]
     done = ep.generate(mine)
     out = {
-        "completions": [(*c, r.tolist()) for c, r in zip(_as_plain(done), [c.routed_experts for c in done])],
+        "completions": [
+            (*c, r.tolist()) for c, r in zip(_as_plain(done), [c.routed_experts for c in done], strict=True)
+        ],
         "preemptions": engine.stats.preemptions,
         "prefix_hits": engine.stats.prefix_hit_tokens,
     }

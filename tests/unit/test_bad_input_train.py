@@ -166,7 +166,10 @@ def test_longest_prompt_beyond_the_cache_slot(train_fails):
     err = train_fails(
         "--set", "rollout.kv_token_budget=10", "--set", "rollout.kv_block_size=2", "--set", "rollout.max_new_tokens=8"
     )  # fmt: skip
-    assert "cannot fit the engine's longest sequence of 10 tokens (the whole cache: rollout.kv_token_budget=10" in err
+    assert (
+        "cannot fit the engine's longest sequence of 10 tokens (the whole cache: rollout.kv_token_budget=10"
+        in err
+    )
 
 
 def test_empty_operations(train_fails):

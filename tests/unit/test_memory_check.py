@@ -10,7 +10,6 @@ import torch
 
 from moerl.config import ConfigError, load_config
 from moerl.models import build_model
-from moerl.runtime.build import make_engine
 from moerl.rollout import memory_check
 from moerl.rollout.memory_check import (
     MEMORY_HEADROOM,
@@ -23,6 +22,7 @@ from moerl.rollout.memory_check import (
     weight_bytes,
 )
 from moerl.run.preflight import check_run_inputs
+from moerl.runtime.build import make_engine
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 VOCAB = 20
@@ -39,7 +39,10 @@ VOCAB = 20
             4 * 16 * 256 + 4 * 16 * 2 * 2 * 4,
         ),
         # MLA (deepseek_v3): keys and values decompressed, 4 heads x (16 + 8 + 16) dims; budget 100 // 4 = 25
-        (["rollout.kv_cache=slots", "model.family=deepseek_v3", "rollout.kv_token_budget=100"], 4 * 25 * 2 * 4 * 40 * 4),
+        (
+            ["rollout.kv_cache=slots", "model.family=deepseek_v3", "rollout.kv_token_budget=100"],
+            4 * 25 * 2 * 4 * 40 * 4,
+        ),
         # paged (the default): 64 // 16 = 4 blocks of 16 tokens plus the null block, whatever max_slots
         ([], 5 * 16 * 512),
         (["model.dtype=bfloat16", "algorithm.routing_replay=r3"], 5 * 16 * 256 + 5 * 16 * 2 * 2 * 4),

@@ -119,7 +119,11 @@ def test_sync_every_and_buckets_with_preemption(model):
 def test_budget_far_below_slots_times_length_completes(model):
     # 16 sequences of up to 8 + 100 tokens; the cache holds 160 tokens (a tenth of 16 x 108)
     reqs = [
-        Request(request_id=f"q{i}", prompt_ids=p[:8], params=SamplingParams(temperature=0.0, max_new_tokens=100, n=4))
+        Request(
+            request_id=f"q{i}",
+            prompt_ids=p[:8],
+            params=SamplingParams(temperature=0.0, max_new_tokens=100, n=4),
+        )
         for i, p in enumerate(_prompts())
     ]
     with pytest.raises(InvalidRequestError, match="longer than the context|can never fit"):
@@ -130,7 +134,9 @@ def test_budget_far_below_slots_times_length_completes(model):
     _assert_same(ref, out)
     assert all(len(c.token_ids) == 100 for c in out) and engine.stats.preemptions > 0
     with pytest.raises(InvalidRequestError, match="can never fit"):  # longer than the whole cache
-        engine.generate([Request(request_id="x", prompt_ids=[1] * 100, params=SamplingParams(max_new_tokens=61))])
+        engine.generate(
+            [Request(request_id="x", prompt_ids=[1] * 100, params=SamplingParams(max_new_tokens=61))]
+        )
 
 
 def test_recompute_after_weight_update_equals_fresh_prefill(model):
@@ -174,8 +180,15 @@ def test_greedy_equals_transformers_with_preemption(tmp_path):
 
     base = dict(HF_BASE, pad_token_id=0, eos_token_id=None, bos_token_id=None)
     hf = save_random_hf_model(
-        "qwen3_moe", tmp_path, seed=3, **base, intermediate_size=48, moe_intermediate_size=16, head_dim=8,
-        num_experts=4, norm_topk_prob=True,
+        "qwen3_moe",
+        tmp_path,
+        seed=3,
+        **base,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        head_dim=8,
+        num_experts=4,
+        norm_topk_prob=True,
     )
     ours = mm.from_pretrained(tmp_path)
     gen = torch.Generator().manual_seed(4)
@@ -186,10 +199,14 @@ def test_greedy_equals_transformers_with_preemption(tmp_path):
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            refs.append(hf.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)[0, len(p) :].tolist())
+            refs.append(
+                hf.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)[0, len(p) :].tolist()
+            )
     params = SamplingParams(temperature=0.0, max_new_tokens=new, n=3)
     engine = PagedEngine(ours, max_slots=9, kv_token_budget=48, block_size=4)  # 12 blocks for 9 sequences
-    outs = engine.generate([Request(request_id=str(i), prompt_ids=p, params=params) for i, p in enumerate(prompts)])
+    outs = engine.generate(
+        [Request(request_id=str(i), prompt_ids=p, params=params) for i, p in enumerate(prompts)]
+    )
     assert [c.token_ids for c in outs] == [r for r in refs for _ in range(3)]
     assert engine.stats.preemptions > 0 and engine.stats.prefix_hit_tokens > 0
 
@@ -197,7 +214,11 @@ def test_greedy_equals_transformers_with_preemption(tmp_path):
 def test_preempted_sequences_stay_visible_in_flight(model):
     # 8 sequences of up to 8 + 40 tokens in 24 blocks of 4: some are preempted along the way
     reqs = [
-        Request(request_id=f"s{i}", prompt_ids=p[:8], params=SamplingParams(temperature=0.0, max_new_tokens=40, n=2))
+        Request(
+            request_id=f"s{i}",
+            prompt_ids=p[:8],
+            params=SamplingParams(temperature=0.0, max_new_tokens=40, n=2),
+        )
         for i, p in enumerate(_prompts())
     ]
     engine = PagedEngine(model, max_slots=8, kv_token_budget=96, block_size=4)
@@ -207,7 +228,9 @@ def test_preempted_sequences_stay_visible_in_flight(model):
     while engine.num_unfinished:
         engine.step()
         preempted = {(s.request.request_id, s.sample_index) for s in engine.scheduler.preempted}
-        in_flight = {(s.request.request_id, s.sample_index) for v in engine.running_by_request().values() for s in v}
+        in_flight = {
+            (s.request.request_id, s.sample_index) for v in engine.running_by_request().values() for s in v
+        }
         assert preempted <= in_flight and not preempted & {
             (s.request.request_id, s.sample_index) for s in engine.scheduler.running
         }
