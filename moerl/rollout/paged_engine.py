@@ -169,19 +169,25 @@ class PagedEngine(Engine):
     def _admit(self) -> list[PagedAdmission]:
         return self.scheduler.admit(sample_key)
 
-    def _set_tables(self, seqs: list[Sequence], first_col: int | None = None) -> None:
-        """Write the block-table entries of ``seqs`` (all their blocks, or from ``first_col`` on)."""
-        rows, cols, vals = [], [], []
-        for s in seqs:
-            start = 0 if first_col is None else len(s.blocks) - 1
-            for j in range(start, len(s.blocks)):
-                rows.append(s.slot)
-                cols.append(j)
-                vals.append(s.blocks[j])
-        if rows:
-            dev = self.device
-            idx = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
-            self._block_table.index_put_(idx, torch.tensor(vals, dtype=torch.int64, device=dev))
+    def _set_tables(self, seqs: list[Sequence], *, last_only: bool = False) -> None:
+        """Write the block-table entries of ``seqs``: all their blocks, or (``last_only``) the newest.
+
+        One host-to-device copy of the (row, column, block) triples, from pinned memory without waiting
+        for the device on CUDA: decode steps that give sequences new blocks stay free of host syncs.
+        """
+        triples = [
+            (s.slot, j, s.blocks[j])
+            for s in seqs
+            for j in range(len(s.blocks) - 1 if last_only else 0, len(s.blocks))
+        ]
+        if not triples:
+            return
+        host = torch.tensor(triples, dtype=torch.int64).T.contiguous()  # [3, n]
+        if self.device.type == "cuda":
+            dev = host.pin_memory().to(self.device, non_blocking=True)
+        else:
+            dev = host.to(self.device)
+        self._block_table.index_put_((dev[0], dev[1]), dev[2])
 
     def _forward_prefixes(
         self, blocks: list[list[int]], tokens: list[list[int]], starts: list[int], want_routed: bool
@@ -283,7 +289,7 @@ class PagedEngine(Engine):
                     f"paged KV cache: {sched.blocks_short()} blocks short with one sequence running; "
                     "a request longer than the cache was admitted"
                 )
-        self._set_tables(sched.grow(), first_col=-1)
+        self._set_tables(sched.grow(), last_only=True)
         return done
 
     def _save_routed(self, seq: Sequence) -> None:
