@@ -79,6 +79,12 @@ METRIC_KEYS: tuple[str, ...] = (
     "env/errors",  # episodes ended by an environment fault so far: raised, timeout, died, lost (cumulative)
     "env/timeouts",  # environment calls past env.step_timeout_s so far (cumulative)
     "env/parked_max",  # most episodes parked at once on their environments, per worker (max over workers)
+    "rollout/kv_blocks_used",  # KV cache blocks held by running sequences, summed over workers' engines (paged: blocks)
+    "rollout/kv_blocks_total",  # KV cache blocks of those engines (slot engine: slots)
+    "rollout/kv_preemptions",  # sequences preempted for lack of free blocks, all workers (cumulative)
+    "rollout/kv_prefix_hit_tokens",  # prompt tokens shared instead of prefilled, all workers (cumulative)
+    "rollout/kv_prefill_tokens",  # tokens prefilled, all workers (cumulative)
+    "rollout/kv_decoding_together_mean",  # sequences per decode step since each engine started (mean over workers)
 )
 """The fixed metric names, in the order they are written."""
 
