@@ -97,12 +97,15 @@ def _buckets(n: int) -> tuple[int, ...]:
 
 def run(engine: Engine, requests: list[Request], device: torch.device) -> tuple[dict, list]:
     """Generate ``requests`` (after a short warm-up) and return the figures and the completions."""
-    warm = [
-        dataclasses.replace(
-            requests[0], request_id="warm", params=dataclasses.replace(requests[0].params, max_new_tokens=4)
-        )
-    ]
-    engine.generate(warm)
+    first = requests[0]  # warm-up on a prompt no request shares (no prefix hit carried into the run)
+    warm = Request(
+        request_id="warm",
+        prompt_ids=first.prompt_ids[::-1],
+        params=dataclasses.replace(first.params, max_new_tokens=4),
+    )
+    engine.generate([warm])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     before = engine.stats
     _sync(device)
     t0 = time.perf_counter()
