@@ -98,12 +98,13 @@ def run_engine_cases(rank: int, world: int, ranks_per_node: int) -> dict:
     return out
 
 
-def paged_requests() -> list[Request]:
-    """Sampled groups of 8 with routed experts: two prompts sharing a 12-token preamble, one alone."""
+def paged_requests(routed: bool = True) -> list[Request]:
+    """Sampled groups of 8 (with routed experts when ``routed``): two prompts sharing a 12-token
+    preamble, one alone."""
     g = torch.Generator().manual_seed(7)
     pre = torch.randint(0, VOCAB, (12,), generator=g).tolist()
     prompts = [pre + [3, 4], pre + [5, 6, 7, 8, 9], torch.randint(0, VOCAB, (6,), generator=g).tolist()]
-    params = dict(temperature=0.9, max_new_tokens=16, n=8, return_routed_experts=True)
+    params = dict(temperature=0.9, max_new_tokens=16, n=8, return_routed_experts=routed)
     return [
         Request(request_id=f"p{i}", prompt_ids=p, params=SamplingParams(seed=i, **params))
         for i, p in enumerate(prompts)
