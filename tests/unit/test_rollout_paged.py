@@ -209,6 +209,25 @@ def test_greedy_equals_transformers_with_preemption(tmp_path):
     )
     assert [c.token_ids for c in outs] == [r for r in refs for _ in range(3)]
     assert engine.stats.preemptions > 0 and engine.stats.prefix_hit_tokens > 0
+    for c in outs:  # greedy log-probs: log softmax of transformers' logits over prompt + response
+        full = torch.tensor(c.prompt_ids + c.token_ids)[None]
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(full).logits[0, len(c.prompt_ids) - 1 : -1].float(), -1)
+        expected = lp.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-5)
+    # sampled (T = 0.8), preempting: log softmax(logits / T) of transformers' forward
+    params = SamplingParams(temperature=0.8, max_new_tokens=new, n=3, seed=5)
+    engine = PagedEngine(ours, max_slots=9, kv_token_budget=48, block_size=4)
+    outs = engine.generate(
+        [Request(request_id=str(i), prompt_ids=p, params=params) for i, p in enumerate(prompts)]
+    )
+    assert engine.stats.preemptions > 0
+    for c in outs:
+        full = torch.tensor(c.prompt_ids + c.token_ids)[None]
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(full).logits[0, len(c.prompt_ids) - 1 : -1].float() / 0.8, -1)
+        expected = lp.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-5)
 
 
 def test_preempted_sequences_stay_visible_in_flight(model):
