@@ -187,9 +187,20 @@ class RolloutConfig:
     top_k: int = 0
     """Sample among the k most likely tokens; 0 disables."""
     max_slots: int = 64
-    """Sequence slots of the continuous-batching scheduler (concurrent sequences)."""
+    """Most sequences decoding together in one engine (the rows of a decode batch). With the slot cache
+    (``kv_cache: slots``) also its number of slots, each reserving ``kv_token_budget // max_slots``
+    tokens."""
     kv_token_budget: int = 16384
-    """KV cache capacity in tokens over all slots."""
+    """KV cache capacity of one engine in tokens (keys and values of every layer of that many tokens).
+    Paged: any sequence up to this length (and the model context) can run; sequences are admitted while
+    their blocks fit, and the youngest are preempted (recomputed later) when decoding outgrows it."""
+    kv_cache: str = "paged"
+    """KV cache of the rollout engine: ``paged`` (``moerl.rollout.paged_engine.PagedEngine``: blocks of
+    ``kv_block_size`` tokens, a group's prompt prefilled once and its blocks shared, common prompt
+    preambles shared, memory bounded by the tokens held) or ``slots`` (``moerl.rollout.engine.Engine``:
+    ``max_slots`` contiguous slots of ``kv_token_budget // max_slots`` tokens each)."""
+    kv_block_size: int = 16
+    """Tokens per block of the paged KV cache (``kv_cache: paged``)."""
     return_routed_experts: bool = False
     """Record the top routed experts per token and layer (rollout routing replay, R3)."""
     max_prefill_tokens: int = 4096
@@ -233,6 +244,8 @@ class RolloutConfig:
         from moerl.ep.registry import DISPATCHERS
         from moerl.rollout.weight_update import ON_WEIGHT_UPDATE
 
+        check_choice("rollout.kv_cache", self.kv_cache, ["paged", "slots"])
+        check_range("rollout.kv_block_size", self.kv_block_size, 1)
         check_choice("rollout.ep_dispatcher", self.ep_dispatcher, DISPATCHERS)
         check_range("rollout.ep_size", self.ep_size, 1)
         check_choice("rollout.on_weight_update", self.on_weight_update, ON_WEIGHT_UPDATE)

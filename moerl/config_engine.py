@@ -32,14 +32,19 @@ def model_context(cfg: RunConfig) -> int:
 
 
 def engine_slot_tokens(cfg: RunConfig) -> tuple[int, int]:
-    """``(slot, context)``: tokens of one engine cache slot (as ``Engine.from_config`` sizes it) and the
-    model context that caps it."""
+    """``(slot, context)``: the longest sequence one engine holds (a slot of ``rollout.kv_cache: slots``,
+    the whole cache when ``paged``), as ``moerl.runtime.build.make_engine`` sizes it, and the model
+    context that caps it."""
     context = model_context(cfg)
-    return min(cfg.rollout.kv_token_budget // cfg.rollout.max_slots, context), context
+    r = cfg.rollout
+    if r.kv_cache == "paged":  # one sequence may use the whole cache
+        return min(r.kv_token_budget // r.kv_block_size * r.kv_block_size, context), context
+    return min(r.kv_token_budget // r.max_slots, context), context
 
 
 def check_engine_sizes(cfg: RunConfig) -> None:
-    """A cache slot must hold a prompt of at least one token plus ``rollout.max_new_tokens``.
+    """The longest sequence an engine holds (a cache slot, or the whole paged cache) must hold a prompt of
+    at least one token plus ``rollout.max_new_tokens``.
 
     Raises:
         ConfigError: naming ``rollout.kv_token_budget``, ``rollout.max_slots``,
@@ -47,17 +52,22 @@ def check_engine_sizes(cfg: RunConfig) -> None:
     """
     r = cfg.rollout
     slot, context = engine_slot_tokens(cfg)
-    sizes = (
-        f"(rollout.kv_token_budget={r.kv_token_budget} // rollout.max_slots={r.max_slots}, capped by the "
-        f"model context {context}: model.max_position_embeddings or the model folder's)"
-    )
+    cap = f"capped by the model context {context}: model.max_position_embeddings or the model folder's"
+    if r.kv_cache == "paged":
+        sizes = (
+            f"(the whole cache: rollout.kv_token_budget={r.kv_token_budget} in blocks of "
+            f"rollout.kv_block_size={r.kv_block_size}, {cap})"
+        )
+    else:
+        sizes = f"(rollout.kv_token_budget={r.kv_token_budget} // rollout.max_slots={r.max_slots}, {cap})"
+    what = "longest sequence" if r.kv_cache == "paged" else "cache slot"
     if slot < 2:
         raise ConfigError(
-            f"the engine's cache slot is {slot} tokens {sizes}; it must hold at least 2 (a prompt token "
-            "and a new one): raise kv_token_budget or lower max_slots"
+            f"the engine's {what} is {slot} tokens {sizes}; it must hold at least 2 (a prompt token "
+            "and a new one): raise kv_token_budget" + ("" if r.kv_cache == "paged" else " or lower max_slots")
         )
     if r.max_new_tokens + 1 > slot:
         raise ConfigError(
             f"rollout.max_new_tokens={r.max_new_tokens} plus a prompt of at least 1 token cannot fit the "
-            f"engine's cache slot of {slot} tokens {sizes}; lower max_new_tokens or raise kv_token_budget"
+            f"engine's {what} of {slot} tokens {sizes}; lower max_new_tokens or raise kv_token_budget"
         )

@@ -57,7 +57,7 @@ from moerl.weights.store import StoreNotWritableError, WeightStore
 from moerl.telemetry.live import LiveView, done_line
 from moerl.telemetry.report import plot_report
 from moerl.telemetry.run import RunTelemetry
-from moerl.telemetry.step import StepTimings, step_values
+from moerl.telemetry.step import StepTimings, kv_values, step_values
 
 
 class Run:
@@ -339,6 +339,8 @@ class Run:
         queue, buffer = r.queue_stats(), r.buffer_metrics()
         values = step_values(groups, stats, timings, queue, buffer, accuracy=accuracy)
         values.update(r.fleet_values(self.cfg.trainer.batch_groups), policy_version=self.trainer.version)
+        if self.cfg.runtime.mode == "sync":  # the in-process engine's counters (free to read; async: TODO)
+            values.update(kv_values([w.kv for w in r.worker_stats()]))
         if self.cfg.task.name == "env":  # multi-turn episodes (moerl.envs)
             values.update(env_step_values(groups, r.worker_stats()))
         s = self.state

@@ -33,6 +33,7 @@ from moerl.rollout.kv_cache import KVLayout, SlotKVCache, cache_geometry, kv_lay
 from moerl.rollout.params import FINISH_ERROR, Completion, InvalidRequestError, Request, validate_request
 from moerl.rollout.sampler import SamplingRows, sample_key, sample_no_sync
 from moerl.rollout.scheduler import Admission, Scheduler, Sequence
+from moerl.rollout.stats import EngineStats
 
 if TYPE_CHECKING:  # the config sits above the rollout engine (docs/architecture.md, Layers)
     from moerl.config import RolloutConfig
@@ -131,6 +132,10 @@ class Engine:
         self._pending: list[_Pending] = []
         self._steps_since_sync = 0
         self._init_slot_state(num_slots)
+        self._prefill_tokens = 0
+        self._prefix_hit_tokens = 0
+        self._decode_steps = 0
+        self._decode_rows = 0
         # Decode steps replayed from CUDA graphs, one per (B, R, sampling flags) key (cuda_graphs.py).
         self._graphs = GraphRunner(self.device) if cuda_graphs and self.device.type == "cuda" else None
 
@@ -212,12 +217,13 @@ class Engine:
             The completions that finished in this step (in no particular order).
         """
         done: list[Completion] = []
-        admissions = self.scheduler.admit(sample_key)
+        admissions = self._admit()
         if admissions:
             self._prefill(admissions)
             self._steps_since_sync += 1
         if self._sync_due():
             done += self._sync()
+        done += self._reserve_decode()
         if self.scheduler.running:
             self._decode()
             self._steps_since_sync += 1
@@ -305,7 +311,35 @@ class Engine:
             targets[name].copy_(t)
         self.version = int(version)
 
-    # -- Prefill and decode --------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        """Counters of this engine since it started (``moerl.rollout.stats``)."""
+        running = len(self.scheduler.running)
+        return EngineStats(
+            kv_tokens=self.cache.num_slots * self.cache.capacity,
+            kv_tokens_used=sum(s.seq_len for s in self.scheduler.running),
+            blocks_total=self.num_slots,
+            blocks_used=running,
+            running=running,
+            prefill_tokens=self._prefill_tokens,
+            decode_steps=self._decode_steps,
+            decode_rows=self._decode_rows,
+            prefix_hit_tokens=self._prefix_hit_tokens,
+        )
+
+    # -- Admission, prefill and decode ----------------------------------------------------------
+
+    def _admit(self) -> list[Admission]:
+        """This step's admissions (the scheduler's plan)."""
+        admissions = self.scheduler.admit(sample_key)
+        self._prefill_tokens += sum(len(a.request.prompt_ids) for a in admissions)
+        self._prefix_hit_tokens += sum((len(a.sequences) - 1) * len(a.request.prompt_ids) for a in admissions)
+        return admissions
+
+    def _reserve_decode(self) -> list[Completion]:
+        """Make room for the next decode step (slots need none: a slot holds its whole sequence).
+        Returns completions finished by a host sync this needed."""
+        return []
 
     def _prefill(self, admissions: list[Admission]) -> None:
         dev = self.device
@@ -368,8 +402,7 @@ class Engine:
         seqs = self.scheduler.running
         a = len(seqs)
         b = self._bucket(a)
-        m = self.attn_len_multiple
-        read_len = min(self.max_seq_len, -(-max(s.seq_len for s in seqs) // m) * m)
+        read_len = self._read_len(seqs)
         want_routed = any(s.request.params.return_routed_experts for s in seqs)  # R3: graph-safe once
         rows = self._rows(slice(0, b), seqs)  # a prefill allocated the static buffer (in place, no sync)
         if self._graphs is not None and (not want_routed or self.cache.routed is not None):
@@ -383,6 +416,13 @@ class Engine:
         self._last_token[:b] = tokens
         self._seq_len[:b] += self._active[:b]
         self._record(seqs, tokens[:a], logprobs[:a])
+        self._decode_steps += 1
+        self._decode_rows += a
+
+    def _read_len(self, seqs: list[Sequence]) -> int:
+        """R, keys a decode step reads per row: the longest sequence rounded up to ``attn_len_multiple``."""
+        m = self.attn_len_multiple
+        return min(self.max_seq_len, -(-max(s.seq_len for s in seqs) // m) * m)
 
     def _decode_forward_no_sync(
         self, b: int, read_len: int, rows: SamplingRows, want_routed: bool
@@ -479,23 +519,54 @@ class Engine:
     def _release(self, finished: list[Sequence]) -> None:
         if not finished:
             return
-        freed = torch.tensor([s.slot for s in finished], dtype=torch.int64, device=self.device)
-        self._active[freed] = 0
-        self._seq_len[freed] = 1
-        moves = self.scheduler.release(finished)
+        self._vacate(finished, self.scheduler.release(finished))
+
+    def _vacate(self, seqs: list[Sequence], moves: list[tuple[int, int]]) -> None:
+        """Apply to the device state the removal of ``seqs`` from their slots and the scheduler's
+        compaction ``moves`` (``Scheduler.remove``)."""
+        self._reset_slots(torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=self.device))
         if not moves:
             return
         # One batched copy for all moves: sources (>= the running count) and destinations (< it) are
-        # disjoint. Copying up to the longest mover's length is safe: cache positions past a slot's
-        # own length are never attended.
+        # disjoint.
         src, dst = [m[0] for m in moves], [m[1] for m in moves]
-        self.cache.copy_slots(src, dst, max(self.scheduler.running[d].seq_len for d in dst))
+        self._move_cache(src, dst)
         src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
         dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
         for state in self._slot_state:
             state[dst_t] = state[src_t]
-        self._active[src_t] = 0
-        self._seq_len[src_t] = 1
+        self._reset_slots(src_t)
+
+    def _reset_slots(self, idx: torch.Tensor) -> None:
+        """Mark slots free: inactive, length 1 (a padded decode row stays in range)."""
+        self._active[idx] = 0
+        self._seq_len[idx] = 1
+
+    def _move_cache(self, src: list[int], dst: list[int]) -> None:
+        # Copying up to the longest mover's length is safe: positions past a slot's length are never read.
+        self.cache.copy_slots(src, dst, max(self.scheduler.running[d].seq_len for d in dst))
+
+    def _reprefill(self, seqs: list[Sequence]) -> None:
+        """One prefill forward of the prefixes of ``seqs`` (prompt and generated tokens but the last)
+        into their own cache; logits are discarded (``weight_update.reprefill``)."""
+        dev = self.device
+        # the cache holds positions 0..seq_len-2; the last generated token is the next decode input
+        prefixes = [list(s.request.prompt_ids) + s.token_ids[:-1] for s in seqs]
+        lens = [len(p) for p in prefixes]
+        t = max(lens)
+        ids = torch.zeros(len(seqs), t, dtype=torch.int64)
+        for r, p in enumerate(prefixes):
+            ids[r, : lens[r]] = torch.tensor(p, dtype=torch.int64)
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=dev)
+        want_routed = any(s.request.params.return_routed_experts for s in seqs)
+        self.cache.bind_prefill(slots, torch.tensor(lens, dtype=torch.int64, device=dev), t)
+        pos = torch.arange(t, device=dev).expand(len(seqs), t)
+        out = self.model(ids.to(dev), None, pos, cache=self.cache, return_routed_experts=want_routed)
+        self.cache.unbind()
+        if want_routed:
+            routed = out.routed_experts  # [R, T, Lm, K]
+            buf = self.cache.ensure_routed(routed.shape[2], routed.shape[3])
+            buf[slots, :t] = routed.to(torch.int32)
 
     def _drop_waiting(self) -> None:
         """Forget queued requests (used when ``generate`` rejects a batch before running it)."""

@@ -28,7 +28,6 @@ from moerl.ep.topology import Topology
 from moerl.ep.traffic import DirectionTraffic, dispatcher_traffic, model_dispatchers
 from moerl.rollout.engine import Engine
 from moerl.rollout.params import Completion, Request
-from moerl.rollout.sampler import sample_key
 from moerl.rollout.weight_update import recompute_chunks, reprefill
 
 
@@ -118,7 +117,7 @@ class EPEngine:
         """One lockstep engine step over the group (collective); this rank's finished completions."""
         e = self.engine
         done: list[Completion] = []
-        admissions = e.scheduler.admit(sample_key)
+        admissions = e._admit()
         if self._any(bool(admissions)):
             if admissions:
                 e._prefill(admissions)
@@ -127,6 +126,7 @@ class EPEngine:
                 self._empty_forward()
         if e._sync_due():
             done += e._sync()
+        done += e._reserve_decode()  # paged: blocks for the next tokens (may preempt); no collective
         if self._any(bool(e.scheduler.running)):
             if e.scheduler.running:
                 e._decode()

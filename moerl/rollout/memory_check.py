@@ -2,7 +2,8 @@
 device the run builds them on, against what that device has free (``check_memory``, called by
 ``moerl.run.preflight.check_run_inputs`` before the warm start).
 
-The engines preallocate their whole cache (``moerl.rollout.kv_cache.SlotKVCache``), so engine sizes
+The engines preallocate their whole cache (``moerl.rollout.paged_kv_cache.PagedKVCache`` or
+``moerl.rollout.kv_cache.SlotKVCache``), so engine sizes
 too large for the machine are certain to fail, minutes later (an OOM kill after the warm start). The
 estimate is a lower bound of what the device must hold: every engine's cache, sized by the same
 functions the engine uses (``cache_geometry``, ``cache_bytes``), plus one copy of the weights per
@@ -38,6 +39,7 @@ from moerl.models.config import MoeConfig
 from moerl.models.dtypes import torch_dtype
 from moerl.models.model import MoeForCausalLM
 from moerl.rollout.kv_cache import cache_bytes, cache_geometry, kv_layout
+from moerl.rollout.paged_kv_cache import paged_geometry
 
 if TYPE_CHECKING:  # the config sits above the rollout engine (docs/architecture.md, Layers)
     from moerl.config import RunConfig
@@ -56,9 +58,9 @@ class MemoryEstimate:
     device: str
     """``host`` or ``cuda:N``."""
     num_slots: int
-    """N: slots of one engine's cache (``cache_geometry``)."""
+    """N: slots of one engine's cache (``cache_geometry``); 1 for a paged cache."""
     slot_tokens: int
-    """S: tokens per slot."""
+    """S: tokens per slot; a paged cache's tokens (its blocks and the null block)."""
     engine_bytes: int
     """One engine's cache: keys, values and (R3) routed experts."""
     num_engines: int
@@ -88,11 +90,19 @@ def policy_arch(cfg: RunConfig, vocab_size: int) -> MoeConfig | None:
 
 
 def engine_cache_bytes(arch: MoeConfig, cfg: RunConfig) -> tuple[int, int, int]:
-    """``(N, S, bytes)`` of one rollout engine of the run (``Engine.from_config`` over ``arch``)."""
+    """``(N, S, bytes)`` of one rollout engine of the run (``moerl.runtime.build.make_engine`` over
+    ``arch``). Slots: N slots of S tokens. Paged: N = 1 region of S = (blocks + the null block) x block
+    size tokens (``PagedKVCache``)."""
     r = cfg.rollout
-    num_slots, slot_tokens = cache_geometry(r.max_slots, r.kv_token_budget, arch.max_position_embeddings)
     routed = (len(arch.moe_layer_ids), arch.num_experts_per_tok) if r.return_routed_experts else None
     dtype = torch_dtype(cfg.model.dtype)
+    if r.kv_cache == "paged":
+        num_blocks, _ = paged_geometry(
+            r.kv_token_budget, r.kv_block_size, arch.max_position_embeddings, r.max_slots
+        )
+        tokens = (num_blocks + 1) * r.kv_block_size
+        return 1, tokens, cache_bytes(kv_layout(arch), 1, tokens, dtype, routed)
+    num_slots, slot_tokens = cache_geometry(r.max_slots, r.kv_token_budget, arch.max_position_embeddings)
     return num_slots, slot_tokens, cache_bytes(kv_layout(arch), num_slots, slot_tokens, dtype, routed)
 
 
@@ -205,6 +215,12 @@ def check_memory(cfg: RunConfig, vocab_size: int, *, rollouts: bool = True) -> M
     if est.total_bytes <= MEMORY_HEADROOM * available:
         return est
     r = cfg.rollout
+    paged = r.kv_cache == "paged"
+    layout = (
+        f"{est.slot_tokens} tokens in blocks of {r.kv_block_size}"
+        if paged
+        else f"{est.num_slots} slots x {est.slot_tokens} tokens"
+    )
     hint = (
         "lower rollout.max_slots or rollout.kv_token_budget"
         if est.num_engines * est.engine_bytes >= est.num_copies * est.weight_bytes
@@ -213,7 +229,7 @@ def check_memory(cfg: RunConfig, vocab_size: int, *, rollouts: bool = True) -> M
     raise ConfigError(
         f"rollout.max_slots={r.max_slots}, rollout.kv_token_budget={r.kv_token_budget}: the run needs about "
         f"{est.total_bytes / GIB:.1f} GiB of {est.device} memory ({est.num_engines} rollout engine KV "
-        f"cache(s) of {est.engine_bytes / GIB:.2f} GiB each, {est.num_slots} slots x {est.slot_tokens} tokens, "
+        f"cache(s) of {est.engine_bytes / GIB:.2f} GiB each, {layout}, "
         f"plus {est.num_copies} copies of the policy weights of {est.weight_bytes / GIB:.2f} GiB each), but "
         f"{available / GIB:.1f} GiB is available ({source}; at most {MEMORY_HEADROOM:.0%} of it is used); "
         f"{hint}"

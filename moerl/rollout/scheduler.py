@@ -34,6 +34,12 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    arrival: int = 0
+    """Admission order of the sample (lower = older); the paged scheduler preempts the youngest."""
+    blocks: list[int] = field(default_factory=list)
+    """Block table of the paged cache (``paged_scheduler``); empty in the slot engine."""
+    saved_routed: object = None
+    """Routed-experts records kept on the host while the sequence is preempted (paged engine, R3)."""
 
     @property
     def prompt_len(self) -> int:
@@ -138,11 +144,19 @@ class Scheduler:
         """
         if not finished:
             return []
-        done = {id(s) for s in finished}
         for seq in finished:
             self._in_flight[seq.request.request_id] -= 1
             if self._in_flight[seq.request.request_id] == 0:
                 del self._in_flight[seq.request.request_id]
+        return self.remove(finished)
+
+    def remove(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Take ``seqs`` out of the running slots (finished, or preempted: still in flight) and compact
+        the others into slots 0..A-1; returns the ``(src, dst)`` slot moves, in order."""
+        if not seqs:
+            return []
+        finished = seqs
+        done = {id(s) for s in finished}
         keep = [s for s in self.running if id(s) not in done]
         new_count = len(keep)
         holes = [s.slot for s in finished if s.slot < new_count]

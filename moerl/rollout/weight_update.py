@@ -61,25 +61,8 @@ def recompute_chunks(engine: Engine) -> list[list[Sequence]]:
 
 
 def reprefill(engine: Engine, seqs: list[Sequence]) -> None:
-    """One prefill forward of the prefixes of ``seqs`` into their own slots; logits are discarded."""
-    dev = engine.device
-    # the cache holds positions 0..seq_len-2; the last generated token is the next decode input
-    prefixes = [list(s.request.prompt_ids) + s.token_ids[:-1] for s in seqs]
-    lens = [len(p) for p in prefixes]
-    t = max(lens)
-    ids = torch.zeros(len(seqs), t, dtype=torch.int64)
-    for r, p in enumerate(prefixes):
-        ids[r, : lens[r]] = torch.tensor(p, dtype=torch.int64)
-    slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=dev)
-    want_routed = any(s.request.params.return_routed_experts for s in seqs)
-    engine.cache.bind_prefill(slots, torch.tensor(lens, dtype=torch.int64, device=dev), t)
-    pos = torch.arange(t, device=dev).expand(len(seqs), t)
-    out = engine.model(ids.to(dev), None, pos, cache=engine.cache, return_routed_experts=want_routed)
-    engine.cache.unbind()
-    if want_routed:
-        routed = out.routed_experts  # [R, T, Lm, K]
-        buf = engine.cache.ensure_routed(routed.shape[2], routed.shape[3])
-        buf[slots, :t] = routed.to(torch.int32)
+    """One prefill forward of the prefixes of ``seqs`` into their own cache; logits are discarded."""
+    engine._reprefill(seqs)
 
 
 def cancel_all(engine: Engine) -> int:

@@ -133,9 +133,18 @@ def _check_prompt_length(cfg: RunConfig, task: Task, tokenizer: Tokenizer) -> No
     slot, context = engine_slot_tokens(cfg)
     r = cfg.rollout
     if num_tokens + r.max_new_tokens > slot:
+        if r.kv_cache == "paged":
+            sizes = (
+                f"longest sequence of {slot} tokens (the whole cache: rollout.kv_token_budget={r.kv_token_budget} "
+                f"in blocks of rollout.kv_block_size={r.kv_block_size}"
+            )
+        else:
+            sizes = (
+                f"cache slot of {slot} tokens (rollout.kv_token_budget={r.kv_token_budget} // "
+                f"rollout.max_slots={r.max_slots}"
+            )
         raise ConfigError(
             f"rollout.max_new_tokens={r.max_new_tokens} plus the task's longest prompt ({num_tokens} tokens: "
-            f"{longest.text[:40]!r}) cannot fit the engine's cache slot of {slot} tokens (rollout."
-            f"kv_token_budget={r.kv_token_budget} // rollout.max_slots={r.max_slots}, capped by the model "
+            f"{longest.text[:40]!r}) cannot fit the engine's {sizes}, capped by the model "
             f"context {context}); lower max_new_tokens or raise kv_token_budget"
         )

@@ -17,6 +17,7 @@ from moerl.models import build_model, from_pretrained
 from moerl.models.dtypes import torch_dtype
 from moerl.rl import preset_from_config
 from moerl.rollout import Engine
+from moerl.rollout.paged_engine import PagedEngine
 from moerl.runtime.buffer import ExperienceBuffer, has_reward_variance
 from moerl.runtime.delivery import GroupSink
 from moerl.runtime.queue import TaskQueue
@@ -36,8 +37,11 @@ def load_policy(cfg: RunConfig, init_path: str | None, vocab_size: int) -> torch
 
 
 def make_engine(model: torch.nn.Module, cfg: RunConfig, *, version: int = 0) -> Engine:
-    """A rollout engine sized by ``cfg.rollout`` (slots, KV budget, prefill cap, sync period), seeded by ``cfg.seed``."""
-    return Engine.from_config(model, cfg.rollout, seed=cfg.seed, version=version)
+    """A rollout engine sized by ``cfg.rollout`` (KV cache kind and budget, sequences decoding together,
+    prefill cap, sync period), seeded by ``cfg.seed``: a ``PagedEngine`` unless ``rollout.kv_cache`` is
+    ``slots``."""
+    kind = PagedEngine if cfg.rollout.kv_cache == "paged" else Engine
+    return kind.from_config(model, cfg.rollout, seed=cfg.seed, version=version)
 
 
 def make_queue(cfg: RunConfig, task: Task, tokenizer: Tokenizer) -> TaskQueue:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from moerl.config import RolloutConfig, RunConfig
 from moerl.rollout import Completion, Engine, InvalidRequestError, Request, SamplingParams
 from moerl.rollout.ep_group import EPGroupEngine
+from moerl.rollout.stats import EngineStats
 from moerl.rollout.weight_update import cancel_all, recompute_running
 from moerl.runtime.buffer import BufferClosed, PutResult
 from moerl.runtime.delivery import GroupSink, Outbox
@@ -88,6 +89,9 @@ class WorkerStats:
     """Groups released because new weights arrived (``on_weight_update=abort``)."""
     tokens_aborted: int = 0
     """Tokens discarded with them."""
+    kv: EngineStats | None = None
+    """The engine's cache and scheduler counters after its last step (``Engine.stats``; an EP group's:
+    the leader rank's); None before the first step."""
 
 
 class RolloutWorker:
@@ -392,7 +396,10 @@ class RolloutWorker:
         if self._in_flight:
             finished = [job for job in self._jobs() if len(job.completions) == job.lease.task.num_samples]
             early, self._early = self._early, []
-            for c in early + self.engine.step():
+            done = early + self.engine.step()
+            ep = getattr(self.engine, "ep", None)  # an EP group: the leader's EPEngine
+            self.stats.kv = getattr(ep.engine if ep is not None else self.engine, "stats", None)
+            for c in done:
                 job = self._in_flight.get(c.request_id)
                 if job is None:  # its group was abandoned by a drain: the tokens are discarded
                     continue

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moerl.rollout import Engine, Request, SamplingParams
+from moerl.rollout import PagedEngine, Request, SamplingParams
 from moerl.tasks.base import Prompt, Task
 from moerl.tasks.examples import collate, encode_example
 from moerl.tasks.tokenizer import Tokenizer
@@ -53,7 +53,8 @@ def evaluate(
     max_slots: int = 64,
     kv_token_budget: int = 16384,
 ) -> EvalResult:
-    """Greedy held-out accuracy through ``moerl.rollout.Engine``.
+    """Greedy held-out accuracy through ``moerl.rollout.PagedEngine`` (a paged KV cache: any prompt and
+    response up to ``kv_token_budget`` tokens fit).
 
     Args:
         model: a ``MoeForCausalLM`` (its training mode is restored afterwards).
@@ -88,7 +89,8 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        completions = Engine(model, max_slots=max_slots, kv_token_budget=kv_token_budget).generate(requests)
+        engine = PagedEngine(model, max_slots=max_slots, kv_token_budget=kv_token_budget)
+        completions = engine.generate(requests)
     finally:
         model.train(was_training)
     by_id = {c.request_id: c for c in completions}

@@ -79,6 +79,12 @@ METRIC_KEYS: tuple[str, ...] = (
     "env/errors",  # episodes ended by an environment fault so far: raised, timeout, died, lost (cumulative)
     "env/timeouts",  # environment calls past env.step_timeout_s so far (cumulative)
     "env/parked_max",  # most episodes parked at once on their environments, per worker (max over workers)
+    "rollout/kv_blocks_used",  # KV cache blocks held by running sequences, summed over workers' engines (paged: blocks)
+    "rollout/kv_blocks_total",  # KV cache blocks of those engines (slot engine: slots)
+    "rollout/kv_preemptions",  # sequences preempted for lack of free blocks, all workers (cumulative)
+    "rollout/kv_prefix_hit_tokens",  # prompt tokens shared instead of prefilled, all workers (cumulative)
+    "rollout/kv_prefill_tokens",  # tokens prefilled, all workers (cumulative)
+    "rollout/kv_decoding_together_mean",  # sequences per decode step since each engine started (mean over workers)
 )
 """The fixed metric names, in the order they are written."""
 
@@ -97,6 +103,18 @@ WALL_KEYS = (
     "timing/weight_sync_worker_s",
 )
 """Fields that depend on wall-clock time (excluded when comparing two runs for equality)."""
+
+ENGINE_LIFE_KEYS = (
+    "rollout/kv_blocks_used",
+    "rollout/kv_blocks_total",
+    "rollout/kv_preemptions",
+    "rollout/kv_prefix_hit_tokens",
+    "rollout/kv_prefill_tokens",
+    "rollout/kv_decoding_together_mean",
+)
+"""Fields that depend on the rollout engine's life (counters since it started, prefix hits on what its
+cache still holds): a resumed run's engines start empty, so these are excluded from run-to-run equality
+as the per-worker totals are."""
 
 WORKERS_KEY = "rollout/workers"
 
@@ -180,8 +198,9 @@ class MetricsWriter:
 
 
 def without_wall_clock(record: dict) -> dict:
-    """The record minus the fields that depend on wall-clock time (for run-to-run equality)."""
-    out = {k: v for k, v in record.items() if k not in WALL_KEYS}
+    """The record minus the fields that depend on wall-clock time or on a process's life (for run-to-run
+    equality: ``WALL_KEYS``, ``ENGINE_LIFE_KEYS``, ``WORKER_WALL_FIELDS``)."""
+    out = {k: v for k, v in record.items() if k not in WALL_KEYS and k not in ENGINE_LIFE_KEYS}
     if out.get(WORKERS_KEY):
         out[WORKERS_KEY] = {
             wid: {f: v for f, v in entry.items() if f not in WORKER_WALL_FIELDS}

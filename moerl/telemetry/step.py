@@ -6,6 +6,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from moerl.rollout.stats import EngineStats
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.queue import QueueStats
 from moerl.trainer.local import TrainStats
@@ -25,6 +26,21 @@ class StepTimings:
     """Seconds spent publishing weights."""
     step_s: float
     """Wall seconds of the whole step."""
+
+
+def kv_values(kv: Sequence[EngineStats | None]) -> dict[str, float]:
+    """The ``rollout/kv_*`` metrics from the workers' latest ``EngineStats`` (``WorkerStats.kv``); {} if none."""
+    kv = [s for s in kv if s is not None]
+    if not kv:
+        return {}
+    return {
+        "rollout/kv_blocks_used": sum(s.blocks_used for s in kv),
+        "rollout/kv_blocks_total": sum(s.blocks_total for s in kv),
+        "rollout/kv_preemptions": sum(s.preemptions for s in kv),
+        "rollout/kv_prefix_hit_tokens": sum(s.prefix_hit_tokens for s in kv),
+        "rollout/kv_prefill_tokens": sum(s.prefill_tokens for s in kv),
+        "rollout/kv_decoding_together_mean": statistics.fmean(s.mean_decode_batch for s in kv),
+    }
 
 
 def rollout_values(groups: Sequence[Group]) -> dict[str, float]:

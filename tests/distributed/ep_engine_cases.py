@@ -96,3 +96,36 @@ def run_engine_cases(rank: int, world: int, ranks_per_node: int) -> dict:
         out[f"{disp}/experts"] = [int(b.experts.gate_up_proj.shape[0]) for b in ep.engine.model.moe_blocks()]
     dist.barrier()
     return out
+
+
+def paged_requests(routed: bool = True) -> list[Request]:
+    """Sampled groups of 8 (with routed experts when ``routed``): two prompts sharing a 12-token
+    preamble, one alone."""
+    g = torch.Generator().manual_seed(7)
+    pre = torch.randint(0, VOCAB, (12,), generator=g).tolist()
+    prompts = [pre + [3, 4], pre + [5, 6, 7, 8, 9], torch.randint(0, VOCAB, (6,), generator=g).tolist()]
+    params = dict(temperature=0.9, max_new_tokens=16, n=8, return_routed_experts=routed)
+    return [
+        Request(request_id=f"p{i}", prompt_ids=p, params=SamplingParams(seed=i, **params))
+        for i, p in enumerate(prompts)
+    ]
+
+
+def run_paged_cases(rank: int, world: int, ranks_per_node: int) -> dict:
+    """Paged engines (a budget small enough to preempt) under EP: each rank runs its share of the groups."""
+    from moerl.rollout.paged_engine import PagedEngine
+
+    base = make_model()
+    engine = PagedEngine(copy.deepcopy(base), max_slots=16, kv_token_budget=96, block_size=4)
+    ep = EPEngine(engine)
+    mine = [q for i, q in enumerate(paged_requests()) if i % world == rank]
+    done = ep.generate(mine)
+    out = {
+        "completions": [
+            (*c, r.tolist()) for c, r in zip(_as_plain(done), [c.routed_experts for c in done], strict=True)
+        ],
+        "preemptions": engine.stats.preemptions,
+        "prefix_hits": engine.stats.prefix_hit_tokens,
+    }
+    dist.barrier()
+    return out

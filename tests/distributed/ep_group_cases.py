@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import signal
@@ -164,4 +165,26 @@ def run_traffic_case(rank: int, world: int) -> dict:
     else:
         EPFollower(ep, ctrl, lambda v: new_weights(), idle_timeout_s=60).run()
     out["own"] = dispatcher_traffic(ep.dispatchers)
+    return out
+
+
+def run_paged_group_case(rank: int, world: int) -> dict:
+    """The leader's ``EPGroupEngine`` over paged engines whose budget forces preemption (sampled n=8
+    groups with a shared preamble, spread over the ranks)."""
+    from moerl.rollout.paged_engine import PagedEngine
+
+    model = base.make_model()
+    ctrl = _ctrl()
+    engine = PagedEngine(copy.deepcopy(model), max_slots=16, kv_token_budget=96, block_size=4)
+    ep = EPEngine(engine, dispatcher="alltoall")
+    out: dict = {}
+    if rank == 0:
+        group = EPGroupEngine(ep, ctrl, timeout_s=30)
+        done = _run_leader(group, base.paged_requests(routed=False))
+        out["done"] = [(c.request_id, c.sample_index, c.token_ids, c.logprobs) for c in done]
+        group.close()
+    else:
+        EPFollower(ep, ctrl, lambda v: {}, idle_timeout_s=60).run()
+    out["preemptions"] = engine.stats.preemptions
+    out["requests"] = engine.stats.prefill_tokens > 0
     return out

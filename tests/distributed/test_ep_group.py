@@ -124,3 +124,19 @@ def test_lost_follower_is_a_group_error_within_seconds(mode):
     assert out["seconds"] < (2.0 if mode == "kill" else 6.0), out
     if mode == "kill":
         assert out["exitcodes"][1] == -9
+
+
+def test_group_engine_over_paged_engines_matches_one_slot_engine():
+    """ep 2, paged caches small enough to preempt on every rank: the leader's completions are the
+    tokens and log-probs (within 1e-5) of one slot engine running every request."""
+    ref = {}
+    for c in base.new_engine(base.make_model()).generate(base.paged_requests(routed=False)):
+        ref[(c.request_id, c.sample_index)] = (c.token_ids, c.logprobs)
+    results = run_world(cases.run_paged_group_case, 2, preload=PRELOAD, timeout_s=240)
+    got = {(rid, j): (tokens, lps) for rid, j, tokens, lps in results[0]["done"]}
+    assert got.keys() == ref.keys()
+    for key, (tokens, lps) in got.items():
+        assert tokens == ref[key][0], key
+        assert lps == pytest.approx(ref[key][1], abs=1e-5), key
+    assert all(r["requests"] for r in results)  # both ranks served requests ...
+    assert sum(r["preemptions"] for r in results) > 0  # ... and ran out of blocks

@@ -125,6 +125,11 @@ def test_cuda_at_one_rank_without_a_gpu(train_fails):
 def test_kv_budget_that_leaves_no_cache_slot(train_fails):
     err = train_fails("--set", "rollout.kv_token_budget=1")
     assert err.startswith(
+        "moerl: config error: the engine's longest sequence is 0 tokens (the whole cache: "
+        "rollout.kv_token_budget=1 in blocks of rollout.kv_block_size=16, capped by the model context 512"
+    )
+    err = train_fails("--set", "rollout.kv_token_budget=1", "--set", "rollout.kv_cache=slots")
+    assert err.startswith(
         "moerl: config error: the engine's cache slot is 0 tokens (rollout.kv_token_budget=1 // "
         "rollout.max_slots=64, capped by the model context 512"
     )
@@ -134,23 +139,37 @@ def test_kv_budget_that_leaves_no_cache_slot(train_fails):
     ("override", "expected"),
     [
         ("rollout.max_new_tokens=1000", "rollout.max_new_tokens=1000 plus a prompt of at least 1 token "
-         "cannot fit the engine's cache slot of 256 tokens"),
+         "cannot fit the engine's longest sequence of 512 tokens (the whole cache: "
+         "rollout.kv_token_budget=16384 in blocks of rollout.kv_block_size=16, capped by the model context 512"),
         ("model.max_position_embeddings=4", "rollout.max_new_tokens=16 plus a prompt of at least 1 token "
-         "cannot fit the engine's cache slot of 4 tokens (rollout.kv_token_budget=16384 // "
-         "rollout.max_slots=64, capped by the model context 4"),
+         "cannot fit the engine's longest sequence of 4 tokens (the whole cache: rollout.kv_token_budget=16384 "
+         "in blocks of rollout.kv_block_size=16, capped by the model context 4"),
+        ("rollout.kv_cache=slots", "rollout.max_new_tokens=1000 plus a prompt of at least 1 token "
+         "cannot fit the engine's cache slot of 256 tokens"),
     ],
 )  # fmt: skip
 def test_max_new_tokens_beyond_the_cache_slot(train_fails, override, expected):
-    assert train_fails("--set", override).startswith(f"moerl: config error: {expected}")
+    extra = ("--set", "rollout.max_new_tokens=1000") if override == "rollout.kv_cache=slots" else ()
+    assert train_fails("--set", override, *extra).startswith(f"moerl: config error: {expected}")
 
 
 def test_longest_prompt_beyond_the_cache_slot(train_fails):
     # a slot of 640 // 64 = 10 tokens holds 1 + 8, but not the task's prompts of up to 6 tokens ("99+99=") + 8
-    err = train_fails("--set", "rollout.kv_token_budget=640", "--set", "rollout.max_new_tokens=8")
+    err = train_fails(
+        "--set", "rollout.kv_token_budget=640", "--set", "rollout.max_new_tokens=8", "--set", "rollout.kv_cache=slots"
+    )  # fmt: skip
     assert err.startswith(
         "moerl: config error: rollout.max_new_tokens=8 plus the task's longest prompt (6 tokens: "
     )
     assert "cannot fit the engine's cache slot of 10 tokens" in err
+    # paged: the whole cache, 5 blocks of 2 tokens, is the longest sequence
+    err = train_fails(
+        "--set", "rollout.kv_token_budget=10", "--set", "rollout.kv_block_size=2", "--set", "rollout.max_new_tokens=8"
+    )  # fmt: skip
+    assert (
+        "cannot fit the engine's longest sequence of 10 tokens (the whole cache: rollout.kv_token_budget=10"
+        in err
+    )
 
 
 def test_empty_operations(train_fails):
@@ -263,8 +282,8 @@ def test_model_fields_a_run_cannot_use_fail_before_the_warm_start(train_fails, o
 
 
 def test_engine_sizes_beyond_the_host_memory_fail_before_the_warm_start(train_fails):
-    # sync mode: the worker's engine and the eval engine, each 10**6 slots x 4096 tokens x 512 bytes a
-    # token (2 layers x 2 kv heads x (16 + 16) dims x 4 bytes): about 3.8 TiB, more than any machine has
+    # sync mode: the worker's engine and the eval engine, each (paged) 10**6 sequences of 4096 tokens (and
+    # the null block) x 512 bytes a token (2 layers x 2 kv heads x (16 + 16) dims x 4 bytes): about 3.8 TiB
     err = train_fails(
         "--set", "rollout.max_slots=1000000",
         "--set", "rollout.kv_token_budget=100000000000",
@@ -272,8 +291,8 @@ def test_engine_sizes_beyond_the_host_memory_fail_before_the_warm_start(train_fa
     )  # fmt: skip
     assert err.startswith(
         "moerl: config error: rollout.max_slots=1000000, rollout.kv_token_budget=100000000000: the run "
-        "needs about 3906.3 GiB of host memory (2 rollout engine KV cache(s) of 1953.12 GiB each, "
-        "1000000 slots x 4096 tokens, plus 2 copies of the policy weights of "
+        "needs about 3906.3 GiB of host memory (2 rollout engine KV cache(s) of 1953.13 GiB each, "
+        "4096000016 tokens in blocks of 16, plus 2 copies of the policy weights of "
     ), err
     assert "GiB is available (" in err and err.endswith("lower rollout.max_slots or rollout.kv_token_budget")
 

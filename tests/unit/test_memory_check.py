@@ -10,7 +10,6 @@ import torch
 
 from moerl.config import ConfigError, load_config
 from moerl.models import build_model
-from moerl.rollout import Engine
 from moerl.rollout import memory_check
 from moerl.rollout.memory_check import (
     MEMORY_HEADROOM,
@@ -23,6 +22,7 @@ from moerl.rollout.memory_check import (
     weight_bytes,
 )
 from moerl.run.preflight import check_run_inputs
+from moerl.runtime.build import make_engine
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 VOCAB = 20
@@ -32,11 +32,21 @@ VOCAB = 20
     ("overrides", "expected"),
     [
         # 2 layers x 2 kv heads x (16 + 16) dims x 4 bytes = 512 bytes a token; 64 // 4 = 16 tokens a slot
-        ([], 4 * 16 * 512),
+        (["rollout.kv_cache=slots"], 4 * 16 * 512),
         # bfloat16 halves it; R3 adds 4 x 16 tokens x 2 MoE layers x top-2 x int32
-        (["model.dtype=bfloat16", "algorithm.routing_replay=r3"], 4 * 16 * 256 + 4 * 16 * 2 * 2 * 4),
+        (
+            ["rollout.kv_cache=slots", "model.dtype=bfloat16", "algorithm.routing_replay=r3"],
+            4 * 16 * 256 + 4 * 16 * 2 * 2 * 4,
+        ),
         # MLA (deepseek_v3): keys and values decompressed, 4 heads x (16 + 8 + 16) dims; budget 100 // 4 = 25
-        (["model.family=deepseek_v3", "rollout.kv_token_budget=100"], 4 * 25 * 2 * 4 * 40 * 4),
+        (
+            ["rollout.kv_cache=slots", "model.family=deepseek_v3", "rollout.kv_token_budget=100"],
+            4 * 25 * 2 * 4 * 40 * 4,
+        ),
+        # paged (the default): 64 // 16 = 4 blocks of 16 tokens plus the null block, whatever max_slots
+        ([], 5 * 16 * 512),
+        (["model.dtype=bfloat16", "algorithm.routing_replay=r3"], 5 * 16 * 256 + 5 * 16 * 2 * 2 * 4),
+        (["rollout.kv_block_size=8", "rollout.kv_token_budget=100"], 13 * 8 * 512),
     ],
 )
 def test_estimate_equals_what_the_engine_allocates(overrides, expected):
@@ -45,7 +55,7 @@ def test_estimate_equals_what_the_engine_allocates(overrides, expected):
     arch = policy_arch(cfg, VOCAB)
     _, _, estimated = engine_cache_bytes(arch, cfg)
     model = build_model(cfg.model, VOCAB)
-    engine = Engine.from_config(model, cfg.rollout)
+    engine = make_engine(model, cfg)
     cache = engine.cache
     allocated = cache.k.nbytes + cache.v.nbytes
     if cfg.rollout.return_routed_experts:  # allocated at the first recording step
@@ -102,11 +112,12 @@ def test_host_available_memory_is_at_most_the_total():
 
 
 def test_cluster_configs_load_here_and_are_measured_only_where_the_engines_are_built():
-    # configs/cluster_qwen3_30b_1node.yaml: 30.5e9 bf16 parameters and 32 slots x 2048 tokens of
-    # 48 layers x 4 kv heads x 256 dims x 2 bytes per engine; it loads (and renders) on any machine
+    # configs/cluster_qwen3_30b_1node.yaml: 30.5e9 bf16 parameters and a paged cache of 32 x 2048 tokens
+    # (plus the null block of 16) of 48 layers x 4 kv heads x 256 dims x 2 bytes per engine; it loads
+    # (and renders) on any machine
     cfg = load_config(CONFIGS / "cluster_qwen3_30b_1node.yaml")
     est = estimate_memory(cfg, 151936)
-    assert est.engine_bytes == 32 * 2048 * 48 * 4 * 256 * 2
+    assert est.engine_bytes == (32 * 2048 + 16) * 48 * 4 * 256 * 2
     assert est.weight_bytes == 30_532_122_624 * 2
     if est.total_bytes > MEMORY_HEADROOM * host_available_bytes()[0]:  # not a 600 GiB machine
         with pytest.raises(ConfigError, match="GiB of host memory"):

@@ -120,3 +120,27 @@ def test_local_fleet_generates_exactly_a_batch_on_policy():
     assert {g.min_policy_version for g in groups} == {1}
     state = fleet.final_state()
     assert state.queue.acked == 5 and state.buffered_task_ids == () and state.reward_errors == 0
+
+
+def test_worker_keeps_its_paged_engines_kv_stats_for_the_metrics():
+    from moerl.rollout.paged_engine import PagedEngine
+    from moerl.telemetry.step import kv_values
+
+    model = tiny_model(TOK.vocab_size)
+    queue = TaskQueue(_prompts(["1+1=", "2+2=", "3+3="]), num_samples=4, tokenize=TOK.encode)
+    buffer = ExperienceBuffer(8, max_staleness=0, settle=queue.settle, requeue=queue.requeue)
+    cfg = RolloutConfig(group_size=4, max_new_tokens=4, max_slots=8, kv_token_budget=8 * 64)
+    engine = PagedEngine(model, max_slots=8, kv_token_budget=64, block_size=4)
+    worker = RolloutWorker(
+        "w0", engine, CountTask(), TOK.decode, queue, buffer, cfg, stop_token_ids=(TOK.eos_id,), run_seed=7
+    )
+    assert worker.stats.kv is None and kv_values([worker.stats.kv]) == {}
+    assert worker.run(num_groups=3) == 3
+    kv = worker.stats.kv
+    assert kv == engine.stats and kv.blocks_total == 16 and kv.prefix_hit_tokens >= 3 * 3 * 4
+    values = kv_values([kv, kv])
+    assert (
+        values["rollout/kv_blocks_total"] == 32
+        and values["rollout/kv_prefill_tokens"] == 2 * kv.prefill_tokens
+    )
+    assert values["rollout/kv_decoding_together_mean"] == kv.mean_decode_batch > 1

@@ -1,0 +1,240 @@
+"""Slot vs paged KV cache at the same KV memory, on long-tailed response lengths with groups of 8.
+
+    python bench/paged_kv.py                                                   # CPU: tiny model, scaled down
+    python bench/paged_kv.py --device cuda --dtype bfloat16 --config reference \
+        --prompts 64 --prompt-len 512 --median-new 300 --max-new 8192 --kv-slots 64 --max-slots 512 \
+        --sync-every 8                                                          # the issue's GPU sizes
+
+Workload: ``--prompts`` random prompts of ``--prompt-len`` tokens, each a request of ``--group`` samples
+(one GRPO group; sampled, no stop tokens). A group's response length is drawn from a lognormal with median
+``--median-new`` and 1% of groups at ``--max-new`` or more (sigma = ln(max / median) / 2.326), capped at
+``--max-new``; lengths are per group (a request has one ``max_new_tokens``).
+
+Same memory: both engines get ``kv_token_budget = --kv-slots x (prompt-len + max-new)`` tokens. The slot
+engine must size each slot for the longest sequence, so it decodes at most ``--kv-slots`` sequences
+together; the paged engine decodes up to ``--max-slots`` together, admitting by free blocks and
+preempting when they run out. Both run in one process on the same weights; the table gives tokens/s,
+the mean number of sequences decoding together, prefill vs prefix-hit tokens, preemptions, and how many
+completions are token-identical between the two (all in float32; bfloat16 may diverge late).
+Writes ``bench/results/paged_kv.json`` atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moerl.config import ModelConfig
+from moerl.models import build_model
+from moerl.rollout import Engine, Request, SamplingParams
+from moerl.rollout.paged_engine import PagedEngine
+
+CONFIGS = {
+    "tiny": dict(vocab=256, model=ModelConfig(max_position_embeddings=1024)),
+    # OLMoE-sized Qwen3-MoE of the one-GPU performance issue (bench/rollout.py's "reference").
+    "reference": dict(
+        vocab=50304,
+        model=ModelConfig(
+            hidden_size=2048,
+            num_layers=16,
+            num_heads=16,
+            num_kv_heads=16,
+            head_dim=128,
+            num_experts=64,
+            top_k=8,
+            moe_intermediate_size=1024,
+            max_position_embeddings=16384,
+        ),
+    ),
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def response_lengths(n: int, median: int, longest: int, seed: int) -> list[int]:
+    """``n`` lognormal lengths: median ``median``, 1% at ``longest`` or more, capped to [1, longest]."""
+    sigma = math.log(longest / median) / 2.326 if longest > median else 0.0
+    gen = torch.Generator().manual_seed(seed)
+    draws = torch.exp(math.log(median) + sigma * torch.randn(n, generator=gen, dtype=torch.float64))
+    return [int(min(max(round(x), 1), longest)) for x in draws.tolist()]
+
+
+def workload(args: argparse.Namespace, vocab: int) -> list[Request]:
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(0, vocab, (args.prompts, args.prompt_len), generator=gen).tolist()
+    lengths = response_lengths(args.prompts, args.median_new, args.max_new, args.seed + 1)
+    return [
+        Request(
+            request_id=f"g{i}",
+            prompt_ids=p,
+            params=SamplingParams(temperature=1.0, max_new_tokens=n, n=args.group, seed=args.seed + i),
+        )
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _buckets(n: int) -> tuple[int, ...]:
+    out, b = [], 1
+    while b < n:
+        out.append(b)
+        b *= 2
+    return (*out, n)
+
+
+def run(engine: Engine, requests: list[Request], device: torch.device) -> tuple[dict, list]:
+    """Generate ``requests`` (after a short warm-up) and return the figures and the completions."""
+    first = requests[0]  # warm-up on a prompt no request shares (no prefix hit carried into the run)
+    warm = Request(
+        request_id="warm",
+        prompt_ids=first.prompt_ids[::-1],
+        params=dataclasses.replace(first.params, max_new_tokens=4),
+    )
+    engine.generate([warm])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    before = engine.stats
+    _sync(device)
+    t0 = time.perf_counter()
+    outs = engine.generate(requests)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    st = engine.stats
+    tokens = sum(len(c.token_ids) for c in outs)
+    steps = st.decode_steps - before.decode_steps
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "mean_decoding_together": (st.decode_rows - before.decode_rows) / max(steps, 1),
+        "decode_steps": steps,
+        "prefill_tokens": st.prefill_tokens - before.prefill_tokens,
+        "prefix_hit_tokens": st.prefix_hit_tokens - before.prefix_hit_tokens,
+        "preemptions": st.preemptions - before.preemptions,
+        "kv_tokens": st.kv_tokens,
+        "max_decoding_together": engine.num_slots,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    }, outs
+
+
+def _write_atomic(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    p.add_argument("--prompts", type=int, default=8, help="groups (requests)")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--median-new", type=int, default=30, help="median response length (tokens)")
+    p.add_argument("--max-new", type=int, default=300, help="longest response; 1%% of groups reach it")
+    p.add_argument(
+        "--kv-slots", type=int, default=8, help="KV memory, in slots of prompt-len + max-new tokens"
+    )
+    p.add_argument(
+        "--max-slots", type=int, default=64, help="most sequences the paged engine decodes together"
+    )
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--sync-every", type=int, default=1)
+    p.add_argument("--engines", default="slots,paged", help="comma-separated: slots, paged")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "paged_kv.json"))
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = CONFIGS[args.config]
+    torch.manual_seed(args.seed)
+    model_cfg = dataclasses.replace(spec["model"], device=str(device), dtype=args.dtype)
+    with torch.device(device):
+        model = build_model(model_cfg, spec["vocab"]).eval()
+    requests = workload(args, spec["vocab"])
+    seq_len = args.prompt_len + args.max_new
+    budget = args.kv_slots * seq_len
+    common = dict(kv_token_budget=budget, sync_every=args.sync_every, seed=args.seed)
+    makers = {
+        "slots": lambda: Engine(
+            model,
+            max_slots=args.kv_slots,
+            max_seq_len=seq_len,
+            batch_buckets=_buckets(args.kv_slots),
+            **common,
+        ),
+        "paged": lambda: PagedEngine(
+            model,
+            max_slots=args.max_slots,
+            block_size=args.block_size,
+            batch_buckets=_buckets(args.max_slots),
+            **common,
+        ),
+    }
+    results, outs = {}, {}
+    for name in args.engines.split(","):
+        engine = makers[name]()
+        results[name], outs[name] = run(engine, requests, device)
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "slots" in outs and "paged" in outs:
+        same = sum(a.token_ids == b.token_ids for a, b in zip(outs["slots"], outs["paged"], strict=True))
+        results["identical_completions"] = f"{same}/{len(outs['slots'])}"
+        results["speedup"] = results["paged"]["tokens_per_s"] / results["slots"]["tokens_per_s"]
+
+    lengths = [r.params.max_new_tokens for r in requests]
+    print(
+        f"paged_kv  config={args.config} groups={args.prompts}x{args.group} prompt={args.prompt_len} "
+        f"new: median {sorted(lengths)[len(lengths) // 2]} max {max(lengths)} (cap {args.max_new}); "
+        f"KV {budget} tokens; device={device} dtype={args.dtype}"
+    )
+    print(
+        f"{'engine':<8}{'tokens':>9}{'seconds':>9}{'tokens/s':>10}{'together':>10}{'prefill':>9}{'hits':>9}{'preempt':>9}"
+    )
+    for name in ("slots", "paged"):
+        if name in results:
+            r = results[name]
+            print(
+                f"{name:<8}{r['tokens']:>9}{r['seconds']:>9.2f}{r['tokens_per_s']:>10.1f}"
+                f"{r['mean_decoding_together']:>10.1f}{r['prefill_tokens']:>9}{r['prefix_hit_tokens']:>9}"
+                f"{r['preemptions']:>9}"
+            )
+    if "speedup" in results:
+        print(
+            f"paged / slots tokens/s: {results['speedup']:.2f}x; identical completions {results['identical_completions']}"
+        )
+    payload = {
+        "benchmark": "paged_kv",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "kv_token_budget": budget},
+        "results": results,
+    }
+    _write_atomic(Path(args.out), payload)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

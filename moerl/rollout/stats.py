@@ -1,0 +1,45 @@
+"""Engine statistics: what the KV cache holds and how much work the scheduler did (``Engine.stats``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of one engine's cache and counters (cumulative counters since the engine started).
+
+    For the slot engine a "block" is a whole slot; for the paged engine a block of ``block_size`` tokens.
+    """
+
+    kv_tokens: int
+    """Token capacity of the cache (slots x slot length, or blocks x block size)."""
+    kv_tokens_used: int
+    """Tokens held by running sequences (a shared block counted once per sequence)."""
+    blocks_total: int
+    """Blocks (slots) of the cache."""
+    blocks_used: int
+    """Blocks (slots) referenced by running sequences."""
+    running: int
+    """Sequences decoding together now."""
+    prefill_tokens: int
+    """Tokens computed by prefill forwards (prompts and, paged, readmissions of preempted sequences)."""
+    decode_steps: int
+    """Decode forwards run."""
+    decode_rows: int
+    """Sum over decode forwards of the sequences they decoded (/ ``decode_steps``: the mean batch)."""
+    prefix_hit_tokens: int = 0
+    """Prefix tokens taken from the cache instead of computed: a group's shared prompt (n - 1 times its
+    length) and full blocks found in the hash index (paged only)."""
+    preemptions: int = 0
+    """Sequences preempted for lack of free blocks (paged only)."""
+
+    @property
+    def blocks_free(self) -> int:
+        """Blocks (slots) not referenced by a running sequence."""
+        return self.blocks_total - self.blocks_used
+
+    @property
+    def mean_decode_batch(self) -> float:
+        """Mean sequences decoding together per decode step (0 before the first)."""
+        return self.decode_rows / self.decode_steps if self.decode_steps else 0.0
