@@ -227,6 +227,9 @@ class SyncStats:
     """Bytes of the last applied version."""
     dropped_versions: int = 0
     """Versions given up unfinished because a newer one started arriving."""
+    refused_buckets: int = 0
+    """Buckets refused on arrival (checksum mismatch, or not of the version/index they came as); their
+    version is never switched to."""
 
 
 @dataclass(slots=True)
@@ -312,6 +315,7 @@ class BucketAssembler:
         with self._lock:
             if problem is not None:
                 log.error("weight bucket %d of version %d dropped: %s", index, version, problem)
+                self.stats.refused_buckets += 1
                 self._bad_versions.add(version)
                 if self._incoming is cur:
                     self._incoming = None
