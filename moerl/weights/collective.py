@@ -211,7 +211,8 @@ class CollectiveSender:
             payload = bucket.data if CollectiveSender.tamper is None else CollectiveSender.tamper(bucket)
             table = np.frombuffer(encode_table(bucket), dtype=np.uint8)
             header = torch.tensor(
-                [bucket.version, bucket.index, bucket.num_buckets, bucket.nbytes, table.size], dtype=torch.int64
+                [bucket.version, bucket.index, bucket.num_buckets, bucket.nbytes, table.size],
+                dtype=torch.int64,
             )
             parts = [header, torch.from_numpy(table.copy()), torch.from_numpy(np.ascontiguousarray(payload))]
             works = []
@@ -267,7 +268,9 @@ class CollectiveReceiver:
     ``poll`` raises ``WeightTransportError`` once the group failed (dropped by the sender, or broken).
     """
 
-    def __init__(self, address: CollectiveAddress, gid: str, rank: int, num_ranks: int, fallback=None) -> None:
+    def __init__(
+        self, address: CollectiveAddress, gid: str, rank: int, num_ranks: int, fallback=None
+    ) -> None:
         self.address, self.gid, self.rank, self.num_ranks = address, gid, rank, num_ranks
         self.assembler = BucketAssembler(lambda b: b, fallback, background=False)
         self.joined = threading.Event()
@@ -353,3 +356,111 @@ class CollectiveReceiver:
 def new_group_id() -> str:
     """A fresh worker group id."""
     return uuid.uuid4().hex[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveSink:
+    """A ``BucketSink``: ``send`` broadcasts through this process's ``CollectiveSender`` (picklable:
+    travels to trainer rank 0, which keeps its sender and groups across versions)."""
+
+    address: CollectiveAddress
+
+    def send(self, bucket: WeightBucket) -> None:
+        """Broadcast ``bucket`` to every admitted worker (returns once its bytes are sent)."""
+        CollectiveSender.of(self.address).send(bucket)
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveSpec:
+    """Worker side of ``collective``: the rendezvous and (per worker) its group id and ranks."""
+
+    address: CollectiveAddress
+    gid: str = ""
+    num_ranks: int = 1
+
+    def for_worker(self, num_ranks: int) -> CollectiveSpec:
+        """A new group of ``num_ranks`` ranks (the worker's EP ranks)."""
+        return replace(self, gid=new_group_id(), num_ranks=num_ranks)
+
+    def open(self, *, fallback, device, rank: int = 0) -> CollectiveReceiver:
+        """This rank's receiver (its thread registers it and waits for the group)."""
+        if not self.gid:
+            raise ValueError("CollectiveSpec.open: no group id (call for_worker first)")
+        return CollectiveReceiver(self.address, self.gid, rank, self.num_ranks, fallback)
+
+
+def _node_address() -> str:
+    """This node's address as Ray sees it (reachable from the workers), else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+class CollectiveTransport:
+    """``runtime.weight_sync=collective``: a ``torch.distributed`` group per rollout worker between the
+    trainer's sender (the one-process trainer's process, or trainer rank 0) and every rank of the
+    worker (EP followers included), broadcasting buckets of ``publish_bucket_mb`` with the same version
+    and xxh3 rules as ``object_store``; gloo on CPU buffers. The durable store is written every
+    ``durable_every`` versions (``trainer.publish``). For fleets where the object store is the
+    bottleneck, or for trainers without Ray rank actors (module docstring)."""
+
+    name = "collective"
+    supports_ep_rollout = True
+
+    @staticmethod
+    def check_config(runtime, *, trainer_ranks: int, rollout_ep_size: int) -> None:
+        """Every combination works (sync mode hands weights over in process)."""
+
+    def __init__(self, runtime, store) -> None:
+        from moerl.weights.buckets import bucket_bytes_of
+
+        self.store, self.durable_every = store, runtime.durable_every
+        self.bucket_bytes = bucket_bytes_of(runtime.publish_bucket_mb)
+        host = _node_address()
+        self._master = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.address = CollectiveAddress(host, self._master.port, runtime.collective_timeout_s)
+
+    def publish(self, trainer, workers, *, durable: bool | None = None):
+        """The trainer's sender broadcasts its buckets to every admitted worker; the store when due."""
+        from moerl.weights.buckets import PublishReport
+
+        streamed = trainer.stream_buckets(CollectiveSink(self.address), self.bucket_bytes)
+        version = streamed.version
+        is_durable = self.store is not None and (
+            version % self.durable_every == 0 if durable is None else durable
+        )
+        if is_durable:
+            trainer.publish(self.store)
+        return PublishReport(
+            version,
+            streamed.seconds,
+            len(streamed.refs),
+            streamed.nbytes,
+            streamed.nbytes * len(workers),
+            is_durable,
+        )
+
+    def offer_newest(self, worker) -> None:
+        """Nothing: the sender sends the newest version to a worker as it admits it."""
+
+    def receiver_spec(self) -> CollectiveSpec:
+        """The rendezvous; each worker takes its own group (``for_worker``)."""
+        return CollectiveSpec(self.address)
+
+    def finish(self, trainer) -> None:
+        """The last version in the store."""
+        if self.store is not None:
+            self.store.flush()
+            if (latest := self.store.latest()) is None or latest.version < trainer.version:
+                trainer.publish(self.store)
+
+    def close(self) -> None:
+        """Close this process's sender (a one-process trainer's); a rank 0's ends with its process."""
+        sender = CollectiveSender._instances.get((self.address.host, self.address.port))
+        if sender is not None:
+            sender.close()
