@@ -36,12 +36,23 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
+OPENED: list = []
+"""Senders and receivers of the running test, closed after it (a failed test leaves no gloo op pending)."""
+
+
 @pytest.fixture
 def address():
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     addr = CollectiveAddress("127.0.0.1", master.port, timeout_s=5.0)
     yield addr
     CollectiveSender.tamper = None
+    while OPENED:
+        OPENED.pop().close()
+
+
+def _sender(address, admit_every_s=0.0) -> CollectiveSender:
+    OPENED.append(sender := CollectiveSender(address, admit_every_s=admit_every_s))
+    return sender
 
 
 def _publish(sender: CollectiveSender, version: int, seed: int, bucket_bytes: int = 300) -> None:
@@ -51,7 +62,9 @@ def _publish(sender: CollectiveSender, version: int, seed: int, bucket_bytes: in
 
 def _worker(address, num_ranks=1, fallback=None):
     gid = new_group_id()
-    return [CollectiveReceiver(address, gid, r, num_ranks, fallback) for r in range(num_ranks)]
+    ranks = [CollectiveReceiver(address, gid, r, num_ranks, fallback) for r in range(num_ranks)]
+    OPENED.extend(ranks)
+    return ranks
 
 
 def _poll_until(receiver, version, timeout_s=20.0):
@@ -61,7 +74,7 @@ def _poll_until(receiver, version, timeout_s=20.0):
 
 
 def test_every_rank_of_a_group_gets_each_whole_version(address):
-    sender = CollectiveSender(address, admit_every_s=0)
+    sender = _sender(address)
     ranks = _worker(address, num_ranks=2)
     _wait(lambda: sender.admit() or sender.groups)
     assert len(sender.groups) == 1 and all(r.joined.wait(5) for r in ranks)
@@ -75,11 +88,10 @@ def test_every_rank_of_a_group_gets_each_whole_version(address):
             for name, t in expected.items():
                 assert tensors[name].dtype == t.dtype and torch.equal(tensors[name], t)
     assert all(r.stats.versions_applied == 2 and r.stats.refused_buckets == 0 for r in ranks)
-    sender.close()
 
 
 def test_an_incomplete_version_is_never_switched_to(address):
-    sender = CollectiveSender(address, admit_every_s=0)
+    sender = _sender(address)
     (rank,) = _worker(address)
     _wait(lambda: sender.admit() or sender.groups)
     buckets = list(iter_packed(3, _weights(3), 300))
@@ -90,11 +102,10 @@ def test_an_incomplete_version_is_never_switched_to(address):
     assert rank.poll(-1) is None  # all but the last bucket: nothing to switch to
     sender.send(buckets[-1])
     assert _poll_until(rank, 3)[0] == 3
-    sender.close()
 
 
 def test_a_bucket_damaged_in_transit_is_refused(address, caplog):
-    sender = CollectiveSender(address, admit_every_s=0)
+    sender = _sender(address)
     (rank,) = _worker(address)
     _wait(lambda: sender.admit() or sender.groups)
     _publish(sender, 1, 1)
@@ -117,21 +128,19 @@ def test_a_bucket_damaged_in_transit_is_refused(address, caplog):
     version, tensors = _poll_until(rank, 3)
     assert version == 3 and torch.equal(tensors["a.weight"], _weights(3)["a.weight"])
     assert rank.stats.versions_applied == 2
-    sender.close()
 
 
 def test_a_worker_admitted_late_gets_the_newest_version_at_once(address):
-    sender = CollectiveSender(address, admit_every_s=0.05)
+    sender = _sender(address, admit_every_s=0.05)
     _publish(sender, 1, 1)
     _publish(sender, 2, 2)
     (rank,) = _worker(address)  # joins after both publishes; no publish follows
     version, tensors = _poll_until(rank, 2)
     assert version == 2 and torch.equal(tensors["c.bias"], _weights(2)["c.bias"])
-    sender.close()
 
 
 def test_a_lost_worker_drops_only_its_group(address):
-    sender = CollectiveSender(address, admit_every_s=0)
+    sender = _sender(address)
     (kept,) = _worker(address)
     (lost,) = _worker(address)
     _wait(lambda: sender.admit() is not None and len(sender.groups) == 2)
@@ -143,11 +152,10 @@ def test_a_lost_worker_drops_only_its_group(address):
     assert time.monotonic() - t0 < 3 * address.timeout_s  # a failed group never hangs the sender
     assert len(sender.groups) == 1 and len(sender.dropped) == 1
     assert _poll_until(kept, 1)[0] == 1
-    sender.close()
 
 
 def test_a_dropped_group_fails_its_receiver(address):
-    sender = CollectiveSender(address, admit_every_s=0)
+    sender = _sender(address)
     (rank,) = _worker(address)
     _wait(lambda: sender.admit() or sender.groups)
     _wait(rank.joined.is_set)
@@ -155,4 +163,3 @@ def test_a_dropped_group_fails_its_receiver(address):
     _wait(lambda: rank.error is not None)
     with pytest.raises(WeightTransportError):
         rank.poll(-1)
-    sender.close()
