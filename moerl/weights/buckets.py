@@ -14,8 +14,9 @@ store and dropped before the next one is packed (the durable write reads the obj
 without copying it). A worker holds the buckets of one incoming version (zero-copy views of the object
 store's memory) until it switches; a newer version's first bucket replaces an unfinished older one.
 
-The checksum is xxHash3-64 (https://github.com/Cyan4973/xxHash) of the bucket's bytes: it catches a
-bucket that was truncated, mixed up with another version's or corrupted, at several GB/s per core;
+The checksum is xxHash3-64 (https://github.com/Cyan4973/xxHash) of the bucket's (name, dtype, shape,
+offset) table and bytes: it catches a bucket that was truncated, mixed up with another version's or
+corrupted, a table that no longer describes its bytes, at several GB/s per core;
 the store keeps its own sha256 per file.
 """
 
@@ -55,7 +56,7 @@ class WeightBucket:
     entries: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
     """(name, dtype, shape, byte offset in ``data``) of each tensor."""
     checksum: str
-    """xxh3-64 hex digest of ``data``."""
+    """xxh3-64 hex digest of the entry table and ``data`` (``bucket_digest``)."""
     data: np.ndarray
     """[nbytes] uint8: the tensors' bytes, each at a multiple of 64."""
 
@@ -63,6 +64,15 @@ class WeightBucket:
     def nbytes(self) -> int:
         """Bytes of ``data``."""
         return int(self.data.nbytes)
+
+
+def bucket_digest(entries, data: np.ndarray) -> str:
+    """xxh3-64 hex digest of a bucket: its (name, dtype, shape, offset) table, then its bytes, so that a
+    table damaged or mixed up in transit (a wrong shape or dtype over the right bytes) fails it too."""
+    h = xxhash.xxh3_64()
+    h.update(";".join(f"{n}|{d}|{','.join(map(str, s))}|{o}" for n, d, s, o in entries).encode())
+    h.update(data)
+    return h.hexdigest()
 
 
 def bucket_bytes_of(publish_bucket_mb: float) -> int:
@@ -125,7 +135,8 @@ def pack_bucket(
     if on_cuda:
         torch.cuda.synchronize()  # the non-blocking copies must land before the bytes are hashed
     array = data.numpy()
-    return WeightBucket(version, index, num_buckets, tuple(entries), xxhash.xxh3_64_hexdigest(array), array)
+    entries = tuple(entries)
+    return WeightBucket(version, index, num_buckets, entries, bucket_digest(entries, array), array)
 
 
 def unpack_bucket(bucket: WeightBucket, *, verify: bool = True) -> list[tuple[str, torch.Tensor]]:
@@ -133,10 +144,10 @@ def unpack_bucket(bucket: WeightBucket, *, verify: bool = True) -> list[tuple[st
     object store's, so copy them into parameters, never write them).
 
     Raises:
-        ChecksumError: ``verify`` and the bytes do not match the bucket's checksum.
+        ChecksumError: ``verify`` and the table and bytes do not match the bucket's checksum.
     """
     if verify:
-        digest = xxhash.xxh3_64_hexdigest(bucket.data)
+        digest = bucket_digest(bucket.entries, bucket.data)
         if digest != bucket.checksum:
             raise ChecksumError(
                 f"weight bucket {bucket.index + 1}/{bucket.num_buckets} of version {bucket.version}: "
