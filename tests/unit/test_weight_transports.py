@@ -114,3 +114,26 @@ def test_sync_mode_hands_weights_over_in_process(tmp_path):
     trainer.step()
     rollouts.publish(trainer, is_stored=True)  # written by the caller: not again
     assert trainer.published == [1] and rollouts.weights.poll(1)[0] == 2
+
+
+def test_a_version_that_is_not_the_engines_parameter_set_is_refused_and_logged_once(caplog):
+    from moerl.weights.sources import CheckedWeights, LocalWeights, parameter_set
+
+    model = torch.nn.Linear(4, 3)
+    inner = LocalWeights()
+    checked = CheckedWeights(inner, parameter_set(model))
+    good = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    bad_versions = [
+        {**good, "weight": torch.zeros(3, 5)},  # a shape
+        {**good, "bias": torch.zeros(3, dtype=torch.float64)},  # a dtype
+        {"weight": good["weight"]},  # a name missing
+        {**good, "extra": torch.zeros(1)},  # an unknown name
+    ]
+    for version, tensors in enumerate(bad_versions, start=1):
+        inner.push(version, tensors)
+        assert checked.poll(version - 1) is None
+        assert checked.poll(version - 1) is None  # polled again: still refused, counted once
+    assert checked.refused_versions == 4
+    assert caplog.text.count("refused") == 1 and "weight: torch.float32 (3, 5)" in caplog.text
+    inner.push(5, good)
+    assert checked.poll(0)[0] == 5

@@ -38,7 +38,7 @@ from moerl.runtime.notice import watcher_from_config
 from moerl.runtime.ray.ep_group import EPRolloutGroup
 from moerl.run.storage import is_remote, local_model_folder
 from moerl.records import Group, Lease, PartialResponse, Settlement
-from moerl.weights.sources import StoreWeights
+from moerl.weights.sources import CheckedWeights, StoreWeights, parameter_set
 from moerl.weights.collective import WeightTransportError
 from moerl.weights.store import WeightStore
 from moerl.tasks import make_task
@@ -147,7 +147,9 @@ class RolloutWorkerActor:
         spec = None if weights is None else weights.for_worker(cfg.rollout.ep_size)
         fallback = StoreWeights(store)
         device = next(model.parameters()).device
-        self.source = fallback if spec is None else spec.open(fallback=fallback, device=device, rank=0)
+        source = fallback if spec is None else spec.open(fallback=fallback, device=device, rank=0)
+        # a version switches only if its tensors are this policy's (names, dtypes, shapes; before sharding)
+        self.source = CheckedWeights(source, parameter_set(model))
         self._pause = threading.Event()
         self._paused = threading.Event()
         self._stop = threading.Event()
