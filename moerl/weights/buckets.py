@@ -28,9 +28,8 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -203,25 +202,17 @@ def bucket_offer(worker) -> Callable[[int, int, int, object], None]:
 
 @dataclass(frozen=True, slots=True)
 class StreamedVersion:
-    """A version whose buckets were packed and put where the weights live (a trainer group's rank 0)."""
+    """A version whose buckets were packed and sent where the weights live (``stream_buckets``)."""
 
     version: int
     """The version sent."""
     refs: tuple
-    """Object refs of its buckets, in index order (owned by the process that put them)."""
+    """What the sink returned for each bucket, in index order: object refs (owned by the process that put
+    them) with ``object_store``, None with ``collective``."""
     nbytes: int
     """Bucket bytes of the version (what each worker fetches)."""
     seconds: float
     """Wall seconds from the first bucket's gather to the last bucket's offer."""
-
-
-class BucketStreamer(Protocol):
-    """A trainer that streams its own buckets to the workers (``moerl.trainer.distributed.TrainerGroup``: rank 0
-    gathers each bucket from the shards, packs it, puts it and offers it to every worker)."""
-
-    def async_stream_buckets(self, workers: Sequence) -> StreamedVersion:
-        """Stream the current version to the rollout worker actors ``workers``; returns its refs."""
-        ...
 
 
 @dataclass(slots=True)
