@@ -62,3 +62,46 @@ def test_collective_weights_to_an_ep_rollout_group_learn_exactly_once(local_ray,
     versions = {e.policy_version for e in newest_run(cfg).read_ledger()}
     assert any(v % 4 for v in versions), versions
     assert all(r["weights/sync_bytes"] > 0 for r in read_jsonl(newest_run(cfg).metrics))
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_worker_loses_only_its_weight_group(local_ray, default_init, tmp_path, caplog):
+    """One-process trainer (the sender is the driver), 2 one-rank workers, one SIGKILLed by chaos mid-run:
+    the sender drops the lost worker's group at its next broadcast instead of hanging, the fleet
+    replaces the worker, whose new group gets the broadcast versions; every task trained exactly once."""
+    steps, batch = 12, 4
+    cfg = run_config(
+        DEFAULT_CONFIG,
+        tmp_path,
+        default_init,
+        "runtime.mode=async",
+        "runtime.weight_sync=collective",
+        "runtime.durable_every=4",
+        "runtime.collective_timeout_s=20",
+        "rollout.num_workers=2",
+        f"trainer.steps={steps}",
+        f"trainer.batch_groups={batch}",
+        "trainer.micro_batch_size=32",
+        "trainer.checkpoint_every=0",
+        "chaos.slow_worker=rollout-0",  # generation long enough for a worker to be killed while busy
+        "chaos.slow_factor=0.3",
+        "rollout.max_slots=8",
+        "runtime.buffer_groups=8",
+        "runtime.max_staleness=1",
+        "runtime.lease_ttl_s=10",
+        "eval.every=0",
+        "task.num_eval=16",
+        "task.reward_fn=e2e_rewards:first_is_digit",
+        "fleet.check_every_s=0.2",
+        "chaos.kill_rollout_every_s=1",
+        "chaos.max_kills=1",
+        "chaos.start_after_s=0.5",
+    )
+    summary = train(cfg, live=False)
+    print(summary["fleet"], summary["wall_time_s"])
+    assert summary["status"] == "completed" and summary["steps"] == steps
+    assert_trained_exactly_once(summary, newest_run(cfg), steps, batch)
+    assert summary["fleet"]["killed"] == 1 and summary["fleet"]["replaced"] >= 1
+    assert "weight group" in caplog.text and "dropped (its worker is lost)" in caplog.text
+    versions = {e.policy_version for e in newest_run(cfg).read_ledger()}
+    assert any(v % 4 for v in versions), versions  # broadcast versions reached the workers
