@@ -98,10 +98,10 @@ def test_a_killed_worker_loses_only_its_weight_group(local_ray, default_init, tm
         "chaos.start_after_s=0.5",
     )
     summary = train(cfg, live=False)
-    print(summary["fleet"], summary["wall_time_s"])
+    print(summary["fleet"])
     assert summary["status"] == "completed" and summary["steps"] == steps
     assert_trained_exactly_once(summary, newest_run(cfg), steps, batch)
-    assert summary["fleet"]["killed"] == 1 and summary["fleet"]["replaced"] >= 1
+    assert summary["fleet"]["killed"] == 1 and summary["fleet"]["spawned"] == 3  # a replacement started
     assert "weight group" in caplog.text and "dropped (its worker is lost)" in caplog.text
     versions = {e.policy_version for e in newest_run(cfg).read_ledger()}
     assert any(v % 4 for v in versions), versions  # broadcast versions reached the workers
