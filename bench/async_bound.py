@@ -58,7 +58,7 @@ def measure(config: str | None, overrides: list[str], init_from: str | None, rou
     """Median seconds of one batch's generation (G), train step (T) at 1 and 2 threads, and publish (P)."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg, comp, fleet = _sync_parts(config, overrides, init_from, tmp)
-        trainer, store = LocalTrainer.from_run_config(comp.model, cfg), comp.store
+        trainer = LocalTrainer.from_run_config(comp.model, cfg)
         times: dict[str, list[float]] = {"G1": [], "G2": [], "T1": [], "T2": [], "P": []}
         for i in range(2 * rounds + 2):  # the first two (one per thread count) are warm-up
             threads = 1 + i % 2
@@ -68,8 +68,7 @@ def measure(config: str | None, overrides: list[str], init_from: str | None, rou
             t1 = time.perf_counter()
             trainer.train_step(trainer.build_batch(groups, comp.tokenizer.pad_id))
             t2 = time.perf_counter()
-            trainer.publish(store)
-            fleet.push_weights(trainer.version, trainer.named_weights())
+            fleet.publish(trainer)  # written to the store, handed to the worker in process
             t3 = time.perf_counter()
             if i >= 2:
                 times[f"G{threads}"].append(t1 - t0)

@@ -18,6 +18,10 @@ clock stops when the engine has copied the whole new version into its parameters
   the version once whole. On CPU the ring is shared memory (the same code).
 - ``pinned_host`` (CUDA only): the same protocol through a ring of shared, page-locked host buffers
   (device to host in the trainer, host to device in the engine).
+- ``collective`` (``runtime.weight_sync=collective``, ``moerl.weights.collective``): the trainer packs
+  each bucket of ``--bucket-mb`` (xxh3) and broadcasts it over the engine's own gloo group (sender +
+  engine, rendezvous through a TCPStore); the engine receives on a thread, verifies each bucket and
+  applies the version once whole.
 - ``packed``, ``buckets`` (where Ray is installed: CPU here; the GPU machine has no Ray): today's whole-model
   ``pack_weights`` + ``ray.put`` offer, and ``runtime.weight_sync=object_store``'s ``BucketPublisher``
   through the object store, to a Ray actor engine.
@@ -48,11 +52,12 @@ from bench.common import SPECS, device_info, print_table, write_json  # noqa: E4
 from bench.weight_sync_engine import RayEngineActor, engine_main, fingerprint, make_model  # noqa: E402
 from moerl.config import ModelConfig  # noqa: E402
 from moerl.weights.ipc import IpcPublisher, tensors_checksum_no_sync  # noqa: E402
-from moerl.weights.buckets import BucketPublisher, bucket_bytes_of  # noqa: E402
+from moerl.weights.buckets import BucketPublisher, bucket_bytes_of, iter_packed  # noqa: E402
+from moerl.weights.collective import CollectiveAddress, CollectiveSender, CollectiveSpec  # noqa: E402
 from moerl.weights.store import WeightStore, pack_weights  # noqa: E402
 from moerl.tasks import load_tokenizer  # noqa: E402
 
-PATHS = ("store", "cuda_ipc", "pinned_host", "packed", "buckets")
+PATHS = ("store", "cuda_ipc", "pinned_host", "collective", "packed", "buckets")
 RAY_PATHS = ("packed", "buckets")
 
 
@@ -119,7 +124,9 @@ def floors(weights: dict[str, torch.Tensor], device: torch.device, rounds: int) 
 class SpawnedEngine:
     """The engine process and the trainer's ends of its connections."""
 
-    def __init__(self, cfg: ModelConfig, vocab: int, store_dir: str, publishers: dict, timeout_s: float):
+    def __init__(
+        self, cfg: ModelConfig, vocab: int, store_dir: str, publishers: dict, timeout_s: float, collective=None
+    ):
         ctx = mp.get_context("spawn")
         self.ctrl, child = ctx.Pipe()
         ends = {}
@@ -127,7 +134,7 @@ class SpawnedEngine:
             mine, ends[name] = ctx.Pipe()
             pub.connect(mine)  # the slot handles; the engine maps them on its first poll
         self.proc = ctx.Process(
-            target=engine_main, args=(cfg, vocab, store_dir, child, ends, timeout_s), daemon=True
+            target=engine_main, args=(cfg, vocab, store_dir, child, ends, timeout_s, collective), daemon=True
         )
         self.proc.start()
         self.timeout_s = timeout_s
@@ -200,7 +207,15 @@ def run(
         publishers["pinned_host"] = IpcPublisher(
             weights, bucket_bytes, timeout_s=timeout_s, slot_device="cpu"
         )
-    engine = SpawnedEngine(cfg, vocab, store_dir, publishers, timeout_s)
+    collective = _collective(timeout_s) if "collective" in paths else None
+    engine = SpawnedEngine(cfg, vocab, store_dir, publishers, timeout_s, collective and collective[1])
+    if collective is not None:
+        publishers_c = collective[0]
+        deadline = time.monotonic() + timeout_s
+        while not publishers_c.admit() and not publishers_c.groups:  # the engine's group is built
+            if time.monotonic() > deadline:
+                raise TimeoutError("collective: the engine's weight group was not built")
+            time.sleep(0.01)
     actor = _ray_engines(cfg, vocab, dev) if any(p in RAY_PATHS for p in paths) else None
     paths = tuple(p for p in paths if p not in RAY_PATHS or actor is not None)
     results: dict[str, dict] = {}
@@ -217,7 +232,8 @@ def run(
         "num_tensors": len(weights),
     }
     version = 0
-    sync_args = (store, publishers, engine, actor, bucket_bytes)
+    senders = {**publishers, "collective": collective[0]} if collective is not None else publishers
+    sync_args = (store, senders, engine, actor, bucket_bytes)
     for path in paths:
         try:
             results[path] = _time_path(path, version, rounds, store_rounds, weights, dev, sync_args)
@@ -229,6 +245,8 @@ def run(
     engine.close()
     for pub in publishers.values():
         pub.engines = []
+    if collective is not None:
+        collective[0].close()
     payload = {**head, "results": results, "floors_s": floors(weights, dev, rounds)}
     write_json(name, payload, out_dir)
     _print(payload)
@@ -261,7 +279,7 @@ def _time_path(path, version, rounds, store_rounds, weights, dev, sync_args) -> 
         "rounds_s": times,
         "weights_match": _engine_fingerprint(path, engine, actor) == fingerprint(weights),
     }
-    if path in publishers:
+    if path in publishers and path != "collective":
         out["num_buckets"] = len(publishers[path].plan)
         out["slots_pinned"] = publishers[path].is_pinned
     return out
@@ -272,6 +290,12 @@ def _sync_once(path, version, weights, store, publishers, engine, actor, bucket_
     if path == "store":
         store.publish(version, weights)
         _, receive, copy = engine.ask(("store", version))
+        return receive, copy
+    if path == "collective":  # pack + xxh3 + broadcast each bucket; the engine verifies and applies
+        engine.ctrl.send(("wait", path, version))
+        for bucket in iter_packed(version, weights, bucket_bytes, reuse=True):
+            publishers[path].send(bucket)
+        _, receive, copy = engine.ask(None)
         return receive, copy
     if path in publishers:
         engine.ctrl.send(("wait", path, version))
@@ -287,6 +311,13 @@ def _sync_once(path, version, weights, store, publishers, engine, actor, bucket_
     publisher = BucketPublisher(bucket_bytes, ray.put, ray.get)
     publisher.publish(version, weights, [lambda v, i, n, r: actor.offer_bucket.remote(v, i, n, [r])])
     return None, ray.get(wait)
+
+
+def _collective(timeout_s: float) -> tuple[CollectiveSender, CollectiveSpec, object]:
+    """A rendezvous store on loopback, the trainer's sender, and the engine's group spec."""
+    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = CollectiveAddress("127.0.0.1", master.port, timeout_s)
+    return CollectiveSender(address, admit_every_s=0), CollectiveSpec(address).for_worker(1), master
 
 
 def _engine_fingerprint(path: str, engine: SpawnedEngine, actor) -> dict[str, int]:

@@ -48,9 +48,12 @@ def _apply(engine: Engine, version: int, tensors) -> float:
     return time.perf_counter() - t0
 
 
-def engine_main(cfg: ModelConfig, vocab: int, store_url: str, ctrl, ipc: dict, timeout_s: float) -> None:
+def engine_main(
+    cfg: ModelConfig, vocab: int, store_url: str, ctrl, ipc: dict, timeout_s: float, collective=None
+) -> None:
     """Entry of the engine process. ``ctrl`` answers the trainer's commands; ``ipc``: path name -> the
-    engine's end of that path's ``IpcPublisher`` connection.
+    engine's end of that path's ``IpcPublisher`` connection; ``collective``: the ``CollectiveSpec`` of
+    this engine's weight group (``runtime.weight_sync=collective``), or None.
 
     Commands: ``("store", v)``: load version v from the store and apply it; ``("wait", path, v)``: poll
     that path like a worker between decode steps until v has arrived whole, then apply it;
@@ -62,6 +65,8 @@ def engine_main(cfg: ModelConfig, vocab: int, store_url: str, ctrl, ipc: dict, t
     engine = _engine(cfg, vocab)
     store = WeightStore(store_url, keep=1)
     receivers = {name: IpcReceiver(conn, engine.device, timeout_s=timeout_s) for name, conn in ipc.items()}
+    if collective is not None:  # receives on its own thread, like a rollout worker's
+        receivers["collective"] = collective.open(fallback=None, device=engine.device)
     ctrl.send(("ready",))
     while True:
         command = ctrl.recv()

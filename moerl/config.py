@@ -30,6 +30,7 @@ from moerl.config_engine import check_engine_sizes, engine_slot_tokens  # noqa: 
 from moerl.config_env import EnvConfig, check_episode_run  # noqa: F401 - re-exported
 from moerl.config_fleet import ChaosConfig, FleetConfig  # noqa: F401 - re-exported
 from moerl.config_trainer import TrainerConfig  # noqa: F401 - re-exported
+from moerl.weights.transport import TRANSPORTS, check_transport
 from moerl.configlib import (  # noqa: F401 - re-exported: the config API lives here
     ConfigError,
     apply_overrides,
@@ -271,17 +272,28 @@ class RuntimeConfig:
     store_url: str | None = None
     """Weight store URL (fsspec): local folder or ``s3://bucket/prefix``; ``None``: RUN_DIR/weights."""
     weight_sync: str = "object_store"
-    """How async-mode workers get each new version (``moerl.weights.buckets``): ``object_store``
-    streams it in buckets of ``publish_bucket_mb`` through Ray's object store (one ref per bucket, a
-    version and a checksum per bucket, no whole-model copy; a trainer group streams from its rank 0)
-    and writes the durable store in the background every ``durable_every`` versions; ``cuda_ipc``
-    (``moerl.weights.ipc``), for a trainer and workers sharing a GPU (one host), as hybrid /
-    colocated RL engines do: buckets go through a ring of shared device buffers (CUDA IPC; shared
-    memory on CPU), checksummed on the device, the durable store as with ``object_store`` (needs
-    ``trainer.num_ranks=1``); ``store``: every version is written to the weight store and offered
-    whole (the serialize-and-load path)."""
+    """How async-mode workers get each new version: the name of a transport in
+    ``moerl.weights.transport.TRANSPORTS`` (sync mode always hands weights over in process).
+
+    - ``object_store`` (default): buckets of ``publish_bucket_mb`` through Ray's object store, one ref
+      each, a version and an xxh3 checksum per bucket, no whole-model copy (a trainer group puts them
+      from its rank 0); the durable store written in the background every ``durable_every`` versions.
+      For most runs: nothing to set up, and EP rollout groups are served.
+    - ``collective``: a ``torch.distributed`` group per rollout worker (gloo) between the trainer's
+      sender (trainer rank 0 or the one-process trainer) and every rank of the worker, broadcasting the
+      same checksummed buckets; workers join and leave (a lost worker only loses its group; each
+      collective times out after ``collective_timeout_s``). For moving weights without the object store.
+    - ``cuda_ipc`` (``moerl.weights.ipc``): a trainer and workers sharing a GPU host (hybrid / colocated
+      engines): buckets through a ring of shared device buffers (CUDA IPC; shared memory on CPU),
+      checksummed on the device; needs ``trainer.num_ranks=1`` and ``rollout.ep_size=1``.
+    - ``store``: every version written to the weight store and offered whole (the serialize-and-load
+      path; slowest, simplest)."""
+    collective_timeout_s: float = 60.0
+    """With ``weight_sync=collective``: most seconds a sender-side collective (a worker's group being
+    built, one bucket's broadcast) may take; a worker whose group misses it is dropped (treated as
+    lost: its leases expire and it is replaced), the trainer goes on."""
     durable_every: int = 1
-    """With ``weight_sync=object_store|cuda_ipc``: every this many versions (and version 0, the last one and
+    """With ``weight_sync=object_store|collective|cuda_ipc``: every this many versions (and version 0, the last one and
     each checkpoint's) also go to the weight store, on its background writer thread. The store stays
     the source of truth for recovery and for workers that start later."""
     keep_versions: int = 3
@@ -291,7 +303,7 @@ class RuntimeConfig:
     keep_checkpoints: int = 2
     """Full checkpoints kept in RUN_DIR/checkpoints (newest by step)."""
     publish_bucket_mb: float = 256.0
-    """Bucket size of a version on its way out: with ``weight_sync=object_store|cuda_ipc`` each bucket
+    """Bucket size of a version on its way out: with ``weight_sync=object_store|collective|cuda_ipc`` each bucket
     is one object ref / one slot of the shared ring (whose two slots are the largest bucket); with
     ``trainer.num_ranks > 1`` a version is gathered from the shards in buckets of about this many MiB
     of full tensors (streamed, or one safetensors file each), so no process holds more than one bucket
@@ -303,7 +315,8 @@ class RuntimeConfig:
         check_range("runtime.buffer_groups", self.buffer_groups, 1)
         check_range("runtime.max_staleness", self.max_staleness, 0)
         check_range("runtime.lease_ttl_s", self.lease_ttl_s, 0.0, lo_open=True)
-        check_choice("runtime.weight_sync", self.weight_sync, ["object_store", "cuda_ipc", "store"])
+        check_choice("runtime.weight_sync", self.weight_sync, list(TRANSPORTS))
+        check_range("runtime.collective_timeout_s", self.collective_timeout_s, 0.0, lo_open=True)
         check_range("runtime.durable_every", self.durable_every, 1)
         check_range("runtime.keep_versions", self.keep_versions, 1)
         check_range("runtime.max_materialized_tasks", self.max_materialized_tasks, 1)
@@ -429,11 +442,12 @@ class RunConfig:
             self.rollout.return_routed_experts = True
         _check_expert_parallel(self)
         check_engine_sizes(self)
-        if self.runtime.weight_sync == "cuda_ipc" and self.trainer.num_ranks > 1:
-            raise ConfigError(
-                f"runtime.weight_sync=cuda_ipc needs one trainer process (trainer.num_ranks="
-                f"{self.trainer.num_ranks}); a trainer group streams its buckets with object_store"
+        try:  # each transport checks what it supports (moerl.weights.transport)
+            check_transport(
+                self.runtime, trainer_ranks=self.trainer.num_ranks, rollout_ep_size=self.rollout.ep_size
             )
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         self.fleet.check_bounds(self.rollout.num_workers)
         check_episode_run(self.task.name, self.rollout.return_routed_experts)
         check_group_samples(self, preset.estimator)
@@ -457,8 +471,8 @@ def _num_experts(cfg: RunConfig) -> int | None:
 
 def _check_expert_parallel(cfg: RunConfig) -> None:
     """``trainer.ep_size`` and ``rollout.ep_size`` must divide the routed experts of the policy; an EP
-    rollout group needs processes (async mode), a weight path its followers read (object-store buckets
-    or the store), and a single-turn task (``ConfigError`` otherwise)."""
+    rollout group needs processes (async mode) and a single-turn task (its weight transport is checked
+    by ``check_transport``) (``ConfigError`` otherwise)."""
     num_experts = _num_experts(cfg)
     for name, ep_size in (("trainer.ep_size", cfg.trainer.ep_size), ("rollout.ep_size", cfg.rollout.ep_size)):
         if ep_size > 1 and num_experts is not None and num_experts % ep_size:
@@ -471,11 +485,6 @@ def _check_expert_parallel(cfg: RunConfig) -> None:
         raise ConfigError(
             f"rollout.ep_size={ep_size} needs runtime.mode=async: an EP rollout worker is a group of "
             "processes (Ray actors), and sync mode runs one in-process engine"
-        )
-    if ep_size > 1 and cfg.runtime.weight_sync not in ("object_store", "store"):
-        raise ConfigError(
-            f"rollout.ep_size={ep_size} with runtime.weight_sync={cfg.runtime.weight_sync}: an EP group's "
-            "follower ranks receive weights as object-store buckets or from the store"
         )
     if ep_size > 1 and cfg.task.name == "env":
         raise ConfigError(

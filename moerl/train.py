@@ -302,23 +302,11 @@ class Run:
     def _publish(self, step: int) -> float:
         """Publish the weights every ``publish_every`` steps and at the end; returns the seconds it took."""
         t1 = time.perf_counter()
-        cfg = self.cfg
         if self._is_publish_step(step):
-            # object_store / cuda_ipc: buckets straight to the workers; the store is written in the background
-            # every runtime.durable_every versions (moerl.weights.buckets), and at the end. A trainer
-            # group streams the buckets from its rank 0 as it gathers them (a BucketStreamer).
-            is_streamed = cfg.runtime.mode == "async" and cfg.runtime.weight_sync != "store"
-            if not is_streamed:
-                self.trainer.publish(self.store)
-            is_group = isinstance(self.trainer, TrainerGroup)
-            weights = self.trainer if is_streamed and is_group else self.trainer.named_weights()
-            # is_stored: the store has this version already; the rollouts must not write it again
-            self.rollouts.push_weights(self.trainer.version, weights, is_stored=not is_streamed)
+            # trainer -> transport -> workers (runtime.weight_sync, moerl.weights.transport); sync mode
+            # hands the weights over in process; the last version is in the store once this returns
+            self.rollouts.publish(self.trainer, is_final=step == self.cfg.trainer.steps)
             self.pushed_version = self.trainer.version
-            if is_streamed and step == cfg.trainer.steps:
-                self.store.flush()
-                if (latest := self.store.latest()) is None or latest.version < self.trainer.version:
-                    self.trainer.publish(self.store)
         return time.perf_counter() - t1
 
     def _is_publish_step(self, step: int) -> bool:

@@ -141,11 +141,11 @@ def restart_and_publish(
 
     Args:
         trainer: the new trainer, a ``Trainer`` or a sharded trainer group (``version_offset``,
-            ``version``, ``publish``, ``named_weights``); its ``version_offset`` is set here.
+            ``version``, ``publish``, ``named_weights``, ``stream_buckets``); its ``version_offset`` is set here.
         load: loads the newest full checkpoint into ``trainer`` and returns its step (0: none).
         run: the run folder (``RunDir``): its ledger and metrics are cut back (``rewind``).
         store: the ``WeightStore``.
-        rollouts: the rollout side (``requeue``, ``push_weights``): ``Rollouts`` or the fleet.
+        rollouts: the rollout side (``requeue``, ``publish``): ``Rollouts`` or the fleet.
         journal, failed_step: as for ``restart_trainer``.
         newest_pushed: newest version sent to the workers (the store may be older).
 
@@ -162,7 +162,7 @@ def restart_and_publish(
         newest_version=max(latest.version if latest is not None else 0, newest_pushed),
     )
     trainer.publish(store)
-    rollouts.push_weights(trainer.version, trainer.named_weights(), is_stored=True)  # published just above
+    rollouts.publish(trainer, is_stored=True)  # written just above: the transport sends it on
     return report
 
 
@@ -186,7 +186,7 @@ def recover_trainer(
         store: the ``WeightStore``.
         newest_pushed: newest version sent to the workers (with ``runtime.weight_sync=object_store``
             the store may hold only every ``durable_every``-th); the restored weights get a newer one.
-        rollouts: the rollout side (``requeue``, ``push_weights``).
+        rollouts: the rollout side (``requeue``, ``publish``).
         journal: tasks consumed per step since the last full checkpoint.
         failed_step: last step the dead trainer finished.
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping
 
-import torch
 
 from moerl.config import RunConfig
 from moerl.runtime.accounting import FleetState
@@ -24,6 +22,8 @@ from moerl.runtime.fleet import WorkerHealth, WorkerRecord, WorkerState
 from moerl.runtime.queue import QueueStats, TaskQueue
 from moerl.records import Group, RolloutTask
 from moerl.weights.sources import LocalWeights
+from moerl.weights.store import WeightStore
+from moerl.weights.transport import WeightHolder
 from moerl.runtime.worker import RolloutWorker, WorkerStats
 
 _NEVER = ("fleet/interruptions", "fleet/drained", "fleet/killed", "fleet/lost_work_frac")
@@ -36,13 +36,20 @@ class LocalRollouts:
         queue: the task queue.
         buffer: the experience buffer over ``queue``.
         worker: the one rollout worker, polling ``weights``.
-        weights: where ``push_weights`` hands the trainer's weights over.
+        weights: where ``publish`` hands the trainer's weights over (in process).
+        store: the run's weight store, written at every ``publish`` (None: not written from here).
     """
 
     def __init__(
-        self, queue: TaskQueue, buffer: ExperienceBuffer, worker: RolloutWorker, weights: LocalWeights
+        self,
+        queue: TaskQueue,
+        buffer: ExperienceBuffer,
+        worker: RolloutWorker,
+        weights: LocalWeights,
+        store: WeightStore | None = None,
     ) -> None:
         self.queue, self.buffer, self.worker, self.weights = queue, buffer, worker, weights
+        self.store = store
 
     @classmethod
     def start(cls, cfg: RunConfig, comp: Components, version: int, parts: dict | None) -> LocalRollouts:
@@ -59,7 +66,7 @@ class LocalRollouts:
         worker = make_worker(
             cfg, "local-0", model, comp.task, comp.tokenizer, queue, buffer, weights, version=-1
         )
-        rollouts = cls(queue, buffer, worker, weights)
+        rollouts = cls(queue, buffer, worker, weights, comp.store)
         if parts is not None:
             rollouts.load_state_dict(parts)
         return rollouts
@@ -76,13 +83,15 @@ class LocalRollouts:
         gen_s = time.perf_counter() - start
         return self.buffer.get(n, timeout=0), gen_s, 0.0
 
-    def push_weights(
-        self, version: int, tensors: Mapping[str, torch.Tensor], *, is_stored: bool = False
-    ) -> None:
-        """Hand the trainer's new weights to the worker and advance the staleness clock (``is_stored``
-        does not matter here: sync mode never writes the store from the rollouts)."""
-        self.weights.push(version, tensors)
-        self.buffer.set_version(version)
+    def publish(self, trainer: WeightHolder, *, is_stored: bool = False, is_final: bool = False) -> None:
+        """The in-process weight hand-off of sync mode: write the trainer's version to the store (unless
+        ``is_stored``: the caller did), hand its tensors to the worker (``LocalWeights``, copied by the
+        engine on its next poll) and advance the staleness clock. ``is_final`` changes nothing here:
+        every version is stored."""
+        if not is_stored and self.store is not None:
+            trainer.publish(self.store)
+        self.weights.push(trainer.version, trainer.named_weights())
+        self.buffer.set_version(trainer.version)
 
     def requeue(self, task: RolloutTask) -> None:
         """Hand a trained task back to the queue (its training was lost with a trainer restart)."""

@@ -1,6 +1,6 @@
 """The rollout side as the run (``moerl.train``) sees it: one declared interface, two implementations.
 
-    trainer --next_groups--> Rollouts --push_weights--> workers
+    trainer --next_groups--> Rollouts --publish--> workers (through the weight transport)
                               (queue -> lease -> generate -> score -> buffer)
 
 - ``LocalRollouts`` (``moerl.runtime.local``, sync mode): queue, buffer and one worker in the driver
@@ -14,10 +14,7 @@ the queue (tasks back on a trainer restart) and the weights (versions out).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Protocol
-
-import torch
 
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
@@ -25,6 +22,7 @@ from moerl.runtime.fleet import WorkerRecord
 from moerl.runtime.queue import QueueStats
 from moerl.records import Group, RolloutTask
 from moerl.runtime.worker import WorkerStats
+from moerl.weights.transport import WeightHolder
 
 
 class Rollouts(Protocol):
@@ -38,14 +36,12 @@ class Rollouts(Protocol):
         """
         ...
 
-    def push_weights(
-        self, version: int, tensors: Mapping[str, torch.Tensor], *, is_stored: bool = False
-    ) -> None:
-        """Offer the trainer's weights of policy ``version`` and advance the buffer's staleness clock to
-        it. ``is_stored``: the caller already wrote this version to the weight store (trainer recovery),
-        so a streaming implementation must not write it again. ``RayRollouts`` also takes a trainer
-        group as ``tensors`` (a ``moerl.weights.buckets.BucketStreamer``: its rank 0 streams the
-        buckets itself)."""
+    def publish(self, trainer: WeightHolder, *, is_stored: bool = False, is_final: bool = False) -> None:
+        """Send ``trainer``'s current version to the workers and advance the buffer's staleness clock to
+        it: in process (sync), or through the run's weight transport (``runtime.weight_sync``,
+        ``moerl.weights.transport``), which asks the trainer for its buckets or tensors. ``is_stored``:
+        the caller already wrote this version to the weight store (trainer recovery), so it is not
+        written again; ``is_final``: the run's last version, in the store once this returns."""
         ...
 
     def requeue(self, task: RolloutTask) -> None:

@@ -48,7 +48,9 @@ from moerl.trainer.batch import TrainBatch, build_train_batch
 from moerl.trainer.checkpoint import capture_rng_state, save_checkpoint
 from moerl.trainer.shared_prefix import shared_prefix_forward, split_shared_prefix
 from moerl.records import Group, WeightVersion
+from moerl.weights.buckets import StreamedVersion
 from moerl.weights.store import WeightStore
+from moerl.weights.transports import stream_named
 
 IGNORE_INDEX = -100
 
@@ -453,6 +455,11 @@ class LocalTrainer:
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The policy's parameters and buffers by ``state_dict`` name, detached (shares storage)."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def stream_buckets(self, sink, bucket_bytes: int) -> StreamedVersion:
+        """Pack the current version in buckets of about ``bucket_bytes`` (one reused staging buffer) and
+        send each to ``sink`` (a ``moerl.weights.transport.BucketSink``); what a weight transport asks."""
+        return stream_named(self.version, self.named_weights(), bucket_bytes, sink)
 
     def publish(self, store: WeightStore) -> WeightVersion | None:
         """Write the current weights to ``store`` as version ``self.version`` (atomic, manifest last).

@@ -14,8 +14,9 @@ store and dropped before the next one is packed (the durable write reads the obj
 without copying it). A worker holds the buckets of one incoming version (zero-copy views of the object
 store's memory) until it switches; a newer version's first bucket replaces an unfinished older one.
 
-The checksum is xxHash3-64 (https://github.com/Cyan4973/xxHash) of the bucket's bytes: it catches a
-bucket that was truncated, mixed up with another version's or corrupted, at several GB/s per core;
+The checksum is xxHash3-64 (https://github.com/Cyan4973/xxHash) of the bucket's (name, dtype, shape,
+offset) table and bytes: it catches a bucket that was truncated, mixed up with another version's or
+corrupted, a table that no longer describes its bytes, at several GB/s per core;
 the store keeps its own sha256 per file.
 """
 
@@ -27,9 +28,8 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ class WeightBucket:
     entries: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
     """(name, dtype, shape, byte offset in ``data``) of each tensor."""
     checksum: str
-    """xxh3-64 hex digest of ``data``."""
+    """xxh3-64 hex digest of the entry table and ``data`` (``bucket_digest``)."""
     data: np.ndarray
     """[nbytes] uint8: the tensors' bytes, each at a multiple of 64."""
 
@@ -63,6 +63,15 @@ class WeightBucket:
     def nbytes(self) -> int:
         """Bytes of ``data``."""
         return int(self.data.nbytes)
+
+
+def bucket_digest(entries, data: np.ndarray) -> str:
+    """xxh3-64 hex digest of a bucket: its (name, dtype, shape, offset) table, then its bytes, so that a
+    table damaged or mixed up in transit (a wrong shape or dtype over the right bytes) fails it too."""
+    h = xxhash.xxh3_64()
+    h.update(";".join(f"{n}|{d}|{','.join(map(str, s))}|{o}" for n, d, s, o in entries).encode())
+    h.update(data)
+    return h.hexdigest()
 
 
 def bucket_bytes_of(publish_bucket_mb: float) -> int:
@@ -125,7 +134,8 @@ def pack_bucket(
     if on_cuda:
         torch.cuda.synchronize()  # the non-blocking copies must land before the bytes are hashed
     array = data.numpy()
-    return WeightBucket(version, index, num_buckets, tuple(entries), xxhash.xxh3_64_hexdigest(array), array)
+    entries = tuple(entries)
+    return WeightBucket(version, index, num_buckets, entries, bucket_digest(entries, array), array)
 
 
 def unpack_bucket(bucket: WeightBucket, *, verify: bool = True) -> list[tuple[str, torch.Tensor]]:
@@ -133,10 +143,10 @@ def unpack_bucket(bucket: WeightBucket, *, verify: bool = True) -> list[tuple[st
     object store's, so copy them into parameters, never write them).
 
     Raises:
-        ChecksumError: ``verify`` and the bytes do not match the bucket's checksum.
+        ChecksumError: ``verify`` and the table and bytes do not match the bucket's checksum.
     """
     if verify:
-        digest = xxhash.xxh3_64_hexdigest(bucket.data)
+        digest = bucket_digest(bucket.entries, bucket.data)
         if digest != bucket.checksum:
             raise ChecksumError(
                 f"weight bucket {bucket.index + 1}/{bucket.num_buckets} of version {bucket.version}: "
@@ -192,25 +202,17 @@ def bucket_offer(worker) -> Callable[[int, int, int, object], None]:
 
 @dataclass(frozen=True, slots=True)
 class StreamedVersion:
-    """A version whose buckets were packed and put where the weights live (a trainer group's rank 0)."""
+    """A version whose buckets were packed and sent where the weights live (``stream_buckets``)."""
 
     version: int
     """The version sent."""
     refs: tuple
-    """Object refs of its buckets, in index order (owned by the process that put them)."""
+    """What the sink returned for each bucket, in index order: object refs (owned by the process that put
+    them) with ``object_store``, None with ``collective``."""
     nbytes: int
     """Bucket bytes of the version (what each worker fetches)."""
     seconds: float
     """Wall seconds from the first bucket's gather to the last bucket's offer."""
-
-
-class BucketStreamer(Protocol):
-    """A trainer that streams its own buckets to the workers (``moerl.trainer.distributed.TrainerGroup``: rank 0
-    gathers each bucket from the shards, packs it, puts it and offers it to every worker)."""
-
-    def async_stream_buckets(self, workers: Sequence) -> StreamedVersion:
-        """Stream the current version to the rollout worker actors ``workers``; returns its refs."""
-        ...
 
 
 @dataclass(slots=True)
@@ -227,6 +229,9 @@ class SyncStats:
     """Bytes of the last applied version."""
     dropped_versions: int = 0
     """Versions given up unfinished because a newer one started arriving."""
+    refused_buckets: int = 0
+    """Buckets refused on arrival (checksum mismatch, or not of the version/index they came as); their
+    version is never switched to."""
 
 
 @dataclass(slots=True)
@@ -312,6 +317,7 @@ class BucketAssembler:
         with self._lock:
             if problem is not None:
                 log.error("weight bucket %d of version %d dropped: %s", index, version, problem)
+                self.stats.refused_buckets += 1
                 self._bad_versions.add(version)
                 if self._incoming is cur:
                     self._incoming = None

@@ -14,7 +14,7 @@ METHODS = [name for name, _ in inspect.getmembers(Rollouts, inspect.isfunction) 
 def test_the_protocol_declares_what_the_run_calls():
     assert {
         "next_groups",
-        "push_weights",
+        "publish",
         "requeue",
         "worker_stats",
         "state_dict",

@@ -188,3 +188,17 @@ def test_version_lag_counts_each_answer_once_against_its_pings_version():
     assert version_lags([rec], 30, seen) == {}  # the same answer, 20 steps later: not counted again
     rec.last_seen, rec.health = 2.0, WorkerHealth(policy_version=31)  # engine moved past the ping's version
     assert version_lags([rec], 30, seen) == {"w0": 0}
+
+
+def test_the_checksum_covers_the_table_a_bucket_with_a_wrong_table_is_refused():
+    named = {"a": torch.arange(12, dtype=torch.float32), "b": torch.ones(4, 2)}
+    (bucket,) = list(iter_packed(1, named, 1 << 20))
+    name, dtype, shape, offset = bucket.entries[0]
+    lying = dataclasses.replace(bucket, entries=((name, dtype, (3, 4), offset), *bucket.entries[1:]))  # same bytes
+    with pytest.raises(ChecksumError):
+        unpack_bucket(lying)
+    assembler = BucketAssembler(lambda b: b, background=False)
+    assembler.offer(1, 0, 1, lying)
+    assert assembler.poll(0) is None and assembler.stats.refused_buckets == 1
+    assembler.offer(2, 0, 1, dataclasses.replace(bucket, version=2))  # the true table: taken
+    assert assembler.poll(1)[0] == 2

@@ -1,5 +1,6 @@
 """RolloutWorker: lease -> generate -> score -> put (settles the lease), weight sync, refusals, sync fleet."""
 
+from types import SimpleNamespace
 import pytest
 import torch
 from _tiny import tiny_model
@@ -115,7 +116,7 @@ def test_local_fleet_generates_exactly_a_batch_on_policy():
     fleet = LocalRollouts(queue, buffer, worker, worker.weights)
     groups, gen_s, wait_s = fleet.next_groups(3)
     assert len(groups) == 3 and gen_s > 0 and wait_s == 0.0 and fleet.buffer_metrics().depth == 0
-    fleet.push_weights(1, model.state_dict())
+    fleet.publish(SimpleNamespace(version=1, named_weights=model.state_dict))  # no store: not written
     groups, _, _ = fleet.next_groups(2)
     assert {g.min_policy_version for g in groups} == {1}
     state = fleet.final_state()

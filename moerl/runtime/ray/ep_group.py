@@ -20,8 +20,9 @@ A follower lost under a running leader fails the leader's next step with ``EPGro
 loop ends as ``crashed`` (its leases released to the queue) and the fleet replaces the whole group.
 
 Weights: a follower receives every bucket its leader is offered (forwarded refs, no copy through the
-leader) and, told to switch to version v, takes v from its assembler, else from the weight store
-(at start, or with ``runtime.weight_sync=store``), waiting up to ``weight_wait_s`` for late buckets.
+leader) or, with ``runtime.weight_sync=collective``, is a rank of its worker's weight group itself;
+told to switch to version v, it takes v from its receiver, else from the weight store (at start, or
+with ``runtime.weight_sync=store``), waiting up to ``weight_wait_s`` for late buckets.
 From buckets it reads only its experts' rows (the bucket tensors are zero-copy views of the object
 store); a store load reads the whole version once. Either way ``EPEngine.update_weights`` copies only
 the local experts into the rank's parameters, so no rank holds the other ranks' experts.
@@ -88,14 +89,13 @@ class FollowerWeights:
     """A follower's source of policy versions: the buckets its leader forwards, else the store.
 
     Args:
-        assembler: fed by ``offer_bucket``; complete versions are kept until asked for.
+        assembler: this rank's receiver of the run's weight transport (a ``BucketAssembler`` fed by
+            ``offer_bucket``, or its own ``CollectiveReceiver``); complete versions are kept until asked for.
         store: the run's weight store.
         weight_wait_s: how long ``load`` waits for a version's last buckets.
     """
 
-    def __init__(
-        self, assembler: BucketAssembler, store: WeightStore, *, weight_wait_s: float = 60.0
-    ) -> None:
+    def __init__(self, assembler, store: WeightStore, *, weight_wait_s: float = 60.0) -> None:
         self.assembler = assembler
         self.store = store
         self.weight_wait_s = weight_wait_s
@@ -145,9 +145,13 @@ class EPFollowerActor:
         rank: this EP rank.
         init_path: HF folder the model is built from, or None.
         store_url: the weight store.
+        weights: the worker's ``ReceiverSpec`` (``moerl.weights.transport``), opened here as EP rank
+            ``rank``; None: buckets forwarded by the leader only.
     """
 
-    def __init__(self, cfg: RunConfig, worker_id: str, rank: int, init_path: str | None, store_url: str):
+    def __init__(
+        self, cfg: RunConfig, worker_id: str, rank: int, init_path: str | None, store_url: str, weights=None
+    ):
         torch.set_num_threads(int(os.environ.get("MOERL_ACTOR_THREADS", "1")))
         keep_freed_memory()
         torch.manual_seed(cfg.seed)
@@ -156,7 +160,13 @@ class EPFollowerActor:
         self._model = load_policy(cfg, init_path, load_run_tokenizer(cfg, init_path).vocab_size)
         options = cfg.storage.options if is_remote(store_url) else None
         store = WeightStore(store_url, keep=cfg.runtime.keep_versions, storage_options=options)
-        self.weights = FollowerWeights(BucketAssembler(_ray().get), store)
+        device = next(self._model.parameters()).device
+        source = (
+            BucketAssembler(_ray().get)
+            if weights is None
+            else weights.open(fallback=None, device=device, rank=rank)
+        )
+        self.weights = FollowerWeights(source, store)
         self.ep: EPEngine | None = None
 
     def pid(self) -> int:
@@ -219,6 +229,7 @@ class EPRolloutGroup:
         cfg: the run config (``rollout.ep_size``, ``rollout.ep_dispatcher``, ``fleet.heartbeat_timeout_s``).
         worker_id: the leader's worker id; followers are named ``<worker_id>-ep<r>-<leader pid>``.
         init_path, store_url: as ``RolloutWorkerActor``'s.
+        weights: the worker's ``ReceiverSpec`` (its followers open it as their ranks), or None.
         place_timeout_s: most seconds to wait for the placement group and the followers' models.
 
     Raises:
@@ -232,6 +243,7 @@ class EPRolloutGroup:
         init_path: str | None,
         store_url: str,
         *,
+        weights=None,
         place_timeout_s: float = 120.0,
     ) -> None:
         ray = _ray()
@@ -262,7 +274,7 @@ class EPRolloutGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=r - 1
                 ),
-            ).remote(cfg, worker_id, r, init_path, store_url)
+            ).remote(cfg, worker_id, r, init_path, store_url, weights)
             for r in range(1, size)
         ]
         self.engine: EPGroupEngine | None = None

@@ -3,8 +3,8 @@
     driver (Trainer) --get--> ExchangeActor [ExperienceBuffer --settle/requeue--> TaskQueue]
           |                         ^ put_many                              ^ lease / heartbeat
           |                         +----------- RolloutWorkerActor x N ----+
-          +--publish--> WeightStore (source of truth) <--poll-- workers
-          +--ray.put(weights)--> object store --offer_weights--> workers (faster path, same versions)
+          +--publish--> WeightTransport (runtime.weight_sync) --> workers; WeightStore in the background
+                        (the source of truth: workers load its newest version at start)
 
 Resources declared per actor (a cluster maps them onto node groups):
 
@@ -35,7 +35,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -46,8 +46,6 @@ from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager, WorkerRecord
-from moerl.weights.ipc_slots import IpcListener
-from moerl.weights.ipc import IpcPublisher
 from moerl.runtime.notice import notice_file_for
 from moerl.runtime.queue import QueueStats
 from moerl.runtime.ray.address import ray_head
@@ -56,8 +54,8 @@ from moerl.runtime.ray.exchange import ExchangeActor
 from moerl.runtime.ray.worker_actor import RolloutWorkerActor
 from moerl.run.storage import stage_model_folder
 from moerl.records import Group, RolloutTask
-from moerl.weights.buckets import BucketPublisher, BucketStreamer, bucket_bytes_of, bucket_offer
-from moerl.weights.store import WeightStore, pack_weights
+from moerl.weights.store import WeightStore
+from moerl.weights.transport import WeightHolder, make_transport
 from moerl.runtime.worker import WorkerStats
 
 
@@ -142,8 +140,9 @@ class RayRollouts:
         parts: checkpoint parts with ``queue`` and ``buffer`` state to restore, or None.
         notice_dir: the folder of the workers' notice files (``<worker_id>.json``) when
             ``fleet.notice_file`` is unset; None: notices by actor call only.
-        store: the run's weight store, written in the background every ``runtime.durable_every``
-            versions with ``runtime.weight_sync=object_store`` (None: never written from here).
+        store: the run's weight store, written by the weight transport (``runtime.weight_sync``,
+            ``moerl.weights.transport``) every ``runtime.durable_every`` versions (None: never written
+            from here).
     """
 
     def __init__(
@@ -177,26 +176,15 @@ class RayRollouts:
         )
         notices = None if notice_dir is None else str(notice_dir)
         self.cfg = cfg
-        self.publisher = BucketPublisher(
-            bucket_bytes_of(cfg.runtime.publish_bucket_mb),
-            ray.put,
-            ray.get,
-            store,
-            durable_every=cfg.runtime.durable_every,
-        )
-
-        # runtime.weight_sync=cuda_ipc: workers on this host connect here; the ring is made at the first push
-        self.ipc_listener = IpcListener() if cfg.runtime.weight_sync == "cuda_ipc" else None
-        self.ipc: IpcPublisher | None = None
-        ipc_address = (
-            None if self.ipc_listener is None else (self.ipc_listener.address, self.ipc_listener.authkey)
-        )
+        # runtime.weight_sync: trainer -> transport -> workers (moerl.weights.transport)
+        self.transport = make_transport(cfg.runtime, store)
+        weights = self.transport.receiver_spec()
 
         def spawn(wid: str):
             handle = worker_cls.remote(
-                cfg, wid, init_path, store_url, self.exchange, notices, ipc_address=ipc_address
+                cfg, wid, init_path, store_url, self.exchange, notices, weights=weights
             )
-            self._offer_newest(handle)  # after its own store load: a version newer than the store's
+            self.transport.offer_newest(handle)  # after its own store load: a version newer than the store's
             return handle
 
         self.backend = RayWorkerBackend(
@@ -268,72 +256,28 @@ class RayRollouts:
         self._snapshot = None
         return groups, gen_s, now - start
 
-    def push_weights(
-        self,
-        version: int,
-        tensors: Mapping[str, torch.Tensor] | BucketStreamer,
-        *,
-        is_stored: bool = False,
-    ) -> None:
-        """Advance the staleness clock and offer the new weights via the object store.
+    def publish(self, trainer: WeightHolder, *, is_stored: bool = False, is_final: bool = False) -> None:
+        """Send the trainer's current version through the run's weight transport and advance the
+        staleness clock to it.
 
-        ``tensors``: the named weights, or (``runtime.weight_sync=object_store``) a ``BucketStreamer``, a
-        trainer group whose rank 0 puts and offers each bucket itself as it gathers it (no whole-model
-        copy anywhere; the refs come back here for the durable write and for workers started later).
-        The version goes to the exchange without waiting (workers' admissions see it a round trip
-        later); the next ``next_groups`` carries it too, so the trainer's batch is always taken at it.
+        The transport asks the trainer for its buckets (a trainer group's rank 0 sends them itself) and
+        moves them to the workers; nothing passes through here. The version goes to the exchange without
+        waiting (workers' admissions see it a round trip later); the next ``next_groups`` carries it
+        too, so the trainer's batch is always taken at it. ``is_stored``: the caller already wrote the
+        version to the store; ``is_final``: the run's last version, made durable before returning.
         """
-        import ray
-
+        version = trainer.version
         self._version, self._snapshot = version, None
         self.exchange.set_version.remote(version)
         workers = self.backend.alive_handles()
         t0 = time.perf_counter()
-        durable = False if is_stored else None
-        if not isinstance(tensors, Mapping):  # a trainer group streams from its rank 0 (weight_sync.py)
-            report = self.publisher.adopt(
-                tensors.async_stream_buckets(workers), len(workers), durable=durable
-            )
-            moved = report.bytes_moved
-        elif self.cfg.runtime.weight_sync == "cuda_ipc":  # shared buffers on this host (ipc_sync.py)
-            moved = self._push_ipc(version, tensors, durable)
-        elif self.cfg.runtime.weight_sync == "object_store":  # buckets, one ref each (weight_sync.py)
-            offers = [bucket_offer(w) for w in workers]
-            report = self.publisher.publish(version, tensors, offers, durable=durable)
-            moved = report.bytes_moved
-        else:
-            packed = pack_weights(tensors)  # one flat buffer: the fast out-of-band serialization
-            ref = ray.put(packed)
-            for w in workers:
-                w.offer_weights.remote(version, [ref])
-            moved = packed.data.nbytes * len(workers)
-        self._sync_values = {"timing/weight_sync_s": time.perf_counter() - t0, "weights/sync_bytes": moved}
-
-    def _push_ipc(self, version: int, tensors: Mapping[str, torch.Tensor], durable: bool | None) -> int:
-        """``runtime.weight_sync=cuda_ipc``: the version through the ring of shared buffers to every
-        connected worker (new connections joined first); the store in the background every
-        ``durable_every`` versions (from a host copy taken now). Returns the bytes moved."""
-        if self.ipc is None:
-            self.ipc = IpcPublisher(tensors, bucket_bytes_of(self.cfg.runtime.publish_bucket_mb))
-        for conn in self.ipc_listener.take_new():
-            self.ipc.connect(conn)
-        report = self.ipc.publish(version, tensors)
-        store = self.publisher.store
-        if store is not None and (
-            version % self.cfg.runtime.durable_every == 0 if durable is None else durable
-        ):
-            store.publish_in_background(version, tensors)
-        return report.nbytes * report.num_engines
-
-    def _offer_newest(self, worker) -> None:
-        """Offer a (new) worker the buckets of the newest streamed version, if any: with
-        ``runtime.durable_every > 1`` the store it loads at start may be older."""
-        last = self.publisher.last
-        if last is None or self.cfg.runtime.weight_sync != "object_store":
-            return
-        offer = bucket_offer(worker)
-        for i, ref in enumerate(self.publisher.refs):
-            offer(last.version, i, last.num_buckets, ref)
+        report = self.transport.publish(trainer, workers, durable=False if is_stored else None)
+        self._sync_values = {
+            "timing/weight_sync_s": time.perf_counter() - t0,
+            "weights/sync_bytes": report.bytes_moved,
+        }
+        if is_final:
+            self.transport.finish(trainer)
 
     def sync_values(self) -> dict[str, float]:
         """The step's weight-sync metrics: trainer side of the last push (``timing/weight_sync_s``,
@@ -479,11 +423,7 @@ class RayRollouts:
         ray.wait(exits, num_returns=len(exits), timeout=5.0)
         for actor in actors:
             ray.kill(actor)  # no-op for an actor that has exited
-        if self.ipc_listener is not None:
-            self.ipc_listener.close()
-        if self.ipc is not None:  # the workers are gone: no acknowledgement is awaited
-            self.ipc.engines = []
-            self.ipc.ring.close()
+        self.transport.close()
 
 
 def _get_alive(refs: list) -> list:

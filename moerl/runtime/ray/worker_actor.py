@@ -4,8 +4,9 @@
 ``RolloutWorker`` loop as sync mode. It serves three threads: the generation loop (``run``) and control
 calls (``health``, ``pause``/``unpause``, ``stop``, ``notify``, ``offer_weights``). Its queue is a
 ``QueueProxy`` (blocking calls to the exchange actor) and its buffer a ``BufferProxy`` whose deliveries are
-not waited for (``moerl.runtime.delivery``). Newer weights come through the object store
-(``offer_weights``), else from polling the weight store.
+not waited for (``moerl.runtime.delivery``). Newer weights come through the run's weight transport
+(``runtime.weight_sync``, ``moerl.weights.transport``: offers by object ref, a collective group, or a
+shared ring), else from polling the weight store; a failed transport loses the worker (``crashed``).
 
 With ``rollout.ep_size > 1`` the actor is EP rank 0 of a group (``moerl.runtime.ray.ep_group``): it starts
 the follower ranks, drives them through its ``EPGroupEngine``, forwards them every weight bucket, and
@@ -33,15 +34,13 @@ from moerl.runtime.build import load_policy, make_worker
 from moerl.runtime.chaos import Slowdown
 from moerl.runtime.drain import Drainer
 from moerl.runtime.fleet import WorkerExit, WorkerHealth
-from moerl.weights.ipc_slots import connect
-from moerl.weights.ipc import IpcReceiver
 from moerl.runtime.notice import watcher_from_config
 from moerl.runtime.ray.ep_group import EPRolloutGroup
 from moerl.run.storage import is_remote, local_model_folder
 from moerl.records import Group, Lease, PartialResponse, Settlement
-from moerl.weights.sources import StoreWeights
-from moerl.weights.buckets import BucketAssembler
-from moerl.weights.store import WeightStore, unpack_weights
+from moerl.weights.sources import CheckedWeights, StoreWeights, parameter_set
+from moerl.weights.collective import WeightTransportError
+from moerl.weights.store import WeightStore
 from moerl.tasks import make_task
 from moerl.tasks.tokenizer import load_run_tokenizer
 from moerl.runtime.counters import comm_error_counts
@@ -111,28 +110,6 @@ class BufferProxy:
         return RayPending(self.handle.put_many.remote(groups, timeout=timeout))
 
 
-class OfferedWeights:
-    """Weights offered through the object store, falling back to polling the weight store."""
-
-    def __init__(self, store_source: StoreWeights) -> None:
-        self.store_source = store_source
-        self._offer: tuple[int, object] | None = None
-        self._lock = threading.Lock()
-
-    def offer(self, version: int, ref) -> None:
-        """Weights of ``version`` as an object ref of ``PackedWeights`` (replaces an unclaimed offer)."""
-        with self._lock:
-            self._offer = (version, ref)
-
-    def poll(self, version: int):
-        """The offered weights if newer than ``version``, else the store's newer version, else None."""
-        with self._lock:
-            offer, self._offer = self._offer, None
-        if offer is not None and offer[0] > version:
-            return offer[0], unpack_weights(_ray().get(offer[1]))
-        return self.store_source.poll(version)
-
-
 class RolloutWorkerActor:
     """A ``RolloutWorker`` in its own process (module docstring).
 
@@ -143,8 +120,8 @@ class RolloutWorkerActor:
         store_url: the weight store.
         exchange: the exchange actor's handle (queue and buffer).
         notice_dir: where the worker's notice file is when ``fleet.notice_file`` is unset, or None.
-        ipc_address: (Unix socket, auth key) of the trainer's ``IpcListener`` with
-            ``runtime.weight_sync=cuda_ipc``, or None.
+        weights: the run's weight transport's ``ReceiverSpec`` (``moerl.weights.transport``); None: the
+            weight store only.
     """
 
     def __init__(
@@ -155,7 +132,7 @@ class RolloutWorkerActor:
         store_url: str,
         exchange,
         notice_dir: str | None = None,
-        ipc_address: tuple[str, bytes] | None = None,
+        weights=None,
     ):
         torch.set_num_threads(int(os.environ.get("MOERL_ACTOR_THREADS", "1")))
         keep_freed_memory()  # no page faults on each step's activations (moerl.allocator)
@@ -165,17 +142,14 @@ class RolloutWorkerActor:
         model = load_policy(cfg, init_path, tokenizer.vocab_size)
         options = cfg.storage.options if is_remote(store_url) else None  # endpoint, region, profile
         store = WeightStore(store_url, keep=cfg.runtime.keep_versions, storage_options=options)
-        self.weights = OfferedWeights(StoreWeights(store))
-        # runtime.weight_sync=object_store: buckets fetched on a thread, applied once a version is whole
-        self.buckets = BucketAssembler(_ray().get, fallback=self.weights)
-        # runtime.weight_sync=cuda_ipc: the trainer's shared buffers, received on a thread (ipc_sync.py)
-        self.ipc = None
-        if ipc_address is not None:
-            device = next(model.parameters()).device
-            self.ipc = IpcReceiver(connect(*ipc_address), device, fallback=self.weights, background=True)
-        source = {"object_store": self.buckets, "cuda_ipc": self.ipc}.get(
-            cfg.runtime.weight_sync, self.weights
-        )
+        # runtime.weight_sync: this worker's end of the transport (each EP rank opens its own), polled
+        # between scheduler steps; the store is the fallback (and where the first version comes from)
+        spec = None if weights is None else weights.for_worker(cfg.rollout.ep_size)
+        fallback = StoreWeights(store)
+        device = next(model.parameters()).device
+        source = fallback if spec is None else spec.open(fallback=fallback, device=device, rank=0)
+        # a version switches only if its tensors are this policy's (names, dtypes, shapes; before sharding)
+        self.source = CheckedWeights(source, parameter_set(model))
         self._pause = threading.Event()
         self._paused = threading.Event()
         self._stop = threading.Event()
@@ -183,7 +157,7 @@ class RolloutWorkerActor:
         # rollout.ep_size > 1: this actor is EP rank 0; its followers start in a placement group
         self.group = None
         if cfg.rollout.ep_size > 1:
-            self.group = EPRolloutGroup(cfg, worker_id, init_path, store_url)
+            self.group = EPRolloutGroup(cfg, worker_id, init_path, store_url, weights=spec)
         self.worker = make_worker(
             cfg,
             worker_id,
@@ -192,7 +166,7 @@ class RolloutWorkerActor:
             tokenizer,
             QueueProxy(exchange, version_of=self._weights_version),
             BufferProxy(exchange),
-            source or self.weights,
+            self.source,
             version=-1,
             pause_point=self._pause_point,
             engine=None if self.group is None else self.group.start(model),
@@ -238,11 +212,13 @@ class RolloutWorkerActor:
                 reason, report = "drained", self.drainer.drain(self.worker, self.watcher.notice)
         except BufferClosed:
             pass
-        except EPGroupError as e:  # a rank of the group died or hung: the worker is lost, as if killed
-            reason, error = "crashed", str(e)
+        except (EPGroupError, WeightTransportError) as e:  # a rank died or hung, or its weight group
+            reason, error = "crashed", str(e)  # failed: the worker is lost, as if killed
         finally:
             self._paused.set()
             self.worker.release_all()
+            if hasattr(self.source, "close"):
+                self.source.close()
             if self.group is not None:
                 self.group.close()
             self.watcher.stop(resend_sigterm_after_s=1.0)  # a SIGTERM notice: exit once the result is out
@@ -272,8 +248,8 @@ class RolloutWorkerActor:
 
     def _sync_figures(self) -> dict:
         """``WorkerHealth.weight_sync_s`` / ``weight_bytes`` of the version now in the engine."""
-        s, load_s = (self.ipc or self.buckets).stats, self.worker.stats.last_weight_load_s
-        if s.last_sync_s is None or load_s is None:
+        s, load_s = getattr(self.source, "stats", None), self.worker.stats.last_weight_load_s
+        if s is None or s.last_sync_s is None or load_s is None:
             return {}
         return {"weight_sync_s": s.last_sync_s + load_s, "weight_bytes": s.last_bytes}
 
@@ -298,13 +274,13 @@ class RolloutWorkerActor:
     def offer_weights(self, version: int, refs: list) -> None:
         """Weights of ``version`` in the object store (``refs[0]``, a list so that Ray passes the ref
         itself), applied between scheduler steps."""
-        self.weights.offer(version, refs[0])
+        self.source.offer(version, refs[0])  # runtime.weight_sync=store: OfferedWeights
         self._offered.set()
 
     def offer_bucket(self, version: int, index: int, num_buckets: int, refs: list) -> None:
         """Bucket ``index`` of ``num_buckets`` of ``version`` in the object store (``refs[0]``: a
         ``WeightBucket``), fetched on the assembler's thread; applied once the version is whole."""
-        self.buckets.offer(version, index, num_buckets, refs[0])
+        self.source.offer(version, index, num_buckets, refs[0])  # object_store: a BucketAssembler
         if self.group is not None:  # the followers fetch the same objects themselves
             self.group.offer_bucket(version, index, num_buckets, refs)
         if index == num_buckets - 1:

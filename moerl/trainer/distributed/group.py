@@ -236,20 +236,20 @@ class TrainerGroup:
         self.refresh_model()
         return version
 
-    def async_stream_buckets(self, workers: Sequence) -> StreamedVersion:
-        """Stream the current version to the rollout worker actors ``workers`` (a ``BucketStreamer``,
-        ``runtime.weight_sync=object_store``): the ranks gather it bucket by bucket and rank 0 puts each
-        packed bucket into Ray's object store and offers it to every worker at once; nothing is written
-        to the store and no process holds the whole model. The driver's copy of the policy is refreshed
-        from the refs only when asked (``named_weights``, ``refresh_model``).
+    def stream_buckets(self, sink, bucket_bytes: int) -> StreamedVersion:
+        """Stream the current version to ``sink`` (a ``moerl.weights.transport.BucketSink``, pickled to
+        rank 0): the ranks gather it bucket by bucket (``runtime.publish_bucket_mb``; ``bucket_bytes`` is
+        the ranks' own) and rank 0 sends each packed bucket at once; nothing is written to the store and
+        no process holds the whole model. The driver's copy of the policy is refreshed only when asked
+        (``named_weights``, ``refresh_model``).
 
         Raises:
-            TrainerRankError: a rank died, failed or timed out; or the ranks are not Ray actors.
+            TrainerRankError: a rank died, failed or timed out.
         """
-        if not isinstance(self.ranks, RayRanks):
-            raise TrainerRankError("streaming weight buckets needs Ray rank actors (runtime.mode=async)")
-        self._streamed = self._all("stream", self.version, list(workers))[0]
-        return self._streamed
+        streamed = self._all("stream", self.version, sink)[0]
+        # object-store refs can be read back for the driver's copy; a broadcast leaves none
+        self._streamed = streamed if streamed.refs and all(r is not None for r in streamed.refs) else None
+        return streamed
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The full weights of the current version: read back from the last publish, or resolved from the

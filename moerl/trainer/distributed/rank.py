@@ -33,7 +33,7 @@ from moerl.trainer.distributed.sharded import ShardedTrainer
 from moerl.ep.traffic import DirectionTraffic, dispatcher_traffic, model_dispatchers, traffic_delta
 from moerl.trainer.batch import TrainBatch
 from moerl.trainer.local import NonFiniteLossError
-from moerl.weights.buckets import StreamedVersion, WeightBucket, bucket_offer
+from moerl.weights.buckets import StreamedVersion
 from moerl.weights.store import WeightStore
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -134,21 +134,11 @@ class RankTrainer:
         store = WeightStore(store_url, keep=self.keep_versions) if self.mesh.rank == 0 else None
         return publish_sharded(self.trainer.model, self.mesh, store, version, self.bucket_bytes)
 
-    def stream(self, version: int, workers: list) -> StreamedVersion | None:
-        """Gather ``version`` bucket by bucket; rank 0 ``ray.put``s each packed bucket and offers it to
-        every rollout worker actor in ``workers`` at once (``stream_sharded``); rank 0 returns the refs.
-        Ray ranks only (``runtime.mode=async``)."""
-        import ray  # lazy: only Ray rank actors stream through the object store
-
-        offers = [bucket_offer(w) for w in workers]
-
-        def send(bucket: WeightBucket):
-            ref = ray.put(bucket)  # copies: the staging buffer is reused for the next bucket
-            for offer in offers:
-                offer(version, bucket.index, bucket.num_buckets, ref)
-            return ref
-
-        return stream_sharded(self.trainer.model, self.mesh, version, self.bucket_bytes, send)
+    def stream(self, version: int, sink) -> StreamedVersion | None:
+        """Gather ``version`` bucket by bucket; rank 0 packs each and hands it to ``sink.send`` (a
+        ``moerl.weights.transport.BucketSink``: ``ray.put`` and offers, or a collective broadcast) as
+        soon as it is gathered (``stream_sharded``); rank 0 returns what was sent."""
+        return stream_sharded(self.trainer.model, self.mesh, version, self.bucket_bytes, sink.send)
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """The whole state dict gathered (rank 0; None elsewhere)."""
