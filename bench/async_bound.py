@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_json  # noqa: E402
-from moerl.config import load_config  # noqa: E402
 from moerl.allocator import keep_freed_memory  # noqa: E402
+from moerl.config import load_config  # noqa: E402
 from moerl.runtime.build import build_components  # noqa: E402
 from moerl.runtime.local import LocalRollouts  # noqa: E402
 from moerl.trainer.local import LocalTrainer  # noqa: E402

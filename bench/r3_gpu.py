@@ -43,10 +43,10 @@ from bench.common import (  # noqa: E402
 )
 from bench.rollout_gpu import engine_for, sampling_requests, time_generate  # noqa: E402
 from moerl.config import AlgorithmConfig, TrainerConfig  # noqa: E402
+from moerl.records import Group, Lease, RolloutTask, Sample  # noqa: E402
 from moerl.rl import rollout_mismatch_sums  # noqa: E402
 from moerl.trainer.batch import build_train_batch  # noqa: E402
 from moerl.trainer.local import LocalTrainer  # noqa: E402
-from moerl.records import Group, Lease, RolloutTask, Sample  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -58,6 +58,7 @@ from bench.common import (  # noqa: E402
 from moerl.models.kernels import fast_paths  # noqa: E402
 from moerl.rl import token_logprobs  # noqa: E402
 from moerl.rollout import Engine, Request, SamplingParams  # noqa: E402
+from moerl.rollout.paged_engine import PagedEngine  # noqa: E402
 
 
 def floor_seconds(
@@ -216,10 +217,23 @@ def sampling_requests(
     ]
 
 
+KV_CACHE = {"kind": "slots"}
+"""``--kv-cache``: the engine ``engine_for`` builds (``slots``: ``Engine``; ``paged``: ``PagedEngine``)."""
+
+
 def engine_for(model, batch: int, prompt_len: int, new_tokens: int, sync_every: int, **kw) -> Engine:
-    """An ``Engine`` sized for B = ``batch`` prompts of P = ``prompt_len`` tokens and N = ``new_tokens``:
-    B slots, a KV budget of B (P + N) tokens, all B prompts prefilled in one step; ``kw`` goes to
-    ``Engine``."""
+    """An ``Engine`` (``PagedEngine`` with ``--kv-cache paged``) sized for B = ``batch`` prompts of P =
+    ``prompt_len`` tokens and N = ``new_tokens``: B slots, a KV budget of B (P + N) tokens, all B prompts
+    prefilled in one step; ``kw`` goes to the engine."""
+    if KV_CACHE["kind"] == "paged":  # sized by blocks: no max_seq_len (the longest sequence is the cache)
+        return PagedEngine(
+            model,
+            max_slots=batch,
+            kv_token_budget=batch * (prompt_len + new_tokens),
+            max_prefill_tokens=batch * prompt_len,
+            sync_every=sync_every,
+            **kw,
+        )
     return Engine(
         model,
         max_slots=batch,
@@ -427,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     add_decode_args(ap)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--no-baseline", dest="baseline", action="store_false")
+    ap.add_argument("--kv-cache", choices=["slots", "paged"], default="slots", help="engine cache layout")
     ap.add_argument(
         "--hf-new-tokens",
         type=int,
@@ -436,7 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile-steps", type=int, default=0, help="profile this many eager decode steps (CUDA)"
     )
-    run(**vars(ap.parse_args(argv)))
+    args = vars(ap.parse_args(argv))
+    KV_CACHE["kind"] = args.pop("kv_cache")
+    run(**args)
     return 0
 
 

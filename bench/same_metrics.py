@@ -40,7 +40,9 @@ def differences(a: list[dict], b: list[dict]) -> list[str]:
         sa, sb = _strip(ra), _strip(rb)
         for key in sorted(set(sa) | set(sb)):
             if sa.get(key, "<missing>") != sb.get(key, "<missing>"):
-                out.append(f"step {ra.get('step')}: {key}: {sa.get(key, '<missing>')!r} != {sb.get(key, '<missing>')!r}")
+                out.append(
+                    f"step {ra.get('step')}: {key}: {sa.get(key, '<missing>')!r} != {sb.get(key, '<missing>')!r}"
+                )
     return out
 
 

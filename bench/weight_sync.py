@@ -51,11 +51,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import SPECS, device_info, print_table, write_json  # noqa: E402
 from bench.weight_sync_engine import RayEngineActor, engine_main, fingerprint, make_model  # noqa: E402
 from moerl.config import ModelConfig  # noqa: E402
-from moerl.weights.ipc import IpcPublisher, tensors_checksum_no_sync  # noqa: E402
+from moerl.tasks import load_tokenizer  # noqa: E402
 from moerl.weights.buckets import BucketPublisher, bucket_bytes_of, iter_packed  # noqa: E402
 from moerl.weights.collective import CollectiveAddress, CollectiveSender, CollectiveSpec  # noqa: E402
+from moerl.weights.ipc import IpcPublisher, tensors_checksum_no_sync  # noqa: E402
 from moerl.weights.store import WeightStore, pack_weights  # noqa: E402
-from moerl.tasks import load_tokenizer  # noqa: E402
 
 PATHS = ("store", "cuda_ipc", "pinned_host", "collective", "packed", "buckets")
 RAY_PATHS = ("packed", "buckets")
@@ -125,7 +125,13 @@ class SpawnedEngine:
     """The engine process and the trainer's ends of its connections."""
 
     def __init__(
-        self, cfg: ModelConfig, vocab: int, store_dir: str, publishers: dict, timeout_s: float, collective=None
+        self,
+        cfg: ModelConfig,
+        vocab: int,
+        store_dir: str,
+        publishers: dict,
+        timeout_s: float,
+        collective=None,
     ):
         ctx = mp.get_context("spawn")
         self.ctrl, child = ctx.Pipe()

@@ -10,8 +10,8 @@ import torch
 from moerl.config import ModelConfig
 from moerl.models import build_model
 from moerl.rollout import Engine
-from moerl.weights.ipc import IpcReceiver, tensors_checksum_no_sync
 from moerl.weights.buckets import BucketAssembler
+from moerl.weights.ipc import IpcReceiver, tensors_checksum_no_sync
 from moerl.weights.store import WeightStore, unpack_weights
 
 

@@ -30,7 +30,6 @@ from moerl.config_engine import check_engine_sizes, engine_slot_tokens  # noqa: 
 from moerl.config_env import EnvConfig, check_episode_run  # noqa: F401 - re-exported
 from moerl.config_fleet import ChaosConfig, FleetConfig  # noqa: F401 - re-exported
 from moerl.config_trainer import TrainerConfig  # noqa: F401 - re-exported
-from moerl.weights.transport import TRANSPORTS, check_transport
 from moerl.configlib import (  # noqa: F401 - re-exported: the config API lives here
     ConfigError,
     apply_overrides,
@@ -40,6 +39,7 @@ from moerl.configlib import (  # noqa: F401 - re-exported: the config API lives 
     to_dict,
     yaml_problem,
 )
+from moerl.weights.transport import TRANSPORTS, check_transport
 
 # ----------------------------------------------------------------------------------------------
 # Components

@@ -19,8 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from moerl.instances import GPU_FAMILIES, gpus_of, is_gpu_instance
 from moerl.configlib import ConfigError, check_range
+from moerl.instances import GPU_FAMILIES, gpus_of, is_gpu_instance
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a Kubernetes DNS-1123 label
 

@@ -22,7 +22,30 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moerl.allocator import keep_freed_memory
 from moerl.config import ConfigError, RunConfig
+from moerl.envs.stats import merge as env_merge
+from moerl.envs.stats import step_values as env_step_values
+from moerl.records import Group
+from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
+from moerl.run.group_recovery import restart_group
+from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk
+from moerl.run.preflight import check_run_inputs
+from moerl.run.recovery import StepJournal, recover_trainer
+from moerl.run.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
+from moerl.run.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
+from moerl.run.warm_start import warm_start
+from moerl.runtime.accounting import FleetState, accounting
+from moerl.runtime.build import build_components
+from moerl.runtime.chaos import ChaosMonkey
+from moerl.runtime.local import LocalRollouts
+from moerl.runtime.ray import RayRollouts, check_ray_address, init_ray
+from moerl.runtime.rollouts import Rollouts
+from moerl.telemetry.live import LiveView, done_line
+from moerl.telemetry.report import plot_report
+from moerl.telemetry.run import RunTelemetry
+from moerl.telemetry.step import StepTimings, kv_values, step_values
+from moerl.trainer.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
 from moerl.trainer.distributed.factory import (
     check_trainer_resources,
     load_trainer_state,
@@ -30,34 +53,10 @@ from moerl.trainer.distributed.factory import (
     record_ranks,
     trainer_summary,
 )
-from moerl.trainer.distributed.group import TrainerGroup
 from moerl.trainer.distributed.rank import TrainerRankError
-from moerl.run.group_recovery import restart_group
-from moerl.envs.stats import merge as env_merge
-from moerl.envs.stats import step_values as env_step_values
-from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk
-from moerl.runtime.accounting import FleetState, accounting
-from moerl.allocator import keep_freed_memory
-from moerl.runtime.build import build_components
-from moerl.runtime.chaos import ChaosMonkey
-from moerl.trainer.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
-from moerl.runtime.local import LocalRollouts
-from moerl.run.preflight import check_run_inputs
-from moerl.runtime.ray import RayRollouts, check_ray_address, init_ray
-from moerl.run.recovery import StepJournal, recover_trainer
-from moerl.run.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
-from moerl.runtime.rollouts import Rollouts
-from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
-from moerl.run.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
 from moerl.trainer.local import NonFiniteLossError, TrainStats
 from moerl.trainer.protocol import Trainer
-from moerl.records import Group
-from moerl.run.warm_start import warm_start
 from moerl.weights.store import StoreNotWritableError, WeightStore
-from moerl.telemetry.live import LiveView, done_line
-from moerl.telemetry.report import plot_report
-from moerl.telemetry.run import RunTelemetry
-from moerl.telemetry.step import StepTimings, kv_values, step_values
 
 
 class Run:

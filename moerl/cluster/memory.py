@@ -8,8 +8,8 @@ no GPU to measure, only the instance types' datasheet memory.
 
 from __future__ import annotations
 
-from moerl.instances import gpu_memory_gb
 from moerl.config import RunConfig
+from moerl.instances import gpu_memory_gb
 from moerl.models.dtypes import torch_dtype
 from moerl.rollout.memory_check import (
     GIB,

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from moerl.records import Group
+from moerl.run.recovery import RestartReport, StepJournal, restart_and_publish
+from moerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
 from moerl.trainer.distributed.factory import load_trainer_state, make_trainer, record_ranks
 from moerl.trainer.distributed.group import TrainerGroup
-from moerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
-from moerl.run.recovery import RestartReport, StepJournal, restart_and_publish
-from moerl.records import Group
 
 
 def restart_group(

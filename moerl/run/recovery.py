@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from moerl.config import RunConfig
-from moerl.runtime.build import Components, load_policy
-from moerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
-from moerl.runtime.rollouts import Rollouts
-from moerl.run.folder import RunDir
-from moerl.trainer.local import LocalTrainer
 from moerl.records import RolloutTask
+from moerl.run.folder import RunDir
+from moerl.runtime.build import Components, load_policy
+from moerl.runtime.rollouts import Rollouts
+from moerl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+from moerl.trainer.local import LocalTrainer
 from moerl.weights.store import WeightStore
 
 

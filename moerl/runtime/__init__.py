@@ -23,8 +23,6 @@ token, and an expired lease's token is never current again. Checkpoint the queue
 (``state_dict``) while workers are paused; on resume, leased tasks are leased again.
 """
 
-from moerl.runtime.buffer import BufferClosed, BufferMetrics, ExperienceBuffer, PutResult, has_reward_variance
-from moerl.runtime.queue import PromptLike, QueueStats, TaskQueue
 from moerl.records import (
     FileEntry,
     Group,
@@ -37,6 +35,8 @@ from moerl.records import (
     WeightManifest,
     WeightVersion,
 )
+from moerl.runtime.buffer import BufferClosed, BufferMetrics, ExperienceBuffer, PutResult, has_reward_variance
+from moerl.runtime.queue import PromptLike, QueueStats, TaskQueue
 
 __all__ = [
     "BufferClosed",

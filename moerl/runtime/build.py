@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from moerl.config import RunConfig
-from moerl.runtime.episode_worker import episode_worker
 from moerl.models import build_model, from_pretrained
 from moerl.models.dtypes import torch_dtype
 from moerl.rl import preset_from_config
@@ -20,13 +19,14 @@ from moerl.rollout import Engine
 from moerl.rollout.paged_engine import PagedEngine
 from moerl.runtime.buffer import ExperienceBuffer, has_reward_variance
 from moerl.runtime.delivery import GroupSink
+from moerl.runtime.episode_worker import episode_worker
 from moerl.runtime.queue import TaskQueue
-from moerl.weights.sources import WeightSource
-from moerl.weights.store import WeightStore
 from moerl.runtime.worker import RolloutWorker
 from moerl.tasks import Task, Tokenizer, make_task
 from moerl.tasks.eval import evaluate
 from moerl.tasks.tokenizer import load_run_tokenizer
+from moerl.weights.sources import WeightSource
+from moerl.weights.store import WeightStore
 
 
 def load_policy(cfg: RunConfig, init_path: str | None, vocab_size: int) -> torch.nn.Module:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Generic, Protocol, TypeVar
 
-from moerl.runtime.buffer import PutResult
 from moerl.records import Group, Pending
+from moerl.runtime.buffer import PutResult
 
 Job = TypeVar("Job")
 

@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from moerl.records import Lease, PartialResponse, RolloutTask
 from moerl.rollout import Completion, Request, SamplingParams
 from moerl.runtime.notice import TerminationNotice
-from moerl.records import Lease, PartialResponse, RolloutTask
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,8 @@ from moerl.envs.episodes import EpisodeCompletion, EpisodeEngine
 from moerl.envs.pool import LocalEnvPool
 from moerl.envs.stats import EnvStats
 from moerl.envs.task import turn_stop_ids
-from moerl.rollout import Completion, SamplingParams
 from moerl.records import Lease, Sample
+from moerl.rollout import Completion, SamplingParams
 from moerl.runtime.worker import RolloutWorker, WorkerStats
 from moerl.tasks.base import Prompt
 

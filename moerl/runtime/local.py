@@ -13,18 +13,17 @@ from __future__ import annotations
 import copy
 import time
 
-
 from moerl.config import RunConfig
+from moerl.records import Group, RolloutTask
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics, ExperienceBuffer
 from moerl.runtime.build import Components, make_buffer, make_queue, make_worker
 from moerl.runtime.fleet import WorkerHealth, WorkerRecord, WorkerState
 from moerl.runtime.queue import QueueStats, TaskQueue
-from moerl.records import Group, RolloutTask
+from moerl.runtime.worker import RolloutWorker, WorkerStats
 from moerl.weights.sources import LocalWeights
 from moerl.weights.store import WeightStore
 from moerl.weights.transport import WeightHolder
-from moerl.runtime.worker import RolloutWorker, WorkerStats
 
 _NEVER = ("fleet/interruptions", "fleet/drained", "fleet/killed", "fleet/lost_work_frac")
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from moerl.records import Group, RolloutTask
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.fleet import WorkerRecord
 from moerl.runtime.queue import QueueStats
-from moerl.records import Group, RolloutTask
 from moerl.runtime.worker import WorkerStats
 from moerl.weights.transport import WeightHolder
 

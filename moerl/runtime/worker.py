@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moerl.config import RolloutConfig, RunConfig
+from moerl.records import Group, Lease, Sample, Settlement
 from moerl.rollout import Completion, Engine, InvalidRequestError, Request, SamplingParams
 from moerl.rollout.ep_group import EPGroupEngine
 from moerl.rollout.stats import EngineStats
@@ -42,10 +43,9 @@ from moerl.rollout.weight_update import cancel_all, recompute_running
 from moerl.runtime.buffer import BufferClosed, PutResult
 from moerl.runtime.delivery import GroupSink, Outbox
 from moerl.runtime.drain import InFlightGroup, ResumePlan, group_progress
-from moerl.records import Group, Lease, Sample, Settlement
-from moerl.weights.sources import WeightSource
 from moerl.tasks.base import stable_hash
 from moerl.tasks.tokenizer import Tokenizer
+from moerl.weights.sources import WeightSource
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ from pathlib import Path
 from moerl.config import RunConfig, to_dict
 from moerl.ep.layout import Traffic
 from moerl.ep.traffic import DirectionTraffic, traffic_delta
+from moerl.records import Group
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.fleet import WorkerRecord, WorkerState
-from moerl.runtime.queue import QueueStats
-from moerl.records import Group
 from moerl.runtime.gpu import read_gpus
+from moerl.runtime.queue import QueueStats
 from moerl.telemetry.loggers import Loggers
 from moerl.telemetry.metrics import WORKERS_KEY, MetricsWriter
 from moerl.telemetry.prometheus import (

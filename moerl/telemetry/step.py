@@ -6,11 +6,11 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from moerl.records import Group
 from moerl.rollout.stats import EngineStats
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.queue import QueueStats
 from moerl.trainer.local import TrainStats
-from moerl.records import Group
 
 
 @dataclass(frozen=True, slots=True)

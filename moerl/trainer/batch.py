@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moerl.rl import group_advantages
 from moerl.records import Group
+from moerl.rl import group_advantages
 
 
 @dataclass(frozen=True, slots=True)

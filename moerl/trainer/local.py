@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from moerl.config import AlgorithmConfig, RunConfig, TrainerConfig
 from moerl.lr_schedule import warmup_cosine_lr
 from moerl.models import save_pretrained
+from moerl.records import Group, WeightVersion
 from moerl.rl import (
     entropy_from_logits,
     policy_loss,
@@ -47,7 +48,6 @@ from moerl.trainer import algorithms
 from moerl.trainer.batch import TrainBatch, build_train_batch
 from moerl.trainer.checkpoint import capture_rng_state, save_checkpoint
 from moerl.trainer.shared_prefix import shared_prefix_forward, split_shared_prefix
-from moerl.records import Group, WeightVersion
 from moerl.weights.buckets import StreamedVersion
 from moerl.weights.store import WeightStore
 from moerl.weights.transports import stream_named

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moerl.weights.ipc_slots import OpenedSlots, Slots
 from moerl.weights.buckets import split_buckets
+from moerl.weights.ipc_slots import OpenedSlots, Slots
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ import torch
 import trainer_cases
 
 from moerl.config import AlgorithmConfig
+from moerl.models import from_pretrained
 from moerl.trainer.distributed.algo_models import build_algo_models
 from moerl.trainer.distributed.batching import split_by_groups
 from moerl.trainer.distributed.mesh import build_mesh
 from moerl.trainer.distributed.parallelize import build_sharded_policy
 from moerl.trainer.distributed.publish import iter_full_tensors
 from moerl.trainer.distributed.sharded import ShardedTrainer
-from moerl.models import from_pretrained
 from moerl.trainer.local import LocalTrainer
 
 STEPS = 2

@@ -11,8 +11,8 @@ import torch
 from moerl.cli import main as cli_main
 from moerl.config import load_config
 from moerl.models import build_model, save_pretrained
-from moerl.trainer.checkpoint import checkpoint_problem, list_checkpoints
 from moerl.tasks import load_tokenizer
+from moerl.trainer.checkpoint import checkpoint_problem, list_checkpoints
 
 MODEL = [
     "model.hidden_size=32",

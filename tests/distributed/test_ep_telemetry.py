@@ -18,11 +18,11 @@ from dist_harness import run_world
 from prometheus_client.parser import text_string_to_metric_families
 
 from moerl.config import load_config
-from moerl.trainer.distributed.group import TrainerGroup
 from moerl.ep.traffic import DIRECTIONS, sum_traffic
 from moerl.run.folder import RunDir, read_jsonl
 from moerl.tasks.sft import run_sft
 from moerl.train import Run
+from moerl.trainer.distributed.group import TrainerGroup
 
 EP_RUNS = {  # name -> overrides
     # 4 EP ranks on 2 simulated nodes of 2 (hierarchical dispatcher): both link classes carry bytes

@@ -16,8 +16,8 @@ import train_cases
 
 from moerl.models import from_pretrained
 from moerl.run.folder import read_jsonl
-from moerl.weights.store import WeightStore
 from moerl.train import resume
+from moerl.weights.store import WeightStore
 
 LAYOUTS = {
     "R2-EP2": ["trainer.num_ranks=2", "trainer.ep_size=2"],

@@ -10,8 +10,8 @@ import pytest
 import train_cases
 
 from moerl.run.folder import read_jsonl
-from moerl.weights.store import WeightStore
 from moerl.train import resume
+from moerl.weights.store import WeightStore
 
 ALGORITHM = [
     "algorithm.preset=ppo",

@@ -9,9 +9,9 @@ import torch
 
 from moerl.config import load_config
 from moerl.run.folder import read_jsonl
-from moerl.weights.store import WeightStore
 from moerl.tasks.sft import run_sft
 from moerl.train import train
+from moerl.weights.store import WeightStore
 
 TINY_MOE = [
     "model.hidden_size=32",

@@ -13,15 +13,15 @@ import torch
 from _recompute import layer_forwards
 
 from moerl.config import AlgorithmConfig, ModelConfig, TrainerConfig
+from moerl.models import build_model, from_pretrained, save_pretrained
+from moerl.records import Group, Lease, RolloutTask, Sample
+from moerl.trainer.batch import build_train_batch
 from moerl.trainer.distributed.batching import split_by_groups
 from moerl.trainer.distributed.mesh import build_mesh
 from moerl.trainer.distributed.parallelize import build_sharded_policy
 from moerl.trainer.distributed.publish import iter_full_tensors, publish_sharded, stream_sharded
 from moerl.trainer.distributed.sharded import ShardedTrainer
-from moerl.models import build_model, from_pretrained, save_pretrained
-from moerl.trainer.batch import build_train_batch
 from moerl.trainer.local import LocalTrainer
-from moerl.records import Group, Lease, RolloutTask, Sample
 from moerl.weights.buckets import BucketAssembler
 from moerl.weights.store import WeightStore
 

@@ -7,11 +7,10 @@ import ray
 from conftest import short_config
 
 from moerl.models import from_pretrained
-from moerl.trainer.checkpoint import load_checkpoint
 from moerl.run.folder import RunDir, read_jsonl
-from moerl.weights.store import WeightStore
 from moerl.train import train
-
+from moerl.trainer.checkpoint import load_checkpoint
+from moerl.weights.store import WeightStore
 
 ASYNC_4_STEPS = (
     "runtime.mode=async",

@@ -13,13 +13,13 @@ from conftest import short_config
 
 from moerl.cli import main as cli_main
 from moerl.config import load_config
-from moerl.trainer.checkpoint import list_checkpoints, newest_complete_checkpoint
 from moerl.run.folder import read_jsonl
 from moerl.run.storage import RunStorage
-from moerl.weights.store import WeightStore
 from moerl.tasks import sft
 from moerl.telemetry.metrics import without_wall_clock
 from moerl.train import resume, train
+from moerl.trainer.checkpoint import list_checkpoints, newest_complete_checkpoint
+from moerl.weights.store import WeightStore
 
 
 def test_resume_skips_a_truncated_newest_checkpoint_from_another_folder(

@@ -11,12 +11,12 @@ from conftest import short_config
 
 from moerl.cli import main as cli_main
 from moerl.config import ConfigError
-from moerl.trainer.checkpoint import list_checkpoints
 from moerl.run.folder import read_jsonl
-from moerl.trainer.local import lr_factor
-from moerl.weights.store import WeightStore
 from moerl.telemetry.metrics import METRIC_KEYS, without_wall_clock
 from moerl.train import resume, train
+from moerl.trainer.checkpoint import list_checkpoints
+from moerl.trainer.local import lr_factor
+from moerl.weights.store import WeightStore
 
 DIGIT_REWARD = "task.reward_fn=e2e_rewards:first_is_digit"
 

@@ -4,11 +4,11 @@ rank-sum ``reduce`` (identity at one rank), and which groups each data-parallel 
 import pytest
 import torch
 
-from moerl.trainer.distributed.batching import rank_groups, split_by_groups
+from moerl.records import Group, Lease, RolloutTask, Sample
 from moerl.rl import explained_variance, whiten
 from moerl.trainer.batch import build_train_batch
 from moerl.trainer.critic import global_explained_variance, global_whiten, masked_mean_var
-from moerl.records import Group, Lease, RolloutTask, Sample
+from moerl.trainer.distributed.batching import rank_groups, split_by_groups
 
 
 def test_global_whiten_and_explained_variance_at_one_rank_match_moerl_rl():

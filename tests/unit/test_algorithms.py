@@ -15,8 +15,8 @@ from moerl.rl import explained_variance, preset_from_config, rollout_mismatch_su
 from moerl.rl.mismatch import mismatch_weights
 from moerl.trainer.batch import build_train_batch
 from moerl.trainer.critic import gae_targets, with_value_head
-from moerl.trainer.reference import kl_penalized_group_advantages
 from moerl.trainer.local import LocalTrainer
+from moerl.trainer.reference import kl_penalized_group_advantages
 
 
 def _trainer(model=None, algorithm=None, **cfg):

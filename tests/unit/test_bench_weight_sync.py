@@ -18,7 +18,13 @@ def test_weight_sync_bench_runs_on_cpu(tmp_path, capsys):
         )
     finally:
         ray.shutdown()
-    assert set(out["results"]) == {"store", "cuda_ipc", "collective", "packed", "buckets"}  # pinned_host: CUDA
+    assert set(out["results"]) == {
+        "store",
+        "cuda_ipc",
+        "collective",
+        "packed",
+        "buckets",
+    }  # pinned_host: CUDA
     assert all(r["weights_match"] and r["median_s"] > 0 for r in out["results"].values())
     assert out["floors_s"]["host_copy"] > 0 and out["floors_s"]["xxh3_host"] > 0
     assert out["results"]["cuda_ipc"]["num_buckets"] > 1  # small buckets: the ring of 2 is reused

@@ -14,6 +14,9 @@ from safetensors.torch import save_file
 
 from moerl.cli import main as cli_main
 from moerl.config import ConfigError, RunConfig
+from moerl.run.folder import RunDir
+from moerl.run.resume import RESUME_FIELDS
+from moerl.train import resume
 from moerl.trainer.checkpoint import (
     checkpoint_problem,
     latest_checkpoint,
@@ -21,9 +24,6 @@ from moerl.trainer.checkpoint import (
     newest_complete_checkpoint,
     save_checkpoint,
 )
-from moerl.run.resume import RESUME_FIELDS
-from moerl.run.folder import RunDir
-from moerl.train import resume
 
 
 def _state(step: int) -> dict:

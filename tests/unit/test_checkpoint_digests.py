@@ -15,13 +15,13 @@ import xxhash
 from safetensors.torch import load_file, save_file
 
 from moerl.config import ConfigError, load_config
+from moerl.run.resume import resume_checkpoint
 from moerl.trainer.checkpoint import (
     checkpoint_problem,
     load_checkpoint,
     newest_complete_checkpoint,
     save_checkpoint,
 )
-from moerl.run.resume import resume_checkpoint
 
 RUN = load_config(None, ["trainer.steps=300"])  # a run whose checkpoints are at steps 100 and 200
 CHANGED = "does not match its xxh3_128 digest in meta.json (written "

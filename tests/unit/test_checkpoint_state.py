@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from moerl.trainer import checkpoint as checkpoint_module
 from moerl.trainer.checkpoint import (
     capture_rng_state,
     latest_checkpoint,
@@ -16,7 +17,6 @@ from moerl.trainer.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from moerl.trainer import checkpoint as checkpoint_module
 
 
 def trained_model_and_optimizer():

@@ -19,10 +19,10 @@ import yaml
 
 from moerl.cluster.fetch import FetchError, fetch_model
 from moerl.cluster.fetch import main as fetch_main
-from moerl.instances import GPUS_PER_INSTANCE, is_gpu_instance
 from moerl.cluster.kuberay import CONFIG_DIR, MODEL_DIR
 from moerl.cluster.render import cluster_run_config, manifests
 from moerl.config import ConfigError, load_config
+from moerl.instances import GPUS_PER_INSTANCE, is_gpu_instance
 
 ROOT = Path(__file__).resolve().parents[2]
 MISSION = ROOT / "configs" / "cluster_mission.yaml"

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 
 from moerl.cli import main as cli_main
-from moerl.instances import gpu_memory_gb
 from moerl.cluster.memory import memory_warnings
 from moerl.config import load_config
+from moerl.instances import gpu_memory_gb
 from moerl.rollout.memory_check import ep_rank_weight_bytes, policy_arch, weight_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from moerl.runtime.notice import HttpNotice
 from moerl.runtime.counters import comm_error_counts
+from moerl.runtime.notice import HttpNotice
 from moerl.telemetry.prometheus import MetricsExporter
 
 

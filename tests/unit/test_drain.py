@@ -10,11 +10,11 @@ import torch
 
 from moerl.config import ModelConfig
 from moerl.models import build_model
+from moerl.records import PartialResponse, RolloutTask, Settlement
 from moerl.rollout import Completion, Engine, Request, SamplingParams
 from moerl.runtime.drain import Drainer, InFlightGroup, ResumePlan, group_progress
 from moerl.runtime.notice import TerminationNotice
 from moerl.runtime.queue import TaskQueue
-from moerl.records import PartialResponse, RolloutTask, Settlement
 from moerl.tasks import Prompt
 
 

@@ -8,11 +8,11 @@ from _tiny import tiny_model
 from moerl.config import AlgorithmConfig, EnvConfig, TrainerConfig
 from moerl.envs import EpisodeEngine, LocalEnvPool
 from moerl.envs.pool import STEP
+from moerl.records import Group, RolloutTask, Sample
 from moerl.rollout import Engine, Request, SamplingParams
+from moerl.tasks import Prompt, load_tokenizer
 from moerl.trainer.batch import build_train_batch
 from moerl.trainer.local import LocalTrainer
-from moerl.records import Group, RolloutTask, Sample
-from moerl.tasks import Prompt, load_tokenizer
 
 TOK = load_tokenizer(None)
 NL = TOK.encode("\n")[0]

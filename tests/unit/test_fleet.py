@@ -213,10 +213,10 @@ def test_finish_counts_late_deaths_without_replacing():
 def test_lost_worker_late_delivery_is_fenced_and_task_trained_once():
     """Hard loss at the protocol level: the manager declares a silent worker lost, its leases are
     expired at once, another worker delivers the task; the lost worker's late delivery is refused."""
+    from moerl.records import Group, Sample
     from moerl.runtime.buffer import ExperienceBuffer, PutResult
     from moerl.runtime.fleet import EXPIRE_NOW_TTL_S
     from moerl.runtime.queue import TaskQueue
-    from moerl.records import Group, Sample
     from moerl.tasks import Prompt
 
     clock = Clock()

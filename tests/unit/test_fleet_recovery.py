@@ -2,9 +2,9 @@
 
 import pytest
 
-from moerl.runtime.queue import TaskQueue
-from moerl.run.recovery import StepJournal, restart_trainer
 from moerl.records import Settlement
+from moerl.run.recovery import StepJournal, restart_trainer
+from moerl.runtime.queue import TaskQueue
 from moerl.tasks import Prompt
 
 

@@ -11,9 +11,9 @@ import torch
 
 from moerl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from moerl.models import build_model
+from moerl.records import Group, Lease, RolloutTask, Sample
 from moerl.rollout import Engine, Request, SamplingParams
 from moerl.trainer.local import LocalTrainer
-from moerl.records import Group, Lease, RolloutTask, Sample
 
 VOCAB = 16
 PAD = 0

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from moerl.config import ConfigError, load_config
-from moerl.weights.ipc_slots import IpcListener, connect
 from moerl.weights.ipc import IpcPublisher, IpcReceiver, _checksum_no_sync, tensors_checksum_no_sync
+from moerl.weights.ipc_slots import IpcListener, connect
 
 
 def _tensors(version: int) -> dict[str, torch.Tensor]:

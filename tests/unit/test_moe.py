@@ -144,5 +144,8 @@ def test_dense_experts_equal_the_routed_path():
     torch.testing.assert_close(dense, experts(x, idx, w), rtol=1e-5, atol=1e-6)
     w[3, 1] = 0.0  # an unselected expert contributes nothing, a zero weight neither
     torch.testing.assert_close(
-        dense_experts(x, idx, w, experts.gate_up_proj, experts.down_proj), experts(x, idx, w), rtol=1e-5, atol=1e-6
+        dense_experts(x, idx, w, experts.gate_up_proj, experts.down_proj),
+        experts(x, idx, w),
+        rtol=1e-5,
+        atol=1e-6,
     )

@@ -13,9 +13,9 @@ from moerl.rollout import Engine, Request, SamplingParams
 from moerl.rollout.weight_update import cancel_all, recompute_running
 from moerl.runtime.buffer import ExperienceBuffer
 from moerl.runtime.queue import TaskQueue
-from moerl.weights.sources import LocalWeights
 from moerl.runtime.worker import RolloutWorker
 from moerl.tasks import Prompt, Reward, load_tokenizer
+from moerl.weights.sources import LocalWeights
 
 VOCAB = 61
 TOK = load_tokenizer(None)

@@ -7,10 +7,10 @@ import torch
 from _tiny import tiny_model
 
 from moerl.config import AlgorithmConfig, TrainerConfig
+from moerl.records import Group, Lease, RolloutTask, Sample
 from moerl.rollout import Engine, Request, SamplingParams
 from moerl.trainer.batch import build_train_batch
 from moerl.trainer.local import LocalTrainer
-from moerl.records import Group, Lease, RolloutTask, Sample
 
 VOCAB = 32
 

@@ -8,11 +8,11 @@ from _tiny import tiny_model
 from test_models import tiny
 
 from moerl.config import AlgorithmConfig, TrainerConfig
+from moerl.records import Group, Lease, RolloutTask, Sample
 from moerl.rl import token_logprobs
 from moerl.trainer.batch import build_train_batch
-from moerl.trainer.shared_prefix import shared_prefix_forward, split_shared_prefix
 from moerl.trainer.local import LocalTrainer
-from moerl.records import Group, Lease, RolloutTask, Sample
+from moerl.trainer.shared_prefix import shared_prefix_forward, split_shared_prefix
 
 VOCAB = 16
 PAD = 0
@@ -103,7 +103,9 @@ def test_trainer_steps_agree_with_and_without_sharing():
     batch = build_train_batch(_groups(RAGGED, seed=2), pad_id=PAD)
     stats, params = {}, {}
     for share in (False, True):
-        trainer = LocalTrainer(copy.deepcopy(model), TrainerConfig(lr=1e-2, share_prompt=share), AlgorithmConfig())
+        trainer = LocalTrainer(
+            copy.deepcopy(model), TrainerConfig(lr=1e-2, share_prompt=share), AlgorithmConfig()
+        )
         stats[share] = trainer.train_step(batch)
         params[share] = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
     a, b = stats[False], stats[True]

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from moerl.config import ConfigError, RunConfig
-from moerl.trainer.checkpoint import save_checkpoint
 from moerl.run.folder import RunDir
 from moerl.run.storage import MARKER, RunMirror, RunStorage, fetch_run
 from moerl.train import resume
+from moerl.trainer.checkpoint import save_checkpoint
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ from _recompute import layer_forwards
 from _tiny import tiny_model
 
 from moerl.config import AlgorithmConfig, ConfigError, TrainerConfig
+from moerl.records import Group, Lease, RolloutTask, Sample
 from moerl.rl import entropy_from_logits
 from moerl.trainer.batch import build_train_batch
 from moerl.trainer.checkpoint import load_checkpoint
-from moerl.trainer.local import NonFiniteLossError, LocalTrainer, expert_load_cv
-from moerl.records import Group, Lease, RolloutTask, Sample
+from moerl.trainer.local import LocalTrainer, NonFiniteLossError, expert_load_cv
 
 VOCAB = 16
 PAD = 0

@@ -21,7 +21,11 @@ ROOT = Path(__file__).resolve().parents[2] / "moerl"
 
 def _protocol_members() -> set[str]:
     names = set(Trainer.__annotations__)
-    names |= {n for n, v in vars(Trainer).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    names |= {
+        n
+        for n, v in vars(Trainer).items()
+        if not n.startswith("_") and (callable(v) or isinstance(v, property))
+    }
     return names
 
 

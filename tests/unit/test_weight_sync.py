@@ -194,7 +194,9 @@ def test_the_checksum_covers_the_table_a_bucket_with_a_wrong_table_is_refused():
     named = {"a": torch.arange(12, dtype=torch.float32), "b": torch.ones(4, 2)}
     (bucket,) = list(iter_packed(1, named, 1 << 20))
     name, dtype, shape, offset = bucket.entries[0]
-    lying = dataclasses.replace(bucket, entries=((name, dtype, (3, 4), offset), *bucket.entries[1:]))  # same bytes
+    lying = dataclasses.replace(
+        bucket, entries=((name, dtype, (3, 4), offset), *bucket.entries[1:])
+    )  # same bytes
     with pytest.raises(ChecksumError):
         unpack_bucket(lying)
     assembler = BucketAssembler(lambda b: b, background=False)

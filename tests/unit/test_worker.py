@@ -1,6 +1,7 @@
 """RolloutWorker: lease -> generate -> score -> put (settles the lease), weight sync, refusals, sync fleet."""
 
 from types import SimpleNamespace
+
 import pytest
 import torch
 from _tiny import tiny_model
@@ -10,9 +11,9 @@ from moerl.rollout import Engine
 from moerl.runtime.buffer import ExperienceBuffer
 from moerl.runtime.local import LocalRollouts
 from moerl.runtime.queue import TaskQueue
-from moerl.weights.sources import LocalWeights
 from moerl.runtime.worker import RolloutWorker, sample_seed
 from moerl.tasks import Prompt, Reward, load_tokenizer
+from moerl.weights.sources import LocalWeights
 
 TOK = load_tokenizer(None)
 

@@ -42,15 +42,15 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from moerl.allocator import keep_freed_memory
 from moerl.config import RunConfig
 from moerl.rollout.ep_engine import EPEngine
 from moerl.rollout.ep_group import EPFollower, EPGroupEngine, EPGroupError
-from moerl.allocator import keep_freed_memory
-from moerl.runtime.build import load_policy, make_engine
 from moerl.run.storage import is_remote, local_model_folder
+from moerl.runtime.build import load_policy, make_engine
+from moerl.tasks.tokenizer import load_run_tokenizer
 from moerl.weights.buckets import BucketAssembler
 from moerl.weights.store import WeightStore
-from moerl.tasks.tokenizer import load_run_tokenizer
 
 log = logging.getLogger(__name__)
 

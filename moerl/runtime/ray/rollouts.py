@@ -42,6 +42,8 @@ import torch
 
 from moerl.cluster.autoscale import RolloutCapacity
 from moerl.config import ConfigError, RunConfig
+from moerl.records import Group, RolloutTask
+from moerl.run.storage import stage_model_folder
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.chaos import ChaosMonkey
@@ -52,11 +54,9 @@ from moerl.runtime.ray.address import ray_head
 from moerl.runtime.ray.backend import RayWorkerBackend
 from moerl.runtime.ray.exchange import ExchangeActor
 from moerl.runtime.ray.worker_actor import RolloutWorkerActor
-from moerl.run.storage import stage_model_folder
-from moerl.records import Group, RolloutTask
+from moerl.runtime.worker import WorkerStats
 from moerl.weights.store import WeightStore
 from moerl.weights.transport import WeightHolder, make_transport
-from moerl.runtime.worker import WorkerStats
 
 
 def _labels(name: str) -> dict[str, float]:

@@ -26,25 +26,25 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moerl.config import RunConfig
-from moerl.rollout.ep_group import EPGroupError
 from moerl.allocator import keep_freed_memory
+from moerl.config import RunConfig
+from moerl.records import Group, Lease, PartialResponse, Settlement
+from moerl.rollout.ep_group import EPGroupError
+from moerl.run.storage import is_remote, local_model_folder
 from moerl.runtime.buffer import BufferClosed
 from moerl.runtime.build import load_policy, make_worker
 from moerl.runtime.chaos import Slowdown
+from moerl.runtime.counters import comm_error_counts
 from moerl.runtime.drain import Drainer
 from moerl.runtime.fleet import WorkerExit, WorkerHealth
+from moerl.runtime.gpu import read_gpus
 from moerl.runtime.notice import watcher_from_config
 from moerl.runtime.ray.ep_group import EPRolloutGroup
-from moerl.run.storage import is_remote, local_model_folder
-from moerl.records import Group, Lease, PartialResponse, Settlement
-from moerl.weights.sources import CheckedWeights, StoreWeights, parameter_set
-from moerl.weights.collective import WeightTransportError
-from moerl.weights.store import WeightStore
 from moerl.tasks import make_task
 from moerl.tasks.tokenizer import load_run_tokenizer
-from moerl.runtime.counters import comm_error_counts
-from moerl.runtime.gpu import read_gpus
+from moerl.weights.collective import WeightTransportError
+from moerl.weights.sources import CheckedWeights, StoreWeights, parameter_set
+from moerl.weights.store import WeightStore
 
 
 def _ray():

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from moerl.config import AlgorithmConfig
+from moerl.rl import preset_from_config
 from moerl.trainer.distributed.mesh import TrainMesh
 from moerl.trainer.distributed.parallelize import build_sharded_policy
-from moerl.rl import preset_from_config
 
 
 def build_algo_models(

@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
-from moerl.trainer.distributed.mesh import TrainMesh
 from moerl.ep.parallelize import ExpertParallelExperts
+from moerl.trainer.distributed.mesh import TrainMesh
 
 
 class ShardedCheckpointError(ValueError):

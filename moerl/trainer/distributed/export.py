@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from moerl.trainer.distributed.publish import iter_full_tensors, plan_buckets
 from moerl.models.checkpoint import INDEX_FILE
 from moerl.models.keymaps import KeyMapper
+from moerl.trainer.distributed.publish import iter_full_tensors, plan_buckets
 
 
 def hf_tensors(name: str, t: torch.Tensor, mapper: KeyMapper) -> Iterator[tuple[str, torch.Tensor]]:

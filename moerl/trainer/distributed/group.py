@@ -27,16 +27,16 @@ from typing import Any
 import torch
 
 from moerl.config import RunConfig
+from moerl.ep.traffic import DirectionTraffic, sum_traffic
+from moerl.records import Group, WeightVersion
+from moerl.rl import preset_from_config
+from moerl.trainer.batch import TrainBatch, build_train_batch
+from moerl.trainer.checkpoint import capture_rng_state, list_checkpoints, save_checkpoint
 from moerl.trainer.distributed.batching import split_by_groups
 from moerl.trainer.distributed.mesh import COLLECTIVE_TIMEOUT_S
 from moerl.trainer.distributed.rank import RankSpec, TrainerRankError, serve, unwrap_reply, write_file_url
 from moerl.trainer.distributed.ray_ranks import RayRanks
-from moerl.ep.traffic import DirectionTraffic, sum_traffic
-from moerl.rl import preset_from_config
-from moerl.trainer.batch import TrainBatch, build_train_batch
-from moerl.trainer.checkpoint import capture_rng_state, list_checkpoints, save_checkpoint
 from moerl.trainer.local import TrainStats
-from moerl.records import Group, WeightVersion
 from moerl.weights.buckets import StreamedVersion, unpack_bucket
 from moerl.weights.store import WeightStore
 

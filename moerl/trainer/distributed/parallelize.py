@@ -26,7 +26,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from moerl.trainer.distributed.mesh import TrainMesh
 from moerl.ep.parallelize import ExpertParallelExperts, parallelize
 from moerl.ep.registry import build_dispatcher
 from moerl.models.checkpoint import CheckpointError
@@ -34,6 +33,7 @@ from moerl.models.config import MoeConfig
 from moerl.models.keymaps import KeyMapper
 from moerl.models.model import MoeForCausalLM
 from moerl.trainer.critic import with_value_head
+from moerl.trainer.distributed.mesh import TrainMesh
 
 
 def local_rows(t: torch.Tensor) -> tuple[int, int] | None:

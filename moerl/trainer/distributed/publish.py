@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from moerl.trainer.distributed.mesh import TrainMesh
 from moerl.ep.parallelize import ExpertParallelExperts
 from moerl.records import WeightVersion
+from moerl.trainer.distributed.mesh import TrainMesh
 from moerl.weights.buckets import BucketPacker, StreamedVersion, WeightBucket
 from moerl.weights.store import WeightStore
 

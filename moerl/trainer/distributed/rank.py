@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from moerl.config import RunConfig
+from moerl.ep.traffic import DirectionTraffic, dispatcher_traffic, model_dispatchers, traffic_delta
+from moerl.trainer.batch import TrainBatch
 from moerl.trainer.distributed.algo_models import build_algo_models
 from moerl.trainer.distributed.checkpoint import (
     ShardedCheckpointError,
@@ -30,8 +32,6 @@ from moerl.trainer.distributed.mesh import COLLECTIVE_TIMEOUT_S, build_mesh, ini
 from moerl.trainer.distributed.parallelize import build_sharded_policy
 from moerl.trainer.distributed.publish import iter_full_tensors, publish_sharded, stream_sharded
 from moerl.trainer.distributed.sharded import ShardedTrainer
-from moerl.ep.traffic import DirectionTraffic, dispatcher_traffic, model_dispatchers, traffic_delta
-from moerl.trainer.batch import TrainBatch
 from moerl.trainer.local import NonFiniteLossError
 from moerl.weights.buckets import StreamedVersion
 from moerl.weights.store import WeightStore

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from moerl.config import AlgorithmConfig, TrainerConfig
-from moerl.trainer.distributed.mesh import TrainMesh
 from moerl.trainer.batch import TrainBatch
+from moerl.trainer.distributed.mesh import TrainMesh
 from moerl.trainer.local import LocalTrainer
 
 
