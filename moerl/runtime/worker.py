@@ -94,6 +94,17 @@ class WorkerStats:
     the leader rank's); None before the first step."""
 
 
+def _engine_stats(engine: object) -> EngineStats | None:
+    """The KV-cache figures of the engine behind ``engine``: itself, an EP group's leader engine, or the
+    engine an episode engine drives (whose own ``stats`` are environment figures); None if it has none."""
+    ep = getattr(engine, "ep", None)  # an EP group: the leader's EPEngine
+    for candidate in (ep.engine if ep is not None else None, engine, getattr(engine, "engine", None)):
+        stats = getattr(candidate, "stats", None)
+        if isinstance(stats, EngineStats):
+            return stats
+    return None
+
+
 class RolloutWorker:
     """Leases tasks, generates their groups with an ``Engine``, scores them, puts them in the buffer.
 
@@ -397,8 +408,7 @@ class RolloutWorker:
             finished = [job for job in self._jobs() if len(job.completions) == job.lease.task.num_samples]
             early, self._early = self._early, []
             done = early + self.engine.step()
-            ep = getattr(self.engine, "ep", None)  # an EP group: the leader's EPEngine
-            self.stats.kv = getattr(ep.engine if ep is not None else self.engine, "stats", None)
+            self.stats.kv = _engine_stats(self.engine)
             for c in done:
                 job = self._in_flight.get(c.request_id)
                 if job is None:  # its group was abandoned by a drain: the tokens are discarded

@@ -105,9 +105,12 @@ def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
 def init_ray(cfg: RunConfig) -> None:
     """Connect to ``runtime.ray_address`` or start a local Ray instance, keeping this process's SIGTERM
     handler: ``ray.init`` installs its own (``sys.exit``), which would bypass the run's (a SIGTERM
-    stops a run like Ctrl-C)."""
+    stops a run like Ctrl-C). Nothing to do when this process is connected already (a trainer group's
+    rank actors started it, or the caller did)."""
     import ray
 
+    if ray.is_initialized():
+        return
     is_main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if is_main else None
     if cfg.runtime.ray_address:
@@ -158,8 +161,7 @@ class RayRollouts:
     ):
         import ray
 
-        if not ray.is_initialized():
-            init_ray(cfg)
+        init_ray(cfg)
         # a remote store: the model folder goes there too, so actors on other machines share no folder
         init_path = stage_model_folder(init_path, store_url, cfg.storage.options)
         exchange_cls = ray.remote(
