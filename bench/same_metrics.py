@@ -8,7 +8,8 @@ included (sync runs are bit-reproducible on one machine).
 
 Timing fields: ``wall_s``, ``timing/*``, ``perf/*``, ``fleet/time_to_replace_s`` and the per-worker rates
 (``tokens_per_s``, ``groups_per_s``) inside ``rollout/workers``. Exits 1 and prints the first differences
-when any other field differs, or when the step lists differ.
+when any other field of RUN_A differs in RUN_B (a field RUN_B lacks included), or when the step lists
+differ; fields only RUN_B has (metrics added since) are listed, not counted as differences.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def differences(a: list[dict], b: list[dict]) -> list[str]:
     out = []
     for ra, rb in zip(a, b, strict=True):
         sa, sb = _strip(ra), _strip(rb)
-        for key in sorted(set(sa) | set(sb)):
+        for key in sorted(sa):
             if sa.get(key, "<missing>") != sb.get(key, "<missing>"):
                 out.append(
                     f"step {ra.get('step')}: {key}: {sa.get(key, '<missing>')!r} != {sb.get(key, '<missing>')!r}"
@@ -56,7 +57,11 @@ def main(argv: list[str]) -> int:
     if diffs:
         print(f"{len(diffs)} differences; first ones:", *diffs[:20], sep="\n  ")
         return 1
-    print(f"identical: {len(runs[0])} steps x {fields} non-timing fields")
+    added = sorted({k for r in runs[1] for k in _strip(r)} - {k for r in runs[0] for k in _strip(r)})
+    print(
+        f"identical: {len(runs[0])} steps x {fields} non-timing fields"
+        + (f"; new in B: {', '.join(added)}" if added else "")
+    )
     return 0
 
 
