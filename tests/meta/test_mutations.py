@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def _is_git_checkout() -> bool:
 
 pytestmark = [
     pytest.mark.skipif(not _is_git_checkout(), reason="needs git and a git checkout (git ls-files)"),
-    pytest.mark.timeout(TIMEOUT_S + 60),
+    pytest.mark.timeout(3 * TIMEOUT_S + 60),  # the first test also waits for the module fixture's six jobs
 ]
 
 
@@ -136,25 +137,49 @@ def _tail(proc: subprocess.CompletedProcess, lines: int = 15) -> str:
     return "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-lines:])
 
 
-def test_the_catching_tests_pass_unmutated(tmp_path):
-    tests = tuple(dict.fromkeys(t for m in MUTATIONS for t in m.tests))
-    proc = _pytest(_copy_repo(tmp_path / "repo"), tests)  # an unknown node id exits 4
+UNMUTATED = "unmutated"
+
+
+def _run(key: str, root: Path) -> tuple[str, object]:
+    """One job in its own copy under ``root``: the unmutated catching tests, or one mutation's tests.
+    Returns ``("ran", CompletedProcess)``, or ``("drift", count)`` when a mutation's old text is not there
+    exactly once."""
+    copy = _copy_repo(root)
+    if key == UNMUTATED:
+        return "ran", _pytest(copy, tuple(dict.fromkeys(t for m in MUTATIONS for t in m.tests)))
+    mutation = next(m for m in MUTATIONS if Path(m.file).stem == key)
+    path = copy / mutation.file
+    text = path.read_text()
+    if text.count(mutation.old) != 1:
+        return "drift", text.count(mutation.old)
+    path.write_text(text.replace(mutation.old, mutation.new))
+    return "ran", _pytest(copy, mutation.tests)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, tuple[str, object]]:
+    """Every job's outcome, two subprocesses at a time (each is one single-threaded pytest; a 2-core
+    machine runs two at once in about half the time)."""
+    keys = [UNMUTATED, *(Path(m.file).stem for m in MUTATIONS)]
+    roots = [tmp_path_factory.mktemp(k) for k in keys]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(keys, pool.map(_run, keys, roots), strict=True))
+
+
+def test_the_catching_tests_pass_unmutated(outcomes):
+    _, proc = outcomes[UNMUTATED]  # an unknown node id exits 4
     assert proc.returncode == 0, f"the catching tests fail without any mutation:\n{_tail(proc)}"
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, _tail(proc)
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda m: Path(m.file).stem)
-def test_mutation_is_caught(tmp_path, mutation):
-    copy = _copy_repo(tmp_path / "repo")
-    path = copy / mutation.file
-    text = path.read_text()
-    assert text.count(mutation.old) == 1, (
-        f"mutation {mutation.name!r}: its old text occurs {text.count(mutation.old)} times in {mutation.file} "
+def test_mutation_is_caught(outcomes, mutation):
+    kind, result = outcomes[Path(mutation.file).stem]
+    assert kind == "ran", (
+        f"mutation {mutation.name!r}: its old text occurs {result} times in {mutation.file} "
         "(the code moved): update MUTATIONS in tests/meta/test_mutations.py"
     )
-    path.write_text(text.replace(mutation.old, mutation.new))
-    proc = _pytest(copy, mutation.tests)
-    assert proc.returncode == 1 and " failed" in proc.stdout, (
-        f"mutation {mutation.name!r} not caught by {' '.join(mutation.tests)} (exit {proc.returncode}):\n"
-        + _tail(proc)
+    assert result.returncode == 1 and " failed" in result.stdout, (
+        f"mutation {mutation.name!r} not caught by {' '.join(mutation.tests)} (exit {result.returncode}):\n"
+        + _tail(result)
     )
