@@ -117,7 +117,8 @@ def _copy_repo(dest: Path) -> Path:
 
 
 def _pytest(copy: Path, args: tuple[str, ...]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(copy)}  # the copy's moerl, not the installed one
+    # the copy's moerl, not the installed one; one thread each: two jobs run at once (``outcomes``)
+    env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
     env.pop("PYTEST_ADDOPTS", None)
     check = "import moerl, sys; sys.exit(0 if moerl.__file__.startswith(sys.argv[1]) else 1)"
     assert subprocess.run([sys.executable, "-c", check, str(copy)], env=env, cwd=copy).returncode == 0, (
