@@ -69,5 +69,6 @@ def check_engine_sizes(cfg: RunConfig) -> None:
     if r.max_new_tokens + 1 > slot:
         raise ConfigError(
             f"rollout.max_new_tokens={r.max_new_tokens} plus a prompt of at least 1 token cannot fit the "
-            f"engine's {what} of {slot} tokens {sizes}; lower max_new_tokens or raise kv_token_budget"
+            f"engine's {what} of {slot} tokens {sizes}; lower max_new_tokens or raise "
+            + ("the model context (model.max_position_embeddings)" if slot == context else "kv_token_budget")
         )
