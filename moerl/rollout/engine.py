@@ -104,22 +104,16 @@ class Engine:
                 f"max_slots={max_slots}, kv_token_budget={kv_token_budget}, max_seq_len={max_seq_len} leave no "
                 f"cache slot of at least 2 tokens (model context {cfg.max_position_embeddings})"
             )
-        if sync_every < 1 or max_prefill_tokens < 1 or attn_len_multiple < 1:
-            raise ValueError(
-                f"sync_every={sync_every}, max_prefill_tokens={max_prefill_tokens}, "
-                f"attn_len_multiple={attn_len_multiple} must all be >= 1"
-            )
-        param = next(model.parameters())
-        self.model = model
-        self.device = param.device
-        self.vocab_size: int = cfg.vocab_size
-        self.max_seq_len = slot_len
-        self.max_stop_tokens = max_stop_tokens
-        self.sync_every = sync_every
-        self.batch_buckets = tuple(sorted(batch_buckets)) if batch_buckets else None
-        self.attn_len_multiple = attn_len_multiple
-        self.version = version
-        """Policy version of the current weights (set by ``update_weights``)."""
+        param = self._init_common(
+            model,
+            slot_len,
+            max_stop_tokens,
+            sync_every,
+            max_prefill_tokens,
+            batch_buckets,
+            attn_len_multiple,
+            version,
+        )
         self.cache = SlotKVCache(
             kv_layout_override or kv_layout(cfg),
             num_slots=num_slots,
@@ -128,14 +122,51 @@ class Engine:
             device=self.device,
         )
         self.scheduler = Scheduler(num_slots, max_prefill_tokens)
+        self._init_state(num_slots, seed, cuda_graphs)
+
+    def _init_common(
+        self,
+        model: torch.nn.Module,
+        max_seq_len: int,
+        max_stop_tokens: int,
+        sync_every: int,
+        max_prefill_tokens: int,
+        batch_buckets: tuple[int, ...] | None,
+        attn_len_multiple: int,
+        version: int,
+    ) -> torch.nn.Parameter:
+        """The settings every engine (slot or paged) checks and keeps; returns a parameter of ``model``
+        (its device and dtype size the cache).
+
+        Raises:
+            ValueError: ``sync_every``, ``max_prefill_tokens`` or ``attn_len_multiple`` below 1.
+        """
+        if sync_every < 1 or max_prefill_tokens < 1 or attn_len_multiple < 1:
+            raise ValueError(
+                f"sync_every={sync_every}, max_prefill_tokens={max_prefill_tokens}, "
+                f"attn_len_multiple={attn_len_multiple} must all be >= 1"
+            )
+        param = next(model.parameters())
+        self.model = model
+        self.device = param.device
+        self.vocab_size: int = model.config.vocab_size
+        self.max_seq_len = max_seq_len
+        self.max_stop_tokens = max_stop_tokens
+        self.sync_every = sync_every
+        self.batch_buckets = tuple(sorted(batch_buckets)) if batch_buckets else None
+        self.attn_len_multiple = attn_len_multiple
+        self.version = version
+        """Policy version of the current weights (set by ``update_weights``)."""
+        return param
+
+    def _init_state(self, num_slots: int, seed: int, cuda_graphs: bool) -> None:
+        """Per-engine run state: sampling seeds, pending device results, per-slot tensors, counters and
+        (on CUDA) the graph runner of decode steps."""
         self._seed_rng = random.Random(seed)
         self._pending: list[_Pending] = []
         self._steps_since_sync = 0
         self._init_slot_state(num_slots)
-        self._prefill_tokens = 0
-        self._prefix_hit_tokens = 0
-        self._decode_steps = 0
-        self._decode_rows = 0
+        self._prefill_tokens = self._prefix_hit_tokens = self._decode_steps = self._decode_rows = 0
         # Decode steps replayed from CUDA graphs, one per (B, R, sampling flags) key (cuda_graphs.py).
         self._graphs = GraphRunner(self.device) if cuda_graphs and self.device.type == "cuda" else None
 

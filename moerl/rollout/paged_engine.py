@@ -19,12 +19,9 @@ completion's records are those of the forwards that produced its tokens.
 
 from __future__ import annotations
 
-import random
-
 import torch
 
 from moerl.rollout.block_pool import BlockPool
-from moerl.rollout.cuda_graphs import GraphRunner
 from moerl.rollout.engine import Engine
 from moerl.rollout.kv_cache import KVLayout, kv_layout
 from moerl.rollout.paged_kv_cache import PagedKVCache, paged_geometry
@@ -82,22 +79,16 @@ class PagedEngine(Engine):
                 f"kv_token_budget={kv_token_budget}, block_size={block_size} leave no room for a sequence of "
                 f"2 tokens (model context {cfg.max_position_embeddings})"
             )
-        if sync_every < 1 or max_prefill_tokens < 1 or attn_len_multiple < 1:
-            raise ValueError(
-                f"sync_every={sync_every}, max_prefill_tokens={max_prefill_tokens}, "
-                f"attn_len_multiple={attn_len_multiple} must all be >= 1"
-            )
-        param = next(model.parameters())
-        self.model = model
-        self.device = param.device
-        self.vocab_size: int = cfg.vocab_size
-        self.max_seq_len = max_len
-        self.max_stop_tokens = max_stop_tokens
-        self.sync_every = sync_every
-        self.batch_buckets = tuple(sorted(batch_buckets)) if batch_buckets else None
-        self.attn_len_multiple = attn_len_multiple
-        self.version = version
-        """Policy version of the current weights (set by ``update_weights``)."""
+        param = self._init_common(
+            model,
+            max_len,
+            max_stop_tokens,
+            sync_every,
+            max_prefill_tokens,
+            batch_buckets,
+            attn_len_multiple,
+            version,
+        )
         self.block_size = block_size
         self.max_blocks = -(-max_len // block_size)
         """M, block-table width: blocks of the longest sequence."""
@@ -110,16 +101,11 @@ class PagedEngine(Engine):
             device=self.device,
         )
         self.scheduler = PagedScheduler(max_slots, max_prefill_tokens, self.pool)
-        self._seed_rng = random.Random(seed)
-        self._pending = []
-        self._steps_since_sync = 0
-        self._init_slot_state(max_slots)
+        self._init_state(max_slots, seed, cuda_graphs)
         self._block_table = torch.full(
             (max_slots, self.max_blocks), self.cache.null_block, dtype=torch.int64, device=self.device
         )
         self._slot_state.append(self._block_table)  # moved with its row on compaction
-        self._prefill_tokens = self._prefix_hit_tokens = self._decode_steps = self._decode_rows = 0
-        self._graphs = GraphRunner(self.device) if cuda_graphs and self.device.type == "cuda" else None
 
     @classmethod
     def from_config(cls, model, cfg, *, seed: int = 0, version: int = 0) -> PagedEngine:
