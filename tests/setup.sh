@@ -20,3 +20,8 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
     done
 fi
 python3 -m pip install -q torch==2.13.0 -e '.[test]' || { echo "tests/setup.sh: pip install of moerl[test] failed (see above)" >&2; exit 1; }
+# Triton for its CPU interpreter (TRITON_INTERPRET=1), in a folder of its own: only the paged-attention
+# kernel test puts it on its subprocess' path, so no other test imports Triton on this CPU machine
+if [ ! -d .cache/triton-interp/triton ]; then
+    python3 -m pip install -q --target .cache/triton-interp triton==3.5.0 || { echo "tests/setup.sh: pip install of triton (the kernel tests' CPU interpreter) into .cache/triton-interp failed (see above)" >&2; exit 1; }
+fi

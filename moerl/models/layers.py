@@ -32,6 +32,10 @@ class KVCache(Protocol):
         """Store k, v [B, nkv, T, hd] for layer ``layer_idx``; return all keys/values [B, nkv, S, hd]."""
         ...
 
+    # Optional: a cache with ``fused_decode`` True for the bound forward also has
+    # ``decode_attention(layer_idx, q, k, v, scale) -> [B, 1, nh * dv]`` (stores k, v and attends in place);
+    # grouped-query attention layers then call it instead of ``update`` (``moerl.rollout.paged_kv_cache``).
+
 
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps), computed in float32 (Zhang & Sennrich 2019, Eq. 4)."""
@@ -185,6 +189,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None and getattr(cache, "fused_decode", False):  # the cache attends in place
+            return self.o_proj(cache.decode_attention(self.layer_idx, q, k, v, self.scale))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         return self.o_proj(_attend(q, k, v, mask, self.scale))
@@ -248,6 +254,8 @@ class MLAttention(nn.Module):
         k_rot = apply_rotary(k_rot.view(b, 1, t, rope), cos, sin, interleave=cfg.rope_interleave)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        if cache is not None and getattr(cache, "fused_decode", False):  # the cache attends in place
+            return self.o_proj(cache.decode_attention(self.layer_idx, q, k, v, self.scale))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         return self.o_proj(_attend(q, k, v, mask, self.scale))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from moerl.rollout.kv_cache import KVLayout
+from moerl.rollout.paged_attention import paged_decode_attention, paged_decode_kernel_runs
 
 
 def paged_geometry(kv_token_budget: int, block_size: int, context: int, max_slots: int) -> tuple[int, int]:
@@ -73,6 +74,11 @@ class PagedKVCache:
         self.write_slots: torch.Tensor | None = None
         """[B, T] int64 token slot each new key/value of the bound forward goes to."""
         self._read: torch.Tensor | None = None  # [B, R] int64 token slots each row attends over
+        self.fused_decode = False
+        """True while a decode is bound whose attention runs in ``decode_attention`` (the paged Triton
+        kernel reading keys in place); the model then calls ``decode_attention`` instead of ``update``."""
+        self._table: torch.Tensor | None = None  # [B, W] of the bound decode (fused path)
+        self._lengths: torch.Tensor | None = None  # [B] keys each row attends (fused path)
 
     # ------------------------------------------------------------------------------------------
     # Binding a forward
@@ -121,8 +127,12 @@ class PagedKVCache:
         """
         bs = self.block_size
         b, w = table.shape
-        offsets = torch.arange(bs, device=table.device)
-        self._read = (table[:, :, None] * bs + offsets).reshape(b, w * bs)
+        self.fused_decode = paged_decode_kernel_runs(self.k)
+        if self.fused_decode:  # the kernel reads the keys in place: no [B, R] slot index
+            self._table, self._lengths = table, positions + 1
+        else:
+            offsets = torch.arange(bs, device=table.device)
+            self._read = (table[:, :, None] * bs + offsets).reshape(b, w * bs)
         blk = table.gather(1, (positions // bs)[:, None])[:, 0]
         self.write_slots = (blk * bs + positions % bs)[:, None]  # [B, 1]
         keys = torch.arange(w * bs, device=table.device)
@@ -131,6 +141,7 @@ class PagedKVCache:
     def unbind(self) -> None:
         """Forget the bound forward (``update`` then raises until the next bind)."""
         self._read, self.write_slots, self.attn_mask = None, None, None
+        self._table, self._lengths, self.fused_decode = None, None, False
 
     # ------------------------------------------------------------------------------------------
     # The model's seam
@@ -149,11 +160,43 @@ class PagedKVCache:
         if self._read is None:
             raise RuntimeError("PagedKVCache.update called outside a bound prefill/decode")
         lay = self.layout
+        b = k.shape[0]
+        self._write(layer, k, v)
+        read = self._read
+        r = read.shape[1]
+        k_all = self.k[layer].index_select(0, read.reshape(-1)).view(b, r, lay.num_kv_heads, lay.k_head_dim)
+        v_all = self.v[layer].index_select(0, read.reshape(-1)).view(b, r, lay.num_kv_heads, lay.v_head_dim)
+        return k_all.transpose(1, 2), v_all.transpose(1, 2)
+
+    def decode_attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Store a fused decode's keys/values of ``layer`` and attend in place (``fused_decode`` is True).
+
+        Args:
+            layer: attention layer index in [0, L).
+            q: [B, nh, 1, Dk], k: [B, H, 1, Dk], v: [B, H, 1, Dv] after RoPE / norms.
+            scale: softmax scale.
+        Returns:
+            [B, 1, nh * Dv] attention output in q's dtype (``moerl.rollout.paged_attention``).
+        Raises:
+            RuntimeError: no fused decode is bound, or the shapes do not match the cache.
+        """
+        if not self.fused_decode:
+            raise RuntimeError("PagedKVCache.decode_attention called outside a bound fused decode")
+        self._write(layer, k, v)
+        out = paged_decode_attention(
+            q[:, :, 0], self.k[layer], self.v[layer], self._table, self._lengths, scale, self.block_size
+        )
+        return out.flatten(1)[:, None]
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy a forward's k [B, H, T, Dk] / v [B, H, T, Dv] into their token slots."""
+        lay = self.layout
         if k.shape[1] != lay.num_kv_heads or k.shape[-1] != lay.k_head_dim or v.shape[-1] != lay.v_head_dim:
             raise RuntimeError(
                 f"layer {layer}: k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache layout {lay}"
             )
-        b = k.shape[0]
         write = self.write_slots.reshape(-1)
         self.k[layer].index_copy_(
             0, write, k.transpose(1, 2).reshape(-1, lay.num_kv_heads, lay.k_head_dim).to(self.k.dtype)
@@ -161,11 +204,6 @@ class PagedKVCache:
         self.v[layer].index_copy_(
             0, write, v.transpose(1, 2).reshape(-1, lay.num_kv_heads, lay.v_head_dim).to(self.v.dtype)
         )
-        read = self._read
-        r = read.shape[1]
-        k_all = self.k[layer].index_select(0, read.reshape(-1)).view(b, r, lay.num_kv_heads, lay.k_head_dim)
-        v_all = self.v[layer].index_select(0, read.reshape(-1)).view(b, r, lay.num_kv_heads, lay.v_head_dim)
-        return k_all.transpose(1, 2), v_all.transpose(1, 2)
 
     # ------------------------------------------------------------------------------------------
     # Blocks and routed experts

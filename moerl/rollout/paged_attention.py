@@ -1,0 +1,272 @@
+"""Paged decode attention: one new query token per row attending over its own cached keys, read in place
+through the row's block table (no gathered copy of the keys), as vLLM's PagedAttention (Kwon et al. 2023,
+"Efficient Memory Management for Large Language Model Serving with PagedAttention", Sec. 4.1) and split
+over the key axis as flash-decoding (Dao et al. 2023, "Flash-Decoding for long-context inference").
+
+Shapes: B rows, nh query heads, nkv kv heads (G = nh / nkv queries per kv head), Dk / Dv head dims,
+W blocks read per row (the block-table width), bs tokens per block, N token slots of the cache.
+
+    q:       [B, nh, Dk]          the rows' queries (after RoPE)
+    k_cache: [N, nkv, Dk]         one layer's keys (``PagedKVCache.k[layer]``), v_cache [N, nkv, Dv]
+    table:   [B, W] int64         row b's j-th block; key position p sits in slot table[b, p // bs] * bs + p % bs
+    lengths: [B] int64            row b attends keys 0..lengths[b]-1 (lengths[b] <= W * bs)
+    out:     [B, nh, Dv]          softmax(q k^T * scale) v per row and head, in q's dtype
+
+The Triton kernel reads each row's keys up to its own length only, so a batch's short rows cost their own
+length, not the longest row's (the gather path reads W * bs keys for every row). Each program handles one
+(row, kv head, key split) and keeps the softmax online (Milakov & Gimelshein 2018, "Online normalizer
+calculation for softmax", Alg. 3); the splits' partial results are merged with their log-sum-exp weights.
+Every launch shape is a function of (B, W) only, so a decode step using it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moerl.models.fast_paths import triton, use_triton
+
+if triton is not None:
+    import triton.language as tl
+
+
+def paged_decode_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    block_size: int,
+) -> torch.Tensor:
+    """The definition, in tensor ops (float32 softmax): gathers each row's W * bs keys and masks those at
+    positions >= its length. Shapes as in the module docstring; returns [B, nh, Dv] in q's dtype (0 for a
+    row of length 0)."""
+    b, nh, _ = q.shape
+    nkv, bs, w = k_cache.shape[1], block_size, table.shape[1]
+    pos = torch.arange(w * bs, device=q.device)
+    slots = (table[:, :, None] * bs + torch.arange(bs, device=q.device)).reshape(b, w * bs)
+    k = k_cache[slots].float()  # [B, R, nkv, Dk]
+    v = v_cache[slots].float()
+    qf = q.float().view(b, nkv, nh // nkv, -1)
+    s = torch.einsum("bhgd,brhd->bhgr", qf, k) * scale
+    s = s.masked_fill(~(pos[None, :] < lengths[:, None])[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhgr,brhd->bhgd", p, v).reshape(b, nh, -1).to(q.dtype)
+
+
+def paged_decode_supported(k_cache: torch.Tensor) -> bool:
+    """Whether ``paged_decode_attention`` runs the Triton kernel for this cache: Triton installed, a CUDA
+    cache, moerl's fast paths on (``moerl.models.fast_paths``)."""
+    return use_triton(k_cache)
+
+
+def _num_splits(b: int, nkv: int, keys: int, block_n: int) -> tuple[int, int]:
+    """(splits, keys per split): enough programs to cover a GPU's ~132 multiprocessors twice when B * nkv
+    alone does not, never splits shorter than 4 * block_n keys. Host ints of the shape only (graph-safe)."""
+    want = max(1, -(-264 // max(b * nkv, 1)))
+    splits = max(1, min(want, keys // (4 * block_n)))
+    per = -(-keys // splits)
+    per = -(-per // block_n) * block_n
+    return -(-keys // per), per
+
+
+if triton is not None:
+
+    @triton.jit
+    def _block(
+        q, K, V, TABLE, b, kh, n0, end, m_i, l_i, acc, stride_kt, stride_kh, stride_vt, stride_vh, stride_tb,
+        scale, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BS: tl.constexpr,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """One BLOCK_N-key step of the online softmax: keys n0..n0+BLOCK_N-1 (those < end)."""
+        dk = tl.arange(0, DKP)
+        dv = tl.arange(0, DVP)
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < end
+        blk = tl.load(TABLE + b * stride_tb + n // BS, mask=valid, other=0)
+        slot = blk * BS + n % BS
+        k = tl.load(
+            K + slot[:, None] * stride_kt + kh * stride_kh + dk[None, :],
+            mask=valid[:, None] & (dk[None, :] < DK),
+            other=0.0,
+        )
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a step with no valid key: p = 0, alpha = 1
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + slot[:, None] * stride_vt + kh * stride_vh + dv[None, :],
+            mask=valid[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _paged_decode_kernel(
+        Q,
+        K,
+        V,
+        TABLE,
+        LENS,
+        ACC,
+        ML,
+        stride_qb,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_tb,
+        keys_per_split,
+        num_splits,
+        scale,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        DK: tl.constexpr,
+        DKP: tl.constexpr,
+        DV: tl.constexpr,
+        DVP: tl.constexpr,
+        BS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        DYNAMIC: tl.constexpr,
+        KPS: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kh = tl.program_id(1)
+        sp = tl.program_id(2)
+        nh = tl.num_programs(1) * G
+        length = tl.load(LENS + b)
+        start = sp * keys_per_split
+        end = tl.minimum(start + keys_per_split, length)
+        g = tl.arange(0, GP)
+        dk = tl.arange(0, DKP)
+        dv = tl.arange(0, DVP)
+        qh = kh * G + g
+        q = tl.load(
+            Q + b * stride_qb + qh[:, None] * stride_qh + dk[None, :],
+            mask=(g[:, None] < G) & (dk[None, :] < DK),
+            other=0.0,
+        )
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, DVP], tl.float32)
+        # DYNAMIC: stop at the row's own length (GPU); the CPU interpreter cannot take tensor loop bounds,
+        # so there the loop runs over the whole split and the mask in _block drops the keys past the length
+        if DYNAMIC:
+            for n0 in range(start, end, BLOCK_N):
+                m_i, l_i, acc = _block(
+                    q, K, V, TABLE, b, kh, n0, end, m_i, l_i, acc, stride_kt, stride_kh, stride_vt,
+                    stride_vh, stride_tb, scale, DK, DKP, DV, DVP, BS, BLOCK_N, IEEE,
+                )
+        else:
+            for i in range(0, KPS, BLOCK_N):  # KPS = keys_per_split, a constexpr only here
+                m_i, l_i, acc = _block(
+                    q, K, V, TABLE, b, kh, start + i, end, m_i, l_i, acc, stride_kt, stride_kh, stride_vt,
+                    stride_vh, stride_tb, scale, DK, DKP, DV, DVP, BS, BLOCK_N, IEEE,
+                )
+        # partial results: ACC [B, S, nh, DVP] float32, ML [B, S, nh, 2] float32 (running max, sum)
+        row = (b * num_splits + sp) * nh + qh
+        gmask = g < G
+        tl.store(ACC + row[:, None] * DVP + dv[None, :], acc, mask=gmask[:, None])
+        tl.store(ML + row * 2, m_i, mask=gmask)
+        tl.store(ML + row * 2 + 1, l_i, mask=gmask)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    block_size: int,
+    *,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Decode attention over a paged cache (shapes in the module docstring); returns [B, nh, Dv].
+
+    Runs the Triton kernel where ``paged_decode_supported`` (or when Triton runs in its interpreter,
+    ``TRITON_INTERPRET=1``, on CPU tensors), else ``paged_decode_reference``. Rows with length 0 give 0.
+
+    Raises:
+        ValueError: shapes that do not fit together (nh not a multiple of nkv, a table that is not [B, W]).
+    """
+    b, nh, dk = q.shape
+    nkv, dv = k_cache.shape[1], v_cache.shape[2]
+    if nh % nkv or table.shape[0] != b or lengths.shape != (b,) or k_cache.shape[2] != dk:
+        raise ValueError(
+            f"paged decode: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, table {tuple(table.shape)}, "
+            f"lengths {tuple(lengths.shape)} do not fit together"
+        )
+    if not paged_decode_kernel_runs(k_cache):
+        return paged_decode_reference(q, k_cache, v_cache, table, lengths, scale, block_size)
+    g = nh // nkv
+    keys = table.shape[1] * block_size
+    splits, per = _num_splits(b, nkv, keys, block_n)
+    dvp = triton.next_power_of_2(dv)
+    acc = torch.empty(b, splits, nh, dvp, dtype=torch.float32, device=q.device)
+    ml = torch.empty(b, splits, nh, 2, dtype=torch.float32, device=q.device)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    _paged_decode_kernel[(b, nkv, splits)](
+        q,
+        k_cache,
+        v_cache,
+        table,
+        lengths,
+        acc,
+        ml,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        table.stride(0),
+        per,
+        splits,
+        scale,
+        G=g,
+        GP=max(16, triton.next_power_of_2(g)),
+        DK=dk,
+        DKP=max(16, triton.next_power_of_2(dk)),
+        DV=dv,
+        DVP=dvp,
+        BS=block_size,
+        BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32,
+        DYNAMIC=q.is_cuda,
+        KPS=0 if q.is_cuda else per,
+        num_warps=4,
+    )
+    # merge the splits (flash-decoding): weights exp(m_s - max_s m_s); an empty split has m = -inf, l = 0
+    m, l = ml[..., 0], ml[..., 1]
+    top = m.amax(dim=1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp(m - top)  # [B, S, nh]
+    den = (w * l).sum(dim=1)  # [B, nh]
+    out = (w[..., None] * acc).sum(dim=1)[..., :dv] / den.clamp_min(1e-30)[..., None]
+    return out.to(q.dtype)
+
+
+def paged_decode_kernel_runs(k_cache: torch.Tensor) -> bool:
+    """Whether a decode over this cache runs the kernel: ``paged_decode_supported`` or the interpreter."""
+    return paged_decode_supported(k_cache) or _interpreting(k_cache)
+
+
+def _interpreting(t: torch.Tensor) -> bool:
+    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``: tests run the kernel on CPU tensors)."""
+    return triton is not None and not t.is_cuda and os.environ.get("TRITON_INTERPRET") == "1"
