@@ -48,6 +48,7 @@ def gather_path(q, kc, vc, table, lengths, scale, bs):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/paged_attention_gpu.json")
+    ap.add_argument("--sweep", action="store_true", help="also time block_n x num_warps x num_stages")
     args = ap.parse_args()
     from triton.testing import do_bench_cudagraph
 
@@ -77,11 +78,25 @@ def main() -> None:
         t_kernel = do_bench_cudagraph(lambda: paged_decode_attention(q, kc, vc, table, lengths, scale, bs)) * 1e-3
         t_gather = do_bench_cudagraph(lambda: gather_path(q, kc, vc, table, lengths, scale, bs)) * 1e-3
         kv_bytes = int(lengths.sum()) * nkv * d * 2 * 2
+        sweep = {}
+        if args.sweep:
+            for bn in (32, 64, 128):
+                for nw in (2, 4, 8):
+                    for ns in (1, 2, 3):
+                        kw = dict(block_n=bn, num_warps=nw, num_stages=ns)
+                        try:
+                            t = do_bench_cudagraph(
+                                lambda kw=kw: paged_decode_attention(q, kc, vc, table, lengths, scale, bs, **kw)
+                            )
+                            sweep[f"bn{bn}_w{nw}_s{ns}"] = t * 1e-3
+                        except Exception as e:  # a config the compiler refuses (shared memory)
+                            sweep[f"bn{bn}_w{nw}_s{ns}"] = repr(e)[:80]
         rows.append(
             dict(
                 kind=kind, rows=b, read_width_tokens=w * bs, mean_length=float(lengths.float().mean()),
                 max_abs_err_vs_definition=err, kernel_s=t_kernel, gather_s=t_gather,
                 speedup=t_gather / t_kernel, kernel_kv_bytes=kv_bytes, kernel_gb_per_s=kv_bytes / t_kernel / 1e9,
+                sweep_s=sweep,
             )
         )
         print(json.dumps(rows[-1]), flush=True)

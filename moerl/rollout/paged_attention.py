@@ -195,6 +195,8 @@ def paged_decode_attention(
     block_size: int,
     *,
     block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Decode attention over a paged cache (shapes in the module docstring); returns [B, nh, Dv].
 
@@ -250,7 +252,8 @@ def paged_decode_attention(
         IEEE=q.dtype == torch.float32,
         DYNAMIC=q.is_cuda,
         KPS=0 if q.is_cuda else per,
-        num_warps=4,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     # merge the splits (flash-decoding): weights exp(m_s - max_s m_s); an empty split has m = -inf, l = 0
     m, l = ml[..., 0], ml[..., 1]
