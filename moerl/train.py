@@ -326,10 +326,10 @@ class Run:
         queue, buffer = r.queue_stats(), r.buffer_metrics()
         values = step_values(groups, stats, timings, queue, buffer, accuracy=accuracy)
         values.update(r.fleet_values(self.cfg.trainer.batch_groups), policy_version=self.trainer.version)
-        if self.cfg.runtime.mode == "sync":  # the in-process engine's counters (free to read; async: TODO)
-            values.update(kv_values([w.kv for w in r.worker_stats()]))
+        workers = r.worker_stats()  # async: one call to each live worker (threaded actors answer mid-generate)
+        values.update(kv_values([w.kv for w in workers]))  # the engines' KV cache counters
         if self.cfg.task.name == "env":  # multi-turn episodes (moerl.envs)
-            values.update(env_step_values(groups, r.worker_stats()))
+            values.update(env_step_values(groups, workers))
         s = self.state
         s["samples"] += samples
         s["loop_s"] += time.perf_counter() - t0
