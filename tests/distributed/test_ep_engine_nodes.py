@@ -38,7 +38,9 @@ def test_two_node_group_decodes_as_ep1(two_nodes):
 def test_inter_node_bytes_equal_the_plan(two_nodes, disp):
     model = base_cases.make_model()
     placement = ExpertPlacement(model.config.num_experts, Topology(4, 2))
-    rows = RowBytes(hidden=model.config.hidden_size * 4, top_k=model.config.num_experts_per_tok)  # float32 rows
+    rows = RowBytes(
+        hidden=model.config.hidden_size * 4, top_k=model.config.num_experts_per_tok
+    )  # float32 rows
     planned = replayed_traffic([res[disp]["routing"] for res in two_nodes], placement, rows)
     inter = 0
     for rank, res in enumerate(two_nodes):

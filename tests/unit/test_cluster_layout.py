@@ -113,8 +113,13 @@ def test_rollout_ep_groups_span_nodes():
     assert cfg.rollout.ep_ranks_per_node == 4  # 16 workers of 4 nodes, 2 slices of 4 per node: 32 nodes
     with pytest.raises(ConfigError, match=r"rollout.ep_ranks_per_node=3 does not divide rollout.ep_size=8"):
         load_config(MISSION, ["rollout.ep_ranks_per_node=3"])
-    with pytest.raises(ConfigError, match=r"rollout.ep_size=12 is not a multiple of cluster.rollout.gpus_per_node=8"):
-        load_config(QWEN, ["rollout.ep_size=12", "model.num_experts=48", "cluster.rollout.instance_types=[p4d.24xlarge]"])
+    with pytest.raises(
+        ConfigError, match=r"rollout.ep_size=12 is not a multiple of cluster.rollout.gpus_per_node=8"
+    ):
+        load_config(
+            QWEN,
+            ["rollout.ep_size=12", "model.num_experts=48", "cluster.rollout.instance_types=[p4d.24xlarge]"],
+        )
 
 
 def test_rollout_ep_size_is_the_runs_own():
