@@ -2,9 +2,12 @@
 one node packs the followers on the leader's node; several nodes get one bundle per node (that node's
 ranks packed), STRICT_SPREAD, the leader's node pinned, rank r on node r // G."""
 
+import shutil
+import subprocess
+
 import pytest
 
-from moerl.runtime.ray.ep_group import follower_placement
+from moerl.runtime.ray.ep_group import follower_placement, interface_of
 
 RANK = {"CPU": 1.0, "GPU": 1.0, "rollout": 0.001}
 
@@ -33,3 +36,15 @@ def test_one_rank_per_node():
 def test_bad_layouts(per_node):
     with pytest.raises(ValueError, match=f"EP ranks per node {per_node} must divide the group's 4 ranks"):
         follower_placement(4, per_node, RANK, "node:a")
+
+
+def test_gloo_finds_the_interface_of_the_node_address():
+    """A rank's gloo listens on the interface of its Ray node's address (a node may be multi-homed)."""
+    if shutil.which("ip") is None:
+        pytest.skip("needs `ip` (iproute2) to list the addresses")
+    listed = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout
+    pairs = [(line.split()[1], line.split()[3].split("/")[0]) for line in listed.splitlines()]
+    assert pairs
+    for name, addr in pairs:
+        assert interface_of(addr) == name
+    assert interface_of("203.0.113.254") is None  # TEST-NET-3: on no interface here

@@ -69,9 +69,39 @@ def _ray():
     return ray
 
 
+def interface_of(ip: str) -> str | None:
+    """The name of this host's (this network namespace's) interface holding IPv4 address ``ip``, or None.
+
+    Linux: each interface's address is read with the ``SIOCGIFADDR`` ioctl; elsewhere None."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(raw[20:24]) == ip:
+                return name
+    return None
+
+
+def _gloo_on_node_interface() -> None:
+    """Make gloo use the interface of this Ray node's address (``GLOO_SOCKET_IFNAME``, unless set): by
+    default gloo takes the address the hostname resolves to, which on a multi-homed host (or a node that
+    is a network namespace) need not be the one the other nodes reach."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        name = interface_of(_ray().util.get_node_ip_address())
+        if name is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
 def init_group(cfg: RunConfig, rank: int, init_method: str) -> dist.ProcessGroup:
     """Join the group's default process group (EP exchange; timeout ``fleet.heartbeat_timeout_s``) and
-    return a gloo group over the same ranks for the commands (timeout ``IDLE_TIMEOUT_S``)."""
+    return a gloo group over the same ranks for the commands (timeout ``IDLE_TIMEOUT_S``). Gloo listens on
+    the interface of this Ray node's address (``_gloo_on_node_interface``): the group may span nodes."""
+    _gloo_on_node_interface()
     is_cuda = cfg.model.device.startswith("cuda")
     dist.init_process_group(
         # on CUDA: NCCL for the expert exchange, gloo for EPEngine's host-side work flags
