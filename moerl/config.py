@@ -224,9 +224,9 @@ class RolloutConfig:
     """EP ranks of one rollout worker on each node (G): the group spans ``ep_size / G`` nodes, rank r on
     node ``r // G`` (``moerl.ep.Topology``); ``hierarchical`` then crosses the node boundary once per node
     a token needs. Divides ``ep_size``. None: ``min(ep_size, cluster.rollout.gpus_per_node)`` (one node
-    whenever the group fits in one; ``rollout_ep_ranks_per_node``). On CPU it sets simulated nodes unless
-    the Ray cluster has several nodes (``moerl.runtime.ray.ep_group`` places each node's G ranks
-    together and the nodes apart)."""
+    whenever the group fits in one; ``rollout_ep_ranks_per_node``). On a Ray cluster of several nodes
+    ``moerl.runtime.ray.ep_group`` places each node's G ranks together and the nodes apart (N distinct
+    nodes, or the group cannot be placed); on a one-node Ray cluster the nodes are simulated there."""
     on_weight_update: str = "continue"
     """What a worker does with its sequences in flight when it switches to a new policy version:
     ``continue`` decodes on over the KV cache computed by the old weights (tokens then carry mixed

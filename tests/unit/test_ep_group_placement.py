@@ -48,3 +48,9 @@ def test_gloo_finds_the_interface_of_the_node_address():
     for name, addr in pairs:
         assert interface_of(addr) == name
     assert interface_of("203.0.113.254") is None  # TEST-NET-3: on no interface here
+
+
+def test_a_one_node_ray_cluster_simulates_the_nodes():
+    bundles, strategy, where = follower_placement(4, 2, RANK, "node:10.0.0.1", simulated=True)
+    assert strategy == "STRICT_PACK" and where == [0, 1, 2]
+    assert bundles == [{**RANK, "node:10.0.0.1": 0.001}] * 3

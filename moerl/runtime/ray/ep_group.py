@@ -9,12 +9,13 @@ its ``ep_size - 1`` follower ranks as actors in a placement group.
 
 Placement (``follower_placement``): each follower asks for what the worker actor asks for (1 CPU, 1 GPU
 on CUDA, the ``rollout`` custom resource when the cluster defines it). With G = ``rollout.ep_ranks_per_node``
-= ``ep_size`` (the default whenever the group fits a node) the bundles carry a sliver of Ray's ``node:<ip>``
-resource of the leader's node, STRICT_PACK: the whole group runs on the node where the fleet placed the
-leader, so its expert exchange never leaves the node. With G < ``ep_size`` the group spans N = ep_size / G
-nodes: one bundle per node holding that node's ranks (packed), STRICT_SPREAD over N distinct nodes, the
-leader node's bundle pinned to it; rank r runs on node r // G, the ``Topology`` its dispatcher uses
-(``hierarchical`` crosses the node boundary once per node a token needs). The process group (gloo on
+= ``ep_size`` (the default whenever the group fits a node), or on a one-node Ray cluster (a local run: the
+group's nodes are simulated there), the bundles carry a sliver of Ray's ``node:<ip>`` resource of the
+leader's node, STRICT_PACK: the whole group runs on the node where the fleet placed the leader. With
+G < ``ep_size`` on a multi-node cluster the group spans N = ep_size / G nodes: one bundle per node holding
+that node's ranks (packed), STRICT_SPREAD over N distinct nodes, the leader node's bundle pinned to it.
+Either way rank r is on node r // G of the ``Topology`` its dispatcher uses (``hierarchical`` crosses the
+node boundary once per node a token needs). The process group (gloo on
 CPU, NCCL on CUDA for the EP exchange, plus a gloo group for the commands) meets at a ``tcp://``
 address of the leader's node.
 
@@ -255,11 +256,12 @@ def _follower_bundle(cfg: RunConfig) -> dict[str, float]:
 
 
 def follower_placement(
-    size: int, per_node: int, bundle: Mapping[str, float], leader_node: str
+    size: int, per_node: int, bundle: Mapping[str, float], leader_node: str, *, simulated: bool = False
 ) -> tuple[list[dict[str, float]], str, list[int]]:
     """The placement group of a group's ``size - 1`` followers when G = ``per_node`` ranks share a node.
 
-    One node (G = size): ``size - 1`` bundles of ``bundle`` pinned to ``leader_node`` (a sliver of that
+    One node (G = size, or ``simulated``: the Ray cluster is a single node, so the group's nodes are
+    simulated on it): ``size - 1`` bundles of ``bundle`` pinned to ``leader_node`` (a sliver of that
     Ray ``node:<ip>`` resource), STRICT_PACK. Several nodes (N = size / G): one bundle per node,
     STRICT_SPREAD (N distinct nodes): bundle 0 holds the leader node's G - 1 followers (G - 1 times
     ``bundle``, pinned to ``leader_node``), bundle n >= 1 the G followers of node n (G times ``bundle``),
@@ -270,6 +272,7 @@ def follower_placement(
         per_node: G, dividing ``size``.
         bundle: one rank's resources (``CPU``, ``GPU``, ``rollout``, ...).
         leader_node: the leader's ``node:<ip>`` resource name.
+        simulated: place every rank on the leader's node whatever G (a one-node Ray cluster).
     Returns:
         ``(bundles, strategy, bundle index of follower rank 1 .. R-1)``.
     Raises:
@@ -278,7 +281,7 @@ def follower_placement(
     if not 1 <= per_node <= size or size % per_node:
         raise ValueError(f"EP ranks per node {per_node} must divide the group's {size} ranks")
     pin = {leader_node: 0.001}
-    if per_node == size:
+    if per_node == size or simulated:
         return [{**bundle, **pin}] * (size - 1), "STRICT_PACK", list(range(size - 1))
     scaled = [{k: v * n for k, v in bundle.items()} for n in (per_node - 1, per_node)]
     first = {k: v for k, v in scaled[0].items() if v > 0}
@@ -325,10 +328,12 @@ class EPRolloutGroup:
         self._remove_pg = remove_placement_group
         size, per_node = cfg.rollout.ep_size, rollout_ep_ranks_per_node(cfg)
         # Ray's built-in ``node:<ip>`` resource pins the leader node's followers to it; the other nodes'
-        # ranks are packed by node and spread over distinct nodes (``follower_placement``)
+        # ranks are packed by node and spread over distinct nodes (``follower_placement``); a one-node
+        # Ray cluster (a local run) simulates the group's nodes on that node
         bundle = _follower_bundle(cfg)
+        simulated = sum(1 for n in ray.nodes() if n.get("Alive")) == 1
         bundles, strategy, self.bundle_of = follower_placement(
-            size, per_node, bundle, f"node:{ray.util.get_node_ip_address()}"
+            size, per_node, bundle, f"node:{ray.util.get_node_ip_address()}", simulated=simulated
         )
         self.pg = placement_group(bundles, strategy=strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=place_timeout_s)
