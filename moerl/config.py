@@ -220,6 +220,13 @@ class RolloutConfig:
     Must divide the policy's routed experts. ``moerl generate --ep-size N`` runs the same engine."""
     ep_dispatcher: str = "alltoall"
     """Token dispatch/combine of the EP engine: ``alltoall`` or ``hierarchical`` (``moerl.ep``)."""
+    ep_ranks_per_node: int | None = None
+    """EP ranks of one rollout worker on each node (G): the group spans ``ep_size / G`` nodes, rank r on
+    node ``r // G`` (``moerl.ep.Topology``); ``hierarchical`` then crosses the node boundary once per node
+    a token needs. Divides ``ep_size``. None: ``min(ep_size, cluster.rollout.gpus_per_node)`` (one node
+    whenever the group fits in one; ``rollout_ep_ranks_per_node``). On a Ray cluster of several nodes
+    ``moerl.runtime.ray.ep_group`` places each node's G ranks together and the nodes apart (N distinct
+    nodes, or the group cannot be placed); on a one-node Ray cluster the nodes are simulated there."""
     on_weight_update: str = "continue"
     """What a worker does with its sequences in flight when it switches to a new policy version:
     ``continue`` decodes on over the KV cache computed by the old weights (tokens then carry mixed
@@ -249,6 +256,13 @@ class RolloutConfig:
         check_range("rollout.kv_block_size", self.kv_block_size, 1)
         check_choice("rollout.ep_dispatcher", self.ep_dispatcher, DISPATCHERS)
         check_range("rollout.ep_size", self.ep_size, 1)
+        if self.ep_ranks_per_node is not None:
+            check_range("rollout.ep_ranks_per_node", self.ep_ranks_per_node, 1, self.ep_size)
+            if self.ep_size % self.ep_ranks_per_node:
+                raise ConfigError(
+                    f"rollout.ep_ranks_per_node={self.ep_ranks_per_node} does not divide rollout.ep_size="
+                    f"{self.ep_size}: an EP group spans whole nodes of the same number of ranks"
+                )
         check_choice("rollout.on_weight_update", self.on_weight_update, ON_WEIGHT_UPDATE)
 
 
@@ -469,6 +483,16 @@ def _num_experts(cfg: RunConfig) -> int | None:
     return cfg.model.num_experts
 
 
+def rollout_ep_ranks_per_node(cfg: RunConfig) -> int:
+    """G, the EP ranks of one rollout worker per node: ``rollout.ep_ranks_per_node``, else
+    ``min(rollout.ep_size, cluster.rollout.gpus_per_node)`` (1 <= G <= ep_size, G divides ep_size:
+    ``RunConfig`` checks it)."""
+    r = cfg.rollout
+    if r.ep_ranks_per_node is not None:
+        return r.ep_ranks_per_node
+    return min(r.ep_size, cfg.cluster.rollout.gpus_per_node or r.ep_size)
+
+
 def _check_expert_parallel(cfg: RunConfig) -> None:
     """``trainer.ep_size`` and ``rollout.ep_size`` must divide the routed experts of the policy; an EP
     rollout group needs processes (async mode) and a single-turn task (its weight transport is checked
@@ -481,6 +505,13 @@ def _check_expert_parallel(cfg: RunConfig) -> None:
                 "every EP rank holds the same number of experts"
             )
     ep_size = cfg.rollout.ep_size
+    per_node = rollout_ep_ranks_per_node(cfg)
+    if ep_size % per_node:
+        raise ConfigError(
+            f"rollout.ep_size={ep_size} is not a multiple of cluster.rollout.gpus_per_node="
+            f"{cfg.cluster.rollout.gpus_per_node} (the default rollout.ep_ranks_per_node): an EP group "
+            "spans whole nodes; set rollout.ep_ranks_per_node to a divisor of rollout.ep_size"
+        )
     if ep_size > 1 and cfg.runtime.mode == "sync":
         raise ConfigError(
             f"rollout.ep_size={ep_size} needs runtime.mode=async: an EP rollout worker is a group of "

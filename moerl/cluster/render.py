@@ -25,7 +25,7 @@ from moerl.atomic import atomic_write_text
 from moerl.cluster.eks import efa_device_plugin, eksctl_cluster_config
 from moerl.cluster.kuberay import NOTICE_FILE, config_map_name, model_folder, ray_job
 from moerl.cluster.memory import memory_warnings
-from moerl.config import ConfigError, RunConfig, from_dict, to_dict
+from moerl.config import ConfigError, RunConfig, from_dict, rollout_ep_ranks_per_node, to_dict
 
 RUN_CONFIG_KEY = "run.yaml"
 IMDS_URL = "http://169.254.169.254"
@@ -101,8 +101,8 @@ def _check(cfg: RunConfig) -> None:
 
     Raises:
         ConfigError: storage not in S3, a trainer layout that does not fit the train group, a rollout EP
-            size that does not divide a rollout node's GPUs, more rollout workers than the rollout group
-            can hold.
+            node slice (``rollout.ep_ranks_per_node``) that does not divide a rollout node's GPUs, more
+            rollout workers (of ``ep_size / ep_ranks_per_node`` nodes each) than the rollout group can hold.
     """
     c = cfg.cluster
     if not (cfg.storage.url or "").startswith("s3://"):
@@ -113,19 +113,20 @@ def _check(cfg: RunConfig) -> None:
     if cfg.runtime.store_url is not None and not cfg.runtime.store_url.startswith("s3://"):
         raise ConfigError(f"runtime.store_url={cfg.runtime.store_url!r} must be in S3 on a cluster (or None)")
     _check_trainer(cfg)
-    ep = cfg.rollout.ep_size  # GPUs of one rollout worker: its EP group's ranks
-    if c.rollout.gpus_per_node % ep:
+    # a rollout worker's EP group: G ranks (GPUs) on each of ep_size / G rollout nodes
+    ep, g = cfg.rollout.ep_size, rollout_ep_ranks_per_node(cfg)
+    if c.rollout.gpus_per_node % g:
         raise ConfigError(
-            f"rollout.ep_size={ep} must divide cluster.rollout.gpus_per_node={c.rollout.gpus_per_node}: "
-            "a rollout worker's EP ranks are GPUs of one rollout node"
+            f"rollout.ep_ranks_per_node={g} (rollout.ep_size={ep}) must divide cluster.rollout.gpus_per_node="
+            f"{c.rollout.gpus_per_node}: a rollout node holds whole slices of EP groups"
         )
-    per_node = c.rollout.gpus_per_node // ep
+    spans, per_node = ep // g, c.rollout.gpus_per_node // g  # nodes per worker, group slices per node
     wanted = cfg.fleet.max_workers or cfg.rollout.num_workers  # >= num_workers (config checks)
-    if wanted > per_node * c.rollout.max_nodes:
+    if spans > c.rollout.max_nodes or wanted * spans > per_node * c.rollout.max_nodes:
         raise ConfigError(
-            f"{wanted} rollout workers (fleet.max_workers or rollout.num_workers) need "
-            f"{math.ceil(wanted / per_node)} rollout nodes of {per_node} workers; "
-            f"cluster.rollout.max_nodes={c.rollout.max_nodes}"
+            f"{wanted} rollout workers (fleet.max_workers or rollout.num_workers) of {spans} node(s) each "
+            f"need {math.ceil(wanted * spans / per_node)} rollout nodes of {per_node} group slice(s) "
+            f"({g} GPUs each); cluster.rollout.max_nodes={c.rollout.max_nodes}"
         )
 
 
@@ -145,6 +146,7 @@ def cluster_run_config(cfg: RunConfig) -> RunConfig:
     data["fleet"]["notice_file"] = NOTICE_FILE
     data["fleet"]["imds_url"] = data["fleet"]["imds_url"] or IMDS_URL
     data["init_from"] = policy_folder(cfg)
+    data["rollout"]["ep_ranks_per_node"] = rollout_ep_ranks_per_node(cfg)  # the layout, written out
     return from_dict(RunConfig, data)
 
 
@@ -152,7 +154,7 @@ def job_run_config(run: RunConfig) -> dict:
     """The run config the job's ``moerl train`` reads (the ConfigMap's ``run.yaml``, TorchX's
     ``MOERL_RUN_CONFIG``), as a dict: ``run`` (from ``cluster_run_config``) as it is. Every layout field
     is the run's own: ``trainer.num_ranks``, ``trainer.ep_size``, ``trainer.gpus_per_node``,
-    ``rollout.num_workers``, ``rollout.ep_size``."""
+    ``rollout.num_workers``, ``rollout.ep_size``, ``rollout.ep_ranks_per_node`` (resolved)."""
     return to_dict(run)
 
 

@@ -76,3 +76,33 @@ def sum_traffic(readings: Iterable[DirectionTraffic | None]) -> DirectionTraffic
             continue
         out = dict(r) if out is None else {d: out[d] + r[d] for d in DIRECTIONS}
     return out
+
+
+class RoutingLog:
+    """The routing of every dispatch of ``dispatchers`` on this rank, in call order: what the planner
+    replays (``moerl.plan.traffic.replayed_traffic``) to predict the bytes those dispatches send.
+
+    Wraps each dispatcher's ``dispatch`` (an instance attribute over the class method; ``close`` undoes
+    it). ``calls[i]`` is the i-th call's ``topk_idx`` [T, k] int64, copied to the CPU (T = 0 for a rank
+    that joined a forward without tokens); every EP rank makes the same calls in the same order, so the
+    i-th entries of all ranks' logs are one collective dispatch.
+    """
+
+    def __init__(self, dispatchers: Iterable[Dispatcher]) -> None:
+        self.calls: list = []
+        self._wrapped = list(dispatchers)
+        for disp in self._wrapped:
+            disp.dispatch = self._recorder(disp.dispatch)
+
+    def _recorder(self, dispatch):
+        def recorded(x, topk_idx, topk_weights):
+            self.calls.append(topk_idx.detach().to("cpu", copy=True))
+            return dispatch(x, topk_idx, topk_weights)
+
+        return recorded
+
+    def close(self) -> None:
+        """Stop recording (the dispatchers' own ``dispatch`` again)."""
+        for disp in self._wrapped:
+            del disp.dispatch
+        self._wrapped = []

@@ -40,7 +40,8 @@ class EPEngine:
         group: the EP process group (None: the default group).
         dispatcher: a backend name of ``moerl.ep.DISPATCHERS`` (``alltoall``, ``hierarchical``;
             ``rollout.ep_dispatcher``).
-        ranks_per_node: node layout of the group (simulated nodes on CPU); None: one node.
+        ranks_per_node: G, EP ranks per node (``rollout.ep_ranks_per_node``): rank r on node r // G
+            (simulated nodes when the ranks share a host); None: one node.
 
     ``step`` and ``generate`` are collective: every rank of the group calls them the same number of
     times (``generate`` runs until no rank has work).

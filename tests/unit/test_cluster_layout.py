@@ -1,7 +1,7 @@
 """What the rendered job reads: the run's layout, its config on every pod, GPU instances, a real policy.
 
 - the trainer's and the rollout's layout (``trainer.num_ranks``, ``trainer.ep_size``, ``trainer.gpus_per_node``,
-  ``rollout.num_workers``, ``rollout.ep_size``) reach the ConfigMap the job reads, and contradictions are
+  ``rollout.num_workers``, ``rollout.ep_size``, ``rollout.ep_ranks_per_node``) reach the ConfigMap the job reads, and contradictions are
   one-line errors naming both fields;
 - the ConfigMap is mounted on every Ray pod (the driver runs on a train pod);
 - GPU groups take only GPU instance types, and ``gpus_per_node`` matches the instance;
@@ -87,14 +87,39 @@ def test_the_job_reads_the_runs_layout(recipe, layout, tmp_path):
         ),
         ("init_from=/somewhere/else", r"init_from='/somewhere/else' contradicts cluster.model_url="),
         (
-            "rollout.ep_size=16",
-            r"rollout.ep_size=16 must divide cluster.rollout.gpus_per_node=8",
+            "rollout.ep_size=16 rollout.ep_ranks_per_node=16",
+            r"rollout.ep_ranks_per_node=16 \(rollout.ep_size=16\) must divide cluster.rollout.gpus_per_node=8",
+        ),
+        (
+            "rollout.ep_size=16",  # 32 workers of 2 nodes each on 32 rollout nodes
+            r"32 rollout workers .* of 2 node\(s\) each need 64 rollout nodes .* cluster.rollout.max_nodes=32",
         ),
     ],
 )
 def test_contradicting_layouts_are_one_line_errors(override, match):
     with pytest.raises(ConfigError, match=match):
-        cluster_run_config(load_config(MISSION, [override]))
+        cluster_run_config(load_config(MISSION, override.split()))
+
+
+def test_rollout_ep_groups_span_nodes():
+    """Issue 34: rollout.ep_ranks_per_node defaults to the rollout nodes' GPUs, a bigger group spans whole
+    nodes, and the job reads the resolved layout."""
+    sixteen = ["rollout.ep_size=16", "rollout.num_workers=16", "fleet.max_workers=16"]
+    docs, _ = manifests(load_config(MISSION, sixteen))
+    run = _job_config(docs)["rollout"]
+    assert (run["ep_size"], run["ep_ranks_per_node"]) == (16, 8)  # 2 nodes of 8 ranks
+    assert _job_config(manifests(load_config(MISSION))[0])["rollout"]["ep_ranks_per_node"] == 8  # one node
+    cfg = cluster_run_config(load_config(MISSION, [*sixteen, "rollout.ep_ranks_per_node=4"]))
+    assert cfg.rollout.ep_ranks_per_node == 4  # 16 workers of 4 nodes, 2 slices of 4 per node: 32 nodes
+    with pytest.raises(ConfigError, match=r"rollout.ep_ranks_per_node=3 does not divide rollout.ep_size=8"):
+        load_config(MISSION, ["rollout.ep_ranks_per_node=3"])
+    with pytest.raises(
+        ConfigError, match=r"rollout.ep_size=12 is not a multiple of cluster.rollout.gpus_per_node=8"
+    ):
+        load_config(
+            QWEN,
+            ["rollout.ep_size=12", "model.num_experts=48", "cluster.rollout.instance_types=[p4d.24xlarge]"],
+        )
 
 
 def test_rollout_ep_size_is_the_runs_own():
@@ -110,8 +135,8 @@ def test_rollout_ep_size_is_the_runs_own():
         if g["groupName"] == "rollout"
     ]
     assert rollout["resources"] == {"rollout": "1"}  # 4 GPUs / 4: one worker per node
-    with pytest.raises(ConfigError, match=r"rollout.ep_size=8 must divide cluster.rollout.gpus_per_node=4"):
-        cluster_run_config(load_config(QWEN, ["rollout.ep_size=8"]))
+    with pytest.raises(ConfigError, match=r"rollout.ep_ranks_per_node=8 \(rollout.ep_size=8\) must divide"):
+        cluster_run_config(load_config(QWEN, ["rollout.ep_size=8", "rollout.ep_ranks_per_node=8"]))
     # the stand-in is gone: the standard unknown-key error
     with pytest.raises(ConfigError, match="unknown config key .cluster.rollout_ep_size."):
         load_config(QWEN, ["cluster.rollout_ep_size=2"])

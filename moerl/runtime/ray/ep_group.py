@@ -2,15 +2,20 @@
 its ``ep_size - 1`` follower ranks as actors in a placement group.
 
     RolloutWorkerActor (EP rank 0: leases, delivers, heartbeats -- one worker to the fleet)
-      EPRolloutGroup: placement group of ep_size - 1 bundles (STRICT_PACK, on the leader's node), EPFollowerActor x (ep_size - 1)
+      EPRolloutGroup: placement group (the leader's node, or one bundle per node), EPFollowerActor x (ep_size - 1)
       engine = EPGroupEngine over the group (moerl.rollout.ep_group)
       offer_bucket(...) --forwarded--> each follower's BucketAssembler (the same object refs)
     EPFollowerActor (EP rank r): own model copy, experts sharded on joining; EPFollower loop
 
-Placement: each follower bundle asks for what the worker actor asks for (1 CPU, 1 GPU on CUDA, the
-``rollout`` custom resource when the cluster defines it) and a sliver of Ray's ``node:<ip>`` resource of
-the leader's node, with STRICT_PACK: the whole group runs on the node where the fleet placed the leader
-(as a one-rank worker is placed), so its expert exchange never leaves the node. The process group (gloo on
+Placement (``follower_placement``): each follower asks for what the worker actor asks for (1 CPU, 1 GPU
+on CUDA, the ``rollout`` custom resource when the cluster defines it). With G = ``rollout.ep_ranks_per_node``
+= ``ep_size`` (the default whenever the group fits a node), or on a one-node Ray cluster (a local run: the
+group's nodes are simulated there), the bundles carry a sliver of Ray's ``node:<ip>`` resource of the
+leader's node, STRICT_PACK: the whole group runs on the node where the fleet placed the leader. With
+G < ``ep_size`` on a multi-node cluster the group spans N = ep_size / G nodes: one bundle per node holding
+that node's ranks (packed), STRICT_SPREAD over N distinct nodes, the leader node's bundle pinned to it.
+Either way rank r is on node r // G of the ``Topology`` its dispatcher uses (``hierarchical`` crosses the
+node boundary once per node a token needs). The process group (gloo on
 CPU, NCCL on CUDA for the EP exchange, plus a gloo group for the commands) meets at a ``tcp://``
 address of the leader's node.
 
@@ -43,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.allocator import keep_freed_memory
-from moerl.config import RunConfig
+from moerl.config import RunConfig, rollout_ep_ranks_per_node
 from moerl.rollout.ep_engine import EPEngine
 from moerl.rollout.ep_group import EPFollower, EPGroupEngine, EPGroupError
 from moerl.run.storage import is_remote, local_model_folder
@@ -65,9 +70,39 @@ def _ray():
     return ray
 
 
+def interface_of(ip: str) -> str | None:
+    """The name of this host's (this network namespace's) interface holding IPv4 address ``ip``, or None.
+
+    Linux: each interface's address is read with the ``SIOCGIFADDR`` ioctl; elsewhere None."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(raw[20:24]) == ip:
+                return name
+    return None
+
+
+def _gloo_on_node_interface() -> None:
+    """Make gloo use the interface of this Ray node's address (``GLOO_SOCKET_IFNAME``, unless set): by
+    default gloo takes the address the hostname resolves to, which on a multi-homed host (or a node that
+    is a network namespace) need not be the one the other nodes reach."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        name = interface_of(_ray().util.get_node_ip_address())
+        if name is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
 def init_group(cfg: RunConfig, rank: int, init_method: str) -> dist.ProcessGroup:
     """Join the group's default process group (EP exchange; timeout ``fleet.heartbeat_timeout_s``) and
-    return a gloo group over the same ranks for the commands (timeout ``IDLE_TIMEOUT_S``)."""
+    return a gloo group over the same ranks for the commands (timeout ``IDLE_TIMEOUT_S``). Gloo listens on
+    the interface of this Ray node's address (``_gloo_on_node_interface``): the group may span nodes."""
+    _gloo_on_node_interface()
     is_cuda = cfg.model.device.startswith("cuda")
     dist.init_process_group(
         # on CUDA: NCCL for the expert exchange, gloo for EPEngine's host-side work flags
@@ -81,8 +116,13 @@ def init_group(cfg: RunConfig, rank: int, init_method: str) -> dist.ProcessGroup
 
 
 def group_engine(cfg: RunConfig, model: torch.nn.Module) -> EPEngine:
-    """This rank's ``EPEngine`` over ``model`` (experts sharded here), at version -1 (no weights yet)."""
-    return EPEngine(make_engine(model, cfg, version=-1), dispatcher=cfg.rollout.ep_dispatcher)
+    """This rank's ``EPEngine`` over ``model`` (experts sharded here), at version -1 (no weights yet), on
+    the group's node layout (``rollout_ep_ranks_per_node``)."""
+    return EPEngine(
+        make_engine(model, cfg, version=-1),
+        dispatcher=cfg.rollout.ep_dispatcher,
+        ranks_per_node=rollout_ep_ranks_per_node(cfg),
+    )
 
 
 class FollowerWeights:
@@ -215,6 +255,40 @@ def _follower_bundle(cfg: RunConfig) -> dict[str, float]:
     return bundle
 
 
+def follower_placement(
+    size: int, per_node: int, bundle: Mapping[str, float], leader_node: str, *, simulated: bool = False
+) -> tuple[list[dict[str, float]], str, list[int]]:
+    """The placement group of a group's ``size - 1`` followers when G = ``per_node`` ranks share a node.
+
+    One node (G = size, or ``simulated``: the Ray cluster is a single node, so the group's nodes are
+    simulated on it): ``size - 1`` bundles of ``bundle`` pinned to ``leader_node`` (a sliver of that
+    Ray ``node:<ip>`` resource), STRICT_PACK. Several nodes (N = size / G): one bundle per node,
+    STRICT_SPREAD (N distinct nodes): bundle 0 holds the leader node's G - 1 followers (G - 1 times
+    ``bundle``, pinned to ``leader_node``), bundle n >= 1 the G followers of node n (G times ``bundle``),
+    so each node's ranks are packed in one bundle and the nodes are spread; rank r sits on node r // G.
+
+    Args:
+        size: EP ranks of the group (R >= 2).
+        per_node: G, dividing ``size``.
+        bundle: one rank's resources (``CPU``, ``GPU``, ``rollout``, ...).
+        leader_node: the leader's ``node:<ip>`` resource name.
+        simulated: place every rank on the leader's node whatever G (a one-node Ray cluster).
+    Returns:
+        ``(bundles, strategy, bundle index of follower rank 1 .. R-1)``.
+    Raises:
+        ValueError: ``per_node`` does not divide ``size`` or is not in [1, size].
+    """
+    if not 1 <= per_node <= size or size % per_node:
+        raise ValueError(f"EP ranks per node {per_node} must divide the group's {size} ranks")
+    pin = {leader_node: 0.001}
+    if per_node == size or simulated:
+        return [{**bundle, **pin}] * (size - 1), "STRICT_PACK", list(range(size - 1))
+    scaled = [{k: v * n for k, v in bundle.items()} for n in (per_node - 1, per_node)]
+    first = {k: v for k, v in scaled[0].items() if v > 0}
+    bundles = [{**first, **pin}] + [scaled[1]] * (size // per_node - 1)
+    return bundles, "STRICT_SPREAD", [r // per_node for r in range(1, size)]
+
+
 def _free_address() -> str:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -252,17 +326,24 @@ class EPRolloutGroup:
 
         self.cfg = cfg
         self._remove_pg = remove_placement_group
-        size = cfg.rollout.ep_size
-        # Ray's built-in ``node:<ip>`` resource pins every bundle to the leader's node: the group's EP
-        # ranks are GPUs of one node (what ``moerl cluster render`` lays out), never spread by the scheduler
-        bundle = {**_follower_bundle(cfg), f"node:{ray.util.get_node_ip_address()}": 0.001}
-        self.pg = placement_group([bundle] * (size - 1), strategy="STRICT_PACK")
+        size, per_node = cfg.rollout.ep_size, rollout_ep_ranks_per_node(cfg)
+        # Ray's built-in ``node:<ip>`` resource pins the leader node's followers to it; the other nodes'
+        # ranks are packed by node and spread over distinct nodes (``follower_placement``); a one-node
+        # Ray cluster (a local run) simulates the group's nodes on that node
+        bundle = _follower_bundle(cfg)
+        simulated = sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+        bundles, strategy, self.bundle_of = follower_placement(
+            size, per_node, bundle, f"node:{ray.util.get_node_ip_address()}", simulated=simulated
+        )
+        self.pg = placement_group(bundles, strategy=strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=place_timeout_s)
         if not ready:
             remove_placement_group(self.pg)
             raise EPGroupError(
-                f"cannot place {size - 1} EP follower ranks of {bundle} each within {place_timeout_s:.0f} s "
-                f"(cluster: {ray.cluster_resources()}); lower rollout.ep_size or rollout.num_workers"
+                f"cannot place {size - 1} EP follower ranks of {bundle} each, {per_node} per node on "
+                f"{size // per_node} nodes ({strategy}), within {place_timeout_s:.0f} s (cluster: "
+                f"{ray.cluster_resources()}); lower rollout.ep_size or rollout.num_workers, or change "
+                "rollout.ep_ranks_per_node"
             )
         actor_cls = ray.remote(max_concurrency=4)(EPFollowerActor)  # run + offers + pid at once
         self.actors = [
@@ -272,7 +353,7 @@ class EPRolloutGroup:
                 num_gpus=bundle.get("GPU", 0),
                 resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=r - 1
+                    self.pg, placement_group_bundle_index=self.bundle_of[r - 1]
                 ),
             ).remote(cfg, worker_id, r, init_path, store_url, weights)
             for r in range(1, size)
