@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -56,7 +57,12 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     nkv, nh, d, bs = 16, 16, 128, 16
     rows = []
-    for kind, b, context in [("uniform", 256, 256), ("uniform", 64, 4096), ("long_tail", 256, 8704), ("long_tail", 64, 8704)]:
+    for kind, b, context in [
+        ("uniform", 256, 256),
+        ("uniform", 64, 4096),
+        ("long_tail", 256, 8704),
+        ("long_tail", 64, 8704),
+    ]:
         lengths = lengths_for(kind, b, context, gen)
         w = -(-int(lengths.max()) // bs)
         nb = int(sum(-(-int(n) // bs) for n in lengths)) + 1
@@ -72,11 +78,14 @@ def main() -> None:
         table, lengths = table.to(dev), lengths.to(dev)
         q = torch.randn(b, nh, d, device=dev, dtype=torch.bfloat16)
         scale = d**-0.5
-        out = paged_decode_attention(q, kc, vc, table, lengths, scale, bs)
+        call = functools.partial(paged_decode_attention, q, kc, vc, table, lengths, scale, bs)
+        out = call()
         ref = paged_decode_reference(q, kc, vc, table, lengths, scale, bs)
         err = float((out.float() - ref.float()).abs().max())
-        t_kernel = do_bench_cudagraph(lambda: paged_decode_attention(q, kc, vc, table, lengths, scale, bs)) * 1e-3
-        t_gather = do_bench_cudagraph(lambda: gather_path(q, kc, vc, table, lengths, scale, bs)) * 1e-3
+        t_kernel = do_bench_cudagraph(call) * 1e-3
+        t_gather = (
+            do_bench_cudagraph(functools.partial(gather_path, q, kc, vc, table, lengths, scale, bs)) * 1e-3
+        )
         kv_bytes = int(lengths.sum()) * nkv * d * 2 * 2
         sweep = {}
         if args.sweep:
@@ -86,23 +95,36 @@ def main() -> None:
                         kw = dict(block_n=bn, num_warps=nw, num_stages=ns)
                         try:
                             t = do_bench_cudagraph(
-                                lambda kw=kw: paged_decode_attention(q, kc, vc, table, lengths, scale, bs, **kw)
+                                lambda kw=kw: paged_decode_attention(
+                                    q, kc, vc, table, lengths, scale, bs, **kw
+                                )
                             )
                             sweep[f"bn{bn}_w{nw}_s{ns}"] = t * 1e-3
                         except Exception as e:  # a config the compiler refuses (shared memory)
                             sweep[f"bn{bn}_w{nw}_s{ns}"] = repr(e)[:80]
         rows.append(
             dict(
-                kind=kind, rows=b, read_width_tokens=w * bs, mean_length=float(lengths.float().mean()),
-                max_abs_err_vs_definition=err, kernel_s=t_kernel, gather_s=t_gather,
-                speedup=t_gather / t_kernel, kernel_kv_bytes=kv_bytes, kernel_gb_per_s=kv_bytes / t_kernel / 1e9,
+                kind=kind,
+                rows=b,
+                read_width_tokens=w * bs,
+                mean_length=float(lengths.float().mean()),
+                max_abs_err_vs_definition=err,
+                kernel_s=t_kernel,
+                gather_s=t_gather,
+                speedup=t_gather / t_kernel,
+                kernel_kv_bytes=kv_bytes,
+                kernel_gb_per_s=kv_bytes / t_kernel / 1e9,
                 sweep_s=sweep,
             )
         )
         print(json.dumps(rows[-1]), flush=True)
     payload = dict(
-        benchmark="paged_attention_gpu", date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        device=torch.cuda.get_device_name(), torch=torch.__version__, heads=dict(nh=nh, nkv=nkv, d=d, bs=bs), rows=rows,
+        benchmark="paged_attention_gpu",
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        heads=dict(nh=nh, nkv=nkv, d=d, bs=bs),
+        rows=rows,
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -326,7 +326,9 @@ class Run:
         queue, buffer = r.queue_stats(), r.buffer_metrics()
         values = step_values(groups, stats, timings, queue, buffer, accuracy=accuracy)
         values.update(r.fleet_values(self.cfg.trainer.batch_groups), policy_version=self.trainer.version)
-        workers = r.worker_stats()  # async: one call to each live worker (threaded actors answer mid-generate)
+        workers = (
+            r.worker_stats()
+        )  # async: one call to each live worker (threaded actors answer mid-generate)
         values.update(kv_values([w.kv for w in workers]))  # the engines' KV cache counters
         if self.cfg.task.name == "env":  # multi-turn episodes (moerl.envs)
             values.update(env_step_values(groups, workers))

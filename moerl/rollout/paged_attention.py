@@ -76,9 +76,30 @@ if triton is not None:
 
     @triton.jit
     def _block(
-        q, K, V, TABLE, b, kh, n0, end, m_i, l_i, acc, stride_kt, stride_kh, stride_vt, stride_vh, stride_tb,
-        scale, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, BS: tl.constexpr,
-        BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        q,
+        K,
+        V,
+        TABLE,
+        b,
+        kh,
+        n0,
+        end,
+        m_i,
+        l_i,
+        acc,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_tb,
+        scale,
+        DK: tl.constexpr,
+        DKP: tl.constexpr,
+        DV: tl.constexpr,
+        DVP: tl.constexpr,
+        BS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         """One BLOCK_N-key step of the online softmax: keys n0..n0+BLOCK_N-1 (those < end)."""
         dk = tl.arange(0, DKP)
@@ -168,14 +189,58 @@ if triton is not None:
         if DYNAMIC:
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _block(
-                    q, K, V, TABLE, b, kh, n0, end, m_i, l_i, acc, stride_kt, stride_kh, stride_vt,
-                    stride_vh, stride_tb, scale, DK, DKP, DV, DVP, BS, BLOCK_N, IEEE,
+                    q,
+                    K,
+                    V,
+                    TABLE,
+                    b,
+                    kh,
+                    n0,
+                    end,
+                    m_i,
+                    l_i,
+                    acc,
+                    stride_kt,
+                    stride_kh,
+                    stride_vt,
+                    stride_vh,
+                    stride_tb,
+                    scale,
+                    DK,
+                    DKP,
+                    DV,
+                    DVP,
+                    BS,
+                    BLOCK_N,
+                    IEEE,
                 )
         else:
             for i in range(0, KPS, BLOCK_N):  # KPS = keys_per_split, a constexpr only here
                 m_i, l_i, acc = _block(
-                    q, K, V, TABLE, b, kh, start + i, end, m_i, l_i, acc, stride_kt, stride_kh, stride_vt,
-                    stride_vh, stride_tb, scale, DK, DKP, DV, DVP, BS, BLOCK_N, IEEE,
+                    q,
+                    K,
+                    V,
+                    TABLE,
+                    b,
+                    kh,
+                    start + i,
+                    end,
+                    m_i,
+                    l_i,
+                    acc,
+                    stride_kt,
+                    stride_kh,
+                    stride_vt,
+                    stride_vh,
+                    stride_tb,
+                    scale,
+                    DK,
+                    DKP,
+                    DV,
+                    DVP,
+                    BS,
+                    BLOCK_N,
+                    IEEE,
                 )
         # partial results: ACC [B, S, nh, DVP] float32, ML [B, S, nh, 2] float32 (running max, sum)
         row = (b * num_splits + sp) * nh + qh
@@ -256,11 +321,11 @@ def paged_decode_attention(
         num_stages=num_stages,
     )
     # merge the splits (flash-decoding): weights exp(m_s - max_s m_s); an empty split has m = -inf, l = 0
-    m, l = ml[..., 0], ml[..., 1]
+    m, lsum = ml[..., 0], ml[..., 1]
     top = m.amax(dim=1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     w = torch.exp(m - top)  # [B, S, nh]
-    den = (w * l).sum(dim=1)  # [B, nh]
+    den = (w * lsum).sum(dim=1)  # [B, nh]
     out = (w[..., None] * acc).sum(dim=1)[..., :dv] / den.clamp_min(1e-30)[..., None]
     return out.to(q.dtype)
 

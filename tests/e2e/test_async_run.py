@@ -69,7 +69,9 @@ def test_async_run_trains_every_task_exactly_once(tmp_path, tiny_init, ray_sessi
     assert [r["policy_version"] for r in records] == [1, 2, 3, 4]
     # the workers' paged KV caches, read from the actors each step: both engines' blocks, tokens prefilled
     assert all(r["rollout/kv_blocks_total"] > 0 for r in records)
-    assert records[-1]["rollout/kv_prefill_tokens"] > 0 and records[-1]["rollout/kv_decoding_together_mean"] > 0
+    assert (
+        records[-1]["rollout/kv_prefill_tokens"] > 0 and records[-1]["rollout/kv_decoding_together_mean"] > 0
+    )
     assert all(e.policy_version >= e.step - 1 - 1 for e in run.read_ledger())  # admitted within max_staleness
     parts = load_checkpoint(run.checkpoints / "step_4")  # taken with the workers paused
     queued = {t["task_id"] for t in parts["queue"]["tasks"]}

@@ -22,7 +22,11 @@ def kernel_errors() -> list[float]:
     """Max |kernel - reference| over GQA, MHA and MLA-like (Dk != Dv) shapes, one split and several."""
     torch.manual_seed(0)
     errs = []
-    for nh, nkv, dk, dv, bs, w, block_n in [(4, 2, 16, 16, 16, 8, 16), (6, 2, 24, 20, 4, 30, 16), (3, 3, 40, 8, 16, 2, 32)]:
+    for nh, nkv, dk, dv, bs, w, block_n in [
+        (4, 2, 16, 16, 16, 8, 16),
+        (6, 2, 24, 20, 4, 30, 16),
+        (3, 3, 40, 8, 16, 2, 32),
+    ]:
         nb = 40
         kc = torch.randn((nb + 1) * bs, nkv, dk)
         vc = torch.randn((nb + 1) * bs, nkv, dv)
@@ -60,7 +64,11 @@ def engine_check() -> dict:
     result = {}
     for name, temp in (("greedy", 0.0), ("sampled", 0.9)):
         reqs = [
-            Request(request_id=f"r{i}", prompt_ids=p, params=SamplingParams(max_new_tokens=8, n=2, seed=i, temperature=temp))
+            Request(
+                request_id=f"r{i}",
+                prompt_ids=p,
+                params=SamplingParams(max_new_tokens=8, n=2, seed=i, temperature=temp),
+            )
             for i, p in enumerate(prompts)
         ]
         ref = Engine(model, max_slots=4, kv_token_budget=4 * 32).generate(reqs)
@@ -68,7 +76,11 @@ def engine_check() -> dict:
         out = eng.generate(reqs)
         result[name] = {
             "tokens_equal": [c.token_ids for c in out] == [c.token_ids for c in ref],
-            "max_logprob_diff": max(abs(x - y) for a, b in zip(ref, out) for x, y in zip(a.logprobs, b.logprobs)),
+            "max_logprob_diff": max(
+                abs(x - y)
+                for a, b in zip(ref, out, strict=True)
+                for x, y in zip(a.logprobs, b.logprobs, strict=True)
+            ),
             "preemptions": eng.stats.preemptions,
         }
     result["kernel_calls"] = calls["n"]

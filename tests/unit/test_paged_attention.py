@@ -15,7 +15,9 @@ import torch
 from moerl.rollout.paged_attention import paged_decode_attention, paged_decode_reference
 
 ROOT = Path(__file__).resolve().parents[2]
-TRITON = ROOT / ".cache" / "triton-interp"  # bash tests/setup.sh installs Triton here (only this test uses it)
+TRITON = (
+    ROOT / ".cache" / "triton-interp"
+)  # bash tests/setup.sh installs Triton here (only this test uses it)
 
 
 def test_reference_is_softmax_attention_over_each_rows_own_keys():
