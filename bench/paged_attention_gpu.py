@@ -94,11 +94,7 @@ def main() -> None:
                     for ns in (1, 2, 3):
                         kw = dict(block_n=bn, num_warps=nw, num_stages=ns)
                         try:
-                            t = do_bench_cudagraph(
-                                lambda kw=kw: paged_decode_attention(
-                                    q, kc, vc, table, lengths, scale, bs, **kw
-                                )
-                            )
+                            t = do_bench_cudagraph(functools.partial(call, **kw))
                             sweep[f"bn{bn}_w{nw}_s{ns}"] = t * 1e-3
                         except Exception as e:  # a config the compiler refuses (shared memory)
                             sweep[f"bn{bn}_w{nw}_s{ns}"] = repr(e)[:80]
