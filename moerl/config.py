@@ -202,6 +202,11 @@ class RolloutConfig:
     ``max_slots`` contiguous slots of ``kv_token_budget // max_slots`` tokens each)."""
     kv_block_size: int = 16
     """Tokens per block of the paged KV cache (``kv_cache: paged``)."""
+    mla_cache: str = "latent"
+    """How the engine caches a multi-head latent attention policy (DeepSeek-V3): ``latent`` keeps each
+    token's ``kv_lora_rank + qk_rope_head_dim`` values per layer (576 for DeepSeek-V3, 1/71 of the
+    expanded form) and decodes with the up-projections folded into the query and output; ``expanded``
+    keeps per-head keys and values. ``kv_token_budget`` counts tokens either way; other models ignore it."""
     return_routed_experts: bool = False
     """Record the top routed experts per token and layer (rollout routing replay, R3)."""
     max_prefill_tokens: int = 4096
@@ -243,9 +248,11 @@ class RolloutConfig:
         check_range("rollout.sync_every", self.sync_every, 1)
         # here, not at the top: moerl.ep and moerl.rollout load torch, and this module must load without it
         from moerl.ep.registry import DISPATCHERS
+        from moerl.rollout.kv_cache import MLA_CACHE_FORMS
         from moerl.rollout.weight_update import ON_WEIGHT_UPDATE
 
         check_choice("rollout.kv_cache", self.kv_cache, ["paged", "slots"])
+        check_choice("rollout.mla_cache", self.mla_cache, MLA_CACHE_FORMS)
         check_range("rollout.kv_block_size", self.kv_block_size, 1)
         check_choice("rollout.ep_dispatcher", self.ep_dispatcher, DISPATCHERS)
         check_range("rollout.ep_size", self.ep_size, 1)

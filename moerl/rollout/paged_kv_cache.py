@@ -5,6 +5,7 @@ one forward, T new tokens per row, R keys read per row, M = max blocks per seque
 K top-k.
 
     k, v:        [L, (NB + 1) * bs, H, Dk|Dv]  token slots; slot s is token s % bs of block s // bs
+                 (MLA's latent layout: H = 1, Dk = kv_lora_rank + rope, Dv = 0, ``KVLayout.latent``)
     routed:      [(NB + 1) * bs, Lm, K] int32  routed experts per cached token (allocated on first use)
     block table: [N, M] int64 (the engine's)   row r's j-th block; unused entries hold the null block
 
@@ -73,6 +74,11 @@ class PagedKVCache:
         self.write_slots: torch.Tensor | None = None
         """[B, T] int64 token slot each new key/value of the bound forward goes to."""
         self._read: torch.Tensor | None = None  # [B, R] int64 token slots each row attends over
+
+    @property
+    def latent(self) -> bool:
+        """MLA layers store their latent here (``KVLayout.latent``; ``moerl.models.layers.KVCache``)."""
+        return self.layout.latent
 
     # ------------------------------------------------------------------------------------------
     # Binding a forward
@@ -155,12 +161,9 @@ class PagedKVCache:
             )
         b = k.shape[0]
         write = self.write_slots.reshape(-1)
-        self.k[layer].index_copy_(
-            0, write, k.transpose(1, 2).reshape(-1, lay.num_kv_heads, lay.k_head_dim).to(self.k.dtype)
-        )
-        self.v[layer].index_copy_(
-            0, write, v.transpose(1, 2).reshape(-1, lay.num_kv_heads, lay.v_head_dim).to(self.v.dtype)
-        )
+        # flatten, not reshape(-1, ...): MLA's latent layout has an empty v (Dv = 0)
+        self.k[layer].index_copy_(0, write, k.transpose(1, 2).flatten(0, 1).to(self.k.dtype))
+        self.v[layer].index_copy_(0, write, v.transpose(1, 2).flatten(0, 1).to(self.v.dtype))
         read = self._read
         r = read.shape[1]
         k_all = self.k[layer].index_select(0, read.reshape(-1)).view(b, r, lay.num_kv_heads, lay.k_head_dim)
