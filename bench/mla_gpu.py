@@ -105,23 +105,29 @@ def step_weight_bytes(model: MoeForCausalLM, cfg: MoeConfig, rows: int, elem: in
 
 
 def _cache(cfg: MoeConfig, form: str, rows: int, context: int, block: int, dtype, device) -> PagedKVCache:
-    """A paged cache of ``rows`` sequences of ``context`` tokens, random contents (ValueError when it
-    cannot be allocated: torch.OutOfMemoryError is turned into it)."""
+    """A paged cache of ``rows`` sequences of ``context`` tokens, random contents (torch.OutOfMemoryError
+    when it cannot be allocated)."""
     blocks = rows * -(-context // block)
-    cache = PagedKVCache(kv_layout(cfg, form), num_blocks=blocks, block_size=block, dtype=dtype, device=device)
+    cache = PagedKVCache(
+        kv_layout(cfg, form), num_blocks=blocks, block_size=block, dtype=dtype, device=device
+    )
     cache.k.normal_(0, 1)
     return cache
 
 
 def decode_point(model, cfg: MoeConfig, form: str, rows: int, context: int, args, dtype, device) -> dict:
-    """Time one decode step of ``rows`` rows at ``context`` cached tokens each with cache ``form``."""
+    """Time one decode step of ``rows`` rows at ``context`` cached tokens each with cache ``form`` (a
+    dict of the timings, bytes and floor, or the reason it was skipped); the caller frees the memory."""
     point = {"cache": form, "batch": rows, "context": context}
     lay = kv_layout(cfg, form)
     elem = torch.empty((), dtype=dtype).element_size()
     point["cache_gib"] = rows * context * lay.bytes_per_token(dtype) / 2**30
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     if free is not None and point["cache_gib"] * 2**30 > 0.85 * free:
-        return {**point, "skipped": f"the cache needs {point['cache_gib']:.0f} GiB, {free / 2**30:.0f} GiB free"}
+        return {
+            **point,
+            "skipped": f"the cache needs {point['cache_gib']:.0f} GiB, {free / 2**30:.0f} GiB free",
+        }
     try:
         cache = _cache(cfg, form, rows, context, args.block_size, dtype, device)
     except torch.OutOfMemoryError:
@@ -147,14 +153,10 @@ def decode_point(model, cfg: MoeConfig, form: str, rows: int, context: int, args
     try:
         t = time_fn(fn, device, warmup=2, iters=args.iters)
     except torch.OutOfMemoryError:
-        del cache
-        free_device_memory(device)
-        return {**point, "skipped": "out of memory in the forward"}
+        return {**point, "skipped": "out of memory in the forward"}  # the caller frees the cache
     weights = step_weight_bytes(model, cfg, rows, elem)
     kv = rows * context * lay.bytes_per_token(dtype)
     floor_ms = (weights + kv) / (args.copy_tb_s * 1e12) * 1e3
-    del cache
-    free_device_memory(device)
     return {
         **point,
         "step_ms": t.median_ms,
@@ -190,7 +192,11 @@ def run(argv: list[str] | None = None) -> dict:
             args.batch = [4]
         if args.contexts == [512, 4096, 16384]:
             args.contexts = [32, 128]
-        args.vocab, args.iters, args.block_size = min(args.vocab, 512), min(args.iters, 2), min(args.block_size, 16)
+        args.vocab, args.iters, args.block_size = (
+            min(args.vocab, 512),
+            min(args.iters, 2),
+            min(args.block_size, 16),
+        )
         args.experts = min(args.experts, 8)
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -209,9 +215,19 @@ def run(argv: list[str] | None = None) -> dict:
             for rows in args.batch:
                 for form in args.forms:
                     points.append(decode_point(model, cfg, form, rows, context, args, dtype, device))
+                    free_device_memory(device)  # the point's cache and CUDA graph are unreferenced now
     rows_out = [
-        [p["cache"], p["batch"], p["context"], p["cache_gib"], p.get("step_ms"), p.get("tokens_per_s"),
-         p.get("floor_ms"), p.get("fraction_of_floor"), p.get("skipped", "")]  # fmt: skip
+        [
+            p["cache"],
+            p["batch"],
+            p["context"],
+            p["cache_gib"],
+            p.get("step_ms"),
+            p.get("tokens_per_s"),
+            p.get("floor_ms"),
+            p.get("fraction_of_floor"),
+            p.get("skipped", ""),
+        ]  # fmt: skip
         for p in points
     ]
     print_table(

@@ -115,7 +115,9 @@ class ModelConfig:
             check_range("model.first_dense_layers", self.first_dense_layers, 0, self.num_layers)
         for name in ("kv_lora_rank", "q_lora_rank"):
             if getattr(self, name) is not None and self.family != "deepseek_v3":
-                raise ConfigError(f"model.{name} is an MLA size: only family deepseek_v3 has it, not {self.family}")
+                raise ConfigError(
+                    f"model.{name} is an MLA size: only family deepseek_v3 has it, not {self.family}"
+                )
         if not re.fullmatch(r"(cpu|cuda)(:\d+)?|meta", self.device):
             raise ConfigError(f"model.device={self.device!r} is not a device; use cpu, cuda or cuda:N")
         if self.num_heads % self.num_kv_heads:

@@ -297,7 +297,8 @@ class MLAttention(nn.Module):
         """Attention of T queries over the decompressed latent cache (a prefill): q_nope [B, nh, T, nope],
         q_rot [B, nh, T, R], cached [B, 1, S, r + R], mask [B, 1, T, S] -> [B, T, H]."""
         cfg = self.cfg
-        c, k_rot = cached[:, 0].split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)  # (B, S, r), (B, S, R)
+        # (B, S, r), (B, S, R)
+        c, k_rot = cached[:, 0].split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(c).unflatten(-1, (-1, cfg.qk_nope_head_dim + cfg.v_head_dim)).transpose(1, 2)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)  # (B, nh, S, nope), (.., dv)
         k = torch.cat([k_nope, k_rot[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)

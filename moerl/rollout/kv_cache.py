@@ -77,7 +77,9 @@ def kv_layout(config: Any, mla_cache: str = "latent") -> KVLayout:
         raise ValueError(f"mla_cache={mla_cache!r}: expected one of {MLA_CACHE_FORMS}")
     heads = config.num_attention_heads
     if is_mla(config) and mla_cache == "latent":
-        return KVLayout(config.num_hidden_layers, 1, config.kv_lora_rank + config.qk_rope_head_dim, 0, latent=True)
+        return KVLayout(
+            config.num_hidden_layers, 1, config.kv_lora_rank + config.qk_rope_head_dim, 0, latent=True
+        )
     if is_mla(config):
         dk = config.qk_nope_head_dim + config.qk_rope_head_dim
         return KVLayout(config.num_hidden_layers, heads, dk, config.v_head_dim)

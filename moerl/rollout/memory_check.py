@@ -104,7 +104,11 @@ def engine_cache_bytes(arch: MoeConfig, cfg: RunConfig) -> tuple[int, int, int]:
         tokens = (num_blocks + 1) * r.kv_block_size
         return 1, tokens, cache_bytes(kv_layout(arch, r.mla_cache), 1, tokens, dtype, routed)
     num_slots, slot_tokens = cache_geometry(r.max_slots, r.kv_token_budget, arch.max_position_embeddings)
-    return num_slots, slot_tokens, cache_bytes(kv_layout(arch, r.mla_cache), num_slots, slot_tokens, dtype, routed)
+    return (
+        num_slots,
+        slot_tokens,
+        cache_bytes(kv_layout(arch, r.mla_cache), num_slots, slot_tokens, dtype, routed),
+    )
 
 
 def weight_bytes(arch: MoeConfig, dtype: torch.dtype) -> int:

@@ -121,7 +121,9 @@ def test_async_bound_runs_on_cpu(tmp_path, capsys):
 def test_mla_bench_runs_tiny_on_cpu_and_refuses_fp8(tmp_path):
     from bench import mla_gpu
 
-    out = mla_gpu.run(["--tiny", "--layers", "2", "--contexts", "16", "--iters", "1", "--out-dir", str(tmp_path)])
+    out = mla_gpu.run(
+        ["--tiny", "--layers", "2", "--contexts", "16", "--iters", "1", "--out-dir", str(tmp_path)]
+    )
     latent, expanded = out["points"]
     assert (latent["cache"], expanded["cache"]) == ("latent", "expanded")
     assert min(latent["tokens_per_s"], expanded["tokens_per_s"], latent["fraction_of_floor"]) > 0

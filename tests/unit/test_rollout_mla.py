@@ -66,7 +66,11 @@ def _prompts():
 
 def _requests(n, max_new_tokens=16, **kw):
     return [
-        Request(request_id=f"r{i}", prompt_ids=p, params=SamplingParams(max_new_tokens=max_new_tokens, n=n, seed=i, **kw))
+        Request(
+            request_id=f"r{i}",
+            prompt_ids=p,
+            params=SamplingParams(max_new_tokens=max_new_tokens, n=n, seed=i, **kw),
+        )
         for i, p in enumerate(_prompts())
     ]
 
@@ -99,7 +103,9 @@ def test_latent_cache_allocates_rank_plus_rope_per_token_and_layer(models):
 def test_greedy_latent_equals_expanded_and_transformers(models):
     hf, ours = models
     reqs = _requests(n=1, temperature=0.0)
-    ref = PagedEngine(ours, max_slots=8, kv_token_budget=1024, block_size=4, mla_cache="expanded").generate(reqs)
+    ref = PagedEngine(ours, max_slots=8, kv_token_budget=1024, block_size=4, mla_cache="expanded").generate(
+        reqs
+    )
     for engine in (
         PagedEngine(ours, max_slots=8, kv_token_budget=1024, block_size=4),
         Engine(ours, max_slots=3, kv_token_budget=3 * 40),  # the slot cache, one request joins late
@@ -118,7 +124,9 @@ def test_greedy_latent_equals_expanded_and_transformers(models):
 def test_sampled_groups_preemption_and_routed_experts_latent_equal_expanded(models):
     _, ours = models
     reqs = _requests(n=8, temperature=0.9, top_k=20, return_routed_experts=True)
-    ref = PagedEngine(ours, max_slots=32, kv_token_budget=4096, block_size=4, mla_cache="expanded").generate(reqs)
+    ref = PagedEngine(ours, max_slots=32, kv_token_budget=4096, block_size=4, mla_cache="expanded").generate(
+        reqs
+    )
     roomy = PagedEngine(ours, max_slots=32, kv_token_budget=4096, block_size=4)
     _assert_same(ref, roomy.generate(reqs), routed=True)
     assert roomy.stats.prefix_hit_tokens > 0 and roomy.stats.preemptions == 0
