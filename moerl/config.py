@@ -73,6 +73,18 @@ class ModelConfig:
     """Longest sequence (prompt + response) in tokens for a fresh model."""
     rope_theta: float = 10000.0
     """Rotary embedding base for a fresh model."""
+    kv_lora_rank: int | None = None
+    """MLA (``family: deepseek_v3``): rank of the shared key/value latent of a fresh model (DeepSeek-V3:
+    512), what the rollout engine's latent KV cache holds per token and layer beside the rotary key
+    (``head_dim // 2`` wide); None: ``hidden_size // 2``."""
+    q_lora_rank: int | None = None
+    """MLA (``family: deepseek_v3``): rank of the low-rank query projection of a fresh model (DeepSeek-V3:
+    1536); None: a full-rank query projection."""
+    first_dense_layers: int | None = None
+    """``deepseek_v3`` / ``glm4_moe``: leading dense (non-MoE) layers of a fresh model (DeepSeek-V3: 3);
+    None: 1 when the model has more than one layer."""
+    dense_intermediate_size: int | None = None
+    """Width of a fresh model's dense layers' MLP (DeepSeek-V3: 18432); None: 2 x moe_intermediate_size."""
     dtype: str = "float32"
     """Parameter dtype: float32 or bfloat16."""
     device: str = "cpu"
@@ -96,6 +108,16 @@ class ModelConfig:
             check_range(f"model.{name}", getattr(self, name), 1)
         check_range("model.top_k", self.top_k, 1, self.num_experts)
         check_range("model.rope_theta", self.rope_theta, 0.0, lo_open=True)
+        for name in ("kv_lora_rank", "q_lora_rank", "dense_intermediate_size"):
+            if getattr(self, name) is not None:
+                check_range(f"model.{name}", getattr(self, name), 1)
+        if self.first_dense_layers is not None:
+            check_range("model.first_dense_layers", self.first_dense_layers, 0, self.num_layers)
+        for name in ("kv_lora_rank", "q_lora_rank"):
+            if getattr(self, name) is not None and self.family != "deepseek_v3":
+                raise ConfigError(
+                    f"model.{name} is an MLA size: only family deepseek_v3 has it, not {self.family}"
+                )
         if not re.fullmatch(r"(cpu|cuda)(:\d+)?|meta", self.device):
             raise ConfigError(f"model.device={self.device!r} is not a device; use cpu, cuda or cuda:N")
         if self.num_heads % self.num_kv_heads:
@@ -202,6 +224,11 @@ class RolloutConfig:
     ``max_slots`` contiguous slots of ``kv_token_budget // max_slots`` tokens each)."""
     kv_block_size: int = 16
     """Tokens per block of the paged KV cache (``kv_cache: paged``)."""
+    mla_cache: str = "latent"
+    """How the engine caches a multi-head latent attention policy (DeepSeek-V3): ``latent`` keeps each
+    token's ``kv_lora_rank + qk_rope_head_dim`` values per layer (576 for DeepSeek-V3, 1/71 of the
+    expanded form) and decodes with the up-projections folded into the query and output; ``expanded``
+    keeps per-head keys and values. ``kv_token_budget`` counts tokens either way; other models ignore it."""
     return_routed_experts: bool = False
     """Record the top routed experts per token and layer (rollout routing replay, R3)."""
     max_prefill_tokens: int = 4096
@@ -250,9 +277,11 @@ class RolloutConfig:
         check_range("rollout.sync_every", self.sync_every, 1)
         # here, not at the top: moerl.ep and moerl.rollout load torch, and this module must load without it
         from moerl.ep.registry import DISPATCHERS
+        from moerl.rollout.kv_cache import MLA_CACHE_FORMS
         from moerl.rollout.weight_update import ON_WEIGHT_UPDATE
 
         check_choice("rollout.kv_cache", self.kv_cache, ["paged", "slots"])
+        check_choice("rollout.mla_cache", self.mla_cache, MLA_CACHE_FORMS)
         check_range("rollout.kv_block_size", self.kv_block_size, 1)
         check_choice("rollout.ep_dispatcher", self.ep_dispatcher, DISPATCHERS)
         check_range("rollout.ep_size", self.ep_size, 1)

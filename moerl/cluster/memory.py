@@ -15,8 +15,9 @@ from moerl.rollout.memory_check import (
     GIB,
     MEMORY_HEADROOM,
     engine_cache_bytes,
-    ep_rank_weight_bytes,
     policy_arch,
+    rollout_rank_weight_bytes,
+    rollout_weight_format,
     weight_bytes,
 )
 
@@ -37,12 +38,13 @@ def memory_warnings(cfg: RunConfig) -> list[str]:
     dtype = torch_dtype(cfg.model.dtype)
     _, _, engine = engine_cache_bytes(arch, cfg)
     r = cfg.rollout
+    fmt = rollout_weight_format(cfg)
     needs = [  # (group, its instance types, bytes one GPU needs, what they are, what follows)
         (
             "rollout",
             cfg.cluster.rollout.instance_types,
-            ep_rank_weight_bytes(arch, dtype, r.ep_size) + engine,
-            f"a rollout EP rank (rollout.ep_size={r.ep_size}) holds {{w:.1f}} GiB of the policy plus its "
+            rollout_rank_weight_bytes(arch, fmt, r.ep_size) + engine,
+            f"a rollout EP rank (rollout.ep_size={r.ep_size}) holds {{w:.1f}} GiB of the policy ({fmt}) plus its "
             f"engine's {engine / GIB:.1f} GiB KV cache (rollout.max_slots, rollout.kv_token_budget)",
             "the rollout workers would run out of memory",
         ),

@@ -24,9 +24,10 @@ def arch_from_model_config(m: ModelConfig, vocab_size: int) -> MoeConfig:
 
     Family traits follow the released models: Qwen3-MoE (per-head q/k norm, normalized top-k),
     Qwen2-MoE (qkv bias, gated shared expert of width 2I), Mixtral (normalized top-k), OLMoE (full q/k
-    norm), DeepSeek-V3 (MLA with nope/rope/v head dims hd, hd/2, hd and latent rank H/2; sigmoid routing;
-    one shared expert; layer 0 dense), GLM-4.5 (sigmoid routing, one shared expert, half-rotary, layer 0
-    dense). Dense layers are 2I wide.
+    norm), DeepSeek-V3 (MLA with nope/rope/v head dims hd, hd/2, hd, latent rank ``kv_lora_rank`` (default
+    H/2) and query rank ``q_lora_rank``; sigmoid routing; one shared expert; layer 0 dense), GLM-4.5
+    (sigmoid routing, one shared expert, half-rotary, layer 0 dense). ``first_dense_layers`` and
+    ``dense_intermediate_size`` override the dense layers' count and width (default 2I).
 
     Raises:
         ConfigError: unknown family, or qwen2_moe with head_dim != hidden_size / num_heads.
@@ -39,7 +40,7 @@ def arch_from_model_config(m: ModelConfig, vocab_size: int) -> MoeConfig:
         num_attention_heads=m.num_heads,
         num_key_value_heads=m.num_kv_heads,
         head_dim=m.head_dim,
-        intermediate_size=2 * m.moe_intermediate_size,
+        intermediate_size=m.dense_intermediate_size or 2 * m.moe_intermediate_size,
         moe_intermediate_size=m.moe_intermediate_size,
         num_experts=m.num_experts,
         num_experts_per_tok=m.top_k,
@@ -48,7 +49,7 @@ def arch_from_model_config(m: ModelConfig, vocab_size: int) -> MoeConfig:
         use_score_correction_bias=m.family in BIAS_FAMILIES,
     )
     hd = m.head_dim
-    dense0 = 1 if m.num_layers > 1 else 0
+    dense0 = (1 if m.num_layers > 1 else 0) if m.first_dense_layers is None else m.first_dense_layers
     traits: dict[str, dict] = {
         "qwen3_moe": dict(qk_norm="head", norm_topk_prob=True),
         "qwen2_moe": dict(
@@ -61,7 +62,8 @@ def arch_from_model_config(m: ModelConfig, vocab_size: int) -> MoeConfig:
             norm_topk_prob=True,
             shared_intermediate_size=m.moe_intermediate_size,
             first_k_dense_replace=dense0,
-            kv_lora_rank=max(1, m.hidden_size // 2),
+            kv_lora_rank=m.kv_lora_rank or max(1, m.hidden_size // 2),
+            q_lora_rank=m.q_lora_rank,
             qk_nope_head_dim=hd,
             qk_rope_head_dim=max(2, hd // 2),
             v_head_dim=hd,

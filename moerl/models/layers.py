@@ -37,6 +37,12 @@ class KVCache(Protocol):
     # grouped-query attention layers then call it instead of ``update`` (``moerl.rollout.paged_kv_cache``).
 
 
+def cache_is_latent(cache: KVCache | None) -> bool:
+    """Whether ``cache`` holds MLA's latent (its optional ``latent`` attribute is True): MLA layers then
+    ``update`` it with k = [c_kv, k_rope] [B, 1, T, kv_lora_rank + R] and an empty v [B, 1, T, 0]."""
+    return cache is not None and bool(getattr(cache, "latent", False))
+
+
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps), computed in float32 (Zhang & Sennrich 2019, Eq. 4)."""
 
@@ -201,8 +207,14 @@ class MLAttention(nn.Module):
 
     Queries (optionally low-rank: q_a -> RMSNorm -> q_b) and keys are split into a "nope" part and a
     rotary part; keys/values come from a shared latent c_kv of rank ``kv_lora_rank`` (kv_a -> RMSNorm ->
-    kv_b) plus one rotary key shared by all heads. The KV cache stores the decompressed per-head
-    k [B, nh, T, nope + rope] and v [B, nh, T, v_head_dim]: simple, not the memory-saving latent form.
+    kv_b) plus one rotary key shared by all heads. Two cache forms (``cache_is_latent``):
+
+    - expanded: the cache stores the decompressed per-head k [B, nh, T, nope + rope] and v [B, nh, T, dv];
+    - latent: the cache stores [RMSNorm(c_kv), k_rope] [B, 1, T, r + rope] (r = ``kv_lora_rank``). A
+      one-token decode never decompresses it: W_UK (kv_b's key rows, [nh, nope, r]) is folded into the
+      query, q_lat = q_nope W_UK, scores = q_lat c + q_rope k_rope (equal to q_nope k_nope + q_rope k_rope),
+      all heads attend the one latent head, and W_UV ([nh, dv, r]) is applied to the attended latent
+      (DeepSeek-V2 Sec. 2.1.2, "absorbed" projections). A prefill (T > 1) decompresses the cached latent.
     """
 
     def __init__(self, cfg: MoeConfig, layer_idx: int) -> None:
@@ -244,20 +256,61 @@ class MLAttention(nn.Module):
         q = q.unflatten(-1, (-1, self.qk_head_dim)).transpose(1, 2)  # (B, nh, T, nope + rope)
         q_nope, q_rot = q.split([nope, rope], dim=-1)
         kv_latent, k_rot = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, rope], dim=-1)
+        q_rot = apply_rotary(q_rot, cos, sin, interleave=cfg.rope_interleave)
+        k_rot = apply_rotary(k_rot.view(b, 1, t, rope), cos, sin, interleave=cfg.rope_interleave)
+        if cache_is_latent(cache):
+            entry = torch.cat([self.kv_a_layernorm(kv_latent)[:, None], k_rot], dim=-1)  # (B, 1, T, r + R)
+            cached, _ = cache.update(self.layer_idx, entry, entry[..., :0])  # (B, 1, S, r + R)
+            if t == 1:
+                return self._absorbed_decode(q_nope, q_rot, cached, mask)
+            return self._expanded_attend(q_nope, q_rot, cached, mask)
         kv = (
             self.kv_b_proj(self.kv_a_layernorm(kv_latent))
             .unflatten(-1, (-1, nope + cfg.v_head_dim))
             .transpose(1, 2)
         )
         k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)  # (B, nh, T, nope), (B, nh, T, dv)
-        q_rot = apply_rotary(q_rot, cos, sin, interleave=cfg.rope_interleave)
-        k_rot = apply_rotary(k_rot.view(b, 1, t, rope), cos, sin, interleave=cfg.rope_interleave)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         if cache is not None and getattr(cache, "fused_decode", False):  # the cache attends in place
             return self.o_proj(cache.decode_attention(self.layer_idx, q, k, v, self.scale))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
+        return self.o_proj(_attend(q, k, v, mask, self.scale))
+
+    def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [nh, nope, r] and W_UV [nh, dv, r]: kv_b's rows of each head's keys and values."""
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.unflatten(0, (-1, cfg.qk_nope_head_dim + cfg.v_head_dim))
+        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+
+    def _absorbed_decode(
+        self, q_nope: torch.Tensor, q_rot: torch.Tensor, cached: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One-token attention on the latent cache: q_nope [B, nh, 1, nope], q_rot [B, nh, 1, R],
+        cached [B, 1, S, r + R], mask [B, 1, 1, S] -> [B, 1, H]. The nh heads are the query rows of one
+        attention over the shared latent (k = cached, v = its first r channels), so every cached latent
+        is read once per row, not once per head."""
+        w_uk, w_uv = self._up_weights()
+        q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)  # (B, nh, 1, r)
+        q = torch.cat([q_lat, q_rot], dim=-1).transpose(1, 2)  # (B, 1, nh, r + R)
+        r = self.cfg.kv_lora_rank
+        out = F.scaled_dot_product_attention(q, cached, cached[..., :r], attn_mask=mask, scale=self.scale)
+        out = torch.einsum("bthr,hvr->bthv", out, w_uv)  # (B, 1, nh, dv)
+        return self.o_proj(out.flatten(2))
+
+    def _expanded_attend(
+        self, q_nope: torch.Tensor, q_rot: torch.Tensor, cached: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention of T queries over the decompressed latent cache (a prefill): q_nope [B, nh, T, nope],
+        q_rot [B, nh, T, R], cached [B, 1, S, r + R], mask [B, 1, T, S] -> [B, T, H]."""
+        cfg = self.cfg
+        # (B, S, r), (B, S, R)
+        c, k_rot = cached[:, 0].split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(c).unflatten(-1, (-1, cfg.qk_nope_head_dim + cfg.v_head_dim)).transpose(1, 2)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)  # (B, nh, S, nope), (.., dv)
+        k = torch.cat([k_nope, k_rot[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        q = torch.cat([q_nope, q_rot], dim=-1)
         return self.o_proj(_attend(q, k, v, mask, self.scale))
 
 

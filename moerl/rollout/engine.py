@@ -74,9 +74,13 @@ class Engine:
         cuda_graphs: on CUDA, replay decode steps from CUDA graphs captured once per (B, R, sampling
             flags) key (``moerl.rollout.cuda_graphs``; with ``batch_buckets`` few keys recur); False runs
             every step eagerly (steps that record routed experts, R3, are captured too).
+        mla_cache: how a multi-head latent attention model is cached (``kv_cache.MLA_CACHE_FORMS``):
+            ``latent`` (``kv_lora_rank + qk_rope_head_dim`` values per token and layer, absorbed decode)
+            or ``expanded`` (per-head keys and values); other models ignore it.
 
     Raises:
-        ValueError: sizes that leave no cache slot of two tokens; a non-positive sync/prefill/length setting.
+        ValueError: sizes that leave no cache slot of two tokens; a non-positive sync/prefill/length setting;
+            an unknown ``mla_cache``.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class Engine:
         version: int = 0,
         kv_layout_override: KVLayout | None = None,
         cuda_graphs: bool = True,
+        mla_cache: str = "latent",
     ) -> None:
         cfg = model.config
         context = cfg.max_position_embeddings
@@ -115,7 +120,7 @@ class Engine:
             version,
         )
         self.cache = SlotKVCache(
-            kv_layout_override or kv_layout(cfg),
+            kv_layout_override or kv_layout(cfg, mla_cache),
             num_slots=num_slots,
             capacity=slot_len,
             dtype=param.dtype,
@@ -183,6 +188,7 @@ class Engine:
             sync_every=cfg.sync_every,
             seed=seed,
             version=version,
+            mla_cache=cfg.mla_cache,
         )
 
     def _init_slot_state(self, n: int) -> None:

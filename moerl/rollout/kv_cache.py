@@ -4,6 +4,7 @@ Shapes: L layers, N slots, H kv heads, S slot capacity (tokens), Dk/Dv key/value
 B rows of one forward, T new tokens per row, R read length (keys attended to), Lm MoE layers, K top-k.
 
     k, v:    [L, N, H, S, Dk|Dv]   allocated once; never reallocated (update_weights keeps it)
+                                   (MLA's latent layout: H = 1, Dk = kv_lora_rank + rope, Dv = 0)
     routed:  [N, S, Lm, K] int32   routed experts per cached token (allocated on first use)
 
 Why contiguous slots rather than paged blocks: a decode step then reads ``k[l, :B, :, :R]``, a strided view
@@ -37,6 +38,10 @@ class KVLayout:
     """Dk: key head dimension."""
     v_head_dim: int
     """Dv: value head dimension."""
+    latent: bool = False
+    """MLA's latent cache: H = 1, Dk = ``kv_lora_rank + qk_rope_head_dim`` (the normalized latent c_kv and
+    the rotated shared key of each token), Dv = 0; the attention layers read keys only and fold the
+    up-projections into the query and the output (``moerl.models.layers.MLAttention``)."""
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """Cache bytes one token occupies over all layers (keys and values)."""
@@ -44,16 +49,38 @@ class KVLayout:
         return self.num_layers * self.num_kv_heads * (self.k_head_dim + self.v_head_dim) * elem
 
 
-def kv_layout(config: Any) -> KVLayout:
+MLA_CACHE_FORMS = ("latent", "expanded")
+"""How an engine caches multi-head latent attention (``rollout.mla_cache``): ``latent`` stores each
+token's ``kv_lora_rank + qk_rope_head_dim`` values per layer (DeepSeek-V2 Sec. 2.1.2's absorbed
+decode), ``expanded`` the per-head keys and values (``num_attention_heads x (qk_nope + qk_rope +
+v_head_dim)``: 71x more for DeepSeek-V3, kept as the exactness reference)."""
+
+
+def is_mla(config: Any) -> bool:
+    """Whether a Hugging Face style config is multi-head latent attention (``qk_rope_head_dim`` set)."""
+    return bool(getattr(config, "qk_rope_head_dim", None))
+
+
+def kv_layout(config: Any, mla_cache: str = "latent") -> KVLayout:
     """The KV geometry from a Hugging Face style config (fields as in ``config.json``).
 
-    Multi-head latent attention (DeepSeek-V3: ``qk_rope_head_dim`` present) caches the decompressed keys
-    and values: H = ``num_attention_heads``, Dk = ``qk_nope_head_dim + qk_rope_head_dim``, Dv = ``v_head_dim``.
-    Otherwise H = ``num_key_value_heads`` (default ``num_attention_heads``) and Dk = Dv = ``head_dim``
-    (default ``hidden_size // num_attention_heads``).
+    Multi-head latent attention (DeepSeek-V3: ``qk_rope_head_dim`` present), ``mla_cache="latent"``:
+    H = 1, Dk = ``kv_lora_rank + qk_rope_head_dim``, Dv = 0 (``KVLayout.latent``); ``"expanded"``: the
+    decompressed keys and values, H = ``num_attention_heads``, Dk = ``qk_nope_head_dim +
+    qk_rope_head_dim``, Dv = ``v_head_dim``. Otherwise H = ``num_key_value_heads`` (default
+    ``num_attention_heads``) and Dk = Dv = ``head_dim`` (default ``hidden_size // num_attention_heads``).
+
+    Raises:
+        ValueError: ``mla_cache`` not in ``MLA_CACHE_FORMS``.
     """
+    if mla_cache not in MLA_CACHE_FORMS:
+        raise ValueError(f"mla_cache={mla_cache!r}: expected one of {MLA_CACHE_FORMS}")
     heads = config.num_attention_heads
-    if getattr(config, "qk_rope_head_dim", None):
+    if is_mla(config) and mla_cache == "latent":
+        return KVLayout(
+            config.num_hidden_layers, 1, config.kv_lora_rank + config.qk_rope_head_dim, 0, latent=True
+        )
+    if is_mla(config):
         dk = config.qk_nope_head_dim + config.qk_rope_head_dim
         return KVLayout(config.num_hidden_layers, heads, dk, config.v_head_dim)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -129,6 +156,11 @@ class SlotKVCache:
         self._positions: torch.Tensor | None = None
         self._rows = 0
         self._read_len = 0
+
+    @property
+    def latent(self) -> bool:
+        """MLA layers store their latent here (``KVLayout.latent``; ``moerl.models.layers.KVCache``)."""
+        return self.layout.latent
 
     # ------------------------------------------------------------------------------------------
     # Binding a forward

@@ -26,6 +26,7 @@ shards). Cluster runs are checked where ``moerl train`` runs, never by ``moerl c
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,9 +102,13 @@ def engine_cache_bytes(arch: MoeConfig, cfg: RunConfig) -> tuple[int, int, int]:
             r.kv_token_budget, r.kv_block_size, arch.max_position_embeddings, r.max_slots
         )
         tokens = (num_blocks + 1) * r.kv_block_size
-        return 1, tokens, cache_bytes(kv_layout(arch), 1, tokens, dtype, routed)
+        return 1, tokens, cache_bytes(kv_layout(arch, r.mla_cache), 1, tokens, dtype, routed)
     num_slots, slot_tokens = cache_geometry(r.max_slots, r.kv_token_budget, arch.max_position_embeddings)
-    return num_slots, slot_tokens, cache_bytes(kv_layout(arch), num_slots, slot_tokens, dtype, routed)
+    return (
+        num_slots,
+        slot_tokens,
+        cache_bytes(kv_layout(arch, r.mla_cache), num_slots, slot_tokens, dtype, routed),
+    )
 
 
 def weight_bytes(arch: MoeConfig, dtype: torch.dtype) -> int:
@@ -127,6 +132,67 @@ def ep_rank_weight_bytes(arch: MoeConfig, dtype: torch.dtype, ep_size: int) -> i
         block.experts.gate_up_proj.numel() + block.experts.down_proj.numel() for block in model.moe_blocks()
     )
     return (total - routed + routed // ep_size) * elem
+
+
+FP8_BLOCK = 128
+"""Side of the square weight blocks sharing one float32 scale in the FP8 checkpoint format (DeepSeek-V3's
+release: ``weight_scale_inv`` per 128 x 128 block)."""
+
+_FP8_KEEP = ("embed_tokens.", "lm_head.", ".router.")
+"""Parameters an FP8 checkpoint keeps in bf16 besides vectors (norms, biases): embeddings, LM head, router."""
+
+
+WEIGHT_FORMAT_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+"""Short weight-format names (``rollout.weight_dtype``) of the ``model.dtype`` names."""
+
+
+def rollout_weight_format(cfg: RunConfig) -> str:
+    """The rollout engines' weight format: ``rollout.weight_dtype`` (``bf16`` / ``fp8``; the FP8 rollout
+    half of issue 34) when the config has that field and it is not ``auto``, else ``model.dtype``. The
+    one place the memory checks read it."""
+    fmt = getattr(cfg.rollout, "weight_dtype", "auto")  # not on this branch yet: always model.dtype
+    return cfg.model.dtype if fmt in (None, "auto") else fmt
+
+
+def _param_bytes(name: str, shape: torch.Size, weight_format: str, experts_kept: int | None) -> int:
+    """Bytes of one parameter ``name`` of ``shape`` in ``weight_format``. Routed experts' [E, out, in]
+    tensors count ``experts_kept`` of their E experts (None: all). ``fp8``: a matrix (and every expert's)
+    takes 1 byte per element plus a float32 scale per ``FP8_BLOCK`` x ``FP8_BLOCK`` block; vectors and
+    ``_FP8_KEEP`` parameters take 2 bytes (bf16)."""
+    dims = list(shape)
+    if experts_kept is not None:
+        dims[0] = experts_kept
+    numel = math.prod(dims)
+    if weight_format != "fp8":
+        dtype = torch_dtype(WEIGHT_FORMAT_DTYPES.get(weight_format, weight_format))
+        return numel * torch.empty((), dtype=dtype).element_size()
+    if len(dims) < 2 or any(k in f".{name}" for k in _FP8_KEEP):
+        return numel * 2
+    lead = math.prod(dims[:-2])
+    blocks = lead * -(-dims[-2] // FP8_BLOCK) * -(-dims[-1] // FP8_BLOCK)
+    return numel + 4 * blocks
+
+
+def rollout_rank_weight_bytes(arch: MoeConfig, weight_format: str, ep_size: int) -> int:
+    """Bytes of the policy one rollout EP rank of ``ep_size`` holds in ``weight_format`` (``bf16``,
+    ``fp8``, or a ``model.dtype`` name): every non-expert parameter and 1/``ep_size`` of the routed
+    experts (as ``ep_rank_weight_bytes``), FP8 matrices with their block scales (``_param_bytes``).
+
+    Raises:
+        ValueError: ``ep_size`` does not divide the routed experts.
+    """
+    if arch.num_experts % ep_size:
+        raise ValueError(f"ep_size={ep_size} does not divide the {arch.num_experts} routed experts")
+    with torch.device("meta"):
+        model = MoeForCausalLM(arch)
+    experts = {id(b.experts.gate_up_proj) for b in model.moe_blocks()} | {
+        id(b.experts.down_proj) for b in model.moe_blocks()
+    }
+    local = arch.num_experts // ep_size
+    return sum(
+        _param_bytes(n, p.shape, weight_format, local if id(p) in experts else None)
+        for n, p in model.named_parameters()
+    )
 
 
 def residents(cfg: RunConfig, device: torch.device, *, rollouts: bool = True) -> tuple[int, int]:

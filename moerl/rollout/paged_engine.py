@@ -43,12 +43,13 @@ class PagedEngine(Engine):
             to the model's ``max_position_embeddings``.
         block_size: tokens per cache block.
         max_prefill_tokens: tokens computed by the prefills of one step (at least one admission).
-        max_stop_tokens, sync_every, batch_buckets, seed, version, kv_layout_override, cuda_graphs: as
-            ``Engine``.
+        max_stop_tokens, sync_every, batch_buckets, seed, version, kv_layout_override, cuda_graphs,
+            mla_cache: as ``Engine``.
         attn_len_multiple: the decode read length is rounded up to a multiple of this (in whole blocks).
 
     Raises:
-        ValueError: sizes that leave no room for a sequence of two tokens; a non-positive setting.
+        ValueError: sizes that leave no room for a sequence of two tokens; a non-positive setting; an
+            unknown ``mla_cache``.
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class PagedEngine(Engine):
         version: int = 0,
         kv_layout_override: KVLayout | None = None,
         cuda_graphs: bool = True,
+        mla_cache: str = "latent",
     ) -> None:
         cfg = model.config
         if block_size < 1 or max_slots < 1:
@@ -94,7 +96,7 @@ class PagedEngine(Engine):
         """M, block-table width: blocks of the longest sequence."""
         self.pool = BlockPool(num_blocks, block_size)
         self.cache = PagedKVCache(
-            kv_layout_override or kv_layout(cfg),
+            kv_layout_override or kv_layout(cfg, mla_cache),
             num_blocks=num_blocks,
             block_size=block_size,
             dtype=param.dtype,
@@ -120,6 +122,7 @@ class PagedEngine(Engine):
             sync_every=cfg.sync_every,
             seed=seed,
             version=version,
+            mla_cache=cfg.mla_cache,
         )
 
     @property

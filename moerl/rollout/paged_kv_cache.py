@@ -5,6 +5,7 @@ one forward, T new tokens per row, R keys read per row, M = max blocks per seque
 K top-k.
 
     k, v:        [L, (NB + 1) * bs, H, Dk|Dv]  token slots; slot s is token s % bs of block s // bs
+                 (MLA's latent layout: H = 1, Dk = kv_lora_rank + rope, Dv = 0, ``KVLayout.latent``)
     routed:      [(NB + 1) * bs, Lm, K] int32  routed experts per cached token (allocated on first use)
     block table: [N, M] int64 (the engine's)   row r's j-th block; unused entries hold the null block
 
@@ -80,6 +81,11 @@ class PagedKVCache:
         self._table: torch.Tensor | None = None  # [B, W] of the bound decode (fused path)
         self._lengths: torch.Tensor | None = None  # [B] keys each row attends (fused path)
 
+    @property
+    def latent(self) -> bool:
+        """MLA layers store their latent here (``KVLayout.latent``; ``moerl.models.layers.KVCache``)."""
+        return self.layout.latent
+
     # ------------------------------------------------------------------------------------------
     # Binding a forward
 
@@ -127,7 +133,8 @@ class PagedKVCache:
         """
         bs = self.block_size
         b, w = table.shape
-        self.fused_decode = paged_decode_kernel_runs(self.k)
+        # the kernel serves per-head keys and values; MLA's latent form attends in its own layer code
+        self.fused_decode = paged_decode_kernel_runs(self.k) and not self.layout.latent
         if self.fused_decode:  # the kernel reads the keys in place: no [B, R] slot index
             self._table, self._lengths = table, positions + 1
         else:
@@ -198,12 +205,9 @@ class PagedKVCache:
                 f"layer {layer}: k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache layout {lay}"
             )
         write = self.write_slots.reshape(-1)
-        self.k[layer].index_copy_(
-            0, write, k.transpose(1, 2).reshape(-1, lay.num_kv_heads, lay.k_head_dim).to(self.k.dtype)
-        )
-        self.v[layer].index_copy_(
-            0, write, v.transpose(1, 2).reshape(-1, lay.num_kv_heads, lay.v_head_dim).to(self.v.dtype)
-        )
+        # flatten, not reshape(-1, ...): MLA's latent layout has an empty v (Dv = 0)
+        self.k[layer].index_copy_(0, write, k.transpose(1, 2).flatten(0, 1).to(self.k.dtype))
+        self.v[layer].index_copy_(0, write, v.transpose(1, 2).flatten(0, 1).to(self.v.dtype))
 
     # ------------------------------------------------------------------------------------------
     # Blocks and routed experts

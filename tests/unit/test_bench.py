@@ -116,3 +116,21 @@ def test_async_bound_runs_on_cpu(tmp_path, capsys):
     assert out["sharing_slowdown"] > 0 and set(out["train_1_thread_s"]) == {"alone", "beside_generation"}
     assert json.loads((tmp_path / "async_bound.json").read_text())["rounds"] == 1
     assert "async/sync samples/s at most" in capsys.readouterr().out
+
+
+def test_mla_bench_runs_tiny_on_cpu_and_refuses_fp8(tmp_path):
+    from bench import mla_gpu
+
+    out = mla_gpu.run(
+        ["--tiny", "--layers", "2", "--contexts", "16", "--iters", "1", "--out-dir", str(tmp_path)]
+    )
+    latent, expanded = out["points"]
+    assert (latent["cache"], expanded["cache"]) == ("latent", "expanded")
+    assert min(latent["tokens_per_s"], expanded["tokens_per_s"], latent["fraction_of_floor"]) > 0
+    cfg = out["model"]  # tiny: 8 heads of nope 4 + rope 2 keys and v 4 values, against a latent of 16 + 2
+    heads, nope, rope, v, rank = (cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim",
+                                                    "qk_rope_head_dim", "v_head_dim", "kv_lora_rank"))  # fmt: skip
+    assert expanded["kv_gb"] / latent["kv_gb"] == pytest.approx(heads * (nope + rope + v) / (rank + rope))
+    assert json.loads((tmp_path / "mla_gpu_tiny.json").read_text())["points"][0]["batch"] == 4
+    with pytest.raises(SystemExit, match="weight_dtype"):
+        mla_gpu.run(["--tiny", "--fp8"])

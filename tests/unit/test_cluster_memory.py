@@ -6,11 +6,20 @@ from pathlib import Path
 
 import torch
 
+import moerl.cluster.memory
 from moerl.cli import main as cli_main
 from moerl.cluster.memory import memory_warnings
 from moerl.config import load_config
 from moerl.instances import gpu_memory_gb
-from moerl.rollout.memory_check import ep_rank_weight_bytes, policy_arch, weight_bytes
+from moerl.rollout.memory_check import (
+    MEMORY_HEADROOM,
+    _param_bytes,
+    engine_cache_bytes,
+    ep_rank_weight_bytes,
+    policy_arch,
+    rollout_rank_weight_bytes,
+    weight_bytes,
+)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 QWEN, MISSION = CONFIGS / "cluster_qwen3_30b_1node.yaml", CONFIGS / "cluster_mission.yaml"
@@ -40,3 +49,41 @@ def test_render_prints_the_warnings_and_still_writes(tmp_path, capsys):
     assert cli_main(["cluster", "render", "--config", str(MISSION), "--out", str(tmp_path)]) == 0
     out = capsys.readouterr()
     assert out.err.count("warning: cluster.") == 2 and (tmp_path / "k8s" / "30-rayjob.yaml").exists()
+
+
+def test_fp8_weights_are_one_byte_plus_a_scale_per_128_block():
+    shape = torch.Size([300, 200])
+    assert _param_bytes("layers.1.self_attn.o_proj.weight", shape, "fp8", None) == 300 * 200 + 4 * 3 * 2
+    assert _param_bytes("layers.1.self_attn.o_proj.weight", shape, "bf16", None) == 300 * 200 * 2
+    assert _param_bytes("lm_head.weight", shape, "fp8", None) == 300 * 200 * 2  # kept in bf16
+    assert _param_bytes("layers.1.mlp.router.weight", shape, "fp8", None) == 300 * 200 * 2
+    assert _param_bytes("norm.weight", torch.Size([300]), "fp8", None) == 600
+    experts = torch.Size([8, 256, 130])  # [E, out, in]: 2 of 8 experts kept by an EP rank
+    assert _param_bytes("layers.1.mlp.experts.down_proj", experts, "fp8", 2) == 2 * (256 * 130 + 4 * 2 * 2)
+
+
+def test_mission_recipe_is_deepseek_v3_with_an_mla_latent_cache_and_fits_with_fp8(monkeypatch):
+    cfg = load_config(MISSION)
+    arch = policy_arch(cfg, vocab_size=129280)
+    assert (arch.kv_lora_rank, arch.q_lora_rank, arch.qk_rope_head_dim, arch.first_k_dense_replace) == (
+        512,
+        1536,
+        64,
+        3,
+    )
+    bf16 = rollout_rank_weight_bytes(arch, "bf16", 1)
+    assert abs(bf16 / 2 - 671e9) < 0.005 * 671e9  # DeepSeek-V3: 671 B parameters (its MTP layer aside)
+    assert rollout_rank_weight_bytes(arch, "bf16", 8) == ep_rank_weight_bytes(arch, torch.bfloat16, 8)
+    # the KV cache: (kv_lora_rank + rope) x layers x 2 bytes per token, the engine's own allocation size
+    _, tokens, kv = engine_cache_bytes(arch, cfg)
+    assert kv == tokens * (512 + 64) * 61 * 2
+    _, _, expanded = engine_cache_bytes(arch, load_config(MISSION, ["rollout.mla_cache=expanded"]))
+    assert expanded == tokens * 128 * (192 + 128) * 61 * 2  # 71x the latent cache
+    h200 = MEMORY_HEADROOM * gpu_memory_gb("p5en.48xlarge") * 1e9
+    assert rollout_rank_weight_bytes(arch, "fp8", 8) + kv <= h200 < rollout_rank_weight_bytes(arch, "bf16", 8)
+    # the bf16 variant: a 2-node group (EP 16) and half the cache fits as well
+    _, _, kv16 = engine_cache_bytes(arch, load_config(MISSION, ["rollout.kv_token_budget=131072"]))
+    assert rollout_rank_weight_bytes(arch, "bf16", 16) + kv16 <= h200
+    # the render's rollout check with FP8 weights (rollout.weight_dtype, issue 34's FP8 half) warns not
+    monkeypatch.setattr(moerl.cluster.memory, "rollout_weight_format", lambda cfg: "fp8")
+    assert [w for w in memory_warnings(cfg) if w.startswith("cluster.rollout")] == []

@@ -38,11 +38,22 @@ VOCAB = 20
             ["rollout.kv_cache=slots", "model.dtype=bfloat16", "algorithm.routing_replay=r3"],
             4 * 16 * 256 + 4 * 16 * 2 * 2 * 4,
         ),
-        # MLA (deepseek_v3): keys and values decompressed, 4 heads x (16 + 8 + 16) dims; budget 100 // 4 = 25
+        # MLA (deepseek_v3), expanded: keys and values decompressed, 4 heads x (16 + 8 + 16) dims; 100 // 4 = 25
         (
-            ["rollout.kv_cache=slots", "model.family=deepseek_v3", "rollout.kv_token_budget=100"],
+            [
+                "rollout.kv_cache=slots",
+                "model.family=deepseek_v3",
+                "rollout.kv_token_budget=100",
+                "rollout.mla_cache=expanded",
+            ],
             4 * 25 * 2 * 4 * 40 * 4,
         ),
+        # MLA, latent (the default): kv_lora_rank 32 + rope 8 values a layer, one "head", no values
+        (
+            ["rollout.kv_cache=slots", "model.family=deepseek_v3", "rollout.kv_token_budget=100"],
+            4 * 25 * 2 * (32 + 8) * 4,
+        ),
+        (["model.family=deepseek_v3", "model.kv_lora_rank=12"], 5 * 16 * 2 * (12 + 8) * 4),  # paged
         # paged (the default): 64 // 16 = 4 blocks of 16 tokens plus the null block, whatever max_slots
         ([], 5 * 16 * 512),
         (["model.dtype=bfloat16", "algorithm.routing_replay=r3"], 5 * 16 * 256 + 5 * 16 * 2 * 2 * 4),

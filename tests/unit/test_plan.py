@@ -167,3 +167,32 @@ def test_sensitivity_marks_a_value_the_plan_refuses_as_invalid():
     assert rows["rollout_ep_nodes"]["ratio_high"] is None  # 4 nodes per replica do not divide 6
     assert rows["rollout_ep_nodes"]["ratio_low"] is None  # 1 node cannot hold the model's weights
     assert None not in (rows["top_k"]["ratio_low"], rows["top_k"]["ratio_high"])
+
+
+def test_mission_recipe_preset_is_the_cluster_recipe_scenario():
+    from moerl.config import load_config
+    from moerl.plan.args import PRESETS
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "cluster_mission.yaml")
+    p, t, r = PRESETS["mission-recipe"], cfg.trainer, cfg.rollout
+    shape = MODELS[p["model"]]
+    m = cfg.model
+    assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_experts, shape.top_k) == (
+        m.hidden_size,
+        m.num_layers,
+        m.num_heads,
+        m.num_experts,
+        m.top_k,
+    )
+    assert (shape.kv_lora_rank, shape.q_lora_rank, shape.num_dense_layers) == (
+        m.kv_lora_rank,
+        m.q_lora_rank,
+        m.first_dense_layers,
+    )
+    gpus = t.gpus_per_node
+    assert p["train_nodes"] == t.num_ranks // gpus and p["train_ep_nodes"] == t.ep_size // gpus
+    assert p["total_nodes"] == p["train_nodes"] + r.num_workers * r.ep_size // gpus
+    assert p["rollout_ep_nodes"] == r.ep_size // gpus and p["rollout_rows_per_gpu"] == r.max_slots
+    assert (p["prompts_per_step"], p["group_size"]) == (t.batch_groups, r.group_size)
+    assert p["prompt_len"] + p["response_len"] == 4096 and p["response_len"] == r.max_new_tokens
+    assert (p["max_staleness"], p["checkpoint_every"]) == (cfg.runtime.max_staleness, t.checkpoint_every)

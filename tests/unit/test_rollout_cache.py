@@ -68,11 +68,20 @@ def test_kv_layout_of_gqa_and_mla_configs():
     )
     assert kv_layout(gqa) == KVLayout(4, 2, 32, 32)
     mla = SimpleNamespace(
-        num_hidden_layers=3, num_attention_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        kv_lora_rank=10,
     )
-    lay = kv_layout(mla)
+    lay = kv_layout(mla, "expanded")
     assert lay == KVLayout(3, 4, 12, 6)
     assert lay.bytes_per_token(torch.bfloat16) == 3 * 4 * (12 + 6) * 2
+    latent = kv_layout(mla)  # the default: kv_lora_rank + rope per token and layer
+    assert latent == KVLayout(3, 1, 14, 0, latent=True)
+    assert latent.bytes_per_token(torch.bfloat16) == 3 * (10 + 4) * 2
+    assert kv_layout(gqa, "expanded") == kv_layout(gqa)  # GQA ignores it
 
 
 def _request(rid, n, plen=2):
