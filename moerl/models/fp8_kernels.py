@@ -66,7 +66,9 @@ if triton is not None:
                 k = kb * BLOCK + kk
                 km = k < K
                 a = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-                b = tl.load(w_base + k[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(a.dtype)
+                # the FP8 bytes are read as uint8 (a masked lane loads 0 = +0.0) and reinterpreted
+                b = tl.load(w_base + k[None, :], mask=nm[:, None] & km[None, :], other=0)
+                b = b.to(tl.float8e4nv, bitcast=True).to(a.dtype)
                 s = tl.load(s_base + kb)
                 acc += tl.dot(a, tl.trans(b)) * s
             tl.store(
@@ -115,7 +117,8 @@ def fp8_grouped_mm(
     # so the split is sized from the mean and programs past an expert's end exit at once
     m_splits = max(1, min(64, triton.cdiv(triton.cdiv(m, e), block_m)))
     _fp8_grouped_mm_kernel[(triton.cdiv(n, FP8_BLOCK), e, m_splits)](
-        x.contiguous(), w_q.contiguous(), scale_inv.contiguous(), out, offsets, n, k, nb, kb, m_splits,
+        x.contiguous(), w_q.contiguous().view(torch.uint8), scale_inv.contiguous(), out, offsets, n, k, nb, kb,
+        m_splits,
         BLOCK_M=block_m, BLOCK=FP8_BLOCK, num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
