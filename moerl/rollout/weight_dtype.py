@@ -54,3 +54,29 @@ def prepare_rollout_model(model: torch.nn.Module, weight_dtype: str) -> torch.nn
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"rollout weight_dtype={weight_dtype!r}; choose one of {sorted(WEIGHT_DTYPES)}")
     return WEIGHT_DTYPES[weight_dtype](model)
+
+
+def engine_weight_bytes(arch, model_dtype: torch.dtype, weight_dtype: str, *, ep_size: int = 1) -> int:
+    """Bytes of one rollout engine's weights: the policy of ``arch`` (a ``moerl.models.MoeConfig``) in
+    ``model_dtype``, prepared as ``weight_dtype`` (FP8 projections: 1 byte a weight plus a float32 scale
+    per 128 x 128 block; the rest in the model dtype or bf16), counted on the meta device (nothing
+    allocated). With ``ep_size`` > 1, 1/``ep_size`` of the routed experts (an EP rank's share).
+
+    Raises:
+        ValueError: an unknown ``weight_dtype``.
+    """
+    from moerl.models.model import MoeForCausalLM
+
+    with torch.device("meta"):
+        model = MoeForCausalLM(arch).to(model_dtype)
+    if weight_dtype == "fp8":  # the structure only: quantizing meta tensors computes nothing
+        quantize_model_fp8(model, empty=True)
+    elif weight_dtype in WEIGHT_DTYPES:
+        prepare_rollout_model(model, weight_dtype)
+    else:
+        raise ValueError(f"rollout weight_dtype={weight_dtype!r}; choose one of {sorted(WEIGHT_DTYPES)}")
+    total = 0
+    for name, t in model.state_dict().items():
+        nbytes = t.numel() * t.element_size()
+        total += nbytes // ep_size if ".mlp.experts." in name else nbytes
+    return total

@@ -34,6 +34,11 @@ def _reference_dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * big
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as their bytes (torch.equal compares them exactly, NaN patterns included)."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     """A DeepSeek-V3-shaped model (MLA with q LoRA, shared experts, sigmoid router with groups) 256 wide
@@ -87,16 +92,23 @@ def test_fp8_load_keeps_the_release_bytes_and_scales(release):
     attn = fp8.layers[0].self_attn
     assert isinstance(attn.kv_b_proj, Fp8Linear) and isinstance(fp8.layers[1].mlp.experts, Fp8Experts)
     key = "model.layers.0.self_attn.kv_b_proj.weight"
-    assert torch.equal(attn.kv_b_proj.weight.view(torch.uint8), tensors[key].view(torch.uint8))
+    assert torch.equal(_bits(attn.kv_b_proj.weight), _bits(tensors[key]))
     assert torch.equal(attn.kv_b_proj.weight_scale_inv, tensors[key + "_scale_inv"])
     experts = fp8.layers[1].mlp.experts
     up = "model.layers.1.mlp.experts.2.up_proj.weight"
-    assert torch.equal(experts.gate_up_proj[2, 128:].view(torch.uint8), tensors[up].view(torch.uint8))
+    assert torch.equal(_bits(experts.gate_up_proj[2, 128:]), _bits(tensors[up]))
     assert torch.equal(experts.gate_up_proj_scale_inv[2, 1:], tensors[up + "_scale_inv"])
     assert fp8.lm_head.weight.dtype == torch.float32  # embeddings, head, norms, router: not quantized
     # its forward is the dequantized model's (CPU: dequantize, then the same matmuls)
     ids = torch.randint(0, 40, (2, 7))
-    assert torch.equal(fp8(ids).logits, mm.from_pretrained(folder)(ids).logits)
+    dequantized = mm.from_pretrained(folder)
+    assert torch.equal(fp8(ids).logits, dequantized(ids).logits)
+    # a run from the release (init_from, float32) with rollout.weight_dtype=fp8 quantizes the dequantized
+    # policy back to the release's very bytes and scales
+    quantize_model_fp8(dequantized)
+    requantized = dequantized.state_dict()
+    for name, t in fp8.state_dict().items():
+        assert torch.equal(_bits(t), _bits(requantized[name])), name
 
 
 def test_quantize_blockwise_scales_and_bounds():
