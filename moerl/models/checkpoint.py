@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from moerl.models.config import MoeConfig
 from moerl.models.fp8 import (
+    BLOCK,
     FP8_DTYPE,
     SCALE_SUFFIX,
     copy_into_fp8,
@@ -241,7 +242,9 @@ def from_pretrained(
         device: where the parameters live.
         fp8: give the attention, MLP and expert projections FP8 block-quantized weights (``Fp8Linear``,
             ``Fp8Experts``; for rollout): an FP8 release's bytes and scales are kept as they are (no
-            full-precision copy is ever made), a full-precision checkpoint is quantized after loading.
+            full-precision copy is ever made) when the expert width ``moe_intermediate_size`` is a
+            multiple of 128 (DeepSeek-V3's 2048; else, and for a full-precision checkpoint, the model is
+            loaded in ``dtype`` and then quantized, ``quantize_model_fp8``).
     Returns:
         ``MoeForCausalLM`` in eval mode.
     Raises:
@@ -263,13 +266,16 @@ def from_pretrained(
         raise CheckpointError(f"{cfg_file}: {e}") from None
     with torch.device("meta"):
         model = MoeForCausalLM(cfg).to(dtype)
-    if fp8 and quantized:  # the FP8 buffers are allocated as such: the release's bytes go straight in
+    # the release's per-expert gate and up blocks stack into gate_up_proj's blocks only when I is a
+    # multiple of the block; else the experts are dequantized and quantized again as stacked tensors
+    keep_bytes = fp8 and quantized and cfg.moe_intermediate_size % BLOCK == 0
+    if keep_bytes:  # the FP8 buffers are allocated as such: the release's bytes go straight in
         quantize_model_fp8(model, empty=True)
     # Allocate in the target dtype first, so that copy_ casts tensor by tensor (no full-size upcast copy).
     model = model.to_empty(device=device).keep_router_buffers_fp32()
     model.tie_weights()
     _load_tensors(model, folder, KeyMapper(cfg.model_type, cfg.num_hidden_layers), quantized=quantized)
-    if fp8 and not quantized:
+    if fp8 and not keep_bytes:
         quantize_model_fp8(model)
     # to_empty left the non-persistent rotary buffer uninitialized: rebuild it on the target device.
     model.rotary = model.build_rotary().to(device)
