@@ -175,7 +175,11 @@ def floor_rate(model, args, copy_tb_s: float | None, dtype: torch.dtype) -> dict
     kv = kv_layout(model.config).bytes_per_token(dtype) * b * (args.prompt_len + args.new_tokens / 2)
     step = step_weight_bytes(model, b) + kv
     floor = b / (step / (copy_tb_s * 1e12)) if copy_tb_s else None
-    return {"step_weight_gb": step_weight_bytes(model, b) / 1e9, "step_kv_gb": kv / 1e9, "floor_tokens_per_s": floor}
+    return {
+        "step_weight_gb": step_weight_bytes(model, b) / 1e9,
+        "step_kv_gb": kv / 1e9,
+        "floor_tokens_per_s": floor,
+    }
 
 
 def run_model(key: str, args, device: torch.device, copy_tb_s: float | None) -> list[dict]:
@@ -233,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for key in args.models:
         bf, f8 = (next(r for r in rows if r["model"] == key and r["weights"] == w) for w in ("bf16", "fp8"))
-        print(f"{key}: fp8 / bf16 decode tokens/s = {f8['decode_tokens_per_s'] / bf['decode_tokens_per_s']:.2f}")
+        print(
+            f"{key}: fp8 / bf16 decode tokens/s = {f8['decode_tokens_per_s'] / bf['decode_tokens_per_s']:.2f}"
+        )
     write_json("fp8_gpu", {"device": device_info(device), "args": {k: str(v) for k, v in vars(args).items()},
                            "copy_tb_s": copy_tb_s, "rows": rows}, args.out_dir)  # fmt: skip
     return 0

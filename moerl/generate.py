@@ -187,7 +187,9 @@ def _fp8_weights(args: argparse.Namespace, ep_size: int) -> bool:
     if choice not in ("auto", "fp8"):
         raise ValueError(f"--weight-dtype={choice!r}; choose auto or fp8")
     if choice == "fp8" and ep_size > 1:
-        raise ValueError("--weight-dtype fp8 runs one engine; the EP engine's experts are not FP8 yet (--ep-size 1)")
+        raise ValueError(
+            "--weight-dtype fp8 runs one engine; the EP engine's experts are not FP8 yet (--ep-size 1)"
+        )
     return choice == "fp8"
 
 

@@ -27,6 +27,7 @@ from moerl.config import ConfigError, RunConfig
 from moerl.envs.stats import merge as env_merge
 from moerl.envs.stats import step_values as env_step_values
 from moerl.records import Group
+from moerl.rollout.precision_gap import LogprobGap, logprob_gap
 from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
 from moerl.run.group_recovery import restart_group
 from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk
@@ -34,7 +35,6 @@ from moerl.run.preflight import check_run_inputs
 from moerl.run.recovery import StepJournal, recover_trainer
 from moerl.run.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
 from moerl.run.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
-from moerl.rollout.precision_gap import LogprobGap, logprob_gap
 from moerl.run.warm_start import warm_start
 from moerl.runtime.accounting import FleetState, accounting
 from moerl.runtime.build import build_components

@@ -104,7 +104,9 @@ def _load_tensors(model: MoeForCausalLM, folder: Path, mapper: KeyMapper, *, qua
         state.pop("lm_head.weight")
     cov, unexpected = _Coverage(), []
     with ExitStack() as stack, torch.no_grad():
-        handles = [stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in _shard_files(folder)]
+        handles = [
+            stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in _shard_files(folder)
+        ]
         where = {key: h for h in handles for key in h.keys()}  # noqa: SIM118 - safe_open is not a Mapping
         for key, h in where.items():
             target = mapper.to_ours(key)

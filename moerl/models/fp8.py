@@ -87,7 +87,9 @@ def quantize_blockwise(w: torch.Tensor, *, block: int = BLOCK) -> tuple[torch.Te
         ValueError: ``w`` has fewer than 2 dimensions or is not floating point.
     """
     if w.dim() < 2 or not w.is_floating_point():
-        raise ValueError(f"quantize_blockwise needs a floating [..., N, K] weight, got {w.dtype} {tuple(w.shape)}")
+        raise ValueError(
+            f"quantize_blockwise needs a floating [..., N, K] weight, got {w.dtype} {tuple(w.shape)}"
+        )
     *lead, n, k = w.shape
     nb, kb = scale_shape(w.shape, block)[-2:]
     wf = w.detach().float()
@@ -152,7 +154,10 @@ class Fp8Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        gu, dn = (num_experts, 2 * intermediate_size, hidden_size), (num_experts, hidden_size, intermediate_size)
+        gu, dn = (
+            (num_experts, 2 * intermediate_size, hidden_size),
+            (num_experts, hidden_size, intermediate_size),
+        )
         self.register_buffer("gate_up_proj", torch.zeros(gu, dtype=FP8_DTYPE))
         self.register_buffer("gate_up_proj_scale_inv", torch.ones(scale_shape(gu)))
         self.register_buffer("down_proj", torch.zeros(dn, dtype=FP8_DTYPE))
@@ -186,9 +191,13 @@ class Fp8Experts(nn.Module):
         """
         if fp8_mm_supported(x):
             n, k = topk_idx.shape
-            _, inverse, offsets, token, row_w = expert_layout(topk_idx, topk_weights, self.gate_up_proj.shape[0])
+            _, inverse, offsets, token, row_w = expert_layout(
+                topk_idx, topk_weights, self.gate_up_proj.shape[0]
+            )
             x_sorted = x.index_select(0, token)
-            act = swiglu(fp8_grouped_mm(x_sorted, self.gate_up_proj, self.gate_up_proj_scale_inv, offsets), row_w)
+            act = swiglu(
+                fp8_grouped_mm(x_sorted, self.gate_up_proj, self.gate_up_proj_scale_inv, offsets), row_w
+            )
             y = fp8_grouped_mm(act, self.down_proj, self.down_proj_scale_inv, offsets)
             return gather_sum_rows(y, inverse, None, k)
         gate_up, down = self.dequantized(x.dtype)
@@ -293,7 +302,9 @@ def release_quantization(hf_config: dict) -> bool:
         return False
     if not isinstance(q, dict) or q.get("quant_method") != "fp8":
         method = q.get("quant_method") if isinstance(q, dict) else q
-        raise ValueError(f"quantization_config.quant_method={method!r}: moerl reads only 'fp8' (DeepSeek-V3 blocks)")
+        raise ValueError(
+            f"quantization_config.quant_method={method!r}: moerl reads only 'fp8' (DeepSeek-V3 blocks)"
+        )
     if q.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"quantization_config.fmt={q.get('fmt')!r}: moerl reads only 'e4m3'")
     if list(q.get("weight_block_size") or []) != [BLOCK, BLOCK]:

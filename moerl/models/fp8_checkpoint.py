@@ -55,7 +55,9 @@ def save_fp8_release(
     shards = _shards(release_tensors(model), max_shard_bytes)
     weight_map = {}
     for i, shard in enumerate(shards):
-        name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        name = (
+            "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
         save_file(shard, str(folder / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
     if len(shards) > 1:

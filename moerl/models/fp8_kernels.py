@@ -81,15 +81,16 @@ if triton is not None:
 def fp8_mm_supported(x: torch.Tensor) -> bool:
     """Whether the Triton FP8 GEMM serves activations ``x``: Triton present, CUDA, fast paths on
     (``moerl.models.fast_paths``), bf16 activations, no gradient needed (rollout only)."""
-    return (
-        use_triton(x)
-        and x.dtype == torch.bfloat16
-        and not (torch.is_grad_enabled() and x.requires_grad)
-    )
+    return use_triton(x) and x.dtype == torch.bfloat16 and not (torch.is_grad_enabled() and x.requires_grad)
 
 
 def fp8_grouped_mm(
-    x: torch.Tensor, w_q: torch.Tensor, scale_inv: torch.Tensor, offsets: torch.Tensor, *, block_m: int | None = None
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """out[m] = x[m] @ W[e(m)]^T for expert-sorted rows, W the block-dequantized weight (CUDA, Triton).
 

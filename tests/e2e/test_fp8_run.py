@@ -50,7 +50,11 @@ def test_generate_reads_an_fp8_release(release, tmp_path):
 def test_sync_run_from_an_fp8_release_reports_the_fp8_gap(release, tmp_path):
     init = release
     cfg = short_config(
-        tmp_path, init, "trainer.steps=2", "rollout.weight_dtype=fp8", "task.reward_fn=e2e_rewards:first_is_digit"
+        tmp_path,
+        init,
+        "trainer.steps=2",
+        "rollout.weight_dtype=fp8",
+        "task.reward_fn=e2e_rewards:first_is_digit",
     )
     summary = train(cfg, live=False)
     rows = read_jsonl(newest_run(cfg).metrics)

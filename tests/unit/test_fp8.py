@@ -74,7 +74,10 @@ def _dequantized_folder(folder, out):
 def test_release_format_loads_to_the_reference_dequantization_exactly(release, tmp_path, dtype):
     _, folder = release
     assert len(list(folder.glob("*.safetensors"))) > 3 and (folder / "model.safetensors.index.json").exists()
-    assert json.loads((folder / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["weight_block_size"] == [
+        128,
+        128,
+    ]
     loaded = mm.from_pretrained(folder, dtype=dtype)
     reference = mm.from_pretrained(_dequantized_folder(folder, tmp_path / "plain"), dtype=dtype)
     quantized = {k for k, v in release_tensors(release[0]).items() if v.dtype == FP8_DTYPE}
@@ -82,7 +85,9 @@ def test_release_format_loads_to_the_reference_dequantization_exactly(release, t
     for (n1, t1), (n2, t2) in zip(loaded.state_dict().items(), reference.state_dict().items(), strict=True):
         assert n1 == n2 and t1.dtype == t2.dtype and torch.equal(t1, t2), n1
     # and it is not the original full-precision model (the weights went through FP8)
-    assert not torch.equal(loaded.layers[1].mlp.experts.down_proj.float(), release[0].layers[1].mlp.experts.down_proj)
+    assert not torch.equal(
+        loaded.layers[1].mlp.experts.down_proj.float(), release[0].layers[1].mlp.experts.down_proj
+    )
 
 
 def test_fp8_load_keeps_the_release_bytes_and_scales(release):
@@ -141,7 +146,9 @@ def test_release_errors_are_named(release, tmp_path):
     save_file(tensors, str(bad / "model.safetensors"))
     cfg = json.loads((folder / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"o_proj.weight is float8_e4m3fn but .* no .*o_proj.weight_scale_inv"):
+    with pytest.raises(
+        CheckpointError, match=r"o_proj.weight is float8_e4m3fn but .* no .*o_proj.weight_scale_inv"
+    ):
         mm.from_pretrained(bad)
     cfg["quantization_config"]["weight_block_size"] = [64, 64]
     (bad / "config.json").write_text(json.dumps(cfg))
