@@ -71,9 +71,12 @@ def test_fp8_rollout_of_a_bf16_policy_is_close_to_bf16(policy):
     assert torch.allclose(torch.tensor(c.logprobs), logp, atol=2e-2)
 
 
-def test_weight_dtype_config(policy):
+def test_weight_dtype_config(policy, monkeypatch):
     with pytest.raises(ConfigError, match="rollout.weight_dtype='int4'"):
         RolloutConfig(weight_dtype="int4")
+    monkeypatch.setitem(wd.WEIGHT_DTYPES, "int4", wd.WEIGHT_DTYPES["auto"])  # the choices are the registry's
+    assert RolloutConfig(weight_dtype="int4").weight_dtype == "int4"
+    monkeypatch.delitem(wd.WEIGHT_DTYPES, "int4")
     with pytest.raises(ConfigError, match="ep_size=2"):
         RolloutConfig(weight_dtype="fp8", ep_size=2)
     cfg = load_config(None, ["rollout.weight_dtype=fp8"])
