@@ -236,8 +236,8 @@ class RolloutConfig:
     ``moerl.models.fp8``), quantized in the engine as each version loads (the bytes sent stay the
     policy's), activations in the model dtype; FP8 GEMMs on CUDA with Triton, else dequantize-then-matmul.
     With ``fp8`` the train/rollout mismatch correction must stay on (``algorithm.mismatch_mode``, truncate
-    by default) and the log-prob gap to the policy is reported (``rollout/fp8_*`` metrics). Not with
-    ``ep_size > 1`` yet."""
+    by default) and the log-prob gap to the policy is reported (``rollout/fp8_*`` metrics). With
+    ``ep_size > 1`` each EP rank holds its experts' FP8 shards (``moerl.ep.parallelize``)."""
 
     def __post_init__(self) -> None:
         if self.lease_ahead_groups is not None:
@@ -264,11 +264,6 @@ class RolloutConfig:
         from moerl.rollout.weight_dtype import WEIGHT_DTYPES
 
         check_choice("rollout.weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
-        if self.weight_dtype == "fp8" and self.ep_size > 1:
-            raise ConfigError(
-                f"rollout.weight_dtype='fp8' with rollout.ep_size={self.ep_size}: the EP engine's sharded "
-                "experts are not FP8 yet; set rollout.ep_size=1 or rollout.weight_dtype=auto"
-            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -77,8 +77,6 @@ def test_weight_dtype_config(policy, monkeypatch):
     monkeypatch.setitem(wd.WEIGHT_DTYPES, "int4", wd.WEIGHT_DTYPES["auto"])  # the choices are the registry's
     assert RolloutConfig(weight_dtype="int4").weight_dtype == "int4"
     monkeypatch.delitem(wd.WEIGHT_DTYPES, "int4")
-    with pytest.raises(ConfigError, match="ep_size=2"):
-        RolloutConfig(weight_dtype="fp8", ep_size=2)
     cfg = load_config(None, ["rollout.weight_dtype=fp8"])
     assert preset_from_config(cfg.algorithm).mismatch_mode == "truncate"  # the correction is on by default
     with warnings.catch_warnings(record=True) as caught:
@@ -101,3 +99,35 @@ def test_engine_weight_bytes_counts_what_the_engine_holds(policy):
     routed = sum(t.numel() for t in (experts.gate_up_proj, experts.down_proj)) * 2  # 2 layers
     scales = sum(t.numel() * 4 for n, t in fp8.state_dict().items() if ".experts." in n and "scale" in n)
     assert wd.engine_weight_bytes(arch, torch.bfloat16, "fp8", ep_size=2) == held - (routed + scales) // 2
+
+
+def test_ep_engine_shards_fp8_experts(policy, tmp_path):
+    """``rollout.ep_size > 1`` with FP8: each EP rank holds its experts' FP8 shards and scales. On a
+    one-rank gloo group the EP engine decodes the FP8 engine's very tokens and log-probs."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from moerl.ep.parallelize import ExpertParallelExperts
+    from moerl.rollout.ep_engine import EPEngine
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+        timeout=datetime.timedelta(seconds=30),
+    )  # fmt: skip
+    try:
+        cfg = load_config(None, ["rollout.weight_dtype=fp8", "rollout.ep_size=2", "rollout.kv_cache=slots"])
+        ep = EPEngine(make_engine(copy.deepcopy(policy), cfg, version=-1), dispatcher="alltoall")
+        ep.update_weights(policy.state_dict(), 0)  # full precision in, quantized per local shard
+        experts = ep.engine.model.layers[1].mlp.experts
+        assert isinstance(experts, ExpertParallelExperts) and experts.is_fp8
+        q, s = quantize_blockwise(policy.layers[1].mlp.experts.gate_up_proj)
+        assert torch.equal(experts.gate_up_proj.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(experts.gate_up_proj_scale_inv, s)
+        prompts = [[1, 2, 3, 4], [5, 6, 7]]
+        got, want = _greedy(ep, prompts), _greedy(_engine(policy, "fp8"), prompts)
+        assert [(c.token_ids, c.logprobs) for c in got] == [(c.token_ids, c.logprobs) for c in want]
+    finally:
+        dist.destroy_process_group()
