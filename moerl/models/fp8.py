@@ -131,7 +131,8 @@ class Fp8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
         """An ``Fp8Linear`` holding ``quantize_blockwise(linear.weight)`` (and its bias), on its device."""
-        out = cls(linear.in_features, linear.out_features, linear.bias).to(linear.weight.device)
+        with torch.device(linear.weight.device):  # allocated where the weight is (no host copy)
+            out = cls(linear.in_features, linear.out_features, linear.bias)
         out.load_dense(linear.weight)
         return out
 
@@ -167,7 +168,8 @@ class Fp8Experts(nn.Module):
     def from_experts(cls, experts: Experts) -> Fp8Experts:
         """An ``Fp8Experts`` holding the block-quantized weights of ``experts``, on their device."""
         e, i2, h = experts.gate_up_proj.shape
-        out = cls(e, h, i2 // 2).to(experts.gate_up_proj.device)
+        with torch.device(experts.gate_up_proj.device):  # allocated where the weights are (no host copy)
+            out = cls(e, h, i2 // 2)
         with torch.no_grad():
             for name in ("gate_up_proj", "down_proj"):
                 q, s = quantize_blockwise(getattr(experts, name))
@@ -190,7 +192,7 @@ class Fp8Experts(nn.Module):
         the dequantized weights through ``moerl.models.moe.experts_forward``.
         """
         if fp8_mm_supported(x):
-            n, k = topk_idx.shape
+            k = topk_idx.shape[1]
             _, inverse, offsets, token, row_w = expert_layout(
                 topk_idx, topk_weights, self.gate_up_proj.shape[0]
             )
