@@ -20,8 +20,7 @@ weight of the layers' attention, the dense and shared MLPs, the routed experts t
 (1 - k/E)^B) per layer), the LM head, plus the cache: B x C x bytes per token (latent: (512 + 64) x 2
 bytes per layer; expanded: 128 x (192 + 128) x 2). ``fraction of floor`` = floor time / measured time.
 
-``--fp8``: FP8 weights need the FP8 rollout path (issue 34's other half, not on this branch): the flag
-stops with an error rather than timing bf16 under an FP8 label.
+FP8 weights against bf16 on the same DeepSeek-V3 shapes: ``bench/fp8_gpu.py``.
 
 Writes ``bench/results/mla_gpu.json`` atomically (``--out-dir`` elsewhere).
 """
@@ -47,10 +46,6 @@ from moerl.plan.models import MODELS
 from moerl.rollout.kv_cache import MLA_CACHE_FORMS, kv_layout
 from moerl.rollout.paged_kv_cache import PagedKVCache
 
-FP8_MISSING = (
-    "--fp8: FP8 rollout weights (rollout.weight_dtype=fp8, issue 34's FP8 half) are not on this branch; "
-    "run without --fp8, or merge the FP8 weights first"
-)
 
 
 def model_config(layers: int, experts: int, vocab: int, tiny: bool) -> MoeConfig:
@@ -181,11 +176,8 @@ def run(argv: list[str] | None = None) -> dict:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-graphs", action="store_true", help="eager forwards (no CUDA graph)")
-    ap.add_argument("--fp8", action="store_true", help="FP8 weights (errors: not on this branch)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
-    if args.fp8:
-        raise SystemExit(FP8_MISSING)
     if args.tiny:
         args.device = args.device or torch.device("cpu")
         if args.batch == [256]:

@@ -250,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="weights and compute dtype (default: float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     p.add_argument(
+        "--weight-dtype",
+        default="auto",
+        help="auto: --dtype weights (an FP8 release is dequantized to it); fp8: 128x128 block-quantized "
+        "FP8 weights, an FP8 release kept as is (default: auto)",
+    )
+    p.add_argument(
         "--tokenizer", default=None, help="tokenizer.json or its folder (default: the model folder's)"
     )
     p.add_argument(

@@ -262,6 +262,17 @@ class RolloutConfig:
     the in-flight tasks to the queue (requeued, their tokens discarded). Per-token policy versions are
     recorded in every case (``moerl.weights.buckets``)."""
 
+    weight_dtype: str = "auto"
+    """Precision of the rollout engine's weights (``moerl.rollout.weight_dtype.WEIGHT_DTYPES``): ``auto``
+    keeps the policy's dtype (``model.dtype``; what the trainer computes with); ``bf16`` casts the
+    engine's copy to bfloat16; ``fp8`` block-quantizes its attention, MLP and expert projections to
+    float8_e4m3fn with one float32 scale per 128 x 128 block (the DeepSeek-V3 release format,
+    ``moerl.models.fp8``), quantized in the engine as each version loads (the bytes sent stay the
+    policy's), activations in the model dtype; FP8 GEMMs on CUDA with Triton, else dequantize-then-matmul.
+    With ``fp8`` the train/rollout mismatch correction must stay on (``algorithm.mismatch_mode``, truncate
+    by default) and the log-prob gap to the policy is reported (``rollout/fp8_*`` metrics). With
+    ``ep_size > 1`` each EP rank holds its experts' FP8 shards (``moerl.ep.parallelize``)."""
+
     def __post_init__(self) -> None:
         if self.lease_ahead_groups is not None:
             check_range("rollout.lease_ahead_groups", self.lease_ahead_groups, 0)
@@ -293,6 +304,9 @@ class RolloutConfig:
                     f"{self.ep_size}: an EP group spans whole nodes of the same number of ranks"
                 )
         check_choice("rollout.on_weight_update", self.on_weight_update, ON_WEIGHT_UPDATE)
+        from moerl.rollout.weight_dtype import WEIGHT_DTYPES
+
+        check_choice("rollout.weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
 
 
 @dataclass(kw_only=True, slots=True)

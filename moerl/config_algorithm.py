@@ -4,6 +4,7 @@ that ``RunConfig`` runs when it is loaded; re-exported by ``moerl.config``, whic
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -169,6 +170,12 @@ def check_algorithm_combination(cfg: RunConfig, preset) -> None:
             f"batch with algorithm.mismatch_mode={preset.mismatch_mode!r}: after the first update the trainer's "
             "log-probs are no longer the proximal policy's; set trainer.recompute_proximal=true (one extra "
             "forward) or algorithm.mismatch_mode=none"
+        )
+    if cfg.rollout.weight_dtype == "fp8" and preset.mismatch_mode == "none":
+        warnings.warn(
+            "rollout.weight_dtype='fp8' with algorithm.mismatch_mode='none': the FP8 engine's log-probs "
+            "differ from the trainer's, and nothing corrects for it (the default, truncate, does)",
+            stacklevel=2,
         )
     if tr.bias_update_rate > 0 and _model_family(cfg) not in BIAS_FAMILIES:
         raise ConfigError(

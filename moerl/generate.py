@@ -83,7 +83,9 @@ def generate_main(args: argparse.Namespace) -> int:
         args: ``model``, ``prompts``, ``out``, ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
             ``n``, ``seed``, ``dtype``, ``device``, and optionally ``tokenizer``, ``max_slots``,
             ``kv_token_budget`` (default: room for the longest prompt + max_new_tokens in every slot),
-            ``ep_size`` / ``ep_dispatcher`` / ``ep_ranks_per_node`` (expert-parallel ranks; 1: one engine).
+            ``ep_size`` / ``ep_dispatcher`` / ``ep_ranks_per_node`` (expert-parallel ranks; 1: one engine),
+            ``weight_dtype`` (``auto``; ``fp8``: block-quantized FP8 weights, ``moerl.models.fp8``). A model
+            folder in the DeepSeek-V3 FP8 release format loads dequantized to ``dtype`` (or kept FP8).
     """
     try:
         return _generate(args)
@@ -174,6 +176,23 @@ def _check_paths(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"--prompts {args.prompts}: no such file")
 
 
+def _fp8_weights(args: argparse.Namespace, ep_size: int) -> bool:
+    """Whether ``--weight-dtype fp8`` asks for FP8 weights (an FP8 release kept as is, else quantized);
+    ``auto`` (the default): the ``--dtype`` weights (an FP8 release dequantized to it).
+
+    Raises:
+        ValueError: an unknown ``--weight-dtype``, or fp8 with ``--ep-size`` above 1.
+    """
+    choice = getattr(args, "weight_dtype", None) or "auto"
+    if choice not in ("auto", "fp8"):
+        raise ValueError(f"--weight-dtype={choice!r}; choose auto or fp8")
+    if choice == "fp8" and ep_size > 1:
+        raise ValueError(
+            "--weight-dtype fp8 runs one engine; the EP engine's experts are not FP8 yet (--ep-size 1)"
+        )
+    return choice == "fp8"
+
+
 def _generate(args: argparse.Namespace) -> int:
     if args.dtype not in DTYPE_NAMES:
         raise ValueError(f"--dtype={args.dtype!r}; choose one of {sorted(DTYPE_NAMES)}")
@@ -182,7 +201,8 @@ def _generate(args: argparse.Namespace) -> int:
     check_device(args.device, ep_size)
     _check_paths(args)
     tokenizer = load_tokenizer(getattr(args, "tokenizer", None) or args.model)
-    model = from_pretrained(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    fp8 = _fp8_weights(args, ep_size)
+    model = from_pretrained(args.model, dtype=torch_dtype(args.dtype), device=args.device, fp8=fp8)
     _check_experts(args.model, model.config.num_experts, ep_size)  # before the EP ranks are spawned
     prompts = read_prompts(args.prompts)
     if not prompts:

@@ -27,6 +27,7 @@ from moerl.config import ConfigError, RunConfig
 from moerl.envs.stats import merge as env_merge
 from moerl.envs.stats import step_values as env_step_values
 from moerl.records import Group
+from moerl.rollout.precision_gap import LogprobGap, logprob_gap
 from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
 from moerl.run.group_recovery import restart_group
 from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk
@@ -44,7 +45,7 @@ from moerl.runtime.rollouts import Rollouts
 from moerl.telemetry.live import LiveView, done_line
 from moerl.telemetry.report import plot_report
 from moerl.telemetry.run import RunTelemetry
-from moerl.telemetry.step import StepTimings, kv_values, step_values
+from moerl.telemetry.step import StepTimings, fp8_values, kv_values, step_values
 from moerl.trainer.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state
 from moerl.trainer.distributed.factory import (
     check_trainer_resources,
@@ -54,7 +55,7 @@ from moerl.trainer.distributed.factory import (
     trainer_summary,
 )
 from moerl.trainer.distributed.rank import TrainerRankError
-from moerl.trainer.local import NonFiniteLossError, TrainStats
+from moerl.trainer.local import LocalTrainer, NonFiniteLossError, TrainStats
 from moerl.trainer.protocol import Trainer
 from moerl.weights.store import StoreNotWritableError, WeightStore
 
@@ -134,6 +135,7 @@ class Run:
         -> log -> checkpoint."""
         t0 = time.perf_counter()
         groups, gen_s, wait_s = self.rollouts.next_groups(self.cfg.trainer.batch_groups)
+        fp8_gap = self._fp8_gap(groups)  # before training: the engine and the trainer hold one version
         batch = self.trainer.build_batch(groups, self.comp.tokenizer.pad_id)
         try:
             stats = self.trainer.train_step(batch)
@@ -156,7 +158,7 @@ class Run:
         timings = StepTimings(
             gen_s=gen_s, wait_s=wait_s, publish_s=publish_s, step_s=time.perf_counter() - t0
         )
-        self._log(groups, stats, timings, accuracy, batch.num_sequences, t0)
+        self._log(groups, stats, timings, accuracy, batch.num_sequences, t0, fp8_gap)
         try:
             self._checkpoint(stats.step)
         except TrainerRankError as e:
@@ -319,12 +321,39 @@ class Run:
             self.trainer.refresh_model()  # a streamed version reaches the driver's copy only when needed
         return self.comp.evaluate() if is_due else None
 
+    def _fp8_gap(self, groups: list[Group]) -> LogprobGap | None:
+        """With ``rollout.weight_dtype=fp8`` in sync mode with the one-process trainer: the FP8 engine's
+        log-prob gap and greedy agreement against the trainer's policy on this step's samples (both
+        models re-run on them, no grad; ``moerl.rollout.precision_gap``). None otherwise."""
+        if not (
+            self.cfg.rollout.weight_dtype == "fp8"
+            and isinstance(self.rollouts, LocalRollouts)
+            and isinstance(self.trainer, LocalTrainer)
+        ):
+            return None
+        seqs = [(s.prompt_ids, s.response_ids) for g in groups for s in g.samples]
+        was_training = self.trainer.model.training
+        try:
+            self.trainer.model.eval()
+            return logprob_gap(self.trainer.model, self.rollouts.engine_model(), seqs)
+        finally:
+            self.trainer.model.train(was_training)
+
     def _log(
-        self, groups: list[Group], stats: TrainStats, timings: StepTimings, accuracy, samples: int, t0: float
+        self,
+        groups: list[Group],
+        stats: TrainStats,
+        timings: StepTimings,
+        accuracy,
+        samples: int,
+        t0: float,
+        fp8_gap: LogprobGap | None = None,
     ) -> None:
         r = self.rollouts
         queue, buffer = r.queue_stats(), r.buffer_metrics()
         values = step_values(groups, stats, timings, queue, buffer, accuracy=accuracy)
+        if self.cfg.rollout.weight_dtype == "fp8":
+            values.update(fp8_values(fp8_gap, stats))
         values.update(r.fleet_values(self.cfg.trainer.batch_groups), policy_version=self.trainer.version)
         workers = (
             r.worker_stats()

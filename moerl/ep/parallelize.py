@@ -21,6 +21,8 @@ from torch import nn
 from moerl.ep.dispatcher import Dispatcher
 from moerl.ep.registry import DISPATCHERS, build_dispatcher
 from moerl.ep.topology import Topology
+from moerl.models.fp8 import SCALE_SUFFIX, Fp8Experts, dequantize_blockwise
+from moerl.models.fp8_kernels import fp8_grouped_mm, fp8_mm_supported
 from moerl.models.kernels import small_grouped_mm, small_grouped_mm_supported, swiglu
 
 __all__ = ["DISPATCHERS", "ExpertParallelExperts", "parallelize", "replicated_parameters"]
@@ -31,36 +33,52 @@ class ExpertParallelExperts(nn.Module):
 
     Parameters ``gate_up_proj [L, 2I, H]`` and ``down_proj [L, H, I]`` are copies of the global
     experts ``dispatcher.local_experts`` (global ids in local order, also in ``local_expert_ids``).
+    From an ``Fp8Experts`` (``rollout.weight_dtype=fp8``) they are FP8 buffers with their block scales
+    ``gate_up_proj_scale_inv [L, 2I/128, H/128]``, ``down_proj_scale_inv [L, H/128, I/128]`` (inference only).
     """
 
     def __init__(self, experts: nn.Module, dispatcher: Dispatcher) -> None:
         super().__init__()
         local = dispatcher.local_experts
         self.dispatcher = dispatcher
-        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[local].clone())
-        self.down_proj = nn.Parameter(experts.down_proj.detach()[local].clone())
+        self.is_fp8 = isinstance(experts, Fp8Experts)
+        for name in ("gate_up_proj", "down_proj"):
+            shard = getattr(experts, name).detach()[local].clone()
+            if self.is_fp8:  # FP8 rollout weights (moerl.models.fp8): buffers, with their block scales
+                self.register_buffer(name, shard)
+                scales = getattr(experts, name + SCALE_SUFFIX).detach()[local].clone()
+                self.register_buffer(name + SCALE_SUFFIX, scales)
+            else:
+                setattr(self, name, nn.Parameter(shard))
         self.use_grouped_mm = getattr(experts, "use_grouped_mm", None)
         self.register_buffer("local_expert_ids", local.clone(), persistent=False)
+
+    def _local_mlp(self, recv_x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The local experts' SwiGLU on expert-sorted rows [M, H] -> [M, H]. FP8 shards: the Triton FP8
+        GEMMs where they serve (CUDA bf16), else the reference (dequantize, then the same math)."""
+        from moerl.models.moe import grouped_expert_mlp  # the model's expert math, shared with EP=1
+
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self.is_fp8 and fp8_mm_supported(recv_x):
+            offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+            act = swiglu(fp8_grouped_mm(recv_x, gate_up, self.gate_up_proj_scale_inv, offsets))
+            return fp8_grouped_mm(act, down, self.down_proj_scale_inv, offsets)
+        if self.is_fp8:
+            gate_up = dequantize_blockwise(gate_up, self.gate_up_proj_scale_inv, recv_x.dtype)
+            down = dequantize_blockwise(down, self.down_proj_scale_inv, recv_x.dtype)
+        if small_grouped_mm_supported(recv_x, gate_up):  # decode sizes, no gradient: as EP = 1
+            offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+            act = swiglu(small_grouped_mm(recv_x, gate_up, offsets))
+            return small_grouped_mm(act, down, offsets)
+        return grouped_expert_mlp(
+            recv_x, tokens_per_expert, gate_up, down, use_grouped_mm=self.use_grouped_mm
+        )
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], topk_idx [N, k] int64 (global expert ids), topk_weights [N, k] float32 -> [N, H] in
         x's dtype. Collective over the EP group (every rank calls it, also with N = 0)."""
-        from moerl.models.moe import grouped_expert_mlp  # the model's expert math, shared with EP=1
-
         recv_x, handle = self.dispatcher.dispatch(x, topk_idx, topk_weights)
-        tokens_per_expert = handle.tokens_per_local_expert
-        if small_grouped_mm_supported(recv_x, self.gate_up_proj):  # decode sizes, no gradient: as EP = 1
-            offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-            act = swiglu(small_grouped_mm(recv_x, self.gate_up_proj, offsets))
-            y = small_grouped_mm(act, self.down_proj, offsets)
-        else:
-            y = grouped_expert_mlp(
-                recv_x,
-                tokens_per_expert,
-                self.gate_up_proj,
-                self.down_proj,
-                use_grouped_mm=self.use_grouped_mm,
-            )
+        y = self._local_mlp(recv_x, handle.tokens_per_local_expert)
         return self.dispatcher.combine(y, handle).to(x.dtype)
 
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moerl.models.config import MoeConfig
+from moerl.models.fp8 import (
+    BLOCK,
+    FP8_DTYPE,
+    SCALE_SUFFIX,
+    copy_into_fp8,
+    dequantize_blockwise,
+    quantize_model_fp8,
+    release_quantization,
+)
 from moerl.models.keymaps import ExpertSlice, KeyMapper
 from moerl.models.model import MoeForCausalLM
 
@@ -69,41 +79,70 @@ def _copy_expert(dst: torch.Tensor, sl: ExpertSlice, src: torch.Tensor, hf_key: 
 
 
 def _expected_parts(name: str, t: torch.Tensor) -> set[tuple[int, str]]:
-    parts = ("down",) if name.endswith("down_proj") else ("gate", "up")
+    parts = ("down",) if name.removesuffix(SCALE_SUFFIX).endswith("down_proj") else ("gate", "up")
     return {(e, p) for e in range(t.shape[0]) for p in parts}
 
 
-def _load_tensors(model: MoeForCausalLM, folder: Path, mapper: KeyMapper) -> None:
+def _dequantized(where: dict, key: str, src: torch.Tensor) -> torch.Tensor:
+    """An FP8 checkpoint tensor dequantized to float32 with its ``key + "_scale_inv"`` (the reference)."""
+    scale_key = key + SCALE_SUFFIX
+    if scale_key not in where:
+        raise CheckpointError(f"tensor {key} is float8_e4m3fn but the checkpoint has no {scale_key}")
+    try:
+        return dequantize_blockwise(src, where[scale_key].get_tensor(scale_key), torch.float32)
+    except ValueError as e:
+        raise CheckpointError(f"tensor {scale_key}: {e}") from None
+
+
+def _load_tensors(model: MoeForCausalLM, folder: Path, mapper: KeyMapper, *, quantized: bool = False) -> None:
+    """Fill the model's tensors from the folder's safetensors. FP8 tensors (with their ``_scale_inv``
+    block scales, ``quantized``) are dequantized into full-precision targets or copied as they are into
+    the FP8 buffers of an ``Fp8Linear`` / ``Fp8Experts``; full-precision tensors for an FP8 target are
+    quantized (``moerl.models.fp8.copy_into_fp8``)."""
     state = model.state_dict(keep_vars=True)
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
     cov, unexpected = _Coverage(), []
-    with torch.no_grad():
-        for file in _shard_files(folder):
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                    target = mapper.to_ours(key)
-                    if target is None and (
-                        mapper.is_ignored(key)
-                        or (key == "lm_head.weight" and model.config.tie_word_embeddings)
-                    ):
-                        continue
-                    name = target.name if isinstance(target, ExpertSlice) else target
-                    if name not in state:
-                        unexpected.append(key)
-                        continue
-                    src = f.get_tensor(key)
-                    if isinstance(target, ExpertSlice):
-                        _copy_expert(state[name], target, src, key)
-                        cov.expert_parts.setdefault(name, set()).add((target.expert, target.part))
-                        continue
-                    if src.shape != state[name].shape:
-                        raise CheckpointError(
-                            f"tensor {key} (moerl {name}) has shape {tuple(src.shape)}; "
-                            f"the config expects {tuple(state[name].shape)}"
-                        )
-                    state[name].copy_(src)
-                    cov.filled.add(name)
+    with ExitStack() as stack, torch.no_grad():
+        handles = [
+            stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in _shard_files(folder)
+        ]
+        where = {key: h for h in handles for key in h.keys()}  # noqa: SIM118 - safe_open is not a Mapping
+        for key, h in where.items():
+            target = mapper.to_ours(key)
+            if target is None and (
+                mapper.is_ignored(key) or (key == "lm_head.weight" and model.config.tie_word_embeddings)
+            ):
+                continue
+            name = target.name if isinstance(target, ExpertSlice) else target
+            if name not in state:
+                if quantized and key.endswith(SCALE_SUFFIX):
+                    continue  # read with its weight, which is dequantized
+                unexpected.append(key)
+                continue
+            src = h.get_tensor(key)
+            if src.dtype == FP8_DTYPE and state[name].dtype != FP8_DTYPE:
+                src = _dequantized(where, key, src)
+            elif state[name].dtype == FP8_DTYPE and src.dtype != FP8_DTYPE:
+                if isinstance(target, ExpertSlice) or src.shape != state[name].shape:
+                    raise CheckpointError(
+                        f"tensor {key} is {src.dtype} {tuple(src.shape)} where the FP8 model expects "
+                        f"float8_e4m3fn {tuple(state[name].shape)} with {key}{SCALE_SUFFIX}; load it with fp8=False"
+                    )
+                copy_into_fp8(state, name, src)
+                cov.filled.update((name, name + SCALE_SUFFIX))
+                continue
+            if isinstance(target, ExpertSlice):
+                _copy_expert(state[name], target, src, key)
+                cov.expert_parts.setdefault(name, set()).add((target.expert, target.part))
+                continue
+            if src.shape != state[name].shape:
+                raise CheckpointError(
+                    f"tensor {key} (moerl {name}) has shape {tuple(src.shape)}; "
+                    f"the config expects {tuple(state[name].shape)}"
+                )
+            state[name].copy_(src)
+            cov.filled.add(name)
     if unexpected:
         raise CheckpointError(
             f"{folder}: unexpected weight keys {sorted(unexpected)[:20]}"
@@ -125,7 +164,7 @@ def _check_missing(state: dict[str, torch.Tensor], cov: _Coverage, mapper: KeyMa
             layer = int(name.split(".")[1])
             missing.append(
                 f"{mapper.to_hf(name)} (or the per-expert "
-                f"{mapper.expert_key(layer, 0, 'down' if name.endswith('down_proj') else 'gate')} ...)"
+                f"{mapper.expert_key(layer, 0, 'down' if 'down_proj' in name else 'gate')} ...)"
             )
         else:
             missing.append(mapper.to_hf(name))
@@ -155,7 +194,9 @@ def check_model_folder(path: str | os.PathLike[str]) -> MoeConfig:
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{folder}: no config.json")
     try:
-        cfg = MoeConfig.from_hf_dict(_read_json(cfg_file))
+        raw = _read_json(cfg_file)
+        cfg = MoeConfig.from_hf_dict(raw)
+        release_quantization(raw)
     except (ValueError, TypeError) as e:  # UnsupportedArchitectureError and ConfigError are ValueErrors
         raise CheckpointError(f"{cfg_file}: {str(e).splitlines()[0]}") from None
     try:
@@ -186,13 +227,26 @@ def _read_json(file: Path) -> dict:
 
 
 def from_pretrained(
-    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    fp8: bool = False,
 ) -> MoeForCausalLM:
     """Load a Hugging Face model folder (config.json + safetensors, sharded or not, with or without index).
+
+    An FP8 release (``quantization_config`` of the DeepSeek-V3 format, ``moerl.models.fp8``: float8_e4m3fn
+    weights with 128 x 128 ``weight_scale_inv`` blocks) is dequantized to ``dtype`` by the reference
+    dequantization (exactly ``dequantize_blockwise(w, scale_inv, dtype)``), unless ``fp8``.
 
     Args:
         path: the folder. dtype: parameter dtype (``e_score_correction_bias`` stays float32).
         device: where the parameters live.
+        fp8: give the attention, MLP and expert projections FP8 block-quantized weights (``Fp8Linear``,
+            ``Fp8Experts``; for rollout): an FP8 release's bytes and scales are kept as they are (no
+            full-precision copy is ever made) when the expert width ``moe_intermediate_size`` is a
+            multiple of 128 (DeepSeek-V3's 2048; else, and for a full-precision checkpoint, the model is
+            loaded in ``dtype`` and then quantized, ``quantize_model_fp8``).
     Returns:
         ``MoeForCausalLM`` in eval mode.
     Raises:
@@ -206,13 +260,25 @@ def from_pretrained(
     cfg_file = folder / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{folder}: no config.json")
-    cfg = MoeConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    raw = json.loads(cfg_file.read_text())
+    cfg = MoeConfig.from_hf_dict(raw)
+    try:
+        quantized = release_quantization(raw)
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_file}: {e}") from None
     with torch.device("meta"):
-        model = MoeForCausalLM(cfg)
+        model = MoeForCausalLM(cfg).to(dtype)
+    # the release's per-expert gate and up blocks stack into gate_up_proj's blocks only when I is a
+    # multiple of the block; else the experts are dequantized and quantized again as stacked tensors
+    keep_bytes = fp8 and quantized and cfg.moe_intermediate_size % BLOCK == 0
+    if keep_bytes:  # the FP8 buffers are allocated as such: the release's bytes go straight in
+        quantize_model_fp8(model, empty=True)
     # Allocate in the target dtype first, so that copy_ casts tensor by tensor (no full-size upcast copy).
-    model = model.to_empty(device=device).to(dtype).keep_router_buffers_fp32()
+    model = model.to_empty(device=device).keep_router_buffers_fp32()
     model.tie_weights()
-    _load_tensors(model, folder, KeyMapper(cfg.model_type, cfg.num_hidden_layers))
+    _load_tensors(model, folder, KeyMapper(cfg.model_type, cfg.num_hidden_layers), quantized=quantized)
+    if fp8 and not keep_bytes:
+        quantize_model_fp8(model)
     # to_empty left the non-persistent rotary buffer uninitialized: rebuild it on the target device.
     model.rotary = model.build_rotary().to(device)
     return model.eval()

@@ -113,7 +113,8 @@ class ExpertSlice:
     """One per-expert checkpoint tensor's place in a stacked moerl tensor."""
 
     name: str
-    """moerl name: ``layers.{L}.mlp.experts.gate_up_proj`` or ``...down_proj``."""
+    """moerl name: ``layers.{L}.mlp.experts.gate_up_proj`` or ``...down_proj`` (with ``_scale_inv``: the
+    FP8 block scales of an ``Fp8Experts``, from ``...experts.{E}.gate_proj.weight_scale_inv``)."""
     expert: int
     part: str
     """gate, up or down."""
@@ -136,7 +137,7 @@ class KeyMapper:
         self._expert = re.compile(
             "^"
             + re.escape(ex.prefix).replace(r"\{L\}", r"(?P<L>\d+)")
-            + r"\.(?P<E>\d+)\.(?P<part>[^.]+)\.weight$"
+            + r"\.(?P<E>\d+)\.(?P<part>[^.]+)\.weight(?P<scale>_scale_inv)?$"
         )
         self._parts = {ex.gate: "gate", ex.up: "up", ex.down: "down"}
         self._ignore = [re.compile(p) for p in self.table.ignore]
@@ -153,7 +154,7 @@ class KeyMapper:
         m = self._expert.match(hf_key)
         if m and m.group("part") in self._parts:
             part = self._parts[m.group("part")]
-            proj = "down_proj" if part == "down" else "gate_up_proj"
+            proj = ("down_proj" if part == "down" else "gate_up_proj") + (m.group("scale") or "")
             return ExpertSlice(f"layers.{m.group('L')}.mlp.experts.{proj}", int(m.group("E")), part)
         for rx, rule in self._hf:
             m = rx.match(hf_key)

@@ -308,27 +308,46 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], topk_idx [N, k] int64, topk_weights [N, k] float32 -> sum_j w_j expert_{idx_j}(x) [N, H]."""
-        if fused_experts_supported(x, self.gate_up_proj, self.down_proj):  # CUDA bf16: no host sync
-            return fused_experts(x, topk_idx, topk_weights, self.gate_up_proj, self.down_proj)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # a CUDA graph of a decode step
-            return dense_experts(x, topk_idx, topk_weights, self.gate_up_proj, self.down_proj)
-        n, k = topk_idx.shape
-        flat = topk_idx.reshape(-1)
-        order = flat.argsort(stable=True)  # (M,) expert-sorted copy -> flat slot
-        token = order // k
-        tokens_per_expert = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
-        y = grouped_expert_mlp(  # index_select: its backward is index_add_, ~2x cheaper than x[token]'s
-            x.index_select(0, token),
-            tokens_per_expert,
-            self.gate_up_proj,
-            self.down_proj,
-            use_grouped_mm=self.use_grouped_mm,
+        return experts_forward(
+            x, topk_idx, topk_weights, self.gate_up_proj, self.down_proj, use_grouped_mm=self.use_grouped_mm
         )
-        # weighted and summed in float32, rounded once (as fused_experts): a bf16 index_add_ would round
-        # after each of a token's k adds
-        acc = torch.promote_types(x.dtype, torch.float32)
-        y = y.to(acc) * topk_weights.reshape(-1)[order, None].to(acc)
-        return torch.zeros(n, x.shape[-1], dtype=acc, device=x.device).index_add_(0, token, y).to(x.dtype)
+
+
+def experts_forward(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    use_grouped_mm: bool | None = None,
+) -> torch.Tensor:
+    """The function of ``Experts.forward`` on given stacked weights (also the reference path of the
+    FP8 experts, ``moerl.models.fp8.Fp8Experts``, on their dequantized weights).
+
+    Args:
+        x: [N, H]. topk_idx: [N, k] int64. topk_weights: [N, k] float32. gate_up: [E, 2I, H].
+        down: [E, H, I]. use_grouped_mm: see ``grouped_expert_mlp``.
+    Returns:
+        sum_j w_j expert_{idx_j}(x) [N, H] in x's dtype.
+    """
+    if fused_experts_supported(x, gate_up, down):  # CUDA bf16: no host sync
+        return fused_experts(x, topk_idx, topk_weights, gate_up, down)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():  # a CUDA graph of a decode step
+        return dense_experts(x, topk_idx, topk_weights, gate_up, down)
+    n, k = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    order = flat.argsort(stable=True)  # (M,) expert-sorted copy -> flat slot
+    token = order // k
+    tokens_per_expert = torch.bincount(flat, minlength=gate_up.shape[0])
+    y = grouped_expert_mlp(  # index_select: its backward is index_add_, ~2x cheaper than x[token]'s
+        x.index_select(0, token), tokens_per_expert, gate_up, down, use_grouped_mm=use_grouped_mm
+    )
+    # weighted and summed in float32, rounded once (as fused_experts): a bf16 index_add_ would round
+    # after each of a token's k adds
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = y.to(acc) * topk_weights.reshape(-1)[order, None].to(acc)
+    return torch.zeros(n, x.shape[-1], dtype=acc, device=x.device).index_add_(0, token, y).to(x.dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moerl.models.fp8 import FP8_DTYPE, copy_into_fp8
 from moerl.rollout.cuda_graphs import GraphRunner
 from moerl.rollout.kv_cache import KVLayout, SlotKVCache, cache_geometry, kv_layout
 from moerl.rollout.params import FINISH_ERROR, Completion, InvalidRequestError, Request, validate_request
@@ -326,7 +327,9 @@ class Engine:
         Args:
             named_tensors: ``{name: tensor}`` or ``(name, tensor)`` pairs with names of
                 ``model.named_parameters()`` / ``named_buffers()``; a subset updates only those tensors.
-                Tensors are cast to the parameter's dtype and device.
+                Tensors are cast to the parameter's dtype and device; into an FP8 weight
+                (``rollout.weight_dtype=fp8``) a full-precision tensor is block-quantized, its
+                ``_scale_inv`` scales set with it (``moerl.models.fp8.copy_into_fp8``).
             version: the new policy version; tokens sampled from now on carry it.
         Raises:
             KeyError: an unknown tensor name. ValueError: a shape mismatch. Nothing is copied then.
@@ -345,7 +348,10 @@ class Engine:
                     f"{tuple(targets[name].shape)}"
                 )
         for name, t in items:
-            targets[name].copy_(t)
+            if targets[name].dtype == FP8_DTYPE:  # rollout.weight_dtype=fp8: quantized here, on load
+                copy_into_fp8(targets, name, t)
+            else:
+                targets[name].copy_(t)
         self.version = int(version)
 
     @property

@@ -68,7 +68,7 @@ class EPEngine:
             f"{name}.{p}": mod.local_expert_ids
             for name, mod in engine.model.named_modules()
             if isinstance(mod, ExpertParallelExperts)
-            for p in ("gate_up_proj", "down_proj")
+            for p in ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
         }
 
     @property

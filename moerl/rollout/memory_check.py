@@ -147,11 +147,11 @@ WEIGHT_FORMAT_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def rollout_weight_format(cfg: RunConfig) -> str:
-    """The rollout engines' weight format: ``rollout.weight_dtype`` (``bf16`` / ``fp8``; the FP8 rollout
-    half of issue 34) when the config has that field and it is not ``auto``, else ``model.dtype``. The
-    one place the memory checks read it."""
-    fmt = getattr(cfg.rollout, "weight_dtype", "auto")  # not on this branch yet: always model.dtype
-    return cfg.model.dtype if fmt in (None, "auto") else fmt
+    """The rollout engines' weight format: ``rollout.weight_dtype`` (``bf16`` / ``fp8``,
+    ``moerl.rollout.weight_dtype``) unless it is ``auto``, else ``model.dtype``. The one place the memory
+    checks read it."""
+    fmt = cfg.rollout.weight_dtype
+    return cfg.model.dtype if fmt == "auto" else fmt
 
 
 def _param_bytes(name: str, shape: torch.Size, weight_format: str, experts_kept: int | None) -> int:

@@ -17,6 +17,7 @@ from moerl.models.dtypes import torch_dtype
 from moerl.rl import preset_from_config
 from moerl.rollout import Engine
 from moerl.rollout.paged_engine import PagedEngine
+from moerl.rollout.weight_dtype import prepare_rollout_model
 from moerl.runtime.buffer import ExperienceBuffer, has_reward_variance
 from moerl.runtime.delivery import GroupSink
 from moerl.runtime.episode_worker import episode_worker
@@ -39,7 +40,9 @@ def load_policy(cfg: RunConfig, init_path: str | None, vocab_size: int) -> torch
 def make_engine(model: torch.nn.Module, cfg: RunConfig, *, version: int = 0) -> Engine:
     """A rollout engine sized by ``cfg.rollout`` (KV cache kind and budget, sequences decoding together,
     prefill cap, sync period), seeded by ``cfg.seed``: a ``PagedEngine`` unless ``rollout.kv_cache`` is
-    ``slots``."""
+    ``slots``. The engine's weights take ``rollout.weight_dtype`` (``model``, the engine's own copy, is
+    converted in place: ``moerl.rollout.weight_dtype.prepare_rollout_model``)."""
+    model = prepare_rollout_model(model, cfg.rollout.weight_dtype)
     kind = PagedEngine if cfg.rollout.kv_cache == "paged" else Engine
     return kind.from_config(model, cfg.rollout, seed=cfg.seed, version=version)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import time
 
+import torch
+
 from moerl.config import RunConfig
 from moerl.records import Group, RolloutTask
 from moerl.runtime.accounting import FleetState
@@ -103,6 +105,10 @@ class LocalRollouts:
     def buffer_metrics(self) -> BufferMetrics:
         """``ExperienceBuffer.metrics()``."""
         return self.buffer.metrics()
+
+    def engine_model(self) -> torch.nn.Module:
+        """The in-process engine's model (its own copy of the policy, in ``rollout.weight_dtype``)."""
+        return self.worker.engine.model
 
     def worker_stats(self) -> list[WorkerStats]:
         """Counters of every worker."""

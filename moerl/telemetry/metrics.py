@@ -85,6 +85,9 @@ METRIC_KEYS: tuple[str, ...] = (
     "rollout/kv_prefix_hit_tokens",  # prompt tokens shared instead of prefilled, all workers (cumulative)
     "rollout/kv_prefill_tokens",  # tokens prefilled, all workers (cumulative)
     "rollout/kv_decoding_together_mean",  # sequences per decode step since each engine started (mean over workers)
+    "rollout/fp8_logprob_gap_mean",  # rollout.weight_dtype=fp8: mean |FP8 engine - policy| log-prob of the step's response tokens (nats; else null)
+    "rollout/fp8_logprob_gap_max",  # the largest such gap (sync mode: both models re-run on the batch; async: null)
+    "rollout/fp8_greedy_agreement",  # fraction of response positions where FP8 and policy argmax agree (sync mode; async: null)
 )
 """The fixed metric names, in the order they are written."""
 

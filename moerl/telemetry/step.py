@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moerl.records import Group
+from moerl.rollout.precision_gap import LogprobGap
 from moerl.rollout.stats import EngineStats
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.queue import QueueStats
@@ -41,6 +42,20 @@ def kv_values(kv: Sequence[EngineStats | None]) -> dict[str, float]:
         "rollout/kv_prefill_tokens": sum(s.prefill_tokens for s in kv),
         "rollout/kv_decoding_together_mean": statistics.fmean(s.mean_decode_batch for s in kv),
     }
+
+
+def fp8_values(gap: LogprobGap | None, stats: TrainStats) -> dict[str, float | None]:
+    """The ``rollout/fp8_*`` metrics of a run with ``rollout.weight_dtype=fp8``: from the step's
+    ``LogprobGap`` (sync mode: both models re-run on the batch), else the mean from the trainer's own
+    |trainer - engine| log-prob figure (``train/rollout_logprob_abs_diff``, no extra forward) and the
+    max and greedy agreement unmeasured (None)."""
+    if gap is not None:
+        return {
+            "rollout/fp8_logprob_gap_mean": gap.logprob_gap_mean,
+            "rollout/fp8_logprob_gap_max": gap.logprob_gap_max,
+            "rollout/fp8_greedy_agreement": gap.greedy_agreement,
+        }
+    return {"rollout/fp8_logprob_gap_mean": stats.algo.rollout_logprob_abs_diff}
 
 
 def rollout_values(groups: Sequence[Group]) -> dict[str, float]:

@@ -118,7 +118,7 @@ def test_async_bound_runs_on_cpu(tmp_path, capsys):
     assert "async/sync samples/s at most" in capsys.readouterr().out
 
 
-def test_mla_bench_runs_tiny_on_cpu_and_refuses_fp8(tmp_path):
+def test_mla_bench_runs_tiny_on_cpu(tmp_path):
     from bench import mla_gpu
 
     out = mla_gpu.run(
@@ -132,5 +132,3 @@ def test_mla_bench_runs_tiny_on_cpu_and_refuses_fp8(tmp_path):
                                                     "qk_rope_head_dim", "v_head_dim", "kv_lora_rank"))  # fmt: skip
     assert expanded["kv_gb"] / latent["kv_gb"] == pytest.approx(heads * (nope + rope + v) / (rank + rope))
     assert json.loads((tmp_path / "mla_gpu_tiny.json").read_text())["points"][0]["batch"] == 4
-    with pytest.raises(SystemExit, match="weight_dtype"):
-        mla_gpu.run(["--tiny", "--fp8"])
