@@ -8,7 +8,7 @@ import json
 import sys
 
 from moerl.config import ConfigError, load_config
-from moerl.errors import DiskFullError, RunFolderInUseError, StorageError
+from moerl.errors import DiskFullError, RunFolderInUseError, StorageError, WeightVersionRefused
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -326,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFolderInUseError as e:  # a second run or resume of a live run folder: nothing touched
         print(f"moerl: {e}", file=sys.stderr)
         return 2
+    except WeightVersionRefused as e:  # sync mode cannot generate past a refused version: one line
+        print(f"moerl: {e}", file=sys.stderr)
+        return 1
     except StorageError as e:  # an upload that failed after its retries: one line, the local copy is whole
         print(f"moerl: {e}", file=sys.stderr)
         return 1
