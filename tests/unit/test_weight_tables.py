@@ -288,3 +288,31 @@ def test_a_tampered_table_is_refused_counted_and_the_next_good_version_switches(
             engine_version = good
     finally:
         channel.close()
+
+
+def test_sync_mode_stops_in_one_line_when_its_worker_refuses_the_pushed_version():
+    from moerl.errors import WeightVersionRefused
+    from moerl.runtime.local import LocalRollouts
+    from moerl.weights.sources import LocalWeights
+
+    weights = CheckedWeights(LocalWeights(), ENGINE)
+
+    class Worker:  # the RolloutWorker's weight loading, nothing else
+        version = -1
+
+        def sync_weights(self):
+            found = weights.poll(self.version)
+            if found is not None:
+                self.version = found[0]
+
+    rollouts = LocalRollouts(None, None, Worker(), weights)
+    weights.push(1, _tensors(1))
+    rollouts._check_not_refused()  # switched to version 1
+    weights.push(2, _drop_entry(_tensors(2)))
+    with pytest.raises(WeightVersionRefused, match="refused weight version 2 .* on-policy only"):
+        rollouts._check_not_refused()
+    assert rollouts.fleet_values(1)["weights/refused_total"] == 1
+
+
+def _drop_entry(tensors: dict) -> dict:
+    return {n: t for n, t in tensors.items() if n != "c.bias"}
