@@ -272,7 +272,9 @@ class ClusterConfig:
             if getattr(self, name) is not None:
                 check_image_reference(f"cluster.{name}", getattr(self, name))
         if self.s3_policy_arn is not None and not self.s3_policy_arn.startswith("arn:aws"):
-            raise ConfigError(f"cluster.s3_policy_arn={self.s3_policy_arn!r} must be an IAM policy ARN (arn:aws...)")
+            raise ConfigError(
+                f"cluster.s3_policy_arn={self.s3_policy_arn!r} must be an IAM policy ARN (arn:aws...)"
+            )
         if self.s3_policy_arn is not None and self.s3_policy_arn.endswith(":policy/AmazonS3FullAccess"):
             raise ConfigError(
                 "cluster.s3_policy_arn=AmazonS3FullAccess grants every bucket of the account; the render "

@@ -98,16 +98,28 @@ def s3_policy(cfg: RunConfig) -> dict:
     for bucket in dict.fromkeys(p.bucket for p in places):
         mine = [p for p in places if p.bucket == bucket]
         arn = f"arn:aws:s3:::{bucket}"
-        listing = {"Sid": _sid("list", bucket), "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": [arn]}
+        listing = {
+            "Sid": _sid("list", bucket),
+            "Effect": "Allow",
+            "Action": ["s3:ListBucket"],
+            "Resource": [arn],
+        }
         if all(p.prefix for p in mine):
             keys = list(dict.fromkeys(k for p in mine for k in (p.prefix, f"{p.prefix}/*")))
             listing["Condition"] = {"StringLike": {"s3:prefix": keys}}
         statements.append(listing)
         statements.append(
-            {"Sid": _sid("bucket", bucket), "Effect": "Allow", "Action": list(BUCKET_ACTIONS), "Resource": [arn]}
+            {
+                "Sid": _sid("bucket", bucket),
+                "Effect": "Allow",
+                "Action": list(BUCKET_ACTIONS),
+                "Resource": [arn],
+            }
         )
         for is_write in (True, False):
-            objects = [f"{arn}/{p.prefix}/*" if p.prefix else f"{arn}/*" for p in mine if p.is_write == is_write]
+            objects = [
+                f"{arn}/{p.prefix}/*" if p.prefix else f"{arn}/*" for p in mine if p.is_write == is_write
+            ]
             if objects:
                 statements.append(
                     {

@@ -254,7 +254,11 @@ def render(cfg: RunConfig, out_dir: str | Path) -> Rendered:
     files = []
     for name, doc in docs.items():
         path = out_dir / name
-        text = json.dumps(doc, indent=2) + "\n" if name.endswith(".json") else yaml.safe_dump(doc, sort_keys=False, width=110)
+        text = (
+            json.dumps(doc, indent=2) + "\n"
+            if name.endswith(".json")
+            else yaml.safe_dump(doc, sort_keys=False, width=110)
+        )
         atomic_write_text(path, text)
         files.append(path)
     return Rendered(tuple(files), tuple(skipped))

@@ -116,7 +116,9 @@ def moerl(
     # the same checks and cluster settings as ``moerl cluster render`` (async on the job's Ray, CUDA,
     # IMDSv2 notices, S3 storage)
     overrides = _run_overrides(config, num_rollout_workers, checkpoint_dir)
-    cfg = cluster_run_config(load_config(config, [*overrides, *([f"cluster.image={json.dumps(image)}"] if image else [])]))
+    cfg = cluster_run_config(
+        load_config(config, [*overrides, *([f"cluster.image={json.dumps(image)}"] if image else [])])
+    )
     run_yaml = yaml.safe_dump(job_run_config(cfg), sort_keys=False)
     env = {"MOERL_RUN_CONFIG": base64.b64encode(run_yaml.encode()).decode(), "AWS_REGION": cfg.cluster.region}
     image = cfg.cluster.image

@@ -18,6 +18,7 @@ import copy
 import time
 
 from moerl.config import RunConfig
+from moerl.errors import WeightVersionRefused
 from moerl.records import Group, RolloutTask
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics, ExperienceBuffer
@@ -25,7 +26,6 @@ from moerl.runtime.build import Components, make_buffer, make_queue, make_worker
 from moerl.runtime.fleet import WorkerHealth, WorkerRecord, WorkerState
 from moerl.runtime.queue import QueueStats, TaskQueue
 from moerl.runtime.worker import RolloutWorker, WorkerStats
-from moerl.errors import WeightVersionRefused
 from moerl.weights.sources import CheckedWeights, LocalWeights, parameter_set, refused_versions_of
 from moerl.weights.store import WeightStore
 from moerl.weights.transport import WeightHolder

@@ -175,9 +175,17 @@ def _learning_row() -> list[dict]:
         _stat("Trainer step", f"max({g('moerl_trainer_step')})"),
         _stat("Held-out accuracy", f"max({g('moerl_eval_accuracy')})", "percentunit"),
         _stat("Reward mean", f"max({g('moerl_reward_mean')})"),
-        _stat("Weight versions refused", f"sum({g('moerl_weights_refused_total')})",
-              description="Versions rollout workers refused (table, checksum or parameter set)."),
-        _ts("Reward", "short", (g("moerl_reward_mean"), "mean {{instance}}"), (g("moerl_reward_std"), "std {{instance}}")),
+        _stat(
+            "Weight versions refused",
+            f"sum({g('moerl_weights_refused_total')})",
+            description="Versions rollout workers refused (table, checksum or parameter set).",
+        ),
+        _ts(
+            "Reward",
+            "short",
+            (g("moerl_reward_mean"), "mean {{instance}}"),
+            (g("moerl_reward_std"), "std {{instance}}"),
+        ),
         _ts("Held-out accuracy", "percentunit", (g("moerl_eval_accuracy"), "{{instance}}")),
         _ts("Policy loss", "short", (g("moerl_policy_loss"), "{{instance}}")),
         _ts(
@@ -186,8 +194,12 @@ def _learning_row() -> list[dict]:
             (g("moerl_kl_ref"), "to reference {{instance}}"),
             (g("moerl_rollout_kl"), "engine vs trainer {{instance}}"),
         ),
-        _ts("Entropy and gradient norm", "short", (g("moerl_entropy"), "entropy {{instance}}"),
-            (g("moerl_grad_norm"), "grad norm {{instance}}")),
+        _ts(
+            "Entropy and gradient norm",
+            "short",
+            (g("moerl_entropy"), "entropy {{instance}}"),
+            (g("moerl_grad_norm"), "grad norm {{instance}}"),
+        ),
         _ts(
             "Staleness (versions)",
             "short",

@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-
 LINE_WIDTH = 80
 """Columns the progress line fits in, with its ``[HH:MM:SS]`` prefix (plain) or elapsed time (TTY), for
 runs of up to 9999 steps and a buffer of up to 999 groups."""

@@ -70,7 +70,10 @@ LEARNING: dict[str, tuple[str, str]] = {
         "Mean trainer version minus group policy version over the batch, versions.",
     ),
     "moerl_staleness_max": ("buffer/staleness_max", "Max of the same, versions."),
-    "moerl_rollout_tokens_per_second": ("perf/rollout_tokens_per_s", "Generated tokens per generation second."),
+    "moerl_rollout_tokens_per_second": (
+        "perf/rollout_tokens_per_s",
+        "Generated tokens per generation second.",
+    ),
     "moerl_train_tokens_per_second": ("perf/train_tokens_per_s", "Trained tokens per train second."),
 }
 """The learning series: gauge name -> (``metrics.jsonl`` key, help). Each holds the last value measured

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from moerl.weights.store import ChecksumError, table_digest
 
 log = logging.getLogger(__name__)

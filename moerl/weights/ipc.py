@@ -50,8 +50,8 @@ import numpy as np
 import torch
 
 from moerl.weights.buckets import split_buckets
-from moerl.weights.store import table_digest
 from moerl.weights.ipc_slots import OpenedSlots, Slots
+from moerl.weights.store import table_digest
 
 log = logging.getLogger(__name__)
 

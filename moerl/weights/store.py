@@ -520,7 +520,9 @@ def unpack_weights(packed: PackedWeights, *, verify: bool = True) -> dict[str, t
         ChecksumError: ``verify`` and the table and bytes do not match ``packed.checksum``.
     """
     if verify and (got := table_digest(packed.entries, packed.data)) != packed.checksum:
-        raise ChecksumError(f"packed weights: xxh3 {got} of the table and bytes does not match {packed.checksum}")
+        raise ChecksumError(
+            f"packed weights: xxh3 {got} of the table and bytes does not match {packed.checksum}"
+        )
     data = torch.from_numpy(np.array(packed.data))  # the object store hands out read-only arrays
     out = {}
     for name, dtype, shape, start in packed.entries:

@@ -32,6 +32,7 @@ BUCKET = "moerl-cluster"
 IMAGE = "cluster.image=registry.example/moerl:0.1.0"
 """The image a user built and pushed (``moerl cluster render`` refuses without one)."""
 
+
 @pytest.fixture
 def s3_env(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")

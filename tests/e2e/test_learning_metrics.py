@@ -58,7 +58,12 @@ class Scraper:
                 time.sleep(self.every_s)
                 continue
             self.scrapes.append(
-                {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+                {
+                    s.name: s.value
+                    for f in text_string_to_metric_families(text)
+                    for s in f.samples
+                    if not s.labels
+                }
             )
             time.sleep(self.every_s)
 
@@ -72,7 +77,9 @@ def _run_scraped(tmp_path, init, *overrides):
     port = _free_port()
     scraper = Scraper(f"http://127.0.0.1:{port}/metrics")
     try:
-        summary = train(short_config(tmp_path, init, f"telemetry.metrics_port={port}", *overrides), live=False)
+        summary = train(
+            short_config(tmp_path, init, f"telemetry.metrics_port={port}", *overrides), live=False
+        )
     finally:
         scrapes = scraper.stop()
     run = RunDir(next(Path(tmp_path).glob("run-*")))
@@ -108,13 +115,17 @@ def ray_session():
 
 
 @pytest.mark.timeout(300)
-def test_a_tampered_version_is_refused_counted_and_the_run_completes(tmp_path, tiny_init, ray_session, monkeypatch):
+def test_a_tampered_version_is_refused_counted_and_the_run_completes(
+    tmp_path, tiny_init, ray_session, monkeypatch
+):
     send = transports.ObjectStoreSink.send
 
     def tampering_send(self, bucket):
         if bucket.version == 2 and bucket.index == 0:  # an entry dropped, the checksum recomputed
             entries = bucket.entries[1:]
-            bucket = dataclasses.replace(bucket, entries=entries, checksum=bucket_digest(entries, bucket.data))
+            bucket = dataclasses.replace(
+                bucket, entries=entries, checksum=bucket_digest(entries, bucket.data)
+            )
         return send(self, bucket)
 
     monkeypatch.setattr(transports.ObjectStoreSink, "send", tampering_send)
@@ -130,7 +141,9 @@ def test_a_tampered_version_is_refused_counted_and_the_run_completes(tmp_path, t
         "runtime.max_staleness=2",
         "fleet.check_every_s=0.2",  # liveness answers (which carry the count) often
     )
-    assert summary["status"] == "completed" and summary["tasks_lost"] == 0 and summary["tasks_duplicated"] == 0
+    assert (
+        summary["status"] == "completed" and summary["tasks_lost"] == 0 and summary["tasks_duplicated"] == 0
+    )
     assert [r["policy_version"] for r in records] == [1, 2, 3, 4, 5, 6]
     _check_learning_series(scrapes, records)
     refused = [r["weights/refused_total"] for r in records]

@@ -36,7 +36,9 @@ def _check_policy_grammar(doc) -> None:
         assert s["Resource"] and all(r.startswith("arn:aws:s3:::") for r in s["Resource"]), s
         assert all(r.split(":::")[1].split("/")[0] not in ("", "*") for r in s["Resource"]), s
         for operator, conditions in s.get("Condition", {}).items():
-            assert operator in ("StringLike", "StringEquals") and all(isinstance(v, list) for v in conditions.values())
+            assert operator in ("StringLike", "StringEquals") and all(
+                isinstance(v, list) for v in conditions.values()
+            )
 
 
 def allows(doc: dict, action: str, resource: str, prefix: str | None = None) -> bool:
@@ -79,7 +81,9 @@ def test_the_policy_grants_the_runs_bucket_and_prefix_only(rendered):
     assert not allows(doc, "s3:PutObject", f"{model}/models/Qwen3-30B-A3B/config.json")
     assert not allows(doc, "s3:DeleteObject", f"{model}/models/Qwen3-30B-A3B/config.json")
     assert not allows(doc, "s3:GetObject", f"{model}/models/Other/config.json")
-    assert not any(allows(doc, a, "arn:aws:s3:::*") for a in ("s3:GetObject", "s3:ListBucket", "s3:PutObject"))
+    assert not any(
+        allows(doc, a, "arn:aws:s3:::*") for a in ("s3:GetObject", "s3:ListBucket", "s3:PutObject")
+    )
 
 
 def test_the_service_account_gets_that_policy_and_no_managed_full_access(rendered):
@@ -90,7 +94,11 @@ def test_the_service_account_gets_that_policy_and_no_managed_full_access(rendere
 
 
 def test_a_run_with_its_own_store_and_a_resumed_run_gets_those_prefixes_too(tmp_path):
-    overrides = [*RUN, "runtime.store_url=s3://store-bucket/weights", "cluster.resume_from=s3://run-bucket/old/r-1"]
+    overrides = [
+        *RUN,
+        "runtime.store_url=s3://store-bucket/weights",
+        "cluster.resume_from=s3://run-bucket/old/r-1",
+    ]
     render(load_config(QWEN, overrides), tmp_path)
     doc = json.loads((tmp_path / "iam-s3-policy.json").read_text())
     _check_policy_grammar(doc)
@@ -107,5 +115,7 @@ def test_full_access_and_a_missing_image_are_refused_in_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
     extra = "arn:aws:iam::123456789012:policy/kms-decrypt"  # an extra policy of the user's: attached beside
     render(load_config(QWEN, [*RUN, f"cluster.s3_policy_arn={extra}"]), tmp_path / "ok")
-    (account,) = yaml.safe_load((tmp_path / "ok" / "eksctl-cluster.yaml").read_text())["iam"]["serviceAccounts"]
+    (account,) = yaml.safe_load((tmp_path / "ok" / "eksctl-cluster.yaml").read_text())["iam"][
+        "serviceAccounts"
+    ]
     assert account["attachPolicyARNs"] == [extra] and account["attachPolicy"]["Statement"]

@@ -169,7 +169,8 @@ def test_gpus_per_node_comes_from_the_instance_type():
     assert cfg.cluster.rollout.gpus_per_node == 4
     with pytest.raises(ConfigError, match=r"GPUs of \['g6e.96xlarge'\] are not known"):
         load_config(
-            QWEN, [IMAGE, "cluster.rollout.instance_types=[g6e.96xlarge]", "cluster.rollout.gpus_per_node=null"]
+            QWEN,
+            [IMAGE, "cluster.rollout.instance_types=[g6e.96xlarge]", "cluster.rollout.gpus_per_node=null"],
         )
     assert all(is_gpu_instance(t) for t in GPUS_PER_INSTANCE) and not is_gpu_instance("r7i.8xlarge")
     assert load_config(QWEN, [IMAGE, IMAGE]).cluster.memory.gpus_per_node == 0  # CPU groups stay CPU groups
@@ -202,7 +203,9 @@ def test_torchx_train_pods_fetch_the_policy_first():
 
     from moerl.cluster.torchx_component import moerl as torchx_app
 
-    app = torchx_app(config=str(MISSION), num_rollout_workers=32, checkpoint_dir="s3://b/ckpt", image="r.example/moerl:1")
+    app = torchx_app(
+        config=str(MISSION), num_rollout_workers=32, checkpoint_dir="s3://b/ckpt", image="r.example/moerl:1"
+    )
     (train,) = [r for r in app.roles if r.name == "train"]
     assert train.num_replicas == 16  # trainer.num_ranks 128 / 8 GPUs per node
     script = train.args[-1]

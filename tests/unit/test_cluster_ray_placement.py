@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(120)
 IMAGE = "cluster.image=registry.example/moerl:0.1.0"
 """The image a user built and pushed (``moerl cluster render`` refuses without one)."""
 
+
 @ray.remote
 class Probe:
     """Stands in for an actor of a group: reports the node it was placed on."""

@@ -216,7 +216,18 @@ def test_cli_writes_nothing_on_a_config_error(tmp_path, capsys):
     out = tmp_path / "out"
     assert (
         main(
-            ["cluster", "render", "--set", IMAGE, "--config", str(RECIPES[1]), "--set", "storage.url=null", "--out", str(out)]
+            [
+                "cluster",
+                "render",
+                "--set",
+                IMAGE,
+                "--config",
+                str(RECIPES[1]),
+                "--set",
+                "storage.url=null",
+                "--out",
+                str(out),
+            ]
         )
         == 2
     )

@@ -159,7 +159,9 @@ def test_sync_values_from_liveness_answers():
     refused weight versions of every worker seen."""
     records = {
         "w0": WorkerRecord("w0", 0.0, health=WorkerHealth(policy_version=5, weight_sync_s=0.2)),
-        "w1": WorkerRecord("w1", 0.0, health=WorkerHealth(policy_version=3, weight_sync_s=0.5, weights_refused=1)),
+        "w1": WorkerRecord(
+            "w1", 0.0, health=WorkerHealth(policy_version=3, weight_sync_s=0.5, weights_refused=1)
+        ),
         "w2": WorkerRecord(  # gone: its refusals still count
             "w2", 0.0, health=WorkerHealth(policy_version=0, weight_sync_s=9.0, weights_refused=2)
         ),

@@ -220,7 +220,9 @@ class DurableStoreChannel:
         if self.tamper.change is None:
             return
         packed = pack_weights(tensors)
-        changed = unpack_weights(dataclasses.replace(packed, entries=self.tamper.change(packed.entries)), verify=False)
+        changed = unpack_weights(
+            dataclasses.replace(packed, entries=self.tamper.change(packed.entries)), verify=False
+        )
         data = st_save(changed)
         vdir = self.root / f"v{version:08d}"
         (vdir / "model.safetensors").write_bytes(data)
@@ -267,7 +269,9 @@ def _receive(source, newer_than: int, refused_before: int, timeout_s: float = 20
 
 
 @pytest.mark.parametrize("transport", sorted(CHANNELS))
-def test_a_tampered_table_is_refused_counted_and_the_next_good_version_switches(transport, tmp_path, monkeypatch):
+def test_a_tampered_table_is_refused_counted_and_the_next_good_version_switches(
+    transport, tmp_path, monkeypatch
+):
     tamper = Tamper()
     channel = CHANNELS[transport](tamper, tmp_path, monkeypatch)
     worker = CheckedWeights(channel.receiver, ENGINE)  # as a rollout worker wraps its source
