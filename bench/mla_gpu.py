@@ -47,7 +47,6 @@ from moerl.rollout.kv_cache import MLA_CACHE_FORMS, kv_layout
 from moerl.rollout.paged_kv_cache import PagedKVCache
 
 
-
 def model_config(layers: int, experts: int, vocab: int, tiny: bool) -> MoeConfig:
     """DeepSeek-V3's attention and expert shapes with ``layers`` layers (layer 0 dense) and ``experts``
     routed experts in 8 groups (top-4 groups; top-8 experts, fewer when ``experts`` < 8); ``tiny``

@@ -8,7 +8,7 @@ import json
 import sys
 
 from moerl.config import ConfigError, load_config
-from moerl.errors import DiskFullError, RunFolderInUseError, StorageError
+from moerl.errors import DiskFullError, RunFolderInUseError, StorageError, WeightVersionRefused
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -158,17 +158,21 @@ Write the Amazon EKS + KubeRay manifests of a run config with a cluster: section
 (see moerl/config_cluster.py and the README's "Run on a cluster"):
 
   OUT/eksctl-cluster.yaml            eksctl create cluster -f OUT/eksctl-cluster.yaml
+  OUT/iam-s3-policy.json             the pods' S3 access alone (the run's bucket and prefixes)
   OUT/k8s/00-namespace.yaml ...      kubectl apply -f OUT/k8s/   (EFA plugin, run config, RayJob, alerts)
 
-The run needs storage.url=s3://... and a policy to start from (cluster.model_url=s3://... of a
-Hugging Face model folder, or init_from). The job's layout is the run's own: trainer.num_ranks,
-trainer.ep_size, trainer.gpus_per_node, rollout.num_workers, rollout.ep_size (which must divide
-cluster.rollout.gpus_per_node). Every check runs before anything is written; a bad value is a one-line
+The run needs storage.url=s3://..., a policy to start from (cluster.model_url=s3://... of a
+Hugging Face model folder, or init_from) and cluster.image (the image you built from
+deploy/docker/Dockerfile and pushed: moerl publishes none). The pods' service account may touch only
+the run's S3 bucket and prefixes (OUT/iam-s3-policy.json, inlined in the eksctl config). The job's
+layout is the run's own: trainer.num_ranks, trainer.ep_size, trainer.gpus_per_node,
+rollout.num_workers, rollout.ep_size (which must divide cluster.rollout.gpus_per_node). Every check runs before anything is written; a bad value is a one-line
 error.
 
 example:
   moerl cluster render --config configs/cluster_qwen3_30b_1node.yaml --out deploy/k8s/qwen3-30b \\
-      --set storage.url=s3://my-bucket/runs --set cluster.model_url=s3://my-bucket/models/Qwen3-30B-A3B
+      --set storage.url=s3://my-bucket/runs --set cluster.model_url=s3://my-bucket/models/Qwen3-30B-A3B \\
+      --set cluster.image=$IMAGE
 """
 
 
@@ -181,6 +185,13 @@ def _cmd_cluster_render(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from moerl.plan.cli import plan_main
 
+    if args.config is not None and not args.validate:  # a run config's model and nodes as the plan
+        from moerl.cluster.plan_inputs import plan_values
+        from moerl.plan.models import register_model
+
+        args.config_values, shape, args.config_notes = plan_values(load_config(args.config))
+        if shape is not None:
+            register_model(shape)
     return plan_main(args)
 
 
@@ -332,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFolderInUseError as e:  # a second run or resume of a live run folder: nothing touched
         print(f"moerl: {e}", file=sys.stderr)
         return 2
+    except WeightVersionRefused as e:  # sync mode cannot generate past a refused version: one line
+        print(f"moerl: {e}", file=sys.stderr)
+        return 1
     except StorageError as e:  # an upload that failed after its retries: one line, the local copy is whole
         print(f"moerl: {e}", file=sys.stderr)
         return 1

@@ -36,12 +36,12 @@ lowercase path components, tag of up to 128 characters, sha256 digest)."""
 
 def check_image_reference(name: str, value: str) -> None:
     """Raise ``ConfigError`` naming ``name`` unless ``value`` is a container image reference
-    (``_IMAGE_REFERENCE``; e.g. ``ghcr.io/moerl/moerl:0.1.0``): a pod with a malformed image never starts
+    (``_IMAGE_REFERENCE``; e.g. ``123456789012.dkr.ecr.us-east-1.amazonaws.com/moerl:0.1.0``): a pod with a malformed image never starts
     (``InvalidImageName``), after the nodes are up."""
     if not value or len(value) > 255 or not _IMAGE_REFERENCE.match(value):
         raise ConfigError(
             f"{name}={value!r} is not a container image reference (registry/path:tag, lowercase path, "
-            "no spaces), e.g. ghcr.io/moerl/moerl:0.1.0"
+            "no spaces), e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/moerl:0.1.0"
         )
 
 
@@ -211,15 +211,20 @@ class ClusterConfig:
     """EKS Kubernetes version."""
     namespace: str = "moerl"
     """Kubernetes namespace of the RayJob and its config."""
-    image: str = "ghcr.io/moerl/moerl:0.1.0"
-    """Container image with moerl and Ray installed (see the README's "Run on a cluster")."""
+    image: str | None = None
+    """Container image with moerl and Ray installed: build ``deploy/docker/Dockerfile`` and push it to a
+    registry the nodes can pull from (the README's "Run on a cluster"). None: ``moerl cluster render``
+    refuses. moerl publishes no image, and a default that names one would render pods that fail to pull
+    it only once their GPU nodes are rented."""
     ray_version: str = "2.60.0"
     """Ray version inside ``image`` (KubeRay's ``rayVersion``)."""
     service_account: str = "moerl"
     """Kubernetes service account of the Ray pods; eksctl creates it with an IAM role (IRSA) that may
     read and write the run's S3 storage."""
-    s3_policy_arn: str = "arn:aws:iam::aws:policy/AmazonS3FullAccess"
-    """IAM policy attached to ``service_account``; narrow it to the run's bucket in production."""
+    s3_policy_arn: str | None = None
+    """An extra IAM managed policy ARN attached to ``service_account`` (e.g. KMS for an encrypted
+    bucket). None: only the policy the render writes, least privilege: the run's S3 bucket and prefix
+    (``moerl.cluster.iam``)."""
     efa_plugin_image: str = (
         "602401143452.dkr.ecr.us-west-2.amazonaws.com/eks/aws-efa-k8s-device-plugin:v0.5.8"
     )
@@ -264,7 +269,17 @@ class ClusterConfig:
         if self.resume_from is not None and not self.resume_from.startswith("s3://"):
             raise ConfigError(f"cluster.resume_from={self.resume_from!r} must be a stored run's s3:// URL")
         for name in ("image", "efa_plugin_image"):
-            check_image_reference(f"cluster.{name}", getattr(self, name))
+            if getattr(self, name) is not None:
+                check_image_reference(f"cluster.{name}", getattr(self, name))
+        if self.s3_policy_arn is not None and not self.s3_policy_arn.startswith("arn:aws"):
+            raise ConfigError(
+                f"cluster.s3_policy_arn={self.s3_policy_arn!r} must be an IAM policy ARN (arn:aws...)"
+            )
+        if self.s3_policy_arn is not None and self.s3_policy_arn.endswith(":policy/AmazonS3FullAccess"):
+            raise ConfigError(
+                "cluster.s3_policy_arn=AmazonS3FullAccess grants every bucket of the account; the render "
+                "already grants the run's bucket and prefix (leave cluster.s3_policy_arn unset)"
+            )
         if self.model_url is not None and not self.model_url.rstrip("/").startswith("s3://"):
             raise ConfigError(f"cluster.model_url={self.model_url!r} must be the s3:// URL of a model folder")
         for group in ("train", "rollout"):

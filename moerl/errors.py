@@ -32,3 +32,9 @@ class RunFolderInUseError(RuntimeError):
     """Another process holds a run folder's lock (``moerl.run.folder.RunFolderLock``): a second run or
     resume of it would rewind or overwrite what the live one writes. The message is one line naming the
     folder and the holder's pid."""
+
+
+class WeightVersionRefused(RuntimeError):
+    """Sync mode's rollout worker refused the trainer's newest weight version (its tensors are not the
+    engine's parameter set, ``moerl.weights.sources.CheckedWeights``): generating on at an older version
+    would not be on-policy, so the run stops. The message is one line naming the version."""

@@ -7,10 +7,14 @@ placement group; eksctl makes the placement group for an ``efaEnabled`` group). 
 an IAM role for S3 through IRSA (``iam.withOIDC``). Nodes come and go with the Kubernetes Cluster
 Autoscaler (``withAddonPolicies.autoScaler``; the README installs it), which follows the Ray pods the
 KubeRay autoscaler adds or removes.
+
+The service account's IAM role has one inline policy: the run's S3 bucket and prefixes only
+(``moerl.cluster.iam.s3_policy``), plus ``cluster.s3_policy_arn`` when one is set.
 """
 
 from __future__ import annotations
 
+from moerl.cluster.iam import s3_policy
 from moerl.cluster.kuberay import GPU_TAINT, GROUP_LABEL
 from moerl.cluster.resources import GROUPS
 from moerl.config import RunConfig
@@ -49,8 +53,18 @@ def managed_node_group(cfg: RunConfig, group: str) -> dict:
 
 
 def eksctl_cluster_config(cfg: RunConfig) -> dict:
-    """The eksctl ``ClusterConfig`` (apiVersion ``eksctl.io/v1alpha5``) of the deployment."""
+    """The eksctl ``ClusterConfig`` (apiVersion ``eksctl.io/v1alpha5``) of the deployment.
+
+    Raises:
+        ConfigError: the run's S3 URLs are not valid (``moerl.cluster.iam.s3_policy``).
+    """
     cluster = cfg.cluster
+    account = {
+        "metadata": {"name": cluster.service_account, "namespace": cluster.namespace},
+        "attachPolicy": s3_policy(cfg),  # inline: the run's bucket and prefixes, nothing else
+    }
+    if cluster.s3_policy_arn is not None:
+        account["attachPolicyARNs"] = [cluster.s3_policy_arn]
     return {
         "apiVersion": "eksctl.io/v1alpha5",
         "kind": "ClusterConfig",
@@ -63,12 +77,7 @@ def eksctl_cluster_config(cfg: RunConfig) -> dict:
         "availabilityZones": list(cluster.availability_zones),
         "iam": {
             "withOIDC": True,
-            "serviceAccounts": [
-                {
-                    "metadata": {"name": cluster.service_account, "namespace": cluster.namespace},
-                    "attachPolicyARNs": [cluster.s3_policy_arn],
-                }
-            ],
+            "serviceAccounts": [account],
         },
         "addons": [{"name": "vpc-cni"}, {"name": "coredns"}, {"name": "kube-proxy"}],
         "managedNodeGroups": [managed_node_group(cfg, g) for g in GROUPS],

@@ -1,6 +1,8 @@
 """``moerl cluster render``: a run config with a ``cluster:`` section -> the manifests that deploy it.
 
     OUT/eksctl-cluster.yaml              eksctl create cluster -f ...   (node groups, IRSA for S3)
+    OUT/iam-s3-policy.json               the service account's S3 policy alone (``moerl.cluster.iam``), for
+                                         a role made by other means
     OUT/k8s/00-namespace.yaml            kubectl apply -f OUT/k8s/
     OUT/k8s/10-efa-device-plugin.yaml    the EFA device plugin on the EFA groups
     OUT/k8s/20-run-config.yaml           ConfigMap: the run config as the cluster runs it
@@ -14,6 +16,7 @@ before anything is written: every ``ConfigError`` names the field.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -23,11 +26,17 @@ import yaml
 
 from moerl.atomic import atomic_write_text
 from moerl.cluster.eks import efa_device_plugin, eksctl_cluster_config
+from moerl.cluster.iam import s3_policy
 from moerl.cluster.kuberay import NOTICE_FILE, config_map_name, model_folder, ray_job
 from moerl.cluster.memory import memory_warnings
 from moerl.config import ConfigError, RunConfig, from_dict, rollout_ep_ranks_per_node, to_dict
 
 RUN_CONFIG_KEY = "run.yaml"
+NO_IMAGE = (
+    "cluster.image is unset: moerl publishes no image; build deploy/docker/Dockerfile, push it to a "
+    "registry your nodes can pull from and set cluster.image=<registry>/moerl:<tag>"
+)
+"""The render's refusal without ``cluster.image`` (why: ``ClusterConfig.image``)."""
 IMDS_URL = "http://169.254.169.254"
 """The EC2 instance metadata service (IMDSv2), polled by the rollout workers for Spot notices."""
 
@@ -100,11 +109,14 @@ def _check(cfg: RunConfig) -> None:
     """Cross-checks between the run and its cluster (the sections validate themselves).
 
     Raises:
-        ConfigError: storage not in S3, a trainer layout that does not fit the train group, a rollout EP
-            node slice (``rollout.ep_ranks_per_node``) that does not divide a rollout node's GPUs, more
-            rollout workers (of ``ep_size / ep_ranks_per_node`` nodes each) than the rollout group can hold.
+        ConfigError: no ``cluster.image``, storage not in S3, a trainer layout that does not fit the train
+            group, a rollout EP node slice (``rollout.ep_ranks_per_node``) that does not divide a rollout
+            node's GPUs, more rollout workers (of ``ep_size / ep_ranks_per_node`` nodes each) than the
+            rollout group can hold.
     """
     c = cfg.cluster
+    if c.image is None:
+        raise ConfigError(NO_IMAGE)
     if not (cfg.storage.url or "").startswith("s3://"):
         raise ConfigError(
             f"storage.url={cfg.storage.url!r}: a cluster run has no shared filesystem, its checkpoints and "
@@ -213,6 +225,7 @@ def manifests(cfg: RunConfig) -> tuple[dict[str, dict], list[str]]:
     cfg = cluster_run_config(cfg)
     out = {
         "eksctl-cluster.yaml": eksctl_cluster_config(cfg),
+        "iam-s3-policy.json": s3_policy(cfg),
         "k8s/00-namespace.yaml": namespace(cfg),
         "k8s/10-efa-device-plugin.yaml": efa_device_plugin(cfg),
         "k8s/20-run-config.yaml": run_config_map(cfg),
@@ -244,7 +257,12 @@ def render(cfg: RunConfig, out_dir: str | Path) -> Rendered:
     files = []
     for name, doc in docs.items():
         path = out_dir / name
-        atomic_write_text(path, yaml.safe_dump(doc, sort_keys=False, width=110))
+        text = (
+            json.dumps(doc, indent=2) + "\n"
+            if name.endswith(".json")
+            else yaml.safe_dump(doc, sort_keys=False, width=110)
+        )
+        atomic_write_text(path, text)
         files.append(path)
     return Rendered(tuple(files), tuple(skipped))
 

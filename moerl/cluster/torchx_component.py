@@ -109,15 +109,19 @@ def moerl(
         num_rollout_workers: rollout workers (``rollout.num_workers`` and ``fleet.max_workers``).
         checkpoint_dir: where the run's checkpoints, weight versions and metrics go (``storage.url``),
             e.g. ``s3://bucket/checkpoints``.
-        image: container image with moerl and Ray; empty: ``cluster.image`` of the config.
+        image: container image with moerl and Ray (it becomes ``cluster.image``); empty: the config's
+            ``cluster.image`` (refused when that is unset too: ``moerl.cluster.render.NO_IMAGE``).
         max_retries: TorchX retries of each role.
     """
     # the same checks and cluster settings as ``moerl cluster render`` (async on the job's Ray, CUDA,
     # IMDSv2 notices, S3 storage)
-    cfg = cluster_run_config(load_config(config, _run_overrides(config, num_rollout_workers, checkpoint_dir)))
+    overrides = _run_overrides(config, num_rollout_workers, checkpoint_dir)
+    cfg = cluster_run_config(
+        load_config(config, [*overrides, *([f"cluster.image={json.dumps(image)}"] if image else [])])
+    )
     run_yaml = yaml.safe_dump(job_run_config(cfg), sort_keys=False)
     env = {"MOERL_RUN_CONFIG": base64.b64encode(run_yaml.encode()).decode(), "AWS_REGION": cfg.cluster.region}
-    image = image or cfg.cluster.image
+    image = cfg.cluster.image
     roles = []
     counts = replicas_per_group(cfg)
     for group in GROUPS:  # "train" first: its replica 0 is the Ray head (rank0_env)

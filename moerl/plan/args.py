@@ -12,6 +12,11 @@ RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 """``bench/results`` of the repository this moerl is imported from (absent in an installed wheel): the
 default of ``--results`` for ``moerl plan --validate`` and ``python -m moerl.plan.calibrate``."""
 
+COLUMNS = 100
+"""Width of ``moerl plan``'s output (tables and lines wrap within it)."""
+WIDE_COLUMNS = 200
+"""Width with ``--wide``."""
+
 PRESETS: dict[str, dict] = {
     # The mission: 48 p5en (16 training, 32 rollout), a GLM-5-744B-A40B-like super-sparse MoE (top-8 of 256),
     # EP over 2 nodes per rollout replica, group-limited routing assumed as DeepSeek-V3's (4 of 8 groups).
@@ -38,6 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     base.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: mission)")
     base.add_argument(
         "--file", default=None, help="YAML plan: a mapping of plan parameters over the mission preset's"
+    )
+    base.add_argument(
+        "--config",
+        default=None,
+        metavar="RUN.yaml",
+        help="a run config: its model section, cluster node groups, layout and batch as the plan "
+        "(moerl.cluster.plan_inputs), over the mission preset's other parameters",
     )
     p.add_argument(
         "--set",
@@ -73,4 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sensitivity", action="store_true", help="one-at-a-time sensitivity of the hier/flat ratio"
+    )
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help=f"every column (EP ms/step, inter-node MB/layer), up to {WIDE_COLUMNS} columns wide; "
+        f"default: {COLUMNS} columns",
     )

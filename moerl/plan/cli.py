@@ -4,6 +4,10 @@
     moerl plan --preset mission --sweep top_k=1,2,4 --sweep placement=grouped,round_robin
     moerl plan --file plan.yaml --sweep total_nodes=13,63,125 --plot out.png --json out.json --csv out.csv
     moerl plan --validate            # predictions against bench/results (fitted and held-out points)
+    moerl plan --config configs/cluster_qwen3_30b_1node.yaml   # a run config's model, nodes and batch
+
+Output fits ``COLUMNS`` (100) columns: the main table leaves out EP ms/step and inter-node MB/layer, which
+``--wide`` adds (up to ``WIDE_COLUMNS``); long lines wrap.
 
 Bad input (unknown preset or parameter, a value outside its range (``moerl.plan.inputs``), invalid YAML, a
 parameter swept twice, --validate with plan flags or without bench results) raises ConfigError, an unusable
@@ -23,12 +27,13 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 import yaml
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from moerl.atomic import atomic_path, atomic_write_text
 from moerl.configlib import ConfigError
-from moerl.plan.args import PRESETS, RESULTS
+from moerl.plan.args import COLUMNS, PRESETS, RESULTS, WIDE_COLUMNS
 from moerl.plan.inputs import Plan, with_params
 from moerl.plan.predict import as_rows, best_split, plan_hardware, plan_model, run
 from moerl.plan.sensitivity import tornado
@@ -61,12 +66,16 @@ def check_preset(preset: str | None) -> None:
         raise ConfigError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
 
 
-def build_plan(preset: str | None, file: str | None, overrides: list[str]) -> Plan:
-    """The base plan: preset (or YAML file), then ``--set`` overrides. Raises ConfigError on bad input."""
+def build_plan(
+    preset: str | None, file: str | None, overrides: list[str], config_values: dict | None = None
+) -> Plan:
+    """The base plan: preset (or YAML file, or a run config's ``config_values``:
+    ``moerl.cluster.plan_inputs.plan_values``), then ``--set`` overrides. Raises ConfigError on bad input."""
     check_preset(preset)
     values = dict(PRESETS[preset or "mission"])
     if file is not None:
         values.update(_read_plan_file(file))
+    values.update(config_values or {})
     values.update(_split(item, "--set") for item in overrides)
     return with_params(Plan(), values)
 
@@ -123,19 +132,27 @@ def _sweep_point(base: Plan, values: dict[str, str]) -> Plan:
         raise ConfigError(f"--sweep point {point}: {e}") from None
 
 
-def _table(points: list[dict], swept: list[str]) -> Table:
-    t = Table(title="moerl plan (per dispatcher; hier/flat = rollout tok/s ratio)")
-    cols = [*swept, "dispatcher", "train/rollout nodes", "rollout tok/s", "decode ms", "EP ms/step", "inter MB/layer", "train s",
+WIDE_ONLY = ("EP ms/step", "inter MB/layer")
+"""Columns of the main table shown with ``--wide`` only."""
+
+
+def _table(points: list[dict], swept: list[str], *, wide: bool = False) -> Table:
+    t = Table(title="moerl plan (per dispatcher; hier/flat = rollout tok/s ratio)", box=box.SIMPLE_HEAD,
+              pad_edge=False, title_justify="left")  # fmt: skip
+    cols = [*swept, "dispatcher", "nodes t/r", "rollout tok/s", "decode ms", "EP ms/step", "inter MB/layer", "train s",
             "useful ep/s", "balance", "$/1000 ep", "hier/flat"]  # fmt: skip
-    for c in cols:
-        t.add_column(c, justify="right")
+    keep = [wide or c not in WIDE_ONLY for c in cols]
+    for c, shown in zip(cols, keep, strict=True):
+        if shown:  # two-line headers: the figures set the widths; a figure is folded, never cut
+            t.add_column(c if c in swept else c.replace(" ", "\n", 1), justify="right", overflow="fold")
     for pt in points:
         for pr in pt["predictions"]:
-            t.add_row(*[str(pt["swept"][s]) for s in swept], pr["dispatcher"],
-                      f"{pr['train_nodes']}/{pt['plan']['total_nodes'] - pr['train_nodes']}", f"{pr['rollout_tok_s']:,.0f}",
-                      f"{pr['decode_step_ms']:.1f}", f"{pr['ep_ms_per_step']:.1f}", f"{pr['inter_node_mb_per_layer']:.2f}",
-                      f"{pr['train_step_s']:.1f}", f"{pr['useful_episodes_s']:.2f}", f"{pr['balance']:.2f}", f"{pr['usd_per_1000_episodes']:.2f}",
-                      f"{pt['ratio_rollout_hier_over_flat']:.3f}")  # fmt: skip
+            row = [*[str(pt["swept"][s]) for s in swept], pr["dispatcher"],
+                   f"{pr['train_nodes']}/{pt['plan']['total_nodes'] - pr['train_nodes']}", f"{pr['rollout_tok_s']:,.0f}",
+                   f"{pr['decode_step_ms']:.1f}", f"{pr['ep_ms_per_step']:.1f}", f"{pr['inter_node_mb_per_layer']:.2f}",
+                   f"{pr['train_step_s']:.1f}", f"{pr['useful_episodes_s']:.2f}", f"{pr['balance']:.2f}", f"{pr['usd_per_1000_episodes']:.2f}",
+                   f"{pt['ratio_rollout_hier_over_flat']:.3f}"]  # fmt: skip
+            t.add_row(*[v for v, shown in zip(row, keep, strict=True) if shown])
     return t
 
 
@@ -235,7 +252,7 @@ def _summary(plan: Plan, point: dict, cal: dict) -> str:
 def _tornado_table(rows: list[dict]) -> Table:
     t = Table(title=f"sensitivity of hier/flat rollout tok/s (base {rows[0]['base']:.3f})")
     for c in ("assumption", "low", "high", "ratio at low", "ratio at high", "meaning"):
-        t.add_column(c, justify="left" if c in ("assumption", "meaning") else "right")
+        t.add_column(c, justify="left" if c in ("assumption", "meaning") else "right", overflow="fold")
     fmt = lambda r: "invalid" if r is None else f"{r:.3f}"  # noqa: E731
     for r in rows:
         t.add_row(r["param"], r["low"], r["high"], fmt(r["ratio_low"]), fmt(r["ratio_high"]), r["what"])
@@ -263,10 +280,12 @@ def plan_main(args: argparse.Namespace) -> int:
         cal = json.loads(Path(args.calibration).read_text())  # a missing file: FileNotFoundError, exit 2
     except json.JSONDecodeError as e:
         raise ConfigError(f"--calibration {args.calibration}: not valid JSON ({e})") from None
-    console = Console(width=170)
+    console = Console(width=WIDE_COLUMNS if getattr(args, "wide", False) else COLUMNS)
     check_preset(args.preset)
+    config_values = getattr(args, "config_values", None)
     if args.validate:
-        ignored = [f for f, v in (("--preset", args.preset), ("--file", args.file), ("--set", args.overrides),
+        ignored = [f for f, v in (("--preset", args.preset), ("--file", args.file),
+                                  ("--config", getattr(args, "config", None)), ("--set", args.overrides),
                                   ("--sweep", args.sweep), ("--json", args.json), ("--csv", args.csv),
                                   ("--plot", args.plot), ("--sensitivity", args.sensitivity)) if v]  # fmt: skip
         if ignored:
@@ -282,11 +301,13 @@ def plan_main(args: argparse.Namespace) -> int:
     if args.plot and not args.sweep:
         raise ConfigError("--plot needs a --sweep (its first parameter is the x axis)")
     check_output_paths(args)
-    base = build_plan(args.preset, args.file, args.overrides)
+    base = build_plan(args.preset, args.file, args.overrides, config_values)
     grid = sweep_points(base, args.sweep)  # every point validated before the first prediction
     swept = [_split(s, "--sweep")[0] for s in args.sweep]
     points = [{"swept": sw, **as_rows(p, run(p, cal))} for sw, p in grid]
-    console.print(_table(points, swept))
+    for note in getattr(args, "config_notes", ()):
+        console.print(f"note: {note}", highlight=False)
+    console.print(_table(points, swept, wide=getattr(args, "wide", False)))
     if not args.sweep:
         console.print("\n".join(["assumptions:", *assumptions(base, cal)]), highlight=False)
         console.print(_summary(base, points[0], cal), highlight=False)

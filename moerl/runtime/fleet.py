@@ -85,6 +85,9 @@ class WorkerHealth:
     engine (``runtime.weight_sync=object_store``; None: not measured)."""
     weight_bytes: int = 0
     """Bytes of weights it received for its current version."""
+    weights_refused: int = 0
+    """Weight versions it refused so far: a table or checksum that did not hold, or tensors that are not
+    its engine's parameter set (``moerl.weights.sources.refused_versions_of``; cumulative)."""
     ep_size: int = 1
     """EP ranks of the worker (``rollout.ep_size``; > 1: an EP rollout group led by this worker)."""
     rank_pids: tuple[int, ...] = ()

@@ -4,6 +4,10 @@ Generate-then-train: ``next_groups(n)`` has the worker generate exactly ``n`` gr
 weights and takes them from the buffer (``max_staleness`` 0: on-policy). Implements ``Rollouts``
 (``moerl.runtime.rollouts``), as ``moerl.runtime.ray.RayRollouts`` does for async mode.
 
+The worker switches only to versions equal to its engine's parameter set (``CheckedWeights``, as in async
+mode). Sync mode generates on-policy, so a refused version cannot be trained around: ``next_groups``
+raises ``WeightVersionRefused`` (the ``moerl`` command prints it as one line and exits 1).
+
 ``rollout.ep_size > 1`` is refused for sync mode when the config loads (``ConfigError``): an EP rollout
 worker is a group of processes (``moerl.runtime.ray.ep_group``), and this side runs one in-process engine.
 """
@@ -16,6 +20,7 @@ import time
 import torch
 
 from moerl.config import RunConfig
+from moerl.errors import WeightVersionRefused
 from moerl.records import Group, RolloutTask
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics, ExperienceBuffer
@@ -23,7 +28,7 @@ from moerl.runtime.build import Components, make_buffer, make_queue, make_worker
 from moerl.runtime.fleet import WorkerHealth, WorkerRecord, WorkerState
 from moerl.runtime.queue import QueueStats, TaskQueue
 from moerl.runtime.worker import RolloutWorker, WorkerStats
-from moerl.weights.sources import LocalWeights
+from moerl.weights.sources import CheckedWeights, LocalWeights, parameter_set, refused_versions_of
 from moerl.weights.store import WeightStore
 from moerl.weights.transport import WeightHolder
 
@@ -37,7 +42,8 @@ class LocalRollouts:
         queue: the task queue.
         buffer: the experience buffer over ``queue``.
         worker: the one rollout worker, polling ``weights``.
-        weights: where ``publish`` hands the trainer's weights over (in process).
+        weights: where ``publish`` hands the trainer's weights over (in process; a ``LocalWeights``,
+            or a ``CheckedWeights`` over one).
         store: the run's weight store, written at every ``publish`` (None: not written from here).
     """
 
@@ -46,7 +52,7 @@ class LocalRollouts:
         queue: TaskQueue,
         buffer: ExperienceBuffer,
         worker: RolloutWorker,
-        weights: LocalWeights,
+        weights: LocalWeights | CheckedWeights,
         store: WeightStore | None = None,
     ) -> None:
         self.queue, self.buffer, self.worker, self.weights = queue, buffer, worker, weights
@@ -61,9 +67,9 @@ class LocalRollouts:
         """
         queue = make_queue(cfg, comp.task, comp.tokenizer)
         buffer = make_buffer(cfg, queue, version=version)
-        weights = LocalWeights()
-        weights.push(version, {k: v.detach().clone() for k, v in comp.model.state_dict().items()})
         model = copy.deepcopy(comp.model)
+        weights = CheckedWeights(LocalWeights(), parameter_set(model))
+        weights.push(version, {k: v.detach().clone() for k, v in comp.model.state_dict().items()})
         worker = make_worker(
             cfg, "local-0", model, comp.task, comp.tokenizer, queue, buffer, weights, version=-1
         )
@@ -79,10 +85,21 @@ class LocalRollouts:
             ``(groups, generation seconds, wait seconds)``; the wait is 0 in sync mode.
         """
         start = time.perf_counter()
+        self._check_not_refused()
         while self.buffer.metrics().depth < n:
             self.worker.run(num_groups=n - self.buffer.metrics().depth)
         gen_s = time.perf_counter() - start
         return self.buffer.get(n, timeout=0), gen_s, 0.0
+
+    def _check_not_refused(self) -> None:
+        """Raises ``WeightVersionRefused`` when the worker refused the version last pushed (after trying
+        to load it): generating on at an older version would not be on-policy."""
+        self.worker.sync_weights()
+        if self.worker.version < self.weights.version and refused_versions_of(self.weights):
+            raise WeightVersionRefused(
+                f"the rollout worker refused weight version {self.weights.version} (its tensors are not the "
+                f"engine's parameter set; see the log); sync mode generates on-policy only"
+            )
 
     def publish(self, trainer: WeightHolder, *, is_stored: bool = False, is_final: bool = False) -> None:
         """The in-process weight hand-off of sync mode: write the trainer's version to the store (unless
@@ -115,8 +132,14 @@ class LocalRollouts:
         return [self.worker.stats]
 
     def fleet_values(self, batch_groups: int) -> dict[str, float]:
-        """The step's ``fleet/*`` metrics: one in-process worker, never interrupted."""
-        return {**dict.fromkeys(_NEVER, 0), "fleet/workers_alive": 1, "fleet/desired_workers": 1}
+        """The step's ``fleet/*`` metrics: one in-process worker, never interrupted; the versions it
+        refused (``weights/refused_total``)."""
+        return {
+            **dict.fromkeys(_NEVER, 0),
+            "fleet/workers_alive": 1,
+            "fleet/desired_workers": 1,
+            "weights/refused_total": refused_versions_of(self.weights),
+        }
 
     def worker_records(self) -> list[WorkerRecord]:
         """A record of the in-process worker (always alive), as ``RayRollouts`` reports its workers."""

@@ -5,7 +5,9 @@
     python3 -m moerl.telemetry.grafana > deploy/grafana/moerl.json
 
 Import it in Grafana (Dashboards -> New -> Import) and pick the Prometheus data source that scrapes
-``moerl train --metrics-port N``; the ``instance`` variable selects runs. Rows: rollout (per-worker
+``moerl train --metrics-port N``; the ``instance`` variable selects runs. Rows: learning (reward,
+held-out accuracy, policy loss, KL, entropy, staleness, learning rate, tokens/s, refused weight
+versions), rollout (per-worker
 token and group rates, the spread against the fastest worker, liveness and policy lag), buffer and
 queue, trainer (step and weight-sync latency quantiles, waiting, policy version), faults (notices,
 kills, requeues, lost work, comm errors), EP traffic and GPUs.
@@ -165,8 +167,59 @@ def _hardware_row() -> list[dict]:
     ]
 
 
+def _learning_row() -> list[dict]:
+    def g(name: str) -> str:
+        return f"{name}{{{SEL}}}"
+
+    return [
+        _stat("Trainer step", f"max({g('moerl_trainer_step')})"),
+        _stat("Held-out accuracy", f"max({g('moerl_eval_accuracy')})", "percentunit"),
+        _stat("Reward mean", f"max({g('moerl_reward_mean')})"),
+        _stat(
+            "Weight versions refused",
+            f"sum({g('moerl_weights_refused_total')})",
+            description="Versions rollout workers refused (table, checksum or parameter set).",
+        ),
+        _ts(
+            "Reward",
+            "short",
+            (g("moerl_reward_mean"), "mean {{instance}}"),
+            (g("moerl_reward_std"), "std {{instance}}"),
+        ),
+        _ts("Held-out accuracy", "percentunit", (g("moerl_eval_accuracy"), "{{instance}}")),
+        _ts("Policy loss", "short", (g("moerl_policy_loss"), "{{instance}}")),
+        _ts(
+            "KL (nats per token)",
+            "short",
+            (g("moerl_kl_ref"), "to reference {{instance}}"),
+            (g("moerl_rollout_kl"), "engine vs trainer {{instance}}"),
+        ),
+        _ts(
+            "Entropy and gradient norm",
+            "short",
+            (g("moerl_entropy"), "entropy {{instance}}"),
+            (g("moerl_grad_norm"), "grad norm {{instance}}"),
+        ),
+        _ts(
+            "Staleness (versions)",
+            "short",
+            (g("moerl_staleness_mean"), "mean {{instance}}"),
+            (g("moerl_staleness_max"), "max {{instance}}"),
+        ),
+        _ts("Learning rate", "short", (g("moerl_learning_rate"), "{{instance}}")),
+        _ts("Response length (tokens)", "short", (g("moerl_response_length_mean"), "{{instance}}")),
+        _ts(
+            "Tokens/s",
+            "short",
+            (g("moerl_rollout_tokens_per_second"), "rollout {{instance}}"),
+            (g("moerl_train_tokens_per_second"), "train {{instance}}"),
+        ),
+    ]
+
+
 def _rows() -> list[tuple[str, list[dict]]]:
     return [
+        ("Learning", _learning_row()),
         ("Rollout", _rollout_row()),
         ("Buffer and queue", _buffer_row()),
         ("Trainer", _trainer_row()),
@@ -208,7 +261,7 @@ def dashboard() -> dict:
     return {
         "title": "moerl",
         "uid": "moerl-run",
-        "description": "RL post-training of MoE LMs: rollout fleet, buffer, trainer, faults, EP traffic.",
+        "description": "RL post-training of MoE LMs: learning, rollout fleet, buffer, trainer, faults, EP traffic.",
         "tags": ["moerl"],
         "timezone": "browser",
         "editable": True,

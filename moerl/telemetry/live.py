@@ -7,27 +7,47 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+LINE_WIDTH = 80
+"""Columns the progress line fits in, with its ``[HH:MM:SS]`` prefix (plain) or elapsed time (TTY), for
+runs of up to 9999 steps and a buffer of up to 999 groups."""
+
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _short(value: float | None) -> str:
+    """A rate in at most 4 characters: 812, 9999, 12k, 1.2M, 123M ("-": not measured)."""
+    if value is None:
+        return "-"
+    if value < 9999.5:
+        return f"{value:.0f}"
+    for scale, unit in ((1e3, "k"), (1e6, "M"), (1e9, "G")):
+        shown = value / scale
+        text = f"{shown:.1f}" if shown < 9.95 else f"{shown:.0f}"
+        if len(text) <= 3:
+            return text + unit
+    return f"{value / 1e9:.0f}G"
+
+
 def status_line(record: dict, total_steps: int, *, eval_step: int | None = None) -> str:
-    """One line: step, mean reward, held-out accuracy, tokens/s, buffer depth, policy version.
+    """One line of at most 68 columns (``LINE_WIDTH`` with its prefix): step, mean reward, held-out
+    accuracy, rollout tokens/s, buffer depth, policy version, e.g.
+    ``step 12/200 reward 0.512 acc 0.430@10 12k tok/s buf 3 v12``.
 
     ``acc`` is ``record["eval/accuracy"]``; ``eval_step``, when given, is the step that accuracy was
-    measured at and is shown as ``@step`` (the live view repeats the last eval between evals). ``buffer``
-    is ``buffer/depth``: groups waiting in the experience buffer after the trainer took its batch.
+    measured at and is shown as ``@step`` (the live view repeats the last eval between evals). ``tok/s``
+    is ``perf/rollout_tokens_per_s`` (the trainer's tokens/s are in ``metrics.jsonl`` and ``/metrics``).
+    ``buf`` is ``buffer/depth``: groups waiting in the experience buffer after the trainer took its
+    batch; ``v`` the trainer's policy version after the step.
     """
     acc = _fmt(record.get("eval/accuracy"), ".3f")
     if eval_step is not None and record.get("eval/accuracy") is not None:
-        acc += f" @{eval_step}"
+        acc += f"@{eval_step}"
     return (
-        f"step {record['step']}/{total_steps}  reward {_fmt(record.get('rollout/reward_mean'), '.3f')}  "
-        f"acc {acc}  "
-        f"rollout tok/s {_fmt(record.get('perf/rollout_tokens_per_s'), '.0f')}  "
-        f"train tok/s {_fmt(record.get('perf/train_tokens_per_s'), '.0f')}  "
-        f"buffer {_fmt(record.get('buffer/depth'), '.0f')} groups  v{_fmt(record.get('policy_version'), '.0f')}"
+        f"step {record['step']}/{total_steps} reward {_fmt(record.get('rollout/reward_mean'), '.3f')} "
+        f"acc {acc} {_short(record.get('perf/rollout_tokens_per_s'))} tok/s "
+        f"buf {_fmt(record.get('buffer/depth'), '.0f')} v{_fmt(record.get('policy_version'), '.0f')}"
     )
 
 
@@ -73,12 +93,11 @@ class LiveView:
         self._sft_task = None
         if enabled and self.stream.isatty():
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
+            # elapsed time and the status line (which counts the steps): no bar, so that the line,
+            # buffer and version included, fits LINE_WIDTH columns
             self._progress = Progress(
-                TextColumn("[bold]moerl"),
-                BarColumn(),
-                MofNCompleteColumn(),
                 TimeElapsedColumn(),
                 TextColumn("{task.description}"),
                 console=Console(file=self.stream),

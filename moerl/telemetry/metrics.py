@@ -73,6 +73,8 @@ METRIC_KEYS: tuple[str, ...] = (
     "weights/sync_bytes",  # bytes of weights moved by the step's sync (per worker x workers)
     "weights/version_lag_max",  # max over live workers of trainer version - engine version
     "weights/version_lag_mean",  # mean of the same
+    "weights/refused_total",  # weight versions refused by rollout workers so far (table, checksum or
+    # parameter-set mismatch: never switched to; moerl.weights.sources; cumulative)
     "env/turns_mean",  # policy turns per episode of the step's samples (task.name env; else null)
     "env/latency_p50_s",  # median environment call latency, recent calls of every worker (moerl.envs)
     "env/latency_p99_s",  # 99th percentile of the same

@@ -25,6 +25,12 @@ Series (``SERIES``; the alert rules and the Grafana dashboard use only these):
     moerl_ep_bytes_total{link="intra|inter", direction="dispatch|combine"}   counter
     moerl_gpu_utilization_ratio{worker,gpu}, moerl_gpu_memory_used_bytes{worker,gpu},
     moerl_gpu_memory_total_bytes{worker,gpu}                                  gauges (NVML, when a GPU exists)
+    learning (``LEARNING``, from each step's ``metrics.jsonl`` record, the last measured value held):
+    moerl_trainer_step, moerl_reward_mean, moerl_reward_std, moerl_eval_accuracy, moerl_policy_loss,
+    moerl_kl_ref, moerl_rollout_kl, moerl_entropy, moerl_grad_norm, moerl_learning_rate,
+    moerl_response_length_mean, moerl_staleness_mean, moerl_staleness_max,
+    moerl_rollout_tokens_per_second, moerl_train_tokens_per_second          gauges
+    moerl_weights_refused_total                                               counter (``weights/refused_total``)
 """
 
 from __future__ import annotations
@@ -43,6 +49,35 @@ from moerl.configlib import ConfigError
 from moerl.ep.layout import Traffic
 from moerl.runtime.counters import COMM_ERROR_KINDS, comm_error_counts, count_comm_error  # noqa: F401 - re-exported
 from moerl.runtime.gpu import GpuSample
+
+LEARNING: dict[str, tuple[str, str]] = {
+    "moerl_trainer_step": ("step", "The trainer step of the last record (1-based)."),
+    "moerl_reward_mean": ("rollout/reward_mean", "Mean reward of the step's samples."),
+    "moerl_reward_std": ("rollout/reward_std", "Standard deviation of the step's sample rewards."),
+    "moerl_eval_accuracy": (
+        "eval/accuracy",
+        "Held-out accuracy at the last eval (metrics.jsonl eval/accuracy), 0-1.",
+    ),
+    "moerl_policy_loss": ("train/pg_loss", "Policy-gradient loss of the step."),
+    "moerl_kl_ref": ("train/kl_ref", "KL(policy || reference) per loss token, nats (algorithm.kl_coef > 0)."),
+    "moerl_rollout_kl": ("train/rollout_kl", "k3 KL(engine || trainer) per loss token, nats."),
+    "moerl_entropy": ("train/entropy", "Mean token entropy of the policy, nats."),
+    "moerl_grad_norm": ("train/grad_norm", "Global gradient norm before clipping."),
+    "moerl_learning_rate": ("train/lr", "Learning rate of the step's optimizer updates."),
+    "moerl_response_length_mean": ("rollout/response_len_mean", "Mean response length, tokens."),
+    "moerl_staleness_mean": (
+        "buffer/staleness_mean",
+        "Mean trainer version minus group policy version over the batch, versions.",
+    ),
+    "moerl_staleness_max": ("buffer/staleness_max", "Max of the same, versions."),
+    "moerl_rollout_tokens_per_second": (
+        "perf/rollout_tokens_per_s",
+        "Generated tokens per generation second.",
+    ),
+    "moerl_train_tokens_per_second": ("perf/train_tokens_per_s", "Trained tokens per train second."),
+}
+"""The learning series: gauge name -> (``metrics.jsonl`` key, help). Each holds the last value measured
+(``eval/accuracy`` between evals, ``train/kl_ref`` only with a reference); absent until one was."""
 
 SERIES: dict[str, str] = {
     "moerl_rollout_tokens_total": "counter",
@@ -68,6 +103,8 @@ SERIES: dict[str, str] = {
     "moerl_gpu_utilization_ratio": "gauge",
     "moerl_gpu_memory_used_bytes": "gauge",
     "moerl_gpu_memory_total_bytes": "gauge",
+    "moerl_weights_refused_total": "counter",
+    **dict.fromkeys(LEARNING, "gauge"),
 }
 """Every series the exporter defines, with its Prometheus type (the names are used by other checks)."""
 
@@ -127,6 +164,8 @@ class RunTotals:
     """Seconds the trainer waited for the buffer."""
     policy_version: int = 0
     """The trainer's weight version."""
+    weights_refused: int = 0
+    """Weight versions the rollout workers refused (``weights/refused_total``)."""
 
 
 @dataclass(slots=True)
@@ -137,6 +176,7 @@ class _State:
     ep_bytes: dict[tuple[str, str], int] = field(
         default_factory=lambda: {(link, d): 0 for link in ("intra", "inter") for d in ("dispatch", "combine")}
     )
+    learning: dict[str, float] = field(default_factory=dict)
 
 
 class MetricsExporter(Collector):
@@ -194,6 +234,14 @@ class MetricsExporter(Collector):
         with self._lock:
             self._state.totals = totals
 
+    def update_learning(self, record: Mapping) -> None:
+        """Take the ``LEARNING`` values of a ``metrics.jsonl`` record; a key that is None or missing
+        keeps its last value."""
+        with self._lock:
+            for name, (key, _) in LEARNING.items():
+                if (value := record.get(key)) is not None:
+                    self._state.learning[name] = float(value)
+
     def observe_step(self, *, step_s: float, weight_sync_s: float | None) -> None:
         """One trainer step's wall seconds, and its weight sync's (None: the step published nothing)."""
         self.step_seconds.observe(step_s)
@@ -248,6 +296,7 @@ class MetricsExporter(Collector):
             totals = self._state.totals
             gpus = dict(self._state.gpus)
             ep = dict(self._state.ep_bytes)
+            learning = dict(self._state.learning)
         comm = {k: n - self._comm_base[k] for k, n in comm_error_counts().items()}
         for w in workers.values():
             for kind, n in w.comm_errors:
@@ -256,6 +305,11 @@ class MetricsExporter(Collector):
         yield from _worker_families(workers)
         yield from _gpu_families(gpus)
         yield from _total_families(totals, self.max_staleness)
+        for name, (_, doc) in LEARNING.items():
+            family = GaugeMetricFamily(name, doc)
+            if name in learning:
+                family.add_metric([], learning[name])
+            yield family
         errors = CounterMetricFamily(
             "moerl_comm_errors", "Collective timeouts and transport errors, where caught.", labels=["kind"]
         )
@@ -331,6 +385,7 @@ def _total_families(t: RunTotals, max_staleness: int) -> Iterator:
         ("moerl_worker_kills", "Rollout workers that died or stopped answering.", t.num_worker_kills),
         ("moerl_lost_work_tokens", "Generated tokens discarded by interruptions.", t.lost_work_tokens),
         ("moerl_trainer_wait_seconds", "Seconds the trainer waited for the buffer.", t.trainer_wait_s),
+        ("moerl_weights_refused", "Weight versions the rollout workers refused.", t.weights_refused),
     )
     for name, doc, value in counters:
         yield CounterMetricFamily(name, doc, value=value)

@@ -256,8 +256,10 @@ class RunTelemetry:
                 lost_work_tokens=int(record.get("fleet/lost_work_tokens") or 0),
                 trainer_wait_s=self._wait_s,
                 policy_version=int(record.get("policy_version") or 0),
+                weights_refused=int(record.get("weights/refused_total") or 0),
             )
         )
+        self.exporter.update_learning(record)
         self.exporter.observe_step(step_s=step_s, weight_sync_s=weight_sync_s)
         if self.cfg.model.device.startswith("cuda"):
             self.exporter.update_gpus("trainer", read_gpus())

@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import xxhash
 
-from moerl.weights.store import ChecksumError
+from moerl.weights.store import ChecksumError, table_digest
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +66,9 @@ class WeightBucket:
 
 def bucket_digest(entries, data: np.ndarray) -> str:
     """xxh3-64 hex digest of a bucket: its (name, dtype, shape, offset) table, then its bytes, so that a
-    table damaged or mixed up in transit (a wrong shape or dtype over the right bytes) fails it too."""
-    h = xxhash.xxh3_64()
-    h.update(";".join(f"{n}|{d}|{','.join(map(str, s))}|{o}" for n, d, s, o in entries).encode())
-    h.update(data)
-    return h.hexdigest()
+    table damaged or mixed up in transit (a wrong shape or dtype over the right bytes) fails it too
+    (``moerl.weights.store.table_digest``)."""
+    return table_digest(entries, data)
 
 
 def bucket_bytes_of(publish_bucket_mb: float) -> int:
@@ -232,6 +229,9 @@ class SyncStats:
     refused_buckets: int = 0
     """Buckets refused on arrival (checksum mismatch, or not of the version/index they came as); their
     version is never switched to."""
+    refused_versions: int = 0
+    """Versions refused: one of their buckets refused (``refused_buckets``), or, with the ``store``
+    transport, a whole offer whose table and bytes failed their checksum."""
 
 
 @dataclass(slots=True)
@@ -282,6 +282,11 @@ class BucketAssembler:
         else:
             self._receive(version, index, num_buckets, ref, now)
 
+    @property
+    def refused_versions(self) -> int:
+        """``stats.refused_versions``."""
+        return self.stats.refused_versions
+
     def close(self) -> None:
         """Stop the fetch thread."""
         if self._queue is not None:
@@ -318,6 +323,8 @@ class BucketAssembler:
             if problem is not None:
                 log.error("weight bucket %d of version %d dropped: %s", index, version, problem)
                 self.stats.refused_buckets += 1
+                if version not in self._bad_versions:
+                    self.stats.refused_versions += 1
                 self._bad_versions.add(version)
                 if self._incoming is cur:
                     self._incoming = None

@@ -284,6 +284,16 @@ class CollectiveReceiver:
         """Worker-side figures (``BucketAssembler.stats``; ``refused_buckets`` counts damaged ones)."""
         return self.assembler.stats
 
+    @property
+    def refused_versions(self) -> int:
+        """Versions refused (a bucket damaged in transit: ``stats.refused_versions``)."""
+        return self.assembler.stats.refused_versions
+
+    @property
+    def fallback(self):
+        """The ``WeightSource`` polled when nothing newer arrived (the store)."""
+        return self.assembler.fallback
+
     def poll(self, version: int):
         """The newest complete received version newer than ``version``, else the fallback's, else None.
 

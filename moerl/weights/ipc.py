@@ -27,9 +27,11 @@ ring through named shared memory, which is how it is tested.
 
 Checksum: the sum of the bucket's bytes read as int64 words, wrapping modulo 2**64, on the device (one
 sync for ``.item()``): the trainer's over the source tensors, the engine's over its received copy.
-Summation order does not change a wrapping integer sum, so both agree exactly. It catches a bucket that
-is truncated, stale (the slot refilled before the engine copied it), from another version or partly
-written; it is not a cryptographic hash. xxh3 (the object-store path's) would need every bucket on the
+Summation order does not change a wrapping integer sum, so both agree exactly. The xxh3-64 of the
+bucket's (name, dtype, shape, offset) table is added to it (``table_word``), so a table that no longer
+describes its bytes (two names swapped, a dtype or shape changed, an entry dropped) fails it too. It
+catches a bucket that is truncated, stale (the slot refilled before the engine copied it), from another
+version or partly written; it is not a cryptographic hash. xxh3 (the object-store path's) would need every bucket on the
 host: for the 13.8 GB reference model a pinned device-to-host copy (0.25 s on an H200) plus hashing on
 the CPU (xxh3 runs at about 17 GB/s on one core: 0.8 s), about 1 s a version on its own, against a few
 milliseconds for the on-device sum (``bench/weight_sync.py`` measures both).
@@ -44,10 +46,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from moerl.weights.buckets import split_buckets
 from moerl.weights.ipc_slots import OpenedSlots, Slots
+from moerl.weights.store import table_digest
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,18 @@ def tensors_checksum_no_sync(tensors: list[torch.Tensor]) -> torch.Tensor:
             tail[: raw.numel() - whole] = raw[whole:]
             total += tail.view(torch.int64)[0]
     return total
+
+
+def table_word(entries) -> int:
+    """The xxh3-64 of a bucket's (name, dtype, shape, offset) table as a signed 64-bit integer, added
+    (wrapping) to the bytes' word sum to make a bucket's checksum (``with_table``)."""
+    word = int(table_digest(entries, np.zeros(0, dtype=np.uint8)), 16)
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+def with_table(bytes_sum: int, entries) -> int:
+    """``bytes_sum`` (a bucket's wrapping int64 word sum) plus ``table_word(entries)``, wrapping."""
+    return (bytes_sum + table_word(entries) + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +231,7 @@ class IpcPublisher:
             raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
             slot[start : start + raw.numel()].copy_(raw, non_blocking=is_async)
             slot[start + raw.numel() : end].zero_()  # the alignment padding is summed too
-        checksum = int(checksum_no_sync)  # device sync
+        checksum = with_table(int(checksum_no_sync), layout.entries)  # device sync
         if is_async:
             torch.cuda.synchronize()
         return checksum
@@ -266,6 +282,8 @@ class IpcStats:
     """Complete versions handed to the engine."""
     versions_dropped: int = 0
     """Versions given up (a bucket late, corrupt or lost, or superseded before it was taken)."""
+    refused_versions: int = 0
+    """Versions refused: a bucket's table and bytes failed the checksum (also in ``versions_dropped``)."""
     last_sync_s: float | None = None
     """Seconds from the first bucket's arrival to the whole version's arrival, last applied version."""
     last_bytes: int = 0
@@ -389,8 +407,12 @@ class IpcReceiver:
                 buf.copy_(self.slots.buffers[slot_id][:size], non_blocking=self.slots.is_pinned)
                 got = int(_checksum_no_sync(buf))  # device sync: the copy is done before the ack
                 self._ack(slot_id)
+                got = with_table(got, entries)
                 if got != checksum:
-                    raise IpcSyncError(f"bucket {index + 1}/{num_buckets}: checksum {got} != {checksum}")
+                    self.stats.refused_versions += 1
+                    raise IpcSyncError(
+                        f"bucket {index + 1}/{num_buckets}: checksum {got} of its table and bytes != {checksum}"
+                    )
                 nbytes += size
                 for name, dtype, shape, start in entries:
                     length = math.prod(shape) * dtype.itemsize
@@ -427,6 +449,11 @@ class IpcReceiver:
             self.conn.send(("ack", slot_id))
         except OSError:
             pass  # the trainer is gone; the next _next says so
+
+    @property
+    def refused_versions(self) -> int:
+        """``stats.refused_versions``."""
+        return self.stats.refused_versions
 
     def close(self) -> None:
         """Close the connection (a background thread then ends)."""

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from moerl.weights.store import WeightStore
+from moerl.weights.store import ChecksumError, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,15 @@ class LocalWeights:
 
 
 class StoreWeights:
-    """Polls a ``WeightStore`` for a newer complete version, at most once per ``interval_s``."""
+    """Polls a ``WeightStore`` for a newer complete version, at most once per ``interval_s``. A version
+    whose files fail their sha256 or do not match its manifest (names, shapes, dtypes) is refused: never
+    switched to, logged once, counted in ``refused_versions``."""
 
     def __init__(self, store: WeightStore, interval_s: float = 0.5) -> None:
         self.store = store
         self.interval_s = interval_s
+        self.refused_versions = 0
+        self._refused: set[int] = set()
         self._next_check = 0.0
 
     def poll(self, version: int) -> tuple[int, Mapping[str, torch.Tensor]] | None:
@@ -57,10 +61,28 @@ class StoreWeights:
             return None
         self._next_check = now + self.interval_s
         latest = self.store.latest()
-        if latest is None or latest.version <= version:
+        if latest is None or latest.version <= version or latest.version in self._refused:
             return None
-        loaded = self.store.load_latest()
+        try:
+            loaded = self.store.load_latest()
+        except (ChecksumError, ValueError) as e:  # damaged at rest or in transit; FileNotFoundError: pruned
+            log.error("weight version %d in the store refused: %s", latest.version, e)
+            self._refused.add(latest.version)
+            self.refused_versions += 1
+            return None
         return None if loaded is None else (loaded[0].version, loaded[1])
+
+
+def refused_versions_of(source) -> int:
+    """Versions refused by ``source`` and by the sources behind it (a ``CheckedWeights``' ``source``,
+    a receiver's ``fallback``): the sum of their ``refused_versions``; what a worker reports as
+    ``weights/refused_total``."""
+    total, seen = 0, set()
+    while source is not None and id(source) not in seen:
+        seen.add(id(source))
+        total += getattr(source, "refused_versions", 0)
+        source = source.source if isinstance(source, CheckedWeights) else getattr(source, "fallback", None)
+    return total
 
 
 def parameter_set(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

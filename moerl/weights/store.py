@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import fsspec
 import numpy as np
 import torch
+import xxhash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -471,6 +472,17 @@ class WeightStore:
 _ALIGN = 64  # bytes: every tensor of a packed buffer starts at a multiple of this
 
 
+def table_digest(entries, data: np.ndarray) -> str:
+    """xxh3-64 hex digest (https://github.com/Cyan4973/xxHash) of a tensor table and its bytes: the
+    (name, dtype, shape, offset) entries, then ``data`` ([n] uint8). Covering the table catches a table
+    damaged or mixed up in transit (two names swapped, a wrong dtype or shape over the right bytes, an
+    entry dropped), not only damaged bytes."""
+    h = xxhash.xxh3_64()
+    h.update(";".join(f"{n}|{d}|{','.join(map(str, s))}|{o}" for n, d, s, o in entries).encode())
+    h.update(data)
+    return h.hexdigest()
+
+
 @dataclass(frozen=True, slots=True)
 class PackedWeights:
     """Named tensors as one flat byte buffer, the form in which weights go through the object store.
@@ -483,10 +495,12 @@ class PackedWeights:
     """[nbytes] uint8: the tensors' bytes, each starting at a multiple of 64."""
     entries: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
     """(name, dtype, shape, byte offset) of each tensor."""
+    checksum: str
+    """``table_digest`` of ``entries`` and ``data`` at packing."""
 
 
 def pack_weights(tensors: Mapping[str, torch.Tensor]) -> PackedWeights:
-    """Copy ``tensors`` (any device, any dtype) into one ``PackedWeights`` buffer."""
+    """Copy ``tensors`` (any device, any dtype) into one ``PackedWeights`` buffer, with its checksum."""
     entries, offset = [], 0
     for name, t in tensors.items():
         entries.append((name, t.dtype, tuple(t.shape), offset))
@@ -495,11 +509,20 @@ def pack_weights(tensors: Mapping[str, torch.Tensor]) -> PackedWeights:
     for (_, _, _, start), t in zip(entries, tensors.values(), strict=True):
         raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         data[start : start + raw.numel()] = raw
-    return PackedWeights(data.numpy(), tuple(entries))
+    array, entries = data.numpy(), tuple(entries)
+    return PackedWeights(array, entries, table_digest(entries, array))
 
 
-def unpack_weights(packed: PackedWeights) -> dict[str, torch.Tensor]:
-    """The named tensors of ``pack_weights``, on CPU, sharing one writable buffer."""
+def unpack_weights(packed: PackedWeights, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The named tensors of ``pack_weights``, on CPU, sharing one writable buffer.
+
+    Raises:
+        ChecksumError: ``verify`` and the table and bytes do not match ``packed.checksum``.
+    """
+    if verify and (got := table_digest(packed.entries, packed.data)) != packed.checksum:
+        raise ChecksumError(
+            f"packed weights: xxh3 {got} of the table and bytes does not match {packed.checksum}"
+        )
     data = torch.from_numpy(np.array(packed.data))  # the object store hands out read-only arrays
     out = {}
     for name, dtype, shape, start in packed.entries:

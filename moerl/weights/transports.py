@@ -8,6 +8,7 @@ Ray is imported inside functions (async mode only); the config sections are duck
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -28,10 +29,12 @@ from moerl.weights.buckets import (
 )
 from moerl.weights.ipc import IpcPublisher, IpcReceiver
 from moerl.weights.ipc_slots import IpcListener, connect
-from moerl.weights.store import WeightStore, pack_weights, unpack_weights
+from moerl.weights.store import ChecksumError, WeightStore, pack_weights, unpack_weights
 
 if TYPE_CHECKING:
     from moerl.config import RuntimeConfig
+
+log = logging.getLogger(__name__)
 
 
 def _ray():
@@ -56,7 +59,9 @@ def ensure_durable(store: WeightStore, trainer) -> None:
 
 class OfferedWeights:
     """Whole versions offered through the object store (``offer``: a ref of ``PackedWeights``), falling
-    back to ``fallback`` (polling the weight store); the ``store`` transport's worker side."""
+    back to ``fallback`` (polling the weight store); the ``store`` transport's worker side. An offer
+    whose table and bytes fail their checksum is refused (logged, counted in ``stats.refused_versions``)
+    and the fallback polled instead."""
 
     def __init__(self, fallback) -> None:
         self.fallback = fallback
@@ -74,8 +79,17 @@ class OfferedWeights:
         with self._lock:
             offer, self._offer = self._offer, None
         if offer is not None and offer[0] > version:
-            return offer[0], unpack_weights(_ray().get(offer[1]))
+            try:
+                return offer[0], unpack_weights(_ray().get(offer[1]))
+            except ChecksumError as e:
+                log.error("weight version %d refused: %s", offer[0], e)
+                self.stats.refused_versions += 1
         return None if self.fallback is None else self.fallback.poll(version)
+
+    @property
+    def refused_versions(self) -> int:
+        """``stats.refused_versions``."""
+        return self.stats.refused_versions
 
     def close(self) -> None:
         """Nothing runs in the background."""

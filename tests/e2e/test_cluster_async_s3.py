@@ -29,6 +29,10 @@ pytestmark = pytest.mark.timeout(300)
 BUCKET = "moerl-cluster"
 
 
+IMAGE = "cluster.image=registry.example/moerl:0.1.0"
+"""The image a user built and pushed (``moerl cluster render`` refuses without one)."""
+
+
 @pytest.fixture
 def s3_env(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
@@ -40,7 +44,7 @@ def s3_env(monkeypatch):
 
 
 def test_async_run_on_a_rendered_cluster_shape_with_s3_storage(tmp_path, tiny_init, s3_env, monkeypatch):
-    recipe = load_config("configs/cluster_qwen3_30b_1node.yaml")
+    recipe = load_config("configs/cluster_qwen3_30b_1node.yaml", [IMAGE, IMAGE])
     e2e = os.path.dirname(__file__)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (e2e, os.environ.get("PYTHONPATH")) if p))
     cl = Cluster(

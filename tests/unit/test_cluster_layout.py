@@ -24,6 +24,9 @@ from moerl.cluster.render import cluster_run_config, manifests
 from moerl.config import ConfigError, load_config
 from moerl.instances import GPUS_PER_INSTANCE, is_gpu_instance
 
+IMAGE = "cluster.image=registry.example/moerl:0.1.0"
+"""The image a user built and pushed (``moerl cluster render`` refuses without one)."""
+
 ROOT = Path(__file__).resolve().parents[2]
 MISSION = ROOT / "configs" / "cluster_mission.yaml"
 QWEN = ROOT / "configs" / "cluster_qwen3_30b_1node.yaml"
@@ -53,7 +56,7 @@ def _pods(docs: dict):
     ids=["mission", "qwen3"],
 )
 def test_the_job_reads_the_runs_layout(recipe, layout, tmp_path):
-    docs, _ = manifests(load_config(recipe))
+    docs, _ = manifests(load_config(recipe, [IMAGE, IMAGE]))
     run = _job_config(docs)
     got = (
         run["trainer"]["num_ranks"],
@@ -98,17 +101,19 @@ def test_the_job_reads_the_runs_layout(recipe, layout, tmp_path):
 )
 def test_contradicting_layouts_are_one_line_errors(override, match):
     with pytest.raises(ConfigError, match=match):
-        cluster_run_config(load_config(MISSION, override.split()))
+        cluster_run_config(load_config(MISSION, [IMAGE, *override.split()]))
 
 
 def test_rollout_ep_groups_span_nodes():
     """Issue 34: rollout.ep_ranks_per_node defaults to the rollout nodes' GPUs, a bigger group spans whole
     nodes, and the job reads the resolved layout."""
-    sixteen = ["rollout.ep_size=16", "rollout.num_workers=16", "fleet.max_workers=16"]
+    sixteen = [IMAGE, "rollout.ep_size=16", "rollout.num_workers=16", "fleet.max_workers=16"]
     docs, _ = manifests(load_config(MISSION, sixteen))
     run = _job_config(docs)["rollout"]
     assert (run["ep_size"], run["ep_ranks_per_node"]) == (16, 8)  # 2 nodes of 8 ranks
-    assert _job_config(manifests(load_config(MISSION))[0])["rollout"]["ep_ranks_per_node"] == 8  # one node
+    assert (
+        _job_config(manifests(load_config(MISSION, [IMAGE]))[0])["rollout"]["ep_ranks_per_node"] == 8
+    )  # one node
     cfg = cluster_run_config(load_config(MISSION, [*sixteen, "rollout.ep_ranks_per_node=4"]))
     assert cfg.rollout.ep_ranks_per_node == 4  # 16 workers of 4 nodes, 2 slices of 4 per node: 32 nodes
     with pytest.raises(ConfigError, match=r"rollout.ep_ranks_per_node=3 does not divide rollout.ep_size=8"):
@@ -123,10 +128,10 @@ def test_rollout_ep_groups_span_nodes():
 
 
 def test_rollout_ep_size_is_the_runs_own():
-    cfg = load_config(QWEN)
+    cfg = load_config(QWEN, [IMAGE, IMAGE])
     assert cfg.rollout.ep_size == 2 and cluster_run_config(cfg).rollout.ep_size == 2
     # one worker per g6e.12xlarge: the 2 rollout nodes hold 2 workers
-    cfg = load_config(QWEN, ["rollout.ep_size=4", "rollout.num_workers=2", "fleet.max_workers=2"])
+    cfg = load_config(QWEN, [IMAGE, "rollout.ep_size=4", "rollout.num_workers=2", "fleet.max_workers=2"])
     docs, _ = manifests(cfg)
     assert _job_config(docs)["rollout"]["ep_size"] == 4
     (rollout,) = [
@@ -136,15 +141,15 @@ def test_rollout_ep_size_is_the_runs_own():
     ]
     assert rollout["resources"] == {"rollout": "1"}  # 4 GPUs / 4: one worker per node
     with pytest.raises(ConfigError, match=r"rollout.ep_ranks_per_node=8 \(rollout.ep_size=8\) must divide"):
-        cluster_run_config(load_config(QWEN, ["rollout.ep_size=8", "rollout.ep_ranks_per_node=8"]))
+        cluster_run_config(load_config(QWEN, [IMAGE, "rollout.ep_size=8", "rollout.ep_ranks_per_node=8"]))
     # the stand-in is gone: the standard unknown-key error
     with pytest.raises(ConfigError, match="unknown config key .cluster.rollout_ep_size."):
-        load_config(QWEN, ["cluster.rollout_ep_size=2"])
+        load_config(QWEN, [IMAGE, "cluster.rollout_ep_size=2"])
 
 
 @pytest.mark.parametrize("recipe", [MISSION, QWEN], ids=["mission", "qwen3"])
 def test_every_pod_mounts_the_run_config(recipe):
-    docs, _ = manifests(load_config(recipe))
+    docs, _ = manifests(load_config(recipe, [IMAGE, IMAGE]))
     rayjob = docs["k8s/30-rayjob.yaml"]
     config_path = rayjob["spec"]["entrypoint"].split("--config ")[1].split()[0]
     assert Path(config_path).parent == Path(CONFIG_DIR)
@@ -178,28 +183,29 @@ def test_every_pod_mounts_the_run_config(recipe):
 )
 def test_gpu_groups_take_gpu_instances(override, match):
     with pytest.raises(ConfigError, match=match):
-        load_config(QWEN, [override])
+        load_config(QWEN, [IMAGE, override])
 
 
 def test_gpus_per_node_comes_from_the_instance_type():
-    cfg = load_config(QWEN, ["cluster.rollout.gpus_per_node=null", "cluster.train.gpus_per_node=null"])
+    cfg = load_config(QWEN, [IMAGE, "cluster.rollout.gpus_per_node=null", "cluster.train.gpus_per_node=null"])
     assert (cfg.cluster.train.gpus_per_node, cfg.cluster.rollout.gpus_per_node) == (8, 4)
     # a size the table does not list: accepted when the group says its GPUs
     cfg = load_config(
-        QWEN, ["cluster.rollout.instance_types=[g6e.96xlarge]", "cluster.rollout.gpus_per_node=4"]
+        QWEN, [IMAGE, "cluster.rollout.instance_types=[g6e.96xlarge]", "cluster.rollout.gpus_per_node=4"]
     )
     assert cfg.cluster.rollout.gpus_per_node == 4
     with pytest.raises(ConfigError, match=r"GPUs of \['g6e.96xlarge'\] are not known"):
         load_config(
-            QWEN, ["cluster.rollout.instance_types=[g6e.96xlarge]", "cluster.rollout.gpus_per_node=null"]
+            QWEN,
+            [IMAGE, "cluster.rollout.instance_types=[g6e.96xlarge]", "cluster.rollout.gpus_per_node=null"],
         )
     assert all(is_gpu_instance(t) for t in GPUS_PER_INSTANCE) and not is_gpu_instance("r7i.8xlarge")
-    assert load_config(QWEN).cluster.memory.gpus_per_node == 0  # CPU groups stay CPU groups
+    assert load_config(QWEN, [IMAGE, IMAGE]).cluster.memory.gpus_per_node == 0  # CPU groups stay CPU groups
 
 
 @pytest.mark.parametrize("recipe", [MISSION, QWEN], ids=["mission", "qwen3"])
 def test_recipes_start_from_a_pretrained_policy(recipe):
-    cfg = load_config(recipe)
+    cfg = load_config(recipe, [IMAGE, IMAGE])
     url = cfg.cluster.model_url
     assert url.startswith("s3://") and cfg.init_from is None
     docs, _ = manifests(cfg)
@@ -212,9 +218,9 @@ def test_recipes_start_from_a_pretrained_policy(recipe):
     (mount,) = [m for m in pods["train"]["containers"][0]["volumeMounts"] if m["mountPath"] == MODEL_DIR]
     assert {v["name"] for v in pods["train"]["volumes"]} >= {mount["name"]}
     with pytest.raises(ConfigError, match="would train a fresh random model"):
-        cluster_run_config(load_config(recipe, ["cluster.model_url=null"]))
+        cluster_run_config(load_config(recipe, [IMAGE, "cluster.model_url=null"]))
     # a model baked into the image: init_from alone is fine, and nothing is copied
-    docs, _ = manifests(load_config(recipe, ["cluster.model_url=null", "init_from=/opt/model"]))
+    docs, _ = manifests(load_config(recipe, [IMAGE, "cluster.model_url=null", "init_from=/opt/model"]))
     assert _job_config(docs)["init_from"] == "/opt/model"
     assert "initContainers" not in dict(_pods(docs))["train"]
 
@@ -224,7 +230,9 @@ def test_torchx_train_pods_fetch_the_policy_first():
 
     from moerl.cluster.torchx_component import moerl as torchx_app
 
-    app = torchx_app(config=str(MISSION), num_rollout_workers=32, checkpoint_dir="s3://b/ckpt")
+    app = torchx_app(
+        config=str(MISSION), num_rollout_workers=32, checkpoint_dir="s3://b/ckpt", image="r.example/moerl:1"
+    )
     (train,) = [r for r in app.roles if r.name == "train"]
     assert train.num_replicas == 16  # trainer.num_ranks 128 / 8 GPUs per node
     script = train.args[-1]
@@ -301,7 +309,7 @@ def test_the_init_containers_command_copies_from_s3(tmp_path, monkeypatch):
                 s3.upload_file(str(path), "models", f"qwen/Qwen3-30B-A3B/{path.relative_to(src)}")
         options = json.dumps({"endpoint_url": endpoint})
         cfg = load_config(
-            QWEN, ["cluster.model_url=s3://models/qwen/Qwen3-30B-A3B", f"storage.options={options}"]
+            QWEN, [IMAGE, "cluster.model_url=s3://models/qwen/Qwen3-30B-A3B", f"storage.options={options}"]
         )
         docs, _ = manifests(cfg)
         (init,) = dict(_pods(docs))["train"]["initContainers"]
@@ -333,12 +341,12 @@ def test_the_documented_render_commands_run(source, tmp_path):
     from moerl.cli import _CLUSTER_RENDER_DESCRIPTION, main
 
     text = (ROOT / "README.md").read_text() if source == "readme" else _CLUSTER_RENDER_DESCRIPTION
-    argv = _render_argv(text, {"BUCKET": "b", "IMAGE": "registry.example/moerl:0.1.0"})
+    argv = _render_argv(text, {"BUCKET": "bkt", "IMAGE": "registry.example/moerl:0.1.0"})  # S3: 3+ chars
     argv[argv.index("--out") + 1] = str(tmp_path / "out")
     assert main(argv[1:]) == 0
     docs = {p.name: yaml.safe_load(p.read_text()) for p in (tmp_path / "out").rglob("*.yaml")}
     run = yaml.safe_load(docs["20-run-config.yaml"]["data"]["run.yaml"])
-    bucket, model = {"readme": ("b", "DeepSeek-V3-bf16"), "help": ("my-bucket", "Qwen3-30B-A3B")}[source]
+    bucket, model = {"readme": ("bkt", "DeepSeek-V3-bf16"), "help": ("my-bucket", "Qwen3-30B-A3B")}[source]
     assert run["storage"]["url"] == f"s3://{bucket}/runs"
     assert run["cluster"]["model_url"] == f"s3://{bucket}/models/{model}"
     assert run["init_from"] == f"{MODEL_DIR}/{model}"

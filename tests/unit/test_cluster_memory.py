@@ -25,8 +25,12 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 QWEN, MISSION = CONFIGS / "cluster_qwen3_30b_1node.yaml", CONFIGS / "cluster_mission.yaml"
 
 
+IMAGE = "cluster.image=registry.example/moerl:0.1.0"
+"""The image a user built and pushed (``moerl cluster render`` refuses without one)."""
+
+
 def test_an_ep_rank_holds_the_shared_parameters_and_its_share_of_the_routed_experts():
-    arch = policy_arch(load_config(QWEN), vocab_size=1)
+    arch = policy_arch(load_config(QWEN, [IMAGE, IMAGE]), vocab_size=1)
     routed = 48 * 128 * 3 * 2048 * 768  # Qwen3-30B-A3B: layers x experts x (gate, up, down) x d x width
     full = weight_bytes(arch, torch.bfloat16)
     assert ep_rank_weight_bytes(arch, torch.bfloat16, 1) == full
@@ -35,18 +39,22 @@ def test_an_ep_rank_holds_the_shared_parameters_and_its_share_of_the_routed_expe
 
 
 def test_the_qwen_recipe_fits_and_the_mission_recipe_is_warned_of():
-    assert memory_warnings(load_config(QWEN)) == []
-    rollout, train = memory_warnings(load_config(MISSION))
+    assert memory_warnings(load_config(QWEN, [IMAGE, IMAGE])) == []
+    rollout, train = memory_warnings(load_config(MISSION, [IMAGE, IMAGE]))
     assert rollout.startswith("cluster.rollout: a rollout EP rank (rollout.ep_size=8)")
     assert "p5e.48xlarge GPU's 141 GB: the rollout workers would run out of memory" in rollout
     assert train.startswith("cluster.train: the driver holds a full") and "refuses it at start" in train
     # a cache too large for an L40S beside the EP rank's weights: the rollout group only
-    (line,) = memory_warnings(load_config(QWEN, ["rollout.kv_token_budget=262144", "rollout.max_slots=128"]))
+    (line,) = memory_warnings(
+        load_config(QWEN, [IMAGE, "rollout.kv_token_budget=262144", "rollout.max_slots=128"])
+    )
     assert line.startswith("cluster.rollout:") and "24.0 GiB KV cache" in line
 
 
 def test_render_prints_the_warnings_and_still_writes(tmp_path, capsys):
-    assert cli_main(["cluster", "render", "--config", str(MISSION), "--out", str(tmp_path)]) == 0
+    assert (
+        cli_main(["cluster", "render", "--set", IMAGE, "--config", str(MISSION), "--out", str(tmp_path)]) == 0
+    )
     out = capsys.readouterr()
     assert out.err.count("warning: cluster.") == 2 and (tmp_path / "k8s" / "30-rayjob.yaml").exists()
 

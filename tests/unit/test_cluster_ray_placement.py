@@ -22,6 +22,10 @@ from moerl.runtime.ray.rollouts import _labels
 pytestmark = pytest.mark.timeout(120)
 
 
+IMAGE = "cluster.image=registry.example/moerl:0.1.0"
+"""The image a user built and pushed (``moerl cluster render`` refuses without one)."""
+
+
 @ray.remote
 class Probe:
     """Stands in for an actor of a group: reports the node it was placed on."""
@@ -32,7 +36,7 @@ class Probe:
 
 @pytest.fixture(scope="module")
 def cluster():
-    cfg = cluster_run_config(load_config("configs/cluster_qwen3_30b_1node.yaml"))
+    cfg = cluster_run_config(load_config("configs/cluster_qwen3_30b_1node.yaml", [IMAGE, IMAGE]))
     head = {"num_cpus": 1, "resources": node_resources(cfg, "memory")}
     train = {"num_cpus": 2, "resources": node_resources(cfg, "train")}
     # the rollout node holds 2 workers of 1 CPU (g6e.12xlarge: 4 GPUs / rollout.ep_size 2)

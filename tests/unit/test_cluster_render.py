@@ -23,6 +23,9 @@ from moerl.cluster.render import cluster_run_config, manifests, render
 from moerl.cluster.resources import RAY_RESOURCE
 from moerl.config import ConfigError, load_config
 
+IMAGE = "cluster.image=registry.example/moerl:0.1.0"
+"""The image a user built and pushed (``moerl cluster render`` refuses without one)."""
+
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT.parent / "shared" / "schemas"
 RECIPES = [ROOT / "configs" / "cluster_mission.yaml", ROOT / "configs" / "cluster_qwen3_30b_1node.yaml"]
@@ -76,7 +79,7 @@ def _pod_templates(rayjob):
 
 @pytest.fixture(params=RECIPES, ids=lambda p: p.stem)
 def rendered(request, tmp_path):
-    cfg = load_config(request.param)
+    cfg = load_config(request.param, [IMAGE, IMAGE])
     rules = tmp_path / "rules.yaml"
     rules.write_text(
         yaml.safe_dump({"groups": [{"name": "moerl", "rules": [{"alert": "MoerlDown", "expr": "up == 0"}]}]})
@@ -183,7 +186,7 @@ def test_groups_map_the_run(rendered):
 
 
 def test_mission_recipe_is_the_mission():
-    cfg = load_config(RECIPES[0])
+    cfg = load_config(RECIPES[0], [IMAGE, IMAGE])
     c = cfg.cluster
     assert (c.train.max_nodes, c.train.gpus_per_node, cfg.rollout.num_workers) == (16, 8, 32)
     assert cfg.model.family == "deepseek_v3" and cfg.model.num_experts // cfg.model.top_k == 32
@@ -206,34 +209,45 @@ def test_mission_recipe_is_the_mission():
 )
 def test_bad_cluster_configs_are_one_line_errors(override, match):
     with pytest.raises(ConfigError, match=match):
-        cluster_run_config(load_config(RECIPES[0], [override]))
+        cluster_run_config(load_config(RECIPES[0], [IMAGE, override]))
 
 
 def test_cli_writes_nothing_on_a_config_error(tmp_path, capsys):
     out = tmp_path / "out"
     assert (
         main(
-            ["cluster", "render", "--config", str(RECIPES[1]), "--set", "storage.url=null", "--out", str(out)]
+            [
+                "cluster",
+                "render",
+                "--set",
+                IMAGE,
+                "--config",
+                str(RECIPES[1]),
+                "--set",
+                "storage.url=null",
+                "--out",
+                str(out),
+            ]
         )
         == 2
     )
     assert "storage.url=None" in capsys.readouterr().err and not out.exists()
-    assert main(["cluster", "render", "--config", str(RECIPES[1]), "--out", str(out)]) == 0
+    assert main(["cluster", "render", "--set", IMAGE, "--config", str(RECIPES[1]), "--out", str(out)]) == 0
     assert (out / "k8s" / "30-rayjob.yaml").is_file() and not list(out.rglob(".*tmp*"))
 
 
 def test_resume_from_a_stored_run():
     url = "s3://my-moerl-bucket/runs/qwen3-30b-a3b-20261201-101500"
-    docs, _ = manifests(load_config(RECIPES[1], [f"cluster.resume_from={url}"]))
+    docs, _ = manifests(load_config(RECIPES[1], [IMAGE, f"cluster.resume_from={url}"]))
     assert (
         docs["k8s/30-rayjob.yaml"]["spec"]["entrypoint"] == f"moerl train --resume {url} --ray-address auto"
     )
     with pytest.raises(ConfigError, match="resume_from"):
-        load_config(RECIPES[1], ["cluster.resume_from=/local/run"])
+        load_config(RECIPES[1], [IMAGE, "cluster.resume_from=/local/run"])
 
 
 def test_missing_alert_rules_are_skipped_with_a_note():
-    cfg = load_config(RECIPES[1], ["cluster.alert_rules=/nonexistent/rules.yaml"])
+    cfg = load_config(RECIPES[1], [IMAGE, "cluster.alert_rules=/nonexistent/rules.yaml"])
     docs, skipped = manifests(cfg)
     assert "k8s/40-prometheus-rule.yaml" not in docs
     assert skipped == ["k8s/40-prometheus-rule.yaml: cluster.alert_rules='/nonexistent/rules.yaml' not found"]
@@ -262,7 +276,7 @@ def test_prometheus_rule_groups_pass_promtool(rendered, source, tmp_path):
 
 
 def test_without_efa_there_is_no_device_plugin_and_no_efa_request():
-    cfg = load_config(RECIPES[1], ["cluster.train.efa_interfaces=0", "cluster.alert_rules=null"])
+    cfg = load_config(RECIPES[1], [IMAGE, "cluster.train.efa_interfaces=0", "cluster.alert_rules=null"])
     docs, skipped = manifests(cfg)
     assert "k8s/10-efa-device-plugin.yaml" not in docs
     assert skipped == ["k8s/10-efa-device-plugin.yaml: no group has EFA interfaces"]

@@ -12,12 +12,14 @@ import torchx  # noqa: F401 - the test extra installs it: missing fails, not ski
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/moerl:0.1.0"
+"""The README's ``$IMAGE``: the image the user built and pushed."""
 
 
 def _readme_line() -> list[str]:
     lines = [ln.strip() for ln in (ROOT / "README.md").read_text().splitlines()]
     (line,) = [ln for ln in lines if ln.startswith("torchx run -s kubernetes")]
-    return shlex.split(line)
+    return [a.replace("$IMAGE", IMAGE) for a in shlex.split(line)]  # as the README's shell expands it
 
 
 def _dryrun(argv: list[str]) -> dict:

@@ -201,3 +201,23 @@ def test_nvml_readings_follow_cuda_visible_devices(monkeypatch):
 
     fake.nvmlInit = no_driver
     assert read_gpus() == ()
+
+
+def test_learning_series_come_from_the_step_records_and_hold_the_last_measured_value():
+    from moerl.telemetry.metrics import make_record
+    from moerl.telemetry.prometheus import LEARNING
+
+    e = MetricsExporter()
+    first = {"rollout/reward_mean": 0.25, "eval/accuracy": 0.5, "train/pg_loss": -0.1, "train/kl_ref": 0.02,
+             "buffer/staleness_mean": 0.5, "buffer/staleness_max": 1, "weights/refused_total": 1}  # fmt: skip
+    e.update_learning(make_record(1, 1.0, first))
+    e.update_learning(make_record(2, 2.0, {"rollout/reward_mean": 0.75, "train/pg_loss": 0.3}))
+    e.update_totals(RunTotals(weights_refused=1))
+    s = _samples(e.render().decode())
+    assert s["moerl_trainer_step", ()] == 2 and s["moerl_reward_mean", ()] == 0.75
+    assert s["moerl_policy_loss", ()] == 0.3 and s["moerl_kl_ref", ()] == 0.02
+    assert s["moerl_eval_accuracy", ()] == 0.5  # measured at step 1, held between evals
+    assert s["moerl_staleness_mean", ()] == 0.5 and s["moerl_staleness_max", ()] == 1
+    assert s["moerl_weights_refused_total", ()] == 1
+    assert ("moerl_rollout_kl", ()) not in s  # never measured: no sample
+    assert set(LEARNING) <= set(SERIES)

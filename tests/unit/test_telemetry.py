@@ -80,8 +80,8 @@ def test_live_view_plain_lines_carry_last_accuracy():
     view.close()
     lines = stream.getvalue().splitlines()
     assert len(lines) == 2
-    assert "step 2/10" in lines[1] and "reward 0.500" in lines[1] and "acc 0.400 @1" in lines[1]
-    assert "buffer 3 groups" in lines[1]
+    assert "step 2/10" in lines[1] and "reward 0.500" in lines[1] and "acc 0.400@1" in lines[1]
+    assert "buf 3" in lines[1]
     assert "acc -" in status_line(make_record(1, 0.0, {}), 5)
 
 
@@ -94,7 +94,7 @@ def test_a_resumed_view_shows_the_kept_records_last_accuracy_until_the_next_eval
     view.update(make_record(4, 4.0, {"rollout/reward_mean": 0.5}))
     view.update(make_record(5, 5.0, {"eval/accuracy": 0.6}))
     lines = stream.getvalue().splitlines()
-    assert "acc 0.450 @2" in lines[0] and "acc 0.600 @5" in lines[1], lines
+    assert "acc 0.450@2" in lines[0] and "acc 0.600@5" in lines[1], lines
     fresh = LiveView(10, stream=io.StringIO())
     fresh.carry_last_eval([make_record(1, 1.0, {})])  # no eval kept: nothing to carry
     assert fresh.last_accuracy is None and fresh.last_eval_step is None
@@ -107,3 +107,38 @@ def test_live_view_plain_lines_every_hundredth_of_the_run_and_at_evals():
         view.update(make_record(step, float(step), {"eval/accuracy": 0.5} if step == 55 else {}))
     steps = [int(line.split("step ")[1].split("/")[0]) for line in stream.getvalue().splitlines()]
     assert steps == sorted({1, 55, *range(10, 1001, 10)})
+
+
+WIDEST = {
+    "rollout/reward_mean": -0.123,
+    "eval/accuracy": 0.43,
+    "perf/rollout_tokens_per_s": 123456789.0,
+    "buffer/depth": 999,
+    "policy_version": 9999,
+}
+"""A record of the longest status line the width is promised for: 9999 steps, a buffer of 999 groups."""
+
+
+def test_the_plain_progress_line_fits_80_columns_with_buffer_and_version():
+    stream = io.StringIO()
+    view = LiveView(9999, stream=stream)
+    view.update(make_record(9999, 1.0, WIDEST))
+    (line,) = stream.getvalue().splitlines()
+    assert len(line) <= 80, (len(line), line)
+    assert line.endswith("123M tok/s buf 999 v9999") and "reward -0.123 acc 0.430@9999" in line
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_the_terminal_progress_line_fits_80_columns_with_buffer_and_version(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    stream = _Terminal()
+    view = LiveView(9999, stream=stream)
+    view.update(make_record(9999, 1.0, WIDEST))
+    view.close()
+    shown = [line for line in stream.getvalue().splitlines() if "v9999" in line]
+    assert shown and "buf 999 v9999" in shown[-1] and "step 9999/9999" in shown[-1], stream.getvalue()
+    assert "0:00:0" in shown[-1], "the elapsed time was squeezed out: the line is wider than 80 columns"

@@ -155,11 +155,16 @@ def test_pack_bucket_makes_its_own_copy():
 
 def test_sync_values_from_liveness_answers():
     """RayRollouts.sync_values: trainer-side figures of the last push; lag and worker-side sync time
-    from the live workers' last health answers (a dead worker's and a never-answered one's left out)."""
+    from the live workers' last health answers (a dead worker's and a never-answered one's left out);
+    refused weight versions of every worker seen."""
     records = {
         "w0": WorkerRecord("w0", 0.0, health=WorkerHealth(policy_version=5, weight_sync_s=0.2)),
-        "w1": WorkerRecord("w1", 0.0, health=WorkerHealth(policy_version=3, weight_sync_s=0.5)),
-        "w2": WorkerRecord("w2", 0.0, health=WorkerHealth(policy_version=0, weight_sync_s=9.0)),  # gone
+        "w1": WorkerRecord(
+            "w1", 0.0, health=WorkerHealth(policy_version=3, weight_sync_s=0.5, weights_refused=1)
+        ),
+        "w2": WorkerRecord(  # gone: its refusals still count
+            "w2", 0.0, health=WorkerHealth(policy_version=0, weight_sync_s=9.0, weights_refused=2)
+        ),
         "w3": WorkerRecord("w3", 0.0),  # no answer yet: version -1
     }
     manager = SimpleNamespace(records=records, active_ids=lambda: ["w0", "w1", "w3"])
@@ -175,6 +180,7 @@ def test_sync_values_from_liveness_answers():
         "timing/weight_sync_worker_s": 0.5,
         "weights/version_lag_max": 3,
         "weights/version_lag_mean": 2.0,
+        "weights/refused_total": 3,  # every worker seen, a gone one with its last answer
     }
 
 

@@ -286,7 +286,9 @@ class RayRollouts:
         ``weights/sync_bytes``), and from the workers' last liveness answers the slowest worker-side
         sync (``timing/weight_sync_worker_s``) and the version lag (trainer version minus the worker's
         engine version, ``version_lags``, refreshed at each fleet poll, every ``fleet.check_every_s``;
-        ``weights/version_lag_max``, ``weights/version_lag_mean``)."""
+        ``weights/version_lag_max``, ``weights/version_lag_mean``), and the weight versions the workers
+        refused so far, every worker seen counted, gone ones with their last answer
+        (``weights/refused_total``)."""
         alive = set(self.manager.active_ids())
         healths = [
             r.health
@@ -300,6 +302,7 @@ class RayRollouts:
             "timing/weight_sync_worker_s": max(syncs) if syncs else None,
             "weights/version_lag_max": max(lags) if lags else None,
             "weights/version_lag_mean": sum(lags) / len(lags) if lags else None,
+            "weights/refused_total": sum(r.health.weights_refused for r in self.manager.records.values()),
         }
 
     def requeue(self, task: RolloutTask) -> None:

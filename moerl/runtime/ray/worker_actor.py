@@ -43,7 +43,7 @@ from moerl.runtime.ray.ep_group import EPRolloutGroup
 from moerl.tasks import make_task
 from moerl.tasks.tokenizer import load_run_tokenizer
 from moerl.weights.collective import WeightTransportError
-from moerl.weights.sources import CheckedWeights, StoreWeights, parameter_set
+from moerl.weights.sources import CheckedWeights, StoreWeights, parameter_set, refused_versions_of
 from moerl.weights.store import WeightStore
 
 
@@ -243,6 +243,7 @@ class RolloutWorkerActor:
             ep_traffic=None
             if self.group is None or self.group.engine is None
             else self.group.engine.ep_traffic,
+            weights_refused=refused_versions_of(self.source),
             **self._sync_figures(),
         )
 
