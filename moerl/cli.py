@@ -8,7 +8,14 @@ import json
 import sys
 
 from moerl.config import ConfigError, load_config
-from moerl.errors import DiskFullError, RunFolderInUseError, StorageError
+from moerl.errors import (
+    EXIT_CONFIG,
+    EXIT_REWARD_FAILED,
+    DiskFullError,
+    RewardFunctionError,
+    RunFolderInUseError,
+    StorageError,
+)
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -130,6 +137,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from moerl.telemetry.live import LiveView
 
     cfg = _config(args)
+    if cfg.sft.steps == 0:
+        raise ConfigError("sft.steps=0: moerl sft would train nothing (0 skips the warm start of moerl train)")
     _check_out_folder(args.out)  # before training, not after it
     check_run_inputs(cfg, rollouts=False)  # import paths, dataset, prompt lengths, memory, as moerl train
     view = LiveView(cfg.sft.steps)
@@ -317,7 +326,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as e:
         print(f"moerl: config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    except RewardFunctionError as e:  # one line, no traceback; the folder only when it holds trained steps
+        if e.folder is None:
+            hint = "; nothing was written (the run folder was removed)"
+        else:
+            hint = f"; fix it and continue from the newest checkpoint with: moerl train --resume {e.folder}"
+        print(f"moerl: stopped: {e}{hint}", file=sys.stderr)
+        return EXIT_REWARD_FAILED
     except (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
         # user mistakes (missing config, not a run folder, unwritable output): one line, no traceback
         message = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)

@@ -32,3 +32,26 @@ class RunFolderInUseError(RuntimeError):
     """Another process holds a run folder's lock (``moerl.run.folder.RunFolderLock``): a second run or
     resume of it would rewind or overwrite what the live one writes. The message is one line naming the
     folder and the holder's pid."""
+
+
+class RewardFunctionError(RuntimeError):
+    """The reward function failed (raised, or returned something that is not a finite number) on every
+    sample of a run's first step, or on more than ``task.max_reward_error_fraction`` of the samples over
+    ``task.reward_error_window`` steps (``moerl.run.reward_errors``). The message is one line; ``moerl
+    train`` exits with ``EXIT_REWARD_FAILED``.
+
+    Args:
+        message: the line, naming the function, the failures counted and the first failure.
+        folder: the run folder when it outlives the stop (a later step: resumable from its checkpoints once
+            the function is fixed); None when the stop came before step 1 and the folder was removed.
+    """
+
+    def __init__(self, message: str, folder=None) -> None:
+        super().__init__(message)
+        self.folder = folder
+
+
+EXIT_CONFIG = 2
+"""``moerl`` exit status of a config error or bad input found before training (one line, nothing written)."""
+EXIT_REWARD_FAILED = 3
+"""``moerl train`` exit status of a run stopped by its failing reward function (``RewardFunctionError``)."""
