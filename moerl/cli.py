@@ -7,7 +7,7 @@ import errno
 import json
 import sys
 
-from moerl.config import ConfigError, load_config
+from moerl.config import ConfigError, load_config, with_import_dirs
 from moerl.errors import (
     EXIT_CONFIG,
     EXIT_REWARD_FAILED,
@@ -41,7 +41,7 @@ def _config(args: argparse.Namespace):
     import os
 
     path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
-    return load_config(path, args.overrides)
+    return with_import_dirs(load_config(path, args.overrides), path)
 
 
 def _local_url(path: str) -> str:
@@ -138,7 +138,9 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     if cfg.sft.steps == 0:
-        raise ConfigError("sft.steps=0: moerl sft would train nothing (0 skips the warm start of moerl train)")
+        raise ConfigError(
+            "sft.steps=0: moerl sft would train nothing (0 skips the warm start of moerl train)"
+        )
     _check_out_folder(args.out)  # before training, not after it
     check_run_inputs(cfg, rollouts=False)  # import paths, dataset, prompt lengths, memory, as moerl train
     view = LiveView(cfg.sft.steps)

@@ -139,7 +139,8 @@ class TaskConfig:
     Reward``; the module is looked up on the import path, then in ``import_dirs``."""
     import_dirs: tuple[str, ...] = ()
     """Folders searched for ``reward_fn``'s and ``env.name``'s module (in every process of the run, Ray
-    workers too); ``load_config`` adds the config file's folder and the folder it was run from."""
+    workers too); ``moerl train`` and ``moerl sft`` add the config file's folder and the folder they run from
+    (``with_import_dirs``)."""
     max_reward_error_fraction: float = 0.5
     """Stop the run when the reward function fails (raises, returns a non-number) on more than this share
     of the samples of the last ``reward_error_window`` steps, in [0, 1] (1: never on a share); failing on
@@ -172,9 +173,8 @@ class TaskConfig:
         # here, not at the top: moerl.tasks loads torch, and this module must load without it (``moerl --help``)
         from moerl.tasks import TASKS
         from moerl.tasks.arithmetic import OPERATIONS
-        from moerl.tasks.datasets import LAYOUTS
-
         from moerl.tasks.chat import PROMPT_FORMATS
+        from moerl.tasks.datasets import LAYOUTS
 
         check_choice("task.name", self.name, TASKS)
         check_choice("task.prompt_format", self.prompt_format, PROMPT_FORMATS)
@@ -207,7 +207,9 @@ class TaskConfig:
                 f"rows; use task.name=dataset (or prompt_format=raw)"
             )
         if self.layout == "messages" and self.name in DATASET_TASKS and self.prompt_format != "chat":
-            raise ConfigError("task.layout=messages needs task.prompt_format=chat (messages are rendered by the chat template)")
+            raise ConfigError(
+                "task.layout=messages needs task.prompt_format=chat (messages are rendered by the chat template)"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -568,9 +570,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
     apply_overrides(data, overrides or [])
-    cfg = from_dict(RunConfig, data)
-    # a reward module beside the config or in the folder the run starts from imports without PYTHONPATH
-    found = [str(Path(path).resolve().parent)] if path is not None else []
+    return from_dict(RunConfig, data)
+
+
+def with_import_dirs(cfg: RunConfig, config_path: str | Path | None) -> RunConfig:
+    """Put the config file's folder and the current folder (absolute) into ``task.import_dirs`` (``moerl
+    train`` and ``moerl sft`` do): a reward module beside the config, or in the folder a run starts from,
+    imports without ``PYTHONPATH``, in every process of the run. Returns ``cfg``, changed in place."""
+    found = [str(Path(config_path).resolve().parent)] if config_path is not None else []
     cfg.task.import_dirs = tuple(dict.fromkeys([*cfg.task.import_dirs, *found, str(Path.cwd())]))
     return cfg
 

@@ -25,16 +25,16 @@ import torch
 from moerl.allocator import keep_freed_memory
 from moerl.config import ConfigError, RunConfig
 from moerl.envs.stats import merge as env_merge
-from moerl.errors import RewardFunctionError
 from moerl.envs.stats import step_values as env_step_values
+from moerl.errors import RewardFunctionError
 from moerl.records import Group
 from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
 from moerl.run.group_recovery import restart_group
 from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk
 from moerl.run.preflight import check_run_inputs
 from moerl.run.recovery import StepJournal, recover_trainer
-from moerl.run.reward_errors import RewardErrorWatch
 from moerl.run.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
+from moerl.run.reward_errors import RewardErrorWatch
 from moerl.run.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
 from moerl.run.warm_start import warm_start
 from moerl.runtime.accounting import FleetState, accounting
@@ -344,7 +344,9 @@ class Run:
         queue, buffer = r.queue_stats(), r.buffer_metrics()
         exact = accuracy.accuracy if accuracy is not None and accuracy.metric == EXACT_MATCH else None
         mean_reward = accuracy.mean_reward if accuracy is not None else None
-        values = step_values(groups, stats, timings, queue, buffer, accuracy=exact, eval_mean_reward=mean_reward)
+        values = step_values(
+            groups, stats, timings, queue, buffer, accuracy=exact, eval_mean_reward=mean_reward
+        )
         values.update(r.fleet_values(self.cfg.trainer.batch_groups), policy_version=self.trainer.version)
         if self.cfg.runtime.mode == "sync":  # the in-process engine's counters (free to read; async: TODO)
             values.update(kv_values([w.kv for w in r.worker_stats()]))

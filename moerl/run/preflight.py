@@ -94,7 +94,9 @@ def check_vocabulary(cfg: RunConfig, tokenizer: Tokenizer) -> None:
     if folder is None or "://" in folder or not (Path(folder) / "config.json").is_file():
         return
     try:
-        model_vocab = MoeConfig.from_hf_dict(json.loads((Path(folder) / "config.json").read_text())).vocab_size
+        model_vocab = MoeConfig.from_hf_dict(
+            json.loads((Path(folder) / "config.json").read_text())
+        ).vocab_size
     except (ValueError, KeyError, TypeError, OSError):
         return  # check_policy_folders names what is wrong with the folder
     if tokenizer.vocab_size > model_vocab:

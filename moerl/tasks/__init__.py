@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from moerl.tasks.arithmetic import ArithmeticTask
 from moerl.tasks.base import Prompt, Reward, Task
-from moerl.tasks.countdown import CountdownTask
 from moerl.tasks.chat import ChatTemplateError, chat_renderer
+from moerl.tasks.countdown import CountdownTask
 from moerl.tasks.datasets import DatasetError, JsonlTask, load_jsonl, load_records
 from moerl.tasks.rewards import load_reward_fn, load_score_fn
 from moerl.tasks.tokenizer import Tokenizer, load_tokenizer

@@ -139,7 +139,9 @@ class Task:
             if self.first_reward_error is None:
                 self.first_reward_error = f"{type(e).__name__}: {e}"
             if self.num_reward_errors <= MAX_LOGGED_ERRORS:  # one line each; the traceback at debug level
-                log.warning("reward function raised on prompt %r: %s: %s", prompt_text[:80], type(e).__name__, e)
+                log.warning(
+                    "reward function raised on prompt %r: %s: %s", prompt_text[:80], type(e).__name__, e
+                )
                 log.debug("reward function traceback", exc_info=True)
             return Reward(0.0, {"error": 1.0, "correct": 0.0})
 
@@ -153,7 +155,9 @@ class Task:
             return f"{type(e).__name__}: {e}"
         return None
 
-    def held_out_correct(self, prompt_text: str, response_text: str, answer: str, reward: Reward) -> float | None:
+    def held_out_correct(
+        self, prompt_text: str, response_text: str, answer: str, reward: Reward
+    ) -> float | None:
         """Whether a response is correct (1.0 or 0.0), for held-out exact match; never from ``score > 0``.
 
         The reward's own ``info["correct"]`` when it reports one (built-in verifiers do, and so does a user

@@ -14,7 +14,6 @@ import json
 from datetime import datetime
 from functools import lru_cache
 
-
 ROLES = ("system", "user", "assistant", "tool")
 """Message roles a dataset's ``messages`` may use."""
 
@@ -28,7 +27,9 @@ def _raise(message: str) -> None:
 
 
 def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 @lru_cache(maxsize=8)
@@ -36,7 +37,9 @@ def _compile(template: str):
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -49,10 +52,16 @@ def _compile(template: str):
 def check_messages(messages: object, where: str) -> list[dict[str, str]]:
     """``messages`` as a list of ``{"role", "content"}`` dicts (strings), else ``ValueError`` naming ``where``."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(f"{where}: messages must be a non-empty list of {{role, content}}, got {type(messages).__name__}")
+        raise ValueError(
+            f"{where}: messages must be a non-empty list of {{role, content}}, got {type(messages).__name__}"
+        )
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
             raise ValueError(f"{where}: message {i} is not a {{role: str, content: str}} object: {m!r:.80}")
         if m["role"] not in ROLES:
             raise ValueError(f"{where}: message {i} has role {m['role']!r}; use one of {', '.join(ROLES)}")
@@ -60,7 +69,9 @@ def check_messages(messages: object, where: str) -> list[dict[str, str]]:
     return out
 
 
-def render_chat(template: str, messages: list[dict[str, str]], special_tokens: dict[str, str] | None = None) -> str:
+def render_chat(
+    template: str, messages: list[dict[str, str]], special_tokens: dict[str, str] | None = None
+) -> str:
     """The prompt string of ``messages`` under ``template`` with the generation prompt appended: what
     transformers' ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` returns.
 
@@ -75,7 +86,9 @@ def render_chat(template: str, messages: list[dict[str, str]], special_tokens: d
     import jinja2
 
     try:
-        return _compile(template).render(messages=messages, add_generation_prompt=True, **(special_tokens or {}))
+        return _compile(template).render(
+            messages=messages, add_generation_prompt=True, **(special_tokens or {})
+        )
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as e:
@@ -87,7 +100,9 @@ PROMPT_FORMATS = ("raw", "chat")
 renders the row's messages (or its prompt as one user message) with the tokenizer's chat template."""
 
 
-def chat_renderer(template: str, special_tokens: dict[str, str], *, system_prompt: str | None, user_template: str | None):
+def chat_renderer(
+    template: str, special_tokens: dict[str, str], *, system_prompt: str | None, user_template: str | None
+):
     """A function ``record -> prompt text`` for ``moerl.tasks.datasets.JsonlTask(render=...)``: the record's
     ``messages`` (``messages`` layout) or one user message with its prompt (filled into ``user_template``
     when set), a ``system_prompt`` first unless the conversation has one, rendered by ``render_chat``."""

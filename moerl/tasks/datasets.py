@@ -100,7 +100,9 @@ def _messages_record(obj: dict, line: int, where: str, messages_field: str, answ
     answer = _field(obj, answer_field, where) if obj.get(answer_field) is not None else None
     if answer is None and solution is not None:
         answer = _final_number(solution)
-    return Record(line, json.dumps(messages), answer, solution if solution is not None else answer, tuple(messages))
+    return Record(
+        line, json.dumps(messages), answer, solution if solution is not None else answer, tuple(messages)
+    )
 
 
 def _record(

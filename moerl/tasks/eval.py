@@ -24,7 +24,6 @@ from moerl.tasks.base import Prompt, Task
 from moerl.tasks.examples import collate, encode_example
 from moerl.tasks.tokenizer import Tokenizer
 
-
 EXACT_MATCH, MEAN_REWARD = "exact_match", "mean_reward"
 METRIC_NAMES = {EXACT_MATCH: "held-out exact match", MEAN_REWARD: "mean held-out reward"}
 """What ``EvalResult.accuracy`` is, by ``EvalResult.metric``, in the words the console uses."""

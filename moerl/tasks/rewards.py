@@ -6,7 +6,7 @@ A reward function is any callable ``fn(prompt_text, response_text, answer) -> fl
 whether that many failures stop it (``task.max_reward_error_fraction``, ``moerl.run.reward_errors``).
 
 Where the module is found: the import path, then the folders of ``task.import_dirs`` (the config
-file's folder and the folder the run started from, added by ``moerl.config.load_config``), which
+file's folder and the folder the run started from, added by ``moerl.config.with_import_dirs``), which
 ``load_reward_fn`` puts on ``sys.path`` in whichever process builds the task (Ray workers included).
 """
 

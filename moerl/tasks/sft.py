@@ -218,7 +218,9 @@ def run_sft(
     train_seconds = time.perf_counter() - t0
     after = evaluate(model, tokenizer, task, held_out, **eval_kwargs).accuracy
     out = Path(out_dir)
-    save_pretrained(model, out, extra=lambda folder: save_tokenizer_and_companions(tokenizer, cfg.model.path, folder))
+    save_pretrained(
+        model, out, extra=lambda folder: save_tokenizer_and_companions(tokenizer, cfg.model.path, folder)
+    )
     summary = SFTSummary(
         accuracy_before=before,
         accuracy_after=after,

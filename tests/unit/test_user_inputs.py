@@ -22,7 +22,7 @@ from moerl.cli import main
 from moerl.config import ConfigError, TaskConfig, load_config
 from moerl.errors import EXIT_CONFIG, EXIT_REWARD_FAILED
 from moerl.run.reward_errors import RewardErrorWatch
-from moerl.tasks import Reward, load_tokenizer, make_task
+from moerl.tasks import load_tokenizer, make_task
 from moerl.tasks.chat import render_chat
 from moerl.tasks.datasets import JsonlTask, Record
 
@@ -148,10 +148,14 @@ def test_chat_prompts_equal_transformers_apply_chat_template(policy):
     assert render_chat(tok.chat_template, messages, tok.special_tokens) == expected
     # a dataset of plain prompts, chat format, system prompt option: the same string
     data = policy.parent / "plain.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is 2+{i}?", "answer": f"#### {2 + i}"}) + "\n" for i in range(4)))
+    data.write_text(
+        "".join(
+            json.dumps({"question": f"What is 2+{i}?", "answer": f"#### {2 + i}"}) + "\n" for i in range(4)
+        )
+    )
     cfg = TaskConfig(name="dataset", path=str(data), prompt_format="chat", system_prompt="Be brief.")
     task = make_task(cfg, None, tok)
-    p = next(p for p in task.eval_prompts() + [next(task.train_prompts(0))] if "2+3" in p.text or True)
+    p = next(task.train_prompts(0))
     question = p.text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
     assert p.text == hf.apply_chat_template(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}],
@@ -171,7 +175,9 @@ def test_datasets_in_parquet_and_save_to_disk_folders_read_alike(tmp_path):
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "d_hf"))
     got = []
     for name in ("d.jsonl", "d.parquet", "d_hf"):
-        cfg = TaskConfig(name="dataset", path=str(tmp_path / name), layout="generic", prompt_field="q", answer_field="a")
+        cfg = TaskConfig(
+            name="dataset", path=str(tmp_path / name), layout="generic", prompt_field="q", answer_field="a"
+        )
         task = make_task(cfg)
         got.append(sorted((p.text, p.answer) for p in task.eval_prompts()))
         assert len(task.eval_prompts()) == 3  # 10% of 30 rows, not num_eval=200 or half
@@ -181,14 +187,21 @@ def test_datasets_in_parquet_and_save_to_disk_folders_read_alike(tmp_path):
 # -- the whole path: a transformers model, parquet messages, a reward beside the config, no PYTHONPATH --
 
 
-def test_a_run_from_a_transformers_model_on_parquet_messages_with_a_reward_beside_the_config(policy, tmp_path):
+def test_a_run_from_a_transformers_model_on_parquet_messages_with_a_reward_beside_the_config(
+    policy, tmp_path
+):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     conf = tmp_path / "conf"
     conf.mkdir()
     rows = [
-        {"messages": [{"role": "user", "content": f"What is {i}+1?"}, {"role": "assistant", "content": f"#### {i + 1}"}]}
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {i}+1?"},
+                {"role": "assistant", "content": f"#### {i + 1}"},
+            ]
+        }
         for i in range(20)
     ]
     pq.write_table(pa.Table.from_pylist(rows), conf / "train.parquet")
@@ -202,8 +215,14 @@ def test_a_run_from_a_transformers_model_on_parquet_messages_with_a_reward_besid
         "output_dir": str(tmp_path / "runs"),
         "model": {"path": str(policy)},
         "sft": {"steps": 0},
-        "task": {"name": "dataset", "path": "PLACEHOLDER", "layout": "messages", "prompt_format": "chat",
-                 "system_prompt": "Answer with #### N.", "reward_fn": "myreward:score"},
+        "task": {
+            "name": "dataset",
+            "path": "PLACEHOLDER",
+            "layout": "messages",
+            "prompt_format": "chat",
+            "system_prompt": "Answer with #### N.",
+            "reward_fn": "myreward:score",
+        },
         "runtime": {"mode": "sync"},
         "trainer": {"steps": 2, "batch_groups": 2},
         "rollout": {"group_size": 2, "max_new_tokens": 4, "max_slots": 4, "kv_token_budget": 2048},
@@ -216,7 +235,11 @@ def test_a_run_from_a_transformers_model_on_parquet_messages_with_a_reward_besid
     env = {**os.environ, "PYTHONPATH": str(WORKTREE)}  # moerl from this tree, myreward only beside the config
     out = subprocess.run(
         [sys.executable, "-m", "moerl.cli", "train", "--config", str(conf / "run.yaml")],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "2 rows held out" not in out.stderr and "18 train, 2 held out" in out.stderr  # stated first
@@ -248,7 +271,9 @@ def one_line(tmp_path, monkeypatch, capsys):
         assert main(args) == code
         err = capsys.readouterr().err
         # a run's progress lines ("[hh:mm:ss] ...") and the dataset's split may come first; then one line
-        lines = [line for line in err.splitlines() if line.startswith("moerl: ") and "task.path='" not in line[:20]]
+        lines = [
+            line for line in err.splitlines() if line.startswith("moerl: ") and "task.path='" not in line[:20]
+        ]
         assert len(lines) == 1 and err.rstrip().endswith(lines[0]) and "Traceback" not in err, err
         runs = tmp_path / "runs"
         assert not runs.exists() or list(runs.iterdir()) == []  # nothing left behind
@@ -257,24 +282,43 @@ def one_line(tmp_path, monkeypatch, capsys):
     return run
 
 
-SMALL_RUN = ("sft.steps=0", "trainer.steps=2", "trainer.batch_groups=2", "rollout.group_size=2",
-             "rollout.max_new_tokens=4", "rollout.max_slots=4", "rollout.kv_token_budget=1024")
+SMALL_RUN = (
+    "sft.steps=0",
+    "trainer.steps=2",
+    "trainer.batch_groups=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=4",
+    "rollout.max_slots=4",
+    "rollout.kv_token_budget=1024",
+)
 
 
 @pytest.mark.parametrize(
     ("module", "body", "why"),
-    [("raising_reward", "raise ValueError('reward service down')", "ValueError: reward service down"),
-     ("string_reward", "return '1.0'", "TypeError: reward function returned str")],
+    [
+        ("raising_reward", "raise ValueError('reward service down')", "ValueError: reward service down"),
+        ("string_reward", "return '1.0'", "TypeError: reward function returned str"),
+    ],
 )
-def test_a_reward_failing_on_every_sample_of_step_one_stops_the_run(one_line, policy, tmp_path, module, body, why):
+def test_a_reward_failing_on_every_sample_of_step_one_stops_the_run(
+    one_line, policy, tmp_path, module, body, why
+):
     (tmp_path / f"{module}.py").write_text(f"def score(prompt, response, answer):\n    {body}\n")
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(20)))
-    line = one_line(
-        EXIT_REWARD_FAILED, f"model.path={policy}", "task.name=dataset", f"task.path={data}",
-        f"task.reward_fn={module}:score", *SMALL_RUN,
+    data.write_text(
+        "".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(20))
     )
-    assert line.startswith(f"moerl: stopped: task.reward_fn='{module}:score' failed on all 4 samples of the first step")
+    line = one_line(
+        EXIT_REWARD_FAILED,
+        f"model.path={policy}",
+        "task.name=dataset",
+        f"task.path={data}",
+        f"task.reward_fn={module}:score",
+        *SMALL_RUN,
+    )
+    assert line.startswith(
+        f"moerl: stopped: task.reward_fn='{module}:score' failed on all 4 samples of the first step"
+    )
     assert why in line and "nothing was written" in line
 
 
@@ -284,7 +328,9 @@ def test_a_window_of_failures_stops_the_run_and_a_few_do_not():
     watch = RewardErrorWatch(cfg, task, load_tokenizer(None))
 
     def batch(errors: int, n: int = 4):
-        samples = [SimpleNamespace(reward_info={"error": float(i < errors)}, response_ids=(5,)) for i in range(n)]
+        samples = [
+            SimpleNamespace(reward_info={"error": float(i < errors)}, response_ids=(5,)) for i in range(n)
+        ]
         return [SimpleNamespace(samples=samples, task=SimpleNamespace(prompt_text="p", answer="1"))]
 
     watch.observe(batch(3))  # step 1: not every sample failed
