@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import transformers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
@@ -56,6 +55,8 @@ def save_chat_tokenizer(folder: Path) -> int:
 
 
 def save_qwen3_moe(folder: Path, vocab_size: int) -> None:
+    import transformers  # here: slow to import, and only these tests need it
+
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=vocab_size,
@@ -141,6 +142,8 @@ def test_a_task_without_correctness_reports_the_mean_reward_named_so(monkeypatch
 
 
 def test_chat_prompts_equal_transformers_apply_chat_template(policy):
+    import transformers
+
     hf = transformers.AutoTokenizer.from_pretrained(policy)
     tok = load_tokenizer(policy)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
@@ -192,6 +195,7 @@ def test_a_run_from_a_transformers_model_on_parquet_messages_with_a_reward_besid
 ):
     import pyarrow as pa
     import pyarrow.parquet as pq
+    import transformers
 
     conf = tmp_path / "conf"
     conf.mkdir()
@@ -364,3 +368,19 @@ def test_sft_steps_zero_needs_a_policy():
     with pytest.raises(ConfigError, match="sft.steps=0 skips the warm start, but no policy is given"):
         load_config(None, ["sft.steps=0"])
     assert load_config(None, ["sft.steps=0", "init_from=somewhere"]).sft.steps == 0
+
+
+def test_a_reward_module_beside_the_config_is_found_without_pythonpath(tmp_path, monkeypatch):
+    from argparse import Namespace
+
+    from moerl.cli import _config
+
+    conf, elsewhere = tmp_path / "conf", tmp_path / "elsewhere"
+    conf.mkdir(), elsewhere.mkdir()
+    (conf / "beside_config_reward.py").write_text("def score(prompt, response, answer):\n    return 0.5\n")
+    (conf / "run.yaml").write_text("task: {reward_fn: 'beside_config_reward:score'}\n")
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folders it appends go away with the test
+    cfg = _config(Namespace(config=str(conf / "run.yaml"), overrides=[]))
+    assert cfg.task.import_dirs == (str(conf), str(elsewhere))
+    assert make_task(cfg.task).reward("1+1=", "2", "2").score == 0.5
