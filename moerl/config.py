@@ -499,12 +499,6 @@ class RunConfig:
                 "sft.steps=0 skips the warm start, but no policy is given: set model.path (a Hugging Face "
                 "folder) or init_from, or sft.steps > 0 to warm-start a fresh model"
             )
-        if self.trainer.batch_groups > self.runtime.max_materialized_tasks:
-            raise ConfigError(
-                f"trainer.batch_groups={self.trainer.batch_groups} can never fill: the task queue holds at most "
-                f"runtime.max_materialized_tasks={self.runtime.max_materialized_tasks} tasks at once (leased "
-                "ones included until trained); lower batch_groups or raise max_materialized_tasks"
-            )
 
 
 def _num_experts(cfg: RunConfig) -> int | None:

@@ -48,7 +48,8 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
         rollouts: count the rollout workers' engines in the memory estimate (False for ``moerl sft``,
             which builds only its eval engine).
     Raises:
-        ConfigError: naming the field: ``model.device=meta`` (no weights to train), an ``init_from`` or
+        ConfigError: naming the field: a ``trainer.batch_groups`` above the task's distinct training prompts
+            (``Task.max_train_prompts``), ``model.device=meta`` (no weights to train), an ``init_from`` or
             ``model.path`` folder that ``check_policy_folders`` refuses, an import path that does not
             import or is not callable, a reward
             function that cannot take ``(prompt_text, response_text, answer)``, a malformed dataset
@@ -77,6 +78,12 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
         raise ConfigError(f"task.name={cfg.task.name!r}: {e}") from None
     if cfg.task.name != "env":  # episodes grow turn by turn; their engines check each turn's request
         _check_prompt_length(cfg, task, tokenizer)
+    supply = task.max_train_prompts
+    if rollouts and supply is not None and cfg.trainer.batch_groups > supply:
+        raise ConfigError(
+            f"trainer.batch_groups={cfg.trainer.batch_groups} can never fill with distinct prompts: the task has "
+            f"at most {supply} training prompts (task.name={cfg.task.name!r}); lower trainer.batch_groups"
+        )
     if hasattr(task, "split_line"):  # a dataset that passed: its split, in the first lines of the run
         print(f"moerl: task.path={cfg.task.path!r}: {task.split_line()}", file=sys.stderr)
     return task

@@ -84,7 +84,9 @@ def _dataset(cfg: TaskConfig, env: EnvConfig | None, score_fn, template: dict) -
 def _env(cfg: TaskConfig, env: EnvConfig | None, score_fn, template: dict) -> Task:
     if env is None:
         raise ValueError("task.name='env' needs the run's env section: make_task(cfg.task, cfg.env)")
-    env_cls = load_reward_fn(env.import_path, what="env.name", dirs=cfg.import_dirs)  # the registry is the import path
+    env_cls = load_reward_fn(
+        env.import_path, what="env.name", dirs=cfg.import_dirs
+    )  # the registry is the import path
     if not hasattr(env_cls, "make_task"):
         raise ValueError(f"env.name={env.name!r} is not an moerl.envs.Environment subclass (no make_task)")
     return env_cls.make_task(env, num_eval=cfg.num_eval, seed=cfg.seed)

@@ -116,6 +116,12 @@ class Task:
         """An endless, deterministic (given ``seed``) stream of training prompts."""
         raise NotImplementedError
 
+    @property
+    def max_train_prompts(self) -> int | None:
+        """Most distinct training prompts the task has (a dataset's training rows; an upper bound for a
+        generated task that knows its problem space), or None when unbounded or unknown."""
+        return None
+
     def eval_prompts(self) -> list[Prompt]:
         """The held-out prompts (disjoint from every training prompt), in a fixed order."""
         raise NotImplementedError

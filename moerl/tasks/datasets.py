@@ -290,6 +290,11 @@ class JsonlTask(Task):
         self._train = [p for i, p in enumerate(prompts) if i not in held]
         self.num_eval = num_eval
 
+    @property
+    def max_train_prompts(self) -> int:
+        """The training rows."""
+        return len(self._train)
+
     def split_line(self) -> str:
         """One line stating the split, for the first lines of a run, e.g. ``"60 rows: 54 train, 6 held out
         (task.num_eval=200, at most 10% of the rows)"``."""
