@@ -37,11 +37,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _config(args: argparse.Namespace):
+def _config(args: argparse.Namespace, *, import_dirs: bool = True):
+    """The run config of ``--config`` (or the default) and ``--set``; ``import_dirs``: add the config's
+    folder and this folder to ``task.import_dirs`` (a run here; not a cluster render, whose pods add theirs)."""
     import os
 
     path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
-    return with_import_dirs(load_config(path, args.overrides), path)
+    cfg = load_config(path, args.overrides)
+    return with_import_dirs(cfg, path) if import_dirs else cfg
 
 
 def _local_url(path: str) -> str:
@@ -186,7 +189,7 @@ example:
 def _cmd_cluster_render(args: argparse.Namespace) -> int:
     from moerl.cluster.render import render_main
 
-    return render_main(_config(args), args.out)
+    return render_main(_config(args, import_dirs=False), args.out)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
