@@ -19,7 +19,7 @@ from tokenizers import decoders, models
 import moerl.tasks.eval as eval_mod
 from moerl.cli import main
 from moerl.config import ConfigError, TaskConfig, load_config
-from moerl.errors import EXIT_CONFIG, EXIT_REWARD_FAILED
+from moerl.errors import EXIT_CONFIG, EXIT_REWARD_FAILED, RewardFunctionError
 from moerl.run.reward_errors import RewardErrorWatch
 from moerl.tasks import load_tokenizer, make_task
 from moerl.tasks.chat import render_chat
@@ -339,7 +339,9 @@ def test_a_window_of_failures_stops_the_run_and_a_few_do_not():
 
     watch.observe(batch(3))  # step 1: not every sample failed
     watch.observe(batch(3))  # the window is not full yet
-    with pytest.raises(Exception, match=r"failed on 7 of 12 samples of the last 3 steps .*ZeroDivisionError"):
+    with pytest.raises(
+        RewardFunctionError, match=r"failed on 7 of 12 samples of the last 3 steps .*ZeroDivisionError"
+    ):
         watch.observe(batch(1))
     calm = RewardErrorWatch(cfg, task, load_tokenizer(None))
     for _ in range(5):
