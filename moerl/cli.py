@@ -7,8 +7,16 @@ import errno
 import json
 import sys
 
-from moerl.config import ConfigError, load_config
-from moerl.errors import DiskFullError, RunFolderInUseError, StorageError, WeightVersionRefused
+from moerl.config import ConfigError, load_config, with_import_dirs
+from moerl.errors import (
+    EXIT_CONFIG,
+    EXIT_REWARD_FAILED,
+    DiskFullError,
+    RewardFunctionError,
+    RunFolderInUseError,
+    StorageError,
+    WeightVersionRefused,
+)
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -30,11 +38,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _config(args: argparse.Namespace):
+def _config(args: argparse.Namespace, *, import_dirs: bool = True):
+    """The run config of ``--config`` (or the default) and ``--set``; ``import_dirs``: add the config's
+    folder and this folder to ``task.import_dirs`` (a run here; not a cluster render, whose pods add theirs)."""
     import os
 
     path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
-    return load_config(path, args.overrides)
+    cfg = load_config(path, args.overrides)
+    return with_import_dirs(cfg, path) if import_dirs else cfg
 
 
 def _local_url(path: str) -> str:
@@ -130,6 +141,10 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from moerl.telemetry.live import LiveView
 
     cfg = _config(args)
+    if cfg.sft.steps == 0:
+        raise ConfigError(
+            "sft.steps=0: moerl sft would train nothing (0 skips the warm start of moerl train)"
+        )
     _check_out_folder(args.out)  # before training, not after it
     check_run_inputs(cfg, rollouts=False)  # import paths, dataset, prompt lengths, memory, as moerl train
     view = LiveView(cfg.sft.steps)
@@ -179,7 +194,7 @@ example:
 def _cmd_cluster_render(args: argparse.Namespace) -> int:
     from moerl.cluster.render import render_main
 
-    return render_main(_config(args), args.out)
+    return render_main(_config(args, import_dirs=False), args.out)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -334,7 +349,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as e:
         print(f"moerl: config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    except RewardFunctionError as e:  # one line, no traceback; the folder only when it holds trained steps
+        if e.folder is None:
+            hint = "; nothing was written (the run folder was removed)"
+        else:
+            hint = f"; fix it and continue from the newest checkpoint with: moerl train --resume {e.folder}"
+        print(f"moerl: stopped: {e}{hint}", file=sys.stderr)
+        return EXIT_REWARD_FAILED
     except (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
         # user mistakes (missing config, not a run folder, unwritable output): one line, no traceback
         message = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)

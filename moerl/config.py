@@ -44,6 +44,9 @@ from moerl.weights.transport import TRANSPORTS, check_transport
 # ----------------------------------------------------------------------------------------------
 # Components
 
+DATASET_TASKS = ("dataset", "jsonl")
+"""Task names that read ``task.path`` (``jsonl`` is the older name of ``dataset``)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
@@ -131,17 +134,41 @@ class TaskConfig:
     """Where prompts and rewards come from."""
 
     name: str = "arithmetic"
-    """Built-in task (arithmetic, countdown), ``jsonl`` (a dataset file) or ``env`` (episodes, ``env:``)."""
+    """Built-in task (arithmetic, countdown), ``dataset`` (a dataset file or folder; ``jsonl`` is the same
+    task under its older name) or ``env`` (episodes, ``env:``)."""
     path: str | None = None
-    """JSONL dataset file when ``name == "jsonl"``."""
+    """The dataset when ``name`` is ``dataset`` or ``jsonl``: a ``.jsonl`` file, a ``.parquet`` file or a
+    folder written by the ``datasets`` library's ``save_to_disk`` (``moerl.tasks.datasets``)."""
     layout: str = "gsm8k"
-    """JSONL layout: ``gsm8k`` (question / answer ending in ``#### N``) or ``generic`` (see fields)."""
+    """Dataset layout: ``gsm8k`` (question / answer ending in ``#### N``), ``generic`` (``prompt_field`` /
+    ``answer_field``) or ``messages`` (``messages_field``: a list of ``{role, content}``; needs
+    ``prompt_format: chat``)."""
     prompt_field: str = "prompt"
     """Prompt field name for the generic layout."""
     answer_field: str = "answer"
-    """Answer field name for the generic layout."""
+    """Gold answer field name for the generic and messages layouts (messages rows may lack it when
+    ``reward_fn`` scores them, or when their last assistant message ends in ``#### N``)."""
+    messages_field: str = "messages"
+    """Field of the messages layout holding the conversation (a trailing assistant message is the SFT target)."""
+    prompt_format: str = "raw"
+    """How a dataset row becomes the prompt: ``raw`` fills ``template``; ``chat`` renders it with the
+    tokenizer's ``chat_template`` (Jinja, as transformers' ``apply_chat_template(..., add_generation_prompt=True)``),
+    the row's messages or its prompt as one user message (put through ``template`` when that is set)."""
+    system_prompt: str | None = None
+    """With ``prompt_format: chat``: a system message put first in every conversation that has none."""
     reward_fn: str | None = None
-    """Import path ``package.module:function`` of a custom reward ``(prompt, response, answer) -> float``."""
+    """Import path ``package.module:function`` of a custom reward ``(prompt, response, answer) -> float |
+    Reward``; the module is looked up on the import path, then in ``import_dirs``."""
+    import_dirs: tuple[str, ...] = ()
+    """Folders searched for ``reward_fn``'s and ``env.name``'s module (in every process of the run, Ray
+    workers too); ``moerl train`` and ``moerl sft`` add the config file's folder and the folder they run from
+    (``with_import_dirs``)."""
+    max_reward_error_fraction: float = 0.5
+    """Stop the run when the reward function fails (raises, returns a non-number) on more than this share
+    of the samples of the last ``reward_error_window`` steps, in [0, 1] (1: never on a share); failing on
+    every sample of the first step always stops it."""
+    reward_error_window: int = 10
+    """Trainer steps over which ``max_reward_error_fraction`` is measured."""
     tokenizer: str | None = None
     """Folder or file with ``tokenizer.json``; ``None``: the model folder's, else the built-in char tokenizer."""
     seed: int = 0
@@ -168,9 +195,14 @@ class TaskConfig:
         # here, not at the top: moerl.tasks loads torch, and this module must load without it (``moerl --help``)
         from moerl.tasks import TASKS
         from moerl.tasks.arithmetic import OPERATIONS
+        from moerl.tasks.chat import PROMPT_FORMATS
         from moerl.tasks.datasets import LAYOUTS
 
         check_choice("task.name", self.name, TASKS)
+        check_choice("task.prompt_format", self.prompt_format, PROMPT_FORMATS)
+        self.import_dirs = tuple(self.import_dirs)
+        check_range("task.max_reward_error_fraction", self.max_reward_error_fraction, 0.0, 1.0)
+        check_range("task.reward_error_window", self.reward_error_window, 1)
         check_range("task.num_eval", self.num_eval, 1)
         check_range("task.countdown_min_numbers", self.countdown_min_numbers, 2)
         check_range("task.countdown_max_numbers", self.countdown_max_numbers, self.countdown_min_numbers)
@@ -189,8 +221,17 @@ class TaskConfig:
             check_choice("task.operations[]", op, OPERATIONS)
         if self.name == "arithmetic" and not self.operations:
             raise ConfigError("task.operations=[] is empty; arithmetic needs at least one of + - *")
-        if self.name == "jsonl" and not self.path:
-            raise ConfigError("task.path is required when task.name='jsonl'")
+        if self.name in DATASET_TASKS and not self.path:
+            raise ConfigError(f"task.path is required when task.name={self.name!r}")
+        if self.prompt_format == "chat" and self.name not in DATASET_TASKS:
+            raise ConfigError(
+                f"task.prompt_format=chat with task.name={self.name!r}: chat prompts are built from dataset "
+                f"rows; use task.name=dataset (or prompt_format=raw)"
+            )
+        if self.layout == "messages" and self.name in DATASET_TASKS and self.prompt_format != "chat":
+            raise ConfigError(
+                "task.layout=messages needs task.prompt_format=chat (messages are rendered by the chat template)"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -386,7 +427,7 @@ class SFTConfig:
     """Supervised warm start on task solutions (``moerl sft``)."""
 
     steps: int = 300
-    """Optimizer steps."""
+    """Optimizer steps; 0 skips the warm start (only where a policy is given: ``model.path`` or ``init_from``)."""
     batch_size: int = 32
     """Sequences per step."""
     lr: float = 3e-3
@@ -399,7 +440,7 @@ class SFTConfig:
     """Coefficient of the MoE load-balancing loss added to the SFT loss."""
 
     def __post_init__(self) -> None:
-        check_range("sft.steps", self.steps, 1)
+        check_range("sft.steps", self.steps, 0)
         check_range("sft.warmup_steps", self.warmup_steps, 0)
         check_range("sft.aux_loss_coef", self.aux_loss_coef, 0.0)
         check_range("sft.batch_size", self.batch_size, 1)
@@ -465,7 +506,9 @@ class RunConfig:
     seed: int = 0
     """Global seed (model init, sampling, data order)."""
     init_from: str | None = None
-    """Checkpoint folder to start RL from; ``None`` with ``sft.steps > 0``: warm-start with SFT first."""
+    """Checkpoint folder to start RL from, as it is (no warm start). ``None``: warm-start with SFT first
+    (``sft.steps`` steps on the task's solutions, from ``model.path`` or a fresh model), unless
+    ``sft.steps == 0``, which starts RL from ``model.path`` itself."""
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -508,6 +551,11 @@ class RunConfig:
         self.fleet.check_bounds(self.rollout.num_workers)
         check_episode_run(self.task.name, self.rollout.return_routed_experts)
         check_group_samples(self, preset.estimator)
+        if self.sft.steps == 0 and self.init_from is None and self.model.path is None:
+            raise ConfigError(
+                "sft.steps=0 skips the warm start, but no policy is given: set model.path (a Hugging Face "
+                "folder) or init_from, or sft.steps > 0 to warm-start a fresh model"
+            )
 
 
 def _num_experts(cfg: RunConfig) -> int | None:
@@ -591,6 +639,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: top level must be a mapping")
     apply_overrides(data, overrides or [])
     return from_dict(RunConfig, data)
+
+
+def with_import_dirs(cfg: RunConfig, config_path: str | Path | None) -> RunConfig:
+    """Put the config file's folder and the current folder (absolute) into ``task.import_dirs`` (``moerl
+    train`` and ``moerl sft`` do): a reward module beside the config, or in the folder a run starts from,
+    imports without ``PYTHONPATH``, in every process of the run. Returns ``cfg``, changed in place."""
+    found = [str(Path(config_path).resolve().parent)] if config_path is not None else []
+    cfg.task.import_dirs = tuple(dict.fromkeys([*cfg.task.import_dirs, *found, str(Path.cwd())]))
+    return cfg
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

@@ -38,3 +38,26 @@ class WeightVersionRefused(RuntimeError):
     """Sync mode's rollout worker refused the trainer's newest weight version (its tensors are not the
     engine's parameter set, ``moerl.weights.sources.CheckedWeights``): generating on at an older version
     would not be on-policy, so the run stops. The message is one line naming the version."""
+
+
+class RewardFunctionError(RuntimeError):
+    """The reward function failed (raised, or returned something that is not a finite number) on every
+    sample of a run's first step, or on more than ``task.max_reward_error_fraction`` of the samples over
+    ``task.reward_error_window`` steps (``moerl.run.reward_errors``). The message is one line; ``moerl
+    train`` exits with ``EXIT_REWARD_FAILED``.
+
+    Args:
+        message: the line, naming the function, the failures counted and the first failure.
+        folder: the run folder when it outlives the stop (a later step: resumable from its checkpoints once
+            the function is fixed); None when the stop came before step 1 and the folder was removed.
+    """
+
+    def __init__(self, message: str, folder=None) -> None:
+        super().__init__(message)
+        self.folder = folder
+
+
+EXIT_CONFIG = 2
+"""``moerl`` exit status of a config error or bad input found before training (one line, nothing written)."""
+EXIT_REWARD_FAILED = 3
+"""``moerl train`` exit status of a run stopped by its failing reward function (``RewardFunctionError``)."""

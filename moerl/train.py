@@ -26,6 +26,7 @@ from moerl.allocator import keep_freed_memory
 from moerl.config import ConfigError, RunConfig
 from moerl.envs.stats import merge as env_merge
 from moerl.envs.stats import step_values as env_step_values
+from moerl.errors import RewardFunctionError
 from moerl.records import Group
 from moerl.rollout.precision_gap import LogprobGap, logprob_gap
 from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
@@ -34,6 +35,7 @@ from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_ful
 from moerl.run.preflight import check_run_inputs
 from moerl.run.recovery import StepJournal, recover_trainer
 from moerl.run.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
+from moerl.run.reward_errors import RewardErrorWatch
 from moerl.run.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
 from moerl.run.warm_start import warm_start
 from moerl.runtime.accounting import FleetState, accounting
@@ -42,6 +44,8 @@ from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.local import LocalRollouts
 from moerl.runtime.ray import RayRollouts, check_ray_address, init_ray
 from moerl.runtime.rollouts import Rollouts
+from moerl.tasks.eval import EXACT_MATCH, METRIC_NAMES, EvalResult
+from moerl.tasks.sft import save_tokenizer_and_companions
 from moerl.telemetry.live import LiveView, done_line
 from moerl.telemetry.report import plot_report
 from moerl.telemetry.run import RunTelemetry
@@ -112,6 +116,7 @@ class Run:
         # its digests were read when resume_checkpoint picked it (the run folder is locked since)
         parts = load_checkpoint(checkpoint, contents=False) if checkpoint is not None else None
         self.comp = build_components(cfg, init_path, self.store)
+        self.reward_watch = RewardErrorWatch(cfg.task, self.comp.task, self.comp.tokenizer)
         if cfg.runtime.mode == "async" and cfg.trainer.num_ranks > 1:  # the group's rank actors, then the
             init_ray(cfg)  # rollout fleet, on one Ray instance (make_trainer expects it)
         # one rank: a LocalTrainer; more: a TrainerGroup (moerl.trainer.distributed); both a Trainer
@@ -136,6 +141,7 @@ class Run:
         t0 = time.perf_counter()
         groups, gen_s, wait_s = self.rollouts.next_groups(self.cfg.trainer.batch_groups)
         fp8_gap = self._fp8_gap(groups)  # before training: the engine and the trainer hold one version
+        self.reward_watch.observe(groups)  # a failing reward function stops the run before it trains on zeros
         batch = self.trainer.build_batch(groups, self.comp.tokenizer.pad_id)
         try:
             stats = self.trainer.train_step(batch)
@@ -234,7 +240,9 @@ class Run:
         if env_summary is not None:
             summary["env"] = env_summary
         summary.update(trainer_summary(self.trainer))
-        summary["policy"] = str(export_policy(self.trainer, self.comp.tokenizer, self.dir.path / "policy"))
+        summary["policy"] = str(
+            export_policy(self.trainer, self.comp.tokenizer, self.dir.path / "policy", self.comp.init_path)
+        )
         self.close_trainer()
         summary["process_wall_s"] = time.perf_counter() - self.process_start  # warm start + evals + RL
         if self.mirror is not None:
@@ -265,9 +273,19 @@ class Run:
         the weight store back to the checkpoint. Returns the loop's running totals."""
         if parts is None:
             self.trainer.publish(self.store)  # version 0: what the workers start from
-            acc = self.comp.evaluate()
-            self.view.message(f"warm-start eval accuracy {acc:.3f}; run folder {self.dir.path}")
-            return {"start_accuracy": acc, "wall_s": 0.0, "loop_s": 0.0, "samples": 0}
+            result = self.comp.evaluate()
+            self.view.message(
+                f"warm-start eval: {METRIC_NAMES[result.metric]} {result.accuracy:.3f} "
+                f"({result.num_prompts} prompts); run folder {self.dir.path}"
+            )
+            return {
+                "start_accuracy": result.accuracy if result.metric == EXACT_MATCH else None,
+                "start_mean_reward": result.mean_reward,
+                "eval_metric": result.metric,
+                "wall_s": 0.0,
+                "loop_s": 0.0,
+                "samples": 0,
+            }
         load_trainer_state(self.trainer, checkpoint, parts)  # written at any number of ranks
         self.dir.rewind(self.trainer.step)
         kept = read_jsonl(self.dir.metrics)
@@ -313,8 +331,8 @@ class Run:
     def _is_publish_step(self, step: int) -> bool:
         return step % self.cfg.trainer.publish_every == 0 or step == self.cfg.trainer.steps
 
-    def _evaluate(self, step: int) -> float | None:
-        """Held-out accuracy every ``eval.every`` steps and at the end, else None."""
+    def _evaluate(self, step: int) -> EvalResult | None:
+        """Held-out evaluation every ``eval.every`` steps and at the end, else None."""
         every = self.cfg.eval.every
         is_due = step == self.cfg.trainer.steps or (every and step % every == 0)
         if is_due:
@@ -351,7 +369,11 @@ class Run:
     ) -> None:
         r = self.rollouts
         queue, buffer = r.queue_stats(), r.buffer_metrics()
-        values = step_values(groups, stats, timings, queue, buffer, accuracy=accuracy)
+        exact = accuracy.accuracy if accuracy is not None and accuracy.metric == EXACT_MATCH else None
+        mean_reward = accuracy.mean_reward if accuracy is not None else None
+        values = step_values(
+            groups, stats, timings, queue, buffer, accuracy=exact, eval_mean_reward=mean_reward
+        )
         if self.cfg.rollout.weight_dtype == "fp8":
             values.update(fp8_values(fp8_gap, stats))
         values.update(r.fleet_values(self.cfg.trainer.batch_groups), policy_version=self.trainer.version)
@@ -379,7 +401,7 @@ class Run:
         )
         self.view.update(record)
         if accuracy is not None:
-            s["final_accuracy"] = accuracy
+            s["final_accuracy"], s["final_mean_reward"] = exact, mean_reward
 
     def _checkpoint(self, step: int) -> None:
         every = self.cfg.trainer.checkpoint_every
@@ -399,8 +421,11 @@ class Run:
             "mode": self.cfg.runtime.mode,
             "steps": trainer.step,
             "skipped_steps": trainer.num_skipped,
+            "eval_metric": s.get("eval_metric", EXACT_MATCH),
             "start_eval_accuracy": s["start_accuracy"],
             "final_eval_accuracy": s.get("final_accuracy"),
+            "start_eval_mean_reward": s.get("start_mean_reward"),
+            "final_eval_mean_reward": s.get("final_mean_reward"),
             "wall_time_s": s["wall_s"],
             "samples_per_s": s["samples"] / max(s["loop_s"], 1e-9),
             "samples_trained": s["samples"],
@@ -430,6 +455,9 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
                 return run.run()
     except KeyboardInterrupt as e:
         raise RunInterrupted.of(run_dir.path) from e
+    except RewardFunctionError as e:  # the folder outlives a stop after step 1 (resumable once fixed)
+        e.folder = run_dir.path if run_dir.path.exists() else None
+        raise
 
 
 def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: bool = True) -> dict:
@@ -478,13 +506,20 @@ def _resume(run_dir: str | Path, fetched: Path | None, overrides: list[str] | No
             return run.run()
     except KeyboardInterrupt as e:
         raise RunInterrupted.of(folder.path) from e
+    except RewardFunctionError as e:
+        e.folder = folder.path
+        raise
 
 
-def export_policy(trainer: Trainer, tokenizer, folder: Path) -> Path:
+def export_policy(trainer: Trainer, tokenizer, folder: Path, init_path: str | None = None) -> Path:
     """Save the policy as a Hugging Face folder with its tokenizer (what ``moerl generate`` and
     transformers load), replacing ``folder`` atomically (``Trainer.export_policy``: ``save_pretrained`` of the
-    one-process trainer's model, or streamed from the shards of a trainer group)."""
-    return trainer.export_policy(folder, extra=tokenizer.save)
+    one-process trainer's model, or streamed from the shards of a trainer group). The tokenizer's files
+    keep what they were loaded with (chat template, special tokens), and ``init_path``'s
+    ``generation_config.json`` is copied (``save_tokenizer_and_companions``)."""
+    return trainer.export_policy(
+        folder, extra=lambda out: save_tokenizer_and_companions(tokenizer, init_path, out)
+    )
 
 
 def _open_mirror(cfg: RunConfig, run_dir: RunDir) -> RunMirror | None:

@@ -13,13 +13,22 @@ measures a cluster run against the laptop it runs on).
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 from pathlib import Path
 
 from moerl.config import ConfigError, RunConfig, engine_slot_tokens
 from moerl.models import CheckpointError, MoeConfig, check_model_folder
 from moerl.rollout.memory_check import check_memory
-from moerl.tasks import DatasetError, Task, Tokenizer, load_reward_fn, load_score_fn, make_task
+from moerl.tasks import (
+    ChatTemplateError,
+    DatasetError,
+    Task,
+    Tokenizer,
+    load_reward_fn,
+    load_score_fn,
+    make_task,
+)
 from moerl.tasks.tokenizer import load_run_tokenizer, load_tokenizer, run_tokenizer_path
 
 NUM_TRAIN_PROMPTS_CHECKED = 256
@@ -39,7 +48,8 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
         rollouts: count the rollout workers' engines in the memory estimate (False for ``moerl sft``,
             which builds only its eval engine).
     Raises:
-        ConfigError: naming the field: ``model.device=meta`` (no weights to train), an ``init_from`` or
+        ConfigError: naming the field: a ``trainer.batch_groups`` above the task's distinct training prompts
+            (``Task.max_train_prompts``), ``model.device=meta`` (no weights to train), an ``init_from`` or
             ``model.path`` folder that ``check_policy_folders`` refuses, an import path that does not
             import or is not callable, a reward
             function that cannot take ``(prompt_text, response_text, answer)``, a malformed dataset
@@ -50,20 +60,59 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
         raise ConfigError("model.device=meta holds shapes only, no weights: a run needs cpu, cuda or cuda:N")
     check_policy_folders(cfg)
     if cfg.task.reward_fn:
-        _check_import("task.reward_fn", cfg.task.reward_fn, load_score_fn)
+        _check_import("task.reward_fn", cfg.task.reward_fn, load_score_fn, cfg.task.import_dirs)
     if cfg.task.name == "env":
-        _check_import("env.name", cfg.env.import_path, load_reward_fn)
+        _check_import("env.name", cfg.env.import_path, load_reward_fn, cfg.task.import_dirs)
     tokenizer = load_run_tokenizer(cfg, cfg.init_from)
+    check_vocabulary(cfg, tokenizer)
     check_memory(cfg, tokenizer.vocab_size, rollouts=rollouts)  # before any dataset is read
     try:
-        task = make_task(cfg.task, cfg.env)
+        task = make_task(cfg.task, cfg.env, tokenizer)
+    except FileNotFoundError as e:
+        raise ConfigError(f"task.path={cfg.task.path!r}: no such file or folder ({e})") from None
+    except ChatTemplateError as e:
+        raise ConfigError(str(e)) from None
     except DatasetError as e:  # the message starts with <file>:<line>:
         raise ConfigError(f"task.path: {e}") from None
     except _IMPORT_ERRORS as e:  # an environment's own make_task refusing the env: section
         raise ConfigError(f"task.name={cfg.task.name!r}: {e}") from None
     if cfg.task.name != "env":  # episodes grow turn by turn; their engines check each turn's request
         _check_prompt_length(cfg, task, tokenizer)
+    supply = task.max_train_prompts
+    if rollouts and supply is not None and cfg.trainer.batch_groups > supply:
+        raise ConfigError(
+            f"trainer.batch_groups={cfg.trainer.batch_groups} can never fill with distinct prompts: the task has "
+            f"at most {supply} training prompts (task.name={cfg.task.name!r}); lower trainer.batch_groups"
+        )
+    if hasattr(task, "split_line"):  # a dataset that passed: its split, in the first lines of the run
+        print(f"moerl: task.path={cfg.task.path!r}: {task.split_line()}", file=sys.stderr)
     return task
+
+
+def check_vocabulary(cfg: RunConfig, tokenizer: Tokenizer) -> None:
+    """The tokenizer's ids must all be rows of the policy's embedding: its ``vocab_size`` (added tokens
+    included) at most the model's (``config.json`` of ``init_from`` or ``model.path``; ``model.*`` builds a
+    fresh model of the tokenizer's size). A model with more rows than the tokenizer has ids is fine.
+
+    Raises:
+        ConfigError: naming the tokenizer, the folder and both sizes.
+    """
+    folder = cfg.init_from or cfg.model.path
+    if folder is None or "://" in folder or not (Path(folder) / "config.json").is_file():
+        return
+    try:
+        model_vocab = MoeConfig.from_hf_dict(
+            json.loads((Path(folder) / "config.json").read_text())
+        ).vocab_size
+    except (ValueError, KeyError, TypeError, OSError):
+        return  # check_policy_folders names what is wrong with the folder
+    if tokenizer.vocab_size > model_vocab:
+        field = "init_from" if cfg.init_from else "model.path"
+        raise ConfigError(
+            f"the tokenizer {tokenizer.source} has {tokenizer.vocab_size} token ids but {field}={folder!r} has "
+            f"vocab_size={model_vocab}: ids >= {model_vocab} would index past the embedding; use the model's "
+            "own tokenizer (task.tokenizer)"
+        )
 
 
 def check_policy_folders(cfg: RunConfig) -> None:
@@ -110,9 +159,9 @@ def _check_builtin_tokenizer(cfg: RunConfig, field: str, folder: str, hf: MoeCon
     )
 
 
-def _check_import(field: str, spec: str, load) -> None:
+def _check_import(field: str, spec: str, load, dirs=()) -> None:
     try:
-        load(spec, what=field)
+        load(spec, what=field, dirs=dirs)
     except _IMPORT_ERRORS as e:
         raise ConfigError(str(e).splitlines()[0]) from None
 

@@ -1,4 +1,5 @@
-"""The checkpoint RL starts from: ``init_from``, else an SFT warm start in ``RUN_DIR/sft``."""
+"""The checkpoint RL starts from: ``init_from``; else ``model.path`` itself with ``sft.steps=0``; else an SFT
+warm start in ``RUN_DIR/sft``."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from moerl.telemetry.live import LiveView
 
 
 def warm_start(cfg: RunConfig, run: RunDir, view: LiveView) -> str | None:
-    """The HF folder RL starts from: ``cfg.init_from``, else an SFT warm start written to ``RUN_DIR/sft``
-    (reused when it already exists: resume).
+    """The HF folder RL starts from: ``cfg.init_from``; else, with ``sft.steps == 0``, ``model.path`` as it
+    is (no warm start; the config requires one of the two then); else an SFT warm start written to
+    ``RUN_DIR/sft`` (reused when it already exists: resume).
 
     Raises:
         ConfigError: ``init_from`` is not a Hugging Face model folder.
@@ -23,6 +25,9 @@ def warm_start(cfg: RunConfig, run: RunDir, view: LiveView) -> str | None:
                 f"init_from={cfg.init_from!r} is not a Hugging Face model folder (no config.json)"
             )
         return cfg.init_from
+    if cfg.sft.steps == 0:
+        view.message(f"warm start skipped (sft.steps=0): RL starts from model.path={cfg.model.path!r}")
+        return cfg.model.path
     out = run.path / "sft"
     if not (out / "config.json").exists():
         view.message(f"warm start: SFT for {cfg.sft.steps} steps -> {out}")

@@ -24,7 +24,7 @@ from moerl.runtime.episode_worker import episode_worker
 from moerl.runtime.queue import TaskQueue
 from moerl.runtime.worker import RolloutWorker
 from moerl.tasks import Task, Tokenizer, make_task
-from moerl.tasks.eval import evaluate
+from moerl.tasks.eval import EvalResult, evaluate
 from moerl.tasks.tokenizer import load_run_tokenizer
 from moerl.weights.sources import WeightSource
 from moerl.weights.store import WeightStore
@@ -117,8 +117,10 @@ class Components:
     model: torch.nn.Module
     """The policy being trained (the trainer's model; eval runs on it)."""
 
-    def evaluate(self) -> float:
-        """Held-out greedy accuracy of the driver's policy (``moerl.tasks.eval.evaluate``), in [0, 1]."""
+    def evaluate(self) -> EvalResult:
+        """Held-out greedy evaluation of the driver's policy (``moerl.tasks.eval.evaluate``): its exact
+        match (``accuracy``, in [0, 1]) or, for a task with no notion of correctness, its mean reward
+        (``metric``)."""
         r = self.cfg.rollout
         return evaluate(
             self.model,
@@ -127,12 +129,12 @@ class Components:
             max_new_tokens=r.max_new_tokens,
             max_slots=r.max_slots,
             kv_token_budget=r.kv_token_budget,
-        ).accuracy
+        )
 
 
 def build_components(cfg: RunConfig, init_path: str | None, store: WeightStore) -> Components:
     """Tokenizer, task and policy of a run (the policy seeded by the torch RNG when fresh)."""
     tokenizer = load_run_tokenizer(cfg, init_path)
-    task = make_task(cfg.task, cfg.env)
+    task = make_task(cfg.task, cfg.env, tokenizer)
     model = load_policy(cfg, init_path, tokenizer.vocab_size)
     return Components(cfg, init_path, store, tokenizer, task, model)

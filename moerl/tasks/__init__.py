@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 from moerl.tasks.arithmetic import ArithmeticTask
 from moerl.tasks.base import Prompt, Reward, Task
+from moerl.tasks.chat import ChatTemplateError, chat_renderer
 from moerl.tasks.countdown import CountdownTask
-from moerl.tasks.datasets import DatasetError, JsonlTask, load_jsonl
+from moerl.tasks.datasets import DatasetError, JsonlTask, load_jsonl, load_records
 from moerl.tasks.rewards import load_reward_fn, load_score_fn
 from moerl.tasks.tokenizer import Tokenizer, load_tokenizer
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:  # the config sits above this package (docs/architecture.md, L
 
 __all__ = [
     "ArithmeticTask",
+    "ChatTemplateError",
     "CountdownTask",
     "DatasetError",
     "JsonlTask",
@@ -33,6 +35,7 @@ __all__ = [
     "Task",
     "Tokenizer",
     "load_jsonl",
+    "load_records",
     "load_reward_fn",
     "load_score_fn",
     "load_tokenizer",
@@ -64,17 +67,26 @@ def _countdown(cfg: TaskConfig, env: EnvConfig | None, score_fn, template: dict)
     )
 
 
-def _jsonl(cfg: TaskConfig, env: EnvConfig | None, score_fn, template: dict) -> Task:
-    records = load_jsonl(
-        cfg.path, layout=cfg.layout, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field
+def _dataset(cfg: TaskConfig, env: EnvConfig | None, score_fn, template: dict) -> Task:
+    records = load_records(
+        cfg.path,
+        layout=cfg.layout,
+        prompt_field=cfg.prompt_field,
+        answer_field=cfg.answer_field,
+        messages_field=cfg.messages_field,
+        require_answer=score_fn is None,
     )
+    if "render" in template:  # chat: task.template (if any) shapes the user message, not the prompt
+        template = {"render": template["render"]}
     return JsonlTask(records, name=Path(cfg.path).stem, num_eval=cfg.num_eval, score_fn=score_fn, **template)
 
 
 def _env(cfg: TaskConfig, env: EnvConfig | None, score_fn, template: dict) -> Task:
     if env is None:
         raise ValueError("task.name='env' needs the run's env section: make_task(cfg.task, cfg.env)")
-    env_cls = load_reward_fn(env.import_path, what="env.name")  # the registry is the import path
+    env_cls = load_reward_fn(
+        env.import_path, what="env.name", dirs=cfg.import_dirs
+    )  # the registry is the import path
     if not hasattr(env_cls, "make_task"):
         raise ValueError(f"env.name={env.name!r} is not an moerl.envs.Environment subclass (no make_task)")
     return env_cls.make_task(env, num_eval=cfg.num_eval, seed=cfg.seed)
@@ -83,15 +95,17 @@ def _env(cfg: TaskConfig, env: EnvConfig | None, score_fn, template: dict) -> Ta
 TASKS: dict[str, Callable[..., Task]] = {
     "arithmetic": _arithmetic,
     "countdown": _countdown,
-    "jsonl": _jsonl,
+    "dataset": _dataset,
+    "jsonl": _dataset,
     "env": _env,
 }
 """The task registry: ``task.name`` -> its builder ``(task_cfg, env_cfg, score_fn, template) -> Task``
-(``env``: an environment's tasks, ``moerl.envs``). The config's choice of task names is this table's keys."""
+(``env``: an environment's tasks, ``moerl.envs``; ``dataset`` and its older name ``jsonl``: ``task.path``). The config's choice of task names is this table's keys."""
 
 
-def make_task(cfg: TaskConfig, env: EnvConfig | None = None) -> Task:
-    """Build the task a ``TaskConfig`` describes (``cfg.template`` or the task's default template).
+def make_task(cfg: TaskConfig, env: EnvConfig | None = None, tokenizer: Tokenizer | None = None) -> Task:
+    """Build the task a ``TaskConfig`` describes (``cfg.template`` or the task's default template; with
+    ``task.prompt_format=chat`` the ``tokenizer``'s chat template, ``moerl.tasks.chat``).
 
     ``task.name == "env"``: the environment class at ``env.import_path`` builds it
     (``Environment.make_task``, ``moerl.envs``); ``env`` is then required.
@@ -100,10 +114,22 @@ def make_task(cfg: TaskConfig, env: EnvConfig | None = None) -> Task:
         ValueError: a task name not in ``TASKS``, a bad reward function path, or a reward function whose
             signature cannot take ``(prompt_text, response_text, answer)``.
         ImportError, AttributeError: ``cfg.reward_fn`` cannot be imported.
-        FileNotFoundError, DatasetError: the JSONL file is missing or malformed.
+        FileNotFoundError, DatasetError: the dataset is missing or malformed.
+        ChatTemplateError: ``prompt_format=chat`` without a tokenizer that has a chat template, or a template
+            that does not render.
     """
     if cfg.name not in TASKS:
         raise ValueError(f"task.name={cfg.name!r}: choose one of {', '.join(TASKS)}")
-    score_fn = load_score_fn(cfg.reward_fn) if cfg.reward_fn else None
-    template = {"template": cfg.template} if cfg.template else {}
+    score_fn = load_score_fn(cfg.reward_fn, dirs=cfg.import_dirs) if cfg.reward_fn else None
+    template: dict = {"template": cfg.template} if cfg.template else {}
+    if cfg.prompt_format == "chat":
+        if tokenizer is None or tokenizer.chat_template is None:
+            where = "no tokenizer given" if tokenizer is None else f"{tokenizer.source} has none"
+            raise ChatTemplateError(f"task.prompt_format=chat needs the tokenizer's chat_template ({where})")
+        template["render"] = chat_renderer(
+            tokenizer.chat_template,
+            tokenizer.special_tokens,
+            system_prompt=cfg.system_prompt,
+            user_template=cfg.template,
+        )
     return TASKS[cfg.name](cfg, env, score_fn, template)

@@ -54,6 +54,12 @@ class ArithmeticTask(GeneratedTask):
         self.operations = tuple(operations)
         self.num_eval, self.seed, self.template = num_eval, seed, template
 
+    @property
+    def max_train_prompts(self) -> int:
+        """An upper bound: every ordered operand pair for every operation (eval-split keys included)."""
+        lo = 0 if self.min_digits == 1 else 10 ** (self.min_digits - 1)
+        return (10**self.max_digits - lo) ** 2 * len(self.operations)
+
     def _operand(self, rng: random.Random) -> int:
         digits = rng.randint(self.min_digits, self.max_digits)
         lo = 0 if digits == 1 else 10 ** (digits - 1)

@@ -25,7 +25,8 @@ EVAL_PERCENT = 10
 """Share of a generated task's problem space (percent, by key hash) reserved for evaluation."""
 
 MAX_LOGGED_ERRORS = 5
-"""Reward exceptions logged with a traceback per task object; later ones are only counted."""
+"""Reward exceptions logged (one line each, the traceback at debug level) per task object; later ones are
+only counted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,14 +102,25 @@ class Task:
     """
 
     name: str = "task"
+    has_verifier: bool = True
+    """Whether ``score`` checks correctness (``Reward.info["correct"]``); False for a task whose only
+    scoring is the user's reward function (``held_out_correct`` then returns None)."""
 
     def __init__(self, score_fn: ScoreFn | None = None) -> None:
         self._score_fn = score_fn
         self.num_reward_errors = 0
+        self.first_reward_error: str | None = None
+        """``"<Type>: <message>"`` of the first reward failure, for the line that stops a run."""
 
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         """An endless, deterministic (given ``seed``) stream of training prompts."""
         raise NotImplementedError
+
+    @property
+    def max_train_prompts(self) -> int | None:
+        """Most distinct training prompts the task has (a dataset's training rows; an upper bound for a
+        generated task that knows its problem space), or None when unbounded or unknown."""
+        return None
 
     def eval_prompts(self) -> list[Prompt]:
         """The held-out prompts (disjoint from every training prompt), in a fixed order."""
@@ -130,15 +142,43 @@ class Task:
             return as_reward(fn(prompt_text, response_text, answer))
         except Exception as e:  # noqa: BLE001 - a reward bug must cost one sample, not the run
             self.num_reward_errors += 1
-            if self.num_reward_errors <= MAX_LOGGED_ERRORS:
+            if self.first_reward_error is None:
+                self.first_reward_error = f"{type(e).__name__}: {e}"
+            if self.num_reward_errors <= MAX_LOGGED_ERRORS:  # one line each; the traceback at debug level
                 log.warning(
-                    "reward function raised on prompt %r: %s: %s",
-                    prompt_text[:80],
-                    type(e).__name__,
-                    e,
-                    exc_info=True,
+                    "reward function raised on prompt %r: %s: %s", prompt_text[:80], type(e).__name__, e
                 )
+                log.debug("reward function traceback", exc_info=True)
             return Reward(0.0, {"error": 1.0, "correct": 0.0})
+
+    def explain_failure(self, prompt_text: str, response_text: str, answer: str) -> str | None:
+        """Score one response again, unguarded, and say why it fails (``"ValueError: boom"``,
+        ``"returned str '1.0', not a number"``), or None when it scores. For the line that stops a run."""
+        fn = self._score_fn or self.score
+        try:
+            as_reward(fn(prompt_text, response_text, answer))
+        except Exception as e:  # noqa: BLE001 - the failure is what is asked for
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def held_out_correct(
+        self, prompt_text: str, response_text: str, answer: str, reward: Reward
+    ) -> float | None:
+        """Whether a response is correct (1.0 or 0.0), for held-out exact match; never from ``score > 0``.
+
+        The reward's own ``info["correct"]`` when it reports one (built-in verifiers do, and so does a user
+        reward returning ``Reward(score, {"correct": ...})``); else, when a user reward function replaced
+        a task that has a verifier (``has_verifier``), the verifier's verdict; else None (no notion of
+        correctness: evaluation reports the mean held-out reward instead).
+        """
+        if "correct" in reward.info:
+            return float(reward.info["correct"])
+        if not self.has_verifier or self._score_fn is None:
+            return None
+        try:
+            return float(as_reward(self.score(prompt_text, response_text, answer)).info.get("correct", 0.0))
+        except Exception:  # noqa: BLE001 - the built-in verifiers do not raise; a broken one is "not correct"
+            return 0.0
 
 
 class GeneratedTask(Task):

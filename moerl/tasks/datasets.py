@@ -1,29 +1,48 @@
-"""JSONL datasets: the GSM8K layout and a generic ``{prompt, answer}`` layout.
+"""Datasets: JSONL, Parquet or a folder saved by the ``datasets`` library, in three layouts.
+
+Formats (``dataset_rows``, chosen by the path): a folder is read with ``datasets.load_from_disk`` (its
+``train`` split when it holds several), a ``.parquet`` file with ``pyarrow``, anything else as JSONL (one
+JSON object per line). Rows are named ``<file>:<line>`` (JSONL) or ``<path>: row <n>`` in errors.
 
 Layouts:
 - ``gsm8k``: ``{"question": ..., "answer": "<worked solution>\\n#### 18"}``; the gold answer is the
   number after ``####``, the worked solution (with its ``#### N`` line) is the SFT target.
 - ``generic``: ``{<prompt_field>: ..., <answer_field>: ...}``; the answer is the gold answer and
   the SFT target.
+- ``messages``: ``{<messages_field>: [{"role", "content"}, ...], <answer_field>: ...}``, rendered with the
+  tokenizer's chat template (``task.prompt_format=chat``); a trailing assistant message is the SFT target
+  (and, without an answer field, the number after its ``####`` the gold answer). Rows may lack an answer
+  when a reward function scores them (``task.reward_fn``); the task then has no verifier.
 
 Responses are scored by numeric answer extraction (``moerl.tasks.answers``). Every malformed input
 raises ``DatasetError`` naming the file and the 1-based line. The split is fixed by a hash of each
-record's prompt: the ``num_eval`` records with the smallest hashes are held out (at most half).
+record's prompt: the ``held_out_size`` records with the smallest hashes are held out.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from moerl.tasks.answers import answers_match, extract_answer, format_number
 from moerl.tasks.base import Prompt, Reward, ScoreFn, Task, stable_hash
 
-LAYOUTS = ("gsm8k", "generic")
-"""The JSONL layouts ``load_jsonl`` reads (``task.layout``; see the module docstring)."""
+LAYOUTS = ("gsm8k", "generic", "messages")
+"""The layouts ``load_records`` reads (``task.layout``; see the module docstring)."""
+
+MAX_HELD_OUT_SHARE = 10
+"""Most rows of a dataset held out for evaluation, in percent (at least one row, ``held_out_size``)."""
+
+
+def held_out_size(num_rows: int, num_eval: int) -> int:
+    """Rows held out of a dataset of ``num_rows``: ``min(num_eval, MAX_HELD_OUT_SHARE % of the rows)``, at
+    least 1, and never all of them (0 for a one-row dataset). E.g. 60 rows, num_eval=200 -> 6."""
+    if num_rows < 2:
+        return 0
+    return max(1, min(num_eval, num_rows * MAX_HELD_OUT_SHARE // 100))
 
 
 class DatasetError(ValueError):
@@ -35,16 +54,19 @@ class Record:
     """One dataset problem.
 
     Attributes:
-        line: 1-based line number in the source file.
-        prompt: the question, untemplated.
-        answer: the gold answer (for GSM8K: the final number, canonical, e.g. ``"1000"``).
-        solution: the SFT target (for GSM8K: the worked solution ending in ``#### N``).
+        line: 1-based line (JSONL) or row number in the source.
+        prompt: the question, untemplated (``messages`` layout: the conversation as JSON, for the split hash).
+        answer: the gold answer (for GSM8K: the final number, canonical, e.g. ``"1000"``); None: the row has
+            none (a reward function scores it).
+        solution: the SFT target (for GSM8K: the worked solution ending in ``#### N``); None: none.
     """
 
     line: int
     prompt: str
-    answer: str
-    solution: str
+    answer: str | None
+    solution: str | None
+    messages: tuple[dict[str, str], ...] | None = None
+    """``messages`` layout: the conversation up to the response (a trailing assistant message removed)."""
 
 
 def _field(obj: dict, name: str, where: str) -> str:
@@ -56,7 +78,38 @@ def _field(obj: dict, name: str, where: str) -> str:
     return str(value)
 
 
-def _record(obj: dict, line: int, where: str, layout: str, prompt_field: str, answer_field: str) -> Record:
+def _final_number(text: str) -> str | None:
+    if "####" not in text:
+        return None
+    value = extract_answer(text[text.rindex("####") :])
+    return None if value is None else format_number(value)
+
+
+def _messages_record(obj: dict, line: int, where: str, messages_field: str, answer_field: str) -> Record:
+    from moerl.tasks.chat import check_messages
+
+    if messages_field not in obj:
+        raise DatasetError(f"{where}: missing field '{messages_field}' (fields present: {sorted(obj)})")
+    try:
+        messages = check_messages(obj[messages_field], where)
+    except ValueError as e:
+        raise DatasetError(str(e)) from None
+    solution = messages.pop()["content"] if messages[-1]["role"] == "assistant" else None
+    if not messages:
+        raise DatasetError(f"{where}: field '{messages_field}' holds only an assistant message, no prompt")
+    answer = _field(obj, answer_field, where) if obj.get(answer_field) is not None else None
+    if answer is None and solution is not None:
+        answer = _final_number(solution)
+    return Record(
+        line, json.dumps(messages), answer, solution if solution is not None else answer, tuple(messages)
+    )
+
+
+def _record(
+    obj: dict, line: int, where: str, layout: str, prompt_field: str, answer_field: str, messages_field: str
+) -> Record:
+    if layout == "messages":
+        return _messages_record(obj, line, where, messages_field, answer_field)
     if layout == "gsm8k":
         question, solution = _field(obj, "question", where), _field(obj, "answer", where)
         if "####" not in solution:
@@ -96,43 +149,112 @@ def jsonl_objects(path: str | Path) -> Iterator[tuple[int, str, dict | None]]:
             yield line, where, obj
 
 
-def load_jsonl(
-    path: str | Path, *, layout: str = "gsm8k", prompt_field: str = "prompt", answer_field: str = "answer"
+def dataset_format(path: str | Path) -> str:
+    """``"datasets"`` (a folder: ``save_to_disk``), ``"parquet"`` (a ``.parquet`` file) or ``"jsonl"``."""
+    path = Path(path)
+    return "datasets" if path.is_dir() else "parquet" if path.suffix == ".parquet" else "jsonl"
+
+
+def _table_rows(path: Path, fmt: str) -> list[dict]:
+    """The rows of a Parquet file or a ``datasets`` folder as dicts (the library named when missing)."""
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path).to_pylist()
+        import datasets
+
+        data = datasets.load_from_disk(str(path))
+    except ImportError as e:
+        package = "pyarrow" if fmt == "parquet" else "datasets"
+        raise DatasetError(f"{path}: reading a {fmt} dataset needs the '{package}' package ({e})") from None
+    except Exception as e:  # noqa: BLE001 - pyarrow and datasets raise their own types for a bad file
+        raise DatasetError(f"{path}: not a readable {fmt} dataset ({type(e).__name__}: {e})") from None
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data and len(data) != 1:
+            raise DatasetError(f"{path}: a dataset with splits {sorted(data)} and none named 'train'")
+        data = data["train"] if "train" in data else next(iter(data.values()))
+    return data.to_list()
+
+
+def dataset_rows(path: str | Path) -> Iterator[tuple[int, str, dict | None]]:
+    """``(number, where, row)`` of every row of a dataset in any of the formats (``dataset_format``):
+    ``jsonl_objects`` for JSONL, ``(n, "<path>: row <n>", row)`` (1-based) for Parquet and ``datasets``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        DatasetError: an unreadable file (or its library missing), or a malformed JSONL line.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no dataset at {path}")
+    fmt = dataset_format(path)
+    if fmt == "jsonl":
+        yield from jsonl_objects(path)
+        return
+    for n, row in enumerate(_table_rows(path, fmt), start=1):
+        yield n, f"{path}: row {n}", row
+
+
+def load_records(
+    path: str | Path,
+    *,
+    layout: str = "gsm8k",
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    messages_field: str = "messages",
+    require_answer: bool = True,
 ) -> list[Record]:
-    """Read a JSONL dataset; blank lines are skipped.
+    """Read a dataset (JSONL, Parquet or a ``datasets`` folder; ``dataset_rows``); blank lines are skipped.
 
     Args:
-        path: the ``.jsonl`` file, one JSON object per line.
-        layout: ``"gsm8k"`` or ``"generic"`` (see the module docstring).
-        prompt_field, answer_field: field names of the generic layout.
+        path: the file or folder.
+        layout: ``"gsm8k"``, ``"generic"`` or ``"messages"`` (see the module docstring).
+        prompt_field, answer_field, messages_field: field names (``answer_field`` for generic and messages).
+        require_answer: refuse a ``messages`` row without a gold answer (no reward function to score it).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         DatasetError: a line that is not UTF-8, not JSON or not an object, a missing or non-text field, a GSM8K
-            answer without ``#### N``, or a file without records; the message names file and line.
+            answer without ``#### N``, malformed messages, or a file without records; the message names file
+            and line (or row).
     """
     path = Path(path)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: choose one of {', '.join(LAYOUTS)}")
     records: list[Record] = []
     num_lines = 0
-    for num_lines, where, obj in jsonl_objects(path):  # noqa: B007 - num_lines is used after the loop
+    for num_lines, where, obj in dataset_rows(path):  # noqa: B007 - num_lines is used after the loop
         if obj is not None:
-            records.append(_record(obj, num_lines, where, layout, prompt_field, answer_field))
+            record = _record(obj, num_lines, where, layout, prompt_field, answer_field, messages_field)
+            if record.answer is None and require_answer:
+                raise DatasetError(
+                    f"{where}: no gold answer (no field '{answer_field}', no '#### N' in the assistant "
+                    "message): add one, or set task.reward_fn to score responses without it"
+                )
+            records.append(record)
     if not records:
         raise DatasetError(f"{path}:{max(num_lines, 1)}: no records (the file is empty or blank)")
     return records
 
 
+def load_jsonl(
+    path: str | Path, *, layout: str = "gsm8k", prompt_field: str = "prompt", answer_field: str = "answer"
+) -> list[Record]:
+    """``load_records`` of a JSONL file in the gsm8k or generic layout (kept for callers of the old name)."""
+    return load_records(path, layout=layout, prompt_field=prompt_field, answer_field=answer_field)
+
+
 class JsonlTask(Task):
-    """A dataset task scored by numeric answer match.
+    """A dataset task scored by numeric answer match (its verifier), or by a user reward function.
 
     Args:
-        records: the loaded dataset (``load_jsonl``).
+        records: the loaded dataset (``load_records``).
         name: a short dataset name used in prompt ids (``"<name>:<line>"``).
-        num_eval: held-out records; at most half of the dataset.
-        template: prompt template with a ``{prompt}`` placeholder for the question.
+        num_eval: most held-out records (``held_out_size``: at most ``MAX_HELD_OUT_SHARE`` % of them).
+        template: prompt template with a ``{prompt}`` placeholder for the question (raw prompts).
         score_fn: a user reward function replacing the numeric match.
+        render: builds a record's prompt text instead of ``template`` (chat prompts: ``moerl.tasks.chat``).
     """
 
     name = "jsonl"
@@ -145,23 +267,42 @@ class JsonlTask(Task):
         num_eval: int = 200,
         template: str = "Question: {prompt}\nAnswer:",
         score_fn: ScoreFn | None = None,
+        render: Callable[[Record], str] | None = None,
     ) -> None:
         super().__init__(score_fn)
         self.template = template
+        self.has_verifier = all(r.answer is not None for r in records)
+        # a raw template's answer follows it after a space; a chat template's generation prompt ends the turn
+        lead = "" if render is not None else " "
+        render = render or (lambda r: template.format(prompt=r.prompt))
         prompts = [
             Prompt(
                 id=f"{name}:{r.line}",
-                text=template.format(prompt=r.prompt),
-                answer=r.answer,
-                solution=" " + r.solution,
+                text=render(r),
+                answer=r.answer if r.answer is not None else "",
+                solution=None if r.solution is None else lead + r.solution,
             )
             for r in records
         ]
         order = sorted(range(len(prompts)), key=lambda i: (stable_hash(records[i].prompt), i))
-        num_held = min(num_eval, len(prompts) // 2)
-        held = set(order[:num_held])
+        held = set(order[: held_out_size(len(prompts), num_eval)])
         self._eval = [p for i, p in enumerate(prompts) if i in held]
         self._train = [p for i, p in enumerate(prompts) if i not in held]
+        self.num_eval = num_eval
+
+    @property
+    def max_train_prompts(self) -> int:
+        """The training rows."""
+        return len(self._train)
+
+    def split_line(self) -> str:
+        """One line stating the split, for the first lines of a run, e.g. ``"60 rows: 54 train, 6 held out
+        (task.num_eval=200, at most 10% of the rows)"``."""
+        n = len(self._train) + len(self._eval)
+        return (
+            f"{n} rows: {len(self._train)} train, {len(self._eval)} held out "
+            f"(task.num_eval={self.num_eval}, at most {MAX_HELD_OUT_SHARE}% of the rows)"
+        )
 
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         """Endless epochs over the training records, each epoch shuffled by ``random.Random(seed)``."""

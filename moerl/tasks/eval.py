@@ -1,8 +1,11 @@
 """Held-out evaluation: greedy decoding with the rollout engine, scored by the task's verifier.
 
 ``evaluate`` is the accuracy every stage reports (SFT before/after, RL every ``eval.every`` steps):
-the share of held-out prompts whose greedy response the task scores as correct
-(``Reward.info["correct"]``; for arithmetic that is exact match of the answer).
+the held-out *exact match*, the share of held-out prompts whose greedy response is correct by the task's
+correctness (``Task.held_out_correct``: the reward's ``info["correct"]`` or the task's verifier; never
+``score > 0``, which would count partial credit as correct). A task with no notion of correctness (a
+dataset without answers, scored only by a user reward function) reports the mean held-out reward
+instead, named so (``EvalResult.metric``, ``METRIC_NAMES``).
 
 ``teacher_forced_exact_match`` computes the same figure for single-answer tasks in one forward pass,
 without generating: greedy decoding reproduces ``solution + eos`` exactly iff the argmax at every
@@ -21,14 +24,20 @@ from moerl.tasks.base import Prompt, Task
 from moerl.tasks.examples import collate, encode_example
 from moerl.tasks.tokenizer import Tokenizer
 
+EXACT_MATCH, MEAN_REWARD = "exact_match", "mean_reward"
+METRIC_NAMES = {EXACT_MATCH: "held-out exact match", MEAN_REWARD: "mean held-out reward"}
+"""What ``EvalResult.accuracy`` is, by ``EvalResult.metric``, in the words the console uses."""
+
 
 @dataclass(frozen=True, slots=True)
 class EvalResult:
     """Held-out accuracy of one evaluation.
 
     Attributes:
-        accuracy: mean of ``info["correct"]`` over the prompts, in [0, 1] (a reward function that
-            reports no ``correct`` counts a response as correct when its score is > 0).
+        accuracy: the headline figure: with ``metric == "exact_match"`` the share of prompts whose response
+            is correct (``Task.held_out_correct``), in [0, 1]; with ``metric == "mean_reward"`` (the task has
+            no notion of correctness) the mean reward, ``mean_reward``.
+        metric: ``"exact_match"`` or ``"mean_reward"`` (``METRIC_NAMES``).
         mean_reward: mean ``Reward.score``.
         num_prompts: prompts evaluated.
         mean_response_tokens: mean generated tokens per response (stop token included).
@@ -40,6 +49,7 @@ class EvalResult:
     num_prompts: int
     mean_response_tokens: float
     num_reward_errors: int
+    metric: str = EXACT_MATCH
 
 
 @torch.no_grad()
@@ -95,16 +105,20 @@ def evaluate(
         model.train(was_training)
     by_id = {c.request_id: c for c in completions}
     errors_before = task.num_reward_errors
-    correct = score = num_tokens = 0.0
+    score = num_tokens = 0.0
+    verdicts: list[float | None] = []
     for p in prompts:
         c = by_id[p.id]
-        reward = task.reward(p.text, tokenizer.decode(c.token_ids), p.answer)
-        correct += reward.info.get("correct", float(reward.score > 0))
+        text = tokenizer.decode(c.token_ids)
+        reward = task.reward(p.text, text, p.answer)
+        verdicts.append(task.held_out_correct(p.text, text, p.answer, reward))
         score += reward.score
         num_tokens += len(c.token_ids)
     n = len(prompts)
+    has_correctness = all(v is not None for v in verdicts)
     return EvalResult(
-        accuracy=correct / n,
+        accuracy=sum(verdicts) / n if has_correctness else score / n,
+        metric=EXACT_MATCH if has_correctness else MEAN_REWARD,
         mean_reward=score / n,
         num_prompts=n,
         mean_response_tokens=num_tokens / n,

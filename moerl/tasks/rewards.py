@@ -2,14 +2,21 @@
 
 A reward function is any callable ``fn(prompt_text, response_text, answer) -> float | Reward``.
 ``Task.reward`` calls it under a guard: an exception or a non-finite score gives that sample
-``Reward(0.0, {"error": 1.0})`` and increments the task's ``num_reward_errors``; the run goes on.
+``Reward(0.0, {"error": 1.0})`` and increments the task's ``num_reward_errors``; the run decides
+whether that many failures stop it (``task.max_reward_error_fraction``, ``moerl.run.reward_errors``).
+
+Where the module is found: the import path, then the folders of ``task.import_dirs`` (the config
+file's folder and the folder the run started from, added by ``moerl.config.with_import_dirs``), which
+``load_reward_fn`` puts on ``sys.path`` in whichever process builds the task (Ray workers included).
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from moerl.tasks.base import ScoreFn
 
@@ -17,9 +24,18 @@ REWARD_ARGS = ("prompt_text", "response_text", "answer")
 """The arguments ``Task.reward`` passes a reward function, positionally and in this order."""
 
 
-def load_reward_fn(spec: str, what: str = "reward_fn") -> ScoreFn:
+def add_import_dirs(dirs: Sequence[str]) -> None:
+    """Append the existing folders of ``dirs`` to ``sys.path`` (after what is there: an installed package
+    of the same name wins), once each."""
+    for folder in dirs:
+        if Path(folder).is_dir() and folder not in sys.path:
+            sys.path.append(folder)
+
+
+def load_reward_fn(spec: str, what: str = "reward_fn", dirs: Sequence[str] = ()) -> ScoreFn:
     """Import ``"package.module:function"`` (dots after the colon reach attributes, ``mod:Cls.fn``).
-    ``what`` names the config field in error messages (also used for ``env.name``).
+    ``what`` names the config field in error messages (also used for ``env.name``); ``dirs``: folders
+    searched after the import path (``add_import_dirs``; ``task.import_dirs``).
 
     Raises:
         ValueError: ``spec`` is not of the form ``module:attribute``, or the target is not callable.
@@ -29,10 +45,12 @@ def load_reward_fn(spec: str, what: str = "reward_fn") -> ScoreFn:
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path:
         raise ValueError(f"{what}={spec!r} must look like 'package.module:function'")
+    add_import_dirs(dirs)
     try:
         obj = importlib.import_module(module_name)
     except ImportError as e:
-        raise ImportError(f"{what}={spec!r}: cannot import module '{module_name}': {e}") from e
+        where = f" (looked on the import path and in {', '.join(dirs)})" if dirs else ""
+        raise ImportError(f"{what}={spec!r}: cannot import module '{module_name}': {e}{where}") from e
     for part in attr_path.split("."):
         if not hasattr(obj, part):
             raise AttributeError(f"{what}={spec!r}: '{module_name}' has no attribute '{attr_path}'")
@@ -64,13 +82,13 @@ def check_reward_signature(fn: Callable, spec: str, what: str = "task.reward_fn"
         ) from None
 
 
-def load_score_fn(spec: str, what: str = "task.reward_fn") -> ScoreFn:
+def load_score_fn(spec: str, what: str = "task.reward_fn", dirs: Sequence[str] = ()) -> ScoreFn:
     """``load_reward_fn`` plus ``check_reward_signature``: the reward function of ``task.reward_fn``.
 
     Raises:
         ValueError, ImportError, AttributeError: as ``load_reward_fn``, or a signature that cannot take
             ``(prompt_text, response_text, answer)``.
     """
-    fn = load_reward_fn(spec, what=what)
+    fn = load_reward_fn(spec, what=what, dirs=dirs)
     check_reward_signature(fn, spec, what)
     return fn

@@ -32,9 +32,15 @@ from moerl.models import build_model, save_pretrained
 from moerl.models.checkpoint import INDEX_FILE
 from moerl.tasks import make_task
 from moerl.tasks.base import Prompt
-from moerl.tasks.eval import evaluate
+from moerl.tasks.eval import METRIC_NAMES, evaluate
 from moerl.tasks.examples import Example, SFTBatch, collate, encode_example
-from moerl.tasks.tokenizer import Tokenizer, load_run_tokenizer
+from moerl.tasks.tokenizer import (
+    MODEL_COMPANIONS,
+    TOKENIZER_COMPANIONS,
+    Tokenizer,
+    copy_companions,
+    load_run_tokenizer,
+)
 
 if TYPE_CHECKING:  # the config sits above this package (docs/architecture.md, Layers)
     from moerl.config import RunConfig, SFTConfig
@@ -44,6 +50,8 @@ log = logging.getLogger(__name__)
 SUMMARY_FILE = "sft_summary.json"
 _OUTPUT_FILES = frozenset(
     {"config.json", "model.safetensors", INDEX_FILE, "tokenizer.json", "tokenizer_config.json", SUMMARY_FILE}
+    | set(TOKENIZER_COMPANIONS)
+    | set(MODEL_COMPANIONS)
 )
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
@@ -179,7 +187,7 @@ def run_sft(
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     tokenizer = load_run_tokenizer(cfg)
-    task = make_task(cfg.task, cfg.env)
+    task = make_task(cfg.task, cfg.env, tokenizer)
     model = build_model(cfg.model, tokenizer.vocab_size)
     held_out = task.eval_prompts()
     eval_kwargs = dict(
@@ -187,9 +195,15 @@ def run_sft(
         max_slots=cfg.rollout.max_slots,
         kv_token_budget=cfg.rollout.kv_token_budget,
     )
-    before = evaluate(model, tokenizer, task, held_out, **eval_kwargs).accuracy
+    first = evaluate(model, tokenizer, task, held_out, **eval_kwargs)
+    before, metric = first.accuracy, METRIC_NAMES[first.metric]
     log.info("sft: held-out accuracy before %.3f (%d prompts)", before, len(held_out))
-    train = list(itertools.islice(task.train_prompts(cfg.seed), cfg.sft.num_examples))
+    train = [p for p in itertools.islice(task.train_prompts(cfg.seed), cfg.sft.num_examples) if p.solution]
+    if not train:
+        raise ValueError(
+            "the task's rows have no SFT targets (no answer and no assistant message): set sft.steps=0 "
+            "and start from a trained policy (model.path or init_from)"
+        )
     t0 = time.perf_counter()
     final_loss = train_sft(
         model,
@@ -204,7 +218,9 @@ def run_sft(
     train_seconds = time.perf_counter() - t0
     after = evaluate(model, tokenizer, task, held_out, **eval_kwargs).accuracy
     out = Path(out_dir)
-    save_pretrained(model, out, extra=tokenizer.save)
+    save_pretrained(
+        model, out, extra=lambda folder: save_tokenizer_and_companions(tokenizer, cfg.model.path, folder)
+    )
     summary = SFTSummary(
         accuracy_before=before,
         accuracy_after=after,
@@ -219,10 +235,18 @@ def run_sft(
         "sft: held-out accuracy %.3f -> %.3f in %.1f s; saved %s", before, after, summary.total_seconds, out
     )
     print(
-        f"sft: held-out exact-match {before:.3f} -> {after:.3f} ({len(held_out)} prompts), "
+        f"sft: {metric} {before:.3f} -> {after:.3f} ({len(held_out)} prompts), "
         f"loss {final_loss:.3f}, {summary.total_seconds:.1f} s -> {out}"
     )
     return out
+
+
+def save_tokenizer_and_companions(tokenizer: Tokenizer, model_folder: str | None, folder: str | Path) -> None:
+    """Write the tokenizer's files into ``folder`` and copy the model folder's ``MODEL_COMPANIONS``
+    (``generation_config.json``): an export keeps what the model came with."""
+    tokenizer.save(folder)
+    if model_folder is not None and "://" not in model_folder:
+        copy_companions(Path(model_folder), Path(folder), MODEL_COMPANIONS)
 
 
 def read_summary(checkpoint: str | Path) -> SFTSummary:

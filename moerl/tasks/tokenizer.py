@@ -44,12 +44,34 @@ class Tokenizer:
         vocab_size: number of ids, including added special tokens (the model's embedding rows).
     """
 
-    def __init__(self, backend: HFTokenizer, *, eos_id: int, pad_id: int, source: str) -> None:
+    def __init__(
+        self, backend: HFTokenizer, *, eos_id: int, pad_id: int, source: str, config: dict | None = None
+    ) -> None:
         self.backend = backend
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.source = source
+        self.config = dict(config or {})
+        """``tokenizer_config.json`` as read (``chat_template``, ``unk_token``, ...); kept on ``save``."""
+        self.folder = Path(source).parent if Path(source).is_file() else None
+        """The folder the tokenizer was loaded from (None: built in memory)."""
+        self.chat_template: str | None = _chat_template(self.config, self.folder)
+        """The Jinja chat template (``tokenizer_config.json``'s or ``chat_template.jinja``'s), or None."""
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The special tokens a chat template may use (``bos_token``, ``eos_token``, ``unk_token``,
+        ``pad_token``, ...), as strings: the config's, with eos and pad the ones this tokenizer uses."""
+        out = {}
+        for key, value in self.config.items():
+            if key.endswith("_token") and key != "chat_template":
+                value = value.get("content") if isinstance(value, dict) else value
+                if isinstance(value, str):
+                    out[key] = value
+        out["eos_token"] = self.backend.id_to_token(self.eos_id)
+        out["pad_token"] = self.backend.id_to_token(self.pad_id)
+        return out
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without any special tokens added."""
@@ -60,19 +82,51 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=True)
 
     def save(self, folder: str | os.PathLike[str]) -> None:
-        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``folder`` (atomically each)."""
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``folder`` (atomically each), the
+        config the one it was loaded with (``chat_template``, ``unk_token``, added tokens, ...) with eos and
+        pad set, and copy the tokenizer's other files beside it (``COMPANION_FILES``)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write_text(folder / "tokenizer.json", self.backend.to_str(pretty=True))
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
+            **self.config,
             "eos_token": self.backend.id_to_token(self.eos_id),
             "pad_token": self.backend.id_to_token(self.pad_id),
         }
-        atomic_write_text(folder / "tokenizer_config.json", json.dumps(config, indent=2))
+        atomic_write_text(folder / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False))
+        copy_companions(self.folder, folder, TOKENIZER_COMPANIONS)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.source}, vocab_size={self.vocab_size}, eos_id={self.eos_id}, pad_id={self.pad_id})"
+
+
+TOKENIZER_COMPANIONS = ("special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+"""Tokenizer files besides ``tokenizer.json`` and ``tokenizer_config.json`` that ``Tokenizer.save`` copies."""
+MODEL_COMPANIONS = ("generation_config.json",)
+"""Files of a model folder that are neither weights nor config and that exports keep (``copy_companions``)."""
+
+
+def copy_companions(src: Path | None, dst: Path, names: tuple[str, ...]) -> None:
+    """Copy the files ``names`` that exist in ``src`` into ``dst`` (atomically each; same folder: nothing)."""
+    if src is None or not src.is_dir() or src.resolve() == Path(dst).resolve():
+        return
+    for name in names:
+        if (src / name).is_file():
+            atomic_write_text(Path(dst) / name, (src / name).read_text(encoding="utf-8"))
+
+
+def _chat_template(config: dict, folder: Path | None) -> str | None:
+    """``chat_template`` of a tokenizer config (a string, or transformers' list of ``{name, template}``:
+    the ``default`` one), else a ``chat_template.jinja`` file in ``folder``."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str) and template:
+        return template
+    jinja = folder / "chat_template.jinja" if folder is not None else None
+    return jinja.read_text(encoding="utf-8") if jinja is not None and jinja.is_file() else None
 
 
 def build_char_tokenizer() -> HFTokenizer:
@@ -127,7 +181,9 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
     if eos_id is None:
         raise ValueError(f"{file}: no end-of-sequence token found; set eos_token in {config_file}")
     pad_id = _special_id(backend, config.get("pad_token"), _PAD_NAMES)
-    return Tokenizer(backend, eos_id=eos_id, pad_id=eos_id if pad_id is None else pad_id, source=str(file))
+    return Tokenizer(
+        backend, eos_id=eos_id, pad_id=eos_id if pad_id is None else pad_id, source=str(file), config=config
+    )
 
 
 def tokenizer_path_for(tokenizer: str | None, model_path: str | None) -> str | None:

@@ -56,11 +56,15 @@ def done_line(summary: dict, folder: str | Path, stored_at: str | None = None) -
     task accounting (``tasks_duplicated``, ``tasks_lost``: 0 and 0 in a sound run, see
     ``moerl.runtime.accounting``) and where the run is (``stored_at``: its storage URL, if any).
 
-    ``summary`` is the run's ``summary.json`` dict; ``final_eval_accuracy`` may be None (not evaluated).
+    ``summary`` is the run's ``summary.json`` dict; ``final_eval_accuracy`` may be None (not evaluated). With
+    ``eval_metric == "mean_reward"`` (no notion of correctness) the line shows the mean held-out reward, so named.
     """
-    final = summary["final_eval_accuracy"]
+    label, key = "accuracy", "eval_accuracy"  # held-out exact match
+    if summary.get("eval_metric") == "mean_reward":  # a task with no notion of correctness
+        label, key = "mean held-out reward", "eval_mean_reward"
+    start, final = summary[f"start_{key}"], summary[f"final_{key}"]
     return (
-        f"done: accuracy {summary['start_eval_accuracy']:.3f} -> "
+        f"done: {label} {'-' if start is None else format(start, '.3f')} -> "
         f"{'not evaluated' if final is None else format(final, '.3f')}, {summary['wall_time_s']:.0f} s, "
         f"tasks duplicated {summary['tasks_duplicated']} lost {summary['tasks_lost']}; {folder}"
         + (f" (stored at {stored_at})" if stored_at is not None else "")

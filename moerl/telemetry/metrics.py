@@ -54,7 +54,8 @@ METRIC_KEYS: tuple[str, ...] = (
     "train/value_loss",  # critic's clipped value loss (estimator gae)
     "train/value_explained_var",  # explained variance of the GAE returns by the critic (estimator gae)
     "train/value_loss_normalized",  # value_loss / (0.5 Var[returns]): 1 = a critic predicting the mean return
-    "eval/accuracy",  # held-out exact-match accuracy (only on eval steps)
+    "eval/accuracy",  # held-out exact match (only on eval steps; null for a task with no notion of correctness)
+    "eval/mean_reward",  # mean held-out reward of the greedy responses (only on eval steps)
     "policy_version",  # trainer's weight version after the step
     "fleet/workers_alive",  # rollout workers answering liveness pings (async mode)
     "fleet/interruptions",  # workers that went away unasked: drained + killed (cumulative)

@@ -95,8 +95,10 @@ def step_values(
     buffer: BufferMetrics,
     *,
     accuracy: float | None,
+    eval_mean_reward: float | None = None,
 ) -> dict[str, float | int | None]:
-    """All ``METRIC_KEYS`` values of one step (``accuracy`` None when the step had no eval)."""
+    """All ``METRIC_KEYS`` values of one step (``accuracy``, the held-out exact match, None when the step had
+    no eval or the task has no notion of correctness; ``eval_mean_reward`` None when the step had no eval)."""
     response_tokens = sum(len(s.response_ids) for g in groups for s in g.samples)
     values: dict[str, float | int | None] = rollout_values(groups)
     values.update(
@@ -124,6 +126,7 @@ def step_values(
             "train/expert_load_cv": stats.expert_load_cv,
             **algo_values(stats),
             "eval/accuracy": accuracy,
+            "eval/mean_reward": eval_mean_reward,
             "policy_version": stats.step,
         }
     )

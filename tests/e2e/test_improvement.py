@@ -10,7 +10,7 @@ from moerl.train import train
 
 
 def test_rl_raises_held_out_accuracy_on_a_learnable_reward(tmp_path, tiny_init):
-    # eval accuracy counts greedy responses with reward > 0: here, answers that start with a digit
+    # eval accuracy counts the reward's info["correct"]: here, answers that start with a digit
     cfg = short_config(
         tmp_path,
         tiny_init,

@@ -92,11 +92,17 @@ def test_invalid_config_and_unwritable_store_are_clear_errors(tmp_path, tiny_ini
         train(cfg, live=False)
 
 
-def test_raising_reward_scores_zero_and_is_counted(tmp_path, tiny_init):
+def test_a_reward_raising_on_every_sample_of_step_one_stops_the_run(tmp_path, tiny_init):
+    # issue 38: it used to score 0 and train on; now the run stops before training on zeros, folder removed
+    from moerl.errors import RewardFunctionError
+
     cfg = short_config(tmp_path, tiny_init, "trainer.steps=2", "task.reward_fn=e2e_rewards:raising_reward")
-    summary, run = _run(cfg)
-    assert summary["status"] == "completed" and summary["reward_errors"] == 2 * 2 * 4
-    assert all(r["rollout/reward_mean"] == 0.0 for r in read_jsonl(run.metrics))
+    with pytest.raises(
+        RewardFunctionError, match="failed on all 8 samples of the first step.*reward service down"
+    ):
+        train(cfg, live=False)
+    runs = Path(cfg.output_dir)
+    assert not runs.exists() or list(runs.iterdir()) == []
 
 
 def test_nan_loss_steps_are_skipped_then_the_run_stops(tmp_path, tiny_init, monkeypatch):

@@ -95,7 +95,9 @@ def rendered(request, tmp_path):
 def test_every_manifest_validates(rendered):
     cfg, docs, result = rendered
     assert result.skipped == ()
-    policy = docs.pop("iam-s3-policy.json")  # the service account's IAM policy (tests/unit/test_cluster_iam.py)
+    policy = docs.pop(
+        "iam-s3-policy.json"
+    )  # the service account's IAM policy (tests/unit/test_cluster_iam.py)
     assert policy["Version"] == "2012-10-17"
     kinds = sorted(d["kind"] for d in docs.values())
     assert kinds == ["ClusterConfig", "ConfigMap", "DaemonSet", "Namespace", "PrometheusRule", "RayJob"]

@@ -55,11 +55,11 @@ def test_answers_match_and_format():
 def test_gsm8k_layout_small(tmp_path):
     rows = [
         {"question": f"What is {i} + 1?", "answer": f"{i}+1=<<{i}+1={i + 1}>>{i + 1}\n#### {i + 1:,}"}
-        for i in range(998, 1010)
+        for i in range(998, 1038)
     ]
     path = write(tmp_path, "\n".join(json.dumps(r) for r in rows) + "\n\n")
     records = load_jsonl(path)
-    assert [r.line for r in records] == list(range(1, 13))
+    assert [r.line for r in records] == list(range(1, 41))  # 40 rows: 10% is the 4 held out
     assert records[0].answer == "999" and records[2].answer == "1001"  # "1,001" normalized
     task = JsonlTask(records, name="toy", num_eval=4)
     evals, train = task.eval_prompts(), [next(iter_) for iter_ in [task.train_prompts(0)] for _ in range(8)]

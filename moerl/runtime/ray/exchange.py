@@ -56,7 +56,8 @@ class ExchangeActor:
 
     def __init__(self, cfg: RunConfig, init_path: str | None, version: int):
         init_path = local_model_folder(init_path, cfg.storage.options)  # staged in the store: a local copy
-        self.queue = make_queue(cfg, make_task(cfg.task, cfg.env), load_run_tokenizer(cfg, init_path))
+        tokenizer = load_run_tokenizer(cfg, init_path)
+        self.queue = make_queue(cfg, make_task(cfg.task, cfg.env, tokenizer), tokenizer)
         self.buffer = make_buffer(cfg, self.queue, version=version)
         self.per_version = cfg.trainer.batch_groups * cfg.trainer.publish_every
         self.max_staleness = max(1, cfg.runtime.max_staleness)  # 0 still needs one batch in flight

@@ -162,7 +162,7 @@ class RolloutWorkerActor:
             cfg,
             worker_id,
             model,
-            make_task(cfg.task, cfg.env),
+            make_task(cfg.task, cfg.env, tokenizer),
             tokenizer,
             QueueProxy(exchange, version_of=self._weights_version),
             BufferProxy(exchange),
