@@ -73,7 +73,15 @@ def _expected_parts(name: str, t: torch.Tensor) -> set[tuple[int, str]]:
     return {(e, p) for e in range(t.shape[0]) for p in parts}
 
 
-def _load_tensors(model: MoeForCausalLM, folder: Path, mapper: KeyMapper) -> None:
+def load_tensors(model: MoeForCausalLM, folder: Path, mapper: KeyMapper) -> None:
+    """Copy a folder's safetensors into ``model``'s (allocated) parameters through ``mapper``'s names.
+
+    ``mapper`` may be a ``KeyMapper`` subclass that names more tensors (the reward model's ``score``
+    head, ``moerl.models.reward_model``). Every parameter must be filled and every key used.
+
+    Raises:
+        CheckpointError: missing or unexpected weight keys (named), or a tensor of the wrong shape.
+    """
     state = model.state_dict(keep_vars=True)
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
@@ -212,7 +220,7 @@ def from_pretrained(
     # Allocate in the target dtype first, so that copy_ casts tensor by tensor (no full-size upcast copy).
     model = model.to_empty(device=device).to(dtype).keep_router_buffers_fp32()
     model.tie_weights()
-    _load_tensors(model, folder, KeyMapper(cfg.model_type, cfg.num_hidden_layers))
+    load_tensors(model, folder, KeyMapper(cfg.model_type, cfg.num_hidden_layers))
     # to_empty left the non-persistent rotary buffer uninitialized: rebuild it on the target device.
     model.rotary = model.build_rotary().to(device)
     return model.eval()

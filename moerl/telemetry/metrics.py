@@ -85,6 +85,12 @@ METRIC_KEYS: tuple[str, ...] = (
     "rollout/kv_prefix_hit_tokens",  # prompt tokens shared instead of prefilled, all workers (cumulative)
     "rollout/kv_prefill_tokens",  # tokens prefilled, all workers (cumulative)
     "rollout/kv_decoding_together_mean",  # sequences per decode step since each engine started (mean over workers)
+    "reward/latency_s",  # mean seconds per reward-model batch since the previous step (null: no reward model)
+    "reward/batch_size",  # mean sequences per reward-model batch since the previous step
+    "reward/score_mean",  # mean raw reward-model score of the sequences scored since the previous step
+    "reward/score_std",  # std of the same
+    "reward/retries",  # reward batches scored again after a lost or timed-out reward worker (cumulative)
+    "reward/workers_lost",  # reward workers that died or timed out and were replaced (cumulative)
 )
 """The fixed metric names, in the order they are written."""
 
@@ -101,6 +107,7 @@ WALL_KEYS = (
     "timing/wait_s",
     "timing/weight_sync_s",
     "timing/weight_sync_worker_s",
+    "reward/latency_s",
 )
 """Fields that depend on wall-clock time (excluded when comparing two runs for equality)."""
 
