@@ -30,6 +30,7 @@ is imported inside functions: it is an optional dependency, needed only in async
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -119,9 +120,11 @@ def init_ray(cfg: RunConfig) -> None:
         ranks = cfg.rollout.num_workers * cfg.rollout.ep_size  # rollout processes, one CPU each
         # a trainer group's rank actors need a (fractional) CPU beside them (moerl.trainer.distributed.ray_ranks)
         trainer_cpus = int(cfg.trainer.num_ranks > 1)
+        rw = cfg.reward  # reward workers (moerl.runtime.ray.reward_pool)
+        reward_cpus = math.ceil(rw.num_workers * rw.cpus_per_worker) if rw.is_enabled else 0
         ray.init(
             address="local",  # a new instance, as documented: never another process's running cluster
-            num_cpus=max(os.cpu_count() or 1, ranks + trainer_cpus),
+            num_cpus=max(os.cpu_count() or 1, ranks + trainer_cpus + reward_cpus),
             include_dashboard=False,
             log_to_driver=True,
             configure_logging=False,
@@ -318,7 +321,12 @@ class RayRollouts:
         hint = self.manager.scaling_hint(queue_pending=pending, buffer_depth=depth, batch_groups=batch_groups)
         if self.capacity is not None and self.capacity.update(hint.desired_workers) is not None:
             self.manager.scale_to(self.capacity.requested)  # newcomers wait for the new nodes
-        return {**self.manager.metrics().as_metrics(), **self.sync_values()}
+        values = {**self.manager.metrics().as_metrics(), **self.sync_values()}
+        if self.cfg.reward.is_enabled:  # the reward workers' figures, kept by the exchange
+            import ray
+
+            values.update(ray.get(self.exchange.reward_values.remote()))
+        return values
 
     def worker_records(self) -> list[WorkerRecord]:
         """The fleet manager's record of every worker seen (state and last heartbeat); only reads."""
