@@ -8,7 +8,8 @@ Import it in Grafana (Dashboards -> New -> Import) and pick the Prometheus data 
 ``moerl train --metrics-port N``; the ``instance`` variable selects runs. Rows: rollout (per-worker
 token and group rates, the spread against the fastest worker, liveness and policy lag), buffer and
 queue, trainer (step and weight-sync latency quantiles, waiting, policy version), faults (notices,
-kills, requeues, lost work, comm errors), EP traffic and GPUs.
+kills, requeues, lost work, comm errors), EP traffic and GPUs, the reward model (batches, scores, lost
+workers).
 """
 
 from __future__ import annotations
@@ -165,6 +166,30 @@ def _hardware_row() -> list[dict]:
     ]
 
 
+def _reward_row() -> list[dict]:
+    return [
+        _ts(
+            "Reward model batches",
+            "short",
+            (f"moerl_reward_batch_size{{{SEL}}}", "sequences per batch"),
+            (f"moerl_reward_latency_seconds{{{SEL}}}", "seconds per batch"),
+            description="reward.model_path: the reward workers' batches over the last step",
+        ),
+        _ts(
+            "Reward model scores",
+            "short",
+            (f"moerl_reward_score_mean{{{SEL}}}", "mean"),
+            (f"moerl_reward_score_std{{{SEL}}}", "std"),
+        ),
+        _ts(
+            "Reward workers lost and batches rescored",
+            "short",
+            (f"moerl_reward_workers_lost_total{{{SEL}}}", "workers lost"),
+            (f"moerl_reward_retries_total{{{SEL}}}", "batches rescored"),
+        ),
+    ]
+
+
 def _rows() -> list[tuple[str, list[dict]]]:
     return [
         ("Rollout", _rollout_row()),
@@ -172,6 +197,7 @@ def _rows() -> list[tuple[str, list[dict]]]:
         ("Trainer", _trainer_row()),
         ("Faults", _faults_row()),
         ("EP traffic and GPUs", _hardware_row()),
+        ("Reward model", _reward_row()),
     ]
 
 

@@ -25,6 +25,9 @@ Series (``SERIES``; the alert rules and the Grafana dashboard use only these):
     moerl_ep_bytes_total{link="intra|inter", direction="dispatch|combine"}   counter
     moerl_gpu_utilization_ratio{worker,gpu}, moerl_gpu_memory_used_bytes{worker,gpu},
     moerl_gpu_memory_total_bytes{worker,gpu}                                  gauges (NVML, when a GPU exists)
+    moerl_reward_latency_seconds, moerl_reward_batch_size, moerl_reward_score_mean,
+    moerl_reward_score_std                                                    gauges (a reward model's last step)
+    moerl_reward_retries_total, moerl_reward_workers_lost_total               counters (with reward.model_path)
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ SERIES: dict[str, str] = {
     "moerl_gpu_utilization_ratio": "gauge",
     "moerl_gpu_memory_used_bytes": "gauge",
     "moerl_gpu_memory_total_bytes": "gauge",
+    "moerl_reward_latency_seconds": "gauge",
+    "moerl_reward_batch_size": "gauge",
+    "moerl_reward_score_mean": "gauge",
+    "moerl_reward_score_std": "gauge",
+    "moerl_reward_retries_total": "counter",
+    "moerl_reward_workers_lost_total": "counter",
 }
 """Every series the exporter defines, with its Prometheus type (the names are used by other checks)."""
 
@@ -127,6 +136,18 @@ class RunTotals:
     """Seconds the trainer waited for the buffer."""
     policy_version: int = 0
     """The trainer's weight version."""
+    reward_latency_s: float | None = None
+    """Mean seconds per reward-model batch over the last step (None: none scored, or no reward model)."""
+    reward_batch_size: float | None = None
+    """Mean sequences per reward-model batch over the last step."""
+    reward_score_mean: float | None = None
+    """Mean raw reward-model score over the last step."""
+    reward_score_std: float | None = None
+    """Std of the same."""
+    reward_retries: int | None = None
+    """Reward batches scored again after a lost or timed-out reward worker (None: no reward model)."""
+    reward_workers_lost: int | None = None
+    """Reward workers that died or timed out and were replaced (None: no reward model)."""
 
 
 @dataclass(slots=True)
@@ -334,6 +355,27 @@ def _total_families(t: RunTotals, max_staleness: int) -> Iterator:
     )
     for name, doc, value in counters:
         yield CounterMetricFamily(name, doc, value=value)
+    yield from _reward_families(t)
+
+
+def _reward_families(t: RunTotals) -> Iterator:
+    """The reward model's series: gauges once a step scored something, counters when a model runs."""
+    gauges = (
+        ("moerl_reward_latency_seconds", "Mean seconds per reward-model batch, last step.", t.reward_latency_s),
+        ("moerl_reward_batch_size", "Mean sequences per reward-model batch, last step.", t.reward_batch_size),
+        ("moerl_reward_score_mean", "Mean raw reward-model score, last step.", t.reward_score_mean),
+        ("moerl_reward_score_std", "Std of the raw reward-model scores, last step.", t.reward_score_std),
+    )
+    for name, doc, value in gauges:
+        if value is not None:
+            yield GaugeMetricFamily(name, doc, value=value)
+    counters = (
+        ("moerl_reward_retries", "Reward batches scored again after a lost or late worker.", t.reward_retries),
+        ("moerl_reward_workers_lost", "Reward workers that died or timed out.", t.reward_workers_lost),
+    )
+    for name, doc, value in counters:
+        if value is not None:
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 class MetricsServer:

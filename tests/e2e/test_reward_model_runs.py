@@ -24,6 +24,15 @@ def digit_rm(tmp_path_factory):
     return save_digit_reward_model(tmp_path_factory.mktemp("rm") / "digit_rm")
 
 
+@pytest.fixture
+def ray_session():
+    """The run starts its own local Ray instance (``init_ray``); shut it down after the test."""
+    import ray
+
+    yield
+    ray.shutdown()
+
+
 def _run(tmp_path, init, *overrides):
     summary = train(short_config(tmp_path, init, *overrides), live=False)
     run = RunDir(next(Path(tmp_path).glob("run-*")))
@@ -52,7 +61,7 @@ ASYNC_STEPS = 4
 
 
 @pytest.mark.timeout(600)
-def test_async_reward_worker_killed_by_pid_loses_nothing(tmp_path, tiny_init, digit_rm, local_ray, monkeypatch):
+def test_async_reward_worker_killed_by_pid_loses_nothing(tmp_path, tiny_init, digit_rm, ray_session, monkeypatch):
     import ray
 
     from moerl.runtime.ray.rollouts import RayRollouts

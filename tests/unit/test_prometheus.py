@@ -61,6 +61,12 @@ def _exporter() -> MetricsExporter:
             lost_work_tokens=96,
             trainer_wait_s=2.5,
             policy_version=6,
+            reward_latency_s=0.25,
+            reward_batch_size=16.0,
+            reward_score_mean=1.5,
+            reward_score_std=0.5,
+            reward_retries=2,
+            reward_workers_lost=1,
         )
     )
     e.observe_step(step_s=0.3, weight_sync_s=0.02)
@@ -201,3 +207,13 @@ def test_nvml_readings_follow_cuda_visible_devices(monkeypatch):
 
     fake.nvmlInit = no_driver
     assert read_gpus() == ()
+
+
+def test_reward_series_come_from_the_totals_and_only_with_a_reward_model():
+    s = _samples(_exporter().render().decode())
+    assert s["moerl_reward_latency_seconds", ()] == 0.25 and s["moerl_reward_batch_size", ()] == 16
+    assert s["moerl_reward_score_mean", ()] == 1.5 and s["moerl_reward_score_std", ()] == 0.5
+    assert s["moerl_reward_retries_total", ()] == 2 and s["moerl_reward_workers_lost_total", ()] == 1
+    e = MetricsExporter()
+    e.update_totals(RunTotals(policy_version=1))
+    assert "moerl_reward" not in e.render().decode()
