@@ -171,6 +171,49 @@ def load_reward_model(
     return model.eval()
 
 
+def save_reward_model(model: RewardModel, path: str | os.PathLike[str]) -> None:
+    """Write ``model`` as a Hugging Face sequence-classification folder that ``load_reward_model`` and
+    transformers read: config.json (``Qwen3ForSequenceClassification`` for a dense Qwen3-MoE-layout body,
+    else the family's ``...ForSequenceClassification``, ``num_labels``) and one ``model.safetensors``.
+
+    Raises:
+        ValueError: a dense body whose attention is not Qwen3's (only those have a dense family here).
+    """
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    d = cfg.to_hf_dict()
+    if cfg.num_experts == 0:
+        if cfg.model_type != "qwen3_moe":
+            raise ValueError(f"a dense {cfg.model_type} body has no sequence-classification family here")
+        for k in ("num_experts", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers"):
+            d.pop(k, None)
+        d.update(architectures=["Qwen3ForSequenceClassification"], model_type="qwen3")
+    else:
+        d["architectures"] = [cfg.architecture.replace("ForCausalLM", SEQ_CLS)]
+    d.update(num_labels=model.num_labels, id2label={str(i): f"LABEL_{i}" for i in range(model.num_labels)})
+    d["label2id"] = {v: int(k) for k, v in d["id2label"].items()}
+    mapper = _RewardKeys(cfg.model_type, cfg.num_hidden_layers)
+    tensors = {}
+    for name, t in model.body.state_dict().items():
+        t = t.detach().to("cpu").contiguous()
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            layer = int(name.split(".")[1])
+            for e in range(t.shape[0]):
+                if name.endswith("down_proj"):
+                    tensors[mapper.expert_key(layer, e, "down")] = t[e].clone()
+                else:
+                    gate, up = t[e].chunk(2, dim=0)
+                    tensors[mapper.expert_key(layer, e, "gate")] = gate.clone()
+                    tensors[mapper.expert_key(layer, e, "up")] = up.clone()
+        else:
+            tensors[mapper.to_hf(name)] = t.clone()
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(d, indent=2))
+
+
 def pad_right(
     sequences: Sequence[Sequence[int]], device: str | torch.device = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:

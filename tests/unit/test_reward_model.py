@@ -65,3 +65,27 @@ def test_unknown_body_and_damaged_folders_are_refused_in_one_line(tmp_path):
 def load_reward_model_ok(folder):
     save_hf_reward_model("qwen3", folder)
     return load_reward_model(folder)
+
+
+@pytest.mark.parametrize("num_experts", [0, 4])
+def test_saved_reward_models_load_back_and_in_transformers(num_experts, tmp_path):
+    from moerl.models.config import MoeConfig
+    from moerl.models.reward_model import RewardModel, save_reward_model
+
+    torch.manual_seed(0)
+    cfg = MoeConfig(vocab_size=40, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                    intermediate_size=24, num_experts=num_experts, moe_intermediate_size=8, qk_norm="head",
+                    pad_token_id=39)  # fmt: skip
+    model = RewardModel(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    save_reward_model(model, tmp_path)
+    seqs = [[1, 2, 3, 4], [5, 6]]
+    want = score_sequences(model, seqs, batch_size=2)
+    assert score_sequences(load_reward_model(tmp_path), seqs, batch_size=2) == pytest.approx(want, abs=1e-6)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    ids, mask = pad_right(seqs)
+    with torch.no_grad():
+        got = hf(input_ids=ids.masked_fill(mask == 0, 39), attention_mask=mask).logits[:, 0]
+    torch.testing.assert_close(got, torch.tensor(want), atol=1e-5, rtol=1e-5)
