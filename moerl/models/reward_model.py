@@ -147,6 +147,44 @@ class RewardModel(nn.Module):
         return logits[torch.arange(input_ids.shape[0], device=input_ids.device), last, 0].float()
 
 
+def check_reward_folder(path: str | os.PathLike[str]) -> tuple[MoeConfig, int]:
+    """Check a reward model folder without loading a tensor: config.json parses and names an architecture
+    moerl runs (``reward_body_config``), and every safetensors header reads. Cheap: run it before any long
+    work (``moerl train``'s preflight).
+
+    Returns:
+        ``(body config, num_labels)``.
+    Raises:
+        FileNotFoundError: no config.json or no safetensors file.
+        ValueError: one line: config.json not JSON, an unsupported architecture
+            (``UnsupportedArchitectureError``), a config value out of range, an unreadable safetensors file.
+    """
+    from safetensors import safe_open
+
+    folder = Path(path)
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json (a reward model is a Hugging Face model folder)")
+    try:
+        d = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+    try:
+        cfg, num_labels = reward_body_config(d)
+    except (TypeError, KeyError) as e:
+        raise ValueError(f"{cfg_file}: {type(e).__name__}: {e}") from None
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights; moerl reads safetensors only")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu"):
+                pass
+        except Exception as e:  # safetensors raises its own SafetensorError (not a standard type)
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+    return cfg, num_labels
+
+
 def load_reward_model(
     path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> RewardModel:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from moerl.config import ConfigError, RunConfig, engine_slot_tokens
 from moerl.models import CheckpointError, MoeConfig, check_model_folder
+from moerl.models.reward_model import check_reward_folder
 from moerl.rollout.memory_check import check_memory
 from moerl.tasks import DatasetError, Task, Tokenizer, load_reward_fn, load_score_fn, make_task
 from moerl.tasks.tokenizer import load_run_tokenizer, load_tokenizer, run_tokenizer_path
@@ -54,6 +55,7 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
     if cfg.task.name == "env":
         _check_import("env.name", cfg.env.import_path, load_reward_fn)
     tokenizer = load_run_tokenizer(cfg, cfg.init_from)
+    check_reward_model(cfg, tokenizer.vocab_size)
     check_memory(cfg, tokenizer.vocab_size, rollouts=rollouts)  # before any dataset is read
     try:
         task = make_task(cfg.task, cfg.env)
@@ -64,6 +66,28 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
     if cfg.task.name != "env":  # episodes grow turn by turn; their engines check each turn's request
         _check_prompt_length(cfg, task, tokenizer)
     return task
+
+
+def check_reward_model(cfg: RunConfig, vocab_size: int) -> None:
+    """Check ``reward.model_path`` (when set) with ``check_reward_folder``: a folder whose architecture
+    moerl runs, readable weights, and a vocabulary that holds the policy tokenizer's ids (the reward
+    model scores the policy's token ids). A URL is left to the code that reads it.
+
+    Raises:
+        ConfigError: one line naming ``reward.model_path`` and what is wrong.
+    """
+    folder = cfg.reward.model_path
+    if folder is None or "://" in folder:
+        return
+    try:
+        rm, _ = check_reward_folder(folder)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"reward.model_path={folder!r}: {e}") from None
+    if rm.vocab_size < vocab_size:
+        raise ConfigError(
+            f"reward.model_path={folder!r}: vocab_size={rm.vocab_size} is smaller than the policy tokenizer's "
+            f"{vocab_size}; the reward model scores the policy's token ids, so it must share its tokenizer"
+        )
 
 
 def check_policy_folders(cfg: RunConfig) -> None:

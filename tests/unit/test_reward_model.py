@@ -89,3 +89,18 @@ def test_saved_reward_models_load_back_and_in_transformers(num_experts, tmp_path
     with torch.no_grad():
         got = hf(input_ids=ids.masked_fill(mask == 0, 39), attention_mask=mask).logits[:, 0]
     torch.testing.assert_close(got, torch.tensor(want), atol=1e-5, rtol=1e-5)
+
+
+def test_preflight_refuses_a_bad_reward_folder_in_one_line(tmp_path):
+    from moerl.config import ConfigError, load_config
+    from moerl.run.preflight import check_reward_model
+
+    save_hf_reward_model("qwen3", tmp_path / "rm")
+    check_reward_model(load_config(None, [f"reward.model_path={tmp_path / 'rm'}"]), 64)  # vocab 64: fits
+    with pytest.raises(ConfigError, match=r"vocab_size=64 is smaller than the policy tokenizer's 99"):
+        check_reward_model(load_config(None, [f"reward.model_path={tmp_path / 'rm'}"]), 99)
+    with pytest.raises(ConfigError, match=r"^reward.model_path='.*nothing': .*no config.json"):
+        check_reward_model(load_config(None, [f"reward.model_path={tmp_path / 'nothing'}"]), 64)
+    (tmp_path / "rm" / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match="not a readable safetensors file"):
+        check_reward_model(load_config(None, [f"reward.model_path={tmp_path / 'rm'}"]), 64)
