@@ -80,3 +80,13 @@ def test_scoring_sink_scores_before_the_buffer_and_stats_window():
     scorer.stats.add_loss(lost_worker=True)
     after = scorer.stats.take()  # a new window: no batch since, the losses are cumulative
     assert after["reward/score_mean"] is None and after["reward/workers_lost"] == 1 == after["reward/retries"]
+
+
+def test_rollout_workers_share_one_gpu_with_reward_workers():
+    from moerl.runtime.ray.reward_pool import rollout_gpu_share
+
+    assert rollout_gpu_share(8, 4, 2.0) == 1.0  # room for both: a whole GPU each
+    assert rollout_gpu_share(1, 1, 0.25) == 0.75  # one GPU: what the reward worker leaves
+    assert rollout_gpu_share(1, 2, 0.5) == 0.25
+    with pytest.raises(ValueError, match="leave none to the rollout workers"):
+        rollout_gpu_share(1, 1, 1.0)

@@ -58,6 +58,26 @@ class RewardWorkerActor:
         return os.getpid()
 
 
+def rollout_gpu_share(total_gpus: float, num_rollout_workers: int, reward_gpus: float) -> float:
+    """GPUs each rollout worker asks Ray for on CUDA beside reward workers that ask ``reward_gpus`` in all.
+
+    1 when the machine holds both; else (one GPU: the commonest case) the GPUs the reward workers leave,
+    split evenly, so that both schedule and share the GPU's memory and time.
+
+    Raises:
+        ValueError: the reward workers alone ask for every GPU (``reward.gpus_per_worker`` too large).
+    """
+    if total_gpus >= num_rollout_workers + reward_gpus:
+        return 1.0
+    left = total_gpus - reward_gpus
+    if left <= 0:
+        raise ValueError(
+            f"the reward workers ask for {reward_gpus:g} of the {total_gpus:g} GPUs and leave none to the rollout "
+            "workers; lower reward.gpus_per_worker (e.g. 0.25) or reward.num_workers"
+        )
+    return left / num_rollout_workers
+
+
 def _resources(name: str) -> dict[str, float]:
     import ray
 

@@ -54,6 +54,7 @@ from moerl.runtime.queue import QueueStats
 from moerl.runtime.ray.address import ray_head
 from moerl.runtime.ray.backend import RayWorkerBackend
 from moerl.runtime.ray.exchange import ExchangeActor
+from moerl.runtime.ray.reward_pool import rollout_gpu_share
 from moerl.runtime.ray.worker_actor import RolloutWorkerActor
 from moerl.runtime.worker import WorkerStats
 from moerl.weights.store import WeightStore
@@ -176,6 +177,15 @@ class RayRollouts:
                 self.exchange.load_state_dict.remote({"queue": parts["queue"], "buffer": parts["buffer"]})
             )
         gpus = 1 if cfg.model.device.startswith("cuda") else 0
+        rw = cfg.reward
+        if gpus and rw.is_enabled and cfg.rollout.ep_size == 1 and "reward" not in ray.cluster_resources():
+            # reward workers beside the rollout workers on this machine's GPUs (no reward node group)
+            try:
+                gpus = rollout_gpu_share(
+                    ray.cluster_resources().get("GPU", 0.0), cfg.rollout.num_workers, rw.num_workers * rw.gpus_per_worker
+                )
+            except ValueError as e:
+                raise ConfigError(f"reward.gpus_per_worker={rw.gpus_per_worker}: {e}") from None
         worker_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_concurrency=3, resources=_labels("rollout"))(
             RolloutWorkerActor
         )
