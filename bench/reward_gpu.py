@@ -60,13 +60,17 @@ def build_folder(spec: dict, folder: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def make_groups(num_groups: int, group_size: int, prompt_len: int, response_len: int, vocab: int) -> list[Group]:
+def make_groups(
+    num_groups: int, group_size: int, prompt_len: int, response_len: int, vocab: int
+) -> list[Group]:
     """Groups of random prompt + response ids (verifiable reward 0 or 1), as a rollout worker delivers."""
     gen = torch.Generator().manual_seed(1)
     groups = []
     for g in range(num_groups):
         prompt = tuple(torch.randint(1, vocab, (prompt_len,), generator=gen).tolist())
-        task = RolloutTask(task_id=f"{g}:0", prompt_ids=prompt, prompt_text="", answer="", num_samples=group_size)
+        task = RolloutTask(
+            task_id=f"{g}:0", prompt_ids=prompt, prompt_text="", answer="", num_samples=group_size
+        )
         samples = []
         for i in range(group_size):
             resp = tuple(torch.randint(1, vocab, (response_len,), generator=gen).tolist())
@@ -98,7 +102,7 @@ def bench_forward(folder: Path, groups: list[Group], batch_size: int, device: st
     model = load_reward_model(folder, dtype=dtype, device=device)
     seqs = [list(s.prompt_ids) + list(s.response_ids) for g in groups for s in g.samples]
     secs = _timed(lambda: score_sequences(model, seqs, batch_size=batch_size), runs)
-    del model
+    model.to("cpu")  # free the GPU for the reward workers of the in-run measurement
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return len(seqs) / secs
@@ -155,7 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "rm"
         params = build_folder(spec, folder)
-        groups = make_groups(args.groups, args.group_size, args.prompt_len, args.response_len, spec["vocab_size"])
+        groups = make_groups(
+            args.groups, args.group_size, args.prompt_len, args.response_len, spec["vocab_size"]
+        )
         forward = bench_forward(folder, groups, args.batch_size, device, dtype, args.runs)
         in_run = bench_in_run(folder, groups, args, device, args.runs)
     result = {

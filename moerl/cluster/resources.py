@@ -26,7 +26,13 @@ from moerl.config import RunConfig
 GROUPS = ("train", "rollout", "cpu", "memory")
 """Worker groups every deployment has, in the order they are rendered."""
 
-RAY_RESOURCE = {"train": "train", "rollout": "rollout", "cpu": "env", "memory": "exchange", "reward": "reward"}
+RAY_RESOURCE = {
+    "train": "train",
+    "rollout": "rollout",
+    "cpu": "env",
+    "memory": "exchange",
+    "reward": "reward",
+}
 """Ray custom resource advertised by each worker group's nodes."""
 
 ACTOR_REQUEST = {"train": 0.001, "rollout": 0.001, "cpu": 0.001, "memory": 0.001, "reward": 0.001}

@@ -267,7 +267,9 @@ def pad_right(
 
 
 @torch.no_grad()
-def score_sequences(model: RewardModel, sequences: Sequence[Sequence[int]], *, batch_size: int) -> list[float]:
+def score_sequences(
+    model: RewardModel, sequences: Sequence[Sequence[int]], *, batch_size: int
+) -> list[float]:
     """Reward of each token-id sequence (prompt + response), ``batch_size`` sequences per forward.
 
     Sequences are grouped by length (fewer pad tokens); the result is in input order.

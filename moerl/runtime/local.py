@@ -71,7 +71,9 @@ class LocalRollouts:
         if cfg.reward.is_enabled:  # the reward model scores each delivery in this process
             scorer = LocalRewardScorer.from_config(cfg.reward, cfg.model.device)
             sink = ScoringSink(buffer, scorer, cfg.reward)
-        worker = make_worker(cfg, "local-0", model, comp.task, comp.tokenizer, queue, sink, weights, version=-1)
+        worker = make_worker(
+            cfg, "local-0", model, comp.task, comp.tokenizer, queue, sink, weights, version=-1
+        )
         rollouts = cls(queue, buffer, worker, weights, comp.store, scorer=scorer)
         if parts is not None:
             rollouts.load_state_dict(parts)

@@ -134,7 +134,9 @@ class LocalRewardScorer:
         out: list[float] = []
         for start in range(0, len(sequences), self.batch_size):
             t0 = time.perf_counter()
-            scores = score_sequences(self.model, sequences[start : start + self.batch_size], batch_size=self.batch_size)
+            scores = score_sequences(
+                self.model, sequences[start : start + self.batch_size], batch_size=self.batch_size
+            )
             self.stats.add_batch(scores, time.perf_counter() - t0)
             out += scores
         return out

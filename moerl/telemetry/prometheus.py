@@ -361,7 +361,11 @@ def _total_families(t: RunTotals, max_staleness: int) -> Iterator:
 def _reward_families(t: RunTotals) -> Iterator:
     """The reward model's series: gauges once a step scored something, counters when a model runs."""
     gauges = (
-        ("moerl_reward_latency_seconds", "Mean seconds per reward-model batch, last step.", t.reward_latency_s),
+        (
+            "moerl_reward_latency_seconds",
+            "Mean seconds per reward-model batch, last step.",
+            t.reward_latency_s,
+        ),
         ("moerl_reward_batch_size", "Mean sequences per reward-model batch, last step.", t.reward_batch_size),
         ("moerl_reward_score_mean", "Mean raw reward-model score, last step.", t.reward_score_mean),
         ("moerl_reward_score_std", "Std of the raw reward-model scores, last step.", t.reward_score_std),
@@ -370,7 +374,11 @@ def _reward_families(t: RunTotals) -> Iterator:
         if value is not None:
             yield GaugeMetricFamily(name, doc, value=value)
     counters = (
-        ("moerl_reward_retries", "Reward batches scored again after a lost or late worker.", t.reward_retries),
+        (
+            "moerl_reward_retries",
+            "Reward batches scored again after a lost or late worker.",
+            t.reward_retries,
+        ),
         ("moerl_reward_workers_lost", "Reward workers that died or timed out.", t.reward_workers_lost),
     )
     for name, doc, value in counters:

@@ -61,7 +61,9 @@ ASYNC_STEPS = 4
 
 
 @pytest.mark.timeout(600)
-def test_async_reward_worker_killed_by_pid_loses_nothing(tmp_path, tiny_init, digit_rm, ray_session, monkeypatch):
+def test_async_reward_worker_killed_by_pid_loses_nothing(
+    tmp_path, tiny_init, digit_rm, ray_session, monkeypatch
+):
     import ray
 
     from moerl.runtime.ray.rollouts import RayRollouts

@@ -148,7 +148,13 @@ def test_groups_map_the_run(rendered):
     c = cfg.cluster
     rayjob = docs["k8s/30-rayjob.yaml"]
     groups = {g["groupName"]: g for g in rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
-    assert list(groups) == ["train", "rollout", "cpu", "memory", *(["reward"] if cfg.reward.model_path else [])]
+    assert list(groups) == [
+        "train",
+        "rollout",
+        "cpu",
+        "memory",
+        *(["reward"] if cfg.reward.model_path else []),
+    ]
     for name, group in groups.items():
         assert list(group["resources"]) == [RAY_RESOURCE[name]]  # each group advertises its own resource
         assert group["template"]["spec"]["nodeSelector"]["moerl.io/group"] == name
@@ -279,7 +285,9 @@ def test_without_efa_there_is_no_device_plugin_and_no_efa_request():
 def test_a_reward_model_adds_a_reward_group(rendered):
     cfg, docs, _ = rendered
     eks_groups = {g["name"]: g for g in docs["eksctl-cluster.yaml"]["managedNodeGroups"]}
-    ray_groups = {g["groupName"]: g for g in docs["k8s/30-rayjob.yaml"]["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+    ray_groups = {
+        g["groupName"]: g for g in docs["k8s/30-rayjob.yaml"]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    }
     if cfg.reward.model_path is None:
         assert "reward" not in eks_groups and "reward" not in ray_groups
         return

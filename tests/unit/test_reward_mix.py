@@ -26,10 +26,19 @@ def test_combines_and_normalizations_by_hand():
 
 
 def _group(task_id: str, rewards: list[float], responses: list[tuple[int, ...]]) -> Group:
-    task = RolloutTask(task_id=task_id, prompt_ids=(7, 8), prompt_text="", answer="", num_samples=len(rewards))
+    task = RolloutTask(
+        task_id=task_id, prompt_ids=(7, 8), prompt_text="", answer="", num_samples=len(rewards)
+    )
     samples = [
-        Sample(prompt_ids=(7, 8), response_ids=r, response_logprobs=(0.0,) * len(r), loss_mask=(1,) * len(r),
-               finish_reason="stop", policy_versions=(0,) * len(r), reward=v)  # fmt: skip
+        Sample(
+            prompt_ids=(7, 8),
+            response_ids=r,
+            response_logprobs=(0.0,) * len(r),
+            loss_mask=(1,) * len(r),
+            finish_reason="stop",
+            policy_versions=(0,) * len(r),
+            reward=v,
+        )  # fmt: skip
         for v, r in zip(rewards, responses, strict=True)
     ]
     return Group(task=task, lease_token=3, worker_id="w", samples=tuple(samples), min_policy_version=0,
@@ -54,12 +63,19 @@ def test_score_groups_mixes_each_sample_and_keeps_the_lease():
     scorer = LengthScorer()
     cfg = RewardConfig(model_path="x", combine="sum", normalize="none", task_weight=1.0, model_weight=0.5)
     out = score_groups(groups, scorer, cfg)
-    assert scorer.calls == [[[7, 8, 1], [7, 8, 1, 2, 3], [7, 8, 4, 5], [7, 8, 6]]]  # prompt + response, in order
+    assert scorer.calls == [
+        [[7, 8, 1], [7, 8, 1, 2, 3], [7, 8, 4, 5], [7, 8, 6]]
+    ]  # prompt + response, in order
     assert [g.rewards for g in out] == [(2.5, 2.5), (2.0, 2.5)]
     assert out[0].samples[1].reward_info == {"verifiable": 0.0, "model_score": 5.0}
     assert [(g.task_id, g.lease_token, g.worker_id) for g in out] == [("a", 3, "w"), ("b", 3, "w")]
-    group_norm = score_groups(groups, scorer, RewardConfig(model_path="x", combine="model", normalize="group"))
-    assert [g.rewards for g in group_norm] == [pytest.approx((-1.0, 1.0), abs=1e-5), pytest.approx((1.0, -1.0), abs=1e-5)]
+    group_norm = score_groups(
+        groups, scorer, RewardConfig(model_path="x", combine="model", normalize="group")
+    )
+    assert [g.rewards for g in group_norm] == [
+        pytest.approx((-1.0, 1.0), abs=1e-5),
+        pytest.approx((1.0, -1.0), abs=1e-5),
+    ]
 
 
 def test_scoring_sink_scores_before_the_buffer_and_stats_window():

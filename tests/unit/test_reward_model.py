@@ -50,8 +50,12 @@ def test_scores_equal_transformers(family, tmp_path):
 def test_unknown_body_and_damaged_folders_are_refused_in_one_line(tmp_path):
     save_hf_reward_model("qwen3", tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2ForSequenceClassification"]}))
-    with pytest.raises(UnsupportedArchitectureError, match=r"^reward model architecture 'GPT2ForSequenceClass"):
+    (tmp_path / "config.json").write_text(
+        json.dumps({**cfg, "architectures": ["GPT2ForSequenceClassification"]})
+    )
+    with pytest.raises(
+        UnsupportedArchitectureError, match=r"^reward model architecture 'GPT2ForSequenceClass"
+    ):
         load_reward_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3ForCausalLM"]}))
     with pytest.raises(UnsupportedArchitectureError, match="'Qwen3ForCausalLM' is not supported"):

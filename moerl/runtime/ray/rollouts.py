@@ -182,7 +182,9 @@ class RayRollouts:
             # reward workers beside the rollout workers on this machine's GPUs (no reward node group)
             try:
                 gpus = rollout_gpu_share(
-                    ray.cluster_resources().get("GPU", 0.0), cfg.rollout.num_workers, rw.num_workers * rw.gpus_per_worker
+                    ray.cluster_resources().get("GPU", 0.0),
+                    cfg.rollout.num_workers,
+                    rw.num_workers * rw.gpus_per_worker,
                 )
             except ValueError as e:
                 raise ConfigError(f"reward.gpus_per_worker={rw.gpus_per_worker}: {e}") from None
