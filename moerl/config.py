@@ -29,6 +29,7 @@ from moerl.config_cluster import ClusterConfig, StorageConfig  # noqa: F401 - re
 from moerl.config_engine import check_engine_sizes, engine_slot_tokens  # noqa: F401 - re-exported
 from moerl.config_env import EnvConfig, check_episode_run  # noqa: F401 - re-exported
 from moerl.config_fleet import ChaosConfig, FleetConfig  # noqa: F401 - re-exported
+from moerl.config_reward import RewardConfig  # noqa: F401 - re-exported
 from moerl.config_trainer import TrainerConfig  # noqa: F401 - re-exported
 from moerl.configlib import (  # noqa: F401 - re-exported: the config API lives here
     ConfigError,
@@ -523,6 +524,8 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """A learned reward model beside the task's verifiable reward (``moerl.config_reward``)."""
 
     def __post_init__(self) -> None:
         # here, not at the top: moerl.rl loads torch, and this module must load without it (``moerl --help``)

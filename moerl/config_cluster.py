@@ -193,6 +193,21 @@ class MemoryGroupConfig(NodeGroupConfig):
 
 
 @dataclass(kw_only=True, slots=True)
+class RewardGroupConfig(NodeGroupConfig):
+    """The ``reward`` group: GPU nodes of the reward workers, rendered only when ``reward.model_path`` is
+    set (defaults: 1 to 2 on-demand g6e.12xlarge, 4 L40S GPUs each)."""
+
+    instance_types: tuple[str, ...] = ("g6e.12xlarge",)
+    min_nodes: int = 1
+    max_nodes: int = 2
+    gpus_per_node: int | None = None
+    cpus_per_node: int = 44
+    memory_gib: int = 360
+    volume_gib: int = 300
+    shm_gib: int = 16
+
+
+@dataclass(kw_only=True, slots=True)
 class ClusterConfig:
     """Where and how a run is deployed on Amazon EKS through KubeRay (``moerl cluster render``).
 
@@ -251,6 +266,8 @@ class ClusterConfig:
     """The CPU node group (environments, preprocessing)."""
     memory: MemoryGroupConfig = field(default_factory=MemoryGroupConfig)
     """The memory-optimized node group (exchange actor, Ray head)."""
+    reward: RewardGroupConfig = field(default_factory=RewardGroupConfig)
+    """The reward workers' GPU node group (only with ``reward.model_path``)."""
 
     def __post_init__(self) -> None:
         check_dns_label("cluster.name", self.name, 40)
@@ -282,9 +299,9 @@ class ClusterConfig:
             )
         if self.model_url is not None and not self.model_url.rstrip("/").startswith("s3://"):
             raise ConfigError(f"cluster.model_url={self.model_url!r} must be the s3:// URL of a model folder")
-        for group in ("train", "rollout"):
+        for group in ("train", "rollout", "reward"):
             getattr(self, group).resolve_gpus(group)
-        for group in ("train", "rollout", "cpu", "memory"):
+        for group in ("train", "rollout", "cpu", "memory", "reward"):
             getattr(self, group).check(group)
         if self.train.gpus_per_node < 1 or self.rollout.gpus_per_node < 1:
             raise ConfigError("cluster.train.gpus_per_node and cluster.rollout.gpus_per_node must be >= 1")

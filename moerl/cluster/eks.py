@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from moerl.cluster.iam import s3_policy
 from moerl.cluster.kuberay import GPU_TAINT, GROUP_LABEL
-from moerl.cluster.resources import GROUPS
+from moerl.cluster.resources import run_groups
 from moerl.config import RunConfig
 from moerl.config_cluster import NodeGroupConfig
 
@@ -80,7 +80,7 @@ def eksctl_cluster_config(cfg: RunConfig) -> dict:
             "serviceAccounts": [account],
         },
         "addons": [{"name": "vpc-cni"}, {"name": "coredns"}, {"name": "kube-proxy"}],
-        "managedNodeGroups": [managed_node_group(cfg, g) for g in GROUPS],
+        "managedNodeGroups": [managed_node_group(cfg, g) for g in run_groups(cfg)],
     }
 
 
@@ -88,7 +88,7 @@ def efa_device_plugin(cfg: RunConfig) -> dict:
     """The EFA Kubernetes device plugin ``DaemonSet`` on the groups with EFA (advertises
     ``vpc.amazonaws.com/efa`` to the kubelet through ``/var/lib/kubelet/device-plugins``)."""
     cluster = cfg.cluster
-    efa_groups = [g for g in GROUPS if getattr(cluster, g).efa_interfaces]
+    efa_groups = [g for g in run_groups(cfg) if getattr(cluster, g).efa_interfaces]
     labels = {"name": EFA_PLUGIN_NAME}
     container = {
         "name": EFA_PLUGIN_NAME,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 
-from moerl.cluster.resources import DRIVER_REQUEST, GROUPS, node_resources
+from moerl.cluster.resources import DRIVER_REQUEST, node_resources, run_groups
 from moerl.config import RunConfig
 from moerl.config_cluster import ClusterConfig, NodeGroupConfig
 
@@ -212,7 +212,7 @@ def ray_job(cfg: RunConfig, run_config_file: str = "run.yaml") -> dict:
                 "enableInTreeAutoscaling": True,
                 "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": 300},
                 "headGroupSpec": head_group(cfg),
-                "workerGroupSpecs": [worker_group(cfg, g) for g in GROUPS],
+                "workerGroupSpecs": [worker_group(cfg, g) for g in run_groups(cfg)],
             },
         },
     }

@@ -10,6 +10,7 @@ on both.
     rollout   rollout        rollout workers the node holds   rollout workers
     cpu       env            vCPUs of the node                environments, preprocessing
     memory    exchange       1                                the exchange actor (queue + buffer)
+    reward    reward         reward workers the node holds    reward workers (only with reward.model_path)
 
 Every actor requests a token amount (0.001) of its group's resource: the custom resource only says
 where, Ray's own ``CPU``/``GPU`` requests bound how many actors fit a node (a trainer rank takes one
@@ -18,37 +19,53 @@ GPU, as ``moerl.trainer.distributed.ray_ranks`` asks). The names avoid Ray's bui
 
 from __future__ import annotations
 
+import math
+
 from moerl.config import RunConfig
 
 GROUPS = ("train", "rollout", "cpu", "memory")
-"""Worker groups, in the order they are rendered."""
+"""Worker groups every deployment has, in the order they are rendered."""
 
-RAY_RESOURCE = {"train": "train", "rollout": "rollout", "cpu": "env", "memory": "exchange"}
+RAY_RESOURCE = {
+    "train": "train",
+    "rollout": "rollout",
+    "cpu": "env",
+    "memory": "exchange",
+    "reward": "reward",
+}
 """Ray custom resource advertised by each worker group's nodes."""
 
-ACTOR_REQUEST = {"train": 0.001, "rollout": 0.001, "cpu": 0.001, "memory": 0.001}
+ACTOR_REQUEST = {"train": 0.001, "rollout": 0.001, "cpu": 0.001, "memory": 0.001, "reward": 0.001}
 """Amount of its group's resource one actor requests: a token amount (only placement matters)."""
 
 DRIVER_REQUEST = {"train": 0.001}
 """What the job's driver (``moerl train``, the trainer's process) requests: a training node."""
 
 
+def run_groups(cfg: RunConfig) -> tuple[str, ...]:
+    """The worker groups of this run, in render order: ``GROUPS``, and ``reward`` when
+    ``reward.model_path`` is set (the reward workers' GPU nodes)."""
+    return (*GROUPS, "reward") if cfg.reward.is_enabled else GROUPS
+
+
 def node_resources(cfg: RunConfig, group: str) -> dict[str, float]:
     """The custom resources one Ray node of ``group`` advertises (``ray start --resources``); a rollout
-    node holds ``cluster.rollout.gpus_per_node // rollout.ep_size`` workers (the run's own EP size).
+    node holds ``cluster.rollout.gpus_per_node // rollout.ep_size`` workers (the run's own EP size), a
+    reward node ``floor(cluster.reward.gpus_per_node / reward.gpus_per_worker)`` reward workers.
 
     Raises:
-        KeyError: ``group`` is not one of ``GROUPS``.
+        KeyError: ``group`` is not one of ``GROUPS`` or ``reward``.
     """
-    spec = getattr(cfg.cluster, group) if group in GROUPS else None
+    spec = getattr(cfg.cluster, group) if group in RAY_RESOURCE else None
     if spec is None:
-        raise KeyError(f"unknown worker group {group!r}; expected one of {list(GROUPS)}")
+        raise KeyError(f"unknown worker group {group!r}; expected one of {list(RAY_RESOURCE)}")
     amount = {
-        "train": spec.gpus_per_node,
-        "rollout": spec.gpus_per_node // cfg.rollout.ep_size,
-        "cpu": spec.cpus_per_node,
-        "memory": 1,
-    }[group]
+        "train": lambda: spec.gpus_per_node,
+        "rollout": lambda: spec.gpus_per_node // cfg.rollout.ep_size,
+        "cpu": lambda: spec.cpus_per_node,
+        "memory": lambda: 1,
+        "reward": lambda: math.floor(spec.gpus_per_node / cfg.reward.gpus_per_worker),
+    }[group]()
     return {RAY_RESOURCE[group]: float(amount)}
 
 

@@ -30,7 +30,7 @@ import yaml
 
 from moerl.cluster.kuberay import fetch_command
 from moerl.cluster.render import cluster_run_config, job_run_config, train_nodes
-from moerl.cluster.resources import GROUPS, node_resources
+from moerl.cluster.resources import node_resources, run_groups
 from moerl.config import RunConfig, load_config
 from moerl.config_cluster import NodeGroupConfig
 
@@ -80,7 +80,8 @@ def _train_script(cfg: RunConfig) -> str:
 
 def replicas_per_group(cfg: RunConfig) -> dict[str, int]:
     """Pods of each group: the training nodes the trainer ranks fill, the rollout nodes that hold
-    ``rollout.num_workers`` workers, one memory pod, ``cpu.min_nodes`` CPU pods.
+    ``rollout.num_workers`` workers, one memory pod, ``cpu.min_nodes`` CPU pods, and with
+    ``reward.model_path`` the reward nodes that hold ``reward.num_workers`` reward workers.
 
     Args:
         cfg: the run config as the cluster runs it (``cluster_run_config``).
@@ -92,6 +93,11 @@ def replicas_per_group(cfg: RunConfig) -> dict[str, int]:
         "rollout": math.ceil(cfg.rollout.num_workers / per_node),
         "cpu": c.cpu.min_nodes,
         "memory": 1,
+        "reward": (
+            math.ceil(cfg.reward.num_workers / max(1, node_resources(cfg, "reward")["reward"]))
+            if cfg.reward.is_enabled
+            else 0
+        ),
     }
 
 
@@ -124,7 +130,7 @@ def moerl(
     image = cfg.cluster.image
     roles = []
     counts = replicas_per_group(cfg)
-    for group in GROUPS:  # "train" first: its replica 0 is the Ray head (rank0_env)
+    for group in run_groups(cfg):  # "train" first: its replica 0 is the Ray head (rank0_env)
         if counts[group] == 0:
             continue
         script = _train_script(cfg) if group == "train" else _ray_start(cfg, group, head=False)

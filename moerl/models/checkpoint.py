@@ -94,11 +94,18 @@ def _dequantized(where: dict, key: str, src: torch.Tensor) -> torch.Tensor:
         raise CheckpointError(f"tensor {scale_key}: {e}") from None
 
 
-def _load_tensors(model: MoeForCausalLM, folder: Path, mapper: KeyMapper, *, quantized: bool = False) -> None:
-    """Fill the model's tensors from the folder's safetensors. FP8 tensors (with their ``_scale_inv``
-    block scales, ``quantized``) are dequantized into full-precision targets or copied as they are into
-    the FP8 buffers of an ``Fp8Linear`` / ``Fp8Experts``; full-precision tensors for an FP8 target are
-    quantized (``moerl.models.fp8.copy_into_fp8``)."""
+def load_tensors(model: MoeForCausalLM, folder: Path, mapper: KeyMapper, *, quantized: bool = False) -> None:
+    """Copy a folder's safetensors into ``model``'s (allocated) parameters through ``mapper``'s names.
+
+    ``mapper`` may be a ``KeyMapper`` subclass that names more tensors (the reward model's ``score``
+    head, ``moerl.models.reward_model``). Every parameter must be filled and every key used. FP8 tensors
+    (with their ``_scale_inv`` block scales, ``quantized``) are dequantized into full-precision targets or
+    copied as they are into the FP8 buffers of an ``Fp8Linear`` / ``Fp8Experts``; full-precision tensors
+    for an FP8 target are quantized (``moerl.models.fp8.copy_into_fp8``).
+
+    Raises:
+        CheckpointError: missing or unexpected weight keys (named), or a tensor of the wrong shape.
+    """
     state = model.state_dict(keep_vars=True)
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
@@ -276,7 +283,7 @@ def from_pretrained(
     # Allocate in the target dtype first, so that copy_ casts tensor by tensor (no full-size upcast copy).
     model = model.to_empty(device=device).keep_router_buffers_fp32()
     model.tie_weights()
-    _load_tensors(model, folder, KeyMapper(cfg.model_type, cfg.num_hidden_layers), quantized=quantized)
+    load_tensors(model, folder, KeyMapper(cfg.model_type, cfg.num_hidden_layers), quantized=quantized)
     if fp8 and not keep_bytes:
         quantize_model_fp8(model)
     # to_empty left the non-persistent rotary buffer uninitialized: rebuild it on the target device.

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from moerl.config import ConfigError, RunConfig, engine_slot_tokens
 from moerl.models import CheckpointError, MoeConfig, check_model_folder
+from moerl.models.reward_model import check_reward_folder
 from moerl.rollout.memory_check import check_memory
 from moerl.tasks import (
     ChatTemplateError,
@@ -65,6 +66,7 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
         _check_import("env.name", cfg.env.import_path, load_reward_fn, cfg.task.import_dirs)
     tokenizer = load_run_tokenizer(cfg, cfg.init_from)
     check_vocabulary(cfg, tokenizer)
+    check_reward_model(cfg, tokenizer.vocab_size)
     check_memory(cfg, tokenizer.vocab_size, rollouts=rollouts)  # before any dataset is read
     try:
         task = make_task(cfg.task, cfg.env, tokenizer)
@@ -112,6 +114,28 @@ def check_vocabulary(cfg: RunConfig, tokenizer: Tokenizer) -> None:
             f"the tokenizer {tokenizer.source} has {tokenizer.vocab_size} token ids but {field}={folder!r} has "
             f"vocab_size={model_vocab}: ids >= {model_vocab} would index past the embedding; use the model's "
             "own tokenizer (task.tokenizer)"
+        )
+
+
+def check_reward_model(cfg: RunConfig, vocab_size: int) -> None:
+    """Check ``reward.model_path`` (when set) with ``check_reward_folder``: a folder whose architecture
+    moerl runs, readable weights, and a vocabulary that holds the policy tokenizer's ids (the reward
+    model scores the policy's token ids). A URL is left to the code that reads it.
+
+    Raises:
+        ConfigError: one line naming ``reward.model_path`` and what is wrong.
+    """
+    folder = cfg.reward.model_path
+    if folder is None or "://" in folder:
+        return
+    try:
+        rm, _ = check_reward_folder(folder)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"reward.model_path={folder!r}: {e}") from None
+    if rm.vocab_size < vocab_size:
+        raise ConfigError(
+            f"reward.model_path={folder!r}: vocab_size={rm.vocab_size} is smaller than the policy tokenizer's "
+            f"{vocab_size}; the reward model scores the policy's token ids, so it must share its tokenizer"
         )
 
 

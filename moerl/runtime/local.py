@@ -27,6 +27,7 @@ from moerl.runtime.buffer import BufferMetrics, ExperienceBuffer
 from moerl.runtime.build import Components, make_buffer, make_queue, make_worker
 from moerl.runtime.fleet import WorkerHealth, WorkerRecord, WorkerState
 from moerl.runtime.queue import QueueStats, TaskQueue
+from moerl.runtime.reward import LocalRewardScorer, ScoringSink
 from moerl.runtime.worker import RolloutWorker, WorkerStats
 from moerl.weights.sources import CheckedWeights, LocalWeights, parameter_set, refused_versions_of
 from moerl.weights.store import WeightStore
@@ -45,6 +46,7 @@ class LocalRollouts:
         weights: where ``publish`` hands the trainer's weights over (in process; a ``LocalWeights``,
             or a ``CheckedWeights`` over one).
         store: the run's weight store, written at every ``publish`` (None: not written from here).
+        scorer: the reward model scoring the worker's deliveries (``reward.model_path``), or None.
     """
 
     def __init__(
@@ -54,9 +56,12 @@ class LocalRollouts:
         worker: RolloutWorker,
         weights: LocalWeights | CheckedWeights,
         store: WeightStore | None = None,
+        *,
+        scorer: LocalRewardScorer | None = None,
     ) -> None:
         self.queue, self.buffer, self.worker, self.weights = queue, buffer, worker, weights
         self.store = store
+        self.scorer = scorer
 
     @classmethod
     def start(cls, cfg: RunConfig, comp: Components, version: int, parts: dict | None) -> LocalRollouts:
@@ -70,10 +75,14 @@ class LocalRollouts:
         model = copy.deepcopy(comp.model)
         weights = CheckedWeights(LocalWeights(), parameter_set(model))
         weights.push(version, {k: v.detach().clone() for k, v in comp.model.state_dict().items()})
+        scorer, sink = None, buffer
+        if cfg.reward.is_enabled:  # the reward model scores each delivery in this process
+            scorer = LocalRewardScorer.from_config(cfg.reward, cfg.model.device)
+            sink = ScoringSink(buffer, scorer, cfg.reward)
         worker = make_worker(
-            cfg, "local-0", model, comp.task, comp.tokenizer, queue, buffer, weights, version=-1
+            cfg, "local-0", model, comp.task, comp.tokenizer, queue, sink, weights, version=-1
         )
-        rollouts = cls(queue, buffer, worker, weights, comp.store)
+        rollouts = cls(queue, buffer, worker, weights, comp.store, scorer=scorer)
         if parts is not None:
             rollouts.load_state_dict(parts)
         return rollouts
@@ -132,14 +141,18 @@ class LocalRollouts:
         return [self.worker.stats]
 
     def fleet_values(self, batch_groups: int) -> dict[str, float]:
-        """The step's ``fleet/*`` metrics: one in-process worker, never interrupted; the versions it
-        refused (``weights/refused_total``)."""
-        return {
+        """The step's ``fleet/*`` metrics (one in-process worker, never interrupted), the versions it refused
+        (``weights/refused_total``) and, with a reward model, its ``reward/*`` metrics since the previous
+        step."""
+        values = {
             **dict.fromkeys(_NEVER, 0),
             "fleet/workers_alive": 1,
             "fleet/desired_workers": 1,
             "weights/refused_total": refused_versions_of(self.weights),
         }
+        if self.scorer is not None:
+            values.update(self.scorer.stats.take())
+        return values
 
     def worker_records(self) -> list[WorkerRecord]:
         """A record of the in-process worker (always alive), as ``RayRollouts`` reports its workers."""

@@ -10,7 +10,8 @@ held-out accuracy, policy loss, KL, entropy, staleness, learning rate, tokens/s,
 versions), rollout (per-worker
 token and group rates, the spread against the fastest worker, liveness and policy lag), buffer and
 queue, trainer (step and weight-sync latency quantiles, waiting, policy version), faults (notices,
-kills, requeues, lost work, comm errors), EP traffic and GPUs.
+kills, requeues, lost work, comm errors), EP traffic and GPUs, the reward model (batches, scores, lost
+workers).
 """
 
 from __future__ import annotations
@@ -217,6 +218,30 @@ def _learning_row() -> list[dict]:
     ]
 
 
+def _reward_row() -> list[dict]:
+    return [
+        _ts(
+            "Reward model batches",
+            "short",
+            (f"moerl_reward_batch_size{{{SEL}}}", "sequences per batch"),
+            (f"moerl_reward_latency_seconds{{{SEL}}}", "seconds per batch"),
+            description="reward.model_path: the reward workers' batches over the last step",
+        ),
+        _ts(
+            "Reward model scores",
+            "short",
+            (f"moerl_reward_score_mean{{{SEL}}}", "mean"),
+            (f"moerl_reward_score_std{{{SEL}}}", "std"),
+        ),
+        _ts(
+            "Reward workers lost and batches rescored",
+            "short",
+            (f"moerl_reward_workers_lost_total{{{SEL}}}", "workers lost"),
+            (f"moerl_reward_retries_total{{{SEL}}}", "batches rescored"),
+        ),
+    ]
+
+
 def _rows() -> list[tuple[str, list[dict]]]:
     return [
         ("Learning", _learning_row()),
@@ -225,6 +250,7 @@ def _rows() -> list[tuple[str, list[dict]]]:
         ("Trainer", _trainer_row()),
         ("Faults", _faults_row()),
         ("EP traffic and GPUs", _hardware_row()),
+        ("Reward model", _reward_row()),
     ]
 
 

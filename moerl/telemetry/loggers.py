@@ -35,6 +35,7 @@ _RENAMES = {
     "ep/": "perf/ep_",
     "weights/": "rollout/weights_",
     "env/": "rollout/env_",
+    "reward/": "rollout/reward_model_",
 }
 
 

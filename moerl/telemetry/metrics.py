@@ -91,6 +91,12 @@ METRIC_KEYS: tuple[str, ...] = (
     "rollout/fp8_logprob_gap_mean",  # rollout.weight_dtype=fp8: mean |FP8 engine - policy| log-prob of the step's response tokens (nats; else null)
     "rollout/fp8_logprob_gap_max",  # the largest such gap (sync mode: both models re-run on the batch; async: null)
     "rollout/fp8_greedy_agreement",  # fraction of response positions where FP8 and policy argmax agree (sync mode; async: null)
+    "reward/latency_s",  # mean seconds per reward-model batch since the previous step (null: no reward model)
+    "reward/batch_size",  # mean sequences per reward-model batch since the previous step
+    "reward/score_mean",  # mean raw reward-model score of the sequences scored since the previous step
+    "reward/score_std",  # std of the same
+    "reward/retries",  # reward batches scored again after a lost or timed-out reward worker (cumulative)
+    "reward/workers_lost",  # reward workers that died or timed out and were replaced (cumulative)
 )
 """The fixed metric names, in the order they are written."""
 
@@ -107,6 +113,7 @@ WALL_KEYS = (
     "timing/wait_s",
     "timing/weight_sync_s",
     "timing/weight_sync_worker_s",
+    "reward/latency_s",
 )
 """Fields that depend on wall-clock time (excluded when comparing two runs for equality)."""
 

@@ -31,6 +31,9 @@ Series (``SERIES``; the alert rules and the Grafana dashboard use only these):
     moerl_response_length_mean, moerl_staleness_mean, moerl_staleness_max,
     moerl_rollout_tokens_per_second, moerl_train_tokens_per_second          gauges
     moerl_weights_refused_total                                               counter (``weights/refused_total``)
+    moerl_reward_latency_seconds, moerl_reward_batch_size, moerl_reward_score_mean,
+    moerl_reward_score_std                                                    gauges (a reward model's last step)
+    moerl_reward_retries_total, moerl_reward_workers_lost_total               counters (with reward.model_path)
 """
 
 from __future__ import annotations
@@ -105,6 +108,12 @@ SERIES: dict[str, str] = {
     "moerl_gpu_memory_total_bytes": "gauge",
     "moerl_weights_refused_total": "counter",
     **dict.fromkeys(LEARNING, "gauge"),
+    "moerl_reward_latency_seconds": "gauge",
+    "moerl_reward_batch_size": "gauge",
+    "moerl_reward_score_mean": "gauge",
+    "moerl_reward_score_std": "gauge",
+    "moerl_reward_retries_total": "counter",
+    "moerl_reward_workers_lost_total": "counter",
 }
 """Every series the exporter defines, with its Prometheus type (the names are used by other checks)."""
 
@@ -166,6 +175,18 @@ class RunTotals:
     """The trainer's weight version."""
     weights_refused: int = 0
     """Weight versions the rollout workers refused (``weights/refused_total``)."""
+    reward_latency_s: float | None = None
+    """Mean seconds per reward-model batch over the last step (None: none scored, or no reward model)."""
+    reward_batch_size: float | None = None
+    """Mean sequences per reward-model batch over the last step."""
+    reward_score_mean: float | None = None
+    """Mean raw reward-model score over the last step."""
+    reward_score_std: float | None = None
+    """Std of the same."""
+    reward_retries: int | None = None
+    """Reward batches scored again after a lost or timed-out reward worker (None: no reward model)."""
+    reward_workers_lost: int | None = None
+    """Reward workers that died or timed out and were replaced (None: no reward model)."""
 
 
 @dataclass(slots=True)
@@ -389,6 +410,35 @@ def _total_families(t: RunTotals, max_staleness: int) -> Iterator:
     )
     for name, doc, value in counters:
         yield CounterMetricFamily(name, doc, value=value)
+    yield from _reward_families(t)
+
+
+def _reward_families(t: RunTotals) -> Iterator:
+    """The reward model's series: gauges once a step scored something, counters when a model runs."""
+    gauges = (
+        (
+            "moerl_reward_latency_seconds",
+            "Mean seconds per reward-model batch, last step.",
+            t.reward_latency_s,
+        ),
+        ("moerl_reward_batch_size", "Mean sequences per reward-model batch, last step.", t.reward_batch_size),
+        ("moerl_reward_score_mean", "Mean raw reward-model score, last step.", t.reward_score_mean),
+        ("moerl_reward_score_std", "Std of the raw reward-model scores, last step.", t.reward_score_std),
+    )
+    for name, doc, value in gauges:
+        if value is not None:
+            yield GaugeMetricFamily(name, doc, value=value)
+    counters = (
+        (
+            "moerl_reward_retries",
+            "Reward batches scored again after a lost or late worker.",
+            t.reward_retries,
+        ),
+        ("moerl_reward_workers_lost", "Reward workers that died or timed out.", t.reward_workers_lost),
+    )
+    for name, doc, value in counters:
+        if value is not None:
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 class MetricsServer:

@@ -257,6 +257,7 @@ class RunTelemetry:
                 trainer_wait_s=self._wait_s,
                 policy_version=int(record.get("policy_version") or 0),
                 weights_refused=int(record.get("weights/refused_total") or 0),
+                **_reward_totals(record),
             )
         )
         self.exporter.update_learning(record)
@@ -271,3 +272,19 @@ class RunTelemetry:
             self.server.close()
         if self.loggers is not None:
             self.loggers.close()
+
+
+def _reward_totals(record: dict) -> dict:
+    """``RunTotals`` reward fields from a metrics record's ``reward/*`` values (None where absent)."""
+
+    def count(key: str) -> int | None:
+        return None if record.get(key) is None else int(record[key])
+
+    return {
+        "reward_latency_s": record.get("reward/latency_s"),
+        "reward_batch_size": record.get("reward/batch_size"),
+        "reward_score_mean": record.get("reward/score_mean"),
+        "reward_score_std": record.get("reward/score_std"),
+        "reward_retries": count("reward/retries"),
+        "reward_workers_lost": count("reward/workers_lost"),
+    }

@@ -77,9 +77,14 @@ def _pod_templates(rayjob):
         yield group["groupName"], group["template"]
 
 
-@pytest.fixture(params=RECIPES, ids=lambda p: p.stem)
+REWARD = ("reward.model_path=/models/rm", "reward.num_workers=6", "reward.gpus_per_worker=0.5")
+"""A learned reward model on 6 reward workers of half a GPU each: the render adds a ``reward`` group."""
+CASES = [(p, ()) for p in RECIPES] + [(RECIPES[0], REWARD)]
+
+
+@pytest.fixture(params=CASES, ids=lambda c: c[0].stem + ("-reward" if c[1] else ""))
 def rendered(request, tmp_path):
-    cfg = load_config(request.param, [IMAGE, IMAGE])
+    cfg = load_config(request.param[0], [IMAGE, *request.param[1]])
     rules = tmp_path / "rules.yaml"
     rules.write_text(
         yaml.safe_dump({"groups": [{"name": "moerl", "rules": [{"alert": "MoerlDown", "expr": "up == 0"}]}]})
@@ -150,7 +155,13 @@ def test_groups_map_the_run(rendered):
     c = cfg.cluster
     rayjob = docs["k8s/30-rayjob.yaml"]
     groups = {g["groupName"]: g for g in rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
-    assert list(groups) == ["train", "rollout", "cpu", "memory"]
+    assert list(groups) == [
+        "train",
+        "rollout",
+        "cpu",
+        "memory",
+        *(["reward"] if cfg.reward.model_path else []),
+    ]
     for name, group in groups.items():
         assert list(group["resources"]) == [RAY_RESOURCE[name]]  # each group advertises its own resource
         assert group["template"]["spec"]["nodeSelector"]["moerl.io/group"] == name
@@ -287,3 +298,17 @@ def test_without_efa_there_is_no_device_plugin_and_no_efa_request():
     train = docs["k8s/30-rayjob.yaml"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
     assert "vpc.amazonaws.com/efa" not in train["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert "efaEnabled" not in docs["eksctl-cluster.yaml"]["managedNodeGroups"][0]
+
+
+def test_a_reward_model_adds_a_reward_group(rendered):
+    cfg, docs, _ = rendered
+    eks_groups = {g["name"]: g for g in docs["eksctl-cluster.yaml"]["managedNodeGroups"]}
+    ray_groups = {
+        g["groupName"]: g for g in docs["k8s/30-rayjob.yaml"]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    }
+    if cfg.reward.model_path is None:
+        assert "reward" not in eks_groups and "reward" not in ray_groups
+        return
+    assert eks_groups["reward"]["instanceTypes"] == ["g6e.12xlarge"]  # 4 GPUs a node
+    assert ray_groups["reward"]["resources"] == {"reward": "8"}  # 4 GPUs / 0.5 GPU per reward worker
+    assert eks_groups["reward"]["taints"] and ray_groups["reward"]["minReplicas"] == 1

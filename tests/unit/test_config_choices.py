@@ -81,3 +81,14 @@ def test_a_new_weight_update_policy_is_a_rollout_choice(monkeypatch):
         RolloutConfig(on_weight_update="drain")
     monkeypatch.setattr(wu, "ON_WEIGHT_UPDATE", (*wu.ON_WEIGHT_UPDATE, "drain"))
     assert RolloutConfig(on_weight_update="drain").on_weight_update == "drain"
+
+
+@pytest.mark.parametrize(("field", "registry"), [("combine", "COMBINES"), ("normalize", "NORMALIZATIONS")])
+def test_a_new_reward_mix_name_is_a_reward_choice(monkeypatch, field, registry):
+    import moerl.rl.reward_mix
+    from moerl.config import RewardConfig
+
+    with pytest.raises(ConfigError, match=f"reward.{field}='mine'"):
+        RewardConfig(**{field: "mine"})
+    monkeypatch.setitem(getattr(moerl.rl.reward_mix, registry), "mine", lambda *a: None)
+    assert getattr(RewardConfig(**{field: "mine"}), field) == "mine"

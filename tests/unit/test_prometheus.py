@@ -61,6 +61,12 @@ def _exporter() -> MetricsExporter:
             lost_work_tokens=96,
             trainer_wait_s=2.5,
             policy_version=6,
+            reward_latency_s=0.25,
+            reward_batch_size=16.0,
+            reward_score_mean=1.5,
+            reward_score_std=0.5,
+            reward_retries=2,
+            reward_workers_lost=1,
         )
     )
     e.observe_step(step_s=0.3, weight_sync_s=0.02)
@@ -221,3 +227,16 @@ def test_learning_series_come_from_the_step_records_and_hold_the_last_measured_v
     assert s["moerl_weights_refused_total", ()] == 1
     assert ("moerl_rollout_kl", ()) not in s  # never measured: no sample
     assert set(LEARNING) <= set(SERIES)
+
+
+def test_reward_series_come_from_the_totals_and_only_with_a_reward_model():
+    s = _samples(_exporter().render().decode())
+    assert s["moerl_reward_latency_seconds", ()] == 0.25 and s["moerl_reward_batch_size", ()] == 16
+    assert s["moerl_reward_score_mean", ()] == 1.5 and s["moerl_reward_score_std", ()] == 0.5
+    assert s["moerl_reward_retries_total", ()] == 2 and s["moerl_reward_workers_lost_total", ()] == 1
+    e = MetricsExporter()
+    e.update_totals(RunTotals(policy_version=1))
+    text = e.render().decode()
+    assert not any(
+        f"moerl_reward_{k}" in text for k in ("latency", "batch_size", "score", "retries", "workers_lost")
+    )

@@ -6,6 +6,7 @@ queue and the buffer, the rollout worker actor, and the fleet backend that spawn
     exchange.py      ExchangeActor: TaskQueue + ExperienceBuffer in one actor, the staleness gate
     worker_actor.py  RolloutWorkerActor and the proxies it reaches the exchange through
     backend.py       RayWorkerBackend: the FleetManager's hands on worker actors
+    reward_pool.py   RewardWorkerActor, RayRewardPool: reward workers the exchange scores deliveries on
 
 No module here imports Ray at import time.
 """

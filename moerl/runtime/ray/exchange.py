@@ -17,6 +17,7 @@ from moerl.run.storage import local_model_folder
 from moerl.runtime.buffer import BufferMetrics, PutResult
 from moerl.runtime.build import make_buffer, make_queue
 from moerl.runtime.queue import QueueStats
+from moerl.runtime.reward import score_groups
 from moerl.tasks import make_task
 from moerl.tasks.tokenizer import load_run_tokenizer
 
@@ -64,6 +65,12 @@ class ExchangeActor:
         self._version = version
         self._taken = 0  # groups handed to the trainer since the version last advanced
         self._lock = threading.Lock()  # the lease gate, the version and ``_taken`` change together
+        self.reward_cfg = cfg.reward
+        self.rewards = None  # reward.model_path: reward workers score each delivery before the buffer
+        if cfg.reward.is_enabled:
+            from moerl.runtime.ray.reward_pool import RayRewardPool
+
+            self.rewards = RayRewardPool.from_config(cfg)
 
     # -- the workers' side: the queue ------------------------------------------------------------
 
@@ -97,8 +104,20 @@ class ExchangeActor:
         return self.queue.settle(task_id, token, outcome)
 
     def put_many(self, groups: list[Group], timeout: float | None = None) -> list[PutResult | None]:
-        """``ExperienceBuffer.put_many``: one round trip for a worker's whole delivery."""
+        """``ExperienceBuffer.put_many``: one round trip for a worker's whole delivery; with a reward
+        model the reward workers score the groups first (``score_groups``, ``RayRewardPool``)."""
+        if self.rewards is not None:
+            groups = score_groups(groups, self.rewards, self.reward_cfg)
         return self.buffer.put_many(groups, timeout=timeout)
+
+    def reward_values(self) -> dict[str, float | None]:
+        """The ``reward/*`` metrics since the previous call (``RewardStats.take``); empty without a
+        reward model."""
+        return {} if self.rewards is None else self.rewards.stats.take()
+
+    def reward_pids(self) -> list[int]:
+        """Process ids of the reward workers (none without a reward model)."""
+        return [] if self.rewards is None else self.rewards.pids()
 
     # -- the trainer's side ----------------------------------------------------------------------
 
@@ -146,5 +165,7 @@ class ExchangeActor:
         self.buffer.load_state_dict(state["buffer"])
 
     def close(self) -> None:
-        """Close the buffer: blocked producers and consumers get ``BufferClosed``."""
+        """Close the buffer: blocked producers and consumers get ``BufferClosed``; stop the reward workers."""
         self.buffer.close()
+        if self.rewards is not None:
+            self.rewards.close()

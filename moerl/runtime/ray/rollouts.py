@@ -30,6 +30,7 @@ is imported inside functions: it is an optional dependency, needed only in async
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -53,6 +54,7 @@ from moerl.runtime.queue import QueueStats
 from moerl.runtime.ray.address import ray_head
 from moerl.runtime.ray.backend import RayWorkerBackend
 from moerl.runtime.ray.exchange import ExchangeActor
+from moerl.runtime.ray.reward_pool import rollout_gpu_share
 from moerl.runtime.ray.worker_actor import RolloutWorkerActor
 from moerl.runtime.worker import WorkerStats
 from moerl.weights.store import WeightStore
@@ -119,9 +121,11 @@ def init_ray(cfg: RunConfig) -> None:
         ranks = cfg.rollout.num_workers * cfg.rollout.ep_size  # rollout processes, one CPU each
         # a trainer group's rank actors need a (fractional) CPU beside them (moerl.trainer.distributed.ray_ranks)
         trainer_cpus = int(cfg.trainer.num_ranks > 1)
+        rw = cfg.reward  # reward workers (moerl.runtime.ray.reward_pool)
+        reward_cpus = math.ceil(rw.num_workers * rw.cpus_per_worker) if rw.is_enabled else 0
         ray.init(
             address="local",  # a new instance, as documented: never another process's running cluster
-            num_cpus=max(os.cpu_count() or 1, ranks + trainer_cpus),
+            num_cpus=max(os.cpu_count() or 1, ranks + trainer_cpus + reward_cpus),
             include_dashboard=False,
             log_to_driver=True,
             configure_logging=False,
@@ -173,6 +177,17 @@ class RayRollouts:
                 self.exchange.load_state_dict.remote({"queue": parts["queue"], "buffer": parts["buffer"]})
             )
         gpus = 1 if cfg.model.device.startswith("cuda") else 0
+        rw = cfg.reward
+        if gpus and rw.is_enabled and cfg.rollout.ep_size == 1 and "reward" not in ray.cluster_resources():
+            # reward workers beside the rollout workers on this machine's GPUs (no reward node group)
+            try:
+                gpus = rollout_gpu_share(
+                    ray.cluster_resources().get("GPU", 0.0),
+                    cfg.rollout.num_workers,
+                    rw.num_workers * rw.gpus_per_worker,
+                )
+            except ValueError as e:
+                raise ConfigError(f"reward.gpus_per_worker={rw.gpus_per_worker}: {e}") from None
         worker_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_concurrency=3, resources=_labels("rollout"))(
             RolloutWorkerActor
         )
@@ -321,7 +336,12 @@ class RayRollouts:
         hint = self.manager.scaling_hint(queue_pending=pending, buffer_depth=depth, batch_groups=batch_groups)
         if self.capacity is not None and self.capacity.update(hint.desired_workers) is not None:
             self.manager.scale_to(self.capacity.requested)  # newcomers wait for the new nodes
-        return {**self.manager.metrics().as_metrics(), **self.sync_values()}
+        values = {**self.manager.metrics().as_metrics(), **self.sync_values()}
+        if self.cfg.reward.is_enabled:  # the reward workers' figures, kept by the exchange
+            import ray
+
+            values.update(ray.get(self.exchange.reward_values.remote()))
+        return values
 
     def worker_records(self) -> list[WorkerRecord]:
         """The fleet manager's record of every worker seen (state and last heartbeat); only reads."""
