@@ -152,9 +152,11 @@ class Run:
         except TrainerRankError as e:
             self.restart_group(e)
             return
+        t_eval = time.perf_counter()
         accuracy = self._evaluate(stats.step)
+        eval_s = time.perf_counter() - t_eval
         timings = StepTimings(
-            gen_s=gen_s, wait_s=wait_s, publish_s=publish_s, step_s=time.perf_counter() - t0
+            gen_s=gen_s, wait_s=wait_s, publish_s=publish_s, step_s=time.perf_counter() - t0, eval_s=eval_s
         )
         self._log(groups, stats, timings, accuracy, batch.num_sequences, t0)
         try:
