@@ -36,7 +36,9 @@ class LocalRollouts:
         buffer: the experience buffer over ``queue``.
         worker: the one rollout worker, polling ``weights``.
         weights: where ``publish`` hands the trainer's weights over (in process).
-        store: the run's weight store, written at every ``publish`` (None: not written from here).
+        store: the run's weight store, written at ``publish`` every ``durable_every`` versions and at the
+            last one (None: not written from here).
+        durable_every: ``runtime.durable_every``; 1: every version is written to the store.
     """
 
     def __init__(
@@ -46,9 +48,14 @@ class LocalRollouts:
         worker: RolloutWorker,
         weights: LocalWeights,
         store: WeightStore | None = None,
+        *,
+        durable_every: int = 1,
     ) -> None:
+        if durable_every < 1:
+            raise ValueError(f"durable_every={durable_every} must be at least 1")
         self.queue, self.buffer, self.worker, self.weights = queue, buffer, worker, weights
-        self.store = store
+        self.store, self.durable_every = store, durable_every
+        self._publish_s: float | None = None  # the last publish's store write (when due) + hand-over
 
     @classmethod
     def start(cls, cfg: RunConfig, comp: Components, version: int, parts: dict | None) -> LocalRollouts:
@@ -65,7 +72,7 @@ class LocalRollouts:
         worker = make_worker(
             cfg, "local-0", model, comp.task, comp.tokenizer, queue, buffer, weights, version=-1
         )
-        rollouts = cls(queue, buffer, worker, weights, comp.store)
+        rollouts = cls(queue, buffer, worker, weights, comp.store, durable_every=cfg.runtime.durable_every)
         if parts is not None:
             rollouts.load_state_dict(parts)
         return rollouts
@@ -83,14 +90,19 @@ class LocalRollouts:
         return self.buffer.get(n, timeout=0), gen_s, 0.0
 
     def publish(self, trainer: WeightHolder, *, is_stored: bool = False, is_final: bool = False) -> None:
-        """The in-process weight hand-off of sync mode: write the trainer's version to the store (unless
-        ``is_stored``: the caller did), hand its tensors to the worker (``LocalWeights``, copied by the
-        engine on its next poll) and advance the staleness clock. ``is_final`` changes nothing here:
-        every version is stored."""
-        if not is_stored and self.store is not None:
+        """The in-process weight hand-off of sync mode: hand the trainer's tensors to the worker
+        (``LocalWeights``: references, no bytes; the engine copies them tensor to tensor on its device at
+        its next poll, ``Engine.update_weights``) and advance the staleness clock. The version is also
+        written to the store (serialized) when it is a multiple of ``durable_every`` or ``is_final``, unless
+        ``is_stored`` (the caller did)."""
+        t0 = time.perf_counter()
+        version = trainer.version
+        is_due = is_final or version % self.durable_every == 0
+        if not is_stored and self.store is not None and is_due:
             trainer.publish(self.store)
-        self.weights.push(trainer.version, trainer.named_weights())
-        self.buffer.set_version(trainer.version)
+        self.weights.push(version, trainer.named_weights())
+        self.buffer.set_version(version)
+        self._publish_s = time.perf_counter() - t0
 
     def requeue(self, task: RolloutTask) -> None:
         """Hand a trained task back to the queue (its training was lost with a trainer restart)."""
@@ -109,8 +121,17 @@ class LocalRollouts:
         return [self.worker.stats]
 
     def fleet_values(self, batch_groups: int) -> dict[str, float]:
-        """The step's ``fleet/*`` metrics: one in-process worker, never interrupted."""
-        return {**dict.fromkeys(_NEVER, 0), "fleet/workers_alive": 1, "fleet/desired_workers": 1}
+        """The step's ``fleet/*`` metrics (one in-process worker, never interrupted) and the weight
+        hand-off's seconds: ``timing/weight_sync_s`` the last ``publish`` (store write when due + hand-over),
+        ``timing/weight_sync_worker_s`` the engine's copy of the version it last loaded (None before)."""
+        load_s = self.worker.stats.last_weight_load_s if self.worker.stats.weight_updates else None
+        return {
+            **dict.fromkeys(_NEVER, 0),
+            "fleet/workers_alive": 1,
+            "fleet/desired_workers": 1,
+            "timing/weight_sync_s": self._publish_s,
+            "timing/weight_sync_worker_s": load_s,
+        }
 
     def worker_records(self) -> list[WorkerRecord]:
         """A record of the in-process worker (always alive), as ``RayRollouts`` reports its workers."""
