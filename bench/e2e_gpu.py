@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import re
@@ -66,13 +67,13 @@ SIZES: dict[str, dict] = {
         "model": dict(hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=8, head_dim=128, num_experts=64,
                       top_k=8, moe_intermediate_size=512, dtype="bfloat16"),
         "max_new_tokens": 256, "group_size": 8, "batch_groups": 32, "micro_batch_size": 32,
-        "kv_token_budget": 131072, "num_eval": 64, "sync_every": 8,
+        "kv_token_budget": 98304, "num_eval": 64, "sync_every": 8,
     },
     "6.9b": {
         "model": dict(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=16, head_dim=128,
                       num_experts=64, top_k=8, moe_intermediate_size=1024, dtype="bfloat16"),
         "max_new_tokens": 256, "group_size": 8, "batch_groups": 32, "micro_batch_size": 16,
-        "kv_token_budget": 131072, "num_eval": 64, "sync_every": 8,
+        "kv_token_budget": 98304, "num_eval": 64, "sync_every": 8,
     },
 }
 STEP_FIELDS = ("timing/gen_s", "timing/train_s", "timing/publish_s", "timing/wait_s", "timing/eval_s",
@@ -99,7 +100,9 @@ def run_config(size: str, device: str, work: Path, steps: int, eval_every: int) 
             "steps": steps, "batch_groups": s["batch_groups"], "micro_batch_size": s["micro_batch_size"],
             "lr": 1.0e-6, "publish_every": 1, "checkpoint_every": 0,
         },
-        "runtime": {"buffer_groups": 2 * s["batch_groups"], "max_staleness": 1},
+        # the store (serialized versions) only at version 0 and the last: the hand-over is in process (sync)
+        # or through runtime.weight_sync (async), never through files on the step's path
+        "runtime": {"buffer_groups": 2 * s["batch_groups"], "max_staleness": 1, "durable_every": 1000000},
         "eval": {"every": eval_every},
         "sft": {"steps": 1},
     }
@@ -127,7 +130,8 @@ def alone(cfg_path: Path, init_dir: Path, steps: int, out: Path) -> None:
     torch.manual_seed(cfg.seed)
     cuda = cfg.model.device.startswith("cuda")
     t0 = time.perf_counter()
-    comp = build_components(cfg, None, None)
+    with torch.device(cfg.model.device):  # a fresh policy initialized on its device (the bench's own weights)
+        comp = build_components(cfg, None, None)
     build_s = time.perf_counter() - t0
     rollouts = LocalRollouts.start(cfg, comp, 0, None)
     n = cfg.trainer.batch_groups
@@ -144,6 +148,9 @@ def alone(cfg_path: Path, init_dir: Path, steps: int, out: Path) -> None:
     truncated = sum(x >= max_new for x in resp_lens) / len(resp_lens)
     rollouts.close()
     del rollouts  # the trainer alone: no engine beside it
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     engine_peak = torch.cuda.max_memory_allocated() if cuda else None
     trainer = make_trainer(cfg, comp.model, None, init_dir.parent / "scratch")
     train = []
@@ -340,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=3, help="eval.every of the runs")
     p.add_argument("--alone-steps", type=int, default=2, help="timed batches of the engine and trainer alone")
     p.add_argument("--weight-sync", default="object_store", help="runtime.weight_sync of the runs")
-    p.add_argument("--run-timeout-s", type=float, default=480.0, help="kill a child process after this")
+    p.add_argument("--run-timeout-s", type=float, default=300.0, help="kill a child process after this")
     p.add_argument("--work-dir", default="/tmp/moerl_e2e", help="run folders, logs and the saved policies")
     p.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     p.add_argument("--no-alone", action="store_true", help="reuse the alone figures and policy of --work-dir")

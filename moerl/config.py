@@ -296,9 +296,9 @@ class RuntimeConfig:
     """With ``weight_sync=object_store|collective|cuda_ipc``: every this many versions (and version 0, the last one and
     each checkpoint's) also go to the weight store, on its background writer thread. The store stays
     the source of truth for recovery and for workers that start later. Sync mode: versions that are
-    multiples of this (and version 0 and the last one) are written to the store, serialized, on the
-    critical path; the others only go to the engine in process (a large value on a GPU: no bytes per
-    step; a resume restarts from the checkpoint's weights either way)."""
+    multiples of this and the last one are written to the store, serialized, on the critical path
+    (version 0 only when this is 1); the others only go to the engine in process (a large value on a
+    GPU: no bytes per step; a resume restarts from the checkpoint's weights either way)."""
     keep_versions: int = 3
     """Weight versions kept in the store."""
     max_materialized_tasks: int = 1024

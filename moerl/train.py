@@ -264,7 +264,9 @@ class Run:
         """Fresh: publish version 0 and evaluate it. Resumed: restore the trainer, cut the run folder and
         the weight store back to the checkpoint. Returns the loop's running totals."""
         if parts is None:
-            self.trainer.publish(self.store)  # version 0: what the workers start from
+            if self.cfg.runtime.mode == "async" or self.cfg.runtime.durable_every == 1:
+                self.trainer.publish(self.store)  # version 0: what the workers start from
+            # else sync: the engine takes version 0 in process (LocalRollouts.start), nothing serialized
             acc = self.comp.evaluate()
             self.view.message(f"warm-start eval accuracy {acc:.3f}; run folder {self.dir.path}")
             return {"start_accuracy": acc, "wall_s": 0.0, "loop_s": 0.0, "samples": 0}
