@@ -183,8 +183,8 @@ class RayRollouts:
         weights = self.transport.receiver_spec()
 
         def spawn(wid: str):
-            handle = worker_cls.remote(
-                cfg, wid, init_path, store_url, self.exchange, notices, weights=weights
+            handle = worker_cls.remote(  # the run's version 0 is init_path's weights: not loaded twice
+                cfg, wid, init_path, store_url, self.exchange, notices, weights=weights, init_version=0
             )
             self.transport.offer_newest(handle)  # after its own store load: a version newer than the store's
             return handle
