@@ -306,15 +306,16 @@ def bench_size(size: str, args, env: dict) -> dict:
         cmd = [sys.executable, "-m", "moerl.cli", "train", "--config", str(cfg_path)]
         for s in sets:
             cmd += ["--set", s]
-        launched = launch(cmd, work / f"run_{mode}.log", args.run_timeout_s, env)
+        launched = launch(cmd, work / f"run_{mode}_{args.weight_sync}.log", args.run_timeout_s, env)
         run_dir = _new_run_dir(runs, before)
         entry = {"command": " ".join(cmd), "run_dir": str(run_dir), **launched,
                  **summarize_run(run_dir, res["alone"])}
         if run_dir is not None and not args.keep_weights:  # 13.8 GB each at 6.9 B: the disk is 64 GB
             for sub in ("policy", "weights", "checkpoints", "sft"):
                 shutil.rmtree(run_dir / sub, ignore_errors=True)
-        res[mode] = entry
-        print(f"[e2e] {size} {mode}: rc={launched['rc']} first_step_s={launched['first_step_s']} "
+        key = mode if mode == "sync" or args.weight_sync == "object_store" else f"{mode}_{args.weight_sync}"
+        res[key] = entry
+        print(f"[e2e] {size} {key}: rc={launched['rc']} first_step_s={launched['first_step_s']} "
               f"peak_gpu_mib={launched['peak_gpu_mib']} capture_failed={len(launched['capture_failed'])} "
               f"median={json.dumps(entry.get('median_after_step1'))} ratios={json.dumps(entry.get('ratios'))}",
               flush=True)
@@ -350,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=0, help="RL steps per run (0: 6, tiny 3)")
     p.add_argument("--eval-every", type=int, default=3, help="eval.every of the runs")
     p.add_argument("--alone-steps", type=int, default=2, help="timed batches of the engine and trainer alone")
-    p.add_argument("--weight-sync", default="object_store", help="runtime.weight_sync of the runs")
+    p.add_argument("--weight-sync", default="object_store",
+                   help="runtime.weight_sync of the async runs (results under async_<name> unless object_store)")
     p.add_argument("--run-timeout-s", type=float, default=300.0, help="kill a child process after this")
     p.add_argument("--work-dir", default="/tmp/moerl_e2e", help="run folders, logs and the saved policies")
     p.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
