@@ -147,8 +147,11 @@ def alone(cfg_path: Path, init_dir: Path, steps: int, out: Path) -> None:
         prompt_lens += [len(g.samples[0].prompt_ids) for g in groups]
     max_new = cfg.rollout.max_new_tokens
     truncated = sum(x >= max_new for x in resp_lens) / len(resp_lens)
+    graphs = getattr(rollouts.worker.engine, "_graphs", None)  # the run's engine: did decode replay graphs?
+    graph_use = None if graphs is None else {
+        "enabled": graphs.is_enabled, "graphs": graphs.num_graphs, "replays": graphs.num_replays}
     rollouts.close()
-    del rollouts  # the trainer alone: no engine beside it
+    del rollouts, graphs  # the trainer alone: no engine beside it
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -182,6 +185,7 @@ def alone(cfg_path: Path, init_dir: Path, steps: int, out: Path) -> None:
         "response_len": {**_quantiles(resp_lens), "truncated_frac": truncated, "max_new_tokens": max_new},
         "prompt_len": _quantiles(prompt_lens),
         "sequences_per_step": n * cfg.rollout.group_size,
+        "cuda_graphs": graph_use,
         "peak_gpu_bytes_engine": engine_peak,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
     }
@@ -327,7 +331,7 @@ def _brief_alone(a: dict | None) -> dict | None:
         return None
     return {"params": a["num_params"], "engine_tok_s": a["engine"]["tokens_per_s"],
             "gen_s": a["engine"]["gen_s"], "trainer_tok_s": a["trainer"]["tokens_per_s"],
-            "train_s": a["trainer"]["train_s"], "response_len": a["response_len"]}
+            "train_s": a["trainer"]["train_s"], "response_len": a["response_len"], "cuda_graphs": a["cuda_graphs"]}
 
 
 def _env_facts() -> dict:
