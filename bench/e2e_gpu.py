@@ -103,7 +103,8 @@ def run_config(size: str, device: str, work: Path, steps: int, eval_every: int) 
         },
         # the store (serialized versions) only at version 0 and the last: the hand-over is in process (sync)
         # or through runtime.weight_sync (async), never through files on the step's path
-        "runtime": {"buffer_groups": 2 * s["batch_groups"], "max_staleness": 1, "durable_every": 1000000},
+        "runtime": {"buffer_groups": 2 * s["batch_groups"], "max_staleness": 1, "durable_every": 1000000,
+                    "overlap_publish": True},
         "eval": {"every": eval_every},
         "sft": {"steps": 1},
     }
