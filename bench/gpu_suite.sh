@@ -6,6 +6,9 @@
 #   bench/gpu_suite.sh short   # full-size benchmarks, fewer repeats, no profiles (when little device time is left)
 #   BASE=/path/of/an/older/checkout bench/gpu_suite.sh perf   # issue 24's figures: EP smoke, MoE layer,
 #       decode, training at batches 8/24/32/40, then EP smoke, decode and training of $BASE alongside
+#   bench/gpu_suite.sh e2e     # issue 32: real `moerl train` runs (1 B and 6.9 B, sync and async) against
+#       their engine and trainer alone (bench/e2e_gpu.py; E2E_ARGS="--sizes 1b --modes sync" for a subset;
+#       async needs Ray: `source .ray/activate` first)
 #
 # Each benchmark runs in its own process (a failure or an out-of-memory error stays there) under a
 # timeout; JSON results and suite.log go to $OUT (default bench/results). The summary is printed last.
@@ -31,6 +34,12 @@ bench() {  # bench SECONDS SCRIPT ARGS...
   echo "rc=$? ($(date -u +%T))" | tee -a "$LOG"
 }
 
+if [ "$MODE" = e2e ]; then  # one long child per size and mode; the script has its own per-run timeouts
+  echo "== bench/e2e_gpu.py ${E2E_ARGS:-} ($(date -u +%T))" | tee -a "$LOG"
+  python3 bench/e2e_gpu.py --device cuda --out-dir "$OUT" ${E2E_ARGS:-} 2>&1 | tee -a "$LOG"
+  echo "rc=$? ($(date -u +%T))" | tee -a "$LOG"
+  exit 0
+fi
 bench 120 bench/gpu_checks.py
 if [ "$MODE" = perf ]; then
   bench 90 bench/ep_smoke.py

@@ -394,7 +394,15 @@ class RuntimeConfig:
     durable_every: int = 1
     """With ``weight_sync=object_store|collective|cuda_ipc``: every this many versions (and version 0, the last one and
     each checkpoint's) also go to the weight store, on its background writer thread. The store stays
-    the source of truth for recovery and for workers that start later."""
+    the source of truth for recovery and for workers that start later. Sync mode: versions that are
+    multiples of this and the last one are written to the store, serialized, on the critical path
+    (version 0 only when this is 1); the others only go to the engine in process (a large value on a
+    GPU: no bytes per step; a resume restarts from the checkpoint's weights either way)."""
+    overlap_publish: bool = False
+    """Async mode with ``weight_sync=object_store`` and one trainer process: ``publish`` copies the weights
+    on their device (one spare copy of the model) and sends that copy on a background thread, so the
+    next training step does not wait for the send (double buffering: a publish waits only for the one
+    before it). The run's last version is sent in the foreground."""
     keep_versions: int = 3
     """Weight versions kept in the store."""
     max_materialized_tasks: int = 1024

@@ -160,9 +160,11 @@ class Run:
         except TrainerRankError as e:
             self.restart_group(e)
             return
+        t_eval = time.perf_counter()
         accuracy = self._evaluate(stats.step)
+        eval_s = time.perf_counter() - t_eval
         timings = StepTimings(
-            gen_s=gen_s, wait_s=wait_s, publish_s=publish_s, step_s=time.perf_counter() - t0
+            gen_s=gen_s, wait_s=wait_s, publish_s=publish_s, step_s=time.perf_counter() - t0, eval_s=eval_s
         )
         self._log(groups, stats, timings, accuracy, batch.num_sequences, t0, fp8_gap)
         try:
@@ -272,7 +274,7 @@ class Run:
         """Fresh: publish version 0 and evaluate it. Resumed: restore the trainer, cut the run folder and
         the weight store back to the checkpoint. Returns the loop's running totals."""
         if parts is None:
-            self.trainer.publish(self.store)  # version 0: what the workers start from
+            self._publish_version0()
             result = self.comp.evaluate()
             self.view.message(
                 f"warm-start eval: {METRIC_NAMES[result.metric]} {result.accuracy:.3f} "
@@ -296,6 +298,17 @@ class Run:
             self.trainer.publish(self.store)  # pruned meanwhile: workers must start from the checkpoint's
         self.view.message(f"resumed at step {self.trainer.step} from {checkpoint}")
         return dict(parts["controller"])
+
+    def _publish_version0(self) -> None:
+        """Version 0 (the ``init_path`` weights) to the store: at once with ``runtime.durable_every`` 1
+        (every version is durable) or a trainer group; otherwise the workers and the sync engine start from
+        ``init_path``'s weights themselves, so sync mode writes nothing and async mode writes it on the
+        store's background thread (for workers that start later), off the way to the first step."""
+        cfg = self.cfg
+        if cfg.runtime.durable_every == 1 or cfg.trainer.num_ranks > 1:
+            self.trainer.publish(self.store)
+        elif cfg.runtime.mode == "async":
+            self.store.publish_in_background(self.trainer.version, self.trainer.named_weights())
 
     def _start_rollouts(self, parts: dict | None) -> Rollouts:
         cfg, version = self.cfg, self.trainer.version

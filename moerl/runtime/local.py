@@ -45,8 +45,10 @@ class LocalRollouts:
         worker: the one rollout worker, polling ``weights``.
         weights: where ``publish`` hands the trainer's weights over (in process; a ``LocalWeights``,
             or a ``CheckedWeights`` over one).
-        store: the run's weight store, written at every ``publish`` (None: not written from here).
+        store: the run's weight store, written at ``publish`` every ``durable_every`` versions and at the
+            last one (None: not written from here).
         scorer: the reward model scoring the worker's deliveries (``reward.model_path``), or None.
+        durable_every: ``runtime.durable_every``; 1: every version is written to the store.
     """
 
     def __init__(
@@ -58,10 +60,14 @@ class LocalRollouts:
         store: WeightStore | None = None,
         *,
         scorer: LocalRewardScorer | None = None,
+        durable_every: int = 1,
     ) -> None:
+        if durable_every < 1:
+            raise ValueError(f"durable_every={durable_every} must be at least 1")
         self.queue, self.buffer, self.worker, self.weights = queue, buffer, worker, weights
-        self.store = store
+        self.store, self.durable_every = store, durable_every
         self.scorer = scorer
+        self._publish_s: float | None = None  # the last publish's store write (when due) + hand-over
 
     @classmethod
     def start(cls, cfg: RunConfig, comp: Components, version: int, parts: dict | None) -> LocalRollouts:
@@ -82,7 +88,9 @@ class LocalRollouts:
         worker = make_worker(
             cfg, "local-0", model, comp.task, comp.tokenizer, queue, sink, weights, version=-1
         )
-        rollouts = cls(queue, buffer, worker, weights, comp.store, scorer=scorer)
+        rollouts = cls(
+            queue, buffer, worker, weights, comp.store, scorer=scorer, durable_every=cfg.runtime.durable_every
+        )
         if parts is not None:
             rollouts.load_state_dict(parts)
         return rollouts
@@ -111,14 +119,19 @@ class LocalRollouts:
             )
 
     def publish(self, trainer: WeightHolder, *, is_stored: bool = False, is_final: bool = False) -> None:
-        """The in-process weight hand-off of sync mode: write the trainer's version to the store (unless
-        ``is_stored``: the caller did), hand its tensors to the worker (``LocalWeights``, copied by the
-        engine on its next poll) and advance the staleness clock. ``is_final`` changes nothing here:
-        every version is stored."""
-        if not is_stored and self.store is not None:
+        """The in-process weight hand-off of sync mode: hand the trainer's tensors to the worker
+        (``LocalWeights``: references, no bytes; the engine copies them tensor to tensor on its device at
+        its next poll, ``Engine.update_weights``) and advance the staleness clock. The version is also
+        written to the store (serialized) when it is a multiple of ``durable_every`` or ``is_final``, unless
+        ``is_stored`` (the caller did)."""
+        t0 = time.perf_counter()
+        version = trainer.version
+        is_due = is_final or version % self.durable_every == 0
+        if not is_stored and self.store is not None and is_due:
             trainer.publish(self.store)
-        self.weights.push(trainer.version, trainer.named_weights())
-        self.buffer.set_version(trainer.version)
+        self.weights.push(version, trainer.named_weights())
+        self.buffer.set_version(version)
+        self._publish_s = time.perf_counter() - t0
 
     def requeue(self, task: RolloutTask) -> None:
         """Hand a trained task back to the queue (its training was lost with a trainer restart)."""
@@ -142,13 +155,18 @@ class LocalRollouts:
 
     def fleet_values(self, batch_groups: int) -> dict[str, float]:
         """The step's ``fleet/*`` metrics (one in-process worker, never interrupted), the versions it refused
-        (``weights/refused_total``) and, with a reward model, its ``reward/*`` metrics since the previous
-        step."""
+        (``weights/refused_total``), the weight hand-off's seconds (``timing/weight_sync_s`` the last
+        ``publish``: store write when due + hand-over; ``timing/weight_sync_worker_s`` the engine's copy of
+        the version it last loaded, None before) and, with a reward model, its ``reward/*`` metrics since
+        the previous step."""
+        load_s = self.worker.stats.last_weight_load_s if self.worker.stats.weight_updates else None
         values = {
             **dict.fromkeys(_NEVER, 0),
             "fleet/workers_alive": 1,
             "fleet/desired_workers": 1,
             "weights/refused_total": refused_versions_of(self.weights),
+            "timing/weight_sync_s": self._publish_s,
+            "timing/weight_sync_worker_s": load_s,
         }
         if self.scorer is not None:
             values.update(self.scorer.stats.take())

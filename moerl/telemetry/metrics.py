@@ -30,6 +30,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "timing/train_s",  # forward/backward/optimizer seconds
     "timing/publish_s",  # weight publication seconds
     "timing/wait_s",  # seconds the trainer waited for the buffer
+    "timing/eval_s",  # seconds of the step's held-out eval (0 when the step had none)
     "buffer/depth",  # groups in the buffer after the step's batch was taken
     "buffer/staleness_mean",  # mean (trainer version - group min policy version) over the batch
     "buffer/staleness_max",  # max of the same
@@ -111,6 +112,7 @@ WALL_KEYS = (
     "timing/train_s",
     "timing/publish_s",
     "timing/wait_s",
+    "timing/eval_s",
     "timing/weight_sync_s",
     "timing/weight_sync_worker_s",
     "reward/latency_s",

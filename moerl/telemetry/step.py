@@ -27,6 +27,8 @@ class StepTimings:
     """Seconds spent publishing weights."""
     step_s: float
     """Wall seconds of the whole step."""
+    eval_s: float = 0.0
+    """Seconds of the step's held-out eval (0 when the step had none)."""
 
 
 def kv_values(kv: Sequence[EngineStats | None]) -> dict[str, float]:
@@ -110,6 +112,7 @@ def step_values(
             "timing/train_s": stats.train_s,
             "timing/publish_s": timings.publish_s,
             "timing/wait_s": timings.wait_s,
+            "timing/eval_s": timings.eval_s,
             "buffer/depth": buffer.depth,
             "buffer/staleness_mean": buffer.staleness_mean,
             "buffer/staleness_max": buffer.staleness_max,

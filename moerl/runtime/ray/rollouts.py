@@ -57,6 +57,7 @@ from moerl.runtime.ray.exchange import ExchangeActor
 from moerl.runtime.ray.reward_pool import rollout_gpu_share
 from moerl.runtime.ray.worker_actor import RolloutWorkerActor
 from moerl.runtime.worker import WorkerStats
+from moerl.weights.snapshot import WeightSnapshot
 from moerl.weights.store import WeightStore
 from moerl.weights.transport import WeightHolder, make_transport
 
@@ -198,8 +199,8 @@ class RayRollouts:
         weights = self.transport.receiver_spec()
 
         def spawn(wid: str):
-            handle = worker_cls.remote(
-                cfg, wid, init_path, store_url, self.exchange, notices, weights=weights
+            handle = worker_cls.remote(  # the run's version 0 is init_path's weights: not loaded twice
+                cfg, wid, init_path, store_url, self.exchange, notices, weights=weights, init_version=0
             )
             self.transport.offer_newest(handle)  # after its own store load: a version newer than the store's
             return handle
@@ -225,6 +226,14 @@ class RayRollouts:
         self._lags: dict[str, int] = {}  # worker id -> version lag of its latest liveness answer
         self._seen: dict[str, float] = {}  # worker id -> time of the answer its lag comes from
         self._ping_version = version  # the trainer's version when the fleet's pings went out
+        # runtime.overlap_publish: one version at a time sent from a device copy on a thread
+        self._overlap = (
+            cfg.runtime.overlap_publish
+            and cfg.runtime.weight_sync == "object_store"
+            and cfg.trainer.num_ranks == 1
+        )
+        self._sending: threading.Thread | None = None
+        self._send_error: BaseException | None = None
 
     def check_fleet(self, *, force: bool = False) -> None:
         """Every ``fleet.check_every_s``: liveness and replacements (``FleetManager.check``), chaos faults.
@@ -286,8 +295,17 @@ class RayRollouts:
         version = trainer.version
         self._version, self._snapshot = version, None
         self.exchange.set_version.remote(version)
+        self.wait_sent()  # the previous version's background send (runtime.overlap_publish)
         workers = self.backend.alive_handles()
         t0 = time.perf_counter()
+        if self._overlap and not (is_stored or is_final):
+            snapshot = WeightSnapshot(version, trainer.named_weights())
+            self._sending = threading.Thread(
+                target=self._send, args=(snapshot, workers), name="moerl-publish", daemon=True
+            )
+            self._sending.start()
+            self._sync_values = {"timing/weight_sync_s": time.perf_counter() - t0, "weights/sync_bytes": None}
+            return
         report = self.transport.publish(trainer, workers, durable=False if is_stored else None)
         self._sync_values = {
             "timing/weight_sync_s": time.perf_counter() - t0,
@@ -295,6 +313,24 @@ class RayRollouts:
         }
         if is_final:
             self.transport.finish(trainer)
+
+    def _send(self, snapshot: WeightSnapshot, workers: list) -> None:
+        """The background send of ``runtime.overlap_publish`` (on a side CUDA stream after the copy)."""
+        try:
+            with snapshot.stream_context():
+                report = self.transport.publish(snapshot, workers, durable=None)
+            self._sync_values["weights/sync_bytes"] = report.bytes_moved
+        except BaseException as e:  # raised in the driver by the next publish (wait_sent)
+            self._send_error = e
+
+    def wait_sent(self) -> None:
+        """Block until the background send of the last version (if any) is done; raise its error."""
+        if self._sending is not None:
+            self._sending.join()
+            self._sending = None
+        if self._send_error is not None:
+            error, self._send_error = self._send_error, None
+            raise error
 
     def sync_values(self) -> dict[str, float]:
         """The step's weight-sync metrics: trainer side of the last push (``timing/weight_sync_s``,
@@ -440,6 +476,9 @@ class RayRollouts:
         """
         import ray
 
+        if self._sending is not None:  # a version still on its way: let it land (its error is moot now)
+            self._sending.join()
+            self._sending = None
         ray.get(self.exchange.close.remote())
         workers = self.backend.alive_handles()
         self.backend.stop_all(timeout_s=10)

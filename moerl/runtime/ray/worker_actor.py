@@ -122,6 +122,10 @@ class RolloutWorkerActor:
         notice_dir: where the worker's notice file is when ``fleet.notice_file`` is unset, or None.
         weights: the run's weight transport's ``ReceiverSpec`` (``moerl.weights.transport``); None: the
             weight store only.
+        init_version: the policy version the weights at ``init_path`` are: 0 in a run that published
+            its version 0 from ``init_path`` (then the store's version 0 is not loaded again: at 6.9 B
+            that load is tens of seconds of the first step), -1 unknown (the first version comes from
+            the store).
     """
 
     def __init__(
@@ -133,6 +137,7 @@ class RolloutWorkerActor:
         exchange,
         notice_dir: str | None = None,
         weights=None,
+        init_version: int = -1,
     ):
         torch.set_num_threads(int(os.environ.get("MOERL_ACTOR_THREADS", "1")))
         keep_freed_memory()  # no page faults on each step's activations (moerl.allocator)
@@ -167,7 +172,7 @@ class RolloutWorkerActor:
             QueueProxy(exchange, version_of=self._weights_version),
             BufferProxy(exchange),
             self.source,
-            version=-1,
+            version=init_version if init_path is not None and self.group is None else -1,
             pause_point=self._pause_point,
             engine=None if self.group is None else self.group.start(model),
         )

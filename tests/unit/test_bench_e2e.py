@@ -1,0 +1,77 @@
+"""bench/e2e_gpu.py's bookkeeping: the run config of each size, and the per-step figures, medians after
+step 1 and ratios read back from a run folder (the runs themselves: ``python3 bench/e2e_gpu.py --tiny``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import e2e_gpu
+from moerl.config import load_config
+
+
+def test_each_size_is_a_valid_run_config_of_its_shape(tmp_path):
+    for size in e2e_gpu.SIZES:
+        path = tmp_path / f"{size}.yaml"
+        path.write_text(json.dumps(e2e_gpu.run_config(size, "cpu", tmp_path, steps=4, eval_every=2)))
+        cfg = load_config(path, ["runtime.mode=sync"])
+        assert cfg.model.hidden_size == e2e_gpu.SIZES[size]["model"]["hidden_size"]
+        assert cfg.task.name == "jsonl" and Path(cfg.task.path).exists()
+        assert cfg.rollout.max_slots == cfg.rollout.group_size * cfg.trainer.batch_groups
+    one_b = e2e_gpu.SIZES["1b"]["model"]
+    assert (one_b["hidden_size"], one_b["num_layers"], one_b["num_experts"], one_b["top_k"]) == (
+        1024,
+        8,
+        64,
+        8,
+    )
+
+
+def test_a_run_folder_gives_medians_after_step_one_and_ratios_to_the_parts_alone(tmp_path):
+    rows = [
+        {
+            "step": 1,
+            "perf/rollout_tokens_per_s": 10.0,
+            "perf/train_tokens_per_s": 5.0,
+            "perf/step_time_s": 99.0,
+            "timing/gen_s": 90.0,
+            "timing/eval_s": 0.0,
+        },
+        {
+            "step": 2,
+            "perf/rollout_tokens_per_s": 80.0,
+            "perf/train_tokens_per_s": 40.0,
+            "perf/step_time_s": 3.0,
+            "timing/gen_s": 2.0,
+            "timing/eval_s": 0.5,
+        },
+        {
+            "step": 3,
+            "perf/rollout_tokens_per_s": 100.0,
+            "perf/train_tokens_per_s": 60.0,
+            "perf/step_time_s": 5.0,
+            "timing/gen_s": 4.0,
+            "timing/eval_s": 0.0,
+        },
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "worker.log").write_text("CUDA graph capture failed for key (1,)\n")
+    alone = {
+        "engine": {"tokens_per_s": 100.0, "gen_s": 2.0},
+        "trainer": {"tokens_per_s": 100.0, "train_s": 2.0},
+    }
+    out = e2e_gpu.summarize_run(tmp_path, alone)
+    med = out["median_after_step1"]
+    assert (
+        med["perf/rollout_tokens_per_s"] == 90.0
+        and med["timing/gen_s"] == 3.0
+        and med["timing/eval_s"] == 0.25
+    )
+    assert out["ratios"] == {
+        "rollout_tokens_per_s_over_alone": 0.9,
+        "train_tokens_per_s_over_alone": 0.5,
+        "step_s_over_gen_plus_train_alone": 1.0,
+    }
+    assert [s["step"] for s in out["steps"]] == [1, 2, 3]
+    assert out["capture_failed_in_folder"] == [str(tmp_path / "worker.log")]
+    assert e2e_gpu.summarize_run(tmp_path / "missing", alone)["error"] == "no metrics.jsonl"
