@@ -143,6 +143,12 @@ class Fp8Linear(nn.Module):
         self.weight.copy_(q)
         self.weight_scale_inv.copy_(s)
 
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K] dequantized to ``dtype`` (``dequantize_blockwise``): for code that reads a
+        projection's matrix itself (MLA's absorbed W_UK / W_UV, ``moerl.models.layers``). Recomputed per
+        call from the FP8 buffers, so a CUDA graph replay sees the newest loaded version."""
+        return dequantize_blockwise(self.weight, self.weight_scale_inv, dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype (``fp8_linear``)."""
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)

@@ -279,9 +279,12 @@ class MLAttention(nn.Module):
         return self.o_proj(_attend(q, k, v, mask, self.scale))
 
     def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [nh, nope, r] and W_UV [nh, dv, r]: kv_b's rows of each head's keys and values."""
+        """W_UK [nh, nope, r] and W_UV [nh, dv, r]: kv_b's rows of each head's keys and values (an FP8
+        kv_b, ``rollout.weight_dtype=fp8``, dequantized to the layer's activation dtype)."""
         cfg = self.cfg
-        w = self.kv_b_proj.weight.unflatten(0, (-1, cfg.qk_nope_head_dim + cfg.v_head_dim))
+        kv_b = self.kv_b_proj
+        w = kv_b.dense_weight(self.kv_a_layernorm.weight.dtype) if hasattr(kv_b, "dense_weight") else kv_b.weight
+        w = w.unflatten(0, (-1, cfg.qk_nope_head_dim + cfg.v_head_dim))
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
     def _absorbed_decode(

@@ -131,3 +131,30 @@ def test_ep_engine_shards_fp8_experts(policy, tmp_path):
         assert [(c.token_ids, c.logprobs) for c in got] == [(c.token_ids, c.logprobs) for c in want]
     finally:
         dist.destroy_process_group()
+
+
+def test_fp8_rollout_of_an_mla_model_decodes_on_the_latent_cache():
+    """MLA's absorbed decode reads kv_b's matrix itself: an FP8 kv_b is dequantized for it (else the
+    einsum of bf16 queries with float8 weights fails), and greedy tokens match the bf16 engine here."""
+    import copy
+
+    from bench.mla_gpu import model_config
+    from moerl.models.model import MoeForCausalLM
+    from moerl.rollout import Request, SamplingParams
+    from moerl.rollout.paged_engine import PagedEngine
+    from moerl.rollout.weight_dtype import prepare_rollout_model
+
+    torch.manual_seed(0)
+    model = MoeForCausalLM(model_config(2, 8, 512, True)).to(torch.bfloat16).eval()
+    fp8 = prepare_rollout_model(copy.deepcopy(model), "fp8")
+    reqs = [
+        Request(
+            request_id="a",
+            prompt_ids=list(range(5, 25)),
+            params=SamplingParams(max_new_tokens=8, temperature=0.0),
+        )
+    ]
+    engines = [PagedEngine(m, max_slots=4, kv_token_budget=512, block_size=16) for m in (model, fp8)]
+    assert all(e.cache.latent for e in engines)
+    bf16_out, fp8_out = (e.generate(reqs)[0] for e in engines)
+    assert fp8_out.token_ids == bf16_out.token_ids
