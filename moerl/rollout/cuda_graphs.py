@@ -86,10 +86,7 @@ class GraphRunner:
                 fn()  # warm-up: lazy initialisation (cuBLAS handles, Triton compiles) stays out of the graph
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            # thread_local: a rollout worker's other threads (the weight assembler copying a version in,
-            # Ray's calls) may use CUDA while this thread captures; under the default "global" mode such a
-            # call invalidated the capture (seen on the H200: async 1 B run, 2026-12-02) and failed there
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                 outs = tuple(fn())
         except RuntimeError as e:  # a host sync or an unsupported op inside fn: stay eager from now on
             log.warning(
