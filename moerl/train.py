@@ -27,6 +27,7 @@ from moerl.config import ConfigError, RunConfig
 from moerl.envs.stats import merge as env_merge
 from moerl.envs.stats import step_values as env_step_values
 from moerl.records import Group
+from moerl.rollout.memory_check import driver_holds_policy, evaluates_on_workers
 from moerl.rollout.precision_gap import LogprobGap, logprob_gap
 from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
 from moerl.run.group_recovery import restart_group
@@ -116,6 +117,8 @@ class Run:
             init_ray(cfg)  # rollout fleet, on one Ray instance (make_trainer expects it)
         # one rank: a LocalTrainer; more: a TrainerGroup (moerl.trainer.distributed); both a Trainer
         self.trainer: Trainer = make_trainer(cfg, self.comp.model, init_path, self.dir.path)
+        if not driver_holds_policy(cfg):  # a fresh policy was built only to seed the ranks: dropped
+            self.comp.model = None
         try:
             self.state = self._begin(parts, checkpoint)
         except BaseException:
@@ -123,6 +126,9 @@ class Run:
             raise
         record_ranks(self.trainer, self.dir.path)
         self.rollouts = self._start_rollouts(parts)
+        if self.state["start_accuracy"] is None and parts is None:  # async: a rollout worker evaluates v0
+            self.state["start_accuracy"] = self._eval_accuracy()
+            self._started_message()
         self.telemetry.watch_fleet(self.rollouts)  # scrapes read the workers' latest heartbeats
         self.telemetry.reload_ledger(e.task_id for e in self.dir.read_ledger())  # resumed: rewound
         self.chaos, self.journal = ChaosMonkey(cfg.chaos), StepJournal()
@@ -265,9 +271,12 @@ class Run:
         the weight store back to the checkpoint. Returns the loop's running totals."""
         if parts is None:
             self.trainer.publish(self.store)  # version 0: what the workers start from
-            acc = self.comp.evaluate()
-            self.view.message(f"warm-start eval accuracy {acc:.3f}; run folder {self.dir.path}")
-            return {"start_accuracy": acc, "wall_s": 0.0, "loop_s": 0.0, "samples": 0}
+            state = {"start_accuracy": None, "wall_s": 0.0, "loop_s": 0.0, "samples": 0}
+            if not evaluates_on_workers(self.cfg):  # else evaluated once the workers are up (_start)
+                self.state = state
+                state["start_accuracy"] = self.comp.evaluate()
+                self._started_message()
+            return state
         load_trainer_state(self.trainer, checkpoint, parts)  # written at any number of ranks
         self.dir.rewind(self.trainer.step)
         kept = read_jsonl(self.dir.metrics)
@@ -313,13 +322,28 @@ class Run:
     def _is_publish_step(self, step: int) -> bool:
         return step % self.cfg.trainer.publish_every == 0 or step == self.cfg.trainer.steps
 
+    def _started_message(self) -> None:
+        acc = self.state["start_accuracy"]
+        self.view.message(f"warm-start eval accuracy {acc:.3f}; run folder {self.dir.path}")
+
     def _evaluate(self, step: int) -> float | None:
         """Held-out accuracy every ``eval.every`` steps and at the end, else None."""
         every = self.cfg.eval.every
         is_due = step == self.cfg.trainer.steps or (every and step % every == 0)
-        if is_due:
+        return self._eval_accuracy() if is_due else None
+
+    def _eval_accuracy(self) -> float:
+        """Held-out greedy accuracy of the trainer's current version: on a rollout worker in async mode
+        (the version is published first if this step did not publish it), else in process on the
+        driver's copy."""
+        if not evaluates_on_workers(self.cfg):
             self.trainer.refresh_model()  # a streamed version reaches the driver's copy only when needed
-        return self.comp.evaluate() if is_due else None
+            return self.comp.evaluate()
+        if self.pushed_version != self.trainer.version:  # not a publish step: the workers need it
+            self.rollouts.publish(self.trainer)
+            self.pushed_version = self.trainer.version
+        prompts = self.comp.task.eval_prompts()
+        return self.rollouts.evaluate(prompts, self.trainer.version).accuracy
 
     def _fp8_gap(self, groups: list[Group]) -> LogprobGap | None:
         """With ``rollout.weight_dtype=fp8`` in sync mode with the one-process trainer: the FP8 engine's
