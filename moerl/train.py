@@ -1,7 +1,9 @@
 """The main job: one RL run (GRPO and variants) from warm start to summary, as a ``Run`` object.
 
     start:   weight store -> warm start (SFT unless init_from) -> policy + trainer -> version 0
-             published and evaluated (or a checkpoint restored) -> rollouts started
+             published and evaluated (or a checkpoint restored) -> rollouts started (async mode: a
+             rollout worker evaluates, version 0 once the workers are up; the driver holds no policy
+             copy with a trainer group)
     step:    lease -> generate -> score -> buffer (inside ``Rollouts.next_groups``) -> train ->
              publish -> eval -> log -> checkpoint
     recover: a trainer killed by chaos restarts from the newest checkpoint while the rollouts go on

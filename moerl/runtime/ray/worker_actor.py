@@ -1,8 +1,9 @@
 """A rollout worker in its own Ray actor process, and the proxies through which it reaches the exchange.
 
 ``RolloutWorkerActor`` builds its model, engine and task from the run config and runs the same
-``RolloutWorker`` loop as sync mode. It serves three threads: the generation loop (``run``) and control
-calls (``health``, ``pause``/``unpause``, ``stop``, ``notify``, ``offer_weights``). Its queue is a
+``RolloutWorker`` loop as sync mode. It serves four threads: the generation loop (``run``) and control
+calls (``health``, ``pause``/``unpause``, ``stop``, ``notify``, ``offer_weights``, ``evaluate``: the
+run's held-out eval, served by the loop between scheduler steps at the version asked). Its queue is a
 ``QueueProxy`` (blocking calls to the exchange actor) and its buffer a ``BufferProxy`` whose deliveries are
 not waited for (``moerl.runtime.delivery``). Newer weights come through the run's weight transport
 (``runtime.weight_sync``, ``moerl.weights.transport``: offers by object ref, a collective group, or a
