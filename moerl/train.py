@@ -118,8 +118,9 @@ class Run:
         if cfg.runtime.mode == "async" and cfg.trainer.num_ranks > 1:  # the group's rank actors, then the
             init_ray(cfg)  # rollout fleet, on one Ray instance (make_trainer expects it)
         # one rank: a LocalTrainer; more: a TrainerGroup (moerl.trainer.distributed); both a Trainer
-        self.trainer: Trainer = make_trainer(cfg, self.comp.model, init_path, self.dir.path)
-        if not driver_holds_policy(cfg):  # a fresh policy was built only to seed the ranks: dropped
+        keep = driver_holds_policy(cfg)  # False: a fresh policy is built only to seed the ranks
+        self.trainer: Trainer = make_trainer(cfg, self.comp.model, init_path, self.dir.path, keep_copy=keep)
+        if not keep:
             self.comp.model = None
         try:
             self.state = self._begin(parts, checkpoint)
