@@ -193,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.engines.split(","):
         engine = makers[name]()
         results[name], outs[name] = run(engine, requests, device)
-        print(f"{name}: {json.dumps(results[name])}", flush=True)  # kept in the log if a later engine is cut off
+        print(
+            f"{name}: {json.dumps(results[name])}", flush=True
+        )  # kept in the log if a later engine is cut off
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()

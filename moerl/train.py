@@ -1,7 +1,9 @@
 """The main job: one RL run (GRPO and variants) from warm start to summary, as a ``Run`` object.
 
     start:   weight store -> warm start (SFT unless init_from) -> policy + trainer -> version 0
-             published and evaluated (or a checkpoint restored) -> rollouts started
+             published and evaluated (or a checkpoint restored) -> rollouts started (async mode: a
+             rollout worker evaluates, version 0 once the workers are up; the driver holds no policy
+             copy with a trainer group)
     step:    lease -> generate -> score -> buffer (inside ``Rollouts.next_groups``) -> train ->
              publish -> eval -> log -> checkpoint
     recover: a trainer killed by chaos restarts from the newest checkpoint while the rollouts go on
@@ -28,6 +30,7 @@ from moerl.envs.stats import merge as env_merge
 from moerl.envs.stats import step_values as env_step_values
 from moerl.errors import RewardFunctionError
 from moerl.records import Group
+from moerl.rollout.memory_check import driver_holds_policy, evaluates_on_workers
 from moerl.rollout.precision_gap import LogprobGap, logprob_gap
 from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
 from moerl.run.group_recovery import restart_group
@@ -120,7 +123,10 @@ class Run:
         if cfg.runtime.mode == "async" and cfg.trainer.num_ranks > 1:  # the group's rank actors, then the
             init_ray(cfg)  # rollout fleet, on one Ray instance (make_trainer expects it)
         # one rank: a LocalTrainer; more: a TrainerGroup (moerl.trainer.distributed); both a Trainer
-        self.trainer: Trainer = make_trainer(cfg, self.comp.model, init_path, self.dir.path)
+        keep = driver_holds_policy(cfg)  # False: a fresh policy is built only to seed the ranks
+        self.trainer: Trainer = make_trainer(cfg, self.comp.model, init_path, self.dir.path, keep_copy=keep)
+        if not keep:
+            self.comp.model = None
         try:
             self.state = self._begin(parts, checkpoint)
         except BaseException:
@@ -128,6 +134,8 @@ class Run:
             raise
         record_ranks(self.trainer, self.dir.path)
         self.rollouts = self._start_rollouts(parts)
+        if parts is None and self.state["eval_metric"] is None:  # async: a rollout worker evaluates v0
+            self._start_eval(self._eval_result())
         self.telemetry.watch_fleet(self.rollouts)  # scrapes read the workers' latest heartbeats
         self.telemetry.reload_ledger(e.task_id for e in self.dir.read_ledger())  # resumed: rewound
         self.chaos, self.journal = ChaosMonkey(cfg.chaos), StepJournal()
@@ -275,19 +283,12 @@ class Run:
         the weight store back to the checkpoint. Returns the loop's running totals."""
         if parts is None:
             self._publish_version0()
-            result = self.comp.evaluate()
-            self.view.message(
-                f"warm-start eval: {METRIC_NAMES[result.metric]} {result.accuracy:.3f} "
-                f"({result.num_prompts} prompts); run folder {self.dir.path}"
-            )
-            return {
-                "start_accuracy": result.accuracy if result.metric == EXACT_MATCH else None,
-                "start_mean_reward": result.mean_reward,
-                "eval_metric": result.metric,
-                "wall_s": 0.0,
-                "loop_s": 0.0,
-                "samples": 0,
-            }
+            state = {"eval_metric": None, "start_accuracy": None, "start_mean_reward": None}
+            state.update(wall_s=0.0, loop_s=0.0, samples=0)
+            if not evaluates_on_workers(self.cfg):  # else evaluated once the workers are up (_start)
+                self.state = state
+                self._start_eval(self.comp.evaluate())
+            return state
         load_trainer_state(self.trainer, checkpoint, parts)  # written at any number of ranks
         self.dir.rewind(self.trainer.step)
         kept = read_jsonl(self.dir.metrics)
@@ -344,13 +345,36 @@ class Run:
     def _is_publish_step(self, step: int) -> bool:
         return step % self.cfg.trainer.publish_every == 0 or step == self.cfg.trainer.steps
 
+    def _start_eval(self, result: EvalResult) -> None:
+        """Record the warm-start eval of version 0 in the run's totals and say it on the console."""
+        self.state.update(
+            start_accuracy=result.accuracy if result.metric == EXACT_MATCH else None,
+            start_mean_reward=result.mean_reward,
+            eval_metric=result.metric,
+        )
+        self.view.message(
+            f"warm-start eval: {METRIC_NAMES[result.metric]} {result.accuracy:.3f} "
+            f"({result.num_prompts} prompts); run folder {self.dir.path}"
+        )
+
     def _evaluate(self, step: int) -> EvalResult | None:
         """Held-out evaluation every ``eval.every`` steps and at the end, else None."""
         every = self.cfg.eval.every
         is_due = step == self.cfg.trainer.steps or (every and step % every == 0)
-        if is_due:
+        return self._eval_result() if is_due else None
+
+    def _eval_result(self) -> EvalResult:
+        """Held-out greedy evaluation of the trainer's current version: on a rollout worker in async mode
+        (the version is published first if this step did not publish it), else in process on the
+        driver's copy."""
+        if not evaluates_on_workers(self.cfg):
             self.trainer.refresh_model()  # a streamed version reaches the driver's copy only when needed
-        return self.comp.evaluate() if is_due else None
+            return self.comp.evaluate()
+        if self.pushed_version != self.trainer.version:  # not a publish step: the workers need it
+            self.rollouts.publish(self.trainer)
+            self.pushed_version = self.trainer.version
+        prompts = self.comp.task.eval_prompts()
+        return self.rollouts.evaluate(prompts, self.trainer.version)
 
     def _fp8_gap(self, groups: list[Group]) -> LogprobGap | None:
         """With ``rollout.weight_dtype=fp8`` in sync mode with the one-process trainer: the FP8 engine's

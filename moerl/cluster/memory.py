@@ -1,6 +1,7 @@
 """What the rendered run will need of its GPUs' memory, told at ``moerl cluster render`` (before any node
 is rented): a rollout EP rank's share of the policy plus its engine's KV cache on a rollout GPU, and the
-driver's full policy copy plus its eval engine on GPU 0 of a train node. The same figures as the load-time
+driver's full policy copy plus its eval engine on GPU 0 of a train node when the driver holds them (sync
+mode; in async mode a rollout worker evaluates, and only a one-process trainer's model stays there). The same figures as the load-time
 check (``moerl.rollout.memory_check``), which refuses an overfull driver when ``moerl train`` starts on the
 cluster (the workers' engines would run out of memory when built); here they are warnings: the render has
 no GPU to measure, only the instance types' datasheet memory.
@@ -14,7 +15,9 @@ from moerl.models.dtypes import torch_dtype
 from moerl.rollout.memory_check import (
     GIB,
     MEMORY_HEADROOM,
+    driver_holds_policy,
     engine_cache_bytes,
+    evaluates_on_workers,
     policy_arch,
     rollout_rank_weight_bytes,
     rollout_weight_format,
@@ -39,31 +42,42 @@ def memory_warnings(cfg: RunConfig) -> list[str]:
     _, _, engine = engine_cache_bytes(arch, cfg)
     r = cfg.rollout
     fmt = rollout_weight_format(cfg)
-    needs = [  # (group, its instance types, bytes one GPU needs, what they are, what follows)
+    needs = [  # (group, its instance types, weight bytes, KV cache bytes one GPU holds, what, what follows)
         (
             "rollout",
             cfg.cluster.rollout.instance_types,
-            rollout_rank_weight_bytes(arch, fmt, r.ep_size) + engine,
+            rollout_rank_weight_bytes(arch, fmt, r.ep_size),
+            engine,
             f"a rollout EP rank (rollout.ep_size={r.ep_size}) holds {{w:.1f}} GiB of the policy ({fmt}) plus its "
             f"engine's {engine / GIB:.1f} GiB KV cache (rollout.max_slots, rollout.kv_token_budget)",
             "the rollout workers would run out of memory",
         ),
-        (
-            "train",
-            cfg.cluster.train.instance_types,
-            weight_bytes(arch, dtype) + engine,
-            f"the driver holds a full {{w:.1f}} GiB copy of the policy plus its eval engine's "
-            f"{engine / GIB:.1f} GiB KV cache on GPU 0 of a train node, beside trainer rank 0",
-            "moerl train's memory check refuses it at start",
-        ),
     ]
+    if driver_holds_policy(cfg):  # sync mode, or the one-process trainer's model (async: no copy)
+        cache = 0 if evaluates_on_workers(cfg) else engine  # async: a rollout worker evaluates
+        needs.append(
+            (
+                "train",
+                cfg.cluster.train.instance_types,
+                weight_bytes(arch, dtype),
+                cache,
+                "the driver holds a full {w:.1f} GiB copy of the policy"
+                + (
+                    f" plus its eval engine's {cache / GIB:.1f} GiB KV cache"
+                    if cache
+                    else " (trainer.num_ranks=1)"
+                )
+                + " on GPU 0 of a train node",
+                "moerl train's memory check refuses it at start",
+            )
+        )
     out = []
-    for group, types, need, what, outcome in needs:
+    for group, types, weights, cache, what, outcome in needs:
         gpu = _smallest_gpu_gb(types)
-        if gpu is None or need <= MEMORY_HEADROOM * gpu[0] * 1e9:
+        if gpu is None or weights + cache <= MEMORY_HEADROOM * gpu[0] * 1e9:
             continue
         out.append(
-            f"cluster.{group}: {what.format(w=(need - engine) / GIB)}: {need / GIB:.1f} GiB, more than "
+            f"cluster.{group}: {what.format(w=weights / GIB)}: {(weights + cache) / GIB:.1f} GiB, more than "
             f"{MEMORY_HEADROOM:.0%} of a {gpu[1]} GPU's {gpu[0]:.0f} GB: {outcome}"
         )
     return out

@@ -283,7 +283,11 @@ class MLAttention(nn.Module):
         kv_b, ``rollout.weight_dtype=fp8``, dequantized to the layer's activation dtype)."""
         cfg = self.cfg
         kv_b = self.kv_b_proj
-        w = kv_b.dense_weight(self.kv_a_layernorm.weight.dtype) if hasattr(kv_b, "dense_weight") else kv_b.weight
+        w = (
+            kv_b.dense_weight(self.kv_a_layernorm.weight.dtype)
+            if hasattr(kv_b, "dense_weight")
+            else kv_b.weight
+        )
         w = w.unflatten(0, (-1, cfg.qk_nope_head_dim + cfg.v_head_dim))
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 

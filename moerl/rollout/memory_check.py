@@ -14,10 +14,14 @@ Which parts share the checked device (``model.device``, where the driver builds 
 
     sft (``moerl sft``)          its model + the eval engine
     sync                         trainer + eval engine, the worker's copy of the policy + its engine
-    async, local Ray, CPU        the driver's as in sft, and each of the ``rollout.num_workers`` workers'
+    async, local Ray, CPU        the driver's, and each of the ``rollout.num_workers`` workers'
                                  copy + one engine per EP rank (``rollout.ep_size``)
     async, local Ray, CUDA       the driver's, and at most one worker rank (Ray gives each a GPU of its own)
     async, ``runtime.ray_address``  the driver's only (the workers run on the cluster's nodes)
+
+In async mode a rollout worker evaluates (``evaluates_on_workers``): the driver builds no eval engine,
+and holds the policy only as the one-process trainer's model (``driver_holds_policy``): none with a
+trainer group.
 
 A trainer group (``trainer.num_ranks > 1``) of local processes on the host adds one more copy (its
 shards). Cluster runs are checked where ``moerl train`` runs, never by ``moerl cluster render``.
@@ -195,10 +199,26 @@ def rollout_rank_weight_bytes(arch: MoeConfig, weight_format: str, ep_size: int)
     )
 
 
+def evaluates_on_workers(cfg: RunConfig) -> bool:
+    """True when a rollout worker evaluates the held-out prompts (async mode:
+    ``moerl.runtime.ray.RayRollouts.evaluate``), so the driver builds no eval engine; False when the
+    driver evaluates in process (sync mode, where the driver is the engine)."""
+    return cfg.runtime.mode == "async"
+
+
+def driver_holds_policy(cfg: RunConfig) -> bool:
+    """True when the driver keeps a copy of the policy: the one-process trainer's model
+    (``trainer.num_ranks=1``), or the copy sync mode evaluates. False in async mode with a trainer
+    group: its ranks hold the shards and a rollout worker evaluates."""
+    return not evaluates_on_workers(cfg) or cfg.trainer.num_ranks == 1
+
+
 def residents(cfg: RunConfig, device: torch.device, *, rollouts: bool = True) -> tuple[int, int]:
     """``(engines, policy copies)`` the run builds on ``device`` (the module docstring's table).
     ``rollouts=False``: ``moerl sft`` (its model and the eval engine only)."""
     engines, copies = 1, 1  # the driver's policy (trainer, eval) and its eval engine
+    if rollouts and evaluates_on_workers(cfg):  # a rollout worker evaluates: no eval engine here
+        engines, copies = 0, int(driver_holds_policy(cfg))
     local_ray = cfg.runtime.mode == "async" and not cfg.runtime.ray_address
     if rollouts and cfg.runtime.mode == "sync":
         engines, copies = engines + 1, copies + 1

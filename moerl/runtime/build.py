@@ -16,6 +16,7 @@ from moerl.models import build_model, from_pretrained
 from moerl.models.dtypes import torch_dtype
 from moerl.rl import preset_from_config
 from moerl.rollout import Engine
+from moerl.rollout.memory_check import driver_holds_policy
 from moerl.rollout.paged_engine import PagedEngine
 from moerl.rollout.weight_dtype import prepare_rollout_model
 from moerl.runtime.buffer import ExperienceBuffer, has_reward_variance
@@ -114,13 +115,21 @@ class Components:
     """The run's tokenizer."""
     task: Task
     """The task (prompts and reward)."""
-    model: torch.nn.Module
-    """The policy being trained (the trainer's model; eval runs on it)."""
+    model: torch.nn.Module | None
+    """The driver's policy: the one-process trainer's model, and what sync mode evaluates. None when
+    the driver holds no copy (async mode with a trainer group and a ``init_path``: the ranks load their
+    shards from it, a rollout worker evaluates: ``moerl.rollout.memory_check.driver_holds_policy``)."""
 
     def evaluate(self) -> EvalResult:
         """Held-out greedy evaluation of the driver's policy (``moerl.tasks.eval.evaluate``): its exact
         match (``accuracy``, in [0, 1]) or, for a task with no notion of correctness, its mean reward
-        (``metric``)."""
+        (``metric``).
+
+        Raises:
+            RuntimeError: the driver holds no copy of the policy (``model`` is None).
+        """
+        if self.model is None:
+            raise RuntimeError("the driver holds no copy of the policy: evaluate on a rollout worker")
         r = self.cfg.rollout
         return evaluate(
             self.model,
@@ -133,8 +142,13 @@ class Components:
 
 
 def build_components(cfg: RunConfig, init_path: str | None, store: WeightStore) -> Components:
-    """Tokenizer, task and policy of a run (the policy seeded by the torch RNG when fresh)."""
+    """Tokenizer, task and policy of a run (the policy seeded by the torch RNG when fresh). No policy
+    (``model`` None) when the driver needs none (``driver_holds_policy``) and ``init_path`` gives the
+    trainer ranks their weights; a fresh policy is still built, to be saved for the ranks (the run
+    drops it once the trainer has started)."""
     tokenizer = load_run_tokenizer(cfg, init_path)
     task = make_task(cfg.task, cfg.env, tokenizer)
+    if init_path is not None and not driver_holds_policy(cfg):
+        return Components(cfg, init_path, store, tokenizer, task, None)
     model = load_policy(cfg, init_path, tokenizer.vocab_size)
     return Components(cfg, init_path, store, tokenizer, task, model)

@@ -501,6 +501,26 @@ class RolloutWorker:
         self._in_flight.clear()
         return released
 
+    def generate_alone(self, requests: list[Request]) -> list[Completion]:
+        """Run ``requests`` to completion on this worker's engine with nothing else in it (a held-out
+        eval): the groups in flight are aborted first (engine requests dropped on every EP rank, their
+        leases released to the queue, ``stats.groups_aborted``), so the engine generates exactly these,
+        as a fresh one would. Returns their completions (any order). Weights are not synced meanwhile.
+
+        Raises:
+            InvalidRequestError: a request the engine refuses (prompt too long for its budget).
+        """
+        self.settle_deliveries()  # finished groups go to the buffer; only unfinished ones are aborted
+        if self._in_flight:
+            self._abort_in_flight()
+        wanted = {r.request_id for r in requests}
+        for request in requests:
+            self.engine.add_request(request)
+        done: list[Completion] = []
+        while len(done) < len(requests):
+            done += [c for c in self.engine.step() if c.request_id in wanted]
+        return done
+
     @property
     def num_in_flight(self) -> int:
         """Groups being generated (running or queued in the engine)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moerl.rollout import PagedEngine, Request, SamplingParams
+from moerl.rollout import Completion, PagedEngine, Request, SamplingParams
 from moerl.tasks.base import Prompt, Task
 from moerl.tasks.examples import collate, encode_example
 from moerl.tasks.tokenizer import Tokenizer
@@ -92,10 +92,7 @@ def evaluate(
             max_slots=max_slots,
             kv_token_budget=kv_token_budget,
         )
-    params = SamplingParams(
-        temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_id,)
-    )
-    requests = [Request(request_id=p.id, prompt_ids=tokenizer.encode(p.text), params=params) for p in prompts]
+    requests = eval_requests(prompts, tokenizer, max_new_tokens)
     was_training = model.training
     model.eval()
     try:
@@ -103,6 +100,27 @@ def evaluate(
         completions = engine.generate(requests)
     finally:
         model.train(was_training)
+    return score_completions(prompts, completions, tokenizer, task)
+
+
+def eval_requests(prompts: list[Prompt], tokenizer: Tokenizer, max_new_tokens: int) -> list[Request]:
+    """One greedy request per held-out prompt (request id = prompt id; at most ``max_new_tokens``
+    tokens, stopping at ``tokenizer.eos_id``): what ``evaluate`` generates, on any engine."""
+    params = SamplingParams(
+        temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_id,)
+    )
+    return [Request(request_id=p.id, prompt_ids=tokenizer.encode(p.text), params=params) for p in prompts]
+
+
+def score_completions(
+    prompts: list[Prompt], completions: list[Completion], tokenizer: Tokenizer, task: Task
+) -> EvalResult:
+    """``EvalResult`` of the completions of ``eval_requests(prompts, ...)`` (any order), scored by
+    ``task.reward``.
+
+    Raises:
+        KeyError: a prompt has no completion.
+    """
     by_id = {c.request_id: c for c in completions}
     errors_before = task.num_reward_errors
     score = num_tokens = 0.0

@@ -18,9 +18,11 @@ import pytest
 import ray
 from _runs import DEFAULT_CONFIG, assert_trained_exactly_once, newest_run, run_config
 
-from moerl.models import build_model
+from moerl.models import build_model, from_pretrained
 from moerl.run.folder import read_jsonl
-from moerl.tasks import load_tokenizer
+from moerl.tasks import load_tokenizer, make_task
+from moerl.tasks.eval import evaluate
+from moerl.tasks.tokenizer import load_run_tokenizer
 from moerl.train import train
 
 BATCH = 4
@@ -66,6 +68,18 @@ def test_run_with_a_two_rank_rollout_group(local_ray, default_init, tmp_path):
         summary["fleet"]["ep_size"] == 2 and len(set(summary["fleet"]["worker_rank_pids"]["rollout-0"])) == 2
     )
     assert read_jsonl(newest_run(cfg).metrics)[-1]["rollout/workers"]["rollout-0"]["groups_total"] > 0
+    # the evals were the EP group's (the driver holds no policy): the figures of an in-process eval of the
+    # starting policy and of the exported final one (issue 34)
+    r = cfg.rollout
+    sizes = {
+        "max_new_tokens": r.max_new_tokens,
+        "max_slots": r.max_slots,
+        "kv_token_budget": r.kv_token_budget,
+    }
+    task, tokenizer = make_task(cfg.task, cfg.env), load_run_tokenizer(cfg, str(default_init))
+    start = evaluate(from_pretrained(str(default_init)), tokenizer, task, **sizes).accuracy
+    final = evaluate(from_pretrained(summary["policy"]), tokenizer, task, **sizes).accuracy
+    assert (summary["start_eval_accuracy"], summary["final_eval_accuracy"]) == (start, final)
 
 
 def _records(out: Path) -> int:

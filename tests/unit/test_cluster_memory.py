@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import moerl.cluster.memory
 from moerl.cli import main as cli_main
 from moerl.cluster.memory import memory_warnings
+from moerl.cluster.render import cluster_run_config
 from moerl.config import load_config
+from moerl.configlib import ConfigError
 from moerl.instances import gpu_memory_gb
+from moerl.rollout import memory_check
 from moerl.rollout.memory_check import (
     MEMORY_HEADROOM,
     _param_bytes,
@@ -20,9 +24,11 @@ from moerl.rollout.memory_check import (
     rollout_rank_weight_bytes,
     weight_bytes,
 )
+from moerl.run.preflight import check_run_inputs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 QWEN, MISSION = CONFIGS / "cluster_qwen3_30b_1node.yaml", CONFIGS / "cluster_mission.yaml"
+MISSION_BF16 = CONFIGS / "cluster_mission_bf16_2node.yaml"
 
 
 IMAGE = "cluster.image=registry.example/moerl:0.1.0"
@@ -38,12 +44,17 @@ def test_an_ep_rank_holds_the_shared_parameters_and_its_share_of_the_routed_expe
     assert gpu_memory_gb("g6e.12xlarge") == 48.0 and gpu_memory_gb("m7i.8xlarge") is None
 
 
-def test_the_qwen_recipe_fits_and_the_mission_recipe_is_warned_of():
-    assert memory_warnings(load_config(QWEN, [IMAGE, IMAGE])) == []
-    rollout, train = memory_warnings(load_config(MISSION, [IMAGE, IMAGE]))
+def test_the_recipes_fit_and_an_overfull_gpu_is_warned_of():
+    for recipe in (QWEN, MISSION, MISSION_BF16):
+        assert memory_warnings(load_config(recipe, [IMAGE])) == [], recipe
+    # the mission's engine in bf16 at EP 8 on one node: the rollout group
+    (rollout,) = memory_warnings(load_config(MISSION, [IMAGE, "rollout.weight_dtype=bf16"]))
     assert rollout.startswith("cluster.rollout: a rollout EP rank (rollout.ep_size=8)")
     assert "p5e.48xlarge GPU's 141 GB: the rollout workers would run out of memory" in rollout
+    # a one-process trainer: the driver holds the whole policy (a worker evaluates: no eval engine)
+    (train,) = memory_warnings(load_config(MISSION, ["trainer.num_ranks=1", "trainer.ep_size=1"]))
     assert train.startswith("cluster.train: the driver holds a full") and "refuses it at start" in train
+    assert "(trainer.num_ranks=1) on GPU 0" in train and "eval engine" not in train
     # a cache too large for an L40S beside the EP rank's weights: the rollout group only
     (line,) = memory_warnings(
         load_config(QWEN, [IMAGE, "rollout.kv_token_budget=262144", "rollout.max_slots=128"])
@@ -51,12 +62,41 @@ def test_the_qwen_recipe_fits_and_the_mission_recipe_is_warned_of():
     assert line.startswith("cluster.rollout:") and "24.0 GiB KV cache" in line
 
 
-def test_render_prints_the_warnings_and_still_writes(tmp_path, capsys):
+@pytest.mark.parametrize("recipe", [MISSION, MISSION_BF16])
+def test_render_of_the_mission_recipes_warns_of_nothing(recipe, tmp_path, capsys):
     assert (
-        cli_main(["cluster", "render", "--set", IMAGE, "--config", str(MISSION), "--out", str(tmp_path)]) == 0
+        cli_main(["cluster", "render", "--set", IMAGE, "--config", str(recipe), "--out", str(tmp_path)]) == 0
     )
     out = capsys.readouterr()
-    assert out.err.count("warning: cluster.") == 2 and (tmp_path / "k8s" / "30-rayjob.yaml").exists()
+    assert "warning" not in out.err and (tmp_path / "k8s" / "30-rayjob.yaml").exists()
+
+
+def test_render_prints_the_warnings_and_still_writes(tmp_path, capsys):
+    overfull = tmp_path / "overfull.yaml"
+    overfull.write_text(MISSION.read_text().replace("weight_dtype: fp8", "weight_dtype: bf16"))
+    assert cli_main(["cluster", "render", "--config", str(overfull), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr()
+    assert (
+        out.err.count("warning: cluster.rollout") == 1
+        and (tmp_path / "out" / "k8s" / "30-rayjob.yaml").exists()
+    )
+
+
+@pytest.mark.parametrize("recipe", [MISSION, MISSION_BF16])
+def test_moerl_trains_memory_check_accepts_the_mission_recipes(recipe, monkeypatch):
+    """The load-time check (``check_run_inputs``) on the job's config as rendered (async on the Ray
+    cluster, the model on CUDA), on GPU 0 of a p5.48xlarge train node (80 GB): no weights here, the
+    policy's shapes from ``model.*`` (a meta-device model)."""
+    cfg = cluster_run_config(load_config(recipe, [IMAGE]))
+    cfg.init_from = None  # the train pods' copy is absent here: DeepSeek-V3's shapes from model.*
+    h100 = int(gpu_memory_gb("p5.48xlarge") * 1e9)
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (h100, "p5.48xlarge datasheet"))
+    check_run_inputs(cfg)
+    est = memory_check.estimate_memory(cfg, 129280)
+    assert (est.device, est.num_engines, est.num_copies) == ("cuda:0", 0, 0)  # no driver copy, no engine
+    monkeypatch.setattr(memory_check, "evaluates_on_workers", lambda cfg: False)  # the driver evaluating
+    with pytest.raises(ConfigError, match=r"GiB of cuda:0 memory \(1 rollout engine KV cache"):
+        check_run_inputs(cfg)
 
 
 def test_fp8_weights_are_one_byte_plus_a_scale_per_128_block():

@@ -82,15 +82,24 @@ def test_estimate_equals_what_the_engine_allocates(overrides, expected):
     [
         (["runtime.mode=sync"], "cpu", True, (2, 2)),  # trainer + eval engine, the worker's copy + engine
         (["runtime.mode=sync"], "cpu", False, (1, 1)),  # moerl sft: its model and the eval engine
-        (["rollout.num_workers=3"], "cpu", True, (4, 4)),  # local Ray: every worker on this host
-        (["rollout.num_workers=3", "rollout.ep_size=2"], "cpu", True, (7, 4)),  # an engine per EP rank
-        (["rollout.num_workers=3"], "cuda", True, (2, 2)),  # Ray gives each worker a GPU of its own
+        # async: a rollout worker evaluates (no eval engine in the driver); the driver's copy is the
+        # one-process trainer's model
+        (["rollout.num_workers=3"], "cpu", True, (3, 4)),  # local Ray: every worker on this host
+        (["rollout.num_workers=3", "rollout.ep_size=2"], "cpu", True, (6, 4)),  # an engine per EP rank
+        (["rollout.num_workers=3"], "cuda", True, (1, 2)),  # Ray gives each worker a GPU of its own
         (
             ["rollout.num_workers=3", "runtime.ray_address=10.0.0.1:6379"],
             "cpu",
             True,
-            (1, 1),
+            (0, 1),
         ),  # on the cluster
+        (
+            ["runtime.ray_address=10.0.0.1:6379", "trainer.num_ranks=2"],
+            "cuda",
+            True,
+            (0, 0),
+        ),  # a trainer group on the cluster: the driver holds no policy at all
+        (["rollout.num_workers=3"], "cpu", False, (1, 1)),  # moerl sft in any mode: its own eval
         (["runtime.mode=sync", "trainer.num_ranks=2"], "cpu", True, (2, 3)),  # + the ranks' shards
     ],
 )

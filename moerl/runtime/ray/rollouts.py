@@ -57,9 +57,15 @@ from moerl.runtime.ray.exchange import ExchangeActor
 from moerl.runtime.ray.reward_pool import rollout_gpu_share
 from moerl.runtime.ray.worker_actor import RolloutWorkerActor
 from moerl.runtime.worker import WorkerStats
+from moerl.tasks.eval import EvalResult
 from moerl.weights.snapshot import WeightSnapshot
 from moerl.weights.store import WeightStore
 from moerl.weights.transport import WeightHolder, make_transport
+
+EVAL_ATTEMPTS = 3
+"""Workers a held-out eval is tried on before the run fails (``RayRollouts.evaluate``)."""
+EVAL_TIMEOUT_S = 600.0
+"""How long one worker may take to serve an eval: its wait for the version plus the generation."""
 
 
 def _labels(name: str) -> dict[str, float]:
@@ -189,7 +195,7 @@ class RayRollouts:
                 )
             except ValueError as e:
                 raise ConfigError(f"reward.gpus_per_worker={rw.gpus_per_worker}: {e}") from None
-        worker_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_concurrency=3, resources=_labels("rollout"))(
+        worker_cls = ray.remote(num_cpus=1, num_gpus=gpus, max_concurrency=4, resources=_labels("rollout"))(
             RolloutWorkerActor
         )
         notices = None if notice_dir is None else str(notice_dir)
@@ -331,6 +337,35 @@ class RayRollouts:
         if self._send_error is not None:
             error, self._send_error = self._send_error, None
             raise error
+
+    def evaluate(self, prompts: list, version: int, *, timeout_s: float = EVAL_TIMEOUT_S) -> EvalResult:
+        """Held-out greedy accuracy of policy ``version`` (published already) on ``prompts``, evaluated by
+        one rollout worker (``RolloutWorkerActor.evaluate``; an EP group's leader evaluates with all its
+        ranks): the driver needs no copy of the policy. A worker lost or failing during the eval: the
+        eval goes to the next live worker (replacements included), ``EVAL_ATTEMPTS`` tries in all.
+
+        Raises:
+            RuntimeError: every try failed (the last worker's error), or no rollout worker is left.
+        """
+        import ray
+
+        errors: list[str] = []
+        tried: set[str] = set()
+        while len(errors) < EVAL_ATTEMPTS:
+            self.check_fleet(force=True)  # a lost worker is noticed (and replaced) before the next try
+            handles = self.backend.handles
+            candidates = [w for w in self.manager.active_ids() if w in handles]
+            if not candidates:
+                raise RuntimeError(f"held-out eval of v{version}: no rollout worker is left")
+            worker_id = next((w for w in candidates if w not in tried), candidates[0])
+            tried.add(worker_id)
+            try:
+                return ray.get(handles[worker_id].evaluate.remote(prompts, version, timeout_s))
+            except ray.exceptions.RayError as e:  # died (RayActorError) or failed (the actor's error)
+                errors.append(f"{worker_id}: {str(e).strip().splitlines()[-1][:300]}")
+        raise RuntimeError(
+            f"held-out eval of v{version} failed on {EVAL_ATTEMPTS} tries: {'; '.join(errors)}"
+        )
 
     def sync_values(self) -> dict[str, float]:
         """The step's weight-sync metrics: trainer side of the last push (``timing/weight_sync_s``,

@@ -42,16 +42,24 @@ def check_trainer_resources(cfg: RunConfig) -> None:
 
 
 def make_trainer(
-    cfg: RunConfig, model: torch.nn.Module, init_path: str | None, scratch: Path
+    cfg: RunConfig,
+    model: torch.nn.Module | None,
+    init_path: str | None,
+    scratch: Path,
+    *,
+    keep_copy: bool = True,
 ) -> LocalTrainer | TrainerGroup:
     """The trainer of the run.
 
     Args:
         cfg: the run config.
-        model: the driver's policy (trained in place at one rank; refreshed from each publish otherwise).
+        model: the driver's policy (trained in place at one rank; refreshed from each publish otherwise);
+            None: the driver has none (a trainer group loading ``init_path``, or its saved fresh copy).
         init_path: Hugging Face folder of the starting weights; None: ``model`` is a fresh model, which
             is saved under ``scratch`` for the ranks to load their shards from.
         scratch: a folder of the run for that copy.
+        keep_copy: a trainer group keeps ``model`` as the driver's copy (eval, refreshed from each
+            publish); False: ``model`` only seeds the ranks (async mode: a rollout worker evaluates).
 
     Raises:
         RuntimeError: async mode with ``trainer.num_ranks > 1`` before the run's Ray instance is up
@@ -70,8 +78,8 @@ def make_trainer(
 
         if not ray.is_initialized():  # ray.remote would start an instance the rollout fleet cannot share
             raise RuntimeError("async mode: the run's Ray instance must be up (moerl.runtime.ray.init_ray)")
-        return TrainerGroup(cfg, init_path, model, ranks="ray")
-    return TrainerGroup(cfg, init_path, model)
+        return TrainerGroup(cfg, init_path, model if keep_copy else None, ranks="ray")
+    return TrainerGroup(cfg, init_path, model if keep_copy else None)
 
 
 def load_trainer_state(trainer: LocalTrainer | TrainerGroup, folder: Path, parts: dict) -> None:

@@ -1,0 +1,76 @@
+"""Async mode evaluates on a rollout worker (issue 34): the figures equal an in-process eval of the same
+saved versions; the driver evaluates nothing in process."""
+
+import os
+from pathlib import Path
+
+import pytest
+import ray
+from conftest import short_config
+
+from moerl.models import from_pretrained
+from moerl.run.folder import RunDir, read_jsonl
+from moerl.runtime.build import Components
+from moerl.tasks import make_task
+from moerl.tasks.eval import evaluate
+from moerl.tasks.tokenizer import load_run_tokenizer
+from moerl.train import train
+from moerl.weights.store import WeightStore
+
+
+@pytest.fixture
+def ray_session():
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_async_eval_accuracy_equals_evaluating_the_saved_version_in_process(
+    tmp_path, tiny_init, ray_session, monkeypatch
+):
+    """Every eval of the run (warm start, steps 1 and 2) is a worker's: the driver's in-process eval
+    raises. Each figure equals ``moerl.tasks.eval.evaluate`` of that version from the weight store."""
+    e2e = str(Path(__file__).parent)  # the workers import e2e_rewards
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (e2e, os.environ.get("PYTHONPATH")) if p))
+
+    def no_driver_eval(self):
+        raise AssertionError("the driver evaluated in process")
+
+    monkeypatch.setattr(Components, "evaluate", no_driver_eval)
+    cfg = short_config(
+        tmp_path,
+        tiny_init,
+        "runtime.mode=async",
+        "rollout.num_workers=2",
+        "trainer.steps=2",
+        "eval.every=1",
+        "runtime.weight_sync=store",
+        "runtime.keep_versions=5",
+        "task.num_eval=24",
+        "rollout.max_new_tokens=6",
+        "task.reward_fn=e2e_rewards:first_is_digit",  # a fresh policy's accuracy is neither 0 nor 1
+        "trainer.lr=0.05",  # the versions differ
+    )
+    summary = train(cfg, live=False)
+    run = RunDir(next(Path(tmp_path).glob("run-*")))
+    evals = {r["step"]: r["eval/accuracy"] for r in read_jsonl(run.metrics)}
+    assert set(evals) == {1, 2}
+    # the same versions, loaded from the run's weight store into the initial policy, evaluated here
+    tokenizer = load_run_tokenizer(cfg, str(tiny_init))
+    task = make_task(cfg.task, cfg.env)
+    store, model = WeightStore(str(run.weights)), from_pretrained(str(tiny_init))
+    r = cfg.rollout
+    got = {}
+    for version in (0, 1, 2):
+        model.load_state_dict(store.load(version))
+        got[version] = evaluate(
+            model,
+            tokenizer,
+            task,
+            max_new_tokens=r.max_new_tokens,
+            max_slots=r.max_slots,
+            kv_token_budget=r.kv_token_budget,
+        ).accuracy
+    assert summary["start_eval_accuracy"] == got[0]
+    assert evals == {1: got[1], 2: got[2]} and summary["final_eval_accuracy"] == got[2]
+    assert len(set(got.values())) > 1  # the versions score differently: the one evaluated matters
