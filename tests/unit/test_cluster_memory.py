@@ -74,7 +74,12 @@ def test_render_of_the_mission_recipes_warns_of_nothing(recipe, tmp_path, capsys
 def test_render_prints_the_warnings_and_still_writes(tmp_path, capsys):
     overfull = tmp_path / "overfull.yaml"
     overfull.write_text(MISSION.read_text().replace("weight_dtype: fp8", "weight_dtype: bf16"))
-    assert cli_main(["cluster", "render", "--config", str(overfull), "--out", str(tmp_path / "out")]) == 0
+    assert (
+        cli_main(
+            ["cluster", "render", "--set", IMAGE, "--config", str(overfull), "--out", str(tmp_path / "out")]
+        )
+        == 0
+    )
     out = capsys.readouterr()
     assert (
         out.err.count("warning: cluster.rollout") == 1
