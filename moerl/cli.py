@@ -8,7 +8,7 @@ import json
 import sys
 
 from moerl.config import ConfigError, load_config
-from moerl.errors import DiskFullError, RunFolderInUseError, StorageError
+from moerl.errors import DiskFullError, ExchangeLostError, RunFolderInUseError, StorageError
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -326,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFolderInUseError as e:  # a second run or resume of a live run folder: nothing touched
         print(f"moerl: {e}", file=sys.stderr)
         return 2
+    except ExchangeLostError as e:  # the queue/buffer actor's node was lost: one line with the resume command
+        print(e.line(), file=sys.stderr)
+        return 1
     except StorageError as e:  # an upload that failed after its retries: one line, the local copy is whole
         print(f"moerl: {e}", file=sys.stderr)
         return 1

@@ -29,7 +29,7 @@ from moerl.envs.stats import step_values as env_step_values
 from moerl.records import Group
 from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
 from moerl.run.group_recovery import restart_group
-from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk
+from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk, stops_on_lost_exchange
 from moerl.run.preflight import check_run_inputs
 from moerl.run.recovery import StepJournal, recover_trainer
 from moerl.run.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
@@ -391,7 +391,12 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
         cfg.init_from = str(Path(cfg.init_from).resolve())
     run_dir = RunDir.create(cfg)
     try:
-        with RunFolderLock(run_dir.path), stops_on_full_disk(run_dir.path), sigterm_interrupts():
+        with (
+            RunFolderLock(run_dir.path),
+            stops_on_full_disk(run_dir.path),
+            stops_on_lost_exchange(run_dir.path),
+            sigterm_interrupts(),
+        ):
             # a failure before step 1 leaves no half-written folder
             with run_dir.discarded_on_early_failure():
                 run = Run(cfg, run_dir, live=live)
@@ -440,7 +445,7 @@ def _resume(run_dir: str | Path, fetched: Path | None, overrides: list[str] | No
         check_init_from(cfg, folder.path, folder.config)  # relative ones from the folder the run began in
         ckpt = resume_checkpoint(folder.path, cfg)  # the newest complete one; skipped ones named
     try:
-        with stops_on_full_disk(folder.path), sigterm_interrupts():
+        with stops_on_full_disk(folder.path), stops_on_lost_exchange(folder.path), sigterm_interrupts():
             run = Run(cfg, folder, live=live)
             with removed_on_failure(fetched):
                 run.start(checkpoint=ckpt)

@@ -8,7 +8,9 @@
 
 Resources declared per actor (a cluster maps them onto node groups):
 
-- ``ExchangeActor`` (``exchange.py``): ``num_cpus=0`` (I/O bound); threaded (``max_concurrency``)
+- ``ExchangeActor`` (``exchange.py``): on the node with the ``exchange`` resource, else pinned to the
+  driver's node, never on a rollout node (``moerl.cluster.placement``); losing it stops the run with
+  ``ExchangeLostError`` (one line and the resume command). ``num_cpus=0`` (I/O bound); threaded (``max_concurrency``)
   because producers block in ``put_many`` on a full buffer (backpressure) while the trainer's ``get``
   must still run; both classes it holds are thread-safe. Its ``lease`` is gated
   (``rollout_allowance``): no rollout starts that would arrive too stale to train.
@@ -41,7 +43,9 @@ from pathlib import Path
 import torch
 
 from moerl.cluster.autoscale import RolloutCapacity
+from moerl.cluster.placement import exchange_placement
 from moerl.config import ConfigError, RunConfig
+from moerl.errors import ExchangeLostError
 from moerl.records import Group, RolloutTask
 from moerl.run.storage import stage_model_folder
 from moerl.runtime.accounting import FleetState
@@ -164,10 +168,10 @@ class RayRollouts:
         init_ray(cfg)
         # a remote store: the model folder goes there too, so actors on other machines share no folder
         init_path = stage_model_folder(init_path, store_url, cfg.storage.options)
-        exchange_cls = ray.remote(
-            num_cpus=0, max_concurrency=cfg.rollout.num_workers * 2 + 16, resources=_labels("exchange")
-        )(ExchangeActor)
-        self.exchange = exchange_cls.remote(cfg, init_path, version)
+        # the run's state: on the `exchange` node or the driver's own, never a rollout node
+        placement = exchange_placement(ray.cluster_resources(), ray.get_runtime_context().get_node_id())
+        exchange_cls = ray.remote(num_cpus=0, max_concurrency=cfg.rollout.num_workers * 2 + 16)(ExchangeActor)
+        self.exchange = exchange_cls.options(**placement.ray_options()).remote(cfg, init_path, version)
         if parts is not None:
             ray.get(
                 self.exchange.load_state_dict.remote({"queue": parts["queue"], "buffer": parts["buffer"]})
@@ -211,17 +215,40 @@ class RayRollouts:
         self._seen: dict[str, float] = {}  # worker id -> time of the answer its lag comes from
         self._ping_version = version  # the trainer's version when the fleet's pings went out
 
+    def _ask(self, ref):
+        """``ray.get`` of an exchange call; the exchange's death (its node lost, killed) becomes an
+        ``ExchangeLostError``, one line, instead of Ray's traceback.
+
+        Raises:
+            ExchangeLostError: the exchange actor died.
+        """
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise ExchangeLostError(
+                f"the exchange actor (task queue, experience buffer) was lost, its node gone or unreachable "
+                f"({type(e).__name__}: {first}); the run stopped after its last whole step"
+            ) from None
+
     def check_fleet(self, *, force: bool = False) -> None:
         """Every ``fleet.check_every_s``: liveness and replacements (``FleetManager.check``), chaos faults.
 
         Raises:
             RuntimeError: a worker's loop raised (its error), or no rollout worker is left.
+            ExchangeLostError: the exchange actor died (a worker's loop failing on it is reported as this).
         """
         now = time.monotonic()
         if not force and now < self._next_check:
             return
         self._next_check = now + self.cfg.fleet.check_every_s
-        exits = self.manager.check()
+        try:
+            exits = self.manager.check()
+        except Exception:  # a worker loop that failed on a lost exchange: that loss is the error to report
+            self._ask(self.exchange.snapshot.remote())
+            raise
         # the version lag of each new liveness answer against the trainer's version when its ping went
         # out (the previous poll): taken against the version of a later step, it would grow by one per
         # step while the answer ages
@@ -247,7 +274,7 @@ class RayRollouts:
         while True:
             self.check_fleet()
             try:
-                groups = ray.get(
+                groups = self._ask(
                     self.exchange.get.remote(n, timeout=self.cfg.fleet.check_every_s, version=self._version)
                 )
                 break
@@ -307,7 +334,7 @@ class RayRollouts:
         import ray
 
         self._snapshot = None
-        ray.get(self.exchange.requeue.remote(task))
+        self._ask(self.exchange.requeue.remote(task))
 
     def fleet_values(self, batch_groups: int) -> dict[str, float]:
         """The step's ``fleet/*`` metrics, with the scaling hint from queue and buffer depth; on a cluster
@@ -372,7 +399,7 @@ class RayRollouts:
         kept for ``buffer_metrics``/``fleet_values`` until the fleet next takes a batch, publishes or requeues."""
         import ray
 
-        self._snapshot = ray.get(self.exchange.snapshot.remote())
+        self._snapshot = self._ask(self.exchange.snapshot.remote())
         return self._snapshot[0]
 
     def buffer_metrics(self) -> BufferMetrics:
@@ -390,7 +417,7 @@ class RayRollouts:
         workers = self.backend.alive_handles()
         _get_alive([w.pause.remote() for w in workers])
         try:
-            return ray.get(self.exchange.state_dict.remote())
+            return self._ask(self.exchange.state_dict.remote())
         finally:
             _get_alive([w.unpause.remote() for w in workers])
 
@@ -400,7 +427,7 @@ class RayRollouts:
 
         self.manager.finish(self.backend.stop_all())
         stats = self.worker_stats()
-        state = ray.get(self.exchange.state_dict.remote())
+        state = self._ask(self.exchange.state_dict.remote())
         return FleetState.from_states(
             self.queue_stats(),
             self.buffer_metrics(),
@@ -417,7 +444,10 @@ class RayRollouts:
         """
         import ray
 
-        ray.get(self.exchange.close.remote())
+        try:
+            ray.get(self.exchange.close.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass  # lost with its node (ExchangeLostError): the workers are stopped all the same
         workers = self.backend.alive_handles()
         self.backend.stop_all(timeout_s=10)
         actors = [*workers, self.exchange]

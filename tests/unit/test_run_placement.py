@@ -1,0 +1,65 @@
+"""Placement by node group (``moerl.cluster.placement``): the exchange on the ``exchange`` node or the
+driver's, never a rollout node; trainer ranks only on ``train``; and a lost exchange stops a run in one
+line with the resume command (``ExchangeLostError`` from ``RayRollouts._ask`` to ``moerl train``'s exit)."""
+
+import pytest
+
+from moerl.cluster.placement import Placement, exchange_placement, trainer_rank_resources
+from moerl.configlib import ConfigError
+from moerl.errors import ExchangeLostError
+
+NODE = "ab" * 28  # a Ray node id: 28 bytes in hex
+CLUSTER = {"CPU": 8.0, "train": 1.0, "rollout": 4.0, "env": 2.0}
+
+
+def test_exchange_goes_to_the_exchange_node_else_the_drivers():
+    assert exchange_placement({**CLUSTER, "exchange": 1.0}, NODE) == Placement({"exchange": 0.001})
+    pinned = exchange_placement(CLUSTER, NODE)  # rollout nodes, no exchange resource: the driver's node
+    assert pinned == Placement(node_id=NODE)
+    opts = pinned.ray_options()
+    assert opts["resources"] == {}
+    strategy = opts["scheduling_strategy"]
+    assert strategy.node_id == NODE and strategy.soft is False  # fails rather than land on a rollout node
+    assert exchange_placement({"CPU": 4.0}, None) == Placement()  # a laptop: anywhere (one node)
+    with pytest.raises(ConfigError, match="exchange"):
+        exchange_placement(CLUSTER, None)
+
+
+def test_trainer_ranks_only_on_train_nodes():
+    assert trainer_rank_resources(CLUSTER) == {"train": 0.001}
+    assert trainer_rank_resources({"CPU": 4.0}) == {}
+    with pytest.raises(ConfigError, match="no `train` resource"):
+        trainer_rank_resources({"CPU": 4.0, "rollout": 2.0})
+
+
+def test_a_dead_exchange_becomes_one_line(monkeypatch):
+    import ray
+
+    from moerl.runtime.ray.rollouts import RayRollouts
+
+    def dead(ref, **kw):
+        raise ray.exceptions.ActorDiedError()
+
+    monkeypatch.setattr(ray, "get", dead)
+    with pytest.raises(ExchangeLostError, match="exchange actor .* was lost") as info:
+        RayRollouts._ask(object(), object())
+    assert "\n" not in str(info.value) and info.value.__cause__ is None
+
+
+def test_the_cli_prints_the_resume_command(monkeypatch, capsys, tmp_path):
+    import moerl.train
+    from moerl.cli import main
+    from moerl.run.interrupt import stops_on_lost_exchange
+
+    def lost(cfg, **kw):
+        with stops_on_lost_exchange(tmp_path):  # as moerl.train.train wraps the run
+            raise ExchangeLostError("the exchange actor was lost")
+
+    monkeypatch.setattr(moerl.train, "train", lost)
+    assert main(["train", "--config", "configs/default.yaml"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    # no checkpoint in the folder: named, but not resumable
+    assert err.startswith("moerl: the exchange actor was lost before the first checkpoint: " + str(tmp_path))
+    e = ExchangeLostError("x", tmp_path, True)
+    assert e.line() == f"moerl: x; continue with: moerl train --resume {tmp_path}"
