@@ -63,3 +63,25 @@ def test_the_cli_prints_the_resume_command(monkeypatch, capsys, tmp_path):
     assert err.startswith("moerl: the exchange actor was lost before the first checkpoint: " + str(tmp_path))
     e = ExchangeLostError("x", tmp_path, True)
     assert e.line() == f"moerl: x; continue with: moerl train --resume {tmp_path}"
+
+
+def test_a_lost_node_is_one_event_and_counted():
+    from moerl.runtime.ray.nodes import NodeWatch
+
+    table = [
+        {"NodeID": "a", "Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"train": 1.0}},
+        {"NodeID": "b", "Alive": True, "NodeManagerAddress": "10.0.0.2", "Resources": {"rollout": 1.0}},
+    ]
+    now = [0.0]
+    watch = NodeWatch(lambda: [dict(n) for n in table], every_s=2.0, clock=lambda: now[0])
+    assert watch.poll() == [] and watch.lost == {}
+    table[1]["Alive"] = False
+    assert watch.poll() == []  # read at most every 2 s
+    now[0] = 2.0
+    (line,) = watch.poll()
+    assert "10.0.0.2 lost" in line and "rollout" in line and "\n" not in line
+    now[0] = 4.0
+    assert watch.poll() == [] and watch.lost == {"b": "10.0.0.2"}  # reported once
+    table.append({"NodeID": "c", "Alive": False, "NodeManagerAddress": "10.0.0.3"})  # never seen alive
+    now[0] = 6.0
+    assert watch.poll() == [] and len(watch.lost) == 1

@@ -32,6 +32,7 @@ is imported inside functions: it is an optional dependency, needed only in async
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -57,10 +58,13 @@ from moerl.runtime.queue import QueueStats
 from moerl.runtime.ray.address import ray_head
 from moerl.runtime.ray.backend import RayWorkerBackend
 from moerl.runtime.ray.exchange import ExchangeActor
+from moerl.runtime.ray.nodes import NodeWatch
 from moerl.runtime.ray.worker_actor import RolloutWorkerActor
 from moerl.runtime.worker import WorkerStats
 from moerl.weights.store import WeightStore
 from moerl.weights.transport import WeightHolder, make_transport
+
+log = logging.getLogger(__name__)
 
 
 def _labels(name: str) -> dict[str, float]:
@@ -214,6 +218,7 @@ class RayRollouts:
         self._lags: dict[str, int] = {}  # worker id -> version lag of its latest liveness answer
         self._seen: dict[str, float] = {}  # worker id -> time of the answer its lag comes from
         self._ping_version = version  # the trainer's version when the fleet's pings went out
+        self.nodes = NodeWatch()  # Ray nodes lost during the run: an event in the log and the metrics
 
     def _ask(self, ref):
         """``ray.get`` of an exchange call; the exchange's death (its node lost, killed) becomes an
@@ -254,6 +259,8 @@ class RayRollouts:
         # step while the answer ages
         self._lags.update(version_lags(self.manager.records.values(), self._ping_version, self._seen))
         self._ping_version = self._version
+        for line in self.nodes.poll():
+            log.warning(line)
         for e in exits:
             if e.reason == "crashed":  # expire its leases now instead of after lease_ttl_s
                 self.exchange.heartbeat.remote(e.worker_id, EXPIRE_NOW_TTL_S)
@@ -345,7 +352,11 @@ class RayRollouts:
         hint = self.manager.scaling_hint(queue_pending=pending, buffer_depth=depth, batch_groups=batch_groups)
         if self.capacity is not None and self.capacity.update(hint.desired_workers) is not None:
             self.manager.scale_to(self.capacity.requested)  # newcomers wait for the new nodes
-        return {**self.manager.metrics().as_metrics(), **self.sync_values()}
+        return {
+            **self.manager.metrics().as_metrics(),
+            **self.sync_values(),
+            "fleet/nodes_lost": len(self.nodes.lost),
+        }
 
     def worker_records(self) -> list[WorkerRecord]:
         """The fleet manager's record of every worker seen (state and last heartbeat); only reads."""

@@ -176,6 +176,7 @@ class RolloutWorkerActor:
         self.drainer = Drainer(cfg.fleet.drain_grace_s, keep_partial=cfg.fleet.keep_partial)
         self.slowdown = Slowdown.from_config(cfg.chaos, worker_id)
         self._has_gpu = cfg.model.device.startswith("cuda")
+        self._node = _node_address()  # the Ray node it runs on: the `node` label of its series
         self.cfg_ep_size = cfg.rollout.ep_size
 
     def _weights_version(self) -> int:
@@ -235,6 +236,7 @@ class RolloutWorkerActor:
             is_draining=self.watcher.is_set(),
             pid=os.getpid(),
             hostname=socket.gethostname(),
+            node=self._node,
             groups_delivered=self.worker.stats.groups_put,
             gpus=read_gpus() if self._has_gpu else (),
             comm_errors=tuple(comm_error_counts().items()),
@@ -289,3 +291,13 @@ class RolloutWorkerActor:
     def worker_stats(self):
         """The worker's ``WorkerStats``."""
         return self.worker.stats
+
+
+def _node_address() -> str:
+    """This process's Ray node, as its IP address; "" outside a Ray worker (tests build actors in-process)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else ""
+    except Exception:  # no Ray installed or not connected: the node is unknown
+        return ""
