@@ -22,7 +22,8 @@ import time
 from netns import Cluster
 
 READY = "This command will now block forever"  # what `ray start --block` prints once the node runs
-PORT = 6379  # the GCS port inside the head's namespace: each namespace has its own ports
+PORT = 6379
+HEALTH_CHECK_FAILURES = 12  # the GCS port inside the head's namespace: each namespace has its own ports
 
 WAIT_NODES = """
 import ray, sys, time
@@ -52,6 +53,10 @@ class RayNodes:
             os.environ,
             RAY_AUTH_MODE="disabled",
             RAY_USAGE_STATS_ENABLED="0",
+            # a node is declared dead after this many missed 3 s health checks (Ray's default 5): on shared,
+            # overloaded test cores healthy raylets missed 5 and were killed; a node killed or cut off for
+            # longer (~45 s) is still declared dead
+            RAY_health_check_failure_threshold=str(HEALTH_CHECK_FAILURES),
             PYTHONPATH=os.environ.get("PYTHONPATH", "") + os.pathsep + path,
         )
         self.env.pop("RAY_ADDRESS", None)

@@ -75,7 +75,7 @@ def test_a_lost_node_is_one_event_and_counted():
     now = [0.0]
     watch = NodeWatch(lambda: [dict(n) for n in table], every_s=2.0, clock=lambda: now[0])
     assert watch.poll() == [] and watch.lost == {}
-    table[1]["Alive"] = False
+    table[1]["Alive"], table[1]["Resources"] = False, {}  # as Ray lists a dead node
     assert watch.poll() == []  # read at most every 2 s
     now[0] = 2.0
     (line,) = watch.poll()
@@ -85,3 +85,16 @@ def test_a_lost_node_is_one_event_and_counted():
     table.append({"NodeID": "c", "Alive": False, "NodeManagerAddress": "10.0.0.3"})  # never seen alive
     now[0] = 6.0
     assert watch.poll() == [] and len(watch.lost) == 1
+
+
+def test_the_trainer_groups_collective_timeout_comes_from_the_config(monkeypatch, tmp_path):
+    import moerl.trainer.distributed.factory as factory
+    from moerl.config import load_config
+
+    with pytest.raises(ConfigError, match="trainer.collective_timeout_s"):
+        load_config(None, ["trainer.collective_timeout_s=0"])
+    seen = {}
+    monkeypatch.setattr(factory, "TrainerGroup", lambda *a, **kw: seen.update(kw))
+    cfg = load_config(None, ["trainer.num_ranks=2", "runtime.mode=sync", "trainer.collective_timeout_s=7"])
+    factory.make_trainer(cfg, object(), str(tmp_path), tmp_path)
+    assert seen["timeout_s"] == 7.0  # a rank behind a cut link fails its step after 7 s, not 120

@@ -39,7 +39,7 @@ class NodeWatch:
         clock: Callable[[], float] = time.monotonic,
     ):
         self._nodes, self.every_s, self.clock = nodes, every_s, clock
-        self._alive: set[str] = set()
+        self._alive: dict[str, list[str]] = {}  # node id -> its node groups, seen while it was alive
         self.lost: dict[str, str] = {}
         """Node id -> its address, for every node seen alive and then dead, in the order lost."""
         self._next = 0.0
@@ -59,12 +59,11 @@ class NodeWatch:
         for n in table:
             nid = n.get("NodeID", "")
             if n.get("Alive"):
-                self._alive.add(nid)
+                self._alive[nid] = [g for g in GROUP_RESOURCES if g in (n.get("Resources") or {})]
             elif nid in self._alive and nid not in self.lost:
-                self._alive.discard(nid)
+                groups = self._alive.pop(nid)  # a dead node's table entry lists no resources
                 addr = n.get("NodeManagerAddress", "?")
                 self.lost[nid] = addr
-                groups = [g for g in GROUP_RESOURCES if g in (n.get("Resources") or {})]
                 lines.append(
                     f"Ray node {addr} lost (node groups: {', '.join(groups) or 'none'}; "
                     f"{len(self.lost)} lost so far): its actors are gone, its workers' leases expire and requeue"
