@@ -180,7 +180,8 @@ def _run_rules(p: AlertParams) -> list[dict]:
         ),
         _rule(
             "MoerlStalenessAtLimit",
-            "((moerl_worker_policy_lag > 0) >= ignoring(worker, node) group_left moerl_max_staleness) and " + UP,
+            "((moerl_worker_policy_lag > 0) >= ignoring(worker, node) group_left moerl_max_staleness) and "
+            + UP,
             p.staleness_for,
             "warning",
             "Rollout worker {{ $labels.worker }} generates at the staleness limit",

@@ -79,7 +79,10 @@ def netem_available() -> bool:
         a, b = f"{PREFIX}{os.getpid()}qa", f"{PREFIX}{os.getpid()}qb"
         _sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
         try:
-            _netem = _sh("tc", "qdisc", "add", "dev", a, "root", "netem", "delay", "1ms", check=False).returncode == 0
+            _netem = (
+                _sh("tc", "qdisc", "add", "dev", a, "root", "netem", "delay", "1ms", check=False).returncode
+                == 0
+            )
         finally:
             _sh("ip", "link", "del", a, check=False)
     return _netem
@@ -120,10 +123,15 @@ class LinkShape:
             )
         rate = []
         if self.rate_mbit is not None:
-            burst = max(16_000, int(self.rate_mbit * 1e6 / 8 / 250))  # >= one timer tick (4 ms) worth of bytes
+            burst = max(
+                16_000, int(self.rate_mbit * 1e6 / 8 / 250)
+            )  # >= one timer tick (4 ms) worth of bytes
             rate = ["rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "200ms"]
         if netem and rate:
-            return [["root", "handle", "1:", "netem", *netem], ["parent", "1:1", "handle", "10:", "tbf", *rate]]
+            return [
+                ["root", "handle", "1:", "netem", *netem],
+                ["parent", "1:1", "handle", "10:", "tbf", *rate],
+            ]
         if netem:
             return [["root", "handle", "1:", "netem", *netem]]
         if rate:
@@ -288,7 +296,9 @@ class Cluster:
     a partly built cluster is torn down before the error propagates.
     """
 
-    def __init__(self, nodes: int, *, head_in_root: bool = False, subnet: ipaddress.IPv4Network | None = None):
+    def __init__(
+        self, nodes: int, *, head_in_root: bool = False, subnet: ipaddress.IPv4Network | None = None
+    ):
         if not 1 <= nodes <= 50:
             raise ValueError(f"Cluster nodes must be in 1..50, got {nodes}")
         self.tag = f"{PREFIX}{os.getpid()}"
@@ -437,7 +447,11 @@ class Cluster:
         pids = self._own_root_pids()
         for nd in self.nodes:
             if nd.ns and nd.ns in _netns_names():
-                pids |= {int(p) for p in _sh("ip", "netns", "pids", nd.ns, check=False).stdout.split() if p.isdigit()}
+                pids |= {
+                    int(p)
+                    for p in _sh("ip", "netns", "pids", nd.ns, check=False).stdout.split()
+                    if p.isdigit()
+                }
         _kill_all(pids)
         for p in self._procs:
             try:

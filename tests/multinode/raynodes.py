@@ -77,7 +77,10 @@ class RayNodes:
         else:
             argv += [f"--address={self.address}"]
         log = open(os.path.join(self.logs, f"node{i}.log"), "w")
-        return self.c.popen(i, argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        # gloo (trainer ranks, EP groups) binds the interface named here, else the one the hostname
+        # resolves to, which a namespace does not have; Ray's workers inherit the node's environment
+        env = dict(self.env, GLOO_SOCKET_IFNAME=self.c.node(i).node_if)
+        return self.c.popen(i, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def start(self, timeout_s: float = 240.0) -> RayNodes:
         """Start the head, then the other nodes one at a time (on loaded cores a raylet that does not
@@ -125,4 +128,3 @@ class RayNodes:
             with open(os.path.join(self.logs, name), errors="replace") as f:
                 out.append(f"[{name}] {f.read()[-n:]}")
         return " ".join(out)
-

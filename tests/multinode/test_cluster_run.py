@@ -14,12 +14,11 @@ expired and were requeued, a late delivery of the partitioned worker was refused
 from __future__ import annotations
 
 import json
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
-from _runs import DEFAULT_CONFIG, assert_trained_exactly_once, save_fresh_policy
+from _runs import assert_trained_exactly_once, save_fresh_policy
+from mnruns import Driver
 from netns import Cluster
 from raynodes import RayNodes
 
@@ -50,11 +49,6 @@ OVERRIDES = [
 ]
 
 
-def _steps_done(out: Path) -> int:
-    runs = list(out.glob("multinode-*/metrics.jsonl"))
-    return len(read_jsonl(runs[0])) if runs else 0
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from netns import skip_reason
@@ -71,40 +65,37 @@ def cluster(tmp_path_factory):
 def test_rollout_nodes_partitioned_and_killed(cluster, tmp_path):
     c, ray = cluster
     init = save_fresh_policy(tmp_path / "policy")
-    out = tmp_path / "runs"
-    argv = [*ray.python, "-m", "moerl.cli", "train", "--config", str(DEFAULT_CONFIG), "--ray-address", ray.address]
-    for o in [*OVERRIDES, f"output_dir={out}", f"init_from={init}"]:
-        argv += ["--set", o]
-    log = open(tmp_path / "driver.log", "w")
-    driver = c.popen(0, argv, env=ray.env, stdout=log, stderr=subprocess.STDOUT)
-
-    deadline = time.monotonic() + 150
-    while _steps_done(out) < 2:  # training, with every rollout node delivering
-        assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "no step after 150 s: " + (tmp_path / "driver.log").read_text()[-3000:]
-        time.sleep(0.5)
+    run = Driver(ray, 0, tmp_path / "runs", tmp_path / "driver.log", [*OVERRIDES, f"init_from={init}"])
+    run.wait_steps(2, timeout_s=240)  # training, with every rollout node delivering
     assert c.kill_node(2) > 0  # a whole rollout node lost
     c.cut(1)  # and another partitioned, processes alive
     cut_at = time.monotonic()
-    while time.monotonic() - cut_at < PARTITION_S and driver.poll() is None:
+    while time.monotonic() - cut_at < PARTITION_S and run.proc.poll() is None:
         time.sleep(0.5)
-    steps_during = _steps_done(out)
+    steps_during = run.steps_done()
     c.restore(1)
-    try:
-        rc = driver.wait(timeout=240)
-    except subprocess.TimeoutExpired:
-        pytest.fail("run did not finish: " + (tmp_path / "driver.log").read_text()[-3000:])
-    text = (tmp_path / "driver.log").read_text()
-    assert rc == 0, text[-3000:]
+    assert run.finish(timeout_s=300) == 0, run.tail()
+    text = run.tail(1_000_000)
     assert "Traceback" not in text, text[-3000:]
+    assert "lost (node groups: rollout" in text  # the node's loss, an event of the run (NodeWatch)
 
-    run = RunDir(next(out.glob("multinode-*")))
-    summary = json.loads((run.path / "summary.json").read_text())
+    folder = RunDir(run.run_folder())
+    summary = json.loads((folder.path / "summary.json").read_text())
     assert summary["status"] == "completed"
-    assert_trained_exactly_once(summary, run, STEPS, BATCH)
+    assert_trained_exactly_once(summary, folder, STEPS, BATCH)
     assert steps_during < STEPS  # the faults hit a run in progress
     fleet = summary["fleet"]
     assert fleet["killed"] >= 2 and fleet["replaced"] >= 1  # both lost nodes' workers, a replacement
     assert fleet["tasks_expired"] + fleet["tasks_released"] >= 1  # the lost workers' leases went back
-    print("multinode faults:", {k: fleet[k] for k in ("killed", "replaced", "tasks_expired", "tasks_released")},
-          "requeued", summary["tasks_requeued"], "steps before restore", steps_during)
+    lost = [r["fleet/nodes_lost"] for r in read_jsonl(folder.metrics)]
+    assert lost[-1] >= 1 and lost == sorted(lost)  # in the metrics too, cumulative
+    print(
+        "multinode faults:",
+        {k: fleet[k] for k in ("killed", "replaced", "tasks_expired", "tasks_released")},
+        "requeued",
+        summary["tasks_requeued"],
+        "steps before restore",
+        steps_during,
+        "nodes lost",
+        lost[-1],
+    )

@@ -27,7 +27,9 @@ def _send(c: Cluster, src: int, dst: int, nbytes: int, timeout_s: float = 10.0) 
     sink = c.popen(dst, [sys.executable, "-c", SINK, addr, "7001"], stdout=subprocess.PIPE, text=True)
     assert sink.stdout.readline().strip() == "ready"
     t0 = time.monotonic()
-    r = c.run(src, [sys.executable, "-c", SOURCE, addr, "7001", str(nbytes), str(timeout_s)], timeout=timeout_s + 5)
+    r = c.run(
+        src, [sys.executable, "-c", SOURCE, addr, "7001", str(nbytes), str(timeout_s)], timeout=timeout_s + 5
+    )
     secs = time.monotonic() - t0
     if r.returncode != 0:  # could not connect / send in time: the sink never gets a connection
         sink.kill()
@@ -67,8 +69,11 @@ def test_nodes_cut_restore_shape_and_teardown(make_cluster):
 
     c.close()
     assert c.leftovers() == []
-    assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-                if n.startswith(c.tag)]
+    assert not [
+        n
+        for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        if n.startswith(c.tag)
+    ]
     assert not os.path.exists(c.scratch)
 
 

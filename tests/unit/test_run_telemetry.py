@@ -31,7 +31,10 @@ def _buffer(**kw) -> BufferMetrics:
 
 def _rec(wid: str, tokens: int, groups: int, version: int, state=WorkerState.ALIVE, draining=False):
     health = WorkerHealth(
-        tokens_delivered=tokens, groups_delivered=groups, policy_version=version, is_draining=draining,
+        tokens_delivered=tokens,
+        groups_delivered=groups,
+        policy_version=version,
+        is_draining=draining,
         node=f"10.0.0.{wid[-1]}",  # the worker's node reaches its series' `node` label
     )
     return WorkerRecord(wid, 0.0, state, health=health)
@@ -118,7 +121,10 @@ def test_scrapes_read_the_fleets_latest_heartbeats(tmp_path):
     records[0] = _rec("rollout-0", 640, 9, 0)  # a heartbeat between steps
     s = _samples(t.exporter.render().decode())
     assert s["moerl_rollout_tokens_total", (("node", "10.0.0.0"), ("worker", "rollout-0"))] == 640
-    assert ("moerl_worker_policy_lag", (("node", "10.0.0.0"), ("worker", "rollout-0"))) not in s  # no lag known yet: no sample
+    assert (
+        "moerl_worker_policy_lag",
+        (("node", "10.0.0.0"), ("worker", "rollout-0")),
+    ) not in s  # no lag known yet: no sample
     lags["rollout-0"] = 3  # the fleet's next poll counted the answer
     s = _samples(t.exporter.render().decode())
     assert s["moerl_worker_policy_lag", (("node", "10.0.0.0"), ("worker", "rollout-0"))] == 3

@@ -275,8 +275,6 @@ class RayRollouts:
         Returns:
             ``(groups, seconds since the previous batch, seconds waited)``.
         """
-        import ray
-
         start = time.perf_counter()
         while True:
             self.check_fleet()
@@ -338,8 +336,6 @@ class RayRollouts:
 
     def requeue(self, task: RolloutTask) -> None:
         """Hand a trained task back to the queue (its training was lost with a trainer restart)."""
-        import ray
-
         self._snapshot = None
         self._ask(self.exchange.requeue.remote(task))
 
@@ -408,8 +404,6 @@ class RayRollouts:
     def queue_stats(self) -> QueueStats:
         """``TaskQueue.stats()``, read together with the buffer's metrics in one round trip; the pair is
         kept for ``buffer_metrics``/``fleet_values`` until the fleet next takes a batch, publishes or requeues."""
-        import ray
-
         self._snapshot = self._ask(self.exchange.snapshot.remote())
         return self._snapshot[0]
 
@@ -423,8 +417,6 @@ class RayRollouts:
 
     def state_dict(self) -> dict:
         """Queue and buffer state, taken while every worker is paused (no delivery in progress)."""
-        import ray
-
         workers = self.backend.alive_handles()
         _get_alive([w.pause.remote() for w in workers])
         try:
@@ -434,8 +426,6 @@ class RayRollouts:
 
     def final_state(self) -> FleetState:
         """Stop the workers (their unfinished leases go back to the queue) and read the accounting."""
-        import ray
-
         self.manager.finish(self.backend.stop_all())
         stats = self.worker_stats()
         state = self._ask(self.exchange.state_dict.remote())
