@@ -85,6 +85,7 @@ def test_rollout_nodes_partitioned_and_killed(cluster, tmp_path):
     assert_trained_exactly_once(summary, folder, STEPS, BATCH)
     assert steps_during < STEPS  # the faults hit a run in progress
     fleet = summary["fleet"]
+    assert fleet["exchange_node"] == c.node(0).addr  # the run's state on its node group's node
     assert fleet["killed"] >= 2 and fleet["replaced"] >= 1  # both lost nodes' workers, a replacement
     assert fleet["tasks_expired"] + fleet["tasks_released"] >= 1  # the lost workers' leases went back
     lost = [r["fleet/nodes_lost"] for r in read_jsonl(folder.metrics)]

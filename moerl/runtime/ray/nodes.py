@@ -15,6 +15,17 @@ GROUP_RESOURCES = ("train", "rollout", "exchange", "env")
 """The custom resources named in a loss line (``moerl.cluster.resources``)."""
 
 
+def node_address() -> str:
+    """This process's Ray node, as its IP address; "" outside a connected Ray process (tests build the
+    actors in-process)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else ""
+    except Exception:  # no Ray installed or not connected: the node is unknown
+        return ""
+
+
 def _ray_nodes() -> list[dict]:
     import ray  # lazy: only async mode imports Ray
 

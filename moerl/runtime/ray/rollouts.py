@@ -176,6 +176,7 @@ class RayRollouts:
         placement = exchange_placement(ray.cluster_resources(), ray.get_runtime_context().get_node_id())
         exchange_cls = ray.remote(num_cpus=0, max_concurrency=cfg.rollout.num_workers * 2 + 16)(ExchangeActor)
         self.exchange = exchange_cls.options(**placement.ray_options()).remote(cfg, init_path, version)
+        self._exchange_node = self._ask(self.exchange.node.remote())
         if parts is not None:
             ray.get(
                 self.exchange.load_state_dict.remote({"queue": parts["queue"], "buffer": parts["buffer"]})
@@ -382,6 +383,7 @@ class RayRollouts:
             "tasks_requeued_stale": q.requeued_stale,
             "chaos": self.chaos.counts(),
             "ep_size": self.cfg.rollout.ep_size,
+            "exchange_node": self._exchange_node,  # where the queue and buffer lived (moerl.cluster.placement)
             # EP rollout groups: each worker's rank process ids as its last liveness answer gave them
             "worker_rank_pids": {
                 r.worker_id: list(r.health.rank_pids)

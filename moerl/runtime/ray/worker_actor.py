@@ -40,6 +40,7 @@ from moerl.runtime.fleet import WorkerExit, WorkerHealth
 from moerl.runtime.gpu import read_gpus
 from moerl.runtime.notice import watcher_from_config
 from moerl.runtime.ray.ep_group import EPRolloutGroup
+from moerl.runtime.ray.nodes import node_address
 from moerl.tasks import make_task
 from moerl.tasks.tokenizer import load_run_tokenizer
 from moerl.weights.collective import WeightTransportError
@@ -176,7 +177,7 @@ class RolloutWorkerActor:
         self.drainer = Drainer(cfg.fleet.drain_grace_s, keep_partial=cfg.fleet.keep_partial)
         self.slowdown = Slowdown.from_config(cfg.chaos, worker_id)
         self._has_gpu = cfg.model.device.startswith("cuda")
-        self._node = _node_address()  # the Ray node it runs on: the `node` label of its series
+        self._node = node_address()  # the Ray node it runs on: the `node` label of its series
         self.cfg_ep_size = cfg.rollout.ep_size
 
     def _weights_version(self) -> int:
@@ -291,13 +292,3 @@ class RolloutWorkerActor:
     def worker_stats(self):
         """The worker's ``WorkerStats``."""
         return self.worker.stats
-
-
-def _node_address() -> str:
-    """This process's Ray node, as its IP address; "" outside a Ray worker (tests build actors in-process)."""
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address() if ray.is_initialized() else ""
-    except Exception:  # no Ray installed or not connected: the node is unknown
-        return ""
