@@ -180,7 +180,9 @@ class Run:
     def restart_group(self, error: BaseException | str, lost: list[Group] | tuple = ()) -> None:
         """Replace a trainer group whose rank died, hung or failed (``moerl.run.group_recovery``);
         ``lost`` are the groups of a step that did not complete (requeued)."""
-        self.view.message(f"trainer group failed ({error}); restarting it from the newest checkpoint")
+        self.view.message(
+            f"trainer group failed ({one_line(error)}); restarting it from the newest checkpoint"
+        )
         self.trainer, report = restart_group(
             self.cfg,
             self.comp,
@@ -452,6 +454,16 @@ def _resume(run_dir: str | Path, fetched: Path | None, overrides: list[str] | No
             return run.run()
     except KeyboardInterrupt as e:
         raise RunInterrupted.of(folder.path) from e
+
+
+def one_line(error: BaseException | str) -> str:
+    """``error`` as one line for the console: a message that carries a rank's traceback (``TrainerRankError``)
+    becomes its first line and its last (the exception raised), e.g. ``trainer rank 1, train_step: ...
+    RuntimeError: Timed out waiting 8000ms for recv operation to complete``."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else type(error).__name__
+    return f"{lines[0]} ... {lines[-1]}"
 
 
 def export_policy(trainer: Trainer, tokenizer, folder: Path) -> Path:

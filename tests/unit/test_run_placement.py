@@ -98,3 +98,13 @@ def test_the_trainer_groups_collective_timeout_comes_from_the_config(monkeypatch
     cfg = load_config(None, ["trainer.num_ranks=2", "runtime.mode=sync", "trainer.collective_timeout_s=7"])
     factory.make_trainer(cfg, object(), str(tmp_path), tmp_path)
     assert seen["timeout_s"] == 7.0  # a rank behind a cut link fails its step after 7 s, not 120
+
+
+def test_a_failed_groups_message_is_one_line():
+    from moerl.train import one_line
+
+    rank_error = (
+        "trainer rank 1, train_step:\nTraceback (most recent call last):\n  File x\nRuntimeError: timed out\n"
+    )
+    assert one_line(rank_error) == "trainer rank 1, train_step: ... RuntimeError: timed out"
+    assert one_line(RuntimeError("chaos kill")) == "chaos kill"
