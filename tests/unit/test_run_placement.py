@@ -108,3 +108,17 @@ def test_a_failed_groups_message_is_one_line():
     )
     assert one_line(rank_error) == "trainer rank 1, train_step: ... RuntimeError: timed out"
     assert one_line(RuntimeError("chaos kill")) == "chaos kill"
+
+
+def test_the_rank_bundle_refuses_a_cluster_with_rollout_nodes_only(monkeypatch):
+    import ray
+
+    from moerl.config import load_config
+    from moerl.trainer.distributed.ray_ranks import _bundle
+
+    cfg = load_config(None, ["trainer.num_ranks=2", "runtime.mode=async"])
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0, "rollout": 2.0})
+    with pytest.raises(ConfigError, match="no `train` resource"):
+        _bundle(cfg, 2)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0, "rollout": 2.0, "train": 1.0})
+    assert _bundle(cfg, 2)["train"] == 0.001
