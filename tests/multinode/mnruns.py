@@ -51,3 +51,23 @@ class Driver:
     def run_folder(self) -> Path:
         """The run's folder (``out/<name>-<time>``)."""
         return next(p.parent for p in self.out.glob("*/config.yaml"))
+
+
+ACTOR_NODES = """
+import ray, sys
+ray.init(address=sys.argv[1], configure_logging=False, log_to_driver=False)
+nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+for a in ray._private.state.actors().values():  # the GCS actor table (no dashboard needed)
+    if a["ActorClassName"] == sys.argv[2] and a["State"] == "ALIVE":
+        print(nodes.get(a["Address"]["NodeID"], "?"))
+"""
+
+
+def actor_nodes(ray: RayNodes, class_name: str) -> list[int]:
+    """Indices of the cluster's nodes that hold a live actor of ``class_name`` (one entry per actor)."""
+    r = ray.c.run(
+        ray.head, [*ray.python, "-c", ACTOR_NODES, ray.address, class_name], env=ray.env, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    index = {n.addr: n.index for n in ray.c.nodes}
+    return [index[ip] for ip in r.stdout.split() if ip in index]
