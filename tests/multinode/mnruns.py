@@ -53,21 +53,17 @@ class Driver:
         return next(p.parent for p in self.out.glob("*/config.yaml"))
 
 
-ACTOR_NODES = """
-import ray, sys
-ray.init(address=sys.argv[1], configure_logging=False, log_to_driver=False)
-nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-for a in ray._private.state.actors().values():  # the GCS actor table (no dashboard needed)
-    if a["ActorClassName"] == sys.argv[2] and a["State"] == "ALIVE":
-        print(nodes.get(a["Address"]["NodeID"], "?"))
-"""
-
-
 def actor_nodes(ray: RayNodes, class_name: str) -> list[int]:
-    """Indices of the cluster's nodes that hold a live actor of ``class_name`` (one entry per actor)."""
-    r = ray.c.run(
-        ray.head, [*ray.python, "-c", ACTOR_NODES, ray.address, class_name], env=ray.env, timeout=120
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    index = {n.addr: n.index for n in ray.c.nodes}
-    return [index[ip] for ip in r.stdout.split() if ip in index]
+    """Indices of the cluster's namespaced nodes that run a Ray actor of ``class_name``, one entry per
+    actor process (Ray titles an actor's process ``ray::<class name>``), read from ``/proc``."""
+    found = []
+    for node in ray.c.nodes:
+        for pid in ray.c.node_pids(node.index):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    title = f.read().split(b"\0")[0].decode(errors="replace")
+            except OSError:
+                continue
+            if title.startswith(f"ray::{class_name}"):
+                found.append(node.index)
+    return found
