@@ -1,11 +1,12 @@
-"""``moerl train --ray-address`` on one real Ray cluster of five namespaced nodes, with nodes lost, cut
-off and restored. One cluster (a module fixture) serves both runs:
+"""``moerl train --ray-address`` on one real Ray cluster of six namespaced nodes, with nodes lost, cut
+off and restored. One cluster (a module fixture) serves the three runs:
 
-    node 0  head, driver (``moerl train``), ``train`` + ``exchange``: the trainer (rank 0), the exchange
+    node 0  head, driver (``moerl train``), ``train``: the trainer (rank 0), the weight store's writer
     node 1  ``train``: trainer rank 1 of the two-node group
     node 2  ``rollout`` (1 CPU)
     node 3  ``rollout`` (1 CPU)
     node 4  ``rollout`` (2 CPUs)
+    node 5  ``exchange``: the exchange actor (task queue, experience buffer)
 
 Of the rollout nodes that Ray gave workers, one is killed whole (every process at once) and another
 partitioned for 45 s, then restored with its processes alive; the third keeps generating.
@@ -19,8 +20,11 @@ partitioned for 45 s, then restored with its processes alive; the third keeps ge
   group), so only rollout work is lost: leases expire and requeue, a late delivery of the partitioned
   worker is refused by its lease fence, the workers are replaced.
 
-Every run completes with the ledger exact (each task trained once, 0 lost, 0 duplicated) and prints no
-traceback.
+- ``test_exchange_node_lost_stops_in_one_line``: the exchange's node killed mid-run: the run stops with
+  one line naming the loss and the resume command, exit 1, its newest checkpoint whole.
+
+The first two runs complete with the ledger exact (each task trained once, 0 lost, 0 duplicated) and
+print no traceback.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from netns import Cluster
 from raynodes import RayNodes
 
 from moerl.run.folder import RunDir, read_jsonl
+from moerl.trainer.checkpoint import latest_checkpoint
 
 STEPS, BATCH = 24, 4
 PARTITION_S = 45.0
@@ -92,11 +97,11 @@ def cluster(tmp_path_factory):
 
     if reason := skip_reason():
         pytest.skip(reason)
-    with Cluster(5) as c:
-        nodes = {0: {"train": 1, "exchange": 1}, 1: {"train": 1}, 2: {"rollout": 1}, 3: {"rollout": 1}}
-        nodes[4] = {"rollout": 2}
+    with Cluster(6) as c:
+        nodes = {0: {"train": 1}, 1: {"train": 1}, 2: {"rollout": 1}, 3: {"rollout": 1}}
+        nodes[4], nodes[5] = {"rollout": 2}, {"exchange": 1}
         # 1 CPU on each train node: the two rank bundles (1 CPU each) split over nodes 0 and 1
-        ray = RayNodes(c, nodes, cpus={0: 1, 1: 1, 2: 1, 3: 1, 4: 2}).start()
+        ray = RayNodes(c, nodes, cpus={0: 1, 1: 1, 2: 1, 3: 1, 4: 2, 5: 1}).start()
         yield c, ray
     assert c.leftovers() == []
 
@@ -145,7 +150,7 @@ def test_rollout_nodes_partitioned_and_killed(cluster, tmp_path):
     assert_trained_exactly_once(summary, folder, STEPS, BATCH)
     assert steps_during < STEPS  # the faults hit a run in progress
     fleet = summary["fleet"]
-    assert fleet["exchange_node"] == c.node(0).addr  # the run's state on its node group's node
+    assert fleet["exchange_node"] == c.node(5).addr  # the run's state on its node group's node
     assert fleet["killed"] >= 2 and fleet["replaced"] >= 1  # both lost nodes' workers, a replacement
     assert fleet["tasks_expired"] + fleet["tasks_released"] >= 1  # the lost workers' leases went back
     lost = [r["fleet/nodes_lost"] for r in read_jsonl(folder.metrics)]
@@ -160,3 +165,19 @@ def test_rollout_nodes_partitioned_and_killed(cluster, tmp_path):
         "nodes lost",
         lost[-1],
     )
+
+
+def test_exchange_node_lost_stops_in_one_line(cluster, tmp_path):
+    c, ray = cluster
+    init = save_fresh_policy(tmp_path / "policy")
+    overrides = [*OVERRIDES, "name=exchangelost", "rollout.num_workers=1", "trainer.checkpoint_every=2"]
+    run = Driver(ray, 0, tmp_path / "runs", tmp_path / "driver.log", [*overrides, f"init_from={init}"])
+    run.wait_steps(3, timeout_s=240)
+    assert c.kill_node(5) > 0  # the node of the run's queue and buffer
+    assert run.finish(timeout_s=240) == 1, run.tail()
+    folder = run.run_folder()
+    ours = [line for line in run.tail(1_000_000).splitlines() if line.startswith("moerl: ")]
+    assert len(ours) == 1, ours
+    assert ours[0].startswith("moerl: the exchange actor (task queue, experience buffer) was lost"), ours
+    assert ours[0].endswith(f"; continue with: moerl train --resume {folder}"), ours
+    assert latest_checkpoint(folder) is not None  # whole (contents checked): the resume starts there
