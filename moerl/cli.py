@@ -12,6 +12,7 @@ from moerl.errors import (
     EXIT_CONFIG,
     EXIT_REWARD_FAILED,
     DiskFullError,
+    ExchangeLostError,
     RewardFunctionError,
     RunFolderInUseError,
     StorageError,
@@ -367,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except WeightVersionRefused as e:  # sync mode cannot generate past a refused version: one line
         print(f"moerl: {e}", file=sys.stderr)
+    except ExchangeLostError as e:  # the queue/buffer actor's node was lost: one line with the resume command
+        print(e.line(), file=sys.stderr)
         return 1
     except StorageError as e:  # an upload that failed after its retries: one line, the local copy is whole
         print(f"moerl: {e}", file=sys.stderr)

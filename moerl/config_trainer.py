@@ -91,6 +91,10 @@ class TrainerConfig:
     gpus_per_node: int = 8
     """Ranks per node: the node topology the hierarchical dispatcher and the placement use (on CPU it
     simulates nodes). An EP group of more ranks than this spans ``ep_size / gpus_per_node`` nodes."""
+    collective_timeout_s: float = 120.0
+    """Seconds a trainer rank waits in a collective for its peers (``num_ranks > 1``) before its step fails
+    and the run restarts the group from its newest checkpoint: a rank that died, hung, or sits behind a
+    cut link. The driver waits 10 x this for a whole step's replies."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping them
     (per-layer activation checkpointing, Chen et al. 2016, "Training Deep Nets with Sublinear Memory
@@ -118,6 +122,7 @@ class TrainerConfig:
         check_range("trainer.checkpoint_every", self.checkpoint_every, 0)
         check_range("trainer.max_nan_steps", self.max_nan_steps, 1)
         check_range("trainer.num_ranks", self.num_ranks, 1)
+        check_range("trainer.collective_timeout_s", self.collective_timeout_s, 0.0, lo_open=True)
         check_range("trainer.ep_size", self.ep_size, 1)
         from moerl.ep.registry import DISPATCHERS  # here: moerl.ep loads torch, this module must not
 

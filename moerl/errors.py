@@ -61,3 +61,27 @@ EXIT_CONFIG = 2
 """``moerl`` exit status of a config error or bad input found before training (one line, nothing written)."""
 EXIT_REWARD_FAILED = 3
 """``moerl train`` exit status of a run stopped by its failing reward function (``RewardFunctionError``)."""
+
+
+class ExchangeLostError(RuntimeError):
+    """The exchange actor (task queue + experience buffer, the run's central state) died with its node;
+    the run stops: no step was half-trained into the run folder, the newest checkpoint stays whole.
+
+    Args:
+        message: one line saying what was lost (the actor's node and Ray's first line).
+        folder: the run folder, or None while unknown (``RayRollouts`` raises it; ``moerl.train`` fills it).
+        resumable: True when ``folder`` holds a checkpoint that ``moerl train --resume`` continues from.
+    """
+
+    def __init__(self, message: str, folder=None, resumable: bool = False) -> None:
+        super().__init__(message)
+        self.folder = folder
+        self.resumable = resumable
+
+    def line(self) -> str:
+        """The one line ``moerl train`` prints: what was lost, and whether and how the run continues."""
+        if self.resumable:
+            return f"moerl: {self}; continue with: moerl train --resume {self.folder}"
+        if self.folder is not None:
+            return f"moerl: {self} before the first checkpoint: {self.folder} holds the metrics so far but cannot be resumed"
+        return f"moerl: {self}"

@@ -34,7 +34,7 @@ from moerl.rollout.memory_check import driver_holds_policy, evaluates_on_workers
 from moerl.rollout.precision_gap import LogprobGap, logprob_gap
 from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
 from moerl.run.group_recovery import restart_group
-from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk
+from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk, stops_on_lost_exchange
 from moerl.run.preflight import check_run_inputs
 from moerl.run.recovery import StepJournal, recover_trainer
 from moerl.run.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
@@ -198,7 +198,9 @@ class Run:
     def restart_group(self, error: BaseException | str, lost: list[Group] | tuple = ()) -> None:
         """Replace a trainer group whose rank died, hung or failed (``moerl.run.group_recovery``);
         ``lost`` are the groups of a step that did not complete (requeued)."""
-        self.view.message(f"trainer group failed ({error}); restarting it from the newest checkpoint")
+        self.view.message(
+            f"trainer group failed ({one_line(error)}); restarting it from the newest checkpoint"
+        )
         self.trainer, report = restart_group(
             self.cfg,
             self.comp,
@@ -484,7 +486,12 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
         cfg.init_from = str(Path(cfg.init_from).resolve())
     run_dir = RunDir.create(cfg)
     try:
-        with RunFolderLock(run_dir.path), stops_on_full_disk(run_dir.path), sigterm_interrupts():
+        with (
+            RunFolderLock(run_dir.path),
+            stops_on_full_disk(run_dir.path),
+            stops_on_lost_exchange(run_dir.path),
+            sigterm_interrupts(),
+        ):
             # a failure before step 1 leaves no half-written folder
             with run_dir.discarded_on_early_failure():
                 run = Run(cfg, run_dir, live=live)
@@ -536,7 +543,7 @@ def _resume(run_dir: str | Path, fetched: Path | None, overrides: list[str] | No
         check_init_from(cfg, folder.path, folder.config)  # relative ones from the folder the run began in
         ckpt = resume_checkpoint(folder.path, cfg)  # the newest complete one; skipped ones named
     try:
-        with stops_on_full_disk(folder.path), sigterm_interrupts():
+        with stops_on_full_disk(folder.path), stops_on_lost_exchange(folder.path), sigterm_interrupts():
             run = Run(cfg, folder, live=live)
             with removed_on_failure(fetched):
                 run.start(checkpoint=ckpt)
@@ -546,6 +553,16 @@ def _resume(run_dir: str | Path, fetched: Path | None, overrides: list[str] | No
     except RewardFunctionError as e:
         e.folder = folder.path
         raise
+
+
+def one_line(error: BaseException | str) -> str:
+    """``error`` as one line for the console: a message that carries a rank's traceback (``TrainerRankError``)
+    becomes its first line and its last (the exception raised), e.g. ``trainer rank 1, train_step: ...
+    RuntimeError: Timed out waiting 8000ms for recv operation to complete``."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else type(error).__name__
+    return f"{lines[0]} ... {lines[-1]}"
 
 
 def export_policy(trainer: Trainer, tokenizer, folder: Path, init_path: str | None = None) -> Path:

@@ -9,7 +9,7 @@ import signal
 import threading
 from pathlib import Path
 
-from moerl.errors import DiskFullError
+from moerl.errors import DiskFullError, ExchangeLostError
 from moerl.trainer.checkpoint import latest_checkpoint
 
 
@@ -78,6 +78,19 @@ def stops_on_full_disk(folder: Path):
             raise
         stopped = RunInterrupted.of(folder)
         raise DiskFullError(e, stopped.folder, stopped.resumable) from e
+
+
+@contextlib.contextmanager
+def stops_on_lost_exchange(folder: Path):
+    """Around a run in ``folder``: an ``ExchangeLostError`` (the queue/buffer actor died with its node)
+    gets the run folder and whether a checkpoint resumes it, which ``moerl train`` prints as one line with
+    the resume command. Other errors pass unchanged."""
+    try:
+        yield
+    except ExchangeLostError as e:
+        stopped = RunInterrupted.of(folder)
+        e.folder, e.resumable = stopped.folder, stopped.resumable
+        raise
 
 
 def _raise_interrupt(signum, frame) -> None:

@@ -74,6 +74,9 @@ class WorkerHealth:
     """Its process id (0: unknown); chaos SIGKILLs it by this on the same host."""
     hostname: str = ""
     """Host it runs on (``socket.gethostname()``)."""
+    node: str = ""
+    """The Ray node it runs on, as its IP address (``ray.util.get_node_ip_address()``; "" unknown): the
+    ``node`` label of its Prometheus series; several nodes may share one hostname (network namespaces)."""
     groups_delivered: int = 0
     """Groups it handed to the buffer so far (cumulative, whatever the buffer decided)."""
     gpus: tuple = ()

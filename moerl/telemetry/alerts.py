@@ -125,8 +125,8 @@ def _worker_rules(p: AlertParams) -> list[dict]:
         ),
         _rule(
             "MoerlWorkerRateSpread",
-            f"{_live_rate(p.rate_window)} < ignoring(worker) group_left {spread} * "
-            f"max without(worker) {_live_rate(p.rate_window)}",
+            f"{_live_rate(p.rate_window)} < ignoring(worker, node) group_left {spread} * "
+            f"max without(worker, node) {_live_rate(p.rate_window)}",
             p.spread_for,
             "warning",
             "Rollout worker {{ $labels.worker }} lags the fastest worker",
@@ -172,7 +172,7 @@ def _run_rules(p: AlertParams) -> list[dict]:
         ),
         _rule(
             "MoerlSpotNoticeBurst",
-            f"sum without(worker) (increase(moerl_spot_notices_total[{p.spot_window}])) >= {p.spot_notices}",
+            f"sum without(worker, node) (increase(moerl_spot_notices_total[{p.spot_window}])) >= {p.spot_notices}",
             "0s",
             "warning",
             "Clustered spot preemptions",
@@ -180,7 +180,8 @@ def _run_rules(p: AlertParams) -> list[dict]:
         ),
         _rule(
             "MoerlStalenessAtLimit",
-            "((moerl_worker_policy_lag > 0) >= ignoring(worker) group_left moerl_max_staleness) and " + UP,
+            "((moerl_worker_policy_lag > 0) >= ignoring(worker, node) group_left moerl_max_staleness) and "
+            + UP,
             p.staleness_for,
             "warning",
             "Rollout worker {{ $labels.worker }} generates at the staleness limit",

@@ -74,7 +74,10 @@ def _rollout_row() -> list[dict]:
         _ts(
             "Rate relative to the fastest worker",
             "percentunit",
-            (f"{live_tok} / ignoring(worker) group_left max without(worker) {live_tok}", "{{worker}}"),
+            (
+                f"{live_tok} / ignoring(worker, node) group_left max without(worker, node) {live_tok}",
+                "{{worker}}",
+            ),
             description="1 = as fast as the fastest live worker; the spread alert fires below 0.8.",
         ),
         _ts(

@@ -67,6 +67,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "fleet/desired_workers",  # scaling hint for an external autoscaler (moerl.runtime.fleet)
     "fleet/spot_notices",  # termination notices received by rollout workers (cumulative)
     "fleet/lost_work_tokens",  # generated tokens discarded by interruptions (cumulative)
+    "fleet/nodes_lost",  # Ray nodes of the cluster seen dead or unreachable during the run (cumulative; async)
     "ep/intra_node_bytes",  # bytes EP ranks sent within a node, dispatch + combine (cumulative; null: no EP)
     "ep/inter_node_bytes",  # bytes EP ranks sent across nodes (cumulative; null: no EP)
     "rollout/workers",  # per-worker record: {worker_id: {WORKER_FIELDS}} (see the module docstring)

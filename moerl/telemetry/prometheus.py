@@ -147,6 +147,9 @@ class WorkerSeries:
     """Its GPUs (empty without a GPU or without NVML)."""
     comm_errors: tuple[tuple[str, int], ...] = ()
     """Communication errors it caught, ``(kind, count)`` cumulative (``moerl.runtime.counters``)."""
+    node: str = ""
+    """The node it runs on (``WorkerHealth.node``: the Ray node's IP address; "" unknown), the ``node``
+    label of its series."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,23 +359,27 @@ def _replace(w: WorkerSeries, **changes) -> WorkerSeries:
     return WorkerSeries(**{**values, **changes})
 
 
+WORKER_LABELS = ["worker", "node"]
+"""Labels of every per-worker series: the worker's id and its node (``WorkerSeries.node``)."""
+
+
 def _worker_families(workers: Mapping[str, WorkerSeries]) -> Iterator:
-    tokens = CounterMetricFamily("moerl_rollout_tokens", "Response tokens delivered.", labels=["worker"])
-    groups = CounterMetricFamily("moerl_rollout_groups", "Groups delivered.", labels=["worker"])
-    up = GaugeMetricFamily("moerl_worker_up", "1 while the worker answers pings.", labels=["worker"])
+    tokens = CounterMetricFamily("moerl_rollout_tokens", "Response tokens delivered.", labels=WORKER_LABELS)
+    groups = CounterMetricFamily("moerl_rollout_groups", "Groups delivered.", labels=WORKER_LABELS)
+    up = GaugeMetricFamily("moerl_worker_up", "1 while the worker answers pings.", labels=WORKER_LABELS)
     lag = GaugeMetricFamily(
         "moerl_worker_policy_lag",
         "Trainer version when the worker's last heartbeat was asked for, minus its weights version.",
-        labels=["worker"],
+        labels=WORKER_LABELS,
     )
-    notices = CounterMetricFamily("moerl_spot_notices", "Termination notices received.", labels=["worker"])
+    notices = CounterMetricFamily("moerl_spot_notices", "Termination notices received.", labels=WORKER_LABELS)
     for wid, w in sorted(workers.items()):
-        tokens.add_metric([wid], w.tokens_total)
-        groups.add_metric([wid], w.groups_total)
-        up.add_metric([wid], 1.0 if w.is_up else 0.0)
+        tokens.add_metric([wid, w.node], w.tokens_total)
+        groups.add_metric([wid, w.node], w.groups_total)
+        up.add_metric([wid, w.node], 1.0 if w.is_up else 0.0)
         if w.policy_lag is not None:
-            lag.add_metric([wid], w.policy_lag)
-        notices.add_metric([wid], w.spot_notices_total)
+            lag.add_metric([wid, w.node], w.policy_lag)
+        notices.add_metric([wid, w.node], w.spot_notices_total)
     yield from (tokens, groups, up, lag, notices)
 
 

@@ -55,6 +55,7 @@ def worker_series(rec: WorkerRecord, policy_lag: int | None) -> WorkerSeries:
         is_up=rec.state is WorkerState.ALIVE,
         gpus=h.gpus,
         comm_errors=h.comm_errors,
+        node=h.node,
     )
 
 

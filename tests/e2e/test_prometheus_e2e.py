@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -203,7 +204,9 @@ def test_prometheus_sees_the_slowed_worker_and_nothing_without_it(tmp_path, tiny
             others += [f"{a['labels']['worker']} {a['state']}" for a in worker_alerts if a is not seen]
         assert seen is not None, f"no worker-rate alert for the slowed worker; rates {rates}; others {others}"
         body = _get(f"http://{slow}/metrics")  # the endpoint answers while training
-        assert 'moerl_rollout_tokens_total{worker="rollout-1"}' in body
+        assert re.search(
+            r'moerl_rollout_tokens_total{node="[0-9.]+",worker="rollout-1"}', body
+        )  # and its node
         for _ in range(15):  # the rates of the same moment (a loaded machine may starve a worker briefly)
             rates = _worker_rates(prom, slow)
             if set(rates) == {"rollout-0", "rollout-1"} and all(r > 0 for r in rates.values()):

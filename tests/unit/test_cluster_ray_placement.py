@@ -113,7 +113,7 @@ def test_trainer_rank_group_is_placed_on_the_train_node_only(cluster):
     cfg, node_of = cluster
     cfg = replace(cfg, model=replace(cfg.model, device="cpu"))  # no GPUs on these fake nodes: CPU bundles
     bundle = _bundle(cfg, 2)
-    assert bundle.get("train") == 0.001
+    assert bundle.get("train") == 0.001  # moerl.cluster.placement.trainer_rank_resources
     pg = placement_group([bundle] * 2, strategy="PACK")
     assert ray.get(pg.ready(), timeout=60)
     ranks = [
@@ -132,3 +132,20 @@ def test_trainer_rank_group_is_placed_on_the_train_node_only(cluster):
     for actor in ranks:
         ray.kill(actor)
     remove_placement_group(pg)
+
+
+def test_exchange_without_its_resource_is_pinned_to_the_drivers_node(cluster):
+    """On a cluster without the ``exchange`` resource the exchange is pinned (hard node affinity) to the
+    driver's node; the pin holds on any node asked for, never spilling to one with free CPUs."""
+    from moerl.cluster.placement import exchange_placement
+
+    _, node_of = cluster
+    without = {k: v for k, v in ray.cluster_resources().items() if k != "exchange"}
+    driver = ray.get_runtime_context().get_node_id()
+    exchange = Probe.options(num_cpus=0, **exchange_placement(without, driver).ray_options()).remote()
+    assert ray.get(exchange.node.remote(), timeout=60) == driver
+    for name in ("train", "rollout"):  # the pin is what decides: any node asked for is the one used
+        probe = Probe.options(num_cpus=0, **exchange_placement(without, node_of[name]).ray_options()).remote()
+        assert ray.get(probe.node.remote(), timeout=60) == node_of[name]
+        ray.kill(probe)
+    ray.kill(exchange)

@@ -39,10 +39,11 @@ def _exporter() -> MetricsExporter:
         {
             # rollout-0's heartbeat was asked for at version 6 (policy_lag 2); rollout-1's at version 6 too
             "rollout-0": WorkerSeries(
-                tokens_total=640, groups_total=5, policy_version=4, policy_lag=2, gpus=(gpu,)
+                tokens_total=640, groups_total=5, policy_version=4, policy_lag=2, gpus=(gpu,), node="10.0.0.7"
             ),
             "rollout-1": WorkerSeries(
                 tokens_total=320,
+                node="10.0.0.8",
                 groups_total=2,
                 policy_version=6,
                 policy_lag=0,
@@ -91,7 +92,8 @@ def test_every_series_is_exposed_with_its_type():
 
 def test_values_come_from_heartbeats_and_totals():
     s = _samples(_exporter().render().decode())
-    w0, w1 = (("worker", "rollout-0"),), (("worker", "rollout-1"),)
+    # every worker series carries the node the worker runs on
+    w0, w1 = (("node", "10.0.0.7"), ("worker", "rollout-0")), (("node", "10.0.0.8"), ("worker", "rollout-1"))
     assert s["moerl_rollout_tokens_total", w0] == 640 and s["moerl_rollout_tokens_total", w1] == 320
     assert s["moerl_rollout_groups_total", w0] == 5
     assert s["moerl_worker_policy_lag", w0] == 2 and s["moerl_worker_policy_lag", w1] == 0
@@ -135,9 +137,9 @@ def test_gone_worker_keeps_its_totals_and_is_down():
     e.mark_down(["rollout-1"])
     e.update_workers({"rollout-2": WorkerSeries(tokens_total=10, groups_total=1, policy_version=6)})
     s = _samples(e.render().decode())
-    assert s["moerl_worker_up", (("worker", "rollout-1"),)] == 0
-    assert s["moerl_rollout_tokens_total", (("worker", "rollout-1"),)] == 320
-    assert s["moerl_worker_up", (("worker", "rollout-2"),)] == 1
+    assert s["moerl_worker_up", (("node", "10.0.0.8"), ("worker", "rollout-1"))] == 0
+    assert s["moerl_rollout_tokens_total", (("node", "10.0.0.8"), ("worker", "rollout-1"))] == 320
+    assert s["moerl_worker_up", (("node", ""), ("worker", "rollout-2"))] == 1
 
 
 def test_bad_inputs_are_refused():
@@ -155,7 +157,7 @@ def test_server_answers_then_frees_its_port():
     server = start_metrics_server(e, port=0)  # 0: an ephemeral port for the test
     assert server.address == "127.0.0.1"
     body = urllib.request.urlopen(server.url, timeout=5).read().decode()
-    assert 'moerl_rollout_tokens_total{worker="rollout-0"} 640.0' in body
+    assert 'moerl_rollout_tokens_total{node="10.0.0.7",worker="rollout-0"} 640.0' in body
     port = server.port
     server.close()
     server.close()  # idempotent

@@ -31,7 +31,11 @@ def _buffer(**kw) -> BufferMetrics:
 
 def _rec(wid: str, tokens: int, groups: int, version: int, state=WorkerState.ALIVE, draining=False):
     health = WorkerHealth(
-        tokens_delivered=tokens, groups_delivered=groups, policy_version=version, is_draining=draining
+        tokens_delivered=tokens,
+        groups_delivered=groups,
+        policy_version=version,
+        is_draining=draining,
+        node=f"10.0.0.{wid[-1]}",  # the worker's node reaches its series' `node` label
     )
     return WorkerRecord(wid, 0.0, state, health=health)
 
@@ -99,8 +103,8 @@ def test_write_step_records_workers_and_feeds_the_exporter(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[0])["rollout/workers"]["rollout-0"]["tokens_per_s"] is None  # no previous record
     s = _samples(t.exporter.render().decode())
-    assert s["moerl_rollout_tokens_total", (("worker", "rollout-0"),)] == 300
-    assert s["moerl_worker_up", (("worker", "rollout-1"),)] == 0
+    assert s["moerl_rollout_tokens_total", (("node", "10.0.0.0"), ("worker", "rollout-0"))] == 300
+    assert s["moerl_worker_up", (("node", "10.0.0.1"), ("worker", "rollout-1"))] == 0
     assert s["moerl_trainer_wait_seconds_total", ()] == 3.0
     assert s["moerl_tasks_duplicated_total", ()] == 1
     assert s["moerl_tasks_lost_total", ()] == 1  # 5 drawn - (2 distinct trained + 1 pending + 1 buffered)
@@ -116,11 +120,14 @@ def test_scrapes_read_the_fleets_latest_heartbeats(tmp_path):
     t.watch_fleet(SimpleNamespace(worker_records=lambda: records, policy_lags=lambda: dict(lags)))
     records[0] = _rec("rollout-0", 640, 9, 0)  # a heartbeat between steps
     s = _samples(t.exporter.render().decode())
-    assert s["moerl_rollout_tokens_total", (("worker", "rollout-0"),)] == 640
-    assert ("moerl_worker_policy_lag", (("worker", "rollout-0"),)) not in s  # no lag known yet: no sample
+    assert s["moerl_rollout_tokens_total", (("node", "10.0.0.0"), ("worker", "rollout-0"))] == 640
+    assert (
+        "moerl_worker_policy_lag",
+        (("node", "10.0.0.0"), ("worker", "rollout-0")),
+    ) not in s  # no lag known yet: no sample
     lags["rollout-0"] = 3  # the fleet's next poll counted the answer
     s = _samples(t.exporter.render().decode())
-    assert s["moerl_worker_policy_lag", (("worker", "rollout-0"),)] == 3
+    assert s["moerl_worker_policy_lag", (("node", "10.0.0.0"), ("worker", "rollout-0"))] == 3
     t.close()
 
 

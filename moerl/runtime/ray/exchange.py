@@ -17,6 +17,7 @@ from moerl.run.storage import local_model_folder
 from moerl.runtime.buffer import BufferMetrics, PutResult
 from moerl.runtime.build import make_buffer, make_queue
 from moerl.runtime.queue import QueueStats
+from moerl.runtime.ray.nodes import node_address
 from moerl.runtime.reward import score_groups
 from moerl.tasks import make_task
 from moerl.tasks.tokenizer import load_run_tokenizer
@@ -154,6 +155,10 @@ class ExchangeActor:
     def snapshot(self) -> tuple[QueueStats, BufferMetrics]:
         """``(TaskQueue.stats(), ExperienceBuffer.metrics())`` in one call."""
         return self.queue.stats(), self.buffer.metrics()
+
+    def node(self) -> str:
+        """The IP address of the Ray node this actor runs on ("" outside Ray): where the run's state lives."""
+        return node_address()
 
     def state_dict(self) -> dict:
         """``{"queue": TaskQueue.state_dict(), "buffer": ExperienceBuffer.state_dict()}``."""

@@ -8,7 +8,9 @@
 
 Resources declared per actor (a cluster maps them onto node groups):
 
-- ``ExchangeActor`` (``exchange.py``): ``num_cpus=0`` (I/O bound); threaded (``max_concurrency``)
+- ``ExchangeActor`` (``exchange.py``): on the node with the ``exchange`` resource, else pinned to the
+  driver's node, never on a rollout node (``moerl.cluster.placement``); losing it stops the run with
+  ``ExchangeLostError`` (one line and the resume command). ``num_cpus=0`` (I/O bound); threaded (``max_concurrency``)
   because producers block in ``put_many`` on a full buffer (backpressure) while the trainer's ``get``
   must still run; both classes it holds are thread-safe. Its ``lease`` is gated
   (``rollout_allowance``): no rollout starts that would arrive too stale to train.
@@ -30,6 +32,7 @@ is imported inside functions: it is an optional dependency, needed only in async
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -42,7 +45,9 @@ from pathlib import Path
 import torch
 
 from moerl.cluster.autoscale import RolloutCapacity
+from moerl.cluster.placement import exchange_placement
 from moerl.config import ConfigError, RunConfig
+from moerl.errors import ExchangeLostError
 from moerl.records import Group, RolloutTask
 from moerl.run.storage import stage_model_folder
 from moerl.runtime.accounting import FleetState
@@ -54,6 +59,7 @@ from moerl.runtime.queue import QueueStats
 from moerl.runtime.ray.address import ray_head
 from moerl.runtime.ray.backend import RayWorkerBackend
 from moerl.runtime.ray.exchange import ExchangeActor
+from moerl.runtime.ray.nodes import NodeWatch
 from moerl.runtime.ray.reward_pool import rollout_gpu_share
 from moerl.runtime.ray.worker_actor import RolloutWorkerActor
 from moerl.runtime.worker import WorkerStats
@@ -66,6 +72,8 @@ EVAL_ATTEMPTS = 3
 """Workers a held-out eval is tried on before the run fails (``RayRollouts.evaluate``)."""
 EVAL_TIMEOUT_S = 600.0
 """How long one worker may take to serve an eval: its wait for the version plus the generation."""
+
+log = logging.getLogger(__name__)
 
 
 def _labels(name: str) -> dict[str, float]:
@@ -175,10 +183,11 @@ class RayRollouts:
         init_ray(cfg)
         # a remote store: the model folder goes there too, so actors on other machines share no folder
         init_path = stage_model_folder(init_path, store_url, cfg.storage.options)
-        exchange_cls = ray.remote(
-            num_cpus=0, max_concurrency=cfg.rollout.num_workers * 2 + 16, resources=_labels("exchange")
-        )(ExchangeActor)
-        self.exchange = exchange_cls.remote(cfg, init_path, version)
+        # the run's state: on the `exchange` node or the driver's own, never a rollout node
+        placement = exchange_placement(ray.cluster_resources(), ray.get_runtime_context().get_node_id())
+        exchange_cls = ray.remote(num_cpus=0, max_concurrency=cfg.rollout.num_workers * 2 + 16)(ExchangeActor)
+        self.exchange = exchange_cls.options(**placement.ray_options()).remote(cfg, init_path, version)
+        self._exchange_node = self._ask(self.exchange.node.remote())
         if parts is not None:
             ray.get(
                 self.exchange.load_state_dict.remote({"queue": parts["queue"], "buffer": parts["buffer"]})
@@ -240,23 +249,49 @@ class RayRollouts:
         )
         self._sending: threading.Thread | None = None
         self._send_error: BaseException | None = None
+        self.nodes = NodeWatch()  # Ray nodes lost during the run: an event in the log and the metrics
+
+    def _ask(self, ref):
+        """``ray.get`` of an exchange call; the exchange's death (its node lost, killed) becomes an
+        ``ExchangeLostError``, one line, instead of Ray's traceback.
+
+        Raises:
+            ExchangeLostError: the exchange actor died.
+        """
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise ExchangeLostError(
+                f"the exchange actor (task queue, experience buffer) was lost, its node gone or unreachable "
+                f"({type(e).__name__}: {first}); the run stopped after its last whole step"
+            ) from None
 
     def check_fleet(self, *, force: bool = False) -> None:
         """Every ``fleet.check_every_s``: liveness and replacements (``FleetManager.check``), chaos faults.
 
         Raises:
             RuntimeError: a worker's loop raised (its error), or no rollout worker is left.
+            ExchangeLostError: the exchange actor died (a worker's loop failing on it is reported as this).
         """
         now = time.monotonic()
         if not force and now < self._next_check:
             return
         self._next_check = now + self.cfg.fleet.check_every_s
-        exits = self.manager.check()
+        try:
+            exits = self.manager.check()
+        except Exception:  # a worker loop that failed on a lost exchange: that loss is the error to report
+            self._ask(self.exchange.snapshot.remote())
+            raise
         # the version lag of each new liveness answer against the trainer's version when its ping went
         # out (the previous poll): taken against the version of a later step, it would grow by one per
         # step while the answer ages
         self._lags.update(version_lags(self.manager.records.values(), self._ping_version, self._seen))
         self._ping_version = self._version
+        for line in self.nodes.poll():
+            log.warning(line)
         for e in exits:
             if e.reason == "crashed":  # expire its leases now instead of after lease_ttl_s
                 self.exchange.heartbeat.remote(e.worker_id, EXPIRE_NOW_TTL_S)
@@ -271,13 +306,11 @@ class RayRollouts:
         Returns:
             ``(groups, seconds since the previous batch, seconds waited)``.
         """
-        import ray
-
         start = time.perf_counter()
         while True:
             self.check_fleet()
             try:
-                groups = ray.get(
+                groups = self._ask(
                     self.exchange.get.remote(n, timeout=self.cfg.fleet.check_every_s, version=self._version)
                 )
                 break
@@ -393,10 +426,8 @@ class RayRollouts:
 
     def requeue(self, task: RolloutTask) -> None:
         """Hand a trained task back to the queue (its training was lost with a trainer restart)."""
-        import ray
-
         self._snapshot = None
-        ray.get(self.exchange.requeue.remote(task))
+        self._ask(self.exchange.requeue.remote(task))
 
     def fleet_values(self, batch_groups: int) -> dict[str, float]:
         """The step's ``fleet/*`` metrics, with the scaling hint from queue and buffer depth; on a cluster
@@ -407,7 +438,11 @@ class RayRollouts:
         hint = self.manager.scaling_hint(queue_pending=pending, buffer_depth=depth, batch_groups=batch_groups)
         if self.capacity is not None and self.capacity.update(hint.desired_workers) is not None:
             self.manager.scale_to(self.capacity.requested)  # newcomers wait for the new nodes
-        values = {**self.manager.metrics().as_metrics(), **self.sync_values()}
+        values = {
+            **self.manager.metrics().as_metrics(),
+            **self.sync_values(),
+            "fleet/nodes_lost": len(self.nodes.lost),
+        }
         if self.cfg.reward.is_enabled:  # the reward workers' figures, kept by the exchange
             import ray
 
@@ -442,6 +477,7 @@ class RayRollouts:
             "tasks_requeued_stale": q.requeued_stale,
             "chaos": self.chaos.counts(),
             "ep_size": self.cfg.rollout.ep_size,
+            "exchange_node": self._exchange_node,  # where the queue and buffer lived (moerl.cluster.placement)
             # EP rollout groups: each worker's rank process ids as its last liveness answer gave them
             "worker_rank_pids": {
                 r.worker_id: list(r.health.rank_pids)
@@ -464,9 +500,7 @@ class RayRollouts:
     def queue_stats(self) -> QueueStats:
         """``TaskQueue.stats()``, read together with the buffer's metrics in one round trip; the pair is
         kept for ``buffer_metrics``/``fleet_values`` until the fleet next takes a batch, publishes or requeues."""
-        import ray
-
-        self._snapshot = ray.get(self.exchange.snapshot.remote())
+        self._snapshot = self._ask(self.exchange.snapshot.remote())
         return self._snapshot[0]
 
     def buffer_metrics(self) -> BufferMetrics:
@@ -479,22 +513,18 @@ class RayRollouts:
 
     def state_dict(self) -> dict:
         """Queue and buffer state, taken while every worker is paused (no delivery in progress)."""
-        import ray
-
         workers = self.backend.alive_handles()
         _get_alive([w.pause.remote() for w in workers])
         try:
-            return ray.get(self.exchange.state_dict.remote())
+            return self._ask(self.exchange.state_dict.remote())
         finally:
             _get_alive([w.unpause.remote() for w in workers])
 
     def final_state(self) -> FleetState:
         """Stop the workers (their unfinished leases go back to the queue) and read the accounting."""
-        import ray
-
         self.manager.finish(self.backend.stop_all())
         stats = self.worker_stats()
-        state = ray.get(self.exchange.state_dict.remote())
+        state = self._ask(self.exchange.state_dict.remote())
         return FleetState.from_states(
             self.queue_stats(),
             self.buffer_metrics(),
@@ -514,7 +544,10 @@ class RayRollouts:
         if self._sending is not None:  # a version still on its way: let it land (its error is moot now)
             self._sending.join()
             self._sending = None
-        ray.get(self.exchange.close.remote())
+        try:
+            ray.get(self.exchange.close.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass  # lost with its node (ExchangeLostError): the workers are stopped all the same
         workers = self.backend.alive_handles()
         self.backend.stop_all(timeout_s=10)
         actors = [*workers, self.exchange]

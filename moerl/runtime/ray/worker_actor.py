@@ -42,6 +42,7 @@ from moerl.runtime.fleet import WorkerExit, WorkerHealth
 from moerl.runtime.gpu import read_gpus
 from moerl.runtime.notice import watcher_from_config
 from moerl.runtime.ray.ep_group import EPRolloutGroup
+from moerl.runtime.ray.nodes import node_address
 from moerl.tasks import make_task
 from moerl.tasks.eval import EvalResult, eval_requests, evaluate, score_completions
 from moerl.tasks.tokenizer import load_run_tokenizer
@@ -198,6 +199,7 @@ class RolloutWorkerActor:
         self.drainer = Drainer(cfg.fleet.drain_grace_s, keep_partial=cfg.fleet.keep_partial)
         self.slowdown = Slowdown.from_config(cfg.chaos, worker_id)
         self._has_gpu = cfg.model.device.startswith("cuda")
+        self._node = node_address()  # the Ray node it runs on: the `node` label of its series
         self.cfg_ep_size = cfg.rollout.ep_size
 
     def _weights_version(self) -> int:
@@ -261,6 +263,7 @@ class RolloutWorkerActor:
             is_draining=self.watcher.is_set(),
             pid=os.getpid(),
             hostname=socket.gethostname(),
+            node=self._node,
             groups_delivered=self.worker.stats.groups_put,
             gpus=read_gpus() if self._has_gpu else (),
             comm_errors=tuple(comm_error_counts().items()),

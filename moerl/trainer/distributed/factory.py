@@ -78,8 +78,16 @@ def make_trainer(
 
         if not ray.is_initialized():  # ray.remote would start an instance the rollout fleet cannot share
             raise RuntimeError("async mode: the run's Ray instance must be up (moerl.runtime.ray.init_ray)")
-        return TrainerGroup(cfg, init_path, model if keep_copy else None, ranks="ray")
-    return TrainerGroup(cfg, init_path, model if keep_copy else None)
+        return TrainerGroup(
+            cfg,
+            init_path,
+            model if keep_copy else None,
+            ranks="ray",
+            timeout_s=cfg.trainer.collective_timeout_s,
+        )
+    return TrainerGroup(
+        cfg, init_path, model if keep_copy else None, timeout_s=cfg.trainer.collective_timeout_s
+    )
 
 
 def load_trainer_state(trainer: LocalTrainer | TrainerGroup, folder: Path, parts: dict) -> None:

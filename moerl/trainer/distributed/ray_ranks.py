@@ -2,7 +2,8 @@
 
 Placement: one bundle per rank, packed (``PACK``: as few nodes as possible, so EP groups stay inside
 nodes), each bundle asking for the ``train`` custom resource when the cluster defines it, so ranks
-land on the trainer node group and never on spot rollout capacity. On GPUs each rank gets one GPU;
+land on the trainer node group and never on spot rollout capacity (a cluster with ``rollout`` nodes but
+no ``train`` resource is refused: ``moerl.cluster.placement``). On GPUs each rank gets one GPU;
 when the cluster has fewer GPUs than trainer ranks plus rollout workers (one GPU: the commonest
 case), every process gets the same fraction ``GPUs / (ranks + workers)`` instead of failing to
 schedule: they then share the GPU's memory and time (see README). On CPU the ranks share the cores
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from moerl.cluster.placement import trainer_rank_resources
 from moerl.config import RunConfig
 from moerl.trainer.distributed.checkpoint import ShardedCheckpointError
 from moerl.trainer.distributed.rank import RankSpec, RankTrainer, TrainerRankError, unwrap_reply
@@ -85,8 +87,7 @@ def _bundle(cfg: RunConfig, num_ranks: int) -> dict[str, float]:
     else:
         spare = total.get("CPU", 1.0) - workers  # the rollout workers take one CPU each
         bundle["CPU"] = max(0.01, min(1.0, spare / num_ranks))
-    if "train" in total:
-        bundle["train"] = 0.001
+    bundle.update(trainer_rank_resources(total))  # only `train` nodes (moerl.cluster.placement)
     return bundle
 
 

@@ -1,0 +1,130 @@
+"""A real Ray cluster on a ``netns.Cluster``: one ``ray start`` per node (the head on node ``head``), each
+with its node group's custom resources (``train``, ``rollout``, ``exchange``, ``env``), every process of it
+torn down with the cluster (``Cluster.close``).
+
+    ray = RayNodes(c, {0: {"train": 1, "exchange": 1}, 1: {"rollout": 1}}, cpus={0: 2, 1: 1})
+    ray.start()                          # waits until every node is alive
+    c.popen(0, [*ray.python, "-m", "moerl.cli", "train", "--ray-address", ray.address, ...], env=ray.env)
+
+Token authentication is turned off (``RAY_AUTH_MODE=disabled``: the nodes and the driver share no token
+file in the test), usage stats too. ``env`` carries ``PYTHONPATH`` of the test process, so every node's
+workers import the same moerl as the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from netns import Cluster
+
+READY = "This command will now block forever"  # what `ray start --block` prints once the node runs
+PORT = 6379
+HEALTH_CHECK_FAILURES = 12  # the GCS port inside the head's namespace: each namespace has its own ports
+
+WAIT_NODES = """
+import ray, sys, time
+ray.init(address=sys.argv[1], configure_logging=False, log_to_driver=False)
+deadline = time.monotonic() + float(sys.argv[3])
+while sum(n["Alive"] for n in ray.nodes()) < int(sys.argv[2]):
+    if time.monotonic() > deadline:
+        sys.exit(f"only {sum(n['Alive'] for n in ray.nodes())} of {sys.argv[2]} Ray nodes alive")
+    time.sleep(0.5)
+"""
+
+
+class RayNodes:
+    """Ray on the nodes of ``cluster``: ``resources`` maps node index -> custom resources of its
+    ``ray start``; ``cpus`` node index -> ``--num-cpus`` (default 1); ``head``: the head's node index
+    (must be in ``resources``). Raises ValueError when ``head`` is not one of the nodes started."""
+
+    def __init__(self, cluster: Cluster, resources: dict[int, dict[str, float]], *, cpus=None, head: int = 0):
+        if head not in resources:
+            raise ValueError(f"head node {head} is not among the nodes to start: {sorted(resources)}")
+        self.c, self.resources, self.head = cluster, resources, head
+        self.cpus = {i: 1 for i in resources} | dict(cpus or {})
+        self.address = f"{cluster.node(head).addr}:{PORT}"
+        self.python = [sys.executable]
+        path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        self.env = dict(
+            os.environ,
+            RAY_AUTH_MODE="disabled",
+            RAY_USAGE_STATS_ENABLED="0",
+            # a node is declared dead after this many missed 3 s health checks (Ray's default 5): on shared,
+            # overloaded test cores healthy raylets missed 5 and were killed; a node killed or cut off for
+            # longer (~45 s) is still declared dead
+            RAY_health_check_failure_threshold=str(HEALTH_CHECK_FAILURES),
+            PYTHONPATH=os.environ.get("PYTHONPATH", "") + os.pathsep + path,
+        )
+        self.env.pop("RAY_ADDRESS", None)
+        self.logs = os.path.join(cluster.scratch, "ray-logs")
+        os.makedirs(self.logs, exist_ok=True)
+
+    def _start(self, i: int, head: bool) -> subprocess.Popen:
+        argv = [
+            "ray", "start", "--block", "--disable-usage-stats",
+            f"--node-ip-address={self.c.node(i).addr}",
+            f"--num-cpus={self.cpus[i]}", "--num-gpus=0",
+            "--resources", json.dumps(self.resources[i]),
+        ]  # fmt: skip
+        if head:
+            # the temp dir names the cluster's scratch folder: teardown finds a root-namespace head by it
+            argv += ["--head", f"--port={PORT}", "--include-dashboard=false",
+                     f"--temp-dir={self.c.scratch}/ray"]  # fmt: skip
+        else:
+            argv += [f"--address={self.address}"]
+        log = open(os.path.join(self.logs, f"node{i}.log"), "w")
+        # gloo (trainer ranks, EP groups) binds the interface named here, else the one the hostname
+        # resolves to, which a namespace does not have; Ray's workers inherit the node's environment
+        env = dict(self.env, GLOO_SOCKET_IFNAME=self.c.node(i).node_if)
+        return self.c.popen(i, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def start(self, timeout_s: float = 240.0) -> RayNodes:
+        """Start the head, then the other nodes one at a time (on loaded cores a raylet that does not
+        register within Ray's fixed 30 s gives up: each start is retried), then wait until all are alive.
+        Raises RuntimeError (with the node logs' tails) when that takes over ``timeout_s`` seconds."""
+        t0 = time.monotonic()
+        self._join(self.head, head=True, deadline=t0 + timeout_s)
+        for i in self.resources:
+            if i != self.head:
+                self._join(i, head=False, deadline=t0 + timeout_s)
+        left = max(10.0, timeout_s - (time.monotonic() - t0))
+        r = self.c.run(
+            self.head, [sys.executable, "-c", WAIT_NODES, self.address, str(len(self.resources)), str(left)],
+            env=self.env, timeout=left + 60,
+        )  # fmt: skip
+        if r.returncode != 0:
+            raise RuntimeError(f"Ray nodes did not all join: {r.stderr.strip()[-500:]} {self.log_tails()}")
+        return self
+
+    def _join(self, i: int, *, head: bool, deadline: float, attempts: int = 3) -> None:
+        """Start node ``i`` and wait until its ``ray start`` reports it running; a start that exits is
+        retried (``attempts`` in all) after what it left in the node's namespace is killed."""
+        log = os.path.join(self.logs, f"node{i}.log")
+        for attempt in range(attempts):
+            p = self._start(i, head=head)
+            while time.monotonic() < deadline:
+                with open(log, errors="replace") as f:
+                    if READY in f.read():
+                        return
+                if p.poll() is not None:
+                    break
+                time.sleep(0.5)
+            else:
+                break
+            os.replace(log, f"{log}.failed{attempt}")
+            if self.c.node(i).ns is not None:
+                self.c.kill_node(i)
+                time.sleep(1.0)
+        raise RuntimeError(f"Ray node {i} did not start: {self.log_tails()}")
+
+    def log_tails(self, n: int = 400) -> str:
+        """The last ``n`` characters of each node's ``ray start`` log (for error messages)."""
+        out = []
+        for name in sorted(os.listdir(self.logs)):
+            with open(os.path.join(self.logs, name), errors="replace") as f:
+                out.append(f"[{name}] {f.read()[-n:]}")
+        return " ".join(out)

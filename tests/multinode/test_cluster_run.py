@@ -1,0 +1,183 @@
+"""``moerl train --ray-address`` on one real Ray cluster of six namespaced nodes, with nodes lost, cut
+off and restored. One cluster (a module fixture) serves the three runs:
+
+    node 0  head, driver (``moerl train``), ``train``: the trainer (rank 0), the weight store's writer
+    node 1  ``train``: trainer rank 1 of the two-node group
+    node 2  ``rollout`` (1 CPU)
+    node 3  ``rollout`` (1 CPU)
+    node 4  ``rollout`` (2 CPUs)
+    node 5  ``exchange``: the exchange actor (task queue, experience buffer)
+
+Of the rollout nodes that Ray gave workers, one is killed whole (every process at once) and another
+partitioned for 45 s, then restored with its processes alive; the third keeps generating.
+
+- ``test_trainer_group_link_cut``: a trainer group over nodes 0 and 1 (``trainer.num_ranks=2``, one rank
+  per node, gloo across the veth pairs) whose link is cut for longer than ``trainer.collective_timeout_s``
+  and restored: the collective times out, the run restarts the group from its newest checkpoint (node 1
+  is back by then: the new group spans both nodes again) and completes.
+- ``test_rollout_nodes_partitioned_and_killed``: one run, a fault each at the same time on a run already
+  training; the nodes that hold only rollout workers are lost while the exchange lives on node 0 (its node
+  group), so only rollout work is lost: leases expire and requeue, a late delivery of the partitioned
+  worker is refused by its lease fence, the workers are replaced.
+
+- ``test_exchange_node_lost_stops_in_one_line``: the exchange's node killed mid-run: the run stops with
+  one line naming the loss and the resume command, exit 1, its newest checkpoint whole.
+
+The first two runs complete with the ledger exact (each task trained once, 0 lost, 0 duplicated) and
+print no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from _runs import assert_trained_exactly_once, save_fresh_policy
+from mnruns import Driver, actor_nodes
+from netns import Cluster
+from raynodes import RayNodes
+
+from moerl.run.folder import RunDir, read_jsonl
+from moerl.trainer.checkpoint import latest_checkpoint
+
+STEPS, BATCH = 24, 4
+PARTITION_S = 45.0
+
+OVERRIDES = [
+    "name=multinode",
+    "runtime.mode=async",
+    "rollout.num_workers=3",
+    f"trainer.steps={STEPS}",
+    f"trainer.batch_groups={BATCH}",
+    "trainer.micro_batch_size=64",
+    "trainer.warmup_steps=0",
+    "trainer.checkpoint_every=8",
+    "rollout.group_size=4",
+    "rollout.max_slots=16",
+    "rollout.max_new_tokens=4",
+    "runtime.max_staleness=1",
+    "runtime.buffer_groups=8",
+    "runtime.lease_ttl_s=10",
+    "eval.every=0",
+    "task.num_eval=20",
+    "fleet.check_every_s=0.5",
+    "fleet.heartbeat_timeout_s=15",
+]
+
+
+GROUP_STEPS = 10
+CUT_S = 25.0  # > trainer.collective_timeout_s, < the health-check window (RayNodes: 12 x 3 s)
+
+GROUP_OVERRIDES = [
+    "name=groupcut",
+    "runtime.mode=async",
+    "rollout.num_workers=1",
+    "trainer.num_ranks=2",
+    "trainer.collective_timeout_s=8",
+    f"trainer.steps={GROUP_STEPS}",
+    f"trainer.batch_groups={BATCH}",
+    "trainer.micro_batch_size=32",
+    "trainer.warmup_steps=0",
+    "trainer.checkpoint_every=2",
+    "rollout.group_size=4",
+    "rollout.max_slots=16",
+    "rollout.max_new_tokens=4",
+    "runtime.buffer_groups=8",
+    "runtime.lease_ttl_s=10",
+    "eval.every=0",
+    "task.num_eval=20",
+    "fleet.check_every_s=0.5",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from netns import skip_reason
+
+    if reason := skip_reason():
+        pytest.skip(reason)
+    with Cluster(6) as c:
+        nodes = {0: {"train": 1}, 1: {"train": 1}, 2: {"rollout": 1}, 3: {"rollout": 1}}
+        nodes[4], nodes[5] = {"rollout": 2}, {"exchange": 1}
+        # 1 CPU on each train node: the two rank bundles (1 CPU each) split over nodes 0 and 1
+        ray = RayNodes(c, nodes, cpus={0: 1, 1: 1, 2: 1, 3: 1, 4: 2, 5: 1}).start()
+        yield c, ray
+    assert c.leftovers() == []
+
+
+def test_trainer_group_link_cut(cluster, tmp_path):
+    c, ray = cluster
+    init = save_fresh_policy(tmp_path / "policy")
+    run = Driver(ray, 0, tmp_path / "runs", tmp_path / "driver.log", [*GROUP_OVERRIDES, f"init_from={init}"])
+    run.wait_steps(3, timeout_s=240)
+    c.cut(1)
+    time.sleep(CUT_S)
+    c.restore(1)
+    assert run.finish(timeout_s=300) == 0, run.tail()
+    text = run.tail(1_000_000)
+    assert "trainer group failed" in text and "trainer group restarted from step" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    folder = RunDir(run.run_folder())
+    summary = json.loads((folder.path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["fleet"]["trainer_restarts"] >= 1
+    assert_trained_exactly_once(summary, folder, GROUP_STEPS, BATCH)
+
+
+def test_rollout_nodes_partitioned_and_killed(cluster, tmp_path):
+    c, ray = cluster
+    init = save_fresh_policy(tmp_path / "policy")
+    run = Driver(ray, 0, tmp_path / "runs", tmp_path / "driver.log", [*OVERRIDES, f"init_from={init}"])
+    run.wait_steps(2, timeout_s=240)  # training, with every rollout node delivering
+    hosts = sorted(set(actor_nodes(ray, "RolloutWorkerActor")))  # Ray chose where the workers went
+    assert len(hosts) >= 2 and set(hosts) <= {2, 3, 4}, hosts
+    killed, cut = hosts[0], hosts[1]
+    assert c.kill_node(killed) > 0  # a whole rollout node lost
+    c.cut(cut)  # and another partitioned, processes alive
+    cut_at = time.monotonic()
+    while time.monotonic() - cut_at < PARTITION_S and run.proc.poll() is None:
+        time.sleep(0.5)
+    steps_during = run.steps_done()
+    c.restore(cut)
+    assert run.finish(timeout_s=300) == 0, run.tail()
+    text = run.tail(1_000_000)
+    assert "Traceback" not in text, text[-3000:]
+    assert "lost (node groups: rollout" in text  # the node's loss, an event of the run (NodeWatch)
+
+    folder = RunDir(run.run_folder())
+    summary = json.loads((folder.path / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert_trained_exactly_once(summary, folder, STEPS, BATCH)
+    assert steps_during < STEPS  # the faults hit a run in progress
+    fleet = summary["fleet"]
+    assert fleet["exchange_node"] == c.node(5).addr  # the run's state on its node group's node
+    assert fleet["killed"] >= 2 and fleet["replaced"] >= 1  # both lost nodes' workers, a replacement
+    assert fleet["tasks_expired"] + fleet["tasks_released"] >= 1  # the lost workers' leases went back
+    lost = [r["fleet/nodes_lost"] for r in read_jsonl(folder.metrics)]
+    assert lost[-1] >= 1 and lost == sorted(lost)  # in the metrics too, cumulative
+    print(
+        "multinode faults:",
+        {k: fleet[k] for k in ("killed", "replaced", "tasks_expired", "tasks_released")},
+        "requeued",
+        summary["tasks_requeued"],
+        "steps before restore",
+        steps_during,
+        "nodes lost",
+        lost[-1],
+    )
+
+
+def test_exchange_node_lost_stops_in_one_line(cluster, tmp_path):
+    c, ray = cluster
+    init = save_fresh_policy(tmp_path / "policy")
+    overrides = [*OVERRIDES, "name=exchangelost", "rollout.num_workers=1", "trainer.checkpoint_every=2"]
+    run = Driver(ray, 0, tmp_path / "runs", tmp_path / "driver.log", [*overrides, f"init_from={init}"])
+    run.wait_steps(3, timeout_s=240)
+    assert c.kill_node(5) > 0  # the node of the run's queue and buffer
+    assert run.finish(timeout_s=240) == 1, run.tail()
+    folder = run.run_folder()
+    ours = [line for line in run.tail(1_000_000).splitlines() if line.startswith("moerl: ")]
+    assert len(ours) == 1, ours
+    assert ours[0].startswith("moerl: the exchange actor (task queue, experience buffer) was lost"), ours
+    assert ours[0].endswith(f"; continue with: moerl train --resume {folder}"), ours
+    assert latest_checkpoint(folder) is not None  # whole (contents checked): the resume starts there
