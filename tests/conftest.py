@@ -24,3 +24,11 @@ def default_init(tmp_path_factory):
     """A fresh policy of ``configs/default.yaml``'s shape (8 experts) as a Hugging Face folder with the
     built-in tokenizer (``_runs.save_fresh_policy``); one a test module."""
     return save_fresh_policy(tmp_path_factory.mktemp("default") / "policy")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n 2 --dist loadgroup``): the namespaced-cluster tests share host network
+    state (address ranges, bridges), so they run one at a time on one worker."""
+    for item in items:
+        if "multinode" in item.path.parts:
+            item.add_marker(pytest.mark.xdist_group("netns"))
