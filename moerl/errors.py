@@ -40,6 +40,11 @@ class WeightVersionRefused(RuntimeError):
     would not be on-policy, so the run stops. The message is one line naming the version."""
 
 
+class EvalVersionRefused(RuntimeError):
+    """Every rollout worker asked to evaluate a policy version had refused that version (its tensors did
+    not check out, ``weights/refused_total``): the held-out eval of that step is skipped, the run goes on."""
+
+
 class RewardFunctionError(RuntimeError):
     """The reward function failed (raised, or returned something that is not a finite number) on every
     sample of a run's first step, or on more than ``task.max_reward_error_fraction`` of the samples over

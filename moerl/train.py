@@ -28,7 +28,7 @@ from moerl.allocator import keep_freed_memory
 from moerl.config import ConfigError, RunConfig
 from moerl.envs.stats import merge as env_merge
 from moerl.envs.stats import step_values as env_step_values
-from moerl.errors import RewardFunctionError
+from moerl.errors import EvalVersionRefused, RewardFunctionError
 from moerl.records import Group
 from moerl.rollout.memory_check import driver_holds_policy, evaluates_on_workers
 from moerl.rollout.precision_gap import LogprobGap, logprob_gap
@@ -363,7 +363,13 @@ class Run:
         """Held-out evaluation every ``eval.every`` steps and at the end, else None."""
         every = self.cfg.eval.every
         is_due = step == self.cfg.trainer.steps or (every and step % every == 0)
-        return self._eval_result() if is_due else None
+        if not is_due:
+            return None
+        try:
+            return self._eval_result()
+        except EvalVersionRefused as e:  # the workers refused this version (weights/refused_total): no eval
+            self.view.message(f"step {step}: {e}")
+            return None
 
     def _eval_result(self) -> EvalResult:
         """Held-out greedy evaluation of the trainer's current version: on a rollout worker in async mode

@@ -85,6 +85,17 @@ def refused_versions_of(source) -> int:
     return total
 
 
+def refused_version_numbers(source) -> set[int]:
+    """The version numbers ``source`` and the sources behind it refused (as ``refused_versions_of`` walks
+    them): a worker asked to evaluate one of them says so at once instead of waiting for it."""
+    found, seen = set(), set()
+    while source is not None and id(source) not in seen:
+        seen.add(id(source))
+        found |= set(getattr(source, "_refused", ()))
+        source = source.source if isinstance(source, CheckedWeights) else getattr(source, "fallback", None)
+    return found
+
+
 def parameter_set(model: torch.nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """name -> (dtype, shape) of every state-dict tensor of ``model`` (the whole model, before any
     expert sharding): what a version must match to be switched to (``CheckedWeights``)."""

@@ -47,7 +47,7 @@ import torch
 from moerl.cluster.autoscale import RolloutCapacity
 from moerl.cluster.placement import exchange_placement
 from moerl.config import ConfigError, RunConfig
-from moerl.errors import ExchangeLostError
+from moerl.errors import EvalVersionRefused, ExchangeLostError
 from moerl.records import Group, RolloutTask
 from moerl.run.storage import stage_model_folder
 from moerl.runtime.accounting import FleetState
@@ -61,7 +61,7 @@ from moerl.runtime.ray.backend import RayWorkerBackend
 from moerl.runtime.ray.exchange import ExchangeActor
 from moerl.runtime.ray.nodes import NodeWatch
 from moerl.runtime.ray.reward_pool import rollout_gpu_share
-from moerl.runtime.ray.worker_actor import RolloutWorkerActor
+from moerl.runtime.ray.worker_actor import REFUSED_EVAL, RolloutWorkerActor
 from moerl.runtime.worker import WorkerStats
 from moerl.tasks.eval import EvalResult
 from moerl.weights.snapshot import WeightSnapshot
@@ -378,6 +378,7 @@ class RayRollouts:
         eval goes to the next live worker (replacements included), ``EVAL_ATTEMPTS`` tries in all.
 
         Raises:
+            EvalVersionRefused: every worker tried had refused ``version``.
             RuntimeError: every try failed (the last worker's error), or no rollout worker is left.
         """
         import ray
@@ -396,6 +397,8 @@ class RayRollouts:
                 return ray.get(handles[worker_id].evaluate.remote(prompts, version, timeout_s))
             except ray.exceptions.RayError as e:  # died (RayActorError) or failed (the actor's error)
                 errors.append(f"{worker_id}: {str(e).strip().splitlines()[-1][:300]}")
+        if all(REFUSED_EVAL in e for e in errors):  # a damaged version: no worker will ever hold it
+            raise EvalVersionRefused(f"held-out eval of v{version} skipped: {errors[-1]}")
         raise RuntimeError(
             f"held-out eval of v{version} failed on {EVAL_ATTEMPTS} tries: {'; '.join(errors)}"
         )

@@ -47,7 +47,13 @@ from moerl.tasks import make_task
 from moerl.tasks.eval import EvalResult, eval_requests, evaluate, score_completions
 from moerl.tasks.tokenizer import load_run_tokenizer
 from moerl.weights.collective import WeightTransportError
-from moerl.weights.sources import CheckedWeights, StoreWeights, parameter_set, refused_versions_of
+from moerl.weights.sources import (
+    CheckedWeights,
+    StoreWeights,
+    parameter_set,
+    refused_version_numbers,
+    refused_versions_of,
+)
 from moerl.weights.store import WeightStore
 
 
@@ -60,6 +66,10 @@ def _ray():
 def _remote_call(handle, method: str, *args, **kwargs):
     """``ray.get(handle.<method>.remote(*args, **kwargs))``: one blocking call of an explicit actor method."""
     return _ray().get(getattr(handle, method).remote(*args, **kwargs))
+
+
+REFUSED_EVAL = "weight version refused"
+"""How a worker's eval error starts when it refused the version asked (``RayRollouts.evaluate``)."""
 
 
 class RayPending:
@@ -319,9 +329,18 @@ class RolloutWorkerActor:
         scheduler step runs while one generates."""
         while True:
             with self._evals_lock:
-                if not self._evals or self._evals[0].version > self.worker.version:
+                if not self._evals:
+                    return
+                head = self._evals[0]
+                if head.version > self.worker.version and head.version not in refused_version_numbers(
+                    self.source
+                ):
                     return  # the version has not arrived yet: the loop goes on syncing
                 request = self._evals.pop(0)
+            if request.version in refused_version_numbers(self.source):  # never to arrive: say so at once
+                request.error = f"{REFUSED_EVAL}: worker {self.worker.worker_id} refused v{request.version}"
+                request.done.set()
+                continue
             try:
                 request.result = self._eval_now(request)
             except Exception as e:  # the driver gets it; an EP group's failure also ends the loop
