@@ -13,7 +13,7 @@ the same 4 processes, one after the other. For each it records:
   (``/sys/class/net/<veth>/statistics/{tx,rx}_bytes``, what ``ip -s link`` prints; Ethernet, IP and TCP
   headers, ACKs and the job's small control collectives included);
 - moerl's own dispatcher counters (payload bytes per link class, ``EPEngine.ep_traffic``);
-- ``moerl plan``'s predictions for that topology: exact (``moerl.plan.traffic.replayed_traffic`` of the
+- ``moerl plan``'s predictions for that topology: exact (``moerl.plan.replay.replayed_traffic`` of the
   run's own routing, which equals the counters) and the planner's routing model
   (``moerl.plan.traffic.expected_traffic``, uniform top-k at the run's tokens per dispatch);
 - decode agreement with ep 1 (one ``Engine`` in the driver): tokens identical, largest log-prob gap.
@@ -206,7 +206,8 @@ def run_cluster(
 def summarize(results: list[dict], quick: bool, rate_mbit: float) -> dict:
     """Per dispatcher: tokens/s, link bytes both ways, moerl's counters, the plan's predictions, agreement."""
     from moerl.ep import ExpertPlacement, Topology
-    from moerl.plan.traffic import RowBytes, expected_traffic, replayed_traffic
+    from moerl.plan.replay import replayed_traffic
+    from moerl.plan.traffic import RowBytes, expected_traffic
 
     j = job(quick)
     model = build_model(j)

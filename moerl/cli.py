@@ -199,11 +199,10 @@ def _cmd_cluster_render(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from moerl.plan.cli import plan_main
+    from moerl.plan.cli import plan_main, register_model
 
     if args.config is not None and not args.validate:  # a run config's model and nodes as the plan
         from moerl.cluster.plan_inputs import plan_values
-        from moerl.plan.models import register_model
 
         args.config_values, shape, args.config_notes = plan_values(load_config(args.config))
         if shape is not None:

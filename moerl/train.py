@@ -62,7 +62,7 @@ from moerl.trainer.distributed.factory import (
     trainer_summary,
 )
 from moerl.trainer.distributed.rank import TrainerRankError
-from moerl.trainer.local import LocalTrainer, NonFiniteLossError, TrainStats
+from moerl.trainer.local import NonFiniteLossError, TrainStats
 from moerl.trainer.protocol import Trainer
 from moerl.weights.store import StoreNotWritableError, WeightStore
 
@@ -391,7 +391,7 @@ class Run:
         if not (
             self.cfg.rollout.weight_dtype == "fp8"
             and isinstance(self.rollouts, LocalRollouts)
-            and isinstance(self.trainer, LocalTrainer)
+            and self.cfg.trainer.num_ranks == 1  # the one-process trainer (moerl.trainer.factory): its model
         ):
             return None
         seqs = [(s.prompt_ids, s.response_ids) for g in groups for s in g.samples]

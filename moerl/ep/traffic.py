@@ -80,7 +80,7 @@ def sum_traffic(readings: Iterable[DirectionTraffic | None]) -> DirectionTraffic
 
 class RoutingLog:
     """The routing of every dispatch of ``dispatchers`` on this rank, in call order: what the planner
-    replays (``moerl.plan.traffic.replayed_traffic``) to predict the bytes those dispatches send.
+    replays (``moerl.plan.replay.replayed_traffic``) to predict the bytes those dispatches send.
 
     Wraps each dispatcher's ``dispatch`` (an instance attribute over the class method; ``close`` undoes
     it). ``calls[i]`` is the i-th call's ``topk_idx`` [T, k] int64, copied to the CPU (T = 0 for a rank

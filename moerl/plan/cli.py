@@ -35,9 +35,22 @@ from moerl.atomic import atomic_path, atomic_write_text
 from moerl.configlib import ConfigError
 from moerl.plan.args import COLUMNS, PRESETS, RESULTS, WIDE_COLUMNS
 from moerl.plan.inputs import Plan, with_params
+from moerl.plan.models import MODELS, ModelShape
 from moerl.plan.predict import as_rows, best_split, plan_hardware, plan_model, run
 from moerl.plan.sensitivity import tornado
 from moerl.plan.validate_report import validation_lines, validation_rows, validation_table
+
+
+def register_model(shape: ModelShape) -> None:
+    """Make ``shape`` a model plans can name (``moerl plan --config`` with a model of its own). Here, not in
+    ``moerl.plan.models``: that module is part of the frozen planner model (``moerl.plan.freeze``).
+
+    Raises:
+        ConfigError: another shape already has that name.
+    """
+    if MODELS.get(shape.name, shape) != shape:
+        raise ConfigError(f"model {shape.name!r} is already a planner model of other shapes")
+    MODELS[shape.name] = shape
 
 
 def _split(item: str, flag: str) -> tuple[str, str]:

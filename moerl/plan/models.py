@@ -224,17 +224,6 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
 # fmt: on
 
 
-def register_model(shape: ModelShape) -> None:
-    """Make ``shape`` a model plans can name (``moerl plan --config`` with a model of its own).
-
-    Raises:
-        ConfigError: another shape already has that name.
-    """
-    if MODELS.get(shape.name, shape) != shape:
-        raise ConfigError(f"model {shape.name!r} is already a planner model of other shapes")
-    MODELS[shape.name] = shape
-
-
 def get_model(name: str) -> ModelShape:
     """The preset called ``name``. Raises ConfigError naming the presets when it is unknown."""
     if name not in MODELS:

@@ -1,7 +1,7 @@
 """Issue 34: a 4-rank rollout EP group laid out as 2 nodes x 2 ranks (``rollout.ep_ranks_per_node=2``) over
 gloo, float32, decodes as ep 1 does (tokens identical, log-probs within 1e-5) with the flat and the
 hierarchical dispatcher, and the bytes each rank sends, inter-node and intra-node, equal ``moerl plan``'s
-prediction for that layout (``moerl.plan.traffic.replayed_traffic`` of the run's own routing)."""
+prediction for that layout (``moerl.plan.replay.replayed_traffic`` of the run's own routing)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from dist_harness import run_world
 
 from moerl.ep import ExpertPlacement, Topology
-from moerl.plan.traffic import RowBytes, replayed_traffic
+from moerl.plan.replay import replayed_traffic
+from moerl.plan.traffic import RowBytes
 
 PHASE = {"alltoall": "flat", "hierarchical": "hier"}
 

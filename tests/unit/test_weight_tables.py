@@ -16,6 +16,7 @@ import dataclasses
 import json
 import multiprocessing as mp
 import time
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -301,8 +302,9 @@ def test_sync_mode_stops_in_one_line_when_its_worker_refuses_the_pushed_version(
 
     weights = CheckedWeights(LocalWeights(), ENGINE)
 
-    class Worker:  # the RolloutWorker's weight loading, nothing else
+    class Worker:  # the RolloutWorker's weight loading (and the counters fleet_values reads), nothing else
         version = -1
+        stats = types.SimpleNamespace(weight_updates=0, last_weight_load_s=None)
 
         def sync_weights(self):
             found = weights.poll(self.version)
