@@ -22,7 +22,8 @@ SOURCE = (
 
 
 def _send(c: Cluster, src: int, dst: int, nbytes: int, timeout_s: float = 10.0) -> tuple[int, float]:
-    """Send ``nbytes`` from node ``src`` to node ``dst`` over TCP; (bytes received, seconds taken)."""
+    """Send ``nbytes`` from node ``src`` to node ``dst`` over TCP; (bytes received, seconds until the receiver
+    had them all)."""
     addr = c.node(dst).addr
     sink = c.popen(dst, [sys.executable, "-c", SINK, addr, "7001"], stdout=subprocess.PIPE, text=True)
     assert sink.stdout.readline().strip() == "ready"
@@ -30,12 +31,12 @@ def _send(c: Cluster, src: int, dst: int, nbytes: int, timeout_s: float = 10.0) 
     r = c.run(
         src, [sys.executable, "-c", SOURCE, addr, "7001", str(nbytes), str(timeout_s)], timeout=timeout_s + 5
     )
-    secs = time.monotonic() - t0
     if r.returncode != 0:  # could not connect / send in time: the sink never gets a connection
         sink.kill()
         sink.wait(timeout=5)
-        return -1, secs
-    got = sink.stdout.readline().strip()
+        return -1, time.monotonic() - t0
+    got = sink.stdout.readline().strip()  # printed once the receiver has every byte
+    secs = time.monotonic() - t0  # until delivery: the sender's sendall returns once its socket buffer holds the rest
     sink.wait(timeout=5)
     return int(got), secs
 
