@@ -36,7 +36,9 @@ def _send(c: Cluster, src: int, dst: int, nbytes: int, timeout_s: float = 10.0) 
         sink.wait(timeout=5)
         return -1, time.monotonic() - t0
     got = sink.stdout.readline().strip()  # printed once the receiver has every byte
-    secs = time.monotonic() - t0  # until delivery: the sender's sendall returns once its socket buffer holds the rest
+    secs = (
+        time.monotonic() - t0
+    )  # until delivery: the sender's sendall returns once its socket buffer holds the rest
     sink.wait(timeout=5)
     return int(got), secs
 
