@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import numbers
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -84,7 +85,7 @@ def as_reward(value: Reward | float | bool | int) -> Reward:
     """
     if isinstance(value, Reward):
         reward = value
-    elif isinstance(value, (bool, int, float)):
+    elif isinstance(value, numbers.Real):  # bool, int, float, and numpy / torch scalars such as np.float32
         reward = Reward(float(value), {})
     else:
         raise TypeError(f"reward function returned {type(value).__name__}; expected float or Reward")

@@ -16,7 +16,8 @@ Layouts:
 
 Responses are scored by numeric answer extraction (``moerl.tasks.answers``). Every malformed input
 raises ``DatasetError`` naming the file and the 1-based line. The split is fixed by a hash of each
-record's prompt: the ``held_out_size`` records with the smallest hashes are held out.
+record's prompt: of the distinct prompts, the ``held_out_size`` with the smallest hashes are held out, with
+every row that repeats one of them.
 """
 
 from __future__ import annotations
@@ -284,21 +285,34 @@ class JsonlTask(Task):
             )
             for r in records
         ]
-        order = sorted(range(len(prompts)), key=lambda i: (stable_hash(records[i].prompt), i))
-        held = set(order[: held_out_size(len(prompts), num_eval)])
-        self._eval = [p for i, p in enumerate(prompts) if i in held]
-        self._train = [p for i, p in enumerate(prompts) if i not in held]
+        # the split is over distinct prompts: every row of a held-out prompt is held out (one of them is
+        # evaluated), so a dataset that repeats a prompt never trains on a held-out one
+        first: dict[str, int] = {}
+        for i, r in enumerate(records):
+            first.setdefault(r.prompt, i)
+        order = sorted(first, key=lambda q: (stable_hash(q), first[q]))
+        held = set(order[: held_out_size(len(order), num_eval)])
+        self._eval = [prompts[first[q]] for q in sorted(held, key=first.__getitem__)]
+        self._train = [p for p, r in zip(prompts, records, strict=True) if r.prompt not in held]
+        self._distinct_train = len(first) - len(held)
+        self._rows, self._distinct = len(records), len(first)
         self.num_eval = num_eval
 
     @property
     def max_train_prompts(self) -> int:
-        """The training rows."""
-        return len(self._train)
+        """The distinct prompts of the training rows (a batch of more groups would repeat a prompt)."""
+        return self._distinct_train
 
     def split_line(self) -> str:
         """One line stating the split, for the first lines of a run, e.g. ``"60 rows: 54 train, 6 held out
-        (task.num_eval=200, at most 10% of the rows)"``."""
-        n = len(self._train) + len(self._eval)
+        (task.num_eval=200, at most 10% of the prompts)"``."""
+        n, rest = self._rows, ""
+        if self._distinct < n:  # repeated prompts: the split is over the distinct ones
+            rest = f" ({self._distinct} distinct prompts: every row of a held-out prompt is held out)"
+        return (
+            f"{n} rows: {len(self._train)} train, {n - len(self._train)} held out "
+            f"(task.num_eval={self.num_eval}, at most {MAX_HELD_OUT_SHARE}% of the prompts){rest}"
+        )
         return (
             f"{n} rows: {len(self._train)} train, {len(self._eval)} held out "
             f"(task.num_eval={self.num_eval}, at most {MAX_HELD_OUT_SHARE}% of the rows)"

@@ -70,6 +70,20 @@ def test_gsm8k_layout_small(tmp_path):
     assert task.reward(p.text, p.solution, p.answer).score == 1.0
 
 
+def test_a_repeated_prompt_is_held_out_with_all_its_rows(tmp_path):
+    """60 rows of 5 distinct prompts: the split is over the prompts, so no held-out prompt is trained on,
+    and a batch can hold as many groups as there are distinct training prompts."""
+    rows = [{"question": f"What is {i % 5} + 1?", "answer": f"#### {i % 5 + 1}"} for i in range(60)]
+    task = JsonlTask(
+        load_jsonl(write(tmp_path, "\n".join(json.dumps(r) for r in rows))), name="dup", num_eval=200
+    )
+    held = {p.text for p in task.eval_prompts()}
+    trained = {p.text for p in _take(task.train_prompts(0), 200)}
+    assert len(held) == 1 and len(task.eval_prompts()) == 1 and not held & trained
+    assert task.max_train_prompts == len(trained) == 4
+    assert "60 rows: 48 train, 12 held out" in task.split_line() and "5 distinct prompts" in task.split_line()
+
+
 def test_generic_layout_custom_fields(tmp_path):
     path = write(tmp_path, '{"q": "2+2", "a": 4}\n{"q": "3+3", "a": "6"}\n')
     task = make_task(
@@ -137,3 +151,13 @@ def test_gsm8k_real_file_gold_scores_one_wrong_scores_zero():
 def _take(iterator, n):
     for _ in range(n):
         yield next(iterator)
+
+
+def test_a_numpy_scalar_reward_is_a_number_and_a_string_is_not():
+    import numpy as np
+
+    from moerl.tasks.base import as_reward
+
+    assert as_reward(np.float32(0.5)).score == 0.5 and as_reward(True).score == 1.0
+    with pytest.raises(TypeError, match="returned str"):
+        as_reward("1.0")
