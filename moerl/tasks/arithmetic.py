@@ -12,9 +12,12 @@ from __future__ import annotations
 import random
 import re
 
-from moerl.tasks.base import GeneratedTask, Prompt, Reward, ScoreFn
+from moerl.tasks.base import GeneratedTask, Prompt, Reward, ScoreFn, split_of
 
 _INTEGER = re.compile(r"-?\d+")
+
+_EXACT_COUNT_LIMIT = 10**4
+"""Operand pairs up to which ``max_train_prompts`` counts the problems exactly (2-digit operands: 10^4)."""
 
 OPERATIONS = ("+", "-", "*")
 """The operators an arithmetic problem may use (``task.operations``)."""
@@ -56,9 +59,20 @@ class ArithmeticTask(GeneratedTask):
 
     @property
     def max_train_prompts(self) -> int:
-        """An upper bound: every ordered operand pair for every operation (eval-split keys included)."""
+        """The distinct training problems: counted exactly (subtraction's swapped pairs merged, eval-split
+        keys left out) when the space has at most ``_EXACT_COUNT_LIMIT`` operand pairs per operation, else an
+        upper bound (every ordered pair for every operation)."""
         lo = 0 if self.min_digits == 1 else 10 ** (self.min_digits - 1)
-        return (10**self.max_digits - lo) ** 2 * len(self.operations)
+        pairs = (10**self.max_digits - lo) ** 2
+        if pairs > _EXACT_COUNT_LIMIT:
+            return pairs * len(self.operations)
+        keys = set()
+        for a in range(lo, 10**self.max_digits):
+            for b in range(lo, 10**self.max_digits):
+                for op in self.operations:
+                    x, y = (b, a) if op == "-" and b > a else (a, b)
+                    keys.add(f"{x}{op}{y}")
+        return sum(split_of(k) == "train" for k in keys)
 
     def _operand(self, rng: random.Random) -> int:
         digits = rng.randint(self.min_digits, self.max_digits)

@@ -195,3 +195,17 @@ def test_prompt_and_reward_are_plain_dataclasses():
     p = Prompt(id="x", text="1+1=", answer="2")
     assert p.solution is None
     assert math.isclose(Reward(1.0).score, 1.0) and Reward(1.0).info == {}
+
+
+def test_arithmetic_counts_its_distinct_training_problems_exactly():
+    """1-digit addition: 100 ordered pairs, the eval split's keys left out; subtraction's swapped pairs
+    are one problem. A batch of more groups than that can never fill with distinct prompts."""
+    from moerl.tasks.arithmetic import ArithmeticTask
+    from moerl.tasks.base import split_of
+
+    add = ArithmeticTask(min_digits=1, max_digits=1, operations=("+",))
+    assert add.max_train_prompts == sum(split_of(f"{a}+{b}") == "train" for a in range(10) for b in range(10))
+    sub = ArithmeticTask(min_digits=1, max_digits=1, operations=("-",))
+    assert sub.max_train_prompts == sum(
+        split_of(f"{a}-{b}") == "train" for a in range(10) for b in range(a + 1)
+    )
