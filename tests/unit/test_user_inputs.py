@@ -351,7 +351,7 @@ def test_a_window_of_failures_stops_the_run_and_a_few_do_not():
 def test_a_batch_that_can_never_fill_is_refused_at_start(one_line):
     line = one_line(EXIT_CONFIG, "trainer.batch_groups=1000000")  # 1-2 digit + and -: 20000 problems at most
     assert line.startswith("moerl: config error: trainer.batch_groups=1000000 can never fill with distinct")
-    assert "at most 20000 training prompts" in line
+    assert "at most 13516 training prompts" in line
 
 
 def test_token_ids_beyond_the_models_vocabulary_are_refused_at_load(one_line, policy, tmp_path):
