@@ -243,10 +243,17 @@ def run_sft(
 
 def save_tokenizer_and_companions(tokenizer: Tokenizer, model_folder: str | None, folder: str | Path) -> None:
     """Write the tokenizer's files into ``folder`` and copy the model folder's ``MODEL_COMPANIONS``
-    (``generation_config.json``): an export keeps what the model came with."""
+    (``generation_config.json``): an export keeps what the model came with. Without one, a
+    ``generation_config.json`` naming the tokenizer's eos and pad ids is written (transformers' ``generate``
+    then stops at eos, as ``moerl generate`` does)."""
     tokenizer.save(folder)
     if model_folder is not None and "://" not in model_folder:
         copy_companions(Path(model_folder), Path(folder), MODEL_COMPANIONS)
+    generation = Path(folder) / "generation_config.json"
+    if not generation.exists():  # none came with the model: transformers' generate must still stop at eos
+        generation.write_text(
+            json.dumps({"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}, indent=2) + "\n"
+        )
 
 
 def read_summary(checkpoint: str | Path) -> SFTSummary:

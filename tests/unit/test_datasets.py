@@ -161,3 +161,18 @@ def test_a_numpy_scalar_reward_is_a_number_and_a_string_is_not():
     assert as_reward(np.float32(0.5)).score == 0.5 and as_reward(True).score == 1.0
     with pytest.raises(TypeError, match="returned str"):
         as_reward("1.0")
+
+
+def test_an_export_without_a_generation_config_gets_one_that_stops_at_eos(tmp_path):
+    from moerl.tasks.sft import save_tokenizer_and_companions
+    from moerl.tasks.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    save_tokenizer_and_companions(tok, None, tmp_path / "fresh")
+    gen = json.loads((tmp_path / "fresh" / "generation_config.json").read_text())
+    assert gen == {"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": 7, "temperature": 0.6}))
+    save_tokenizer_and_companions(tok, str(src), tmp_path / "kept")  # the model's own is kept as it came
+    assert json.loads((tmp_path / "kept" / "generation_config.json").read_text())["temperature"] == 0.6
