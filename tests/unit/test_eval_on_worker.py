@@ -49,6 +49,7 @@ def _actor(version: int, replies: list):
     actor = object.__new__(RolloutWorkerActor)
     actor.cfg, actor.tokenizer, actor.group = load_config(None), TOK, None
     actor._evals, actor._evals_lock, actor._offered = [], threading.Lock(), threading.Event()
+    actor.source = None  # no weight source: no version refused
 
     def generate_alone(requests):
         text = replies.pop(0)
