@@ -1,4 +1,4 @@
-"""What the test command (``bash tests/setup.sh && python3 -m pytest -q -n 2 --dist loadgroup``) installs is required, not
+"""What the test command (``bash tests/setup.sh && python3 -m pytest -q -n 4 --dist loadgroup``) installs is required, not
 optional: a test that needs one of those programs fails with one line naming it, never skips (a skip would
 let CI stay green with the feature untested). Python packages of the ``test`` extra are plain imports for
 the same reason."""

@@ -27,7 +27,7 @@ def default_init(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n 2 --dist loadgroup``): the namespaced-cluster tests share host network
+    """Under pytest-xdist (``-n 4 --dist loadgroup``): the namespaced-cluster tests share host network
     state (address ranges, bridges), so they run one at a time on one worker."""
     for item in items:
         if "multinode" in item.path.parts:

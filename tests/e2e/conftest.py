@@ -35,7 +35,10 @@ def local_ray(request):
 
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), old) if p)
-    ray.init(num_cpus=6, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    # a new local instance (address="local"): never another xdist worker's cluster that happens to be running
+    ray.init(
+        address="local", num_cpus=6, include_dashboard=False, configure_logging=False, log_to_driver=False
+    )
     ray.cloudpickle.register_pickle_by_value(request.module)
     yield
     ray.shutdown()
