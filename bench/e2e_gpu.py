@@ -51,12 +51,30 @@ import threading
 import time
 from pathlib import Path
 
+from moerl.plan.models import MODELS, ModelShape
+
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "bench" / "data" / "gsm8k_test_512.jsonl"
 CAPTURE_FAILED = re.compile(r"capture failed", re.IGNORECASE)
 FIRST_STEP = re.compile(r"\bstep 1/\d+")
 
 # name -> (model section, rollout / trainer / task sizes)
+
+
+def _shape_fields(shape: ModelShape) -> dict:
+    """``model.*`` fields of a planner preset (``moerl.plan.models.MODELS``: the one table of sizes)."""
+    return dict(
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads or shape.num_heads,  # 0: as many as query heads
+        head_dim=shape.head_dim,
+        num_experts=shape.num_experts,
+        top_k=shape.top_k,
+        moe_intermediate_size=shape.moe_intermediate_size,
+    )
+
+
 SIZES: dict[str, dict] = {
     "tiny": {
         "model": dict(
@@ -99,17 +117,7 @@ SIZES: dict[str, dict] = {
         "sync_every": 8,
     },
     "6.9b": {
-        "model": dict(
-            hidden_size=2048,
-            num_layers=16,
-            num_heads=16,
-            num_kv_heads=16,
-            head_dim=128,
-            num_experts=64,
-            top_k=8,
-            moe_intermediate_size=1024,
-            dtype="bfloat16",
-        ),
+        "model": {**_shape_fields(MODELS["reference"]), "dtype": "bfloat16"},  # the benchmarks' 6.9 B
         "max_new_tokens": 256,
         "group_size": 8,
         "batch_groups": 32,
