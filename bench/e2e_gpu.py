@@ -234,7 +234,13 @@ def alone(cfg_path: Path, init_dir: Path, steps: int, out: Path) -> None:
     graph_use = (
         None
         if graphs is None
-        else {"enabled": graphs.is_enabled, "graphs": graphs.num_graphs, "replays": graphs.num_replays}
+        else {
+            "enabled": graphs.is_enabled,
+            "graphs": graphs.num_graphs,
+            "captures": graphs.num_captures,
+            "evictions": graphs.num_evictions,
+            "replays": graphs.num_replays,
+        }
     )
     rollouts.close()
     del rollouts, graphs  # the trainer alone: no engine beside it
@@ -495,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="sync,async", help="comma-separated, of sync, async")
     p.add_argument("--steps", type=int, default=0, help="RL steps per run (0: 6, tiny 3)")
     p.add_argument("--eval-every", type=int, default=3, help="eval.every of the runs")
-    p.add_argument("--alone-steps", type=int, default=2, help="timed batches of the engine and trainer alone")
+    p.add_argument("--alone-steps", type=int, default=4, help="timed batches of the engine and trainer alone")
     p.add_argument(
         "--weight-sync",
         default="object_store",

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moerl.models.fp8 import FP8_DTYPE, copy_into_fp8
-from moerl.rollout.cuda_graphs import GraphRunner
+from moerl.rollout.cuda_graphs import GraphRunner, graph_batch_buckets, round_read_len
 from moerl.rollout.kv_cache import KVLayout, SlotKVCache, cache_geometry, kv_layout
 from moerl.rollout.params import FINISH_ERROR, Completion, InvalidRequestError, Request, validate_request
 from moerl.rollout.sampler import SamplingRows, sample_key, sample_no_sync
@@ -67,8 +67,10 @@ class Engine:
         max_stop_tokens: most stop token ids per request.
         sync_every: decode steps between host copies of the sampled tokens (1 on CPU; larger values keep
             the device busy, at the cost of up to ``sync_every - 1`` wasted steps per finished sequence).
-        batch_buckets: decode batch sizes to round B up to (fixed shapes for CUDA graphs); ``None``: exact.
-        attn_len_multiple: the decode read length R is rounded up to a multiple of this.
+        batch_buckets: decode batch sizes to round B up to (fixed shapes for CUDA graphs); ``None``: with
+            CUDA graphs ``cuda_graphs.graph_batch_buckets(slots)`` (at most 1.5x padding), else exact.
+        attn_len_multiple: the decode read length R is rounded up to a multiple of this (with CUDA graphs
+            also to four keys per doubling, ``cuda_graphs.round_read_len``: at most 25% over).
         seed: seeds the draw of a noise seed for requests whose ``params.seed`` is None.
         version: initial policy version.
         kv_layout_override: the KV geometry, when it cannot be derived from ``model.config``.
@@ -175,6 +177,8 @@ class Engine:
         self._prefill_tokens = self._prefix_hit_tokens = self._decode_steps = self._decode_rows = 0
         # Decode steps replayed from CUDA graphs, one per (B, R, sampling flags) key (cuda_graphs.py).
         self._graphs = GraphRunner(self.device) if cuda_graphs and self.device.type == "cuda" else None
+        if self._graphs is not None and self.batch_buckets is None:  # keys that recur (cuda_graphs.py)
+            self.batch_buckets = graph_batch_buckets(num_slots)
 
     @classmethod
     def from_config(
@@ -464,8 +468,10 @@ class Engine:
 
     def _read_len(self, seqs: list[Sequence]) -> int:
         """R, keys a decode step reads per row: the longest sequence rounded up to ``attn_len_multiple``."""
-        m = self.attn_len_multiple
-        return min(self.max_seq_len, -(-max(s.seq_len for s in seqs) // m) * m)
+        m, need = self.attn_len_multiple, max(s.seq_len for s in seqs)
+        if self._graphs is not None:  # few keys: four per doubling
+            return round_read_len(need, m, self.max_seq_len)
+        return min(self.max_seq_len, -(-need // m) * m)
 
     def _decode_forward_no_sync(
         self, b: int, read_len: int, rows: SamplingRows, want_routed: bool

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from moerl.rollout.block_pool import BlockPool
+from moerl.rollout.cuda_graphs import round_read_len
 from moerl.rollout.engine import Engine
 from moerl.rollout.kv_cache import KVLayout, kv_layout
 from moerl.rollout.paged_kv_cache import PagedKVCache, paged_geometry
@@ -288,10 +289,13 @@ class PagedEngine(Engine):
 
     def _read_len(self, seqs: list[Sequence]) -> int:
         """W, blocks each decode row reads: the longest sequence's, rounded up to whole multiples of
-        ``attn_len_multiple`` tokens, capped at M (a CUDA-graph key)."""
+        ``attn_len_multiple`` tokens (with CUDA graphs also to four keys per doubling), capped at M (a
+        CUDA-graph key)."""
         bs = self.block_size
         mult = max(1, self.attn_len_multiple // bs)
         need = -(-max(s.seq_len for s in seqs) // bs)
+        if self._graphs is not None:  # few keys: four per doubling (cuda_graphs.round_read_len)
+            return round_read_len(need, mult, self.max_blocks)
         return min(self.max_blocks, -(-need // mult) * mult)
 
     def _decode_forward_no_sync(self, b: int, read_len: int, rows, want_routed: bool):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -256,3 +258,31 @@ def test_preempted_sequences_stay_visible_in_flight(model):
         seen_preempted |= bool(preempted)
         assert engine.pool.num_used <= engine.pool.num_blocks
     assert seen_preempted and engine.pool.num_free == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["slots", "paged"])
+def test_graph_keys_padded_batch_and_rounded_read_length_decode_the_same(model, kind):
+    """What a CUDA engine decodes under its graph keys (B padded to ``graph_batch_buckets``, R rounded by
+    ``round_read_len``), here on CPU with a graph runner that runs each step eagerly: the same tokens and
+    log-probs as exact shapes, with preemption in the paged engine."""
+    from moerl.rollout.cuda_graphs import GraphRunner, graph_batch_buckets
+
+    reqs = [  # lengths 10..40: the decode batch shrinks as requests finish
+        Request(request_id=r.request_id, prompt_ids=r.prompt_ids, params=replace(r.params, max_new_tokens=n))
+        for r, n in zip(_requests(temperature=1.0), (40, 10, 25, 17), strict=True)
+    ]
+    ref = Engine(model, max_slots=32, kv_token_budget=32 * 80).generate(reqs)
+    if kind == "slots":
+        engine = Engine(model, max_slots=32, kv_token_budget=32 * 80, attn_len_multiple=4)
+    else:
+        engine = PagedEngine(model, max_slots=32, kv_token_budget=400, block_size=4, attn_len_multiple=4)
+    engine._graphs = GraphRunner("cpu")  # a runner: the keyed path, each step run eagerly (CPU)
+    engine.batch_buckets = graph_batch_buckets(engine.num_slots)
+    seen: list[tuple[int, int]] = []
+    run = engine._graphs.run
+    engine._graphs.run = lambda key, fn: (seen.append(key[:2]), run(key, fn))[1]
+    _assert_same(ref, engine.generate(reqs))
+    assert {b for b, _ in seen} <= set(engine.batch_buckets) and len({b for b, _ in seen}) > 2
+    assert len({r for _, r in seen}) < len(seen) / 4  # few read lengths recur over the steps
+    if kind == "paged":
+        assert engine.stats.preemptions > 0
