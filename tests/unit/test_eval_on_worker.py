@@ -2,6 +2,7 @@
 version gate (``RolloutWorkerActor.evaluate``)."""
 
 import threading
+import time
 from types import SimpleNamespace
 
 import torch
@@ -101,3 +102,30 @@ def _error(call) -> str:
     except RuntimeError as e:
         return str(e)
     return ""
+
+
+def test_an_idle_worker_loop_backs_off_between_lease_attempts():
+    """Nothing in flight (queue gated, buffer full): each loop pass asks the exchange for a lease, so the
+    loop waits 10 ms, then longer while nothing comes (``IDLE_WAIT_S``), instead of asking 100 times a
+    second."""
+    from moerl.runtime.ray.worker_actor import IDLE_WAIT_S
+
+    actor = _actor(0, [])
+    steps: list[float] = []
+    actor.worker.step = lambda: steps.append(time.monotonic())
+    actor.worker.num_in_flight = 0
+    actor.worker.request_stop = actor.worker.release_all = lambda: None
+    actor._stop, actor._paused = threading.Event(), threading.Event()
+    actor.watcher = SimpleNamespace(is_set=lambda: False, stop=lambda **kw: None)
+    actor.slowdown = SimpleNamespace(after_step=lambda s: None)
+    actor.health = lambda: None
+    loop = threading.Thread(target=actor.run)
+    loop.start()
+    time.sleep(1.0)
+    actor.stop()
+    loop.join(5)
+    assert not loop.is_alive()
+    # 10 + 20 + 40 + 80 ms, then every 100 ms: about 12 asks in a second (at a fixed 10 ms: up to 100)
+    assert 5 <= len(steps) <= 16, len(steps)
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    assert max(gaps) < IDLE_WAIT_S[1] + 0.05 and gaps[-1] > 0.5 * IDLE_WAIT_S[1], gaps

@@ -56,6 +56,12 @@ from moerl.weights.sources import (
 )
 from moerl.weights.store import WeightStore
 
+IDLE_WAIT_S = (0.01, 0.1)
+"""Seconds an idle worker loop (nothing in flight: the queue empty or gated, the buffer full) waits before
+it asks the exchange again: 10 ms at first, doubling while nothing comes, up to 100 ms. Each ask is a
+round trip to the exchange actor (CPU in both processes: at a fixed 10 ms, 100 a second). New weights
+(``offer_*``), an eval, a notice and ``stop`` wake the loop at once."""
+
 
 def _ray():
     import ray  # lazy: Ray is an optional dependency, needed only in async mode
@@ -233,6 +239,7 @@ class RolloutWorkerActor:
         """Generate until ``stop``, or until a termination notice and then drain (``moerl.runtime.drain``).
         Unfinished leases go back to the queue."""
         reason, report, error = "stopped", None, None
+        idle_wait = IDLE_WAIT_S[0]
         try:
             while not self._stop.is_set() and not self.watcher.is_set():
                 started = time.perf_counter()
@@ -240,9 +247,12 @@ class RolloutWorkerActor:
                 self._serve_evals()
                 self.slowdown.after_step(time.perf_counter() - started)  # chaos.slow_worker (off: no-op)
                 if not self.worker.num_in_flight:  # queue empty or gated; a delivery may be on its way
-                    self._offered.wait(0.01)  # new weights open the staleness gate: wake at once
+                    woken = self._offered.wait(idle_wait)  # new weights open the staleness gate: at once
                     self._offered.clear()
+                    idle_wait = IDLE_WAIT_S[0] if woken else min(2 * idle_wait, IDLE_WAIT_S[1])
                     self._keepalive()
+                else:
+                    idle_wait = IDLE_WAIT_S[0]
             if self.watcher.is_set() and not self._stop.is_set():
                 reason, report = "drained", self.drainer.drain(self.worker, self.watcher.notice)
         except BufferClosed:
@@ -382,6 +392,7 @@ class RolloutWorkerActor:
     def notify(self) -> None:
         """A termination notice by actor call (when no notice file is configured)."""
         self.watcher.notify()
+        self._offered.set()  # an idle loop sees it at once
 
     def pause(self, timeout_s: float = 30.0) -> bool:
         """Hold the loop at its next pause point (no group half-delivered); True once it is there."""
@@ -396,6 +407,7 @@ class RolloutWorkerActor:
         """End the loop: no new leases; a delivery blocked on a full buffer is given up."""
         self._stop.set()
         self.worker.request_stop()
+        self._offered.set()  # an idle loop ends at once
 
     def offer_weights(self, version: int, refs: list) -> None:
         """Weights of ``version`` in the object store (``refs[0]``, a list so that Ray passes the ref
