@@ -367,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except WeightVersionRefused as e:  # sync mode cannot generate past a refused version: one line
         print(f"moerl: {e}", file=sys.stderr)
+        return 1
     except ExchangeLostError as e:  # the queue/buffer actor's node was lost: one line with the resume command
         print(e.line(), file=sys.stderr)
         return 1

@@ -348,14 +348,18 @@ class Run:
         return step % self.cfg.trainer.publish_every == 0 or step == self.cfg.trainer.steps
 
     def _start_eval(self, result: EvalResult) -> None:
-        """Record the warm-start eval of version 0 in the run's totals and say it on the console."""
+        """Record the eval of version 0 (after the warm start, if one ran) in the run's totals and say it on
+        the console."""
         self.state.update(
             start_accuracy=result.accuracy if result.metric == EXACT_MATCH else None,
             start_mean_reward=result.mean_reward,
             eval_metric=result.metric,
         )
+        if result.metric == EXACT_MATCH:  # the status line's ``acc ...@0`` until the first RL eval
+            self.view.carry_last_eval([{"step": 0, "eval/accuracy": result.accuracy}])
+        warm = self.cfg.init_from is None and self.cfg.sft.steps > 0  # an SFT warm start ran (run.warm_start)
         self.view.message(
-            f"warm-start eval: {METRIC_NAMES[result.metric]} {result.accuracy:.3f} "
+            f"{'warm-start' if warm else 'start'} eval: {METRIC_NAMES[result.metric]} {result.accuracy:.3f} "
             f"({result.num_prompts} prompts); run folder {self.dir.path}"
         )
 

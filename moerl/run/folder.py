@@ -83,6 +83,8 @@ class RunDir:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.created_parents: list[Path] = []
+        """Folders above ``path`` that ``create`` made (``output_dir``), deepest first."""
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints.mkdir(exist_ok=True)
 
@@ -96,7 +98,7 @@ class RunDir:
         if not Path(path).is_dir():
             raise NotADirectoryError(f"{path} is not a folder")
         run = cls.__new__(cls)
-        run.path = Path(path)
+        run.path, run.created_parents = Path(path), []
         return run
 
     @classmethod
@@ -104,6 +106,8 @@ class RunDir:
         """A fresh folder ``<output_dir>/<name>-<UTC timestamp>`` with the resolved config written."""
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         base = Path(cfg.output_dir) / f"{cfg.name}-{stamp}"
+        # output_dir's folders this run creates: removed again (if still empty) with an unstarted run
+        created = [p for p in (base.parent, *base.parent.parents) if not p.exists()]
         path, i = base, 1
         while True:  # mkdir, not exists(): two runs started within the same second get two folders
             try:
@@ -112,6 +116,7 @@ class RunDir:
             except FileExistsError:
                 path, i = Path(f"{base}-{i}"), i + 1
         run = cls(path)
+        run.created_parents = created
         save_config(cfg, run.config)
         return run
 
@@ -125,11 +130,17 @@ class RunDir:
         """Delete the whole folder unless ``has_started()``; returns whether it was deleted.
 
         A run that failed before its first step (bad config, missing model, unwritable store) cannot be
-        resumed (no checkpoint) and would only leave a half-written folder behind.
+        resumed (no checkpoint) and would only leave a half-written folder behind. The folders above it
+        that ``create`` made go too, while empty.
         """
         if self.has_started():
             return False
         shutil.rmtree(self.path, ignore_errors=True)
+        for parent in self.created_parents:  # e.g. runs/ made by this run alone: gone with it
+            try:
+                parent.rmdir()
+            except OSError:  # not empty (another run's folder appeared) or already gone
+                break
         return True
 
     @contextmanager

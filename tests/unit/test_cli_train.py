@@ -178,3 +178,15 @@ def test_another_os_error_is_not_taken_for_a_full_disk(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(OSError, match="Input/output error"):
         main(["train"])
+
+
+def test_a_refused_weight_version_in_sync_mode_is_one_line_exit_1(monkeypatch, tmp_path, capsys):
+    from moerl.errors import WeightVersionRefused
+
+    def refused(cfg):
+        raise WeightVersionRefused("refused weight version 2 (its tensor table does not match)")
+
+    monkeypatch.setattr(controller, "train", refused)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train"]) == 1
+    assert capsys.readouterr().err == "moerl: refused weight version 2 (its tensor table does not match)\n"

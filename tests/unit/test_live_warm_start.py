@@ -58,3 +58,28 @@ def test_terminal_gets_a_live_line_with_the_elapsed_time():
     assert "sft step 3/3 loss 0.2500" in out
     assert re.search(r"\d:\d\d:\d\d\S* sft step 3/3", out)  # the elapsed-time column (no bar: 80 columns)
     assert not re.search(r"\[\d\d:\d\d:\d\d\] sft", out)  # no plain timestamped lines on a terminal
+
+
+@pytest.mark.parametrize(
+    ("init_from", "sft_steps", "label"), [(None, 5, "warm-start eval"), ("/m", 0, "start eval")]
+)
+def test_the_start_eval_shows_until_the_first_rl_eval_and_names_a_warm_start_only_if_one_ran(
+    init_from, sft_steps, label
+):
+    from types import SimpleNamespace
+
+    from moerl.config import RunConfig
+    from moerl.tasks.eval import EvalResult
+    from moerl.train import Run
+
+    cfg = RunConfig(init_from=init_from)
+    cfg.sft.steps = sft_steps
+    stream = io.StringIO()
+    run = SimpleNamespace(
+        cfg=cfg, state={}, view=LiveView(5, stream=stream), dir=SimpleNamespace(path="runs/x")
+    )
+    Run._start_eval(run, EvalResult(0.286, 0.3, 16, 12.0, 0))
+    run.view.update({"step": 1, "rollout/reward_mean": 0.1})
+    lines = stream.getvalue().splitlines()
+    assert f"] {label}: held-out exact match 0.286 (16 prompts)" in lines[0], lines
+    assert "acc 0.286@0" in lines[1], lines

@@ -23,6 +23,14 @@ def test_failure_before_the_first_step_removes_the_folder(tmp_path):
     assert not run.path.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_output_dir_made_by_the_run_goes_with_it_one_there_before_stays(tmp_path):
+    made = RunDir.create(RunConfig(output_dir=str(tmp_path / "a" / "runs")))
+    assert made.discard_if_unstarted() and list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    there = RunDir.create(RunConfig(output_dir=str(tmp_path / "kept")))
+    assert there.discard_if_unstarted() and (tmp_path / "kept").is_dir()
+
+
 def test_interrupt_before_the_first_step_removes_the_folder(tmp_path):
     run = _fresh(tmp_path)
     with pytest.raises(KeyboardInterrupt), run.discarded_on_early_failure():
@@ -57,7 +65,7 @@ def test_train_with_a_bad_init_from_leaves_no_folder_and_resume_creates_none(tmp
     cfg.runtime.mode = "sync"
     with pytest.raises(ConfigError, match="init_from"):
         train(cfg, live=False)
-    assert list((tmp_path / "runs").iterdir()) == []
+    assert not (tmp_path / "runs").exists()  # output_dir, made by this run alone, went with it
     with pytest.raises(FileNotFoundError, match="not a run folder"):
         resume(tmp_path / "typo", live=False)
     assert not (tmp_path / "typo").exists()
