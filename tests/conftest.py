@@ -9,8 +9,21 @@ pytest.register_assert_rewrite("_runs")  # its shared asserts report their value
 
 from _runs import save_fresh_policy  # noqa: E402
 
-# Tests run on 2 cores: keep intra-op threads from oversubscribing when several processes run.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Tests run on 2 cores: keep intra-op threads from oversubscribing when several processes run. Under
+# pytest-xdist (the README's `-n 4`) four workers already share the cores: one thread each, and for the
+# processes they start (runs, gloo ranks) unless those set their own.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Ray instances the tests start prestart no idle task workers (moerl's actors get their own processes):
+# on 2 cores each prestarted worker is seconds of CPU taken from the tests running beside it.
+os.environ.setdefault("RAY_enable_worker_prestart", "0")
+# Ray starts its worker processes (every actor: rollout workers, trainer ranks, the exchange) at nice 15;
+# next to three other busy xdist workers at nice 0 they then get a sliver of the 2 cores, and a run whose
+# critical path goes through its actors took 5-10x its time alone. Same priority as the tests instead.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 @pytest.fixture(autouse=True)
@@ -26,9 +39,13 @@ def default_init(tmp_path_factory):
     return save_fresh_policy(tmp_path_factory.mktemp("default") / "policy")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``-n 4 --dist loadgroup``): the namespaced-cluster tests share host network
-    state (address ranges, bridges), so they run one at a time on one worker."""
+    state (address ranges, bridges), so they run one at a time on one worker; the mutation check's tests
+    share one module fixture (six pytest subprocesses), which each worker would otherwise run again."""
     for item in items:
         if "multinode" in item.path.parts:
             item.add_marker(pytest.mark.xdist_group("netns"))
+        elif "meta" in item.path.parts:
+            item.add_marker(pytest.mark.xdist_group("meta"))

@@ -22,13 +22,13 @@ def ray_session(monkeypatch):
 
 
 def short_default(tmp_path, init, *overrides):
-    """configs/default.yaml shortened: 24 steps of 4 groups x 8, a learnable reward, one rollout worker."""
+    """configs/default.yaml shortened: 12 steps of 4 groups x 8, a learnable reward, one rollout worker."""
     return run_config(
         DEFAULT_CONFIG,
         tmp_path,
         init,
         *SHARDED_ASYNC,
-        "trainer.steps=24",
+        "trainer.steps=12",
         "trainer.checkpoint_every=8",
         "task.num_eval=32",
         *overrides,
@@ -45,7 +45,7 @@ def test_async_run_with_two_rank_actors_learns_exactly_once(tmp_path, default_in
             for k in ("start_eval_accuracy", "final_eval_accuracy", "tasks_duplicated", "tasks_lost")
         }
     )
-    assert summary["status"] == "completed" and summary["mode"] == "async" and summary["steps"] == 24
+    assert summary["status"] == "completed" and summary["mode"] == "async" and summary["steps"] == 12
     assert summary["trainer_ranks"] == 2 and len(set(summary["trainer_rank_pids"])) == 2
     assert summary["final_eval_accuracy"] >= summary["start_eval_accuracy"] + 0.3
     assert summary["tasks_duplicated"] == 0 and summary["tasks_lost"] == 0

@@ -43,7 +43,7 @@ def test_killed_rank_restarts_the_group_and_the_run_completes(tmp_path, default_
         f"init_from={default_init}",
         "name=kill",
         *SHARDED_ASYNC,
-        "trainer.steps=16",
+        "trainer.steps=10",
         "trainer.checkpoint_every=4",
         "task.num_eval=16",
     ]
@@ -72,8 +72,8 @@ def test_killed_rank_restarts_the_group_and_the_run_completes(tmp_path, default_
     assert proc.returncode == 0, out[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     after = json.loads((run / "trainer_ranks.json").read_text())["pids"]
-    assert summary["status"] == "completed" and summary["steps"] == 16
+    assert summary["status"] == "completed" and summary["steps"] == 10
     assert summary["fleet"]["trainer_restarts"] == 1 and not set(after) & set(before)
     assert "trainer group restarted from step 4" in out or "trainer group restarted from step 8" in out
     assert summary["tasks_duplicated"] == 0 and summary["tasks_lost"] == 0
-    assert summary["tasks_trained"] == 16 * 4
+    assert summary["tasks_trained"] == 10 * 4
