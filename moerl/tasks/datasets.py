@@ -313,10 +313,6 @@ class JsonlTask(Task):
             f"{n} rows: {len(self._train)} train, {n - len(self._train)} held out "
             f"(task.num_eval={self.num_eval}, at most {MAX_HELD_OUT_SHARE}% of the prompts){rest}"
         )
-        return (
-            f"{n} rows: {len(self._train)} train, {len(self._eval)} held out "
-            f"(task.num_eval={self.num_eval}, at most {MAX_HELD_OUT_SHARE}% of the rows)"
-        )
 
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         """Endless epochs over the training records, each epoch shuffled by ``random.Random(seed)``."""

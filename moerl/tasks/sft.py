@@ -251,8 +251,9 @@ def save_tokenizer_and_companions(tokenizer: Tokenizer, model_folder: str | None
         copy_companions(Path(model_folder), Path(folder), MODEL_COMPANIONS)
     generation = Path(folder) / "generation_config.json"
     if not generation.exists():  # none came with the model: transformers' generate must still stop at eos
-        generation.write_text(
-            json.dumps({"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}, indent=2) + "\n"
+        atomic_write_text(  # read by transformers and moerl generate: never seen half-written
+            generation,
+            json.dumps({"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}, indent=2) + "\n",
         )
 
 
