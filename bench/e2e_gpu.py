@@ -319,7 +319,7 @@ def launch(cmd: list[str], log: Path, timeout_s: float, env: dict) -> dict:
     """Run ``cmd``, its stdout and stderr (merged) copied to ``log`` with each line's second since launch;
     returns rc, wall seconds, the second the first RL step's console line came, capture-failure lines."""
     t0 = time.perf_counter()
-    first_step, failures = None, []
+    first_step, failures, tail = None, [], []
     with GpuPeak() as peak, log.open("w") as f:
         proc = subprocess.Popen(
             cmd,
@@ -340,7 +340,8 @@ def launch(cmd: list[str], log: Path, timeout_s: float, env: dict) -> dict:
                 if first_step is None and FIRST_STEP.search(line):
                     first_step = t
                 if CAPTURE_FAILED.search(line):
-                    failures.append(line.strip()[:400])
+                    failures.append(line.strip()[:4000])
+                tail = (tail + [line.rstrip()[:1000]])[-60:]
             rc = proc.wait()
         finally:
             timer.cancel()
@@ -352,6 +353,7 @@ def launch(cmd: list[str], log: Path, timeout_s: float, env: dict) -> dict:
         "capture_failed": failures,
         "peak_gpu_mib": peak.peak_mib,
         "log": str(log),
+        "log_tail": tail if rc != 0 else tail[-8:],  # the device machine's logs do not come back
     }
 
 

@@ -147,7 +147,9 @@ class GraphRunner:
                 fn()  # warm-up: lazy initialisation (cuBLAS handles, Triton compiles) stays out of the graph
             current.wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            # thread_local: only this thread's unsafe calls break the capture; a Ray actor's other
+            # threads (weight fetch, calls served beside the loop) may touch CUDA meanwhile
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
                 outs = tuple(fn())
         except RuntimeError as e:  # a host sync or an unsupported op inside fn: stay eager from now on
             # an op of fn that broke the capture raises first; ending the capture then raises again and
