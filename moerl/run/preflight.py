@@ -12,6 +12,7 @@ measures a cluster run against the laptop it runs on).
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import sys
@@ -50,7 +51,8 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
             which builds only its eval engine).
     Raises:
         ConfigError: naming the field: a ``trainer.batch_groups`` above the task's distinct training prompts
-            (``Task.max_train_prompts``), ``model.device=meta`` (no weights to train), an ``init_from`` or
+            (``Task.max_train_prompts``), ``model.device=meta`` (no weights to train), ``runtime.mode=async``
+            where Ray is not installed, an ``init_from`` or
             ``model.path`` folder that ``check_policy_folders`` refuses, an import path that does not
             import or is not callable, a reward
             function that cannot take ``(prompt_text, response_text, answer)``, a malformed dataset
@@ -59,6 +61,11 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
     """
     if cfg.model.device == "meta":
         raise ConfigError("model.device=meta holds shapes only, no weights: a run needs cpu, cuda or cuda:N")
+    if rollouts and cfg.runtime.mode == "async" and importlib.util.find_spec("ray") is None:
+        raise ConfigError(
+            "runtime.mode=async runs its rollout workers as Ray actors, and Ray is not installed in this "
+            "Python: pip install 'ray>=2.30', or runtime.mode=sync"
+        )
     check_policy_folders(cfg)
     if cfg.task.reward_fn:
         _check_import("task.reward_fn", cfg.task.reward_fn, load_score_fn, cfg.task.import_dirs)

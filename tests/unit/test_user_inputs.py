@@ -387,3 +387,9 @@ def test_a_reward_module_beside_the_config_is_found_without_pythonpath(tmp_path,
     cfg = _config(Namespace(config=str(conf / "run.yaml"), overrides=[]))
     assert cfg.task.import_dirs == (str(conf), str(elsewhere))
     assert make_task(cfg.task).reward("1+1=", "2", "2").score == 0.5
+
+
+def test_async_mode_without_ray_is_one_line_before_any_work(one_line, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails, as where Ray is not installed
+    line = one_line(EXIT_CONFIG, "runtime.mode=async")
+    assert "runtime.mode=async" in line and "Ray is not installed" in line, line
