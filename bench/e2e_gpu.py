@@ -407,8 +407,9 @@ def _new_run_dir(runs: Path, before: set[Path]) -> Path | None:
     return new[-1] if new else None
 
 
-def bench_size(size: str, args, env: dict) -> dict:
-    """Alone, then one run per mode, of one size."""
+def bench_size(size: str, args, env: dict, save=lambda res: None) -> dict:
+    """Alone, then one run per mode, of one size; ``save(res)`` after each (a call cut short keeps what
+    finished)."""
     work = Path(args.work_dir) / size
     work.mkdir(parents=True, exist_ok=True)
     steps = args.steps or (3 if size == "tiny" else 6)
@@ -436,6 +437,7 @@ def bench_size(size: str, args, env: dict) -> dict:
         res["alone_launch"] = launch(cmd, work / "alone.log", args.run_timeout_s, env)
         res["alone"] = json.loads(alone_json.read_text()) if res["alone_launch"]["rc"] == 0 else None
     print(f"[e2e] {size} alone: {json.dumps(_brief_alone(res['alone']))}", flush=True)
+    save(res)
     for mode in args.modes:
         runs = work / "runs"
         before = set(runs.glob("*")) if runs.exists() else set()
@@ -446,6 +448,7 @@ def bench_size(size: str, args, env: dict) -> dict:
         launched = launch(cmd, work / f"run_{mode}_{args.weight_sync}.log", args.run_timeout_s, env)
         run_dir = _new_run_dir(runs, before)
         entry = {
+            "env": _env_facts(),
             "command": " ".join(cmd),
             "run_dir": str(run_dir),
             **launched,
@@ -456,6 +459,7 @@ def bench_size(size: str, args, env: dict) -> dict:
                 shutil.rmtree(run_dir / sub, ignore_errors=True)
         key = mode if mode == "sync" or args.weight_sync == "object_store" else f"{mode}_{args.weight_sync}"
         res[key] = entry
+        save(res)
         print(
             f"[e2e] {size} {key}: rc={launched['rc']} first_step_s={launched['first_step_s']} "
             f"peak_gpu_mib={launched['peak_gpu_mib']} capture_failed={len(launched['capture_failed'])} "
@@ -547,12 +551,15 @@ def main(argv: list[str] | None = None) -> int:
     doc = json.loads(path.read_text()) if path.exists() else {"results": {}}
     doc["env"] = _env_facts()
     for size in args.sizes:
-        res = bench_size(size, args, env)
         old = doc["results"].get(size, {})
-        doc["results"][size] = {**old, **res}  # a later call's modes replace the same modes only
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(path)
+
+        def save(res: dict, size=size, old=old) -> None:
+            doc["results"][size] = {**old, **res}  # a later call's modes replace the same modes only
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(doc, indent=1))
+            tmp.replace(path)
+
+        save(bench_size(size, args, env, save))
     print(f"[e2e] wrote {path}", flush=True)
     return 0
 
