@@ -317,7 +317,8 @@ class GpuPeak:
 
 def launch(cmd: list[str], log: Path, timeout_s: float, env: dict) -> dict:
     """Run ``cmd``, its stdout and stderr (merged) copied to ``log`` with each line's second since launch;
-    returns rc, wall seconds, the second the first RL step's console line came, capture-failure lines."""
+    returns rc, wall seconds, the second the first RL step's console line came, capture-failure lines and
+    the log's last lines (60 when the run failed, else 8: the device machine's files do not come back)."""
     t0 = time.perf_counter()
     first_step, failures, tail = None, [], []
     with GpuPeak() as peak, log.open("w") as f:
@@ -353,7 +354,7 @@ def launch(cmd: list[str], log: Path, timeout_s: float, env: dict) -> dict:
         "capture_failed": failures,
         "peak_gpu_mib": peak.peak_mib,
         "log": str(log),
-        "log_tail": tail if rc != 0 else tail[-8:],  # the device machine's logs do not come back
+        "log_tail": tail if rc != 0 else tail[-8:],
     }
 
 
