@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from moerl.atomic import atomic_write_text
-from moerl.config import RunConfig, save_config
+from moerl.config import ConfigError, RunConfig, save_config
 from moerl.errors import RunFolderInUseError
 
 LOCK_FILE = "run.lock"
@@ -103,9 +103,16 @@ class RunDir:
 
     @classmethod
     def create(cls, cfg: RunConfig) -> RunDir:
-        """A fresh folder ``<output_dir>/<name>-<UTC timestamp>`` with the resolved config written."""
+        """A fresh folder ``<output_dir>/<name>-<UTC timestamp>`` with the resolved config written.
+
+        Raises:
+            ConfigError: ``output_dir`` is, or lies under, a file (nothing is written).
+        """
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         base = Path(cfg.output_dir) / f"{cfg.name}-{stamp}"
+        for folder in (base.parent, *base.parent.parents):
+            if folder.exists() and not folder.is_dir():
+                raise ConfigError(f"output_dir={cfg.output_dir!r}: {folder} is a file, not a folder")
         # output_dir's folders this run creates: removed again (if still empty) with an unstarted run
         created = [p for p in (base.parent, *base.parent.parents) if not p.exists()]
         path, i = base, 1

@@ -12,7 +12,6 @@ measures a cluster run against the laptop it runs on).
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import sys
@@ -52,7 +51,7 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
     Raises:
         ConfigError: naming the field: a ``trainer.batch_groups`` above the task's distinct training prompts
             (``Task.max_train_prompts``), ``model.device=meta`` (no weights to train), ``runtime.mode=async``
-            where Ray is not installed, an ``init_from`` or
+            where Ray does not import, an ``init_from`` or
             ``model.path`` folder that ``check_policy_folders`` refuses, an import path that does not
             import or is not callable, a reward
             function that cannot take ``(prompt_text, response_text, answer)``, a malformed dataset
@@ -61,11 +60,14 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
     """
     if cfg.model.device == "meta":
         raise ConfigError("model.device=meta holds shapes only, no weights: a run needs cpu, cuda or cuda:N")
-    if rollouts and cfg.runtime.mode == "async" and importlib.util.find_spec("ray") is None:
-        raise ConfigError(
-            "runtime.mode=async runs its rollout workers as Ray actors, and Ray is not installed in this "
-            "Python: pip install 'ray>=2.30', or runtime.mode=sync"
-        )
+    if rollouts and cfg.runtime.mode == "async":
+        try:  # imported now, not when the workers start after the warm start: a missing or broken Ray
+            import ray  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(
+                "runtime.mode=async runs its rollout workers as Ray actors, and Ray does not import in this "
+                f"Python ({e}): pip install 'ray>=2.30', or runtime.mode=sync"
+            ) from None
     check_policy_folders(cfg)
     if cfg.task.reward_fn:
         _check_import("task.reward_fn", cfg.task.reward_fn, load_score_fn, cfg.task.import_dirs)

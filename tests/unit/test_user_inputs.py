@@ -392,4 +392,12 @@ def test_a_reward_module_beside_the_config_is_found_without_pythonpath(tmp_path,
 def test_async_mode_without_ray_is_one_line_before_any_work(one_line, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails, as where Ray is not installed
     line = one_line(EXIT_CONFIG, "runtime.mode=async")
-    assert "runtime.mode=async" in line and "Ray is not installed" in line, line
+    assert "runtime.mode=async" in line and "Ray does not import" in line, line
+
+
+def test_an_output_dir_that_is_a_file_is_named_in_one_line(one_line, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("mine\n")
+    line = one_line(EXIT_CONFIG, f"output_dir={afile}")
+    assert line == f"moerl: config error: output_dir={str(afile)!r}: {afile} is a file, not a folder", line
+    assert afile.read_text() == "mine\n"
