@@ -40,7 +40,7 @@ from moerl.run.recovery import StepJournal, recover_trainer
 from moerl.run.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
 from moerl.run.reward_errors import RewardErrorWatch
 from moerl.run.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
-from moerl.run.warm_start import warm_start
+from moerl.run.warm_start import fine_tunes, warm_start
 from moerl.runtime.accounting import FleetState, accounting
 from moerl.runtime.build import build_components
 from moerl.runtime.chaos import ChaosMonkey
@@ -357,9 +357,8 @@ class Run:
         )
         if result.metric == EXACT_MATCH:  # the status line's ``acc ...@0`` until the first RL eval
             self.view.carry_last_eval([{"step": 0, "eval/accuracy": result.accuracy}])
-        warm = self.cfg.init_from is None and self.cfg.sft.steps > 0  # an SFT warm start ran (run.warm_start)
         self.view.message(
-            f"{'warm-start' if warm else 'start'} eval: {METRIC_NAMES[result.metric]} {result.accuracy:.3f} "
+            f"{'warm-start' if fine_tunes(self.cfg) else 'start'} eval: {METRIC_NAMES[result.metric]} {result.accuracy:.3f} "
             f"({result.num_prompts} prompts); run folder {self.dir.path}"
         )
 

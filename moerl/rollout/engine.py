@@ -468,10 +468,14 @@ class Engine:
 
     def _read_len(self, seqs: list[Sequence]) -> int:
         """R, keys a decode step reads per row: the longest sequence rounded up to ``attn_len_multiple``."""
-        m, need = self.attn_len_multiple, max(s.seq_len for s in seqs)
-        if self._graphs is not None:  # few keys: four per doubling
-            return round_read_len(need, m, self.max_seq_len)
-        return min(self.max_seq_len, -(-need // m) * m)
+        return self._round_read_len(max(s.seq_len for s in seqs), self.attn_len_multiple, self.max_seq_len)
+
+    def _round_read_len(self, need: int, multiple: int, cap: int) -> int:
+        """``need`` (tokens, or blocks in ``PagedEngine``) rounded up to a multiple of ``multiple``, capped at
+        ``cap``; with CUDA graphs also to four keys per doubling (``cuda_graphs.round_read_len``)."""
+        if self._graphs is not None:
+            return round_read_len(need, multiple, cap)
+        return min(cap, -(-need // multiple) * multiple)
 
     def _decode_forward_no_sync(
         self, b: int, read_len: int, rows: SamplingRows, want_routed: bool

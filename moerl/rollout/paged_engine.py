@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from moerl.rollout.block_pool import BlockPool
-from moerl.rollout.cuda_graphs import round_read_len
 from moerl.rollout.engine import Engine
 from moerl.rollout.kv_cache import KVLayout, kv_layout
 from moerl.rollout.paged_kv_cache import PagedKVCache, paged_geometry
@@ -294,9 +293,7 @@ class PagedEngine(Engine):
         bs = self.block_size
         mult = max(1, self.attn_len_multiple // bs)
         need = -(-max(s.seq_len for s in seqs) // bs)
-        if self._graphs is not None:  # few keys: four per doubling (cuda_graphs.round_read_len)
-            return round_read_len(need, mult, self.max_blocks)
-        return min(self.max_blocks, -(-need // mult) * mult)
+        return self._round_read_len(need, mult, self.max_blocks)
 
     def _decode_forward_no_sync(self, b: int, read_len: int, rows, want_routed: bool):
         """One decode forward of rows 0..b-1 over ``read_len`` blocks each (as ``Engine``'s: reads only

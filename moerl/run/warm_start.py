@@ -11,6 +11,11 @@ from moerl.tasks import sft
 from moerl.telemetry.live import LiveView
 
 
+def fine_tunes(cfg: RunConfig) -> bool:
+    """Whether ``warm_start`` runs (or reuses) an SFT warm start: no ``init_from`` and ``sft.steps > 0``."""
+    return cfg.init_from is None and cfg.sft.steps > 0
+
+
 def warm_start(cfg: RunConfig, run: RunDir, view: LiveView) -> str | None:
     """The HF folder RL starts from: ``cfg.init_from``; else, with ``sft.steps == 0``, ``model.path`` as it
     is (no warm start; the config requires one of the two then); else an SFT warm start written to
@@ -25,7 +30,7 @@ def warm_start(cfg: RunConfig, run: RunDir, view: LiveView) -> str | None:
                 f"init_from={cfg.init_from!r} is not a Hugging Face model folder (no config.json)"
             )
         return cfg.init_from
-    if cfg.sft.steps == 0:
+    if not fine_tunes(cfg):  # sft.steps=0
         view.message(f"warm start skipped (sft.steps=0): RL starts from model.path={cfg.model.path!r}")
         return cfg.model.path
     out = run.path / "sft"
