@@ -386,6 +386,7 @@ def summarize_run(run_dir: Path | None, alone_res: dict | None) -> dict:
                 "tasks_duplicated",
                 "start_eval_accuracy",
                 "final_eval_accuracy",
+                "startup_s",
             )
         }
     # capture failures written to files of the run folder (Ray worker logs land in the console too)

@@ -1,9 +1,10 @@
 """The main job: one RL run (GRPO and variants) from warm start to summary, as a ``Run`` object.
 
     start:   weight store -> warm start (SFT unless init_from) -> policy + trainer -> version 0
-             published and evaluated (or a checkpoint restored) -> rollouts started (async mode: a
-             rollout worker evaluates, version 0 once the workers are up; the driver holds no policy
-             copy with a trainer group)
+             published and evaluated (or a checkpoint restored) -> rollouts started. A fresh async run
+             with a one-process trainer starts the rollout workers first and builds the trainer and
+             evaluates version 0 meanwhile (``starts_rollouts_early``); with a trainer group (no policy
+             copy in the driver) or FP8 rollout weights a worker evaluates version 0 once it is up
     step:    lease -> generate -> score -> buffer (inside ``Rollouts.next_groups``) -> train ->
              publish -> eval -> log -> checkpoint
     recover: a trainer killed by chaos restarts from the newest checkpoint while the rollouts go on
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +32,12 @@ from moerl.envs.stats import merge as env_merge
 from moerl.envs.stats import step_values as env_step_values
 from moerl.errors import EvalVersionRefused, RewardFunctionError
 from moerl.records import Group
-from moerl.rollout.memory_check import driver_holds_policy, evaluates_on_workers
+from moerl.rollout.memory_check import (
+    driver_evaluates_start,
+    driver_holds_policy,
+    evaluates_on_workers,
+    starts_rollouts_early,
+)
 from moerl.rollout.precision_gap import LogprobGap, logprob_gap
 from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
 from moerl.run.group_recovery import restart_group
@@ -79,11 +86,13 @@ class Run:
 
     def __init__(self, cfg: RunConfig, run_dir: RunDir, *, live: bool = True) -> None:
         self.cfg, self.dir = cfg, run_dir
-        self.process_start = time.perf_counter()
+        self.process_start, self.wall_start = time.perf_counter(), time.time()
         self.view = LiveView(cfg.trainer.steps, enabled=live)
         self.restarts = 0
         self.mirror = _open_mirror(cfg, run_dir)  # storage.url in an object store: copy there
         self.pushed_version = 0  # newest version sent to the rollouts (recovery publishes past it)
+        self.startup: dict[str, float] = {}
+        """Seconds from this object's creation to each start milestone (summary.json ``startup_s``)."""
 
     def start(self, checkpoint: Path | None) -> None:
         """Warm start, build policy and trainer, publish version 0 (or restore ``checkpoint``), start
@@ -118,23 +127,20 @@ class Run:
             self.mirror.warm_start(Path(init_path))
         # its digests were read when resume_checkpoint picked it (the run folder is locked since)
         parts = load_checkpoint(checkpoint, contents=False) if checkpoint is not None else None
-        self.comp = build_components(cfg, init_path, self.store)
-        self.reward_watch = RewardErrorWatch(cfg.task, self.comp.task, self.comp.tokenizer)
-        if cfg.runtime.mode == "async" and cfg.trainer.num_ranks > 1:  # the group's rank actors, then the
-            init_ray(cfg)  # rollout fleet, on one Ray instance (make_trainer expects it)
-        # one rank: a LocalTrainer; more: a TrainerGroup (moerl.trainer.distributed); both a Trainer
-        keep = driver_holds_policy(cfg)  # False: a fresh policy is built only to seed the ranks
-        self.trainer: Trainer = make_trainer(cfg, self.comp.model, init_path, self.dir.path, keep_copy=keep)
-        if not keep:
-            self.comp.model = None
-        try:
-            self.state = self._begin(parts, checkpoint)
-        except BaseException:
-            self.close_trainer()
-            raise
-        record_ranks(self.trainer, self.dir.path)
-        self.rollouts = self._start_rollouts(parts)
-        if parts is None and self.state["eval_metric"] is None:  # async: a rollout worker evaluates v0
+        self.startup["warm_start"] = self._since_start()
+        if parts is None and starts_rollouts_early(cfg):
+            self._start_overlapped(init_path)
+        else:
+            self._build_trainer(init_path)
+            try:
+                self.state = self._begin(parts, checkpoint)
+            except BaseException:
+                self.close_trainer()
+                raise
+            record_ranks(self.trainer, self.dir.path)
+            self.rollouts = self._start_rollouts(parts, init_path, self.trainer.version)
+            self.startup["rollouts_started"] = self._since_start()
+        if parts is None and self.state["eval_metric"] is None:  # a rollout worker evaluates v0
             self._start_eval(self._eval_result())
         self.telemetry.watch_fleet(self.rollouts)  # scrapes read the workers' latest heartbeats
         self.telemetry.reload_ledger(e.task_id for e in self.dir.read_ledger())  # resumed: rewound
@@ -148,6 +154,7 @@ class Run:
         -> log -> checkpoint."""
         t0 = time.perf_counter()
         groups, gen_s, wait_s = self.rollouts.next_groups(self.cfg.trainer.batch_groups)
+        self.startup.setdefault("first_groups", self._since_start())
         fp8_gap = self._fp8_gap(groups)  # before training: the engine and the trainer hold one version
         self.reward_watch.observe(groups)  # a failing reward function stops the run before it trains on zeros
         batch = self.trainer.build_batch(groups, self.comp.tokenizer.pad_id)
@@ -175,6 +182,9 @@ class Run:
             gen_s=gen_s, wait_s=wait_s, publish_s=publish_s, step_s=time.perf_counter() - t0, eval_s=eval_s
         )
         self._log(groups, stats, timings, accuracy, batch.num_sequences, t0, fp8_gap)
+        if "first_step" not in self.startup:
+            self.startup["first_step"] = self._since_start()
+            self._note_worker_startup()
         try:
             self._checkpoint(stats.step)
         except TrainerRankError as e:
@@ -280,16 +290,68 @@ class Run:
 
     # -- the parts of start and step -------------------------------------------------------------
 
+    def _since_start(self) -> float:
+        return round(time.perf_counter() - self.process_start, 3)
+
+    def _note_worker_startup(self) -> None:
+        """``startup`` gains the start of the worker whose groups came first (``WorkerStats.startup``), on
+        this run's clock: ``worker_init``, ``worker_policy_loaded``, ``worker_ready``, ``worker_first_put``
+        (wall clocks of one host; across hosts, as far as their clocks agree)."""
+        stamps = [w.startup for w in self.rollouts.worker_stats() if w.startup.get("first_put")]
+        if stamps:
+            first = min(stamps, key=lambda s: s["first_put"])
+            self.startup.update({f"worker_{k}": round(v - self.wall_start, 3) for k, v in first.items()})
+
+    def _build_trainer(self, init_path: str | None) -> None:
+        """Tokenizer, task, policy (``build_components``) and the trainer (``make_trainer``)."""
+        cfg = self.cfg
+        self.comp = build_components(cfg, init_path, self.store)
+        self.reward_watch = RewardErrorWatch(cfg.task, self.comp.task, self.comp.tokenizer)
+        if cfg.runtime.mode == "async" and cfg.trainer.num_ranks > 1:  # the group's rank actors, then the
+            init_ray(cfg)  # rollout fleet, on one Ray instance (make_trainer expects it)
+        # one rank: a LocalTrainer; more: a TrainerGroup (moerl.trainer.distributed); both a Trainer
+        keep = driver_holds_policy(cfg)  # False: a fresh policy is built only to seed the ranks
+        self.trainer: Trainer = make_trainer(cfg, self.comp.model, init_path, self.dir.path, keep_copy=keep)
+        if not keep:
+            self.comp.model = None
+        self.startup["trainer_built"] = self._since_start()
+
+    def _start_overlapped(self, init_path: str | None) -> None:
+        """A fresh async run with a one-process trainer (``starts_rollouts_early``): Ray, the exchange and
+        the rollout workers start (each loading ``init_path``, version 0) while a thread builds the policy
+        and the trainer, evaluates version 0 (before the workers generate beside it on a shared GPU) and
+        publishes it. Either side failing stops the other before raising."""
+
+        def build_and_begin() -> None:
+            self._build_trainer(init_path)
+            self.state = self._begin(None, None)
+
+        with ThreadPoolExecutor(1, thread_name_prefix="moerl-trainer-build") as pool:
+            built = pool.submit(build_and_begin)
+            try:
+                self.rollouts = self._start_rollouts(None, init_path, 0)
+                self.startup["rollouts_started"] = self._since_start()
+            except BaseException:
+                if built.exception() is None:  # waits for the build; its own error is secondary
+                    self.close_trainer()
+                raise
+            try:
+                built.result()
+            except BaseException:
+                self.rollouts.close()
+                self.close_trainer()
+                raise
+
     def _begin(self, parts: dict | None, checkpoint: Path | None) -> dict:
-        """Fresh: publish version 0 and evaluate it. Resumed: restore the trainer, cut the run folder and
+        """Fresh: evaluate version 0 and publish it. Resumed: restore the trainer, cut the run folder and
         the weight store back to the checkpoint. Returns the loop's running totals."""
         if parts is None:
-            self._publish_version0()
             state = {"eval_metric": None, "start_accuracy": None, "start_mean_reward": None}
             state.update(wall_s=0.0, loop_s=0.0, samples=0)
-            if not evaluates_on_workers(self.cfg):  # else evaluated once the workers are up (_start)
+            if driver_evaluates_start(self.cfg):  # else evaluated once the workers are up (_start)
                 self.state = state
-                self._start_eval(self.comp.evaluate())
+                self._start_eval(self.comp.evaluate())  # before the publish: not slowed by its copy
+            self._publish_version0()
             return state
         load_trainer_state(self.trainer, checkpoint, parts)  # written at any number of ranks
         self.dir.rewind(self.trainer.step)
@@ -313,13 +375,13 @@ class Run:
         elif cfg.runtime.mode == "async":
             self.store.publish_in_background(self.trainer.version, self.trainer.named_weights())
 
-    def _start_rollouts(self, parts: dict | None) -> Rollouts:
-        cfg, version = self.cfg, self.trainer.version
+    def _start_rollouts(self, parts: dict | None, init_path: str | None, version: int) -> Rollouts:
+        cfg = self.cfg
         if cfg.runtime.mode == "sync":
             return LocalRollouts.start(cfg, self.comp, version, parts)
         return RayRollouts(
             cfg,
-            self.comp.init_path,
+            init_path,
             self.store.url,
             version=version,
             parts=parts,
@@ -350,6 +412,7 @@ class Run:
     def _start_eval(self, result: EvalResult) -> None:
         """Record the eval of version 0 (after the warm start, if one ran) in the run's totals and say it on
         the console."""
+        self.startup["start_eval"] = self._since_start()
         self.state.update(
             start_accuracy=result.accuracy if result.metric == EXACT_MATCH else None,
             start_mean_reward=result.mean_reward,
@@ -479,6 +542,10 @@ class Run:
             "samples_trained": s["samples"],
             "reward_errors": fleet.reward_errors,
             **accounting(self.dir.read_ledger(), fleet),
+            # seconds from the run's start to each start milestone (Run.startup): warm_start,
+            # trainer_built, rollouts_started, start_eval, first_groups, first_step, and the first
+            # worker's (worker_*); a resumed run: its own
+            "startup_s": dict(self.startup),
         }
 
 

@@ -15,9 +15,9 @@ from moerl.models.dtypes import torch_dtype
 from moerl.rollout.memory_check import (
     GIB,
     MEMORY_HEADROOM,
+    driver_evaluates_start,
     driver_holds_policy,
     engine_cache_bytes,
-    evaluates_on_workers,
     policy_arch,
     rollout_rank_weight_bytes,
     rollout_weight_format,
@@ -54,7 +54,7 @@ def memory_warnings(cfg: RunConfig) -> list[str]:
         ),
     ]
     if driver_holds_policy(cfg):  # sync mode, or the one-process trainer's model (async: no copy)
-        cache = 0 if evaluates_on_workers(cfg) else engine  # async: a rollout worker evaluates
+        cache = engine if driver_evaluates_start(cfg) else 0  # else a rollout worker evaluates v0 too
         needs.append(
             (
                 "train",

@@ -19,9 +19,10 @@ Which parts share the checked device (``model.device``, where the driver builds 
     async, local Ray, CUDA       the driver's, and at most one worker rank (Ray gives each a GPU of its own)
     async, ``runtime.ray_address``  the driver's only (the workers run on the cluster's nodes)
 
-In async mode a rollout worker evaluates (``evaluates_on_workers``): the driver builds no eval engine,
-and holds the policy only as the one-process trainer's model (``driver_holds_policy``): none with a
-trainer group.
+In async mode a rollout worker evaluates (``evaluates_on_workers``) but version 0, which the driver
+evaluates on its own engine while the workers start (``driver_evaluates_start``: not with a trainer group
+or FP8 rollout weights); the driver holds the policy only as the one-process trainer's model
+(``driver_holds_policy``): none with a trainer group.
 
 A trainer group (``trainer.num_ranks > 1``) of local processes on the host adds one more copy (its
 shards). Cluster runs are checked where ``moerl train`` runs, never by ``moerl cluster render``.
@@ -206,6 +207,25 @@ def evaluates_on_workers(cfg: RunConfig) -> bool:
     return cfg.runtime.mode == "async"
 
 
+def driver_evaluates_start(cfg: RunConfig) -> bool:
+    """True when the driver evaluates version 0 itself, in process on its copy of the policy (a transient
+    eval engine): sync mode, and async mode with a one-process trainer, there while the rollout workers
+    start (``starts_rollouts_early``). False with a trainer group (the driver holds no copy) or FP8 rollout
+    weights (``rollout.weight_dtype=fp8``: a worker evaluates the weights it samples from); a rollout
+    worker then evaluates version 0 once it is up."""
+    if not evaluates_on_workers(cfg):
+        return True
+    return cfg.trainer.num_ranks == 1 and cfg.rollout.weight_dtype != "fp8"
+
+
+def starts_rollouts_early(cfg: RunConfig) -> bool:
+    """True when a fresh run starts its rollout workers before its trainer is built, and builds the
+    trainer meanwhile (``moerl.train.Run``): async mode with a one-process trainer, whose version 0 is
+    the warm start's folder that the workers load themselves. A trainer group starts on the same Ray
+    instance first (its ranks publish version 0)."""
+    return cfg.runtime.mode == "async" and cfg.trainer.num_ranks == 1
+
+
 def driver_holds_policy(cfg: RunConfig) -> bool:
     """True when the driver keeps a copy of the policy: the one-process trainer's model
     (``trainer.num_ranks=1``), or the copy sync mode evaluates. False in async mode with a trainer
@@ -217,8 +237,8 @@ def residents(cfg: RunConfig, device: torch.device, *, rollouts: bool = True) ->
     """``(engines, policy copies)`` the run builds on ``device`` (the module docstring's table).
     ``rollouts=False``: ``moerl sft`` (its model and the eval engine only)."""
     engines, copies = 1, 1  # the driver's policy (trainer, eval) and its eval engine
-    if rollouts and evaluates_on_workers(cfg):  # a rollout worker evaluates: no eval engine here
-        engines, copies = 0, int(driver_holds_policy(cfg))
+    if rollouts and evaluates_on_workers(cfg):  # the driver's eval engine: the start eval's only
+        engines, copies = int(driver_evaluates_start(cfg)), int(driver_holds_policy(cfg))
     local_ray = cfg.runtime.mode == "async" and not cfg.runtime.ray_address
     if rollouts and cfg.runtime.mode == "sync":
         engines, copies = engines + 1, copies + 1

@@ -92,6 +92,10 @@ class WorkerStats:
     kv: EngineStats | None = None
     """The engine's cache and scheduler counters after its last step (``Engine.stats``; an EP group's:
     the leader rank's); None before the first step."""
+    startup: dict[str, float] = field(default_factory=dict)
+    """Wall-clock times (``time.time()``, seconds) of the worker's start: ``init`` (its process entered
+    the worker's constructor), ``policy_loaded``, ``ready`` (engine built, first weights synced), set by
+    the Ray actor; ``first_put`` (its first groups handed to the buffer), set here."""
 
 
 def _engine_stats(engine: object) -> EngineStats | None:
@@ -343,6 +347,7 @@ class RolloutWorker:
         """``Outbox.collect``, counted in the worker's stats."""
         delivered, is_full = self.outbox.collect(wait=wait)
         self.stats.groups_put += len(delivered)
+        self.stats.startup.setdefault("first_put", time.time())
         self.stats.groups_admitted += sum(r == PutResult.ADMITTED for r in delivered)
         self.stats.groups_refused += sum(r == PutResult.REFUSED_STALE_TOKEN for r in delivered)
         return delivered, is_full

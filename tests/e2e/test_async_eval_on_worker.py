@@ -1,13 +1,16 @@
 """Async mode evaluates on a rollout worker (issue 34): the figures equal an in-process eval of the same
-saved versions; the driver evaluates nothing in process."""
+saved versions; the driver evaluates only version 0 in process (a one-process trainer holds the policy
+anyway: it evaluates it while the workers start, issue 32)."""
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
 import ray
 from conftest import short_config
 
+from moerl import train as train_module
 from moerl.models import from_pretrained
 from moerl.run.folder import RunDir, read_jsonl
 from moerl.runtime.build import Components
@@ -28,15 +31,36 @@ def ray_session():
 def test_async_eval_accuracy_equals_evaluating_the_saved_version_in_process(
     tmp_path, tiny_init, ray_session, monkeypatch
 ):
-    """Every eval of the run (warm start, steps 1 and 2) is a worker's: the driver's in-process eval
-    raises. Each figure equals ``moerl.tasks.eval.evaluate`` of that version from the weight store."""
+    """Every eval of the run after the start (steps 1 and 2) is a worker's: the driver's in-process eval
+    runs once, for version 0, before any step. Each figure equals ``moerl.tasks.eval.evaluate`` of that
+    version from the weight store."""
     e2e = str(Path(__file__).parent)  # the workers import e2e_rewards
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (e2e, os.environ.get("PYTHONPATH")) if p))
 
-    def no_driver_eval(self):
-        raise AssertionError("the driver evaluated in process")
+    driver_evals = []
+    in_process = Components.evaluate
 
-    monkeypatch.setattr(Components, "evaluate", no_driver_eval)
+    def start_eval_only(self):
+        if driver_evals:
+            raise AssertionError("the driver evaluated in process after the start")
+        driver_evals.append(1)
+        return in_process(self)
+
+    monkeypatch.setattr(Components, "evaluate", start_eval_only)
+    # the rollout workers start while the trainer is built: the build waits for their start to begin
+    rollouts_starting, trainer_waited = threading.Event(), []
+    ray_rollouts, make_trainer = train_module.RayRollouts, train_module.make_trainer
+
+    def starting_rollouts(*args, **kwargs):
+        rollouts_starting.set()
+        return ray_rollouts(*args, **kwargs)
+
+    def trainer_after_rollouts_begin(*args, **kwargs):
+        trainer_waited.append(rollouts_starting.wait(60))
+        return make_trainer(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "RayRollouts", starting_rollouts)
+    monkeypatch.setattr(train_module, "make_trainer", trainer_after_rollouts_begin)
     cfg = short_config(
         tmp_path,
         tiny_init,
@@ -54,7 +78,21 @@ def test_async_eval_accuracy_equals_evaluating_the_saved_version_in_process(
     summary = train(cfg, live=False)
     run = RunDir(next(Path(tmp_path).glob("run-*")))
     evals = {r["step"]: r["eval/accuracy"] for r in read_jsonl(run.metrics)}
-    assert set(evals) == {1, 2}
+    assert set(evals) == {1, 2} and driver_evals == [1]
+    assert trainer_waited == [True]  # built while the rollouts started, not before them
+    startup = summary["startup_s"]
+    driver = [k for k in startup if not k.startswith("worker_")]
+    assert sorted(driver) == sorted(
+        ["warm_start", "rollouts_started", "trainer_built", "start_eval", "first_groups", "first_step"]
+    )
+    # the trainer is built and version 0 evaluated while the rollouts start; both before the first groups
+    assert startup["warm_start"] <= startup["trainer_built"] <= startup["start_eval"]
+    assert startup["warm_start"] <= startup["rollouts_started"]
+    assert max(startup["rollouts_started"], startup["start_eval"]) <= startup["first_groups"]
+    assert startup["first_groups"] <= startup["first_step"]
+    # the first worker's start on the same clock: spawned after warm start, its groups before the step's
+    w = [startup[f"worker_{k}"] for k in ("init", "policy_loaded", "ready", "first_put")]
+    assert startup["warm_start"] <= w[0] <= w[1] <= w[2] <= w[3] <= startup["first_groups"] + 1.0
     # the same versions, loaded from the run's weight store into the initial policy, evaluated here
     tokenizer = load_run_tokenizer(cfg, str(tiny_init))
     task = make_task(cfg.task, cfg.env)

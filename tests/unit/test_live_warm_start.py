@@ -76,7 +76,12 @@ def test_the_start_eval_shows_until_the_first_rl_eval_and_names_a_warm_start_onl
     cfg.sft.steps = sft_steps
     stream = io.StringIO()
     run = SimpleNamespace(
-        cfg=cfg, state={}, view=LiveView(5, stream=stream), dir=SimpleNamespace(path="runs/x")
+        cfg=cfg,
+        state={},
+        view=LiveView(5, stream=stream),
+        dir=SimpleNamespace(path="runs/x"),
+        startup={},
+        _since_start=lambda: 1.5,
     )
     Run._start_eval(run, EvalResult(0.286, 0.3, 16, 12.0, 0))
     run.view.update({"step": 1, "rollout/reward_mean": 0.1})

@@ -82,17 +82,20 @@ def test_estimate_equals_what_the_engine_allocates(overrides, expected):
     [
         (["runtime.mode=sync"], "cpu", True, (2, 2)),  # trainer + eval engine, the worker's copy + engine
         (["runtime.mode=sync"], "cpu", False, (1, 1)),  # moerl sft: its model and the eval engine
-        # async: a rollout worker evaluates (no eval engine in the driver); the driver's copy is the
-        # one-process trainer's model
-        (["rollout.num_workers=3"], "cpu", True, (3, 4)),  # local Ray: every worker on this host
-        (["rollout.num_workers=3", "rollout.ep_size=2"], "cpu", True, (6, 4)),  # an engine per EP rank
-        (["rollout.num_workers=3"], "cuda", True, (1, 2)),  # Ray gives each worker a GPU of its own
+        # async: the driver's copy is the one-process trainer's model, and its eval engine evaluates
+        # version 0 while the workers start; a rollout worker evaluates the later versions
+        (["rollout.num_workers=3"], "cpu", True, (4, 4)),  # local Ray: every worker on this host
+        (["rollout.num_workers=3", "rollout.ep_size=2"], "cpu", True, (7, 4)),  # an engine per EP rank
+        (["rollout.num_workers=3"], "cuda", True, (2, 2)),  # Ray gives each worker a GPU of its own
         (
             ["rollout.num_workers=3", "runtime.ray_address=10.0.0.1:6379"],
             "cpu",
             True,
-            (0, 1),
+            (1, 1),
         ),  # on the cluster
+        # FP8 rollout weights: a worker evaluates version 0 too (the weights it samples from)
+        (["rollout.num_workers=3", "rollout.weight_dtype=fp8"], "cuda", True, (1, 2)),
+        (["trainer.num_ranks=2"], "cuda", True, (1, 1)),  # a trainer group: no driver copy or eval engine
         (
             ["runtime.ray_address=10.0.0.1:6379", "trainer.num_ranks=2"],
             "cuda",

@@ -187,7 +187,7 @@ class RayRollouts:
         placement = exchange_placement(ray.cluster_resources(), ray.get_runtime_context().get_node_id())
         exchange_cls = ray.remote(num_cpus=0, max_concurrency=cfg.rollout.num_workers * 2 + 16)(ExchangeActor)
         self.exchange = exchange_cls.options(**placement.ray_options()).remote(cfg, init_path, version)
-        self._exchange_node = self._ask(self.exchange.node.remote())
+        node = self.exchange.node.remote()  # asked once the workers are spawned: they start meanwhile
         if parts is not None:
             ray.get(
                 self.exchange.load_state_dict.remote({"queue": parts["queue"], "buffer": parts["buffer"]})
@@ -233,6 +233,7 @@ class RayRollouts:
         )
         self.chaos = ChaosMonkey(cfg.chaos)
         self.manager.start()
+        self._exchange_node = self._ask(node)
         self._last_batch = time.perf_counter()
         self._next_check = 0.0
         self._version = version  # the trainer's policy version, sent with each batch request

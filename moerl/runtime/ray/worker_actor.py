@@ -170,12 +170,14 @@ class RolloutWorkerActor:
         weights=None,
         init_version: int = -1,
     ):
+        started = {"init": time.time()}
         torch.set_num_threads(int(os.environ.get("MOERL_ACTOR_THREADS", "1")))
         keep_freed_memory()  # no page faults on each step's activations (moerl.allocator)
         torch.manual_seed(cfg.seed)
         init_path = local_model_folder(init_path, cfg.storage.options)  # staged in the store: a local copy
         tokenizer = load_run_tokenizer(cfg, init_path)
         model = load_policy(cfg, init_path, tokenizer.vocab_size)
+        started["policy_loaded"] = time.time()
         options = cfg.storage.options if is_remote(store_url) else None  # endpoint, region, profile
         store = WeightStore(store_url, keep=cfg.runtime.keep_versions, storage_options=options)
         # runtime.weight_sync: this worker's end of the transport (each EP rank opens its own), polled
@@ -211,6 +213,7 @@ class RolloutWorkerActor:
             engine=None if self.group is None else self.group.start(model),
         )
         self.worker.sync_weights()  # the newest published version before the first lease
+        self.worker.stats.startup.update(started, ready=time.time())
         self.watcher = watcher_from_config(cfg.fleet, worker_id, default_notice_dir=notice_dir).start()
         self.drainer = Drainer(cfg.fleet.drain_grace_s, keep_partial=cfg.fleet.keep_partial)
         self.slowdown = Slowdown.from_config(cfg.chaos, worker_id)
