@@ -453,7 +453,7 @@ class Engine:
         want_routed = any(s.request.params.return_routed_experts for s in seqs)  # R3: graph-safe once
         rows = self._rows(slice(0, b), seqs)  # a prefill allocated the static buffer (in place, no sync)
         if self._graphs is not None and (not want_routed or self.cache.routed is not None):
-            key = (b, read_len, rows.all_greedy, rows.any_truncation, want_routed)
+            key = (b, read_len, rows.all_greedy, rows.any_truncation, want_routed, *self._decode_variant())
             tokens, logprobs = self._graphs.run(
                 key, lambda: self._decode_forward_no_sync(b, read_len, rows, want_routed)
             )
@@ -465,6 +465,10 @@ class Engine:
         self._record(seqs, tokens[:a], logprobs[:a])
         self._decode_steps += 1
         self._decode_rows += a
+
+    def _decode_variant(self) -> tuple:
+        """What else decides the decode step's Python path (part of its CUDA-graph key): nothing here."""
+        return ()
 
     def _read_len(self, seqs: list[Sequence]) -> int:
         """R, keys a decode step reads per row: the longest sequence rounded up to ``attn_len_multiple``."""

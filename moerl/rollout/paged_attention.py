@@ -22,6 +22,7 @@ Every launch shape is a function of (B, W) only, so a decode step using it can b
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -63,8 +64,10 @@ def paged_decode_supported(k_cache: torch.Tensor) -> bool:
 
 
 def _num_splits(b: int, nkv: int, keys: int, block_n: int) -> tuple[int, int]:
-    """(splits, keys per split): enough programs to cover a GPU's ~132 multiprocessors twice when B * nkv
-    alone does not, never splits shorter than 4 * block_n keys. Host ints of the shape only (graph-safe)."""
+    """(splits S, keys per split at the table's width): enough programs to cover a GPU's ~132
+    multiprocessors twice when B * nkv alone does not, never splits shorter than 4 * block_n keys at the
+    width. Host ints of the shape only (graph-safe). On the GPU each row divides its own length into the S
+    splits (at least 4 * block_n keys each), so a wide table costs its rows nothing."""
     want = max(1, -(-264 // max(b * nkv, 1)))
     splits = max(1, min(want, keys // (4 * block_n)))
     per = -(-keys // splits)
@@ -150,8 +153,10 @@ if triton is not None:
         stride_vt,
         stride_vh,
         stride_tb,
+        PFX_START,
         keys_per_split,
         num_splits,
+        prefix_splits,
         scale,
         G: tl.constexpr,
         GP: tl.constexpr,
@@ -164,14 +169,23 @@ if triton is not None:
         IEEE: tl.constexpr,
         DYNAMIC: tl.constexpr,
         KPS: tl.constexpr,
+        HAS_PFX: tl.constexpr,
     ):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
         nh = tl.num_programs(1) * G
         length = tl.load(LENS + b)
-        start = sp * keys_per_split
-        end = tl.minimum(start + keys_per_split, length)
+        first = 0  # keys before it are attended by the row's shared-prefix program (_prefix_decode_kernel)
+        if HAS_PFX:
+            first = tl.load(PFX_START + b)
+        if DYNAMIC:  # the row's own keys in num_splits parts of whole BLOCK_N tiles, >= 4 tiles each
+            per = tl.cdiv(tl.cdiv(length - first, num_splits), BLOCK_N) * BLOCK_N
+            per = tl.maximum(per, 4 * BLOCK_N)
+        else:
+            per = keys_per_split
+        start = first + sp * per
+        end = tl.minimum(start + per, length)
         g = tl.arange(0, GP)
         dk = tl.arange(0, DKP)
         dv = tl.arange(0, DVP)
@@ -242,12 +256,176 @@ if triton is not None:
                     BLOCK_N,
                     IEEE,
                 )
-        # partial results: ACC [B, S, nh, DVP] float32, ML [B, S, nh, 2] float32 (running max, sum)
-        row = (b * num_splits + sp) * nh + qh
+        # partial results: ACC [B, S + SP, nh, DVP] float32, ML [B, S + SP, nh, 2] float32 (running max,
+        # sum); splits S.. are the shared-prefix program's, empty for a row it does not serve
+        total = num_splits + prefix_splits
+        row = (b * total + sp) * nh + qh
         gmask = g < G
         tl.store(ACC + row[:, None] * DVP + dv[None, :], acc, mask=gmask[:, None])
         tl.store(ML + row * 2, m_i, mask=gmask)
         tl.store(ML + row * 2 + 1, l_i, mask=gmask)
+
+    @triton.jit
+    def _prefix_decode_kernel(
+        Q,
+        K,
+        V,
+        TABLE,
+        PFX_N,
+        PFX_LEN,
+        PFX_ROWS,
+        PFX_START,
+        ACC,
+        ML,
+        stride_qb,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_tb,
+        keys_per_split,
+        num_splits,
+        prefix_splits,
+        scale,
+        G: tl.constexpr,
+        GR: tl.constexpr,
+        MP: tl.constexpr,
+        DK: tl.constexpr,
+        DKP: tl.constexpr,
+        DV: tl.constexpr,
+        DVP: tl.constexpr,
+        BS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        DYNAMIC: tl.constexpr,
+        KPS: tl.constexpr,
+    ):
+        """Program (leader row r, kv head, prefix split): the keys a group's rows share (the same blocks at
+        the same positions, r's table) attended once for all of them: one [GR * G, Dk] query tile, each
+        key block read once per group instead of once per row (cascade attention)."""
+        r = tl.program_id(0)
+        kh = tl.program_id(1)
+        sp = tl.program_id(2)
+        nh = tl.num_programs(1) * G
+        n_rows = tl.load(PFX_N + r)
+        plen = tl.load(PFX_LEN + r)  # 0 for a row that leads no group: no key, nothing stored
+        if DYNAMIC:
+            per = tl.cdiv(tl.cdiv(plen, prefix_splits), BLOCK_N) * BLOCK_N
+            per = tl.maximum(per, 4 * BLOCK_N)
+        else:
+            per = keys_per_split
+        start = sp * per
+        end = tl.minimum(start + per, plen)
+        m = tl.arange(0, MP)
+        i, g = m // G, m % G
+        valid = (i < n_rows) & (m < GR * G)
+        rows = tl.load(PFX_ROWS + r * GR + i, mask=valid, other=0)
+        qh = kh * G + g
+        dk = tl.arange(0, DKP)
+        dv = tl.arange(0, DVP)
+        q = tl.load(
+            Q + rows[:, None] * stride_qb + qh[:, None] * stride_qh + dk[None, :],
+            mask=valid[:, None] & (dk[None, :] < DK),
+            other=0.0,
+        )
+        m_i = tl.full([MP], float("-inf"), tl.float32)
+        l_i = tl.zeros([MP], tl.float32)
+        acc = tl.zeros([MP, DVP], tl.float32)
+        if DYNAMIC:
+            for n0 in range(start, end, BLOCK_N):
+                m_i, l_i, acc = _block(
+                    q,
+                    K,
+                    V,
+                    TABLE,
+                    r,
+                    kh,
+                    n0,
+                    end,
+                    m_i,
+                    l_i,
+                    acc,
+                    stride_kt,
+                    stride_kh,
+                    stride_vt,
+                    stride_vh,
+                    stride_tb,
+                    scale,
+                    DK,
+                    DKP,
+                    DV,
+                    DVP,
+                    BS,
+                    BLOCK_N,
+                    IEEE,
+                )
+        else:
+            for j in range(0, KPS, BLOCK_N):
+                m_i, l_i, acc = _block(
+                    q,
+                    K,
+                    V,
+                    TABLE,
+                    r,
+                    kh,
+                    start + j,
+                    end,
+                    m_i,
+                    l_i,
+                    acc,
+                    stride_kt,
+                    stride_kh,
+                    stride_vt,
+                    stride_vh,
+                    stride_tb,
+                    scale,
+                    DK,
+                    DKP,
+                    DV,
+                    DVP,
+                    BS,
+                    BLOCK_N,
+                    IEEE,
+                )
+        total = num_splits + prefix_splits
+        out = (rows * total + num_splits + sp) * nh + qh
+        tl.store(ACC + out[:, None] * DVP + dv[None, :], acc, mask=valid[:, None])
+        tl.store(ML + out * 2, m_i, mask=valid)
+        tl.store(ML + out * 2 + 1, l_i, mask=valid)
+        # row r in no group: its prefix split sp is empty (m = -inf, l = 0, acc = 0) for the merge
+        blank = (m < G) & (tl.load(PFX_START + r) == 0)
+        own = (r * total + num_splits + sp) * nh + kh * G + m
+        tl.store(ACC + own[:, None] * DVP + dv[None, :], tl.zeros([MP, DVP], tl.float32), mask=blank[:, None])
+        tl.store(ML + own * 2, tl.full([MP], float("-inf"), tl.float32), mask=blank)
+        tl.store(ML + own * 2 + 1, tl.zeros([MP], tl.float32), mask=blank)
+
+
+def prefix_group_rows(heads_per_kv: int) -> int:
+    """GR, the most rows one shared-prefix program serves: a query tile of about 32 rows (GR x G, G query
+    heads per kv head), at most 16 rows (a GRPO group of 16 samples); 1 (no sharing) for G >= 32."""
+    return max(1, min(16, 32 // max(heads_per_kv, 1)))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixGroups:
+    """Rows of a decode batch that share leading cache blocks (a group's prompt; ``PagedEngine`` finds
+    them), attended once per group by ``_prefix_decode_kernel``. Device tensors over the batch's B rows;
+    a group is named at its leader row (its first member).
+
+    Attributes:
+        n: [B] int32, rows in the group led by this row (>= 2), 0 for a row that leads none.
+        length: [B] int64, keys the group shares at its leader (a multiple of the block size, below every
+            member's length), 0 elsewhere.
+        rows: [B, GR] int64, the group's member rows at its leader (leader first; ``prefix_group_rows``).
+        start: [B] int64, per row: keys 0..start-1 are attended by its group's program (its group's
+            ``length``, 0 for a row in no group); the row's own program attends start..length-1.
+    """
+
+    n: torch.Tensor
+    length: torch.Tensor
+    rows: torch.Tensor
+    start: torch.Tensor
 
 
 def paged_decode_attention(
@@ -259,6 +437,7 @@ def paged_decode_attention(
     scale: float,
     block_size: int,
     *,
+    prefix: PrefixGroups | None = None,
     block_n: int = 128,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -267,6 +446,10 @@ def paged_decode_attention(
 
     Runs the Triton kernel where ``paged_decode_supported`` (or when Triton runs in its interpreter,
     ``TRITON_INTERPRET=1``, on CPU tensors), else ``paged_decode_reference``. Rows with length 0 give 0.
+
+    ``prefix``: rows sharing leading blocks (``PrefixGroups``): with the kernel, each group's shared keys
+    are read once for all its rows (cascade attention: the same softmax, merged by log-sum-exp as the
+    splits are); the tensor-op path reads every row's keys whole, as without.
 
     ``block_n`` keys per step, ``num_warps``, ``num_stages``: the Triton launch; the defaults were the
     fastest of 27 configurations on the H200 over four cases (bench/results/paged_attention_sweep.json).
@@ -286,9 +469,11 @@ def paged_decode_attention(
     g = nh // nkv
     keys = table.shape[1] * block_size
     splits, per = _num_splits(b, nkv, keys, block_n)
+    prefix_splits = splits if prefix is not None else 0  # the same division of the width (interpreter)
     dvp = triton.next_power_of_2(dv)
-    acc = torch.empty(b, splits, nh, dvp, dtype=torch.float32, device=q.device)
-    ml = torch.empty(b, splits, nh, 2, dtype=torch.float32, device=q.device)
+    dkp = max(16, triton.next_power_of_2(dk))
+    acc = torch.empty(b, splits + prefix_splits, nh, dvp, dtype=torch.float32, device=q.device)
+    ml = torch.empty(b, splits + prefix_splits, nh, 2, dtype=torch.float32, device=q.device)
     if q.stride(2) != 1:
         q = q.contiguous()
     _paged_decode_kernel[(b, nkv, splits)](
@@ -306,8 +491,10 @@ def paged_decode_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         table.stride(0),
+        lengths if prefix is None else prefix.start,  # PFX_START (unread without a prefix)
         per,
         splits,
+        prefix_splits,
         scale,
         G=g,
         GP=max(16, triton.next_power_of_2(g)),
@@ -320,9 +507,49 @@ def paged_decode_attention(
         IEEE=q.dtype == torch.float32,
         DYNAMIC=q.is_cuda,
         KPS=0 if q.is_cuda else per,
+        HAS_PFX=prefix is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if prefix is not None:
+        gr = prefix.rows.shape[1]
+        _prefix_decode_kernel[(b, nkv, prefix_splits)](
+            q,
+            k_cache,
+            v_cache,
+            table,
+            prefix.n,
+            prefix.length,
+            prefix.rows,
+            prefix.start,
+            acc,
+            ml,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            table.stride(0),
+            per,
+            splits,
+            prefix_splits,
+            scale,
+            G=g,
+            GR=gr,
+            MP=max(16, triton.next_power_of_2(gr * g)),
+            DK=dk,
+            DKP=dkp,
+            DV=dv,
+            DVP=dvp,
+            BS=block_size,
+            BLOCK_N=block_n,
+            IEEE=q.dtype == torch.float32,
+            DYNAMIC=q.is_cuda,
+            KPS=0 if q.is_cuda else per,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
     # merge the splits (flash-decoding): weights exp(m_s - max_s m_s); an empty split has m = -inf, l = 0
     m, lsum = ml[..., 0], ml[..., 1]
     top = m.amax(dim=1, keepdim=True)

@@ -12,6 +12,11 @@ Same step as ``Engine`` (admit and prefill, decode, sync) with the paged pieces:
   - the decode step reads each row's keys through the block table ``[N, M]`` (device tensor, padded
     with the null block), with fixed shapes per (B, W) key and no host sync: CUDA-graph capturable.
 
+Shared prompts in decode: rows whose block tables start with the same blocks (a group's samples) are
+named to the kernel as groups (``paged_attention.PrefixGroups``), which reads those blocks once per group
+instead of once per row (cascade attention); ``MOERL_PAGED_PREFIX=0`` turns that off (every row reads its
+own keys whole; the same attention).
+
 R3: routed experts are kept per cached token beside the keys (``PagedKVCache.routed``); a preempted
 sequence's records are saved on the host and written back on readmission (positions not shared), so a
 completion's records are those of the forwards that produced its tokens.
@@ -19,11 +24,14 @@ completion's records are those of the forwards that produced its tokens.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moerl.rollout.block_pool import BlockPool
 from moerl.rollout.engine import Engine
 from moerl.rollout.kv_cache import KVLayout, kv_layout
+from moerl.rollout.paged_attention import PrefixGroups, prefix_group_rows
 from moerl.rollout.paged_kv_cache import PagedKVCache, paged_geometry
 from moerl.rollout.paged_scheduler import PagedAdmission, PagedScheduler
 from moerl.rollout.params import Completion
@@ -108,6 +116,19 @@ class PagedEngine(Engine):
             (max_slots, self.max_blocks), self.cache.null_block, dtype=torch.int64, device=self.device
         )
         self._slot_state.append(self._block_table)  # moved with its row on compaction
+        # rows sharing a group's prompt blocks: read once per group by the kernel (``_prefix_groups``)
+        self._prefix: PrefixGroups | None = None
+        if self.cache.decode_reads_own_length and os.environ.get("MOERL_PAGED_PREFIX", "1") != "0":
+            gr = prefix_group_rows(cfg.num_attention_heads // self.cache.layout.num_kv_heads)
+            zeros = lambda *shape, dt=torch.int64: torch.zeros(shape, dtype=dt, device=self.device)  # noqa: E731
+            self._prefix = PrefixGroups(
+                n=zeros(max_slots, dt=torch.int32),
+                length=zeros(max_slots),
+                rows=zeros(max_slots, gr),
+                start=zeros(max_slots),
+            )
+        self._groups_stale = True
+        self._has_groups = False  # some running rows share blocks now: the decode runs the group pass
 
     @classmethod
     def from_config(cls, model, cfg, *, seed: int = 0, version: int = 0) -> PagedEngine:
@@ -207,6 +228,7 @@ class PagedEngine(Engine):
         return out.logits, write
 
     def _prefill(self, admissions: list[PagedAdmission]) -> None:
+        self._groups_stale = True  # new rows
         dev = self.device
         want_routed = any(a.request.params.return_routed_experts for a in admissions)
         starts = [a.cached for a in admissions]
@@ -279,7 +301,55 @@ class PagedEngine(Engine):
                     "a request longer than the cache was admitted"
                 )
         self._set_tables(sched.grow(), last_only=True)
+        if self._groups_stale and self._prefix is not None:
+            self._prefix_groups()
         return done
+
+    def _prefix_groups(self) -> None:
+        """Write ``_prefix`` for the running rows: rows whose block lists start with the same blocks
+        (a group's samples: their prompt's full blocks, shared at admission or found in the prefix index)
+        form groups of at most GR rows, each with the leading blocks all its members hold, below the
+        position every member writes now. Host work when the rows change (admission, release,
+        preemption), one host-to-device copy per tensor."""
+        p, bs = self._prefix, self.block_size
+        n_slots, gr = p.rows.shape
+        n, length, start = [0] * n_slots, [0] * n_slots, [0] * n_slots
+        rows = [[0] * gr for _ in range(n_slots)]
+        by_first: dict[int, list[Sequence]] = {}
+        for s in self.scheduler.running:
+            if len(s.blocks) > 1:
+                by_first.setdefault(s.blocks[0], []).append(s)
+        for seqs in by_first.values():
+            for c in range(0, len(seqs) - 1, gr):
+                chunk = seqs[c : c + gr]
+                if len(chunk) < 2:
+                    break
+                lead = chunk[0].blocks
+                limit = min(min(len(s.blocks) - 1, (s.seq_len - 1) // bs) for s in chunk)
+                k = 0
+                while k < limit and all(s.blocks[k] == lead[k] for s in chunk):
+                    k += 1
+                if k == 0:
+                    continue
+                r = chunk[0].slot
+                n[r], length[r] = len(chunk), k * bs
+                rows[r][: len(chunk)] = [s.slot for s in chunk]
+                for s in chunk:
+                    start[s.slot] = k * bs
+        pinned = self.device.type == "cuda"
+        for dst, host in (
+            (p.n, torch.tensor(n, dtype=torch.int32)),
+            (p.length, torch.tensor(length, dtype=torch.int64)),
+            (p.rows, torch.tensor(rows, dtype=torch.int64)),
+            (p.start, torch.tensor(start, dtype=torch.int64)),
+        ):
+            dst.copy_(host.pin_memory() if pinned else host, non_blocking=pinned)
+        self._groups_stale = False
+        self._has_groups = any(n)
+
+    def _decode_variant(self) -> tuple:
+        """Whether the decode runs the shared-prefix pass (no group: the kernel alone, as without)."""
+        return (self._has_groups,)
 
     def _save_routed(self, seq: Sequence) -> None:
         if seq.request.params.return_routed_experts and self.cache.routed is not None:
@@ -287,9 +357,13 @@ class PagedEngine(Engine):
             seq.saved_routed = self.cache.routed[slots].cpu()
 
     def _read_len(self, seqs: list[Sequence]) -> int:
-        """W, blocks each decode row reads: the longest sequence's, rounded up to whole multiples of
-        ``attn_len_multiple`` tokens (with CUDA graphs also to four keys per doubling), capped at M (a
-        CUDA-graph key)."""
+        """W, blocks of the table each decode row is bound to: M when the kernel attends
+        (``PagedKVCache.decode_reads_own_length``: each row reads its own length only, so one W serves
+        every step and CUDA graphs are keyed by B alone); else the longest sequence's, rounded up to whole
+        multiples of ``attn_len_multiple`` tokens (with CUDA graphs also to four keys per doubling), capped
+        at M (a CUDA-graph key)."""
+        if self.cache.decode_reads_own_length:
+            return self.max_blocks
         bs = self.block_size
         mult = max(1, self.attn_len_multiple // bs)
         need = -(-max(s.seq_len for s in seqs) // bs)
@@ -300,7 +374,9 @@ class PagedEngine(Engine):
         preallocated device state, no host sync)."""
         seq_len = self._seq_len[:b]
         pos = seq_len - 1
-        self.cache.bind_decode(self._block_table[:b, :read_len], pos)
+        p = self._prefix if self._has_groups else None
+        groups = None if p is None else PrefixGroups(p.n[:b], p.length[:b], p.rows[:b], p.start[:b])
+        self.cache.bind_decode(self._block_table[:b, :read_len], pos, groups)
         out = self.model(
             self._last_token[:b, None],
             None,
@@ -344,6 +420,7 @@ class PagedEngine(Engine):
     def _reset_slots(self, idx: torch.Tensor) -> None:
         super()._reset_slots(idx)
         self._block_table[idx] = self.cache.null_block
+        self._groups_stale = True  # rows left or moved (release, preemption, compaction)
 
     def _move_cache(self, src: list[int], dst: list[int]) -> None:
         pass  # a row's blocks stay where they are; its block-table row moves with the slot state

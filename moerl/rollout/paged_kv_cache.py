@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from moerl.rollout.kv_cache import KVLayout
-from moerl.rollout.paged_attention import paged_decode_attention, paged_decode_kernel_runs
+from moerl.rollout.paged_attention import PrefixGroups, paged_decode_attention, paged_decode_kernel_runs
 
 
 def paged_geometry(kv_token_budget: int, block_size: int, context: int, max_slots: int) -> tuple[int, int]:
@@ -80,6 +80,7 @@ class PagedKVCache:
         kernel reading keys in place); the model then calls ``decode_attention`` instead of ``update``."""
         self._table: torch.Tensor | None = None  # [B, W] of the bound decode (fused path)
         self._lengths: torch.Tensor | None = None  # [B] keys each row attends (fused path)
+        self._prefix: PrefixGroups | None = None  # rows sharing leading blocks (fused path)
 
     @property
     def latent(self) -> bool:
@@ -123,32 +124,46 @@ class PagedKVCache:
         mask = (keys[None, None, :] <= qpos[:, :, None]) & (keys[None, None, :] < end[:, None, None])
         self.attn_mask = mask[:, None].to(dev)  # [B, 1, T, R]
 
-    def bind_decode(self, table: torch.Tensor, positions: torch.Tensor) -> None:
+    def bind_decode(
+        self, table: torch.Tensor, positions: torch.Tensor, prefix: PrefixGroups | None = None
+    ) -> None:
         """Prepare a one-token decode of B rows from device tensors only (no host sync).
 
         Args:
             table: [B, W] int64 block tables of the rows (W read blocks; the engine's table sliced).
             positions: [B] int64 where each row's new key/value goes (< W * bs); keys j <= position
                 are attended.
+            prefix: rows sharing leading blocks, each group's shared keys read once by the kernel
+                (``paged_attention.PrefixGroups``); None: every row reads its own.
         """
         bs = self.block_size
         b, w = table.shape
         # the kernel serves per-head keys and values; MLA's latent form attends in its own layer code
-        self.fused_decode = paged_decode_kernel_runs(self.k) and not self.layout.latent
+        self.fused_decode = self.decode_reads_own_length
         if self.fused_decode:  # the kernel reads the keys in place: no [B, R] slot index
-            self._table, self._lengths = table, positions + 1
+            self._table, self._lengths, self._prefix = table, positions + 1, prefix
         else:
             offsets = torch.arange(bs, device=table.device)
             self._read = (table[:, :, None] * bs + offsets).reshape(b, w * bs)
         blk = table.gather(1, (positions // bs)[:, None])[:, 0]
         self.write_slots = (blk * bs + positions % bs)[:, None]  # [B, 1]
-        keys = torch.arange(w * bs, device=table.device)
-        self.attn_mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, R]
+        if self.fused_decode:  # the kernel masks by length; the model's mask is then never read
+            self.attn_mask = positions.new_ones((b, 1, 1, 1), dtype=torch.bool)
+        else:
+            keys = torch.arange(w * bs, device=table.device)
+            self.attn_mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, R]
+
+    @property
+    def decode_reads_own_length(self) -> bool:
+        """Whether a decode attends through the kernel (``paged_decode_kernel_runs``; not MLA's latent
+        form), which reads each row's keys up to its own length whatever the table's width W: the engine
+        then binds the whole table (one W, CUDA-graph keys by B alone)."""
+        return paged_decode_kernel_runs(self.k) and not self.layout.latent
 
     def unbind(self) -> None:
         """Forget the bound forward (``update`` then raises until the next bind)."""
         self._read, self.write_slots, self.attn_mask = None, None, None
-        self._table, self._lengths, self.fused_decode = None, None, False
+        self._table, self._lengths, self.fused_decode, self._prefix = None, None, False, None
 
     # ------------------------------------------------------------------------------------------
     # The model's seam
@@ -193,7 +208,14 @@ class PagedKVCache:
             raise RuntimeError("PagedKVCache.decode_attention called outside a bound fused decode")
         self._write(layer, k, v)
         out = paged_decode_attention(
-            q[:, :, 0], self.k[layer], self.v[layer], self._table, self._lengths, scale, self.block_size
+            q[:, :, 0],
+            self.k[layer],
+            self.v[layer],
+            self._table,
+            self._lengths,
+            scale,
+            self.block_size,
+            prefix=self._prefix,
         )
         return out.flatten(1)[:, None]
 

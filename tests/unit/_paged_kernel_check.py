@@ -40,6 +40,36 @@ def kernel_errors() -> list[float]:
     return errs
 
 
+def prefix_kernel_errors() -> list[float]:
+    """Max |kernel with shared-prefix groups - reference| over GQA, MHA and Dk != Dv: rows 0-2 share
+    their first 3 blocks, rows 4-5 their first 2, rows 3 and 6 none; one split and several."""
+    torch.manual_seed(1)
+    errs = []
+    for nh, nkv, dk, dv, bs, block_n in [(4, 2, 16, 16, 4, 16), (3, 3, 24, 20, 8, 16), (2, 1, 16, 8, 4, 32)]:
+        nb, w, b = 60, 12, 7
+        kc = torch.randn((nb + 1) * bs, nkv, dk)
+        vc = torch.randn((nb + 1) * bs, nkv, dv)
+        table = torch.stack([torch.randperm(nb)[:w] for _ in range(b)])
+        table[1:3, :3] = table[0, :3]
+        table[5, :2] = table[4, :2]
+        lengths = torch.tensor([3 * bs + 1, w * bs, 3 * bs + 5, 9, 2 * bs + 2, 5 * bs, w * bs - 3])
+        gr = pa.prefix_group_rows(nh // nkv)
+        n = torch.zeros(b, dtype=torch.int32)
+        plen = torch.zeros(b, dtype=torch.int64)
+        rows = torch.zeros(b, gr, dtype=torch.int64)
+        start = torch.zeros(b, dtype=torch.int64)
+        for leader, members, blocks in ((0, [0, 1, 2], 3), (4, [4, 5], 2)):
+            n[leader], plen[leader] = len(members), blocks * bs
+            rows[leader, : len(members)] = torch.tensor(members)
+            start[members] = blocks * bs
+        groups = pa.PrefixGroups(n=n, length=plen, rows=rows, start=start)
+        q = torch.randn(b, nh, dk)
+        out = pa.paged_decode_attention(q, kc, vc, table, lengths, 0.3, bs, prefix=groups, block_n=block_n)
+        ref = pa.paged_decode_reference(q, kc, vc, table, lengths, 0.3, bs)
+        errs.append(float((out - ref).abs().max()))
+    return errs
+
+
 def engine_check() -> dict:
     """The paged engine (kernel decode, block size 4, a budget forcing preemption) against the slot engine:
     greedy and sampled, tokens and log-probs; and how many kernel launches the paged run made."""
@@ -51,11 +81,13 @@ def engine_check() -> dict:
                 p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 61, (n,), generator=gen).tolist() for n in (9, 3)]
-    calls = {"n": 0}
+    calls = {"n": 0, "grouped": 0}
     real = pa.paged_decode_attention
 
     def counted(*a, **k):
         calls["n"] += 1
+        prefix = k.get("prefix")
+        calls["grouped"] += prefix is not None and int(prefix.n.sum()) > 0  # rows read a shared prompt once
         return real(*a, **k)
 
     import moerl.rollout.paged_kv_cache as pkv
@@ -84,7 +116,12 @@ def engine_check() -> dict:
             "preemptions": eng.stats.preemptions,
         }
     result["kernel_calls"] = calls["n"]
+    result["grouped_kernel_calls"] = calls["grouped"]
     return result
 
 
-print(json.dumps({"kernel_errors": kernel_errors(), "engine": engine_check()}))
+print(
+    json.dumps(
+        {"kernel_errors": kernel_errors(), "prefix_kernel_errors": prefix_kernel_errors(), "engine": engine_check()}
+    )
+)

@@ -52,8 +52,10 @@ def test_kernel_under_the_interpreter_equals_the_definition_and_the_slot_engine(
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert max(res["kernel_errors"]) < 2e-6, res
+    assert max(res["prefix_kernel_errors"]) < 2e-6, res  # groups of rows reading shared blocks once
     eng = res["engine"]
     assert eng["kernel_calls"] > 0, "the paged engine never decoded through the kernel"
+    assert eng["grouped_kernel_calls"] > 0, "the engine never read a group's shared prompt once"
     for mode in ("greedy", "sampled"):
         assert eng[mode]["tokens_equal"], (mode, eng)
         assert eng[mode]["max_logprob_diff"] < 1e-5, (mode, eng)
