@@ -24,7 +24,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moerl.rollout.paged_attention import paged_decode_attention, paged_decode_reference
+from moerl.rollout.paged_attention import (
+    PrefixGroups,
+    paged_decode_attention,
+    paged_decode_reference,
+    prefix_group_rows,
+)
+
+try:
+    from triton.testing import do_bench_cudagraph
+except ImportError:  # the GPU machine has Triton; a CPU checkout may not
+    do_bench_cudagraph = None
 
 
 def lengths_for(kind: str, b: int, context: int, gen: torch.Generator) -> torch.Tensor:
@@ -46,12 +56,67 @@ def gather_path(q, kc, vc, table, lengths, scale, bs):
     return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale)[:, :, 0]
 
 
+def shared_prefix_rows(dev, gen, nkv: int, nh: int, d: int, bs: int) -> list[dict]:
+    """GRPO groups: 256 rows in 32 groups of 8, each group's rows reading the same 512-token prompt blocks
+    (the paged cache shares them) and then 300 tokens of their own; against the same lengths with every
+    row's prompt in blocks of its own (a slot cache's layout), and the shared layout with its groups named
+    (``PrefixGroups``: the shared prompt read once per group, cascade attention), checked against the
+    definition."""
+    out = []
+    b, group, prompt, own = 256, 8, 512, 300
+    lengths = torch.full((b,), prompt + own, dtype=torch.int64)
+    pb, ob = prompt // bs, -(-own // bs)
+    for layout in ("shared", "distinct"):
+        n_prompt_blocks = (b // group if layout == "shared" else b) * pb
+        nb = n_prompt_blocks + b * ob
+        kc = torch.randn(nb * bs + bs, nkv, d, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn(nb * bs + bs, nkv, d, device=dev, dtype=torch.bfloat16)
+        perm = torch.randperm(nb, generator=gen)
+        table = torch.empty((b, pb + ob), dtype=torch.int64)
+        for i in range(b):
+            first = (i // group if layout == "shared" else i) * pb
+            table[i, :pb] = perm[first : first + pb]
+            table[i, pb:] = perm[n_prompt_blocks + i * ob : n_prompt_blocks + (i + 1) * ob]
+        table, lens = table.to(dev), lengths.to(dev)
+        q = torch.randn(b, nh, d, device=dev, dtype=torch.bfloat16)
+        call = functools.partial(paged_decode_attention, q, kc, vc, table, lens, d**-0.5, bs)
+        t = do_bench_cudagraph(call) * 1e-3
+        unique = (n_prompt_blocks + b * ob) * bs * nkv * d * 2 * 2
+        row = dict(
+            kind=f"groups_{layout}_prompt",
+            rows=b,
+            group=group,
+            prompt=prompt,
+            own=own,
+            kernel_s=t,
+            unique_kv_bytes=unique,
+            unique_gb_per_s=unique / t / 1e9,
+        )
+        if layout == "shared":  # the same batch with its groups named: each prompt read once per group
+            gr = prefix_group_rows(nh // nkv)
+            n = torch.zeros(b, dtype=torch.int32)
+            plen, start = torch.zeros(b, dtype=torch.int64), torch.full((b,), prompt, dtype=torch.int64)
+            rows = torch.zeros(b, gr, dtype=torch.int64)
+            for lead in range(0, b, group):
+                n[lead], plen[lead] = group, prompt
+                rows[lead, :group] = torch.arange(lead, lead + group)
+            groups = PrefixGroups(n.to(dev), plen.to(dev), rows.to(dev), start.to(dev))
+            grouped = functools.partial(call, prefix=groups)
+            ref = paged_decode_reference(q, kc, vc, table, lens, d**-0.5, bs)
+            row["grouped_max_abs_err_vs_definition"] = float((grouped().float() - ref.float()).abs().max())
+            row["grouped_kernel_s"] = do_bench_cudagraph(grouped) * 1e-3
+            row["grouped_speedup"] = t / row["grouped_kernel_s"]
+        out.append(row)
+        print(json.dumps(out[-1]), flush=True)
+    out[0]["shared_over_distinct_time"] = out[0]["kernel_s"] / out[1]["kernel_s"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/paged_attention_gpu.json")
     ap.add_argument("--sweep", action="store_true", help="also time block_n x num_warps x num_stages")
     args = ap.parse_args()
-    from triton.testing import do_bench_cudagraph
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -62,6 +127,7 @@ def main() -> None:
         ("uniform", 64, 4096),
         ("long_tail", 256, 8704),
         ("long_tail", 64, 8704),
+        ("long_tail", 8, 8704),  # a wide table over few rows: several splits of each row's own length
     ]:
         lengths = lengths_for(kind, b, context, gen)
         w = -(-int(lengths.max()) // bs)
@@ -114,6 +180,7 @@ def main() -> None:
             )
         )
         print(json.dumps(rows[-1]), flush=True)
+    rows += shared_prefix_rows(dev, gen, nkv, nh, d, bs)
     payload = dict(
         benchmark="paged_attention_gpu",
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -95,6 +95,11 @@ def _buckets(n: int) -> tuple[int, ...]:
     return (*out, n)
 
 
+def _graph_captures(engine: Engine) -> int | None:
+    graphs = getattr(engine, "_graphs", None)
+    return None if graphs is None else graphs.num_captures
+
+
 def run(engine: Engine, requests: list[Request], device: torch.device) -> tuple[dict, list]:
     """Generate ``requests`` (after a short warm-up) and return the figures and the completions."""
     first = requests[0]  # warm-up on a prompt no request shares (no prefix hit carried into the run)
@@ -104,9 +109,17 @@ def run(engine: Engine, requests: list[Request], device: torch.device) -> tuple[
         params=dataclasses.replace(first.params, max_new_tokens=4),
     )
     engine.generate([warm])
+    return timed_pass(engine, requests, device)
+
+
+def timed_pass(engine: Engine, requests: list[Request], device: torch.device) -> tuple[dict, list]:
+    """One timed ``generate`` of ``requests`` on ``engine`` as it is (graphs captured so far kept; the
+    prefix index emptied, so no pass hits the blocks of an earlier one)."""
+    if hasattr(engine, "pool"):
+        engine.pool.clear_index()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    before = engine.stats
+    before, captures = engine.stats, _graph_captures(engine)
     _sync(device)
     t0 = time.perf_counter()
     outs = engine.generate(requests)
@@ -126,8 +139,64 @@ def run(engine: Engine, requests: list[Request], device: torch.device) -> tuple[
         "preemptions": st.preemptions - before.preemptions,
         "kv_tokens": st.kv_tokens,
         "max_decoding_together": engine.num_slots,
+        "graphs_captured": None if captures is None else _graph_captures(engine) - captures,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }, outs
+
+
+_PHASES = ("_admit", "_prefill", "_sync", "_reserve_decode", "_decode")
+
+
+def profiled_pass(engine: Engine, requests: list[Request], device: torch.device) -> dict:
+    """One more ``generate`` with the device synchronized around each engine phase (admission, prefill,
+    host sync, block reservation, decode): seconds per phase, and decode seconds and steps per graph key
+    (B rows, read length). The synchronizing changes the overlap of host and device, so its total is
+    not the timed figure; it says where the time of a step goes."""
+    phases = dict.fromkeys(_PHASES, 0.0)
+    by_key: dict[str, list] = {}
+    originals = {name: getattr(engine, name) for name in _PHASES}
+
+    def timed(name):
+        fn = originals[name]
+
+        def wrapper(*args, **kwargs):
+            key = None
+            if name == "_decode":
+                seqs = engine.scheduler.running
+                key = f"{engine._bucket(len(seqs))}x{engine._read_len(seqs)}"
+            _sync(device)
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync(device)
+            dt = time.perf_counter() - t
+            phases[name] += dt
+            if key is not None:
+                k = by_key.setdefault(key, [0, 0.0])
+                k[0], k[1] = k[0] + 1, k[1] + dt
+            return out
+
+        return wrapper
+
+    for name in _PHASES:
+        setattr(engine, name, timed(name))
+    if hasattr(engine, "pool"):
+        engine.pool.clear_index()
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        engine.generate(requests)
+        _sync(device)
+        total = time.perf_counter() - t0
+    finally:
+        for name in _PHASES:
+            delattr(engine, name)
+    keys = sorted(by_key.items(), key=lambda kv: -kv[1][1])
+    return {
+        "seconds": total,
+        "phases_s": {k.lstrip("_"): v for k, v in phases.items()},
+        "other_s": total - sum(phases.values()),
+        "decode_by_key": {k: {"steps": n, "seconds": t, "ms_per_step": 1e3 * t / n} for k, (n, t) in keys},
+    }
 
 
 def _write_atomic(path: Path, payload: dict) -> None:
@@ -157,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", default="slots,paged", help="comma-separated: slots, paged")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument(
+        "--passes", type=int, default=1, help="timed passes per engine (the later ones with graphs captured)"
+    )
+    p.add_argument("--profile", action="store_true", help="then one pass timing each engine phase")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "paged_kv.json"))
@@ -193,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.engines.split(","):
         engine = makers[name]()
         results[name], outs[name] = run(engine, requests, device)
+        for i in range(1, args.passes):
+            results[name][f"pass{i + 1}"], _ = timed_pass(engine, requests, device)
+        if args.profile:
+            results[name]["profile"] = profiled_pass(engine, requests, device)
         print(
             f"{name}: {json.dumps(results[name])}", flush=True
         )  # kept in the log if a later engine is cut off
@@ -203,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         same = sum(a.token_ids == b.token_ids for a, b in zip(outs["slots"], outs["paged"], strict=True))
         results["identical_completions"] = f"{same}/{len(outs['slots'])}"
         results["speedup"] = results["paged"]["tokens_per_s"] / results["slots"]["tokens_per_s"]
+        for i in range(1, args.passes):
+            a, b = results["paged"][f"pass{i + 1}"], results["slots"][f"pass{i + 1}"]
+            results[f"speedup_pass{i + 1}"] = a["tokens_per_s"] / b["tokens_per_s"]
 
     lengths = [r.params.max_new_tokens for r in requests]
     print(
