@@ -43,9 +43,22 @@ def default_init(tmp_path_factory):
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``-n 4 --dist loadgroup``): the namespaced-cluster tests share host network
     state (address ranges, bridges), so they run one at a time on one worker; the mutation check's tests
-    share one module fixture (six pytest subprocesses), which each worker would otherwise run again."""
+    share one module fixture (six pytest subprocesses), which each worker would otherwise run again; so do
+    the tests of any other module that uses a module-scoped fixture (``_uses_module_fixture``)."""
     for item in items:
         if "multinode" in item.path.parts:
             item.add_marker(pytest.mark.xdist_group("netns"))
         elif "meta" in item.path.parts:
             item.add_marker(pytest.mark.xdist_group("meta"))
+        elif _uses_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+def _uses_module_fixture(item) -> bool:
+    """Whether ``item`` uses a module-scoped fixture (a trained run, a Ray instance, a reference step):
+    such a module's tests are one xdist group, so one worker builds the fixture once instead of every
+    worker that gets one of its tests building it again (twice to four times, each tens of seconds)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs)

@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import pytest
-import ray
 from conftest import short_config
 
 from moerl.models import from_pretrained
@@ -30,14 +29,10 @@ BUCKETED_DURABLE_EVERY_2 = (
 """Weights sent in small buckets, the store written every 2nd version (versions 0, 2, 4 kept)."""
 
 
-@pytest.fixture
-def ray_session():
-    yield
-    ray.shutdown()
-
-
 def _run(tmp_path, init, *overrides: str) -> tuple[dict, RunDir, list[dict]]:
-    """Train ``short_config`` with ``ASYNC_4_STEPS`` (``overrides`` win): summary, run folder, metrics records."""
+    """Train ``short_config`` with ``ASYNC_4_STEPS`` (``overrides`` win): summary, run folder, metrics records.
+    The run joins the module's Ray instance (``local_ray``) instead of starting its own, as every async run
+    does on a running cluster; it ends its own actors."""
     summary = train(short_config(tmp_path, init, *ASYNC_4_STEPS, *overrides), live=False)
     run = RunDir(next(Path(tmp_path).glob("run-*")))
     return summary, run, read_jsonl(run.metrics)
@@ -45,7 +40,7 @@ def _run(tmp_path, init, *overrides: str) -> tuple[dict, RunDir, list[dict]]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("weight_sync", ["object_store", "store"])
-def test_async_run_trains_every_task_exactly_once(tmp_path, tiny_init, ray_session, weight_sync):
+def test_async_run_trains_every_task_exactly_once(tmp_path, tiny_init, local_ray, weight_sync):
     summary, run, records = _run(
         tmp_path,
         tiny_init,
@@ -80,7 +75,7 @@ def test_async_run_trains_every_task_exactly_once(tmp_path, tiny_init, ray_sessi
 
 
 @pytest.mark.timeout(300)
-def test_async_bucketed_sync_durable_every_and_recompute(tmp_path, tiny_init, ray_session):
+def test_async_bucketed_sync_durable_every_and_recompute(tmp_path, tiny_init, local_ray):
     """runtime.weight_sync=object_store in small buckets, the store every 2nd version, recompute on update:
     every task once, the sync metrics recorded, the store holding exactly the durable versions."""
     summary, run, records = _run(
@@ -102,7 +97,7 @@ def test_async_bucketed_sync_durable_every_and_recompute(tmp_path, tiny_init, ra
 
 
 @pytest.mark.timeout(300)
-def test_async_cuda_ipc_sync_through_shared_buffers(tmp_path, tiny_init, ray_session):
+def test_async_cuda_ipc_sync_through_shared_buffers(tmp_path, tiny_init, local_ray):
     """runtime.weight_sync=cuda_ipc on CPU (the ring in shared memory): 2 workers connect to the trainer's
     listener and get every version through it in small buckets; every task once; the store written
     every 2nd version in the background."""
