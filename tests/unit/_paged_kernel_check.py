@@ -122,6 +122,10 @@ def engine_check() -> dict:
 
 print(
     json.dumps(
-        {"kernel_errors": kernel_errors(), "prefix_kernel_errors": prefix_kernel_errors(), "engine": engine_check()}
+        {
+            "kernel_errors": kernel_errors(),
+            "prefix_kernel_errors": prefix_kernel_errors(),
+            "engine": engine_check(),
+        }
     )
 )
