@@ -112,3 +112,29 @@ def test_async_eval_accuracy_equals_evaluating_the_saved_version_in_process(
     assert summary["start_eval_accuracy"] == got[0]
     assert evals == {1: got[1], 2: got[2]} and summary["final_eval_accuracy"] == got[2]
     assert len(set(got.values())) > 1  # the versions score differently: the one evaluated matters
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_that_fails_to_build_stops_the_rollouts_started_beside_it(
+    tmp_path, tiny_init, ray_session, monkeypatch
+):
+    """The overlapped start (``Run._start_overlapped``): the trainer's build failing after the rollout
+    workers started raises the build's error and closes the rollouts (no worker left running)."""
+    closed = []
+    ray_rollouts = train_module.RayRollouts
+
+    def tracked(*args, **kwargs):
+        rollouts = ray_rollouts(*args, **kwargs)
+        close = rollouts.close
+        rollouts.close = lambda: (closed.append(True), close())[1]
+        return rollouts
+
+    def broken_trainer(*args, **kwargs):
+        raise RuntimeError("trainer build failed here")
+
+    monkeypatch.setattr(train_module, "RayRollouts", tracked)
+    monkeypatch.setattr(train_module, "make_trainer", broken_trainer)
+    cfg = short_config(tmp_path, tiny_init, "runtime.mode=async", "trainer.steps=2")
+    with pytest.raises(RuntimeError, match="trainer build failed here"):
+        train(cfg, live=False)
+    assert closed and closed[0] is True  # the workers started beside the build were stopped
