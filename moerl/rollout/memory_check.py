@@ -201,9 +201,10 @@ def rollout_rank_weight_bytes(arch: MoeConfig, weight_format: str, ep_size: int)
 
 
 def evaluates_on_workers(cfg: RunConfig) -> bool:
-    """True when a rollout worker evaluates the held-out prompts (async mode:
-    ``moerl.runtime.ray.RayRollouts.evaluate``), so the driver builds no eval engine; False when the
-    driver evaluates in process (sync mode, where the driver is the engine)."""
+    """True when a rollout worker evaluates the held-out prompts during the run (async mode:
+    ``moerl.runtime.ray.RayRollouts.evaluate``; version 0 may still be the driver's,
+    ``driver_evaluates_start``); False when the driver evaluates in process (sync mode, where the driver
+    is the engine)."""
     return cfg.runtime.mode == "async"
 
 
