@@ -165,9 +165,13 @@ class MoeConfig:
         Raises:
             UnsupportedArchitectureError: an architecture not in ``SUPPORTED_ARCHITECTURES`` (the message
                 lists the supported ones) or a feature moerl does not implement (sliding windows).
-            ConfigError: a field out of range.
+            ConfigError: a field out of range, or a field the architecture needs that is missing.
         """
-        return cls(**hf_to_fields(d))
+        try:
+            fields = hf_to_fields(d)
+        except KeyError as e:
+            raise ConfigError(f"no {e.args[0]!r}, which the architecture needs") from None
+        return cls(**fields)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` of this architecture (transformers 5 field names)."""

@@ -51,6 +51,15 @@ def test_from_pretrained_dtype_and_overwrite(tmp_path):
     assert bf(torch.randint(0, 40, (1, 4))).logits.dtype == torch.bfloat16
 
 
+def test_a_config_json_missing_a_needed_field_is_one_line_naming_it(tmp_path):
+    """A config.json with a supported model_type but no head count: ``check_model_folder`` (the run's
+    preflight) names the file and the missing field, no KeyError."""
+    _, folder = _saved(tmp_path)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    with pytest.raises(CheckpointError, match=r"config.json: no 'num_attention_heads'"):
+        ckpt.check_model_folder(folder)
+
+
 def test_unknown_architecture_lists_supported(tmp_path):
     _, folder = _saved(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
