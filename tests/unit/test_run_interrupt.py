@@ -47,3 +47,29 @@ def test_the_cli_keeps_ignoring_interrupts_for_the_exit(monkeypatch, restored_ha
     os.kill(os.getpid(), signal.SIGINT)  # as during Ray's shutdown at exit: no KeyboardInterrupt
     err = capfd.readouterr().err
     assert "continue with: moerl train --resume" in err and "moerl: already stopping" in err
+
+
+def test_ctrl_c_while_ray_starts_is_held_until_it_is_up_then_ray_stops(monkeypatch):
+    """``init_ray``: a SIGINT that arrives inside ``ray.init`` (Ray half started: processes that would
+    outlive the run) does not cut it short; once it returns, Ray is shut down and KeyboardInterrupt
+    raised; the process's own SIGINT handler is back."""
+
+    import ray
+
+    from moerl.config import load_config
+    from moerl.runtime.ray import rollouts
+
+    calls = []
+
+    def init(**kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the start
+        calls.append("init finished")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        rollouts.init_ray(load_config(None, ["runtime.mode=async"]))
+    assert calls == ["init finished", "shutdown"]
+    assert signal.getsignal(signal.SIGINT) is before

@@ -122,14 +122,36 @@ def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
 def init_ray(cfg: RunConfig) -> None:
     """Connect to ``runtime.ray_address`` or start a local Ray instance, keeping this process's SIGTERM
     handler: ``ray.init`` installs its own (``sys.exit``), which would bypass the run's (a SIGTERM
-    stops a run like Ctrl-C). Nothing to do when this process is connected already (a trainer group's
-    rank actors started it, or the caller did)."""
+    stops a run like Ctrl-C). A Ctrl-C (SIGINT) during ``ray.init`` is held until Ray is up, then Ray is
+    shut down and ``KeyboardInterrupt`` raised: no Ray process outlives the run. Nothing to do when this
+    process is connected already (a trainer group's rank actors started it, or the caller did).
+
+    Raises:
+        KeyboardInterrupt: SIGINT arrived while Ray started (main thread only).
+    """
     import ray
 
     if ray.is_initialized():
         return
     is_main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if is_main else None
+    # Ctrl-C while Ray starts its processes would leave some running after the run: held until it is up
+    interrupted: list[int] = []
+    previous_int = signal.signal(signal.SIGINT, lambda n, _: interrupted.append(n)) if is_main else None
+    try:
+        _ray_init(cfg, ray)
+    finally:
+        if is_main:
+            signal.signal(signal.SIGINT, previous_int)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+    if interrupted:  # then stop what started, and the run
+        ray.shutdown()
+        raise KeyboardInterrupt
+
+
+def _ray_init(cfg: RunConfig, ray) -> None:
+    """``ray.init``: the cluster at ``runtime.ray_address``, or a new local instance sized for the run."""
     if cfg.runtime.ray_address:
         ray.init(address=cfg.runtime.ray_address, log_to_driver=True)
     else:
@@ -147,8 +169,6 @@ def init_ray(cfg: RunConfig) -> None:
         )
         # the trainer (this process) gets the cores the local workers do not use
         torch.set_num_threads(max(1, (os.cpu_count() or 1) - ranks))
-    if is_main and previous is not None:
-        signal.signal(signal.SIGTERM, previous)
 
 
 class RayRollouts:
