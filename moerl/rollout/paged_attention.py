@@ -17,6 +17,11 @@ length, not the longest row's (the gather path reads W * bs keys for every row).
 (row, kv head, key split) and keeps the softmax online (Milakov & Gimelshein 2018, "Online normalizer
 calculation for softmax", Alg. 3); the splits' partial results are merged with their log-sum-exp weights.
 Every launch shape is a function of (B, W) only, so a decode step using it can be captured in a CUDA graph.
+
+Rows that share leading cache blocks (a GRPO group's prompt, ``PrefixGroups``) can have those keys read
+once per group: ``_prefix_decode_kernel`` attends them for all the group's rows in one query tile, each
+row's own program attends the rest, and the two partial softmaxes merge by log-sum-exp like the splits
+(cascade attention, as FlashInfer's and SGLang's shared-prefix decode).
 """
 
 from __future__ import annotations
