@@ -15,7 +15,9 @@ For each model size (``--sizes``) in one call:
 
 Ratios (from one call, the GPU being shared and noisy): in-run rollout tokens/s over the engine alone,
 in-run training tokens/s over the trainer alone, async step time over (generation alone + training
-alone). Medians over the steps after the first (which captures CUDA graphs and warms the allocator).
+alone). Medians over the steady steps: after the first (which captures CUDA graphs and warms the
+allocator), not the last (the run's final save, ``timing/final_save_s``), without a held-out eval (the
+parts alone do neither); the step-time ratio over every step after the first is given beside it.
 
 Prompts: the first 512 GSM8K test problems (bench/data, MIT licence, OpenAI), tokenized by moerl's bundled
 BPE tokenizer (99 tokens, about one per character: prompts of ~100-630 tokens); responses sampled at
@@ -133,6 +135,7 @@ STEP_FIELDS = (
     "timing/publish_s",
     "timing/wait_s",
     "timing/eval_s",
+    "timing/final_save_s",
     "perf/step_time_s",
     "perf/rollout_tokens_per_s",
     "perf/train_tokens_per_s",
@@ -363,16 +366,31 @@ def _median(rows: list[dict], key: str) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def steady_steps(steps: list[dict]) -> list[dict]:
+    """The steps a run repeats: after the first (CUDA graph captures, allocator warm-up), not the last
+    (the run's final save, ``timing/final_save_s``) and without a held-out eval (``timing/eval_s`` > 0).
+    What the parts alone are compared with: they generate and train, nothing else. [] when none is left."""
+    last = steps[-1]["step"] if steps else None
+    return [s for s in steps[1:] if s["step"] != last and not (s.get("timing/eval_s") or 0) > 0]
+
+
 def summarize_run(run_dir: Path | None, alone_res: dict | None) -> dict:
-    """Per-step figures of a finished run folder and their medians after step 1, with the ratios to the
-    figures alone."""
+    """Per-step figures of a finished run folder, their medians over the steady steps (``steady_steps``)
+    and after step 1 (every later step, eval and final save included), with the ratios to the figures
+    alone (of the steady medians; ``..._all_after_step1`` of the others)."""
     if run_dir is None or not (run_dir / "metrics.jsonl").exists():
         return {"steps": [], "error": "no metrics.jsonl"}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [{"step": r["step"], **{k: r.get(k) for k in STEP_FIELDS}} for r in rows]
-    later = steps[1:] or steps
-    med = {k: _median(later, k) for k in STEP_FIELDS}
-    out = {"steps": steps, "median_after_step1": med}
+    later, steady = steps[1:] or steps, steady_steps(steps)
+    med_all = {k: _median(later, k) for k in STEP_FIELDS}
+    med = {k: _median(steady, k) for k in STEP_FIELDS}
+    out = {
+        "steps": steps,
+        "steady_steps": [s["step"] for s in steady],
+        "median_steady": med,
+        "median_after_step1": med_all,
+    }
     if (run_dir / "summary.json").exists():
         s = json.loads((run_dir / "summary.json").read_text())
         out["summary"] = {
@@ -400,6 +418,9 @@ def summarize_run(run_dir: Path | None, alone_res: dict | None) -> dict:
             "rollout_tokens_per_s_over_alone": ratio(med["perf/rollout_tokens_per_s"], eng["tokens_per_s"]),
             "train_tokens_per_s_over_alone": ratio(med["perf/train_tokens_per_s"], tr["tokens_per_s"]),
             "step_s_over_gen_plus_train_alone": ratio(med["perf/step_time_s"], eng["gen_s"] + tr["train_s"]),
+            "step_s_over_gen_plus_train_alone_all_after_step1": ratio(
+                med_all["perf/step_time_s"], eng["gen_s"] + tr["train_s"]
+            ),
         }
     return out
 
@@ -465,7 +486,8 @@ def bench_size(size: str, args, env: dict, save=lambda res: None) -> dict:
         print(
             f"[e2e] {size} {key}: rc={launched['rc']} first_step_s={launched['first_step_s']} "
             f"peak_gpu_mib={launched['peak_gpu_mib']} capture_failed={len(launched['capture_failed'])} "
-            f"median={json.dumps(entry.get('median_after_step1'))} ratios={json.dumps(entry.get('ratios'))}",
+            f"steady={entry.get('steady_steps')} median={json.dumps(entry.get('median_steady'))} "
+            f"ratios={json.dumps(entry.get('ratios'))}",
             flush=True,
         )
     return res

@@ -32,6 +32,7 @@ from moerl.runtime.worker import RolloutWorker, WorkerStats
 from moerl.weights.sources import CheckedWeights, LocalWeights, parameter_set, refused_versions_of
 from moerl.weights.store import WeightStore
 from moerl.weights.transport import WeightHolder
+from moerl.weights.transports import ensure_durable
 
 _NEVER = ("fleet/interruptions", "fleet/drained", "fleet/killed", "fleet/lost_work_frac")
 
@@ -132,6 +133,12 @@ class LocalRollouts:
         self.weights.push(version, trainer.named_weights())
         self.buffer.set_version(version)
         self._publish_s = time.perf_counter() - t0
+
+    def make_durable(self, trainer: WeightHolder) -> None:
+        """``Rollouts.make_durable``: the trainer's version in the store (``ensure_durable``); nothing
+        without a store."""
+        if self.store is not None:
+            ensure_durable(self.store, trainer)
 
     def requeue(self, task: RolloutTask) -> None:
         """Hand a trained task back to the queue (its training was lost with a trainer restart)."""

@@ -41,7 +41,14 @@ class Rollouts(Protocol):
         it: in process (sync), or through the run's weight transport (``runtime.weight_sync``,
         ``moerl.weights.transport``), which asks the trainer for its buckets or tensors. ``is_stored``:
         the caller already wrote this version to the weight store (trainer recovery), so it is not
-        written again; ``is_final``: the run's last version, in the store once this returns."""
+        written again; ``is_final``: the run's last version, in the store once this returns
+        (``publish`` then ``make_durable``)."""
+        ...
+
+    def make_durable(self, trainer: WeightHolder) -> None:
+        """Make ``trainer``'s current version, published already, durable: in the weight store once this
+        returns (background writes flushed, the version written if no earlier write has). What a run's
+        last version needs; a version still being sent to the workers is waited for first."""
         ...
 
     def requeue(self, task: RolloutTask) -> None:

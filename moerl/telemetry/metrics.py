@@ -25,12 +25,13 @@ METRIC_KEYS: tuple[str, ...] = (
     "rollout/truncated_frac",  # fraction of samples stopped by max_new_tokens
     "perf/rollout_tokens_per_s",  # generated tokens / generation seconds of the step's groups
     "perf/train_tokens_per_s",  # trained tokens (prompt + response) / train seconds
-    "perf/step_time_s",  # wall seconds of the whole step (wait + train + publish + eval)
+    "perf/step_time_s",  # wall seconds of the whole step (wait + train + publish + eval [+ final save])
     "timing/gen_s",  # generation seconds (sync: of this step's batch; async: summed over its groups)
     "timing/train_s",  # forward/backward/optimizer seconds
-    "timing/publish_s",  # weight publication seconds
+    "timing/publish_s",  # weight hand-off seconds (the final save is timing/final_save_s)
     "timing/wait_s",  # seconds the trainer waited for the buffer
     "timing/eval_s",  # seconds of the step's held-out eval (0 when the step had none)
+    "timing/final_save_s",  # seconds making the last version durable (the last step only, else 0)
     "buffer/depth",  # groups in the buffer after the step's batch was taken
     "buffer/staleness_mean",  # mean (trainer version - group min policy version) over the batch
     "buffer/staleness_max",  # max of the same
@@ -114,6 +115,7 @@ WALL_KEYS = (
     "timing/publish_s",
     "timing/wait_s",
     "timing/eval_s",
+    "timing/final_save_s",
     "timing/weight_sync_s",
     "timing/weight_sync_worker_s",
     "reward/latency_s",

@@ -29,6 +29,9 @@ class StepTimings:
     """Wall seconds of the whole step."""
     eval_s: float = 0.0
     """Seconds of the step's held-out eval (0 when the step had none)."""
+    final_save_s: float = 0.0
+    """Seconds making the run's last version durable in the weight store (the last step only; 0 on the
+    others); not part of ``publish_s``."""
 
 
 def kv_values(kv: Sequence[EngineStats | None]) -> dict[str, float]:
@@ -113,6 +116,7 @@ def step_values(
             "timing/publish_s": timings.publish_s,
             "timing/wait_s": timings.wait_s,
             "timing/eval_s": timings.eval_s,
+            "timing/final_save_s": timings.final_save_s,
             "buffer/depth": buffer.depth,
             "buffer/staleness_mean": buffer.staleness_mean,
             "buffer/staleness_max": buffer.staleness_max,

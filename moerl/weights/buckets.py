@@ -22,6 +22,7 @@ the store keeps its own sha256 per file.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import queue
@@ -234,6 +235,15 @@ class SyncStats:
     transport, a whole offer whose table and bytes failed their checksum."""
 
 
+def pinned_host_buffer(nbytes: int) -> torch.Tensor:
+    """[nbytes] uint8 page-locked host memory (``BucketAssembler``'s ``stage`` on a GPU worker).
+
+    Raises:
+        RuntimeError: no CUDA device to pin memory for (torch's error).
+    """
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
 @dataclass(slots=True)
 class _Incoming:
     version: int
@@ -250,9 +260,19 @@ class BucketAssembler:
         fallback: a ``WeightSource`` polled when no complete offered version is newer (the store).
         background: resolve offers on a fetch thread (True in actors) or inside ``offer`` (tests).
 
+        stage: ``nbytes -> uint8 host tensor``: each checked bucket is copied (on the fetch thread) into a
+            buffer of its index made by ``stage`` once and reused, and ``poll`` hands out views of those.
+            On a GPU worker ``pinned_host_buffer``: the engine's copy to the device between scheduler
+            steps then runs from page-locked memory at DMA speed, not through the object store's pageable
+            pages (the copy out of those is done on the fetch thread, while the engine generates).
+            ``None``: views of the fetched buffers themselves.
+
     Offers of one version may come in any order and from another thread. A bucket that fails its checksum
     or does not belong to its version is dropped with an error log, and so is its version (the store's
-    copy is then picked up by ``fallback``).
+    copy is then picked up by ``fallback``). With ``stage``, the one set of staging buffers is never
+    written while the engine holds it (from the ``poll`` that handed it out to the next ``poll``: the
+    fetch thread waits), and a complete version not yet taken is dropped when a newer one starts
+    arriving (its buffers are about to be overwritten; the newer version supersedes it anyway).
     """
 
     def __init__(
@@ -261,6 +281,7 @@ class BucketAssembler:
         fallback=None,
         *,
         background: bool = True,
+        stage: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         self.resolve = resolve
         self.fallback = fallback
@@ -269,6 +290,11 @@ class BucketAssembler:
         self._incoming: _Incoming | None = None
         self._complete: _Incoming | None = None
         self._bad_versions: set[int] = set()
+        self._stage = stage
+        self._staged: dict[int, torch.Tensor] = {}  # bucket index -> staging buffer (``stage``)
+        self._held = False  # the engine holds views of the staging buffers (handed out, not yet re-polled)
+        self._closed = False
+        self._released = threading.Condition(self._lock)
         self._queue: queue.SimpleQueue | None = None
         if background:
             self._queue = queue.SimpleQueue()
@@ -288,7 +314,10 @@ class BucketAssembler:
         return self.stats.refused_versions
 
     def close(self) -> None:
-        """Stop the fetch thread."""
+        """Stop the fetch thread (one waiting for the staging buffers gives up)."""
+        with self._lock:
+            self._closed = True
+            self._released.notify_all()
         if self._queue is not None:
             self._queue.put(None)
 
@@ -319,6 +348,10 @@ class BucketAssembler:
                 unpack_bucket(bucket, verify=True)
             except ChecksumError as e:
                 problem = str(e)
+        if problem is None and self._stage is not None:
+            bucket = self._staged_copy(bucket, cur)
+            if bucket is None:
+                return  # superseded while it waited
         with self._lock:
             if problem is not None:
                 log.error("weight bucket %d of version %d dropped: %s", index, version, problem)
@@ -336,11 +369,41 @@ class BucketAssembler:
             if len(cur.buckets) == cur.num_buckets:
                 self._complete, self._incoming = cur, None
 
+    def _staged_copy(self, bucket: WeightBucket, cur: _Incoming) -> WeightBucket | None:
+        """``bucket`` with its bytes copied into its index's staging buffer, once the engine holds none of
+        them; None if ``cur`` was superseded meanwhile. A complete version not yet taken is dropped first
+        (this copy overwrites its buffers)."""
+        with self._lock:
+            while self._held and not self._closed:
+                self._released.wait()
+            if self._incoming is not cur or self._closed:
+                return None
+            if self._complete is not None:
+                self._complete = None
+                self.stats.dropped_versions += 1
+            buf = self._staged.get(bucket.index)
+        n = bucket.data.nbytes
+        if buf is None or buf.numel() < n:
+            try:
+                buf = self._staged[bucket.index] = self._stage(n)
+            except RuntimeError as e:  # e.g. page-locked memory refused: views of the fetched bytes then
+                log.warning("weight staging buffers unavailable (%s); using the fetched buffers", e)
+                self._stage = None
+                return bucket
+        with warnings.catch_warnings():  # the object store's arrays are read-only; this only reads them
+            warnings.simplefilter("ignore", UserWarning)
+            buf[:n].copy_(torch.from_numpy(bucket.data))
+        return dataclasses.replace(bucket, data=buf[:n].numpy())
+
     def poll(self, version: int) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The newest complete offered version if it is newer than ``version`` (zero-copy views, to be
-        copied into the engine's parameters), else ``fallback.poll(version)``, else None."""
+        """The newest complete offered version if it is newer than ``version`` (views, to be copied into
+        the engine's parameters before the next ``poll``), else ``fallback.poll(version)``, else None."""
         with self._lock:
             done, self._complete = self._complete, None
+            self._held = False  # the engine copied what the last poll handed out
+            if done is not None and done.version > version and self._stage is not None:
+                self._held = True
+            self._released.notify_all()
         if done is not None and done.version > version:
             tensors = {}
             for i in range(done.num_buckets):

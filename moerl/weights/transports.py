@@ -26,6 +26,7 @@ from moerl.weights.buckets import (
     WeightBucket,
     bucket_bytes_of,
     bucket_offer,
+    pinned_host_buffer,
 )
 from moerl.weights.ipc import IpcPublisher, IpcReceiver
 from moerl.weights.ipc_slots import IpcListener, connect
@@ -126,7 +127,8 @@ class AssemblerSpec:
         """This rank's ``WeightSource`` (rank > 0: an EP follower, fed by its leader's forwarded offers)."""
         if self.is_whole and rank == 0:
             return OfferedWeights(fallback)
-        return BucketAssembler(_ray().get, fallback)
+        stage = pinned_host_buffer if torch.device(device).type == "cuda" else None
+        return BucketAssembler(_ray().get, fallback, stage=stage)
 
 
 class StoreTransport:

@@ -94,6 +94,7 @@ def test_async_bucketed_sync_durable_every_and_recompute(tmp_path, tiny_init, lo
     lags = [r["weights/version_lag_max"] for r in records if r["weights/version_lag_max"] is not None]
     assert all(lag >= 0 for lag in lags)  # from the workers' liveness answers (None before the first)
     assert WeightStore(str(run.path / "weights")).versions() == [0, 2, 4]
+    assert [r["timing/final_save_s"] > 0 for r in records] == [False] * 3 + [True]  # the last step's save
 
 
 @pytest.mark.timeout(300)

@@ -51,6 +51,15 @@ def test_sync_runs_are_bit_for_bit_reproducible(tmp_path, tiny_init):
     assert s1["tasks_duplicated"] == s1["tasks_lost"] == 0 and s1["tasks_trained"] == 6
 
 
+def test_the_last_version_is_made_durable_as_its_own_timing_not_as_a_hand_off(tmp_path, tiny_init):
+    """The run's last version goes to the store at its last step (durable_every far off), timed as
+    ``timing/final_save_s`` (0 on the other steps), apart from ``timing/publish_s`` (the hand-off)."""
+    _, run = _run(short_config(tmp_path, tiny_init, "trainer.steps=3", "runtime.durable_every=100"))
+    rows = read_jsonl(run.metrics)
+    assert [r["timing/final_save_s"] > 0 for r in rows] == [False, False, True]
+    assert WeightStore(str(run.weights)).versions() == [3]  # only the last: nothing else was due
+
+
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, tiny_init):
     common = [
         "eval.every=2",

@@ -27,32 +27,24 @@ def test_each_size_is_a_valid_run_config_of_its_shape(tmp_path):
     )
 
 
-def test_a_run_folder_gives_medians_after_step_one_and_ratios_to_the_parts_alone(tmp_path):
+def test_a_run_folder_gives_medians_of_its_steady_steps_and_ratios_to_the_parts_alone(tmp_path):
+    def row(step, rollout, train, step_s, gen_s, eval_s=0.0, final_save_s=0.0):
+        return {
+            "step": step,
+            "perf/rollout_tokens_per_s": rollout,
+            "perf/train_tokens_per_s": train,
+            "perf/step_time_s": step_s,
+            "timing/gen_s": gen_s,
+            "timing/eval_s": eval_s,
+            "timing/final_save_s": final_save_s,
+        }
+
     rows = [
-        {
-            "step": 1,
-            "perf/rollout_tokens_per_s": 10.0,
-            "perf/train_tokens_per_s": 5.0,
-            "perf/step_time_s": 99.0,
-            "timing/gen_s": 90.0,
-            "timing/eval_s": 0.0,
-        },
-        {
-            "step": 2,
-            "perf/rollout_tokens_per_s": 80.0,
-            "perf/train_tokens_per_s": 40.0,
-            "perf/step_time_s": 3.0,
-            "timing/gen_s": 2.0,
-            "timing/eval_s": 0.5,
-        },
-        {
-            "step": 3,
-            "perf/rollout_tokens_per_s": 100.0,
-            "perf/train_tokens_per_s": 60.0,
-            "perf/step_time_s": 5.0,
-            "timing/gen_s": 4.0,
-            "timing/eval_s": 0.0,
-        },
+        row(1, 10.0, 5.0, 99.0, 90.0),  # the first: graph captures
+        row(2, 10.0, 5.0, 6.0, 2.0, eval_s=0.5),  # an eval step
+        row(3, 100.0, 60.0, 5.0, 4.0),  # steady
+        row(4, 80.0, 40.0, 3.0, 2.0),  # steady
+        row(5, 10.0, 5.0, 45.0, 2.0, final_save_s=40.0),  # the last: the run's final save
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "worker.log").write_text("CUDA graph capture failed for key (1,)\n")
@@ -61,17 +53,20 @@ def test_a_run_folder_gives_medians_after_step_one_and_ratios_to_the_parts_alone
         "trainer": {"tokens_per_s": 100.0, "train_s": 2.0},
     }
     out = e2e_gpu.summarize_run(tmp_path, alone)
-    med = out["median_after_step1"]
+    assert out["steady_steps"] == [3, 4]
+    med = out["median_steady"]
     assert (
-        med["perf/rollout_tokens_per_s"] == 90.0
-        and med["timing/gen_s"] == 3.0
-        and med["timing/eval_s"] == 0.25
+        med["perf/rollout_tokens_per_s"] == 90.0 and med["timing/gen_s"] == 3.0 and med["timing/eval_s"] == 0
+    )
+    assert (
+        out["median_after_step1"]["timing/eval_s"] == 0.0 and out["median_after_step1"]["timing/gen_s"] == 2.0
     )
     assert out["ratios"] == {
         "rollout_tokens_per_s_over_alone": 0.9,
         "train_tokens_per_s_over_alone": 0.5,
         "step_s_over_gen_plus_train_alone": 1.0,
+        "step_s_over_gen_plus_train_alone_all_after_step1": 5.5 / 4,
     }
-    assert [s["step"] for s in out["steps"]] == [1, 2, 3]
+    assert [s["step"] for s in out["steps"]] == [1, 2, 3, 4, 5]
     assert out["capture_failed_in_folder"] == [str(tmp_path / "worker.log")]
     assert e2e_gpu.summarize_run(tmp_path / "missing", alone)["error"] == "no metrics.jsonl"

@@ -118,6 +118,63 @@ def test_assembler_background_thread_fetches():
     assert found is not None and found[0] == 1
 
 
+class Staging:
+    """``BucketAssembler``'s ``stage`` on CPU (page-locked on a GPU): records the buffers it makes."""
+
+    def __init__(self):
+        self.buffers = []
+
+    def __call__(self, nbytes):
+        self.buffers.append(torch.empty(nbytes, dtype=torch.uint8))
+        return self.buffers[-1]
+
+    def owns(self, t: torch.Tensor) -> bool:
+        p = t.untyped_storage().data_ptr()
+        return any(b.data_ptr() <= p < b.data_ptr() + b.numel() for b in self.buffers)
+
+
+def test_staged_versions_come_from_reused_staging_buffers_never_written_while_held():
+    stage = Staging()
+    asm = BucketAssembler(lambda ref: ref, None, background=True, stage=stage)
+    for b in iter_packed(1, _tensors(1), 100):
+        asm.offer(1, b.index, b.num_buckets, b)
+    deadline, found = time.monotonic() + 5, None
+    while found is None and time.monotonic() < deadline:
+        found = asm.poll(0)
+        time.sleep(0.01)
+    assert found is not None and found[0] == 1
+    held = found[1]
+    assert all(torch.equal(held[k], v) for k, v in _tensors(1).items())
+    assert all(stage.owns(t) for t in held.values())  # views of the staging buffers, not the fetched ones
+    made = len(stage.buffers)
+    v2 = list(iter_packed(2, _tensors(2), 100))
+    for b in v2:  # arrives while the engine still holds version 1's views: the fetch thread waits
+        asm.offer(2, b.index, b.num_buckets, b)
+    time.sleep(0.3)
+    assert all(torch.equal(held[k], v) for k, v in _tensors(1).items())  # untouched while held
+    deadline, found = time.monotonic() + 5, None
+    while found is None and time.monotonic() < deadline:
+        found = asm.poll(1)  # the engine has copied version 1: the buffers are free again
+        time.sleep(0.01)
+    assert found is not None and found[0] == 2
+    assert all(torch.equal(found[1][k], v) for k, v in _tensors(2).items())
+    assert len(stage.buffers) == made  # reused, not made again
+    asm.close()
+
+
+def test_a_complete_staged_version_not_yet_taken_is_dropped_when_a_newer_one_overwrites_it():
+    asm = BucketAssembler(lambda ref: ref, None, background=False, stage=Staging())
+    v1, v2 = list(iter_packed(1, _tensors(1), 100)), list(iter_packed(2, _tensors(2), 100))
+    for b in v1:
+        asm.offer(1, b.index, b.num_buckets, b)
+    asm.offer(2, 0, v2[0].num_buckets, v2[0])  # v1 is complete, untaken; v2 starts in the same buffers
+    assert asm.poll(0) is None and asm.stats.dropped_versions == 1  # never a mix of the two
+    for b in v2[1:]:
+        asm.offer(2, b.index, b.num_buckets, b)
+    version, tensors = asm.poll(0)
+    assert version == 2 and all(torch.equal(tensors[k], v) for k, v in _tensors(2).items())
+
+
 def test_publisher_streams_buckets_and_writes_durable_versions(tmp_path):
     objects = {}
 

@@ -374,6 +374,12 @@ class RayRollouts:
         if is_final:
             self.transport.finish(trainer)
 
+    def make_durable(self, trainer: WeightHolder) -> None:
+        """``Rollouts.make_durable``: the background send of the version landed (``wait_sent``; a due
+        durable write of that send is queued before this writes), then the transport's ``finish``."""
+        self.wait_sent()
+        self.transport.finish(trainer)
+
     def _send(self, snapshot: WeightSnapshot, workers: list) -> None:
         """The background send of ``runtime.overlap_publish`` (on a side CUDA stream after the copy)."""
         try:
