@@ -368,20 +368,17 @@ def _median(rows: list[dict], key: str) -> float | None:
 
 def steady_steps(steps: list[dict]) -> list[dict]:
     """The steps a run repeats: after the first (CUDA graph captures, allocator warm-up), not the last
-    (the run's final save, ``timing/final_save_s``) and without a held-out eval (``timing/eval_s`` > 0).
+    (the run's final save, ``timing/final_save_s``) and without a held-out eval (a step that evaluated logs
+    ``eval/accuracy``; ``timing/eval_s`` is a few microseconds on every step, the timer's own cost).
     What the parts alone are compared with: they generate and train, nothing else. [] when none is left."""
     last = steps[-1]["step"] if steps else None
-    return [s for s in steps[1:] if s["step"] != last and not (s.get("timing/eval_s") or 0) > 0]
+    return [s for s in steps[1:] if s["step"] != last and s.get("eval/accuracy") is None]
 
 
-def summarize_run(run_dir: Path | None, alone_res: dict | None) -> dict:
-    """Per-step figures of a finished run folder, their medians over the steady steps (``steady_steps``)
-    and after step 1 (every later step, eval and final save included), with the ratios to the figures
-    alone (of the steady medians; ``..._all_after_step1`` of the others)."""
-    if run_dir is None or not (run_dir / "metrics.jsonl").exists():
-        return {"steps": [], "error": "no metrics.jsonl"}
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    steps = [{"step": r["step"], **{k: r.get(k) for k in STEP_FIELDS}} for r in rows]
+def summarize_steps(steps: list[dict], alone_res: dict | None) -> dict:
+    """A run's per-step rows (``STEP_FIELDS`` and ``step``), their medians over the steady steps
+    (``steady_steps``) and after step 1, and the ratios to the figures alone (``ratios``: of the steady
+    medians; ``..._all_after_step1`` of the others; only when ``alone_res`` is given)."""
     later, steady = steps[1:] or steps, steady_steps(steps)
     med_all = {k: _median(later, k) for k in STEP_FIELDS}
     med = {k: _median(steady, k) for k in STEP_FIELDS}
@@ -391,6 +388,48 @@ def summarize_run(run_dir: Path | None, alone_res: dict | None) -> dict:
         "median_steady": med,
         "median_after_step1": med_all,
     }
+    if alone_res:
+        eng, tr = alone_res["engine"], alone_res["trainer"]
+        ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
+        out["ratios"] = {
+            "rollout_tokens_per_s_over_alone": ratio(med["perf/rollout_tokens_per_s"], eng["tokens_per_s"]),
+            "train_tokens_per_s_over_alone": ratio(med["perf/train_tokens_per_s"], tr["tokens_per_s"]),
+            "step_s_over_gen_plus_train_alone": ratio(med["perf/step_time_s"], eng["gen_s"] + tr["train_s"]),
+            "step_s_over_gen_plus_train_alone_all_after_step1": ratio(
+                med_all["perf/step_time_s"], eng["gen_s"] + tr["train_s"]
+            ),
+        }
+    return out
+
+
+def resummarize(path: Path) -> dict:
+    """Recompute every run's medians and ratios of a result file from the per-step rows and the figures
+    alone that it holds (after a change to ``steady_steps`` or ``summarize_steps``); the file is rewritten
+    atomically, nothing measured changes. Raises ValueError if ``path`` holds no ``results``."""
+    doc = json.loads(path.read_text())
+    if "results" not in doc:
+        raise ValueError(f"{path}: not an e2e_gpu result file (no 'results')")
+    for res in doc["results"].values():
+        for entry in res.values():
+            if isinstance(entry, dict) and "steps" in entry and entry["steps"]:
+                entry.update(summarize_steps(entry["steps"], res.get("alone")))
+    doc["resummarized"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+    return doc
+
+
+def summarize_run(run_dir: Path | None, alone_res: dict | None) -> dict:
+    """Per-step figures of a finished run folder, their medians over the steady steps (``steady_steps``)
+    and after step 1 (every later step, eval and final save included), with the ratios to the figures
+    alone (of the steady medians; ``..._all_after_step1`` of the others)."""
+    if run_dir is None or not (run_dir / "metrics.jsonl").exists():
+        return {"steps": [], "error": "no metrics.jsonl"}
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    out = summarize_steps(
+        [{"step": r["step"], **{k: r.get(k) for k in STEP_FIELDS}} for r in rows], alone_res
+    )
     if (run_dir / "summary.json").exists():
         s = json.loads((run_dir / "summary.json").read_text())
         out["summary"] = {
@@ -411,17 +450,6 @@ def summarize_run(run_dir: Path | None, alone_res: dict | None) -> dict:
     out["capture_failed_in_folder"] = [
         str(p) for p in run_dir.rglob("*.log") if CAPTURE_FAILED.search(p.read_text(errors="replace"))
     ]
-    if alone_res:
-        eng, tr = alone_res["engine"], alone_res["trainer"]
-        ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
-        out["ratios"] = {
-            "rollout_tokens_per_s_over_alone": ratio(med["perf/rollout_tokens_per_s"], eng["tokens_per_s"]),
-            "train_tokens_per_s_over_alone": ratio(med["perf/train_tokens_per_s"], tr["tokens_per_s"]),
-            "step_s_over_gen_plus_train_alone": ratio(med["perf/step_time_s"], eng["gen_s"] + tr["train_s"]),
-            "step_s_over_gen_plus_train_alone_all_after_step1": ratio(
-                med_all["perf/step_time_s"], eng["gen_s"] + tr["train_s"]
-            ),
-        }
     return out
 
 
@@ -547,10 +575,18 @@ def main(argv: list[str] | None = None) -> int:
         help="keep each run folder's policy, weight store and checkpoints (deleted by default)",
     )
     p.add_argument("--tiny", action="store_true", help="the whole script on CPU at the tiny size")
+    p.add_argument(
+        "--resummarize",
+        metavar="RESULT_JSON",
+        help="recompute the medians and ratios of a result file from its per-step rows, then exit",
+    )
     p.add_argument("--alone", help=argparse.SUPPRESS)
     p.add_argument("--init-dir", help=argparse.SUPPRESS)
     p.add_argument("--alone-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.resummarize:
+        resummarize(Path(args.resummarize))
+        return 0
     if args.alone:
         alone(Path(args.alone), Path(args.init_dir), args.alone_steps, Path(args.alone_out))
         return 0

@@ -41,6 +41,11 @@ from raynodes import RayNodes
 from moerl.run.folder import RunDir, read_jsonl
 from moerl.trainer.checkpoint import latest_checkpoint
 
+# Each test's own waits add up to more than pytest's default 300 s (steps 240 s, a fault 25-45 s, the
+# finish 300 s), and the first test's time includes the six-node cluster's start (104 s on a loaded
+# 2-core machine): a run that hangs is still stopped, at 900 s.
+pytestmark = pytest.mark.timeout(900)
+
 STEPS, BATCH = 24, 4
 PARTITION_S = 45.0
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench import e2e_gpu
 from moerl.config import load_config
 
@@ -28,7 +30,8 @@ def test_each_size_is_a_valid_run_config_of_its_shape(tmp_path):
 
 
 def test_a_run_folder_gives_medians_of_its_steady_steps_and_ratios_to_the_parts_alone(tmp_path):
-    def row(step, rollout, train, step_s, gen_s, eval_s=0.0, final_save_s=0.0):
+    def row(step, rollout, train, step_s, gen_s, eval_s=2e-6, final_save_s=0.0, accuracy=None):
+        # every step logs a few microseconds of timing/eval_s (the timer's cost); an eval step, its accuracy
         return {
             "step": step,
             "perf/rollout_tokens_per_s": rollout,
@@ -37,11 +40,12 @@ def test_a_run_folder_gives_medians_of_its_steady_steps_and_ratios_to_the_parts_
             "timing/gen_s": gen_s,
             "timing/eval_s": eval_s,
             "timing/final_save_s": final_save_s,
+            "eval/accuracy": accuracy,
         }
 
     rows = [
         row(1, 10.0, 5.0, 99.0, 90.0),  # the first: graph captures
-        row(2, 10.0, 5.0, 6.0, 2.0, eval_s=0.5),  # an eval step
+        row(2, 10.0, 5.0, 6.0, 2.0, eval_s=0.5, accuracy=0.25),  # an eval step
         row(3, 100.0, 60.0, 5.0, 4.0),  # steady
         row(4, 80.0, 40.0, 3.0, 2.0),  # steady
         row(5, 10.0, 5.0, 45.0, 2.0, final_save_s=40.0),  # the last: the run's final save
@@ -56,10 +60,13 @@ def test_a_run_folder_gives_medians_of_its_steady_steps_and_ratios_to_the_parts_
     assert out["steady_steps"] == [3, 4]
     med = out["median_steady"]
     assert (
-        med["perf/rollout_tokens_per_s"] == 90.0 and med["timing/gen_s"] == 3.0 and med["timing/eval_s"] == 0
+        med["perf/rollout_tokens_per_s"] == 90.0
+        and med["timing/gen_s"] == 3.0
+        and med["timing/eval_s"] == 2e-6
     )
     assert (
-        out["median_after_step1"]["timing/eval_s"] == 0.0 and out["median_after_step1"]["timing/gen_s"] == 2.0
+        out["median_after_step1"]["timing/eval_s"] == 2e-6
+        and out["median_after_step1"]["timing/gen_s"] == 2.0
     )
     assert out["ratios"] == {
         "rollout_tokens_per_s_over_alone": 0.9,
@@ -70,3 +77,25 @@ def test_a_run_folder_gives_medians_of_its_steady_steps_and_ratios_to_the_parts_
     assert [s["step"] for s in out["steps"]] == [1, 2, 3, 4, 5]
     assert out["capture_failed_in_folder"] == [str(tmp_path / "worker.log")]
     assert e2e_gpu.summarize_run(tmp_path / "missing", alone)["error"] == "no metrics.jsonl"
+
+
+def test_resummarize_recomputes_a_result_file_from_its_per_step_rows(tmp_path):
+    rows = [
+        {"step": i, "perf/step_time_s": t, "perf/rollout_tokens_per_s": 50.0, "eval/accuracy": a}
+        for i, t, a in [(1, 30.0, None), (2, 4.0, None), (3, 6.0, None), (4, 50.0, 0.5)]
+    ]
+    alone = {
+        "engine": {"tokens_per_s": 100.0, "gen_s": 1.0},
+        "trainer": {"tokens_per_s": 10.0, "train_s": 3.0},
+    }
+    stale = {"steps": rows, "steady_steps": [], "median_steady": {}, "ratios": {}, "rc": 0}
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps({"results": {"1b": {"alone": alone, "sync": stale}}}))
+    e2e_gpu.resummarize(path)
+    entry = json.loads(path.read_text())["results"]["1b"]["sync"]
+    assert entry["steady_steps"] == [2, 3] and entry["rc"] == 0
+    assert entry["ratios"]["step_s_over_gen_plus_train_alone"] == 5.0 / 4.0
+    assert entry["ratios"]["rollout_tokens_per_s_over_alone"] == 0.5
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(ValueError, match="no 'results'"):
+        e2e_gpu.resummarize(tmp_path / "other.json")
