@@ -53,6 +53,7 @@ import threading
 import time
 from pathlib import Path
 
+from moerl.atomic import atomic_write_text
 from moerl.plan.models import MODELS, ModelShape
 
 REPO = Path(__file__).resolve().parent.parent
@@ -414,9 +415,7 @@ def resummarize(path: Path) -> dict:
             if isinstance(entry, dict) and "steps" in entry and entry["steps"]:
                 entry.update(summarize_steps(entry["steps"], res.get("alone")))
     doc["resummarized"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(doc, indent=1))
     return doc
 
 
@@ -615,9 +614,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def save(res: dict, size=size, old=old) -> None:
             doc["results"][size] = {**old, **res}  # a later call's modes replace the same modes only
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(doc, indent=1))
-            tmp.replace(path)
+            atomic_write_text(path, json.dumps(doc, indent=1))
 
         save(bench_size(size, args, env, save))
     print(f"[e2e] wrote {path}", flush=True)
