@@ -29,6 +29,7 @@ from moerl.rollout.paged_attention import (
     paged_decode_attention,
     paged_decode_reference,
     prefix_group_rows,
+    prefix_max_groups,
 )
 
 try:
@@ -100,7 +101,9 @@ def shared_prefix_rows(dev, gen, nkv: int, nh: int, d: int, bs: int) -> list[dic
             for lead in range(0, b, group):
                 n[lead], plen[lead] = group, prompt
                 rows[lead, :group] = torch.arange(lead, lead + group)
-            groups = PrefixGroups(n.to(dev), plen.to(dev), rows.to(dev), start.to(dev))
+            leaders = torch.full((prefix_max_groups(b),), -1, dtype=torch.int64)
+            leaders[: b // group] = torch.arange(0, b, group)
+            groups = PrefixGroups(leaders.to(dev), n.to(dev), plen.to(dev), rows.to(dev), start.to(dev))
             grouped = functools.partial(call, prefix=groups)
             ref = paged_decode_reference(q, kc, vc, table, lens, d**-0.5, bs)
             row["grouped_max_abs_err_vs_definition"] = float((grouped().float() - ref.float()).abs().max())

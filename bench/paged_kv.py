@@ -16,6 +16,9 @@ together; the paged engine decodes up to ``--max-slots`` together, admitting by 
 preempting when they run out. Both run in one process on the same weights; the table gives tokens/s,
 the mean number of sequences decoding together, prefill vs prefix-hit tokens, preemptions, and how many
 completions are token-identical between the two (all in float32; bfloat16 may diverge late).
+``--buckets engine`` rounds decode batches as each engine does in runs (``graph_batch_buckets``) instead
+of to powers of two; ``--kernel-profile STEPS`` adds a pass with per-kernel device times around those decode
+steps (``kernel_profile``). ``bench/paged_tail_call.sh`` is the device call of the GPU figures.
 Writes ``bench/results/paged_kv.json`` atomically.
 """
 
@@ -26,14 +29,13 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from moerl.atomic import atomic_write_text
 from moerl.config import ModelConfig
 from moerl.models import build_model
 from moerl.rollout import Engine, Request, SamplingParams
@@ -199,12 +201,65 @@ def profiled_pass(engine: Engine, requests: list[Request], device: torch.device)
     }
 
 
-def _write_atomic(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
+def kernel_profile(
+    engine: Engine, requests: list[Request], device: torch.device, at: list[int], n: int
+) -> dict:
+    """One more ``generate`` in which, from each decode step in ``at`` (counted in this pass), ``n`` steps run
+    as captured (CUDA graphs; device-synchronized at both ends: milliseconds per step) and the ``n`` after
+    them eagerly under ``torch.profiler`` (device time per kernel name, summed, per step). The two windows
+    are adjacent, so their rows and read lengths are nearly the same; graph step time minus the kernels'
+    sum is the time the device spends between kernels (launch gaps inside the graph, host waits)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    windows: dict[int, dict] = {}
+    original = engine._decode
+    state = {"step": 0}
+
+    def wrapper():
+        s = state["step"]
+        state["step"] += 1
+        for a in at:
+            if s == a or s == a + n:
+                _sync(device)
+                windows.setdefault(a, {})["t_" + ("graph" if s == a else "eager")] = time.perf_counter()
+                if s == a:
+                    windows[a]["rows"] = len(engine.scheduler.running)
+                    windows[a]["bucket"] = engine._bucket(len(engine.scheduler.running))
+                else:
+                    windows[a]["graph_ms_per_step"] = 1e3 * (time.perf_counter() - windows[a]["t_graph"]) / n
+                    windows[a]["_graphs"], engine._graphs = engine._graphs, None
+                    windows[a]["_prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                    windows[a]["_prof"].__enter__()
+            if s == a + 2 * n:
+                _sync(device)
+                w = windows[a]
+                w["eager_wall_ms_per_step"] = 1e3 * (time.perf_counter() - w["t_eager"]) / n
+                w["_prof"].__exit__(None, None, None)
+                engine._graphs = w.pop("_graphs")
+                kernels: dict[str, list] = {}
+                for ev in w.pop("_prof").events():
+                    if ev.device_type == torch.autograd.DeviceType.CUDA:
+                        k = kernels.setdefault(ev.name[:90], [0, 0.0])
+                        k[0] += 1
+                        k[1] += ev.device_time
+                total = sum(v[1] for v in kernels.values())
+                w["kernel_ms_per_step"] = total / 1e3 / n
+                w["kernels_per_step"] = sum(v[0] for v in kernels.values()) / n
+                w["top_kernels_us_per_step"] = {
+                    k: round(v[1] / n, 1) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:40]
+                }
+        return original()
+
+    engine._decode = wrapper
+    if hasattr(engine, "pool"):
+        engine.pool.clear_index()
+    try:
+        engine.generate(requests)
+    finally:
+        del engine._decode
+    for w in windows.values():
+        w.pop("t_graph", None), w.pop("t_eager", None)
+    return {str(a): windows.get(a, {}) for a in at}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         "--max-slots", type=int, default=64, help="most sequences the paged engine decodes together"
     )
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--buckets",
+        choices=("pow2", "engine"),
+        default="pow2",
+        help="decode batch sizes B is rounded up to: powers of two (fewer CUDA-graph captures), or each "
+        "engine's default as runs use it (cuda_graphs.graph_batch_buckets: at most 1.5x padding)",
+    )
     p.add_argument("--sync-every", type=int, default=1)
     p.add_argument("--engines", default="slots,paged", help="comma-separated: slots, paged")
     p.add_argument("--device", default="cpu")
@@ -230,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         "--passes", type=int, default=1, help="timed passes per engine (the later ones with graphs captured)"
     )
     p.add_argument("--profile", action="store_true", help="then one pass timing each engine phase")
+    p.add_argument(
+        "--kernel-profile",
+        default="",
+        help="comma-separated decode steps: from each, graph ms/step and a torch.profiler kernel table",
+    )
+    p.add_argument("--kernel-profile-steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "paged_kv.json"))
@@ -251,14 +319,14 @@ def main(argv: list[str] | None = None) -> int:
             model,
             max_slots=args.kv_slots,
             max_seq_len=seq_len,
-            batch_buckets=_buckets(args.kv_slots),
+            batch_buckets=_buckets(args.kv_slots) if args.buckets == "pow2" else None,
             **common,
         ),
         "paged": lambda: PagedEngine(
             model,
             max_slots=args.max_slots,
             block_size=args.block_size,
-            batch_buckets=_buckets(args.max_slots),
+            batch_buckets=_buckets(args.max_slots) if args.buckets == "pow2" else None,
             **common,
         ),
     }
@@ -270,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
             results[name][f"pass{i + 1}"], _ = timed_pass(engine, requests, device)
         if args.profile:
             results[name]["profile"] = profiled_pass(engine, requests, device)
+        if args.kernel_profile:
+            at = [int(x) for x in args.kernel_profile.split(",")]
+            results[name]["kernel_profile"] = kernel_profile(
+                engine, requests, device, at, args.kernel_profile_steps
+            )
         print(
             f"{name}: {json.dumps(results[name])}", flush=True
         )  # kept in the log if a later engine is cut off
@@ -314,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "kv_token_budget": budget},
         "results": results,
     }
-    _write_atomic(Path(args.out), payload)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(args.out, json.dumps(payload, indent=2))
     print(f"wrote {args.out}")
     return 0
 

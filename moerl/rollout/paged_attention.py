@@ -80,6 +80,18 @@ def _num_splits(b: int, nkv: int, keys: int, block_n: int) -> tuple[int, int]:
     return -(-keys // per), per
 
 
+def _prefix_splits(groups: int, nkv: int, keys: int, block_n: int) -> tuple[int, int]:
+    """(splits SP, keys per split at the table's width) of the shared-prefix pass over ``groups`` group
+    slots: enough programs for ~264 (two per multiprocessor), at most 8, each at least one block_n tile (a
+    group's prompt is a few hundred keys: with the row kernel's 4-tile floor a 512-key prompt was one
+    program per group and head, latency-bound at small B). Host ints of the shape only (graph-safe); on
+    the GPU each group divides its own shared length into the SP splits."""
+    splits = max(1, min(8, -(-264 // (max(groups, 1) * nkv)), keys // block_n))
+    per = -(-keys // splits)
+    per = -(-per // block_n) * block_n
+    return -(-keys // per), per
+
+
 if triton is not None:
 
     @triton.jit
@@ -276,10 +288,10 @@ if triton is not None:
         K,
         V,
         TABLE,
+        PFX_LEADERS,
         PFX_N,
         PFX_LEN,
         PFX_ROWS,
-        PFX_START,
         ACC,
         ML,
         stride_qb,
@@ -306,18 +318,21 @@ if triton is not None:
         DYNAMIC: tl.constexpr,
         KPS: tl.constexpr,
     ):
-        """Program (leader row r, kv head, prefix split): the keys a group's rows share (the same blocks at
-        the same positions, r's table) attended once for all of them: one [GR * G, Dk] query tile, each
-        key block read once per group instead of once per row (cascade attention)."""
-        r = tl.program_id(0)
+        """Program (group slot, kv head, prefix split): the keys a group's rows share (the same blocks at
+        the same positions, its leader row r's table) attended once for all of them: one [GR * G, Dk]
+        query tile, each key block read once per group instead of once per row (cascade attention). A
+        group slot whose leader is -1 (fewer groups than slots) reads and stores nothing."""
+        leader = tl.load(PFX_LEADERS + tl.program_id(0))
+        has_group = leader >= 0
+        r = tl.maximum(leader, 0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
         nh = tl.num_programs(1) * G
-        n_rows = tl.load(PFX_N + r)
-        plen = tl.load(PFX_LEN + r)  # 0 for a row that leads no group: no key, nothing stored
-        if DYNAMIC:
+        n_rows = tl.where(has_group, tl.load(PFX_N + r), 0)
+        plen = tl.where(has_group, tl.load(PFX_LEN + r), 0)
+        if DYNAMIC:  # the shared keys in prefix_splits parts of whole BLOCK_N tiles (a prompt is short)
             per = tl.cdiv(tl.cdiv(plen, prefix_splits), BLOCK_N) * BLOCK_N
-            per = tl.maximum(per, 4 * BLOCK_N)
+            per = tl.maximum(per, BLOCK_N)
         else:
             per = keys_per_split
         start = sp * per
@@ -398,12 +413,84 @@ if triton is not None:
         tl.store(ACC + out[:, None] * DVP + dv[None, :], acc, mask=valid[:, None])
         tl.store(ML + out * 2, m_i, mask=valid)
         tl.store(ML + out * 2 + 1, l_i, mask=valid)
-        # row r in no group: its prefix split sp is empty (m = -inf, l = 0, acc = 0) for the merge
-        blank = (m < G) & (tl.load(PFX_START + r) == 0)
-        own = (r * total + num_splits + sp) * nh + kh * G + m
-        tl.store(ACC + own[:, None] * DVP + dv[None, :], tl.zeros([MP, DVP], tl.float32), mask=blank[:, None])
-        tl.store(ML + own * 2, tl.full([MP], float("-inf"), tl.float32), mask=blank)
-        tl.store(ML + own * 2 + 1, tl.zeros([MP], tl.float32), mask=blank)
+
+    @triton.jit
+    def _merge_kernel(
+        ACC,
+        ML,
+        OUT,
+        PFX_START,
+        T,
+        S,
+        stride_ob,
+        stride_oh,
+        TP: tl.constexpr,
+        DV: tl.constexpr,
+        DVP: tl.constexpr,
+        HAS_PFX: tl.constexpr,
+    ):
+        """Program (row b, head h): the partial softmaxes of (b, h) (S splits, then T - S shared-prefix
+        splits, read only for a row in a group: PFX_START[b] > 0; ACC [B, T, nh, DVP], ML [B, T, nh, 2]
+        float32) merged by log-sum-exp (flash-decoding): out = sum_s w_s acc_s / sum_s w_s l_s with
+        w_s = exp(m_s - max_s m_s); an empty split has m = -inf, l = 0; a row with no key gets 0."""
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        nh = tl.num_programs(1)
+        s = tl.arange(0, TP)
+        smask = s < S
+        if HAS_PFX:
+            smask = s < tl.where(tl.load(PFX_START + b) > 0, T, S)
+        part = (b * T + s) * nh + h
+        m = tl.load(ML + part * 2, mask=smask, other=float("-inf"))
+        lsum = tl.load(ML + part * 2 + 1, mask=smask, other=0.0)
+        top = tl.max(m, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp(m - top)
+        den = tl.maximum(tl.sum(w * lsum, 0), 1e-30)
+        dv = tl.arange(0, DVP)
+        acc = tl.load(ACC + part[:, None] * DVP + dv[None, :], mask=smask[:, None], other=0.0)
+        out = tl.sum(w[:, None] * acc, 0) / den
+        tl.store(OUT + b * stride_ob + h * stride_oh + dv, out.to(OUT.dtype.element_ty), mask=dv < DV)
+
+    @triton.jit
+    def _write_kernel(
+        KN,
+        VN,
+        K,
+        V,
+        SLOTS,
+        stride_knb,
+        stride_knh,
+        stride_vnb,
+        stride_vnh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        DK: tl.constexpr,
+        DKP: tl.constexpr,
+        DV: tl.constexpr,
+        DVP: tl.constexpr,
+    ):
+        """Program (row b, kv head h): row b's new key and value of head h into its token slot."""
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        dk = tl.arange(0, DKP)
+        k = tl.load(KN + b * stride_knb + h * stride_knh + dk, mask=dk < DK)
+        tl.store(K + slot * stride_kt + h * stride_kh + dk, k.to(K.dtype.element_ty), mask=dk < DK)
+        dv = tl.arange(0, DVP)
+        v = tl.load(VN + b * stride_vnb + h * stride_vnh + dv, mask=dv < DV)
+        tl.store(V + slot * stride_vt + h * stride_vh + dv, v.to(V.dtype.element_ty), mask=dv < DV)
+
+
+def prefix_max_groups(rows: int) -> int:
+    """Group slots of the shared-prefix pass for a decode batch of ``rows`` rows: ``rows // 4`` (at least
+    1), the groups a batch holds when they have 4 rows or more (GRPO groups have 4-16 samples). The pass
+    launches one program per slot, kv head and split, so slots beyond the batch's groups cost idle
+    programs: one per row (as before) made the pass slower than the keys it read at B = 256. Groups past
+    the slots are not named to the kernel (their rows read their prompt themselves: the same attention)."""
+    return max(1, rows // 4)
 
 
 def prefix_group_rows(heads_per_kv: int) -> int:
@@ -419,6 +506,8 @@ class PrefixGroups:
     a group is named at its leader row (its first member).
 
     Attributes:
+        leaders: [NG] int64, the leader row of each group slot (``prefix_max_groups(B)`` slots), -1 for
+            a slot with no group; the kernel launches over these.
         n: [B] int32, rows in the group led by this row (>= 2), 0 for a row that leads none.
         length: [B] int64, keys the group shares at its leader (a multiple of the block size, below every
             member's length), 0 elsewhere.
@@ -427,6 +516,7 @@ class PrefixGroups:
             ``length``, 0 for a row in no group); the row's own program attends start..length-1.
     """
 
+    leaders: torch.Tensor
     n: torch.Tensor
     length: torch.Tensor
     rows: torch.Tensor
@@ -474,7 +564,9 @@ def paged_decode_attention(
     g = nh // nkv
     keys = table.shape[1] * block_size
     splits, per = _num_splits(b, nkv, keys, block_n)
-    prefix_splits = splits if prefix is not None else 0  # the same division of the width (interpreter)
+    prefix_splits, prefix_per = (
+        _prefix_splits(prefix.leaders.shape[0], nkv, keys, block_n) if prefix is not None else (0, 0)
+    )
     dvp = triton.next_power_of_2(dv)
     dkp = max(16, triton.next_power_of_2(dk))
     acc = torch.empty(b, splits + prefix_splits, nh, dvp, dtype=torch.float32, device=q.device)
@@ -518,15 +610,15 @@ def paged_decode_attention(
     )
     if prefix is not None:
         gr = prefix.rows.shape[1]
-        _prefix_decode_kernel[(b, nkv, prefix_splits)](
+        _prefix_decode_kernel[(prefix.leaders.shape[0], nkv, prefix_splits)](
             q,
             k_cache,
             v_cache,
             table,
+            prefix.leaders,
             prefix.n,
             prefix.length,
             prefix.rows,
-            prefix.start,
             acc,
             ml,
             q.stride(0),
@@ -536,7 +628,7 @@ def paged_decode_attention(
             v_cache.stride(0),
             v_cache.stride(1),
             table.stride(0),
-            per,
+            prefix_per,
             splits,
             prefix_splits,
             scale,
@@ -551,18 +643,43 @@ def paged_decode_attention(
             BLOCK_N=block_n,
             IEEE=q.dtype == torch.float32,
             DYNAMIC=q.is_cuda,
-            KPS=0 if q.is_cuda else per,
+            KPS=0 if q.is_cuda else prefix_per,
             num_warps=num_warps,
             num_stages=num_stages,
         )
-    # merge the splits (flash-decoding): weights exp(m_s - max_s m_s); an empty split has m = -inf, l = 0
-    m, lsum = ml[..., 0], ml[..., 1]
-    top = m.amax(dim=1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = torch.exp(m - top)  # [B, S, nh]
-    den = (w * lsum).sum(dim=1)  # [B, nh]
-    out = (w[..., None] * acc).sum(dim=1)[..., :dv] / den.clamp_min(1e-30)[..., None]
-    return out.to(q.dtype)
+    # merge the splits (flash-decoding) in one launch: ~12 tensor ops per layer before, each a kernel
+    total = splits + prefix_splits
+    out = torch.empty(b, nh, dv, dtype=q.dtype, device=q.device)
+    _merge_kernel[(b, nh)](
+        acc, ml, out, lengths if prefix is None else prefix.start, total, splits, out.stride(0), out.stride(1),
+        TP=triton.next_power_of_2(total), DV=dv, DVP=dvp, HAS_PFX=prefix is not None,
+    )  # fmt: skip
+    return out
+
+
+def paged_decode_write(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """One decode step's keys and values into their token slots, both in one launch (two ``index_copy_``
+    before): ``k_cache[slots[b], h] = k[b, h]``, ``v_cache[slots[b], h] = v[b, h]``.
+
+    Args:
+        k_cache: [N, nkv, Dk], v_cache: [N, nkv, Dv] one layer's cache (``paged_decode_kernel_runs``).
+        slots: [B] int64 token slots. k: [B, nkv, Dk], v: [B, nkv, Dv] (rows may be strided, the last
+            dim contiguous; cast to the cache's dtype).
+    """
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    b, nkv, dk = k.shape
+    dv = v.shape[-1]
+    _write_kernel[(b, nkv)](
+        k, v, k_cache, v_cache, slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        DK=dk, DKP=triton.next_power_of_2(dk), DV=dv, DVP=triton.next_power_of_2(dv),
+    )  # fmt: skip
 
 
 def paged_decode_kernel_runs(k_cache: torch.Tensor) -> bool:

@@ -32,7 +32,7 @@ import torch
 from moerl.rollout.block_pool import BlockPool
 from moerl.rollout.engine import Engine
 from moerl.rollout.kv_cache import KVLayout, kv_layout
-from moerl.rollout.paged_attention import PrefixGroups, prefix_group_rows
+from moerl.rollout.paged_attention import PrefixGroups, prefix_group_rows, prefix_max_groups
 from moerl.rollout.paged_kv_cache import PagedKVCache, paged_geometry
 from moerl.rollout.paged_scheduler import PagedAdmission, PagedScheduler
 from moerl.rollout.params import Completion
@@ -123,6 +123,9 @@ class PagedEngine(Engine):
             gr = prefix_group_rows(cfg.num_attention_heads // self.cache.layout.num_kv_heads)
             zeros = lambda *shape, dt=torch.int64: torch.zeros(shape, dtype=dt, device=self.device)  # noqa: E731
             self._prefix = PrefixGroups(
+                leaders=torch.full(
+                    (prefix_max_groups(max_slots),), -1, dtype=torch.int64, device=self.device
+                ),
                 n=zeros(max_slots, dt=torch.int32),
                 length=zeros(max_slots),
                 rows=zeros(max_slots, gr),
@@ -310,35 +313,42 @@ class PagedEngine(Engine):
         """Write ``_prefix`` for the running rows: rows whose block lists start with the same blocks
         (a group's samples: their prompt's full blocks, shared at admission or found in the prefix index)
         form groups of at most GR rows, each with the leading blocks all its members hold, below the
-        position every member writes now. Host work when the rows change (admission, release,
-        preemption), one host-to-device copy per tensor."""
+        position every member writes now; the largest ``prefix_max_groups(B)`` of them (B the decode
+        batch) are named to the kernel, in its group slots. Host work when the rows change (admission,
+        release, preemption), one host-to-device copy per tensor."""
         p, bs = self._prefix, self.block_size
         n_slots, gr = p.rows.shape
         n, length, start = [0] * n_slots, [0] * n_slots, [0] * n_slots
         rows = [[0] * gr for _ in range(n_slots)]
+        leaders = [-1] * p.leaders.shape[0]
         by_first: dict[int, list[Sequence]] = {}
         for s in self.scheduler.running:
             if len(s.blocks) > 1:
                 by_first.setdefault(s.blocks[0], []).append(s)
-        for seqs in by_first.values():
-            for c in range(0, len(seqs) - 1, gr):
-                chunk = seqs[c : c + gr]
-                if len(chunk) < 2:
-                    break
-                lead = chunk[0].blocks
-                limit = min(min(len(s.blocks) - 1, (s.seq_len - 1) // bs) for s in chunk)
-                k = 0
-                while k < limit and all(s.blocks[k] == lead[k] for s in chunk):
-                    k += 1
-                if k == 0:
-                    continue
-                r = chunk[0].slot
-                n[r], length[r] = len(chunk), k * bs
-                rows[r][: len(chunk)] = [s.slot for s in chunk]
-                for s in chunk:
-                    start[s.slot] = k * bs
+        chunks = [seqs[c : c + gr] for seqs in by_first.values() for c in range(0, len(seqs) - 1, gr)]
+        chunks = sorted((c for c in chunks if len(c) > 1), key=len, reverse=True)  # larger groups first
+        running = len(self.scheduler.running)
+        slots = prefix_max_groups(self._bucket(running)) if running else 0
+        for chunk in chunks:
+            if slots == 0:
+                break  # no group slot left: these rows read their prompt themselves
+            lead = chunk[0].blocks
+            limit = min(min(len(s.blocks) - 1, (s.seq_len - 1) // bs) for s in chunk)
+            k = 0
+            while k < limit and all(s.blocks[k] == lead[k] for s in chunk):
+                k += 1
+            if k == 0:
+                continue
+            r = chunk[0].slot
+            slots -= 1
+            leaders[slots] = r
+            n[r], length[r] = len(chunk), k * bs
+            rows[r][: len(chunk)] = [s.slot for s in chunk]
+            for s in chunk:
+                start[s.slot] = k * bs
         pinned = self.device.type == "cuda"
         for dst, host in (
+            (p.leaders, torch.tensor(leaders, dtype=torch.int64)),
             (p.n, torch.tensor(n, dtype=torch.int32)),
             (p.length, torch.tensor(length, dtype=torch.int64)),
             (p.rows, torch.tensor(rows, dtype=torch.int64)),
@@ -376,7 +386,11 @@ class PagedEngine(Engine):
         seq_len = self._seq_len[:b]
         pos = seq_len - 1
         p = self._prefix if self._has_groups else None
-        groups = None if p is None else PrefixGroups(p.n[:b], p.length[:b], p.rows[:b], p.start[:b])
+        groups = None
+        if p is not None:
+            groups = PrefixGroups(
+                p.leaders[: prefix_max_groups(b)], p.n[:b], p.length[:b], p.rows[:b], p.start[:b]
+            )
         self.cache.bind_decode(self._block_table[:b, :read_len], pos, groups)
         out = self.model(
             self._last_token[:b, None],

@@ -27,7 +27,12 @@ from __future__ import annotations
 import torch
 
 from moerl.rollout.kv_cache import KVLayout
-from moerl.rollout.paged_attention import PrefixGroups, paged_decode_attention, paged_decode_kernel_runs
+from moerl.rollout.paged_attention import (
+    PrefixGroups,
+    paged_decode_attention,
+    paged_decode_kernel_runs,
+    paged_decode_write,
+)
 
 
 def paged_geometry(kv_token_budget: int, block_size: int, context: int, max_slots: int) -> tuple[int, int]:
@@ -227,6 +232,9 @@ class PagedKVCache:
                 f"layer {layer}: k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache layout {lay}"
             )
         write = self.write_slots.reshape(-1)
+        if self.fused_decode and k.shape[2] == 1:  # a decode step through the kernel: one launch, k and v
+            paged_decode_write(self.k[layer], self.v[layer], write, k[:, :, 0], v[:, :, 0])
+            return
         # flatten, not reshape(-1, ...): MLA's latent layout has an empty v (Dv = 0)
         self.k[layer].index_copy_(0, write, k.transpose(1, 2).flatten(0, 1).to(self.k.dtype))
         self.v[layer].index_copy_(0, write, v.transpose(1, 2).flatten(0, 1).to(self.v.dtype))

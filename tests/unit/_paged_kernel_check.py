@@ -62,7 +62,9 @@ def prefix_kernel_errors() -> list[float]:
             n[leader], plen[leader] = len(members), blocks * bs
             rows[leader, : len(members)] = torch.tensor(members)
             start[members] = blocks * bs
-        groups = pa.PrefixGroups(n=n, length=plen, rows=rows, start=start)
+        # group slots: one empty (-1, reads and stores nothing), the leaders out of row order
+        leaders = torch.tensor([4, -1, 0])
+        groups = pa.PrefixGroups(leaders=leaders, n=n, length=plen, rows=rows, start=start)
         q = torch.randn(b, nh, dk)
         out = pa.paged_decode_attention(q, kc, vc, table, lengths, 0.3, bs, prefix=groups, block_n=block_n)
         ref = pa.paged_decode_reference(q, kc, vc, table, lengths, 0.3, bs)
