@@ -257,9 +257,33 @@ def kernel_profile(
         engine.generate(requests)
     finally:
         del engine._decode
+        for w in windows.values():  # a window the run ended inside: its profiler closed, graphs back
+            if "_prof" in w:
+                w.pop("_prof").__exit__(None, None, None)
+                engine._graphs = w.pop("_graphs")
     for w in windows.values():
-        w.pop("t_graph", None), w.pop("t_eager", None)
+        for key in ("t_graph", "t_eager"):
+            w.pop(key, None)
     return {str(a): windows.get(a, {}) for a in at}
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 1")
+    return n
+
+
+def _steps(text: str) -> list[int]:
+    try:
+        steps = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected comma-separated decode steps, e.g. 100,2000"
+        ) from None
+    if any(x < 0 for x in steps):
+        raise argparse.ArgumentTypeError(f"{text!r}: decode steps must be >= 0")
+    return steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,10 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="then one pass timing each engine phase")
     p.add_argument(
         "--kernel-profile",
-        default="",
+        type=_steps,
+        default=[],
         help="comma-separated decode steps: from each, graph ms/step and a torch.profiler kernel table",
     )
-    p.add_argument("--kernel-profile-steps", type=int, default=8)
+    p.add_argument("--kernel-profile-steps", type=_positive, default=8, help="steps per window (>= 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "paged_kv.json"))
@@ -339,9 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             results[name]["profile"] = profiled_pass(engine, requests, device)
         if args.kernel_profile:
-            at = [int(x) for x in args.kernel_profile.split(",")]
             results[name]["kernel_profile"] = kernel_profile(
-                engine, requests, device, at, args.kernel_profile_steps
+                engine, requests, device, args.kernel_profile, args.kernel_profile_steps
             )
         print(
             f"{name}: {json.dumps(results[name])}", flush=True
