@@ -122,12 +122,61 @@ def engine_check() -> dict:
     return result
 
 
+def group_slots_check() -> dict:
+    """More groups running than the shared-prefix pass has slots (``prefix_max_groups``: 1 slot for up to 7
+    rows): three prompts of two full blocks, two samples each, greedy, no preemption. The groups past the
+    slots read their prompt themselves; tokens and log-probs must equal the slot engine's. Also counts the
+    decode batches in which groups went unnamed."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(family="qwen3_moe", max_position_embeddings=64), 61)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    gen = torch.Generator().manual_seed(2)
+    reqs = [
+        Request(
+            request_id=f"g{i}",
+            prompt_ids=torch.randint(0, 61, (9 + i,), generator=gen).tolist(),
+            params=SamplingParams(max_new_tokens=6, n=2, seed=i, temperature=0.0),
+        )
+        for i in range(3)
+    ]
+    ref = Engine(model, max_slots=8, kv_token_budget=8 * 32).generate(reqs)
+    eng = PagedEngine(model, max_slots=8, kv_token_budget=8 * 32, block_size=4)
+    capped = {"batches": 0}
+    real = eng._prefix_groups
+
+    def counted():
+        real()
+        firsts: dict[int, int] = {}
+        for s in eng.scheduler.running:
+            if len(s.blocks) > 1:
+                firsts[s.blocks[0]] = firsts.get(s.blocks[0], 0) + 1
+        groups = sum(c > 1 for c in firsts.values())
+        named = int((eng._prefix.n > 0).sum())
+        capped["batches"] += groups > named >= 1
+
+    eng._prefix_groups = counted
+    out = eng.generate(reqs)
+    return {
+        "tokens_equal": [c.token_ids for c in out] == [c.token_ids for c in ref],
+        "max_logprob_diff": max(
+            abs(x - y)
+            for a, b in zip(ref, out, strict=True)
+            for x, y in zip(a.logprobs, b.logprobs, strict=True)
+        ),
+        "capped_batches": capped["batches"],
+    }
+
+
 print(
     json.dumps(
         {
             "kernel_errors": kernel_errors(),
             "prefix_kernel_errors": prefix_kernel_errors(),
             "engine": engine_check(),
+            "group_slots": group_slots_check(),
         }
     )
 )

@@ -56,6 +56,9 @@ def test_kernel_under_the_interpreter_equals_the_definition_and_the_slot_engine(
     eng = res["engine"]
     assert eng["kernel_calls"] > 0, "the paged engine never decoded through the kernel"
     assert eng["grouped_kernel_calls"] > 0, "the engine never read a group's shared prompt once"
+    slots = res["group_slots"]  # more groups than the shared-prefix pass's slots: the rest read their own
+    assert slots["capped_batches"] > 0 and slots["tokens_equal"], slots
+    assert slots["max_logprob_diff"] < 1e-5, slots
     for mode in ("greedy", "sampled"):
         assert eng[mode]["tokens_equal"], (mode, eng)
         assert eng[mode]["max_logprob_diff"] < 1e-5, (mode, eng)
