@@ -11,7 +11,8 @@ Same step as ``Engine`` (admit and prefill, decode, sync) with the paged pieces:
     with a prefill of what they had (tokens and log-probs already produced are kept);
   - the decode step reads each row's keys through the block table ``[N, M]`` (device tensor, padded
     with the null block), with fixed shapes per (B, W) key and no host sync: CUDA-graph capturable.
-    Where the Triton kernel attends (it reads each row's own length), W is M always: keys by B alone.
+    Where the Triton kernel attends (it reads each row's own length), W is M always: keys by B (and the
+    step's flags), not by lengths.
 
 Shared prompts in decode: rows whose block tables start with the same blocks (a group's samples) are
 named to the kernel as groups (``paged_attention.PrefixGroups``), which reads those blocks once per group
