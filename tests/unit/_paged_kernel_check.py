@@ -72,15 +72,21 @@ def prefix_kernel_errors() -> list[float]:
     return errs
 
 
-def engine_check() -> dict:
-    """The paged engine (kernel decode, block size 4, a budget forcing preemption) against the slot engine:
-    greedy and sampled, tokens and log-probs; and how many kernel launches the paged run made."""
+def _random_model():
+    """A small Qwen3-MoE (vocabulary 61, context 64) with seeded unit-scale weights outside the norms."""
     torch.manual_seed(0)
     model = build_model(ModelConfig(family="qwen3_moe", max_position_embeddings=64), 61)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    return model
+
+
+def engine_check() -> dict:
+    """The paged engine (kernel decode, block size 4, a budget forcing preemption) against the slot engine:
+    greedy and sampled, tokens and log-probs; and how many kernel launches the paged run made."""
+    model = _random_model()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 61, (n,), generator=gen).tolist() for n in (9, 3)]
     calls = {"n": 0, "grouped": 0}
@@ -127,12 +133,7 @@ def group_slots_check() -> dict:
     rows): three prompts of two full blocks, two samples each, greedy, no preemption. The groups past the
     slots read their prompt themselves; tokens and log-probs must equal the slot engine's. Also counts the
     decode batches in which groups went unnamed."""
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(family="qwen3_moe", max_position_embeddings=64), 61)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    model = _random_model()
     gen = torch.Generator().manual_seed(2)
     reqs = [
         Request(
