@@ -333,6 +333,55 @@ def check_graph_runner(device: torch.device) -> None:
     check("one graph captured, two replays", abs(runner.num_graphs - 1) + abs(runner.num_replays - 2), 0.5)
 
 
+def check_overlap_sync(device: torch.device) -> None:
+    """The engines with the host sync overlapped (``overlap_sync``: pinned copy, event, the next decode
+    enqueued before the host reads) against the same engines syncing in place, float32, CUDA graphs on:
+    completions whose tokens differ (must be 0) and the largest log-prob difference."""
+    from moerl.config import ModelConfig
+    from moerl.models import build_model
+    from moerl.rollout import Engine, Request, SamplingParams
+    from moerl.rollout.paged_engine import PagedEngine
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = build_model(ModelConfig(max_position_embeddings=128, device=str(device)), 61).eval()
+    with torch.no_grad():  # O(1) weights: decisive logits
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, device=device) / p.shape[-1] ** 0.5)
+    gen = torch.Generator().manual_seed(3)
+    reqs = [
+        Request(
+            request_id=f"r{i}",
+            prompt_ids=torch.randint(0, 61, (5 + 3 * i,), generator=gen).tolist(),
+            params=SamplingParams(
+                temperature=1.0, max_new_tokens=(2, 12, 30, 20)[i], n=4, seed=i, stop_token_ids=(3, 17)
+            ),
+        )
+        for i in range(4)
+    ]
+    makers = {
+        "slots": lambda o: Engine(model, max_slots=8, kv_token_budget=8 * 64, sync_every=4, overlap_sync=o),
+        "paged": lambda o: PagedEngine(
+            model, max_slots=12, kv_token_budget=120, block_size=4, sync_every=4, overlap_sync=o
+        ),
+    }
+    for kind, make in makers.items():
+        ref, out = make(False).generate(reqs), make(True).generate(reqs)
+        check(
+            f"overlap_sync {kind}: completions with other tokens",
+            sum(a.token_ids != b.token_ids for a, b in zip(ref, out, strict=True)),
+            0.5,
+        )
+        pairs = [
+            (x, y)
+            for a, b in zip(ref, out, strict=True)
+            for x, y in zip(a.logprobs, b.logprobs, strict=False)
+        ]
+        diff = max(abs(x - y) for x, y in pairs)  # lengths differ only where tokens do (counted above)
+        check(f"overlap_sync {kind}: log-prob max |diff|", diff, 1e-4)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -352,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     check_reference_rounding(device)
     check_experts(device)
     check_graph_runner(device)
+    check_overlap_sync(device)
     print(f"gpu_checks: {len(FAILED)} failed {FAILED}")
     return 1 if FAILED else 0
 

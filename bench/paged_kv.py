@@ -18,7 +18,8 @@ the mean number of sequences decoding together, prefill vs prefix-hit tokens, pr
 completions are token-identical between the two (all in float32; bfloat16 may diverge late).
 ``--buckets engine`` rounds decode batches as each engine does in runs (``graph_batch_buckets``) instead
 of to powers of two; ``--kernel-profile STEPS`` adds a pass with per-kernel device times around those decode
-steps (``kernel_profile``). ``bench/paged_tail_call.sh`` is the device call of the GPU figures.
+steps (``kernel_profile``); ``--busy`` a pass with device events around each launch (device busy vs waiting
+for the host, ``busy_pass``). ``bench/paged_tail_call.sh`` is the device call of the GPU figures.
 Writes ``bench/results/paged_kv.json`` atomically.
 """
 
@@ -201,6 +202,62 @@ def profiled_pass(engine: Engine, requests: list[Request], device: torch.device)
     }
 
 
+def busy_pass(engine: Engine, requests: list[Request], device: torch.device) -> dict:
+    """One more ``generate`` (CUDA) with a pair of timing events around each decode and prefill launch and no
+    added synchronization: ``busy_s`` is the device time between each pair (the graphs' kernels and the
+    gaps inside them), ``idle_s`` the rest of the wall time (the device waiting for the host: host syncs
+    of sampled tokens, scheduling, launches). ``host_s`` per phase is host wall time (``_sync`` includes
+    its wait for the device)."""
+    if device.type != "cuda":
+        raise ValueError("--busy needs --device cuda (device events)")
+    pairs: list[tuple] = []
+    host = dict.fromkeys(_PHASES, 0.0)
+    originals = {name: getattr(engine, name) for name in _PHASES}
+
+    def timed(name):
+        fn = originals[name]
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            if name in ("_decode", "_prefill"):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                out = fn(*args, **kwargs)
+                b.record()
+                pairs.append((name, a, b))
+            else:
+                out = fn(*args, **kwargs)
+            host[name] += time.perf_counter() - t
+            return out
+
+        return wrapper
+
+    for name in _PHASES:
+        setattr(engine, name, timed(name))
+    if hasattr(engine, "pool"):
+        engine.pool.clear_index()
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        engine.generate(requests)
+        _sync(device)
+        total = time.perf_counter() - t0
+    finally:
+        for name in _PHASES:
+            delattr(engine, name)
+    busy = {"_decode": 0.0, "_prefill": 0.0}
+    for name, a, b in pairs:
+        busy[name] += a.elapsed_time(b) / 1e3
+    return {
+        "seconds": total,
+        "busy_s": sum(busy.values()),
+        "decode_busy_s": busy["_decode"],
+        "prefill_busy_s": busy["_prefill"],
+        "idle_s": total - sum(busy.values()),
+        "host_s": {k.lstrip("_"): v for k, v in host.items()},
+    }
+
+
 def kernel_profile(
     engine: Engine, requests: list[Request], device: torch.device, at: list[int], n: int
 ) -> dict:
@@ -317,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--profile", action="store_true", help="then one pass timing each engine phase")
     p.add_argument(
+        "--busy",
+        action="store_true",
+        help="then one pass (CUDA) with device events around each launch: device busy vs idle seconds",
+    )
+    p.add_argument(
         "--kernel-profile",
         type=_steps,
         default=[],
@@ -328,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "paged_kv.json"))
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if args.busy and device.type != "cuda":
+        p.error("--busy needs --device cuda (device events)")
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = CONFIGS[args.config]
@@ -363,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
             results[name][f"pass{i + 1}"], _ = timed_pass(engine, requests, device)
         if args.profile:
             results[name]["profile"] = profiled_pass(engine, requests, device)
+        if args.busy:
+            results[name]["busy"] = busy_pass(engine, requests, device)
         if args.kernel_profile:
             results[name]["kernel_profile"] = kernel_profile(
                 engine, requests, device, args.kernel_profile, args.kernel_profile_steps

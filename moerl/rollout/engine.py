@@ -14,6 +14,12 @@ One ``step()``:
 Between syncs the decode loop never waits for the device: tokens, log-probs, positions and the next
 inputs stay in device tensors, and the sampler's noise is counter-based (see ``sampler.py``).
 
+Overlapped sync (``overlap_sync``, on by default on CUDA): a due sync that no length limit forces starts
+the copy of the tokens without waiting for it, and the step after enqueues its decode before it waits
+for that copy and reads the tokens, so the device decodes while the host finishes sequences and frees
+their slots (vLLM's and SGLang's overlap scheduling). A row that finished in the copied tokens has
+decoded one more step, whose token is discarded (as tokens after a stop token before a sync are).
+
 Policy versions: a token's version is the engine's ``version`` when its logits were computed. After
 ``update_weights`` a running sequence continues with the new weights over its cached keys/values
 (computed by the old ones), so one completion can carry several versions.
@@ -38,6 +44,15 @@ from moerl.rollout.stats import EngineStats
 
 if TYPE_CHECKING:  # the config sits above the rollout engine (docs/architecture.md, Layers)
     from moerl.config import RolloutConfig
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A host copy of the first ``count`` pending entries' tokens, started without waiting (``_stage``)."""
+
+    count: int
+    values: torch.Tensor  # [M, 2] float64 on the host (pinned on CUDA): token id, log-prob
+    copied: torch.cuda.Event | None  # recorded after the copy on CUDA
 
 
 @dataclass(slots=True)
@@ -80,6 +95,8 @@ class Engine:
         mla_cache: how a multi-head latent attention model is cached (``kv_cache.MLA_CACHE_FORMS``):
             ``latent`` (``kv_lora_rank + qk_rope_head_dim`` values per token and layer, absorbed decode)
             or ``expanded`` (per-head keys and values); other models ignore it.
+        overlap_sync: overlap each host sync with the next decode step (module docstring); ``None``: on
+            where the device runs asynchronously (CUDA), off on CPU (nothing to overlap).
 
     Raises:
         ValueError: sizes that leave no cache slot of two tokens; a non-positive sync/prefill/length setting;
@@ -103,6 +120,7 @@ class Engine:
         kv_layout_override: KVLayout | None = None,
         cuda_graphs: bool = True,
         mla_cache: str = "latent",
+        overlap_sync: bool | None = None,
     ) -> None:
         cfg = model.config
         context = cfg.max_position_embeddings
@@ -130,7 +148,7 @@ class Engine:
             device=self.device,
         )
         self.scheduler = Scheduler(num_slots, max_prefill_tokens)
-        self._init_state(num_slots, seed, cuda_graphs)
+        self._init_state(num_slots, seed, cuda_graphs, overlap_sync)
 
     def _init_common(
         self,
@@ -167,12 +185,14 @@ class Engine:
         """Policy version of the current weights (set by ``update_weights``)."""
         return param
 
-    def _init_state(self, num_slots: int, seed: int, cuda_graphs: bool) -> None:
+    def _init_state(self, num_slots: int, seed: int, cuda_graphs: bool, overlap_sync: bool | None) -> None:
         """Per-engine run state: sampling seeds, pending device results, per-slot tensors, counters and
         (on CUDA) the graph runner of decode steps."""
         self._seed_rng = random.Random(seed)
         self._pending: list[_Pending] = []
         self._steps_since_sync = 0
+        self._overlap_sync = self.device.type == "cuda" if overlap_sync is None else bool(overlap_sync)
+        self._staged: _Staged | None = None  # a started copy of the first pending tokens (_stage)
         self._init_slot_state(num_slots)
         self._prefill_tokens = self._prefix_hit_tokens = self._decode_steps = self._decode_rows = 0
         # Decode steps replayed from CUDA graphs, one per (B, R, sampling flags) key (cuda_graphs.py).
@@ -263,13 +283,18 @@ class Engine:
         if admissions:
             self._prefill(admissions)
             self._steps_since_sync += 1
-        if self._sync_due():
+        if self._sync_due() and (self._staged is None or self._at_limit()):
             done += self._sync()
         done += self._reserve_decode()
         if self.scheduler.running:
             self._decode()
             self._steps_since_sync += 1
-            if self._sync_due():
+        if self._staged is not None:  # the copy started last step: read now, this step's decode runs
+            done += self._finish_staged()
+        if self._sync_due():
+            if self._overlap_sync and self.scheduler.running and not self._at_limit():
+                self._stage()
+            else:
                 done += self._sync()
         return done
 
@@ -526,16 +551,51 @@ class Engine:
     def _sync_due(self) -> bool:
         if not self._pending:
             return False
-        return self._steps_since_sync >= self.sync_every or any(
-            s.num_generated >= s.request.params.max_new_tokens for s in self.scheduler.running
-        )
+        return self._steps_since_sync >= self.sync_every or self._at_limit()
+
+    def _at_limit(self) -> bool:
+        """Some running sequence has all its ``max_new_tokens`` (it must not decode again)."""
+        return any(s.num_generated >= s.request.params.max_new_tokens for s in self.scheduler.running)
+
+    def _packed(self) -> torch.Tensor:
+        """[M, 2] float64 on the device: the pending entries' token ids (exact in float64) beside their
+        log-probs, in entry then row order."""
+        return torch.cat([torch.stack((p.tokens.double(), p.logprobs.double()), 1) for p in self._pending])
 
     def _sync(self) -> list[Completion]:
-        # The one device -> host copy since the last sync: token ids (exact in float64) beside log-probs.
-        packed = torch.cat([torch.stack((p.tokens.double(), p.logprobs.double()), 1) for p in self._pending])
-        rows = iter(packed.tolist())
+        """Copy every pending token to the host (waiting for the device), then finish and release
+        sequences (``_take``). A started copy (``_stage``) is dropped: this one covers it."""
+        self._staged = None
+        return self._take(len(self._pending), self._packed().tolist())
+
+    def _stage(self) -> None:
+        """Start the host copy of the pending tokens without waiting for it: the next step enqueues its
+        decode first and then reads them (``_finish_staged``)."""
+        packed = self._packed()
+        copied = None
+        if packed.is_cuda:
+            values = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            values.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            values = packed
+        self._staged = _Staged(len(self._pending), values, copied)
+
+    def _finish_staged(self) -> list[Completion]:
+        """Wait for the started copy (not for the decode enqueued since) and take its tokens."""
+        staged, self._staged = self._staged, None
+        if staged.copied is not None:
+            staged.copied.synchronize()
+        return self._take(staged.count, staged.values.tolist())
+
+    def _take(self, count: int, values: list[list[float]]) -> list[Completion]:
+        """Append the host ``values`` (token id, log-prob per row) of the first ``count`` pending entries to
+        their sequences, finish those at a stop token or their length limit, release them. Entries left
+        (decoded after a started copy) stay pending unless all their rows finished."""
+        rows = iter(values)
         finished: list[Sequence] = []
-        for p in self._pending:
+        for p in self._pending[:count]:
             for seq in p.seqs:
                 tok_f, lp = next(rows)
                 tok = int(tok_f)
@@ -551,8 +611,10 @@ class Engine:
                     seq.finish_reason = "length"
                 if seq.finish_reason is not None:
                     finished.append(seq)
-        self._pending.clear()
-        self._steps_since_sync = 0
+        del self._pending[:count]
+        if finished and self._pending:  # tokens decoded after a row's last one carry nothing
+            self._pending = [p for p in self._pending if any(s.finish_reason is None for s in p.seqs)]
+        self._steps_since_sync = len(self._pending)
         completions = [self._completion(s) for s in finished]
         self._release(finished)
         return completions

@@ -19,9 +19,10 @@ calculation for softmax", Alg. 3); the splits' partial results are merged with t
 Every launch shape is a function of (B, W) only, so a decode step using it can be captured in a CUDA graph.
 
 Rows that share leading cache blocks (a GRPO group's prompt, ``PrefixGroups``) can have those keys read
-once per group: ``_prefix_decode_kernel`` attends them for all the group's rows in one query tile, each
-row's own program attends the rest, and the two partial softmaxes merge by log-sum-exp like the splits
-(cascade attention, as FlashInfer's and SGLang's shared-prefix decode).
+once per group: a group program (``_group_program``) attends them for all the group's rows in one query
+tile, each row's own program (``_row_program``) attends the rest, both in the same launch, and the two
+partial softmaxes merge by log-sum-exp like the splits (cascade attention, as FlashInfer's and SGLang's
+shared-prefix decode).
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _paged_decode_kernel(
+    def _row_program(
         Q,
         K,
         V,
@@ -163,6 +164,8 @@ if triton is not None:
         LENS,
         ACC,
         ML,
+        b,
+        sp,
         stride_qb,
         stride_qh,
         stride_kt,
@@ -188,12 +191,12 @@ if triton is not None:
         KPS: tl.constexpr,
         HAS_PFX: tl.constexpr,
     ):
-        b = tl.program_id(0)
+        """Row b's keys past its group's shared ones (all of them without a group), split sp of
+        num_splits, for the G query heads of kv head program_id(1): a partial softmax into ACC / ML."""
         kh = tl.program_id(1)
-        sp = tl.program_id(2)
         nh = tl.num_programs(1) * G
         length = tl.load(LENS + b)
-        first = 0  # keys before it are attended by the row's shared-prefix program (_prefix_decode_kernel)
+        first = 0  # keys before it are attended by the row's group program (_group_program)
         if HAS_PFX:
             first = tl.load(PFX_START + b)
         if DYNAMIC:  # the row's own keys in num_splits parts of whole BLOCK_N tiles, >= 4 tiles each
@@ -220,61 +223,19 @@ if triton is not None:
         if DYNAMIC:
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _block(
-                    q,
-                    K,
-                    V,
-                    TABLE,
-                    b,
-                    kh,
-                    n0,
-                    end,
-                    m_i,
-                    l_i,
-                    acc,
-                    stride_kt,
-                    stride_kh,
-                    stride_vt,
-                    stride_vh,
-                    stride_tb,
-                    scale,
-                    DK,
-                    DKP,
-                    DV,
-                    DVP,
-                    BS,
-                    BLOCK_N,
-                    IEEE,
-                )
+                    q, K, V, TABLE, b, kh, n0, end, m_i, l_i, acc,
+                    stride_kt, stride_kh, stride_vt, stride_vh, stride_tb, scale,
+                    DK, DKP, DV, DVP, BS, BLOCK_N, IEEE,
+                )  # fmt: skip
         else:
             for i in range(0, KPS, BLOCK_N):  # KPS = keys_per_split, a constexpr only here
                 m_i, l_i, acc = _block(
-                    q,
-                    K,
-                    V,
-                    TABLE,
-                    b,
-                    kh,
-                    start + i,
-                    end,
-                    m_i,
-                    l_i,
-                    acc,
-                    stride_kt,
-                    stride_kh,
-                    stride_vt,
-                    stride_vh,
-                    stride_tb,
-                    scale,
-                    DK,
-                    DKP,
-                    DV,
-                    DVP,
-                    BS,
-                    BLOCK_N,
-                    IEEE,
-                )
+                    q, K, V, TABLE, b, kh, start + i, end, m_i, l_i, acc,
+                    stride_kt, stride_kh, stride_vt, stride_vh, stride_tb, scale,
+                    DK, DKP, DV, DVP, BS, BLOCK_N, IEEE,
+                )  # fmt: skip
         # partial results: ACC [B, S + SP, nh, DVP] float32, ML [B, S + SP, nh, 2] float32 (running max,
-        # sum); splits S.. are the shared-prefix program's, empty for a row it does not serve
+        # sum); splits S.. are the group program's, empty for a row it does not serve
         total = num_splits + prefix_splits
         row = (b * total + sp) * nh + qh
         gmask = g < G
@@ -283,7 +244,7 @@ if triton is not None:
         tl.store(ML + row * 2 + 1, l_i, mask=gmask)
 
     @triton.jit
-    def _prefix_decode_kernel(
+    def _group_program(
         Q,
         K,
         V,
@@ -294,6 +255,8 @@ if triton is not None:
         PFX_ROWS,
         ACC,
         ML,
+        slot,
+        sp,
         stride_qb,
         stride_qh,
         stride_kt,
@@ -318,15 +281,14 @@ if triton is not None:
         DYNAMIC: tl.constexpr,
         KPS: tl.constexpr,
     ):
-        """Program (group slot, kv head, prefix split): the keys a group's rows share (the same blocks at
+        """Group slot ``slot``, split sp of prefix_splits: the keys a group's rows share (the same blocks at
         the same positions, its leader row r's table) attended once for all of them: one [GR * G, Dk]
         query tile, each key block read once per group instead of once per row (cascade attention). A
         group slot whose leader is -1 (fewer groups than slots) reads and stores nothing."""
-        leader = tl.load(PFX_LEADERS + tl.program_id(0))
+        leader = tl.load(PFX_LEADERS + slot)
         has_group = leader >= 0
         r = tl.maximum(leader, 0)
         kh = tl.program_id(1)
-        sp = tl.program_id(2)
         nh = tl.num_programs(1) * G
         n_rows = tl.where(has_group, tl.load(PFX_N + r), 0)
         plen = tl.where(has_group, tl.load(PFX_LEN + r), 0)
@@ -355,66 +317,106 @@ if triton is not None:
         if DYNAMIC:
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _block(
-                    q,
-                    K,
-                    V,
-                    TABLE,
-                    r,
-                    kh,
-                    n0,
-                    end,
-                    m_i,
-                    l_i,
-                    acc,
-                    stride_kt,
-                    stride_kh,
-                    stride_vt,
-                    stride_vh,
-                    stride_tb,
-                    scale,
-                    DK,
-                    DKP,
-                    DV,
-                    DVP,
-                    BS,
-                    BLOCK_N,
-                    IEEE,
-                )
+                    q, K, V, TABLE, r, kh, n0, end, m_i, l_i, acc,
+                    stride_kt, stride_kh, stride_vt, stride_vh, stride_tb, scale,
+                    DK, DKP, DV, DVP, BS, BLOCK_N, IEEE,
+                )  # fmt: skip
         else:
             for j in range(0, KPS, BLOCK_N):
                 m_i, l_i, acc = _block(
-                    q,
-                    K,
-                    V,
-                    TABLE,
-                    r,
-                    kh,
-                    start + j,
-                    end,
-                    m_i,
-                    l_i,
-                    acc,
-                    stride_kt,
-                    stride_kh,
-                    stride_vt,
-                    stride_vh,
-                    stride_tb,
-                    scale,
-                    DK,
-                    DKP,
-                    DV,
-                    DVP,
-                    BS,
-                    BLOCK_N,
-                    IEEE,
-                )
+                    q, K, V, TABLE, r, kh, start + j, end, m_i, l_i, acc,
+                    stride_kt, stride_kh, stride_vt, stride_vh, stride_tb, scale,
+                    DK, DKP, DV, DVP, BS, BLOCK_N, IEEE,
+                )  # fmt: skip
         total = num_splits + prefix_splits
         out = (rows * total + num_splits + sp) * nh + qh
         tl.store(ACC + out[:, None] * DVP + dv[None, :], acc, mask=valid[:, None])
         tl.store(ML + out * 2, m_i, mask=valid)
         tl.store(ML + out * 2 + 1, l_i, mask=valid)
 
-    @triton.jit
+    # Runtime ints that change with the batch are not specialized on (Triton compiles a variant per value
+    # class: == 1, multiple of 16): one compiled kernel serves every decode batch size.
+    @triton.jit(
+        do_not_specialize=[
+            "keys_per_split",
+            "num_splits",
+            "prefix_keys_per_split",
+            "prefix_splits",
+            "num_groups",
+        ]
+    )
+    def _paged_decode_kernel(
+        Q,
+        K,
+        V,
+        TABLE,
+        LENS,
+        ACC,
+        ML,
+        PFX_START,
+        PFX_LEADERS,
+        PFX_N,
+        PFX_LEN,
+        PFX_ROWS,
+        stride_qb,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_tb,
+        keys_per_split,
+        num_splits,
+        prefix_keys_per_split,
+        prefix_splits,
+        num_groups,
+        scale,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        GR: tl.constexpr,
+        MP: tl.constexpr,
+        DK: tl.constexpr,
+        DKP: tl.constexpr,
+        DV: tl.constexpr,
+        DVP: tl.constexpr,
+        BS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        DYNAMIC: tl.constexpr,
+        KPS: tl.constexpr,
+        PKPS: tl.constexpr,
+        HAS_PFX: tl.constexpr,
+    ):
+        """Grid (NG * SP + B * S, nkv): with groups (HAS_PFX) the first NG * SP programs are the group
+        slots' (``_group_program``, slot-major), the rest the rows' (``_row_program``, row-major); one
+        launch, so the short group programs run beside the rows' instead of as a launch of their own."""
+        pid = tl.program_id(0)
+        if HAS_PFX:
+            n_group = num_groups * prefix_splits
+            if pid < n_group:
+                _group_program(
+                    Q, K, V, TABLE, PFX_LEADERS, PFX_N, PFX_LEN, PFX_ROWS, ACC, ML,
+                    pid // prefix_splits, pid % prefix_splits,
+                    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_tb,
+                    prefix_keys_per_split, num_splits, prefix_splits, scale,
+                    G, GR, MP, DK, DKP, DV, DVP, BS, BLOCK_N, IEEE, DYNAMIC, PKPS,
+                )  # fmt: skip
+            else:
+                _row_program(
+                    Q, K, V, TABLE, LENS, ACC, ML, (pid - n_group) // num_splits, (pid - n_group) % num_splits,
+                    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_tb,
+                    PFX_START, keys_per_split, num_splits, prefix_splits, scale,
+                    G, GP, DK, DKP, DV, DVP, BS, BLOCK_N, IEEE, DYNAMIC, KPS, True,
+                )  # fmt: skip
+        else:
+            _row_program(
+                Q, K, V, TABLE, LENS, ACC, ML, pid // num_splits, pid % num_splits,
+                stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_tb,
+                PFX_START, keys_per_split, num_splits, prefix_splits, scale,
+                G, GP, DK, DKP, DV, DVP, BS, BLOCK_N, IEEE, DYNAMIC, KPS, False,
+            )  # fmt: skip
+
+    @triton.jit(do_not_specialize=["T", "S"])
     def _merge_kernel(
         ACC,
         ML,
@@ -502,7 +504,7 @@ def prefix_group_rows(heads_per_kv: int) -> int:
 @dataclass(frozen=True, slots=True)
 class PrefixGroups:
     """Rows of a decode batch that share leading cache blocks (a group's prompt; ``PagedEngine`` finds
-    them), attended once per group by ``_prefix_decode_kernel``. Device tensors over the batch's B rows;
+    them), attended once per group by ``_group_program``. Device tensors over the batch's B rows;
     a group is named at its leader row (its first member).
 
     Attributes:
@@ -573,88 +575,36 @@ def paged_decode_attention(
     ml = torch.empty(b, splits + prefix_splits, nh, 2, dtype=torch.float32, device=q.device)
     if q.stride(2) != 1:
         q = q.contiguous()
-    _paged_decode_kernel[(b, nkv, splits)](
-        q,
-        k_cache,
-        v_cache,
-        table,
-        lengths,
-        acc,
-        ml,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
+    # one launch: the group slots' programs, then the rows' (without groups, ``lengths`` stands in unread)
+    groups, gr = (prefix.leaders.shape[0], prefix.rows.shape[1]) if prefix is not None else (0, 1)
+    pfx = prefix if prefix is not None else PrefixGroups(lengths, lengths, lengths, lengths, lengths)
+    _paged_decode_kernel[(groups * prefix_splits + b * splits, nkv)](
+        q, k_cache, v_cache, table, lengths, acc, ml,
+        pfx.start, pfx.leaders, pfx.n, pfx.length, pfx.rows,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         table.stride(0),
-        lengths if prefix is None else prefix.start,  # PFX_START (unread without a prefix)
-        per,
-        splits,
-        prefix_splits,
-        scale,
-        G=g,
-        GP=max(16, triton.next_power_of_2(g)),
-        DK=dk,
-        DKP=max(16, triton.next_power_of_2(dk)),
-        DV=dv,
-        DVP=dvp,
-        BS=block_size,
-        BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32,
-        DYNAMIC=q.is_cuda,
-        KPS=0 if q.is_cuda else per,
-        HAS_PFX=prefix is not None,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    if prefix is not None:
-        gr = prefix.rows.shape[1]
-        _prefix_decode_kernel[(prefix.leaders.shape[0], nkv, prefix_splits)](
-            q,
-            k_cache,
-            v_cache,
-            table,
-            prefix.leaders,
-            prefix.n,
-            prefix.length,
-            prefix.rows,
-            acc,
-            ml,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            v_cache.stride(0),
-            v_cache.stride(1),
-            table.stride(0),
-            prefix_per,
-            splits,
-            prefix_splits,
-            scale,
-            G=g,
-            GR=gr,
-            MP=max(16, triton.next_power_of_2(gr * g)),
-            DK=dk,
-            DKP=dkp,
-            DV=dv,
-            DVP=dvp,
-            BS=block_size,
-            BLOCK_N=block_n,
-            IEEE=q.dtype == torch.float32,
-            DYNAMIC=q.is_cuda,
-            KPS=0 if q.is_cuda else prefix_per,
-            num_warps=num_warps,
-            num_stages=num_stages,
-        )
+        per, splits, prefix_per, prefix_splits, groups, scale,
+        G=g, GP=max(16, triton.next_power_of_2(g)), GR=gr, MP=max(16, triton.next_power_of_2(gr * g)),
+        DK=dk, DKP=dkp, DV=dv, DVP=dvp, BS=block_size, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, DYNAMIC=q.is_cuda,
+        KPS=0 if q.is_cuda else per, PKPS=0 if q.is_cuda else prefix_per,
+        HAS_PFX=prefix is not None, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
     # merge the splits (flash-decoding) in one launch: ~12 tensor ops per layer before, each a kernel
     total = splits + prefix_splits
     out = torch.empty(b, nh, dv, dtype=q.dtype, device=q.device)
     _merge_kernel[(b, nh)](
         acc, ml, out, lengths if prefix is None else prefix.start, total, splits, out.stride(0), out.stride(1),
-        TP=triton.next_power_of_2(total), DV=dv, DVP=dvp, HAS_PFX=prefix is not None,
+        TP=_merge_tile(total), DV=dv, DVP=dvp, HAS_PFX=prefix is not None,
     )  # fmt: skip
     return out
+
+
+def _merge_tile(total: int) -> int:
+    """TP, the merge kernel's tile of partial results (>= ``total`` splits): 4, else 32 (the most a table of
+    up to 8k keys gives: 17 row splits and 8 prefix splits at B = 1). Two values, two compiled variants:
+    a power of two per total compiled up to six while a run's batch sizes came and went."""
+    return 4 if total <= 4 else max(32, triton.next_power_of_2(total))
 
 
 def paged_decode_write(

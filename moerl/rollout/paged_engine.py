@@ -54,7 +54,7 @@ class PagedEngine(Engine):
         block_size: tokens per cache block.
         max_prefill_tokens: tokens computed by the prefills of one step (at least one admission).
         max_stop_tokens, sync_every, batch_buckets, seed, version, kv_layout_override, cuda_graphs,
-            mla_cache: as ``Engine``.
+            mla_cache, overlap_sync: as ``Engine``.
         attn_len_multiple: the decode read length is rounded up to a multiple of this (in whole blocks).
 
     Raises:
@@ -79,6 +79,7 @@ class PagedEngine(Engine):
         kv_layout_override: KVLayout | None = None,
         cuda_graphs: bool = True,
         mla_cache: str = "latent",
+        overlap_sync: bool | None = None,
     ) -> None:
         cfg = model.config
         if block_size < 1 or max_slots < 1:
@@ -113,7 +114,7 @@ class PagedEngine(Engine):
             device=self.device,
         )
         self.scheduler = PagedScheduler(max_slots, max_prefill_tokens, self.pool)
-        self._init_state(max_slots, seed, cuda_graphs)
+        self._init_state(max_slots, seed, cuda_graphs, overlap_sync)
         self._block_table = torch.full(
             (max_slots, self.max_blocks), self.cache.null_block, dtype=torch.int64, device=self.device
         )

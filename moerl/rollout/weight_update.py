@@ -72,6 +72,7 @@ def cancel_all(engine: Engine) -> int:
         Running sequences dropped.
     """
     engine._pending.clear()
+    engine._staged = None
     engine._steps_since_sync = 0
     running = list(engine.scheduler.running)
     for seq in running:
