@@ -1,6 +1,7 @@
 """Overlapped host sync (``overlap_sync``): the next decode is enqueued before the host reads the tokens of a
-started copy, and nothing a completion holds changes (tokens, log-probs, finish reasons, policy versions,
-routed experts), for the slot and the paged engine, float32 on CPU."""
+started copy, and completions stay the same (tokens, finish reasons, policy versions, routed experts
+identical; log-probs within 1e-5: a finished row's extra step changes that step's batch, and with it
+float rounding), for the slot and the paged engine, float32 on CPU."""
 
 from __future__ import annotations
 
