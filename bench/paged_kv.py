@@ -338,6 +338,8 @@ def _steps(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected comma-separated decode steps, e.g. 100,2000"
         ) from None
+    if not steps:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one decode step, e.g. 100,2000")
     if any(x < 0 for x in steps):
         raise argparse.ArgumentTypeError(f"{text!r}: decode steps must be >= 0")
     return steps
@@ -346,18 +348,18 @@ def _steps(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
-    p.add_argument("--prompts", type=int, default=8, help="groups (requests)")
-    p.add_argument("--group", type=int, default=8, help="samples per prompt")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--median-new", type=int, default=30, help="median response length (tokens)")
-    p.add_argument("--max-new", type=int, default=300, help="longest response; 1%% of groups reach it")
+    p.add_argument("--prompts", type=_positive, default=8, help="groups (requests)")
+    p.add_argument("--group", type=_positive, default=8, help="samples per prompt")
+    p.add_argument("--prompt-len", type=_positive, default=32)
+    p.add_argument("--median-new", type=_positive, default=30, help="median response length (tokens)")
+    p.add_argument("--max-new", type=_positive, default=300, help="longest response; 1%% of groups reach it")
     p.add_argument(
-        "--kv-slots", type=int, default=8, help="KV memory, in slots of prompt-len + max-new tokens"
+        "--kv-slots", type=_positive, default=8, help="KV memory, in slots of prompt-len + max-new tokens"
     )
     p.add_argument(
-        "--max-slots", type=int, default=64, help="most sequences the paged engine decodes together"
+        "--max-slots", type=_positive, default=64, help="most sequences the paged engine decodes together"
     )
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=_positive, default=16)
     p.add_argument(
         "--buckets",
         choices=("pow2", "engine"),
@@ -365,12 +367,15 @@ def main(argv: list[str] | None = None) -> int:
         help="decode batch sizes B is rounded up to: powers of two (fewer CUDA-graph captures), or each "
         "engine's default as runs use it (cuda_graphs.graph_batch_buckets: at most 1.5x padding)",
     )
-    p.add_argument("--sync-every", type=int, default=1)
+    p.add_argument("--sync-every", type=_positive, default=1)
     p.add_argument("--engines", default="slots,paged", help="comma-separated: slots, paged")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     p.add_argument(
-        "--passes", type=int, default=1, help="timed passes per engine (the later ones with graphs captured)"
+        "--passes",
+        type=_positive,
+        default=1,
+        help="timed passes per engine (the later ones with graphs captured)",
     )
     p.add_argument("--profile", action="store_true", help="then one pass timing each engine phase")
     p.add_argument(
@@ -386,10 +391,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--kernel-profile-steps", type=_positive, default=8, help="steps per window (>= 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=_positive, default=None)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "paged_kv.json"))
     args = p.parse_args(argv)
-    device = torch.device(args.device)
+    engines = args.engines.split(",")
+    if not engines or any(e not in ("slots", "paged") for e in engines) or len(set(engines)) < len(engines):
+        p.error(f"--engines {args.engines!r}: a comma-separated list of distinct names from slots, paged")
+    if args.median_new > args.max_new:
+        p.error(f"--median-new {args.median_new} must be at most --max-new {args.max_new}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        p.error(f"--device {args.device!r}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device!r}: cpu or cuda")
     if args.busy and device.type != "cuda":
         p.error("--busy needs --device cuda (device events)")
     if args.threads:
@@ -420,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
     results, outs = {}, {}
-    for name in args.engines.split(","):
+    for name in engines:
         engine = makers[name]()
         results[name], outs[name] = run(engine, requests, device)
         for i in range(1, args.passes):

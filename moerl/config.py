@@ -277,6 +277,11 @@ class RolloutConfig:
     """Prompt tokens the engine prefills per scheduler step (at least one prompt is always admitted)."""
     sync_every: int = 1
     """Decode steps between host copies of the sampled tokens (1 on CPU; 4-16 keeps a GPU busy)."""
+    overlap_sync: bool = True
+    """Overlap each host copy of sampled tokens with the next decode step where the device runs
+    asynchronously (CUDA; never on CPU): finished sequences are freed, and their completions returned,
+    one engine step later, and each decodes one more discarded token (``moerl.rollout.engine``). False
+    syncs in place."""
     lease_ahead_groups: int | None = None
     """Groups a worker leases beyond its engine's slots (they wait in the engine's queue), so that one
     ``lease`` round trip fills several groups' slots and freed slots are refilled without one;

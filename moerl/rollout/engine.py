@@ -18,8 +18,11 @@ Overlapped sync (``overlap_sync``, on by default on CUDA): a due sync that no le
 the copy of the tokens without waiting for it, and the step after enqueues its decode before it waits
 for that copy and reads the tokens, so the device decodes while the host finishes sequences and frees
 their slots (vLLM's and SGLang's overlap scheduling). A row that finished in the copied tokens has
-decoded one more step, whose token is discarded (as tokens after a stop token before a sync are). That
-extra row changes the step's batch, so reductions may round differently: in float32 the tests find the
+decoded one more step, whose token is discarded (as tokens after a stop token before a sync are), and
+it is freed, its completion returned and a waiting request admitted in its place one ``step()`` later
+than without the overlap: whatever a caller does between steps (``update_weights``, ``cancel_all``,
+``recompute_running``) meets the engine one step behind, so with requests waiting their admission, and
+the versions of their tokens, can shift by a step. That extra row changes the step's batch, so reductions may round differently: in float32 the tests find the
 same tokens and log-probs within 1e-6 of the sync in place; in bfloat16 a near-tie may sample another
 token, as any other change of batch composition can.
 
@@ -98,8 +101,11 @@ class Engine:
         mla_cache: how a multi-head latent attention model is cached (``kv_cache.MLA_CACHE_FORMS``):
             ``latent`` (``kv_lora_rank + qk_rope_head_dim`` values per token and layer, absorbed decode)
             or ``expanded`` (per-head keys and values); other models ignore it.
-        overlap_sync: overlap each host sync with the next decode step (module docstring); ``None``: on
-            where the device runs asynchronously (CUDA), off on CPU (nothing to overlap).
+        overlap_sync: overlap each host sync with the next decode step: the copy of the sampled tokens
+            starts, the next step's decode is enqueued, then the host reads them (module docstring:
+            finished sequences are freed and returned one ``step()`` later and decode one more
+            discarded token); ``None``: on where the device runs asynchronously (CUDA), off on CPU
+            (nothing to overlap); ``RolloutConfig.overlap_sync``.
 
     Raises:
         ValueError: sizes that leave no cache slot of two tokens; a non-positive sync/prefill/length setting;
@@ -217,6 +223,7 @@ class Engine:
             seed=seed,
             version=version,
             mla_cache=cfg.mla_cache,
+            overlap_sync=None if cfg.overlap_sync else False,
         )
 
     def _init_slot_state(self, n: int) -> None:

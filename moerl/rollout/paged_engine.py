@@ -150,6 +150,7 @@ class PagedEngine(Engine):
             seed=seed,
             version=version,
             mla_cache=cfg.mla_cache,
+            overlap_sync=None if cfg.overlap_sync else False,
         )
 
     @property
