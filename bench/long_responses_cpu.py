@@ -1,6 +1,6 @@
 """The default run with long responses on CPU (issue 33): memory bounded by the KV budget, not by slots x length.
 
-    python bench/long_responses_cpu.py                     # max_new_tokens 2048, 30 steps, ~10 min on 2 cores
+    python bench/long_responses_cpu.py                     # max_new_tokens 2048, 30 steps, ~3 min on 2 cores
     python bench/long_responses_cpu.py --max-new 512 --steps 4 --out-dir /tmp   # a quick look
 
 Runs ``moerl train`` on ``configs/default.yaml`` (async, the paged KV cache it uses by default) with
