@@ -150,6 +150,25 @@ def timed_pass(engine: Engine, requests: list[Request], device: torch.device) ->
 _PHASES = ("_admit", "_prefill", "_sync", "_reserve_decode", "_decode")
 
 
+def _generate_wrapped(engine: Engine, requests: list[Request], device: torch.device, wrap) -> float:
+    """One ``generate`` of ``requests`` with each engine phase in ``_PHASES`` replaced by
+    ``wrap(name, original)`` (restored after, also on error), the prefix index emptied first; returns its
+    wall seconds (device-synchronized at both ends)."""
+    for name in _PHASES:
+        setattr(engine, name, wrap(name, getattr(engine, name)))
+    if hasattr(engine, "pool"):
+        engine.pool.clear_index()
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        engine.generate(requests)
+        _sync(device)
+        return time.perf_counter() - t0
+    finally:
+        for name in _PHASES:
+            delattr(engine, name)
+
+
 def profiled_pass(engine: Engine, requests: list[Request], device: torch.device) -> dict:
     """One more ``generate`` with the device synchronized around each engine phase (admission, prefill,
     host sync, block reservation, decode): seconds per phase, and decode seconds and steps per graph key
@@ -157,11 +176,8 @@ def profiled_pass(engine: Engine, requests: list[Request], device: torch.device)
     not the timed figure; it says where the time of a step goes."""
     phases = dict.fromkeys(_PHASES, 0.0)
     by_key: dict[str, list] = {}
-    originals = {name: getattr(engine, name) for name in _PHASES}
 
-    def timed(name):
-        fn = originals[name]
-
+    def timed(name, fn):
         def wrapper(*args, **kwargs):
             key = None
             if name == "_decode":
@@ -180,19 +196,7 @@ def profiled_pass(engine: Engine, requests: list[Request], device: torch.device)
 
         return wrapper
 
-    for name in _PHASES:
-        setattr(engine, name, timed(name))
-    if hasattr(engine, "pool"):
-        engine.pool.clear_index()
-    try:
-        _sync(device)
-        t0 = time.perf_counter()
-        engine.generate(requests)
-        _sync(device)
-        total = time.perf_counter() - t0
-    finally:
-        for name in _PHASES:
-            delattr(engine, name)
+    total = _generate_wrapped(engine, requests, device, timed)
     keys = sorted(by_key.items(), key=lambda kv: -kv[1][1])
     return {
         "seconds": total,
@@ -206,17 +210,14 @@ def busy_pass(engine: Engine, requests: list[Request], device: torch.device) -> 
     """One more ``generate`` (CUDA) with a pair of timing events around each decode and prefill launch and no
     added synchronization: ``busy_s`` is the device time between each pair (the graphs' kernels and the
     gaps inside them), ``idle_s`` the rest of the wall time (the device waiting for the host: host syncs
-    of sampled tokens, scheduling, launches). ``host_s`` per phase is host wall time (``_sync`` includes
-    its wait for the device)."""
+    of sampled tokens, scheduling, launches). ``host_s`` per phase is host wall time (``_sync``, the
+    in-place sync, includes its wait for the device)."""
     if device.type != "cuda":
         raise ValueError("--busy needs --device cuda (device events)")
     pairs: list[tuple] = []
     host = dict.fromkeys(_PHASES, 0.0)
-    originals = {name: getattr(engine, name) for name in _PHASES}
 
-    def timed(name):
-        fn = originals[name]
-
+    def timed(name, fn):
         def wrapper(*args, **kwargs):
             t = time.perf_counter()
             if name in ("_decode", "_prefill"):
@@ -232,19 +233,7 @@ def busy_pass(engine: Engine, requests: list[Request], device: torch.device) -> 
 
         return wrapper
 
-    for name in _PHASES:
-        setattr(engine, name, timed(name))
-    if hasattr(engine, "pool"):
-        engine.pool.clear_index()
-    try:
-        _sync(device)
-        t0 = time.perf_counter()
-        engine.generate(requests)
-        _sync(device)
-        total = time.perf_counter() - t0
-    finally:
-        for name in _PHASES:
-            delattr(engine, name)
+    total = _generate_wrapped(engine, requests, device, timed)
     busy = {"_decode": 0.0, "_prefill": 0.0}
     for name, a, b in pairs:
         busy[name] += a.elapsed_time(b) / 1e3
