@@ -7,6 +7,7 @@ import pytest
 from _runs import run_config, save_fresh_policy
 
 from moerl.config import load_config
+from moerl.runtime.ray import start_local_ray
 
 TINY_MODEL = [
     "model.hidden_size=32",
@@ -35,10 +36,8 @@ def local_ray(request):
 
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), old) if p)
-    # a new local instance (address="local"): never another xdist worker's cluster that happens to be running
-    ray.init(
-        address="local", num_cpus=6, include_dashboard=False, configure_logging=False, log_to_driver=False
-    )
+    # a new local instance: never another xdist worker's cluster that happens to be running
+    start_local_ray(num_cpus=6, include_dashboard=False, configure_logging=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(request.module)
     yield
     ray.shutdown()

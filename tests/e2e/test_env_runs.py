@@ -15,6 +15,7 @@ import pytest
 from conftest import short_config
 
 from moerl.run.folder import read_jsonl
+from moerl.runtime.ray import start_local_ray
 from moerl.train import train
 
 E2E_DIR = Path(__file__).parent
@@ -90,9 +91,7 @@ def test_async_run_survives_an_environment_worker_killed_by_pid(tmp_path, tiny_i
 
     killer = threading.Thread(target=kill_one, daemon=True)
     killer.start()
-    ray.init(
-        address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False
-    )
+    start_local_ray(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         summary = train(cfg, live=False)
     finally:

@@ -17,9 +17,10 @@ from moerl.cluster.autoscale import RolloutCapacity
 from moerl.cluster.render import cluster_run_config
 from moerl.cluster.resources import actor_resources, node_resources
 from moerl.config import load_config
+from moerl.runtime.ray.local import retry_ray_start
 from moerl.runtime.ray.rollouts import _labels
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)  # room for a cluster start retried once (retry_ray_start)
 
 
 IMAGE = "cluster.image=registry.example/moerl:0.1.0"
@@ -42,8 +43,12 @@ def cluster():
     # the rollout node holds 2 workers of 1 CPU (g6e.12xlarge: 4 GPUs / rollout.ep_size 2)
     rollout = {"num_cpus": 2, "resources": node_resources(cfg, "rollout")}
     # the head stands for the memory group (the exchange, the Ray head) and has a spare CPU
-    cl = Cluster(initialize_head=True, head_node_args={**head, "include_dashboard": False})
-    nodes = {"memory": cl.head_node, "train": cl.add_node(**train), "rollout": cl.add_node(**rollout)}
+
+    def start():  # the three nodes, again from scratch if a raylet misses Ray's 30 s on a loaded host
+        cl = Cluster(initialize_head=True, head_node_args={**head, "include_dashboard": False})
+        return cl, {"memory": cl.head_node, "train": cl.add_node(**train), "rollout": cl.add_node(**rollout)}
+
+    cl, nodes = retry_ray_start(start, what="the test's 3-node Ray cluster")
     ray.init(address=cl.address, configure_logging=False, log_to_driver=False)
     cl.wait_for_nodes()
     yield cfg, {name: node.node_id for name, node in nodes.items()}

@@ -59,6 +59,7 @@ from moerl.runtime.queue import QueueStats
 from moerl.runtime.ray.address import ray_head
 from moerl.runtime.ray.backend import RayWorkerBackend
 from moerl.runtime.ray.exchange import ExchangeActor
+from moerl.runtime.ray.local import start_local_ray
 from moerl.runtime.ray.nodes import NodeWatch
 from moerl.runtime.ray.reward_pool import rollout_gpu_share
 from moerl.runtime.ray.worker_actor import REFUSED_EVAL, RolloutWorkerActor
@@ -151,7 +152,8 @@ def init_ray(cfg: RunConfig) -> None:
 
 
 def _ray_init(cfg: RunConfig, ray) -> None:
-    """``ray.init``: the cluster at ``runtime.ray_address``, or a new local instance sized for the run."""
+    """``ray.init``: the cluster at ``runtime.ray_address``, or a new local instance sized for the run
+    (``start_local_ray``: started again when Ray's fixed wait for its raylet runs out on a loaded host)."""
     if cfg.runtime.ray_address:
         ray.init(address=cfg.runtime.ray_address, log_to_driver=True)
     else:
@@ -160,8 +162,7 @@ def _ray_init(cfg: RunConfig, ray) -> None:
         trainer_cpus = int(cfg.trainer.num_ranks > 1)
         rw = cfg.reward  # reward workers (moerl.runtime.ray.reward_pool)
         reward_cpus = math.ceil(rw.num_workers * rw.cpus_per_worker) if rw.is_enabled else 0
-        ray.init(
-            address="local",  # a new instance, as documented: never another process's running cluster
+        start_local_ray(  # a new instance, as documented: never another process's running cluster
             num_cpus=max(os.cpu_count() or 1, ranks + trainer_cpus + reward_cpus),
             include_dashboard=False,
             log_to_driver=True,

@@ -1,0 +1,88 @@
+"""``moerl.runtime.ray.local`` without starting Ray: which processes count as Ray's, the process tree, bad
+arguments, and the run's ``init_ray`` starting Ray again after Ray's startup timeout (real Ray processes:
+tests/distributed/test_ray_local_start.py)."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from moerl.config import load_config
+from moerl.runtime.ray import local
+
+RAY_DIR = "/venv/lib/python3.11/site-packages/ray"
+
+
+@pytest.mark.parametrize(
+    "cmdline, expected",
+    [
+        ([f"{RAY_DIR}/core/src/ray/gcs/gcs_server", "--log_dir=/tmp/ray/x"], True),
+        (["/usr/bin/python3", "-u", f"{RAY_DIR}/_private/log_monitor.py"], True),
+        (["ray::RolloutWorkerActor", "", ""], True),
+        (["/usr/bin/python3", "-m", "pytest", "tests"], False),
+        (["/usr/bin/python3", f"{RAY_DIR}-extras/tool.py"], False),  # a sibling folder, not Ray's
+        ([], False),  # exited, or a kernel thread
+    ],
+)
+def test_ray_processes_are_told_by_their_command_line(cmdline, expected):
+    assert local.is_ray_process(cmdline, RAY_DIR) is expected
+
+
+def test_descendants_holds_children_and_grandchildren():
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess,sys; subprocess.run(['sleep','30'])"],
+    )
+    try:
+        for _ in range(200):
+            found = local.descendants()
+            grandchildren = local.descendants(child.pid)
+            if grandchildren:
+                break
+            time.sleep(0.05)
+        assert child.pid in found and grandchildren and grandchildren <= found
+    finally:
+        for pid in local.descendants(child.pid):
+            subprocess.run(["kill", "-9", str(pid)])
+        child.kill()
+        child.wait()
+
+
+def test_bad_arguments_are_refused_before_ray_starts():
+    with pytest.raises(ValueError, match="attempts must be >= 1, got 0"):
+        local.retry_ray_start(lambda: None, attempts=0)
+    with pytest.raises(ValueError, match="pass no address"):
+        local.start_local_ray(address="auto")
+
+
+def test_the_runs_ray_start_is_tried_again_after_rays_startup_timeout(monkeypatch):
+    """``init_ray`` (a run without ``runtime.ray_address``) goes through ``start_local_ray``: Ray's
+    startup timeout, then a start that works."""
+    import ray
+
+    from moerl.runtime.ray import rollouts
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs["address"])
+        if len(calls) == 1:
+            raise Exception("The current node timed out during startup. This could happen ...")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(rollouts.torch, "set_num_threads", lambda n: None)
+    rollouts.init_ray(load_config(None, ["runtime.mode=async"]))
+    assert calls == ["local", "local"]
+
+
+def test_other_errors_of_the_start_are_raised_at_once():
+    calls = []
+
+    def start():
+        calls.append(1)
+        raise RuntimeError("port 6379 in use")
+
+    with pytest.raises(RuntimeError, match="port 6379"):
+        local.retry_ray_start(start, attempts=3)
+    assert calls == [1]
