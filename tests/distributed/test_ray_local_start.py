@@ -32,26 +32,26 @@ SCRIPT = textwrap.dedent(
     node.time = types.SimpleNamespace(monotonic=lambda: time.monotonic() + jump[0], sleep=time.sleep)
 
     try:
-        local.start_local_ray(attempts=int(os.environ["ATTEMPTS"]), num_cpus=1, include_dashboard=False,
+        local.start_local_ray(num_attempts=int(os.environ["ATTEMPTS"]), num_cpus=1, include_dashboard=False,
                               configure_logging=False, log_to_driver=False)
         ok = ray.is_initialized() and ray.get(ray.remote(lambda: 7).remote()) == 7
-    except Exception as e:
-        ok = str(e)
-    print(json.dumps({"ok": ok, "first": len(first), "first_alive": [p for p in first if not local._gone(p)]}))
+    except RuntimeError as e:
+        ok = f"{e} | cause: {e.__cause__}"
+    print(json.dumps({"ok": ok, "first": len(first), "first_alive": [p for p in first if not local._is_gone(p)]}))
     ray.shutdown()
     """
 )
 
 
 def _run(attempts: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, ATTEMPTS=str(attempts), RAY_AUTH_MODE="disabled")
+    env = dict(os.environ, ATTEMPTS=str(attempts))
     return subprocess.run(
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=240, env=env
     )
 
 
 def test_a_start_that_times_out_is_cleaned_up_and_started_again():
-    p = _run(attempts=2)
+    p = _run(attempts=3)  # the second start is real: a third if it too misses Ray's 30 s
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["ok"], out
@@ -60,9 +60,12 @@ def test_a_start_that_times_out_is_cleaned_up_and_started_again():
     assert "Ray's local start timed out" in p.stderr and "starting again" in p.stderr
 
 
-def test_the_last_attempt_kills_what_it_started_and_raises_rays_own_error():
+def test_the_last_attempt_kills_what_it_started_and_raises_one_line_with_rays_error_as_cause():
     p = _run(attempts=1)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert "timed out during startup" in out["ok"], out
+    assert (
+        "Ray's local start failed: a raylet did not register within Ray's 30 s in 1 start(s)" in out["ok"]
+        and "cause: The current node timed out during startup" in out["ok"]
+    ), out
     assert out["first"] >= 2 and out["first_alive"] == [], out

@@ -20,7 +20,7 @@ from moerl.config import load_config
 from moerl.runtime.ray.local import retry_ray_start
 from moerl.runtime.ray.rollouts import _labels
 
-pytestmark = pytest.mark.timeout(240)  # room for a cluster start retried once (retry_ray_start)
+pytestmark = pytest.mark.timeout(300)  # room for a cluster start retried once (retry_ray_start)
 
 
 IMAGE = "cluster.image=registry.example/moerl:0.1.0"
@@ -48,7 +48,7 @@ def cluster():
         cl = Cluster(initialize_head=True, head_node_args={**head, "include_dashboard": False})
         return cl, {"memory": cl.head_node, "train": cl.add_node(**train), "rollout": cl.add_node(**rollout)}
 
-    cl, nodes = retry_ray_start(start, what="the test's 3-node Ray cluster")
+    cl, nodes = retry_ray_start(start, num_attempts=2, what="the test's 3-node Ray cluster")
     ray.init(address=cl.address, configure_logging=False, log_to_driver=False)
     cl.wait_for_nodes()
     yield cfg, {name: node.node_id for name, node in nodes.items()}

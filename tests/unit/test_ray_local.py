@@ -2,6 +2,8 @@
 arguments, and the run's ``init_ray`` starting Ray again after Ray's startup timeout (real Ray processes:
 tests/distributed/test_ray_local_start.py)."""
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ from moerl.config import load_config
 from moerl.runtime.ray import local
 
 RAY_DIR = "/venv/lib/python3.11/site-packages/ray"
+TIMEOUT = "The current node timed out during startup. This could happen ..."  # Ray's startup error
 
 
 @pytest.mark.parametrize(
@@ -29,14 +32,19 @@ def test_ray_processes_are_told_by_their_command_line(cmdline, expected):
     assert local.is_ray_process(cmdline, RAY_DIR) is expected
 
 
+def _sleeper(*args: str) -> subprocess.Popen:
+    """A child process that sleeps; ``args`` only shape its command line."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+
+
 def test_descendants_holds_children_and_grandchildren():
     child = subprocess.Popen(
         [sys.executable, "-c", "import subprocess,sys; subprocess.run(['sleep','30'])"],
     )
     try:
-        for _ in range(200):
-            found = local.descendants()
+        for _ in range(200):  # the grandchild first: it may appear between two readings of /proc
             grandchildren = local.descendants(child.pid)
+            found = local.descendants()
             if grandchildren:
                 break
             time.sleep(0.05)
@@ -48,9 +56,24 @@ def test_descendants_holds_children_and_grandchildren():
         child.wait()
 
 
+def test_only_the_ray_processes_started_since_the_snapshot_are_killed():
+    old_ray = _sleeper(f"{RAY_DIR}/core/src/ray/gcs/gcs_server")  # Ray's, but there before the start
+    before = local.descendants()
+    new_other, new_ray = _sleeper("--not-ray"), _sleeper(f"{RAY_DIR}/core/src/ray/raylet/raylet")
+    try:
+        time.sleep(0.2)  # the children have exec'd: their command lines are their own
+        assert local.kill_new_ray_processes(before, RAY_DIR) == [new_ray.pid]
+        assert new_ray.wait(timeout=10) == -9
+        assert old_ray.poll() is None and new_other.poll() is None
+    finally:
+        for p in (old_ray, new_other, new_ray):
+            p.kill()
+            p.wait()
+
+
 def test_bad_arguments_are_refused_before_ray_starts():
-    with pytest.raises(ValueError, match="attempts must be >= 1, got 0"):
-        local.retry_ray_start(lambda: None, attempts=0)
+    with pytest.raises(ValueError, match="num_attempts must be >= 1, got 0"):
+        local.retry_ray_start(lambda: None, num_attempts=0)
     with pytest.raises(ValueError, match="pass no address"):
         local.start_local_ray(address="auto")
 
@@ -67,7 +90,7 @@ def test_the_runs_ray_start_is_tried_again_after_rays_startup_timeout(monkeypatc
     def init(**kwargs):
         calls.append(kwargs["address"])
         if len(calls) == 1:
-            raise Exception("The current node timed out during startup. This could happen ...")
+            raise Exception(TIMEOUT)
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", init)
@@ -84,5 +107,37 @@ def test_other_errors_of_the_start_are_raised_at_once():
         raise RuntimeError("port 6379 in use")
 
     with pytest.raises(RuntimeError, match="port 6379"):
-        local.retry_ray_start(start, attempts=3)
+        local.retry_ray_start(start, num_attempts=3)
     assert calls == [1]
+
+
+def test_every_attempt_timing_out_is_one_error_naming_the_start_with_rays_as_cause():
+    def start():
+        raise Exception(TIMEOUT)
+
+    with pytest.raises(
+        RuntimeError, match="the cluster failed: a raylet did not register .* in 2 start"
+    ) as e:
+        local.retry_ray_start(start, num_attempts=2, what="the cluster")
+    assert str(e.value.__cause__) == TIMEOUT and "\n" not in str(e.value)
+
+
+def test_ctrl_c_while_ray_fails_to_start_stops_the_run_without_another_start(monkeypatch):
+    """A SIGINT held by ``init_ray`` during a start that times out: no further start, KeyboardInterrupt."""
+    import ray
+
+    from moerl.runtime.ray import rollouts
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs["address"])
+        os.kill(os.getpid(), signal.SIGINT)
+        raise Exception(TIMEOUT)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    with pytest.raises(KeyboardInterrupt):
+        rollouts.init_ray(load_config(None, ["runtime.mode=async"]))
+    assert calls == ["local", "shutdown"]

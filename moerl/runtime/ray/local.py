@@ -7,7 +7,7 @@ that wait can run out although nothing is broken, and Ray raises a bare ``Except
 timed out during startup") leaving the processes it started running. ``retry_ray_start`` (and
 ``start_local_ray``, its ``ray.init`` form) kills exactly those processes (the descendants of this process
 that appeared during the failed call and run Ray's binaries or workers) and starts again, up to
-``attempts`` times. Linux only for the clean-up (``/proc``);
+``num_attempts`` times. Linux only for the clean-up (``/proc``);
 elsewhere the first timeout is raised as Ray raised it.
 """
 
@@ -44,7 +44,8 @@ def _children_by_parent(proc: Path = Path("/proc")) -> dict[int, list[int]]:
 
 
 def descendants(pid: int | None = None) -> set[int]:
-    """The pids of every live descendant of ``pid`` (default: this process); empty without ``/proc``."""
+    """The pids of every descendant of ``pid`` (default: this process) that ``/proc`` lists, zombies
+    included; empty without ``/proc``."""
     if not Path("/proc/self/stat").exists():
         return set()
     tree = _children_by_parent()
@@ -74,7 +75,7 @@ def is_ray_process(cmdline: list[str], ray_dir: str) -> bool:
     return bool(cmdline) and (cmdline[0].startswith("ray::") or any(a.startswith(ray_dir) for a in cmdline))
 
 
-def _gone(pid: int) -> bool:
+def _is_gone(pid: int) -> bool:
     """Whether ``pid`` has exited (absent, or a zombie waiting for its parent)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -85,8 +86,10 @@ def _gone(pid: int) -> bool:
 
 def kill_new_ray_processes(before: set[int], ray_dir: str, wait_s: float = 10.0) -> list[int]:
     """SIGKILL the descendants of this process that are not in ``before`` and are Ray's
-    (``is_ray_process``), then wait up to ``wait_s`` seconds for them to exit; returns their pids. A
-    process that exited meanwhile is skipped."""
+    (``is_ray_process``), then wait up to ``wait_s`` seconds for them to exit (those still there are
+    logged); returns their pids. A process that exited meanwhile is skipped. One reading of ``/proc``: a
+    process Ray spawns after it is not killed here (Ray's children exit with the raylet that spawned them).
+    """
     killed = []
     for pid in sorted(descendants() - before):
         if is_ray_process(_cmdline(pid), ray_dir):
@@ -96,35 +99,44 @@ def kill_new_ray_processes(before: set[int], ray_dir: str, wait_s: float = 10.0)
             except ProcessLookupError:
                 pass
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and not all(_gone(p) for p in killed):
+    while time.monotonic() < deadline and not all(_is_gone(p) for p in killed):
         time.sleep(0.05)
+    if left := [p for p in killed if not _is_gone(p)]:
+        log.warning("Ray processes %s still there %.0f s after SIGKILL", left, wait_s)
     return killed
 
 
-def retry_ray_start(start: Callable[[], T], attempts: int = 3, what: str = "Ray's local start") -> T:
+def retry_ray_start(
+    start: Callable[[], T],
+    num_attempts: int = 3,
+    what: str = "Ray's local start",
+    should_stop: Callable[[], bool] = lambda: False,
+) -> T:
     """Run ``start`` (anything that starts Ray nodes on this host: ``ray.init(address="local")``, a
     ``ray.cluster_utils.Cluster``) and return its result; when Ray's fixed 30 s wait for a raylet runs
     out (module docstring), kill the Ray processes that attempt started and run ``start`` again, up to
-    ``attempts`` runs in all. After the last, its processes are killed too and Ray's error raised: nothing
-    a failed start started is left running.
+    ``num_attempts`` runs in all, none after ``should_stop()`` is true (a Ctrl-C held meanwhile). After the
+    last, its processes are killed too and a ``RuntimeError`` raised.
 
     Args:
-        start: the starting call; called up to ``attempts`` times.
-        attempts: runs to try (>= 1).
-        what: names the start in the warning logged before each retry.
+        start: the starting call; called up to ``num_attempts`` times.
+        num_attempts: runs to try (>= 1).
+        what: names the start in the warning logged before each retry and in the error.
+        should_stop: asked after a timed-out attempt; true: no further attempt (the error is raised).
 
     Raises:
-        ValueError: ``attempts`` < 1.
-        Exception: Ray's own startup error, from the last attempt (or the first where ``/proc`` is absent);
-            any other error of ``start`` at once.
+        ValueError: ``num_attempts`` < 1.
+        RuntimeError: every attempt timed out (or one did and ``should_stop()`` was true); Ray's own
+            error is its cause. Where ``/proc`` is absent, Ray's error itself, at the first timeout.
+        Exception: any other error of ``start``, at once.
     """
     import ray
 
-    if attempts < 1:
-        raise ValueError(f"retry_ray_start: attempts must be >= 1, got {attempts}")
+    if num_attempts < 1:
+        raise ValueError(f"retry_ray_start: num_attempts must be >= 1, got {num_attempts}")
     ray_dir = os.path.dirname(ray.__file__)
     can_clean = Path("/proc/self/stat").exists()
-    for attempt in range(1, attempts + 1):
+    for attempt in range(1, num_attempts + 1):
         before = descendants()
         t0 = time.monotonic()
         try:
@@ -133,32 +145,38 @@ def retry_ray_start(start: Callable[[], T], attempts: int = 3, what: str = "Ray'
             if STARTUP_TIMEOUT not in str(e) or not can_clean:
                 raise
             killed = kill_new_ray_processes(before, ray_dir)
-            if attempt == attempts:
-                raise
+            if attempt == num_attempts or should_stop():
+                raise RuntimeError(
+                    f"{what} failed: a raylet did not register within Ray's 30 s in {attempt} start(s) "
+                    f"(host overloaded?); the {len(killed)} processes the last one started were killed"
+                ) from e
             log.warning(
                 "%s timed out after %.0f s (attempt %d of %d; its raylet did not register: host "
                 "overloaded?): killed the %d processes it started, starting again",
                 what,
                 time.monotonic() - t0,
                 attempt,
-                attempts,
+                num_attempts,
                 len(killed),
             )
     raise AssertionError("unreachable")
 
 
-def start_local_ray(attempts: int = 3, **init_kwargs) -> None:
+def start_local_ray(
+    num_attempts: int = 3, should_stop: Callable[[], bool] = lambda: False, **init_kwargs
+) -> None:
     """``ray.init(address="local", **init_kwargs)``: a new local Ray instance, never another process's
     running cluster, started again when Ray's fixed 30 s wait for its raylet runs out (``retry_ray_start``).
 
     Args:
-        attempts: starts to try (>= 1).
+        num_attempts: starts to try (>= 1).
+        should_stop: as in ``retry_ray_start``.
         init_kwargs: the rest of ``ray.init``'s arguments (``num_cpus``, ``include_dashboard``, ...);
             ``address`` is not accepted (this starts a local instance).
 
     Raises:
-        ValueError: ``attempts`` < 1 or ``address`` given.
-        Exception: as ``retry_ray_start``.
+        ValueError: ``num_attempts`` < 1 or ``address`` given.
+        RuntimeError: as ``retry_ray_start``.
     """
     import ray
 
@@ -166,4 +184,4 @@ def start_local_ray(attempts: int = 3, **init_kwargs) -> None:
         raise ValueError(
             "start_local_ray starts a local instance: pass no address (use ray.init for a cluster)"
         )
-    retry_ray_start(lambda: ray.init(address="local", **init_kwargs), attempts)
+    retry_ray_start(lambda: ray.init(address="local", **init_kwargs), num_attempts, should_stop=should_stop)

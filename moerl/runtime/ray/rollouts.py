@@ -124,11 +124,14 @@ def init_ray(cfg: RunConfig) -> None:
     """Connect to ``runtime.ray_address`` or start a local Ray instance, keeping this process's SIGTERM
     handler: ``ray.init`` installs its own (``sys.exit``), which would bypass the run's (a SIGTERM
     stops a run like Ctrl-C). A Ctrl-C (SIGINT) during ``ray.init`` is held until Ray is up, then Ray is
-    shut down and ``KeyboardInterrupt`` raised: no Ray process outlives the run. Nothing to do when this
-    process is connected already (a trainer group's rank actors started it, or the caller did).
+    shut down and ``KeyboardInterrupt`` raised: no Ray process outlives the run. A local start that misses
+    Ray's raylet wait on a loaded host is tried again (``start_local_ray``), but not after a Ctrl-C.
+    Nothing to do when this process is connected already (a trainer group's rank actors started it, or
+    the caller did).
 
     Raises:
         KeyboardInterrupt: SIGINT arrived while Ray started (main thread only).
+        RuntimeError: a local start timed out in every attempt (``start_local_ray``).
     """
     import ray
 
@@ -139,8 +142,13 @@ def init_ray(cfg: RunConfig) -> None:
     # Ctrl-C while Ray starts its processes would leave some running after the run: held until it is up
     interrupted: list[int] = []
     previous_int = signal.signal(signal.SIGINT, lambda n, _: interrupted.append(n)) if is_main else None
+    failed = None
     try:
-        _ray_init(cfg, ray)
+        _ray_init(cfg, ray, should_stop=lambda: bool(interrupted))
+    except Exception as e:
+        if not interrupted:
+            raise
+        failed = e  # Ray did not start and a Ctrl-C came meanwhile: the run stops as on Ctrl-C
     finally:
         if is_main:
             signal.signal(signal.SIGINT, previous_int)
@@ -148,12 +156,13 @@ def init_ray(cfg: RunConfig) -> None:
                 signal.signal(signal.SIGTERM, previous)
     if interrupted:  # then stop what started, and the run
         ray.shutdown()
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt from failed
 
 
-def _ray_init(cfg: RunConfig, ray) -> None:
+def _ray_init(cfg: RunConfig, ray, should_stop) -> None:
     """``ray.init``: the cluster at ``runtime.ray_address``, or a new local instance sized for the run
-    (``start_local_ray``: started again when Ray's fixed wait for its raylet runs out on a loaded host)."""
+    (``start_local_ray``: started again when Ray's fixed wait for its raylet runs out on a loaded host,
+    unless ``should_stop()``: a Ctrl-C arrived meanwhile)."""
     if cfg.runtime.ray_address:
         ray.init(address=cfg.runtime.ray_address, log_to_driver=True)
     else:
@@ -163,6 +172,7 @@ def _ray_init(cfg: RunConfig, ray) -> None:
         rw = cfg.reward  # reward workers (moerl.runtime.ray.reward_pool)
         reward_cpus = math.ceil(rw.num_workers * rw.cpus_per_worker) if rw.is_enabled else 0
         start_local_ray(  # a new instance, as documented: never another process's running cluster
+            should_stop=should_stop,
             num_cpus=max(os.cpu_count() or 1, ranks + trainer_cpus + reward_cpus),
             include_dashboard=False,
             log_to_driver=True,
