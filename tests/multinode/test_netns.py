@@ -9,21 +9,23 @@ import time
 
 from netns import PREFIX, Cluster, LinkShape, clean_leftovers
 
-# A TCP sink that prints how many bytes it got, and a source that sends N bytes (run inside namespaces).
+# A TCP sink that prints how many bytes it got and the moment it had them all, and a source that sends N
+# bytes and prints the moment it connected (run inside namespaces; CLOCK_MONOTONIC is the host's in each,
+# so the two moments bound the transfer alone, not the interpreters' start on a loaded host).
 SINK = (
-    "import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+    "import socket,sys,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
     "s.bind((sys.argv[1],int(sys.argv[2]))); s.listen(); print('ready',flush=True); c,_=s.accept(); n=0\n"
-    "while True:\n b=c.recv(1<<16)\n if not b: break\n n+=len(b)\nprint(n,flush=True)"
+    "while True:\n b=c.recv(1<<16)\n if not b: break\n n+=len(b)\nprint(n,time.monotonic(),flush=True)"
 )
 SOURCE = (
-    "import socket,sys; c=socket.create_connection((sys.argv[1],int(sys.argv[2])),timeout=float(sys.argv[4]));"
-    "c.sendall(b'x'*int(sys.argv[3])); c.close()"
+    "import socket,sys,time; c=socket.create_connection((sys.argv[1],int(sys.argv[2])),"
+    "timeout=float(sys.argv[4])); print(time.monotonic(),flush=True); c.sendall(b'x'*int(sys.argv[3])); c.close()"
 )
 
 
 def _send(c: Cluster, src: int, dst: int, nbytes: int, timeout_s: float = 10.0) -> tuple[int, float]:
-    """Send ``nbytes`` from node ``src`` to node ``dst`` over TCP; (bytes received, seconds until the receiver
-    had them all)."""
+    """Send ``nbytes`` from node ``src`` to node ``dst`` over TCP; (bytes received, seconds from the sender's
+    connection to the receiver having them all), or (-1, seconds waited) when the sender fails."""
     addr = c.node(dst).addr
     sink = c.popen(dst, [sys.executable, "-c", SINK, addr, "7001"], stdout=subprocess.PIPE, text=True)
     assert sink.stdout.readline().strip() == "ready"
@@ -35,12 +37,10 @@ def _send(c: Cluster, src: int, dst: int, nbytes: int, timeout_s: float = 10.0) 
         sink.kill()
         sink.wait(timeout=5)
         return -1, time.monotonic() - t0
-    got = sink.stdout.readline().strip()  # printed once the receiver has every byte
-    secs = (
-        time.monotonic() - t0
-    )  # until delivery: the sender's sendall returns once its socket buffer holds the rest
+    got, done = sink.stdout.readline().split()  # printed once the receiver has every byte
     sink.wait(timeout=5)
-    return int(got), secs
+    # until delivery (the sender's sendall returns once its socket buffer holds the rest)
+    return int(got), float(done) - float(r.stdout.split()[0])
 
 
 def test_nodes_cut_restore_shape_and_teardown(make_cluster):

@@ -42,7 +42,8 @@ def test_descendants_holds_children_and_grandchildren():
         [sys.executable, "-c", "import subprocess,sys; subprocess.run(['sleep','30'])"],
     )
     try:
-        for _ in range(200):  # the grandchild first: it may appear between two readings of /proc
+        deadline = time.monotonic() + 60  # a loaded host may take seconds to start the two
+        while time.monotonic() < deadline:  # the grandchild first: it may appear between two readings
             grandchildren = local.descendants(child.pid)
             found = local.descendants()
             if grandchildren:
@@ -61,7 +62,9 @@ def test_only_the_ray_processes_started_since_the_snapshot_are_killed():
     before = local.descendants()
     new_other, new_ray = _sleeper("--not-ray"), _sleeper(f"{RAY_DIR}/core/src/ray/raylet/raylet")
     try:
-        time.sleep(0.2)  # the children have exec'd: their command lines are their own
+        for p in (new_other, new_ray):  # until each child has exec'd: its command line is its own
+            while local._cmdline(p.pid)[-1:] != p.args[-1:]:
+                time.sleep(0.02)
         assert local.kill_new_ray_processes(before, RAY_DIR) == [new_ray.pid]
         assert new_ray.wait(timeout=10) == -9
         assert old_ray.poll() is None and new_other.poll() is None
