@@ -7,8 +7,8 @@ that wait can run out although nothing is broken, and Ray raises a bare ``Except
 timed out during startup") leaving the processes it started running. ``retry_ray_start`` (and
 ``start_local_ray``, its ``ray.init`` form) kills exactly those processes (the descendants of this process
 that appeared during the failed call and run Ray's binaries or workers) and starts again, up to
-``num_attempts`` times. Linux only for the clean-up (``/proc``);
-elsewhere the first timeout is raised as Ray raised it.
+``num_attempts`` times. The clean-up reads ``/proc`` (Linux); elsewhere the first timeout is raised as Ray
+raised it.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -159,7 +159,7 @@ def init_ray(cfg: RunConfig) -> None:
         raise KeyboardInterrupt from failed
 
 
-def _ray_init(cfg: RunConfig, ray, should_stop) -> None:
+def _ray_init(cfg: RunConfig, ray, should_stop: Callable[[], bool]) -> None:
     """``ray.init``: the cluster at ``runtime.ray_address``, or a new local instance sized for the run
     (``start_local_ray``: started again when Ray's fixed wait for its raylet runs out on a loaded host,
     unless ``should_stop()``: a Ctrl-C arrived meanwhile)."""
