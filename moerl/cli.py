@@ -13,6 +13,7 @@ from moerl.errors import (
     EXIT_REWARD_FAILED,
     DiskFullError,
     ExchangeLostError,
+    RayStartError,
     RewardFunctionError,
     RunFolderInUseError,
     StorageError,
@@ -365,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFolderInUseError as e:  # a second run or resume of a live run folder: nothing touched
         print(f"moerl: {e}", file=sys.stderr)
         return 2
+    except RayStartError as e:  # a loaded host: Ray's raylet missed its wait in every attempt; one line
+        print(f"moerl: {e}", file=sys.stderr)
+        return 1
     except WeightVersionRefused as e:  # sync mode cannot generate past a refused version: one line
         print(f"moerl: {e}", file=sys.stderr)
         return 1

@@ -34,6 +34,12 @@ class RunFolderInUseError(RuntimeError):
     folder and the holder's pid."""
 
 
+class RayStartError(RuntimeError):
+    """A local Ray instance did not start: its raylet missed Ray's fixed 30 s registration wait in every
+    attempt (``moerl.runtime.ray.local.retry_ray_start``; Ray's own error is the cause). The message is one
+    line naming the start and the attempts."""
+
+
 class WeightVersionRefused(RuntimeError):
     """Sync mode's rollout worker refused the trainer's newest weight version (its tensors are not the
     engine's parameter set, ``moerl.weights.sources.CheckedWeights``): generating on at an older version

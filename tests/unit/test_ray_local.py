@@ -144,3 +144,51 @@ def test_ctrl_c_while_ray_fails_to_start_stops_the_run_without_another_start(mon
     with pytest.raises(KeyboardInterrupt):
         rollouts.init_ray(load_config(None, ["runtime.mode=async"]))
     assert calls == ["local", "shutdown"]
+
+
+def test_sigterm_during_the_start_kills_what_it_started_and_stops_the_run_as_ctrl_c(monkeypatch):
+    """``ray.init`` installs a SIGTERM handler that exits (``sys.exit(15)``): a SIGTERM while Ray waits for
+    its raylet abandons the start. What that start had spawned is killed, and ``init_ray`` stops the run
+    as on Ctrl-C (KeyboardInterrupt) instead of exiting with 15."""
+    import ray
+
+    from moerl.runtime.ray import rollouts
+
+    ray_dir = os.path.dirname(ray.__file__)
+    spawned, calls = [], []
+
+    def init(**kwargs):
+        calls.append(kwargs["address"])
+        spawned.append(p := _sleeper(f"{ray_dir}/core/src/ray/raylet/raylet"))
+        while local._cmdline(p.pid)[-1:] != p.args[-1:]:  # until it has exec'd
+            time.sleep(0.02)
+        raise SystemExit(signal.SIGTERM)  # what Ray's handler does
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rollouts.init_ray(load_config(None, ["runtime.mode=async"]))
+        assert calls == ["local", "shutdown"]
+        assert spawned[0].wait(timeout=10) == -9
+    finally:
+        for p in spawned:
+            p.kill()
+            p.wait()
+
+
+def test_the_cli_says_a_failed_ray_start_in_one_line(monkeypatch, capfd, tmp_path):
+    import moerl.train as controller
+    from moerl.cli import main as cli_main
+    from moerl.errors import RayStartError
+
+    def train(cfg, **kwargs):
+        raise RayStartError(
+            "Ray's local start failed: a raylet did not register within Ray's 30 s in 3 starts"
+        )
+
+    monkeypatch.setattr(controller, "train", train)
+    assert cli_main(["train", "--set", f"output_dir={tmp_path}"]) == 1
+    err = capfd.readouterr().err.strip()
+    assert err == "moerl: Ray's local start failed: a raylet did not register within Ray's 30 s in 3 starts"

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from moerl.errors import RayStartError
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -116,7 +118,9 @@ def retry_ray_start(
     ``ray.cluster_utils.Cluster``) and return its result; when Ray's fixed 30 s wait for a raylet runs
     out (module docstring), kill the Ray processes that attempt started and run ``start`` again, up to
     ``num_attempts`` runs in all, none after ``should_stop()`` is true (a Ctrl-C held meanwhile). After the
-    last, its processes are killed too and a ``RuntimeError`` raised.
+    last, its processes are killed too and ``RayStartError`` raised. A start that a KeyboardInterrupt or a
+    SystemExit (``ray.init`` installs a SIGTERM handler that exits) cuts short has its processes killed
+    and the exception goes on.
 
     Args:
         start: the starting call; called up to ``num_attempts`` times.
@@ -126,7 +130,7 @@ def retry_ray_start(
 
     Raises:
         ValueError: ``num_attempts`` < 1.
-        RuntimeError: every attempt timed out (or one did and ``should_stop()`` was true); Ray's own
+        RayStartError: every attempt timed out (or one did and ``should_stop()`` was true); Ray's own
             error is its cause. Where ``/proc`` is absent, Ray's error itself, at the first timeout.
         Exception: any other error of ``start``, at once.
     """
@@ -141,12 +145,15 @@ def retry_ray_start(
         t0 = time.monotonic()
         try:
             return start()
+        except (KeyboardInterrupt, SystemExit):  # a signal abandoned the start (ray.init's SIGTERM handler
+            kill_new_ray_processes(before, ray_dir)  # exits): what it had started goes with it
+            raise
         except Exception as e:  # Ray raises a bare Exception for this one
             if STARTUP_TIMEOUT not in str(e) or not can_clean:
                 raise
             killed = kill_new_ray_processes(before, ray_dir)
             if attempt == num_attempts or should_stop():
-                raise RuntimeError(
+                raise RayStartError(
                     f"{what} failed: a raylet did not register within Ray's 30 s in {attempt} start(s) "
                     f"(host overloaded?); the {len(killed)} processes the last one started were killed"
                 ) from e
@@ -176,7 +183,7 @@ def start_local_ray(
 
     Raises:
         ValueError: ``num_attempts`` < 1 or ``address`` given.
-        RuntimeError: as ``retry_ray_start``.
+        RayStartError: as ``retry_ray_start``.
     """
     import ray
 

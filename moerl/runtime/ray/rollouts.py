@@ -130,8 +130,9 @@ def init_ray(cfg: RunConfig) -> None:
     the caller did).
 
     Raises:
-        KeyboardInterrupt: SIGINT arrived while Ray started (main thread only).
-        RuntimeError: a local start timed out in every attempt (``start_local_ray``).
+        KeyboardInterrupt: SIGINT arrived while Ray started (main thread only), or SIGTERM did (``ray.init``
+            installs a SIGTERM handler that exits; its exit is turned into the run's Ctrl-C).
+        RayStartError: a local start timed out in every attempt (``start_local_ray``).
     """
     import ray
 
@@ -145,6 +146,11 @@ def init_ray(cfg: RunConfig) -> None:
     failed = None
     try:
         _ray_init(cfg, ray, should_stop=lambda: bool(interrupted))
+    except SystemExit as e:  # ray.init's own SIGTERM handler exits: the run stops as on SIGTERM (Ctrl-C)
+        if e.code != signal.SIGTERM:
+            raise
+        interrupted.append(signal.SIGTERM)
+        failed = e
     except Exception as e:
         if not interrupted:
             raise
