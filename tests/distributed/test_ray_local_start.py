@@ -17,13 +17,14 @@ SCRIPT = textwrap.dedent(
     """
     import json, os, time, types
     import ray, ray._private.node as node, ray._private.services as services
+    from moerl import processes
     from moerl.runtime.ray import local
 
     real_get_node, jump, first = services.get_node, [0.0], []
 
     def get_node(*a, **k):
         if not first:
-            first.extend(local.descendants())  # the first attempt's processes, all up by now
+            first.extend(processes.descendants())  # the first attempt's processes, all up by now
             jump[0] = 1000.0
             raise RuntimeError("node not registered (test)")
         return real_get_node(*a, **k)
@@ -37,7 +38,7 @@ SCRIPT = textwrap.dedent(
         ok = ray.is_initialized() and ray.get(ray.remote(lambda: 7).remote()) == 7
     except RuntimeError as e:
         ok = f"{e} | cause: {e.__cause__}"
-    print(json.dumps({"ok": ok, "first": len(first), "first_alive": [p for p in first if not local._is_gone(p)]}))
+    print(json.dumps({"ok": ok, "first": len(first), "first_alive": [p for p in first if not processes.is_gone(p)]}))
     ray.shutdown()
     """
 )

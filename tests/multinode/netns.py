@@ -34,6 +34,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from moerl.processes import cmdline, descendants, is_gone
+
 PREFIX = "mrln"  # every namespace / link this harness creates starts with it (then the creator's pid)
 
 
@@ -193,38 +195,6 @@ def _link_names() -> list[str]:
     return names
 
 
-def _proc_cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _children_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        kids.setdefault(ppid, []).append(int(d))
-    return kids
-
-
-def _descendants(pid: int, kids: dict[int, list[int]]) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for c in kids.get(p, []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def _kill_all(pids: set[int], grace_s: float = 3.0) -> None:
     """SIGTERM then, after ``grace_s`` seconds, SIGKILL the given pids (never this process)."""
     pids = {p for p in pids if p != os.getpid() and p > 1}
@@ -236,16 +206,8 @@ def _kill_all(pids: set[int], grace_s: float = 3.0) -> None:
             except OSError:
                 pass
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and any(_alive(p) and not _zombie(p) for p in live):
+        while time.monotonic() < deadline and any(not is_gone(p) for p in live):
             time.sleep(0.05)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def clean_leftovers() -> list[str]:
@@ -427,16 +389,11 @@ class Cluster:
     def _own_root_pids(self) -> set[int]:
         """Root-namespace processes this cluster owns: started through ``popen`` (and descendants), or
         naming its scratch folder on their command line (Ray daemons started with ``--temp-dir`` in it)."""
-        kids = _children_map()
-        pids: set[int] = set()
-        for p in self._procs:
-            pids.add(p.pid)
-            pids.update(_descendants(p.pid, kids))
-        for d in os.listdir("/proc"):
-            if d.isdigit() and self.scratch in _proc_cmdline(int(d)):
-                pids.add(int(d))
-                pids.update(_descendants(int(d), kids))
-        return pids
+        roots = {p.pid for p in self._procs}
+        roots |= {
+            int(d) for d in os.listdir("/proc") if d.isdigit() and self.scratch in " ".join(cmdline(int(d)))
+        }
+        return roots | descendants(*roots) if roots else set()
 
     def close(self) -> None:
         """Kill every process of the cluster and remove qdiscs, veths, bridge, namespaces and the scratch
@@ -470,4 +427,4 @@ class Cluster:
         """Names of this cluster's namespaces/links still present and its processes still alive (for the
         tests' no-leftovers check); empty after ``close``."""
         names = [n for n in _netns_names() + _link_names() if n.startswith(self.tag)]
-        return names + [f"pid {p}" for p in self._own_root_pids() if _alive(p) and not _zombie(p)]
+        return names + [f"pid {p}" for p in self._own_root_pids() if not is_gone(p)]

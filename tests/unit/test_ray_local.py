@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from moerl import processes
 from moerl.config import load_config
 from moerl.runtime.ray import local
 
@@ -33,8 +34,12 @@ def test_ray_processes_are_told_by_their_command_line(cmdline, expected):
 
 
 def _sleeper(*args: str) -> subprocess.Popen:
-    """A child process that sleeps; ``args`` only shape its command line."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+    """A child process that sleeps, returned once it has exec'd (its command line is its own); ``args``
+    only shape that command line."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+    while processes.cmdline(p.pid)[-1:] != p.args[-1:]:
+        time.sleep(0.02)
+    return p
 
 
 def test_descendants_holds_children_and_grandchildren():
@@ -44,14 +49,14 @@ def test_descendants_holds_children_and_grandchildren():
     try:
         deadline = time.monotonic() + 60  # a loaded host may take seconds to start the two
         while time.monotonic() < deadline:  # the grandchild first: it may appear between two readings
-            grandchildren = local.descendants(child.pid)
-            found = local.descendants()
+            grandchildren = processes.descendants(child.pid)
+            found = processes.descendants()
             if grandchildren:
                 break
             time.sleep(0.05)
         assert child.pid in found and grandchildren and grandchildren <= found
     finally:
-        for pid in local.descendants(child.pid):
+        for pid in processes.descendants(child.pid):
             subprocess.run(["kill", "-9", str(pid)])
         child.kill()
         child.wait()
@@ -59,12 +64,9 @@ def test_descendants_holds_children_and_grandchildren():
 
 def test_only_the_ray_processes_started_since_the_snapshot_are_killed():
     old_ray = _sleeper(f"{RAY_DIR}/core/src/ray/gcs/gcs_server")  # Ray's, but there before the start
-    before = local.descendants()
+    before = processes.descendants()
     new_other, new_ray = _sleeper("--not-ray"), _sleeper(f"{RAY_DIR}/core/src/ray/raylet/raylet")
     try:
-        for p in (new_other, new_ray):  # until each child has exec'd: its command line is its own
-            while local._cmdline(p.pid)[-1:] != p.args[-1:]:
-                time.sleep(0.02)
         assert local.kill_new_ray_processes(before, RAY_DIR) == [new_ray.pid]
         assert new_ray.wait(timeout=10) == -9
         assert old_ray.poll() is None and new_other.poll() is None
@@ -159,9 +161,7 @@ def test_sigterm_during_the_start_kills_what_it_started_and_stops_the_run_as_ctr
 
     def init(**kwargs):
         calls.append(kwargs["address"])
-        spawned.append(p := _sleeper(f"{ray_dir}/core/src/ray/raylet/raylet"))
-        while local._cmdline(p.pid)[-1:] != p.args[-1:]:  # until it has exec'd
-            time.sleep(0.02)
+        spawned.append(_sleeper(f"{ray_dir}/core/src/ray/raylet/raylet"))
         raise SystemExit(signal.SIGTERM)  # what Ray's handler does
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)

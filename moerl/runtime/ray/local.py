@@ -6,9 +6,9 @@ register; on a host whose cores are all busy (a CI machine running tests in para
 that wait can run out although nothing is broken, and Ray raises a bare ``Exception`` ("The current node
 timed out during startup") leaving the processes it started running. ``retry_ray_start`` (and
 ``start_local_ray``, its ``ray.init`` form) kills exactly those processes (the descendants of this process
-that appeared during the failed call and run Ray's binaries or workers) and starts again, up to
-``num_attempts`` times. The clean-up reads ``/proc`` (Linux); elsewhere the first timeout is raised as Ray
-raised it.
+that appeared during the failed call and run Ray's binaries or workers, read by ``moerl.processes``) and
+starts again, up to ``num_attempts`` times. The clean-up reads ``/proc`` (Linux); elsewhere the first
+timeout is raised as Ray raised it.
 """
 
 from __future__ import annotations
@@ -18,55 +18,15 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 from moerl.errors import RayStartError
+from moerl.processes import HAS_PROC, cmdline, descendants, is_gone
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STARTUP_TIMEOUT = "timed out during startup"  # what Ray's Exception says when the raylet did not register
-
-
-def _children_by_parent(proc: Path = Path("/proc")) -> dict[int, list[int]]:
-    """Parent pid -> child pids of every process visible in ``proc`` (from ``/proc/<pid>/stat``)."""
-    children: dict[int, list[int]] = {}
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # exited meanwhile
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    return children
-
-
-def descendants(pid: int | None = None) -> set[int]:
-    """The pids of every descendant of ``pid`` (default: this process) that ``/proc`` lists, zombies
-    included; empty without ``/proc``."""
-    if not Path("/proc/self/stat").exists():
-        return set()
-    tree = _children_by_parent()
-    found: set[int] = set()
-    todo = [os.getpid() if pid is None else pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [a for a in raw.decode(errors="replace").split("\0") if a]
 
 
 def is_ray_process(cmdline: list[str], ray_dir: str) -> bool:
@@ -77,15 +37,6 @@ def is_ray_process(cmdline: list[str], ray_dir: str) -> bool:
     return bool(cmdline) and (cmdline[0].startswith("ray::") or any(a.startswith(ray_dir) for a in cmdline))
 
 
-def _is_gone(pid: int) -> bool:
-    """Whether ``pid`` has exited (absent, or a zombie waiting for its parent)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rindex(")") + 2 :].split()[0] in ("Z", "X")
-
-
 def kill_new_ray_processes(before: set[int], ray_dir: str, wait_s: float = 10.0) -> list[int]:
     """SIGKILL the descendants of this process that are not in ``before`` and are Ray's
     (``is_ray_process``), then wait up to ``wait_s`` seconds for them to exit (those still there are
@@ -94,16 +45,16 @@ def kill_new_ray_processes(before: set[int], ray_dir: str, wait_s: float = 10.0)
     """
     killed = []
     for pid in sorted(descendants() - before):
-        if is_ray_process(_cmdline(pid), ray_dir):
+        if is_ray_process(cmdline(pid), ray_dir):
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
             except ProcessLookupError:
                 pass
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and not all(_is_gone(p) for p in killed):
+    while time.monotonic() < deadline and not all(is_gone(p) for p in killed):
         time.sleep(0.05)
-    if left := [p for p in killed if not _is_gone(p)]:
+    if left := [p for p in killed if not is_gone(p)]:
         log.warning("Ray processes %s still there %.0f s after SIGKILL", left, wait_s)
     return killed
 
@@ -139,7 +90,6 @@ def retry_ray_start(
     if num_attempts < 1:
         raise ValueError(f"retry_ray_start: num_attempts must be >= 1, got {num_attempts}")
     ray_dir = os.path.dirname(ray.__file__)
-    can_clean = Path("/proc/self/stat").exists()
     for attempt in range(1, num_attempts + 1):
         before = descendants()
         t0 = time.monotonic()
@@ -149,7 +99,7 @@ def retry_ray_start(
             kill_new_ray_processes(before, ray_dir)  # exits): what it had started goes with it
             raise
         except Exception as e:  # Ray raises a bare Exception for this one
-            if STARTUP_TIMEOUT not in str(e) or not can_clean:
+            if STARTUP_TIMEOUT not in str(e) or not HAS_PROC:
                 raise
             killed = kill_new_ray_processes(before, ray_dir)
             if attempt == num_attempts or should_stop():
