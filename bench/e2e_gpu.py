@@ -1,33 +1,43 @@
-"""End-to-end benchmark of `moerl train` on one GPU (issue 32): real runs against their parts alone.
+"""End-to-end benchmark of `moerl train` on one GPU (issues 32, 47): the shipped configs, run as a user runs
+them, against their parts alone.
+
+The runs are ``configs/gpu_single.yaml`` (sizes 1b and 6.9b) and ``configs/default.yaml`` (tiny, CPU) with
+only the size, the steps, the device, the run folder and the starting policy overridden (``SIZES``,
+``run_overrides``); every override is listed in the result JSON (``overrides``). No publish, durability or
+engine setting is overridden: the figures are those of the defaults.
 
 For each model size (``--sizes``) in one call:
 1. **alone** (a child process, ``--alone``): the run's own config, policy, engine and trainer, built as a
-   run builds them (``moerl.runtime.build``, ``LocalRollouts``, ``make_trainer``) on the same GPU; the
-   rollout side generates ``--alone-steps`` batches with no trainer present (engine alone), then the
-   trainer trains on those batches with no generation (trainer alone). It saves the policy as a Hugging
-   Face folder, which every run of that size starts from (``init_from``: no SFT warm start).
+   run builds them (``moerl.runtime.build``, ``LocalRollouts``, ``make_trainer``) on the same GPU, in steady
+   state: the engine generates warm-up batches until one captures no new CUDA graph, then
+   ``--alone-steps`` timed batches with no trainer present (engine alone); the trainer trains on the
+   warm-up batches untimed, then on the timed ones (trainer alone; the run's batch shapes). It saves the
+   policy as a Hugging Face folder, which every run of that size starts from (``init_from``: no warm start).
 2. **runs** (``--modes``): ``python3 -m moerl.cli train`` subprocesses, sync and async, on GSM8K prompts.
    Per step from the run's ``metrics.jsonl``: generation, training, weight handoff (``timing/publish_s``;
    async also ``timing/weight_sync_s`` and the worker side), waiting, eval (``timing/eval_s``), step
    time, rollout and training tokens/s; the time from the command to the first RL step (its console
-   line); the GPU's peak memory (nvidia-smi, every 0.5 s, all processes); and every line of the run log
+   line) and ``summary.json``'s start milestones (``startup_s``); the GPU's peak memory (nvidia-smi, every
+   0.5 s, all processes); the versions in the weight store at the end; and every line of the run log
    matching "capture failed" (a CUDA graph that fell back to eager decoding).
 
-Ratios (from one call, the GPU being shared and noisy): in-run rollout tokens/s over the engine alone,
-in-run training tokens/s over the trainer alone, async step time over (generation alone + training
-alone). Medians over the steady steps: after the first (which captures CUDA graphs and warms the
-allocator), not the last (the run's final save, ``timing/final_save_s``), without a held-out eval (the
-parts alone do neither); the step-time ratio over every step after the first is given beside it.
+Ratios (from one call, the GPU being shared and noisy): in-run rollout tokens/s over the engine alone (sync
+runs), in-run training tokens/s over the trainer alone, step time over (generation alone + training alone).
+Medians over the steady steps: after the first (which captures CUDA graphs and warms the allocator), not
+the last (the run's final save, ``timing/final_save_s``), without a held-out eval (the parts alone do
+neither); the step-time ratio over every step after the first is given beside it. An in-run ratio above
+``BASELINE_FAULT_ABOVE`` is printed as a baseline fault, not as a result (``baseline_faults``).
 
 Prompts: the first 512 GSM8K test problems (bench/data, MIT licence, OpenAI), tokenized by moerl's bundled
 BPE tokenizer (99 tokens, about one per character: prompts of ~100-630 tokens); responses sampled at
 temperature 1 up to ``max_new_tokens`` (256 on the GPU) from a randomly initialized policy, so their lengths
 follow its end-of-sequence draws (the JSON states the measured quantiles and the truncated fraction).
 Sizes (the vocabulary is the tokenizer's 99, so the embedding and lm_head are small):
-  1b    hidden 1024, 8 layers, 8 heads x 128, 64 experts top-8 of width 512, bf16 (~0.86 B parameters)
-  6.9b  the benchmarks' ``reference`` shape: hidden 2048, 16 layers, 16 heads x 128, 64 experts top-8 of
-        width 1024, bf16 (~6.7 B parameters with this vocabulary)
-  tiny  a CPU smoke size (``--tiny``: every step of the script on CPU in a few minutes)
+  1b    configs/gpu_single.yaml as shipped: hidden 1024, 8 layers, 8 heads x 128, 64 experts top-8 of
+        width 512, bf16 (~0.86 B parameters)
+  6.9b  the same config at the benchmarks' ``reference`` shape: hidden 2048, 16 layers, 16 heads x 128, 64
+        experts top-8 of width 1024 (~6.7 B parameters with this vocabulary), micro-batches of 16
+  tiny  configs/default.yaml on CPU (``--tiny``: every step of the script in a minute)
 
     python3 bench/e2e_gpu.py --device cuda --sizes 1b --modes sync        # a subset fits a 10-min call
     source .ray/activate; python3 bench/e2e_gpu.py --device cuda --out-dir $OUT   # all (async needs Ray)
@@ -57,12 +67,8 @@ from moerl.atomic import atomic_write_text
 from moerl.plan.models import MODELS, ModelShape
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = REPO / "bench" / "data" / "gsm8k_test_512.jsonl"
 CAPTURE_FAILED = re.compile(r"capture failed", re.IGNORECASE)
 FIRST_STEP = re.compile(r"\bstep 1/\d+")
-
-# name -> (model section, rollout / trainer / task sizes)
-
 
 def _shape_fields(shape: ModelShape) -> dict:
     """``model.*`` fields of a planner preset (``moerl.plan.models.MODELS``: the one table of sizes)."""
@@ -78,58 +84,23 @@ def _shape_fields(shape: ModelShape) -> dict:
     )
 
 
+# The runs are the shipped configs as a user starts them. Each size names its config and the only fields it
+# overrides: the model's size, and the micro-batch that size needs to fit. Every run also overrides
+# ``trainer.steps``, ``model.device``, ``output_dir`` and ``init_from`` (every run of a size starts from the
+# same saved policy and skips the warm start), and ``runtime.mode``; the result JSON lists every override.
 SIZES: dict[str, dict] = {
-    "tiny": {
-        "model": dict(
-            hidden_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=4,
-            head_dim=16,
-            num_experts=8,
-            top_k=2,
-            moe_intermediate_size=64,
-            dtype="float32",
-        ),
-        "max_new_tokens": 8,
-        "group_size": 2,
-        "batch_groups": 2,
-        "micro_batch_size": 4,
-        "kv_token_budget": 8192,
-        "num_eval": 4,
-        "sync_every": 1,
-    },
-    "1b": {
-        "model": dict(
-            hidden_size=1024,
-            num_layers=8,
-            num_heads=8,
-            num_kv_heads=8,
-            head_dim=128,
-            num_experts=64,
-            top_k=8,
-            moe_intermediate_size=512,
-            dtype="bfloat16",
-        ),
-        "max_new_tokens": 256,
-        "group_size": 8,
-        "batch_groups": 32,
-        "micro_batch_size": 32,
-        "kv_token_budget": 98304,
-        "num_eval": 64,
-        "sync_every": 8,
-    },
-    "6.9b": {
-        "model": {**_shape_fields(MODELS["reference"]), "dtype": "bfloat16"},  # the benchmarks' 6.9 B
-        "max_new_tokens": 256,
-        "group_size": 8,
-        "batch_groups": 32,
-        "micro_batch_size": 16,
-        "kv_token_budget": 98304,
-        "num_eval": 64,
-        "sync_every": 8,
+    "tiny": {"config": "configs/default.yaml", "overrides": []},  # a CPU smoke size (--tiny)
+    "1b": {"config": "configs/gpu_single.yaml", "overrides": []},  # the config's own ~0.9 B shape
+    "6.9b": {  # the benchmarks' ``reference`` shape (``moerl.plan.models.MODELS``) on the same config
+        "config": "configs/gpu_single.yaml",
+        "overrides": [f"model.{k}={v}" for k, v in _shape_fields(MODELS["reference"]).items()]
+        + ["trainer.micro_batch_size=16"],  # 32 x 8 sequences of up to 889 tokens fit beside the engine
     },
 }
+BASELINE_FAULT_ABOVE = 1.1
+"""A run faster than its part alone by more than this measures the baseline's warm-up, not the run: such a
+ratio is reported as a baseline fault (``baseline_faults``), not as a result."""
+
 STEP_FIELDS = (
     "timing/gen_s",
     "timing/train_s",
@@ -149,44 +120,15 @@ STEP_FIELDS = (
 )
 
 
-def run_config(size: str, device: str, work: Path, steps: int, eval_every: int) -> dict:
-    """The run config (a YAML-compatible dict) of one size; the mode and init_from are set per run."""
-    s = SIZES[size]
-    return {
-        "name": f"e2e-{size}",
-        "seed": 0,
-        "output_dir": str(work / "runs"),
-        "model": {"family": "qwen3_moe", **s["model"], "max_position_embeddings": 1024, "device": device},
-        "task": {"name": "jsonl", "path": str(DATA), "layout": "gsm8k", "num_eval": s["num_eval"]},
-        "rollout": {
-            "num_workers": 1,
-            "group_size": s["group_size"],
-            "max_new_tokens": s["max_new_tokens"],
-            "temperature": 1.0,
-            "max_slots": s["group_size"] * s["batch_groups"],
-            "kv_token_budget": s["kv_token_budget"],
-            "max_prefill_tokens": 16384,
-            "sync_every": s["sync_every"],
-        },
-        "trainer": {
-            "steps": steps,
-            "batch_groups": s["batch_groups"],
-            "micro_batch_size": s["micro_batch_size"],
-            "lr": 1.0e-6,
-            "publish_every": 1,
-            "checkpoint_every": 0,
-        },
-        # the store (serialized versions) only at version 0 and the last: the hand-over is in process (sync)
-        # or through runtime.weight_sync (async), never through files on the step's path
-        "runtime": {
-            "buffer_groups": 2 * s["batch_groups"],
-            "max_staleness": 1,
-            "durable_every": 1000000,
-            "overlap_publish": True,
-        },
-        "eval": {"every": eval_every},
-        "sft": {"steps": 1},
-    }
+def run_overrides(size: str, device: str, work: Path, steps: int) -> list[str]:
+    """The ``--set`` overrides of every run of ``size`` on top of its shipped config (mode and ``init_from``
+    are added per run): the size's own, then steps, device and the run folder's place."""
+    return [
+        *SIZES[size]["overrides"],
+        f"trainer.steps={steps}",
+        f"model.device={device}",
+        f"output_dir={work / 'runs'}",
+    ]
 
 
 def _quantiles(xs: list[int]) -> dict:
@@ -204,8 +146,19 @@ def _quantiles(xs: list[int]) -> dict:
     }
 
 
-def alone(cfg_path: Path, init_dir: Path, steps: int, out: Path) -> None:
-    """The child process of step 1 (module docstring): engine alone, trainer alone, then the policy saved."""
+def _num_captures(rollouts) -> int | None:
+    """CUDA graphs the run's engine has captured so far (None: no graphs, e.g. on CPU)."""
+    graphs = getattr(rollouts.worker.engine, "_graphs", None)
+    return None if graphs is None else graphs.num_captures
+
+
+def alone(config: str, overrides: list[str], init_dir: Path, steps: int, max_warmup: int, out: Path) -> None:
+    """The child process of step 1 (module docstring): engine alone, trainer alone, then the policy saved.
+
+    Both baselines are taken in steady state, as the run's steady steps are: the engine generates warm-up
+    batches until one captures no new CUDA graph (at most ``max_warmup``; every batch size the run meets has
+    its graph then, kernels are compiled and the allocator is warm), then ``steps`` timed batches; the trainer
+    trains on the warm-up batches untimed, then on the timed batches (the run's batch shapes)."""
     import torch
 
     from moerl.config import load_config
@@ -214,7 +167,7 @@ def alone(cfg_path: Path, init_dir: Path, steps: int, out: Path) -> None:
     from moerl.train import export_policy
     from moerl.trainer.distributed.factory import make_trainer
 
-    cfg = load_config(cfg_path, ["runtime.mode=sync"])
+    cfg = load_config(config, [*overrides, "runtime.mode=sync"])
     torch.manual_seed(cfg.seed)
     cuda = cfg.model.device.startswith("cuda")
     t0 = time.perf_counter()
@@ -223,17 +176,20 @@ def alone(cfg_path: Path, init_dir: Path, steps: int, out: Path) -> None:
     build_s = time.perf_counter() - t0
     rollouts = LocalRollouts.start(cfg, comp, 0, None)
     n = cfg.trainer.batch_groups
-    gen, batches, resp_lens, prompt_lens = [], [], [], []
-    for i in range(steps + 1):  # the first batch captures the CUDA graphs: not timed
+    warmup, timed, resp_lens, prompt_lens = [], [], [], []
+    while len(timed) < steps:
+        before = _num_captures(rollouts)
         groups, gen_s, _ = rollouts.next_groups(n)
+        new_captures = None if before is None else _num_captures(rollouts) - before
         tokens = sum(len(s.response_ids) for g in groups for s in g.samples)
-        batches.append(groups)
-        if i:
-            gen.append({"gen_s": gen_s, "tokens": tokens, "tokens_per_s": tokens / gen_s})
-        resp_lens += [len(s.response_ids) for g in groups for s in g.samples]
-        prompt_lens += [len(g.samples[0].prompt_ids) for g in groups]
+        row = {"gen_s": gen_s, "tokens": tokens, "tokens_per_s": tokens / gen_s, "new_captures": new_captures}
+        is_warm = warmup and (not new_captures or len(warmup) >= max_warmup)  # the first batch never counts
+        (timed if is_warm else warmup).append((row, groups))
+        if is_warm:
+            resp_lens += [len(s.response_ids) for g in groups for s in g.samples]
+            prompt_lens += [len(g.samples[0].prompt_ids) for g in groups]
+    gen = [r for r, _ in timed]
     max_new = cfg.rollout.max_new_tokens
-    truncated = sum(x >= max_new for x in resp_lens) / len(resp_lens)
     graphs = getattr(rollouts.worker.engine, "_graphs", None)  # the run's engine: did decode replay graphs?
     graph_use = (
         None
@@ -253,17 +209,12 @@ def alone(cfg_path: Path, init_dir: Path, steps: int, out: Path) -> None:
         torch.cuda.empty_cache()
     engine_peak = torch.cuda.max_memory_allocated() if cuda else None
     trainer = make_trainer(cfg, comp.model, None, init_dir.parent / "scratch")
+    for _, groups in warmup:  # the trainer's warm-up: its allocator and kernels, untimed
+        trainer.train_step(trainer.build_batch(groups, comp.tokenizer.pad_id))
     train = []
-    for i, groups in enumerate(batches):  # the first step warms up: not timed
+    for _, groups in timed:
         stats = trainer.train_step(trainer.build_batch(groups, comp.tokenizer.pad_id))
-        if i:
-            train.append(
-                {
-                    "train_s": stats.train_s,
-                    "tokens": stats.num_tokens,
-                    "tokens_per_s": stats.num_tokens / stats.train_s,
-                }
-            )
+        train.append({"train_s": stats.train_s, "tokens": stats.num_tokens, "tokens_per_s": stats.num_tokens / stats.train_s})
     if cuda:
         torch.cuda.synchronize()
     t1 = time.perf_counter()
@@ -273,6 +224,7 @@ def alone(cfg_path: Path, init_dir: Path, steps: int, out: Path) -> None:
         "vocab_size": comp.tokenizer.vocab_size,
         "build_s": build_s,
         "save_s": time.perf_counter() - t1,
+        "warmup_batches": [r for r, _ in warmup],
         "engine": {
             "steps": gen,
             "tokens_per_s": statistics.median(g["tokens_per_s"] for g in gen),
@@ -283,7 +235,11 @@ def alone(cfg_path: Path, init_dir: Path, steps: int, out: Path) -> None:
             "tokens_per_s": statistics.median(t["tokens_per_s"] for t in train),
             "train_s": statistics.median(t["train_s"] for t in train),
         },
-        "response_len": {**_quantiles(resp_lens), "truncated_frac": truncated, "max_new_tokens": max_new},
+        "response_len": {
+            **_quantiles(resp_lens),
+            "truncated_frac": sum(x >= max_new for x in resp_lens) / len(resp_lens),
+            "max_new_tokens": max_new,
+        },
         "prompt_len": _quantiles(prompt_lens),
         "sequences_per_step": n * cfg.rollout.group_size,
         "cuda_graphs": graph_use,
@@ -376,10 +332,13 @@ def steady_steps(steps: list[dict]) -> list[dict]:
     return [s for s in steps[1:] if s["step"] != last and s.get("eval/accuracy") is None]
 
 
-def summarize_steps(steps: list[dict], alone_res: dict | None) -> dict:
+def summarize_steps(steps: list[dict], alone_res: dict | None, mode: str = "sync") -> dict:
     """A run's per-step rows (``STEP_FIELDS`` and ``step``), their medians over the steady steps
     (``steady_steps``) and after step 1, and the ratios to the figures alone (``ratios``: of the steady
-    medians; ``..._all_after_step1`` of the others; only when ``alone_res`` is given)."""
+    medians; ``..._all_after_step1`` of the others; only when ``alone_res`` is given). The rollout ratio is
+    given for sync runs only: an async step's ``timing/gen_s`` sums its groups' generation times, which
+    overlap. Ratios above ``BASELINE_FAULT_ABOVE`` are named in ``baseline_faults``: the run beat its part
+    alone, so the part alone was not in steady state and the ratio is no result."""
     later, steady = steps[1:] or steps, steady_steps(steps)
     med_all = {k: _median(later, k) for k in STEP_FIELDS}
     med = {k: _median(steady, k) for k in STEP_FIELDS}
@@ -392,14 +351,20 @@ def summarize_steps(steps: list[dict], alone_res: dict | None) -> dict:
     if alone_res:
         eng, tr = alone_res["engine"], alone_res["trainer"]
         ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
-        out["ratios"] = {
-            "rollout_tokens_per_s_over_alone": ratio(med["perf/rollout_tokens_per_s"], eng["tokens_per_s"]),
+        in_run = {
+            "rollout_tokens_per_s_over_alone": ratio(med["perf/rollout_tokens_per_s"], eng["tokens_per_s"])
+            if mode == "sync"
+            else None,
             "train_tokens_per_s_over_alone": ratio(med["perf/train_tokens_per_s"], tr["tokens_per_s"]),
+        }
+        out["ratios"] = {
+            **in_run,
             "step_s_over_gen_plus_train_alone": ratio(med["perf/step_time_s"], eng["gen_s"] + tr["train_s"]),
             "step_s_over_gen_plus_train_alone_all_after_step1": ratio(
                 med_all["perf/step_time_s"], eng["gen_s"] + tr["train_s"]
             ),
         }
+        out["baseline_faults"] = [k for k, v in in_run.items() if v is not None and v > BASELINE_FAULT_ABOVE]
     return out
 
 
@@ -413,13 +378,13 @@ def resummarize(path: Path) -> dict:
     for res in doc["results"].values():
         for entry in res.values():
             if isinstance(entry, dict) and "steps" in entry and entry["steps"]:
-                entry.update(summarize_steps(entry["steps"], res.get("alone")))
+                entry.update(summarize_steps(entry["steps"], res.get("alone"), entry.get("mode", "sync")))
     doc["resummarized"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     atomic_write_text(path, json.dumps(doc, indent=1))
     return doc
 
 
-def summarize_run(run_dir: Path | None, alone_res: dict | None) -> dict:
+def summarize_run(run_dir: Path | None, alone_res: dict | None, mode: str = "sync") -> dict:
     """Per-step figures of a finished run folder, their medians over the steady steps (``steady_steps``)
     and after step 1 (every later step, eval and final save included), with the ratios to the figures
     alone (of the steady medians; ``..._all_after_step1`` of the others)."""
@@ -427,7 +392,7 @@ def summarize_run(run_dir: Path | None, alone_res: dict | None) -> dict:
         return {"steps": [], "error": "no metrics.jsonl"}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     out = summarize_steps(
-        [{"step": r["step"], **{k: r.get(k) for k in STEP_FIELDS}} for r in rows], alone_res
+        [{"step": r["step"], **{k: r.get(k) for k in STEP_FIELDS}} for r in rows], alone_res, mode
     )
     if (run_dir / "summary.json").exists():
         s = json.loads((run_dir / "summary.json").read_text())
@@ -463,27 +428,18 @@ def bench_size(size: str, args, env: dict, save=lambda res: None) -> dict:
     work = Path(args.work_dir) / size
     work.mkdir(parents=True, exist_ok=True)
     steps = args.steps or (3 if size == "tiny" else 6)
-    cfg = run_config(size, args.device, work, steps, eval_every=args.eval_every)
-    cfg_path = work / "config.yaml"
-    cfg_path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
+    config = SIZES[size]["config"]
+    overrides = run_overrides(size, args.device, work, steps)
+    overrides += [f"runtime.weight_sync={args.weight_sync}"] if args.weight_sync else []
     init_dir, alone_json = work / "init", work / "alone.json"
-    res: dict = {"config": cfg}
+    res: dict = {"config": config, "overrides": overrides}
     if args.no_alone and alone_json.exists() and (init_dir / "config.json").exists():
         res["alone"] = json.loads(alone_json.read_text())
         res["alone"]["reused"] = True
     else:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--alone",
-            str(cfg_path),
-            "--init-dir",
-            str(init_dir),
-            "--alone-steps",
-            str(args.alone_steps),
-            "--alone-out",
-            str(alone_json),
-        ]
+        cmd = [sys.executable, __file__, "--alone", config, "--init-dir", str(init_dir)]
+        cmd += ["--alone-steps", str(args.alone_steps), "--alone-max-warmup", str(args.alone_max_warmup)]
+        cmd += ["--alone-out", str(alone_json), *[f"--alone-set={o}" for o in overrides]]
         res["alone_launch"] = launch(cmd, work / "alone.log", args.run_timeout_s, env)
         res["alone"] = json.loads(alone_json.read_text()) if res["alone_launch"]["rc"] == 0 else None
     print(f"[e2e] {size} alone: {json.dumps(_brief_alone(res['alone']))}", flush=True)
@@ -491,33 +447,45 @@ def bench_size(size: str, args, env: dict, save=lambda res: None) -> dict:
     for mode in args.modes:
         runs = work / "runs"
         before = set(runs.glob("*")) if runs.exists() else set()
-        sets = [f"runtime.mode={mode}", f"init_from={init_dir}", f"runtime.weight_sync={args.weight_sync}"]
-        cmd = [sys.executable, "-m", "moerl.cli", "train", "--config", str(cfg_path)]
+        sets = [*overrides, f"runtime.mode={mode}", f"init_from={init_dir}"]
+        cmd = [sys.executable, "-m", "moerl.cli", "train", "--config", config]
         for s in sets:
             cmd += ["--set", s]
-        launched = launch(cmd, work / f"run_{mode}_{args.weight_sync}.log", args.run_timeout_s, env)
+        launched = launch(cmd, work / f"run_{mode}.log", args.run_timeout_s, env)
         run_dir = _new_run_dir(runs, before)
         entry = {
             "env": _env_facts(),
+            "mode": mode,
             "command": " ".join(cmd),
+            "overrides": sets,
             "run_dir": str(run_dir),
             **launched,
-            **summarize_run(run_dir, res["alone"]),
+            **summarize_run(run_dir, res["alone"], mode),
         }
+        entry["store_versions"] = _store_versions(run_dir)
         if run_dir is not None and not args.keep_weights:  # 13.8 GB each at 6.9 B: the disk is 64 GB
             for sub in ("policy", "weights", "checkpoints", "sft"):
                 shutil.rmtree(run_dir / sub, ignore_errors=True)
-        key = mode if mode == "sync" or args.weight_sync == "object_store" else f"{mode}_{args.weight_sync}"
-        res[key] = entry
+        res[mode] = entry
         save(res)
+        faults = entry.get("baseline_faults")
         print(
-            f"[e2e] {size} {key}: rc={launched['rc']} first_step_s={launched['first_step_s']} "
+            f"[e2e] {size} {mode}: rc={launched['rc']} first_step_s={launched['first_step_s']} "
             f"peak_gpu_mib={launched['peak_gpu_mib']} capture_failed={len(launched['capture_failed'])} "
             f"steady={entry.get('steady_steps')} median={json.dumps(entry.get('median_steady'))} "
-            f"ratios={json.dumps(entry.get('ratios'))}",
+            f"ratios={json.dumps(entry.get('ratios'))} store_versions={entry['store_versions']}"
+            + (f" BASELINE FAULT (the part alone was slower than in the run): {faults}" if faults else ""),
             flush=True,
         )
     return res
+
+
+def _store_versions(run_dir: Path | None) -> list[int] | None:
+    """The policy versions the run's local weight store holds (``weights/v<N>`` folders), None without one."""
+    if run_dir is None or not (run_dir / "weights").is_dir():
+        return None
+    found = (re.fullmatch(r"v(\d+)", p.name) for p in (run_dir / "weights").iterdir())
+    return sorted(int(m.group(1)) for m in found if m)
 
 
 def _brief_alone(a: dict | None) -> dict | None:
@@ -557,12 +525,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1b,6.9b", help=f"comma-separated, of {sorted(SIZES)}")
     p.add_argument("--modes", default="sync,async", help="comma-separated, of sync, async")
     p.add_argument("--steps", type=int, default=0, help="RL steps per run (0: 6, tiny 3)")
-    p.add_argument("--eval-every", type=int, default=3, help="eval.every of the runs")
     p.add_argument("--alone-steps", type=int, default=4, help="timed batches of the engine and trainer alone")
     p.add_argument(
+        "--alone-max-warmup", type=int, default=4, help="warm-up batches alone at most (until no new graph)"
+    )
+    p.add_argument(
         "--weight-sync",
-        default="object_store",
-        help="runtime.weight_sync of the async runs (results under async_<name> unless object_store)",
+        help="an override of runtime.weight_sync (listed in the JSON's overrides; default: the config's)",
     )
     p.add_argument("--run-timeout-s", type=float, default=300.0, help="kill a child process after this")
     p.add_argument("--work-dir", default="/tmp/moerl_e2e", help="run folders, logs and the saved policies")
@@ -580,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         help="recompute the medians and ratios of a result file from its per-step rows, then exit",
     )
     p.add_argument("--alone", help=argparse.SUPPRESS)
+    p.add_argument("--alone-set", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument("--init-dir", help=argparse.SUPPRESS)
     p.add_argument("--alone-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -587,10 +557,10 @@ def main(argv: list[str] | None = None) -> int:
         resummarize(Path(args.resummarize))
         return 0
     if args.alone:
-        alone(Path(args.alone), Path(args.init_dir), args.alone_steps, Path(args.alone_out))
+        alone(args.alone, args.alone_set, Path(args.init_dir), args.alone_steps, args.alone_max_warmup, Path(args.alone_out))
         return 0
     if args.tiny:
-        args.device, args.sizes, args.eval_every = "cpu", "tiny", 2
+        args.device, args.sizes = "cpu", "tiny"
     args.sizes = [s for s in args.sizes.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]
     for s in args.sizes:

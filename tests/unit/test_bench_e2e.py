@@ -12,21 +12,23 @@ from bench import e2e_gpu
 from moerl.config import load_config
 
 
-def test_each_size_is_a_valid_run_config_of_its_shape(tmp_path):
-    for size in e2e_gpu.SIZES:
-        path = tmp_path / f"{size}.yaml"
-        path.write_text(json.dumps(e2e_gpu.run_config(size, "cpu", tmp_path, steps=4, eval_every=2)))
-        cfg = load_config(path, ["runtime.mode=sync"])
-        assert cfg.model.hidden_size == e2e_gpu.SIZES[size]["model"]["hidden_size"]
-        assert cfg.task.name == "jsonl" and Path(cfg.task.path).exists()
-        assert cfg.rollout.max_slots == cfg.rollout.group_size * cfg.trainer.batch_groups
-    one_b = e2e_gpu.SIZES["1b"]["model"]
-    assert (one_b["hidden_size"], one_b["num_layers"], one_b["num_experts"], one_b["top_k"]) == (
-        1024,
-        8,
-        64,
-        8,
-    )
+def test_each_size_runs_a_shipped_config_overriding_only_size_steps_device_and_folder(tmp_path):
+    for size, spec in e2e_gpu.SIZES.items():
+        overrides = e2e_gpu.run_overrides(size, "cpu", tmp_path, steps=4)
+        cfg = load_config(e2e_gpu.REPO / spec["config"], [*overrides, "runtime.mode=sync"])
+        assert cfg.trainer.steps == 4 and cfg.model.device == "cpu"
+        # no publish, durability, engine or rollout setting is overridden: the figures are the defaults'
+        sections = {o.split("=", 1)[0].split(".")[0] for o in overrides}
+        assert sections <= {"model", "trainer", "output_dir"}, sections
+        assert {o.split("=", 1)[0] for o in overrides if o.startswith("trainer.")} <= {
+            "trainer.steps",
+            "trainer.micro_batch_size",
+        }
+    one_b = load_config(e2e_gpu.REPO / "configs/gpu_single.yaml", e2e_gpu.run_overrides("1b", "cpu", tmp_path, 4))
+    m = one_b.model
+    assert (m.hidden_size, m.num_layers, m.num_experts, m.top_k) == (1024, 8, 64, 8)
+    big = load_config(e2e_gpu.REPO / "configs/gpu_single.yaml", e2e_gpu.run_overrides("6.9b", "cpu", tmp_path, 4))
+    assert (big.model.hidden_size, big.model.num_layers, big.model.moe_intermediate_size) == (2048, 16, 1024)
 
 
 def test_a_run_folder_gives_medians_of_its_steady_steps_and_ratios_to_the_parts_alone(tmp_path):
@@ -74,6 +76,13 @@ def test_a_run_folder_gives_medians_of_its_steady_steps_and_ratios_to_the_parts_
         "step_s_over_gen_plus_train_alone": 1.0,
         "step_s_over_gen_plus_train_alone_all_after_step1": 5.5 / 4,
     }
+    assert out["baseline_faults"] == []
+    # a run beating its part alone by more than 10% is a baseline fault, not a result
+    alone["engine"]["tokens_per_s"] = 80.0
+    assert e2e_gpu.summarize_run(tmp_path, alone)["baseline_faults"] == ["rollout_tokens_per_s_over_alone"]
+    # async: a step's gen_s sums overlapping groups, so no rollout ratio (and no fault from it)
+    out_async = e2e_gpu.summarize_run(tmp_path, alone, "async")
+    assert out_async["ratios"]["rollout_tokens_per_s_over_alone"] is None and out_async["baseline_faults"] == []
     assert [s["step"] for s in out["steps"]] == [1, 2, 3, 4, 5]
     assert out["capture_failed_in_folder"] == [str(tmp_path / "worker.log")]
     assert e2e_gpu.summarize_run(tmp_path / "missing", alone)["error"] == "no metrics.jsonl"
