@@ -65,6 +65,7 @@ from moerl.runtime.ray.reward_pool import rollout_gpu_share
 from moerl.runtime.ray.worker_actor import REFUSED_EVAL, RolloutWorkerActor
 from moerl.runtime.worker import WorkerStats
 from moerl.tasks.eval import EvalResult
+from moerl.weights.buckets import bucket_bytes_of, packed_nbytes
 from moerl.weights.snapshot import WeightSnapshot
 from moerl.weights.store import WeightStore
 from moerl.weights.transport import WeightHolder, make_transport
@@ -407,7 +408,11 @@ class RayRollouts:
                 target=self._send, args=(take, fence, workers, durable), name="moerl-publish", daemon=True
             )
             self._sending.start()
-            self._sync_values = {"timing/weight_sync_s": time.perf_counter() - t0, "weights/sync_bytes": None}
+            bucket_bytes = bucket_bytes_of(self.cfg.runtime.publish_bucket_mb)
+            self._sync_values = {  # the bytes this version moves (the send itself is under way)
+                "timing/weight_sync_s": time.perf_counter() - t0,
+                "weights/sync_bytes": packed_nbytes(named, bucket_bytes) * len(workers),
+            }
             return
         report = self.transport.publish(trainer, workers, durable=durable)
         self._sync_values = {
@@ -435,8 +440,7 @@ class RayRollouts:
                 if fence is not None:
                     fence.end()
             with snapshot.stream_context():
-                report = self.transport.publish(snapshot, workers, durable=durable)
-            self._sync_values["weights/sync_bytes"] = report.bytes_moved
+                self.transport.publish(snapshot, workers, durable=durable)
             self._spare = snapshot.tensors  # read by nobody now: the transport copied what it sends
         except BaseException as e:  # raised in the driver by the next publish (wait_sent)
             self._send_error = e
