@@ -396,18 +396,24 @@ class RuntimeConfig:
     """With ``weight_sync=collective``: most seconds a sender-side collective (a worker's group being
     built, one bucket's broadcast) may take; a worker whose group misses it is dropped (treated as
     lost: its leases expire and it is replaced), the trainer goes on."""
-    durable_every: int = 1
-    """With ``weight_sync=object_store|collective|cuda_ipc``: every this many versions (and version 0, the last one and
-    each checkpoint's) also go to the weight store, on its background writer thread. The store stays
-    the source of truth for recovery and for workers that start later. Sync mode: versions that are
-    multiples of this and the last one are written to the store, serialized, on the critical path
-    (version 0 only when this is 1); the others only go to the engine in process (a large value on a
-    GPU: no bytes per step; a resume restarts from the checkpoint's weights either way)."""
-    overlap_publish: bool = False
+    durable_every: int = 10
+    """Every this many versions (and version 0, each checkpoint's and the last one) also go to the weight
+    store, in both modes and with every ``weight_sync``: a host snapshot is taken at the publish (on CUDA
+    a non-blocking device-to-host copy into pinned memory; on CPU a copy into reused buffers) and
+    serialized on the store's background writer thread (``moerl.weights.durable``), never on the step's
+    path; at most two versions wait for the writer (one host copy of the model each), and a step waits
+    only when the writer is that far behind. Resume, trainer recovery and workers that start later read
+    the store (resume and recovery from the checkpoints' versions). A smaller value keeps a fresher
+    store for readers outside the run (each version's file write and sha256 cost disk and writer-thread
+    time); 1 writes every version, which suits small models or a writer that keeps up with the steps.
+    A trainer group (``trainer.num_ranks > 1``) gathers and writes its due versions in the foreground."""
+    overlap_publish: bool = True
     """Async mode with ``weight_sync=object_store`` and one trainer process: ``publish`` copies the weights
-    on their device (one spare copy of the model) and sends that copy on a background thread, so the
-    next training step does not wait for the send (double buffering: a publish waits only for the one
-    before it). The run's last version is sent in the foreground."""
+    on their device into a spare copy (one more copy of the model in device memory, reused for every
+    version) and sends that copy on a background thread, so the next training step does not wait for
+    the send (double buffering: a publish waits only for the one before it). The run's last version is
+    sent in the foreground. ``false`` saves that device copy (for a model that fits the GPU only
+    without it) at the price of the send on every step's path. Ignored elsewhere."""
     keep_versions: int = 3
     """Weight versions kept in the store."""
     max_materialized_tasks: int = 1024

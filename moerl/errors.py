@@ -9,6 +9,15 @@ class StorageError(OSError):
     message is one line naming the file."""
 
 
+class WeightWriteError(StorageError):
+    """A background write of a weight version to the weight store failed (``moerl.weights.durable``); the
+    message is one line naming the version, the store and the cause. A full disk keeps its ``errno``
+    (``DiskFullError.ERRNOS``) and file name, so a run stops as on any full disk."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""  # the line, also once errno and filename are set
+
+
 class DiskFullError(OSError):
     """A run stopped because a write found no space left (``ENOSPC``) or the disk quota spent
     (``EDQUOT``); what was committed before it (checkpoints, weight versions) stays whole (atomic writes).

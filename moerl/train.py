@@ -72,6 +72,7 @@ from moerl.trainer.distributed.rank import TrainerRankError
 from moerl.trainer.local import NonFiniteLossError, TrainStats
 from moerl.trainer.protocol import Trainer
 from moerl.weights.store import StoreNotWritableError, WeightStore
+from moerl.weights.transports import write_durable
 
 
 class Run:
@@ -239,6 +240,7 @@ class Run:
         if self.trainer.num_ranks > 1:  # chaos kill of a group: a new group
             self.restart_group("chaos kill")
             return
+        self.store.writer.copies.wait()  # the recovery overwrites the policy's tensors in place
         self.trainer, report = recover_trainer(
             self.cfg,
             self.comp,
@@ -249,6 +251,7 @@ class Run:
             failed_step,
             newest_pushed=self.pushed_version,
         )
+        self._fence_weights()  # the new trainer's optimizer
         self.restarts += 1
         self.telemetry.reload_ledger(e.task_id for e in self.dir.read_ledger())  # rewound by the recovery
         self.view.message(
@@ -319,7 +322,19 @@ class Run:
         self.trainer: Trainer = make_trainer(cfg, self.comp.model, init_path, self.dir.path, keep_copy=keep)
         if not keep:
             self.comp.model = None
+        self._fence_weights()
         self.startup["trainer_built"] = self._since_start()
+
+    def _fence_weights(self) -> None:
+        """Host copies of the trainer's tensors are taken off the step's path, after the publish returns
+        (durable versions: the store's copier thread; ``runtime.overlap_publish``: the send thread): the
+        one-process trainer's optimizer waits for them before it changes its tensors in place, so the
+        copies overlap generation and the forward and backward passes (a trainer group's ranks hand
+        nothing over that way)."""
+        optimizer = getattr(self.trainer, "optimizer", None)
+        if optimizer is not None:
+            copies = self.store.writer.copies
+            optimizer.register_step_pre_hook(lambda *_: copies.wait())
 
     def _start_overlapped(self, init_path: str | None) -> None:
         """A fresh async run with a one-process trainer (``starts_rollouts_early``): Ray, the exchange and
@@ -370,15 +385,14 @@ class Run:
         return dict(parts["controller"])
 
     def _publish_version0(self) -> None:
-        """Version 0 (the ``init_path`` weights) to the store: at once with ``runtime.durable_every`` 1
-        (every version is durable) or a trainer group; otherwise the workers and the sync engine start from
-        ``init_path``'s weights themselves, so sync mode writes nothing and async mode writes it on the
-        store's background thread (for workers that start later), off the way to the first step."""
-        cfg = self.cfg
-        if cfg.runtime.durable_every == 1 or cfg.trainer.num_ranks > 1:
+        """Version 0 (the ``init_path`` weights) to the store, which keeps it like every durable version:
+        a one-process trainer hands it to the store's background writer (a host snapshot now: the workers
+        and the sync engine start from ``init_path``'s weights themselves, so nothing waits for the
+        write); a trainer group publishes it at once (its ranks' workers may start from the store)."""
+        if self.cfg.trainer.num_ranks > 1:
             self.trainer.publish(self.store)
-        elif cfg.runtime.mode == "async":
-            self.store.publish_in_background(self.trainer.version, self.trainer.named_weights())
+        else:
+            write_durable(self.store, self.trainer)
 
     def _start_rollouts(self, parts: dict | None, init_path: str | None, version: int) -> Rollouts:
         cfg = self.cfg
@@ -403,22 +417,32 @@ class Run:
 
     def _publish(self, step: int) -> tuple[float, float]:
         """Publish the weights every ``publish_every`` steps and at the end; at the end also make the last
-        version durable. Returns the seconds of the hand-off and of that final save (0 on other steps):
-        the save is the run's output, not a hand-off, and at 6.9 B takes tens of seconds of disk writes."""
+        version durable. A checkpoint step's version goes to the store too (in the background, as every
+        ``durable_every``-th); a failed background write stops the run here (``WeightWriteError``).
+        Returns the seconds of the hand-off and of that final save (0 on other steps): the save is the
+        run's output, not a hand-off, and at 6.9 B takes tens of seconds of disk writes."""
         t1 = time.perf_counter()
+        self.store.check_writes()
+        is_last = step == self.cfg.trainer.steps
         if self._is_publish_step(step):
             # trainer -> transport -> workers (runtime.weight_sync, moerl.weights.transport); sync mode
             # hands the weights over in process
-            self.rollouts.publish(self.trainer)
+            self.rollouts.publish(self.trainer, is_durable=self._is_checkpoint_step(step) or is_last)
             self.pushed_version = self.trainer.version
+        elif self._is_checkpoint_step(step):  # not sent to the workers: only to the store
+            write_durable(self.store, self.trainer)
         t2 = time.perf_counter()
-        if step != self.cfg.trainer.steps:
+        if not is_last:
             return t2 - t1, 0.0
         self.rollouts.make_durable(self.trainer)  # the last version is in the store once this returns
         return t2 - t1, time.perf_counter() - t2
 
     def _is_publish_step(self, step: int) -> bool:
         return step % self.cfg.trainer.publish_every == 0 or step == self.cfg.trainer.steps
+
+    def _is_checkpoint_step(self, step: int) -> bool:
+        every = self.cfg.trainer.checkpoint_every
+        return bool(every) and step % every == 0
 
     def _start_eval(self, result: EvalResult) -> None:
         """Record the eval of version 0 (after the warm start, if one ran) in the run's totals and say it on
@@ -526,8 +550,7 @@ class Run:
             s["final_accuracy"], s["final_mean_reward"] = exact, mean_reward
 
     def _checkpoint(self, step: int) -> None:
-        every = self.cfg.trainer.checkpoint_every
-        if every and step % every == 0:
+        if self._is_checkpoint_step(step):
             parts = {"controller": self.state, **self.rollouts.state_dict()}
             self.trainer.checkpoint(self.dir.path, parts, keep=self.cfg.runtime.keep_checkpoints)
             self.journal.commit(step)

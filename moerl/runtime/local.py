@@ -32,7 +32,7 @@ from moerl.runtime.worker import RolloutWorker, WorkerStats
 from moerl.weights.sources import CheckedWeights, LocalWeights, parameter_set, refused_versions_of
 from moerl.weights.store import WeightStore
 from moerl.weights.transport import WeightHolder
-from moerl.weights.transports import ensure_durable
+from moerl.weights.transports import ensure_durable, write_durable
 
 _NEVER = ("fleet/interruptions", "fleet/drained", "fleet/killed", "fleet/lost_work_frac")
 
@@ -46,8 +46,8 @@ class LocalRollouts:
         worker: the one rollout worker, polling ``weights``.
         weights: where ``publish`` hands the trainer's weights over (in process; a ``LocalWeights``,
             or a ``CheckedWeights`` over one).
-        store: the run's weight store, written at ``publish`` every ``durable_every`` versions and at the
-            last one (None: not written from here).
+        store: the run's weight store, written in the background at ``publish`` every ``durable_every``
+            versions, at a checkpoint's and at the last one (None: not written from here).
         scorer: the reward model scoring the worker's deliveries (``reward.model_path``), or None.
         durable_every: ``runtime.durable_every``; 1: every version is written to the store.
     """
@@ -119,17 +119,31 @@ class LocalRollouts:
                 f"engine's parameter set; see the log); sync mode generates on-policy only"
             )
 
-    def publish(self, trainer: WeightHolder, *, is_stored: bool = False, is_final: bool = False) -> None:
+    def publish(
+        self,
+        trainer: WeightHolder,
+        *,
+        is_stored: bool = False,
+        is_final: bool = False,
+        is_durable: bool = False,
+    ) -> None:
         """The in-process weight hand-off of sync mode: hand the trainer's tensors to the worker
         (``LocalWeights``: references, no bytes; the engine copies them tensor to tensor on its device at
-        its next poll, ``Engine.update_weights``) and advance the staleness clock. The version is also
-        written to the store (serialized) when it is a multiple of ``durable_every`` or ``is_final``, unless
-        ``is_stored`` (the caller did)."""
+        its next poll, ``Engine.update_weights``) and advance the staleness clock. A version that is a
+        multiple of ``durable_every``, ``is_final`` or ``is_durable`` (a checkpoint's) also goes to the
+        store, unless ``is_stored`` (the caller wrote it): off the critical path (``write_durable``: a
+        host snapshot now, the write on the store's writer thread).
+
+        Raises:
+            WeightWriteError: an earlier background write failed (the run stops with one line).
+        """
         t0 = time.perf_counter()
         version = trainer.version
-        is_due = is_final or version % self.durable_every == 0
-        if not is_stored and self.store is not None and is_due:
-            trainer.publish(self.store)
+        is_due = is_final or is_durable or version % self.durable_every == 0
+        if self.store is not None:
+            self.store.check_writes()
+            if not is_stored and is_due:
+                write_durable(self.store, trainer)
         self.weights.push(version, trainer.named_weights())
         self.buffer.set_version(version)
         self._publish_s = time.perf_counter() - t0

@@ -36,13 +36,26 @@ class Rollouts(Protocol):
         """
         ...
 
-    def publish(self, trainer: WeightHolder, *, is_stored: bool = False, is_final: bool = False) -> None:
+    def publish(
+        self,
+        trainer: WeightHolder,
+        *,
+        is_stored: bool = False,
+        is_final: bool = False,
+        is_durable: bool = False,
+    ) -> None:
         """Send ``trainer``'s current version to the workers and advance the buffer's staleness clock to
         it: in process (sync), or through the run's weight transport (``runtime.weight_sync``,
         ``moerl.weights.transport``), which asks the trainer for its buckets or tensors. ``is_stored``:
         the caller already wrote this version to the weight store (trainer recovery), so it is not
         written again; ``is_final``: the run's last version, in the store once this returns
-        (``publish`` then ``make_durable``)."""
+        (``publish`` then ``make_durable``); ``is_durable``: a version the store must get (a
+        checkpoint's), like every ``runtime.durable_every``-th: written in the background from a host
+        snapshot (``moerl.weights.durable``), never on the step's path.
+
+        Raises:
+            WeightWriteError: an earlier background write to the store failed (the run stops, one line).
+        """
         ...
 
     def make_durable(self, trainer: WeightHolder) -> None:

@@ -101,6 +101,20 @@ def split_buckets(
     return buckets
 
 
+def packed_nbytes(named: Mapping[str, torch.Tensor], bucket_bytes: int) -> int:
+    """Bytes of ``named`` packed in buckets of ``bucket_bytes`` (each tensor padded to 64 bytes, as
+    ``pack_bucket`` lays them out): what each worker fetches of the version, known before it is packed.
+
+    Raises:
+        ValueError: as ``split_buckets``.
+    """
+    return sum(
+        -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        for bucket in split_buckets(named, bucket_bytes)
+        for _, t in bucket
+    )
+
+
 def pack_bucket(
     version: int,
     index: int,

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.weights.buckets import BucketAssembler, SyncStats, WeightBucket
+from moerl.weights.transports import ensure_durable, write_durable
 
 log = logging.getLogger(__name__)
 
@@ -416,7 +417,7 @@ class CollectiveTransport:
     trainer's sender (the one-process trainer's process, or trainer rank 0) and every rank of the
     worker (EP followers included), broadcasting buckets of ``publish_bucket_mb`` with the same version
     and xxh3 rules as ``object_store``; gloo on CPU buffers. The durable store is written every
-    ``durable_every`` versions (``trainer.publish``). For fleets where the object store is the
+    ``durable_every`` versions, in the background (``write_durable``). For fleets where the object store is the
     bottleneck, or for trainers without Ray rank actors (module docstring)."""
 
     name = "collective"
@@ -444,8 +445,8 @@ class CollectiveTransport:
         is_durable = self.store is not None and (
             version % self.durable_every == 0 if durable is None else durable
         )
-        if is_durable:
-            trainer.publish(self.store)
+        if is_durable:  # a host snapshot now, the write on the store's thread (a group: its own publish)
+            write_durable(self.store, trainer)
         return PublishReport(
             version,
             streamed.seconds,
@@ -465,9 +466,7 @@ class CollectiveTransport:
     def finish(self, trainer) -> None:
         """The last version in the store."""
         if self.store is not None:
-            self.store.flush()
-            if (latest := self.store.latest()) is None or latest.version < trainer.version:
-                trainer.publish(self.store)
+            ensure_durable(self.store, trainer)
 
     def close(self) -> None:
         """Close this process's sender (a one-process trainer's); a rank 0's ends with its process."""

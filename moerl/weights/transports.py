@@ -50,6 +50,21 @@ def is_due(version: int, durable_every: int, durable: bool | None) -> bool:
     return version % durable_every == 0 if durable is None else durable
 
 
+def write_durable(store: WeightStore, trainer) -> None:
+    """The trainer's current version to ``store``, off the critical path: a one-process trainer (or a
+    ``WeightSnapshot``) hands its tensors to the store's background writer, which takes a host snapshot
+    now (``WeightStore.publish_in_background``); a trainer group (``num_ranks > 1``) writes through its
+    own ``publish`` (rank 0 gathers the shards bucket by bucket: a collective, in the foreground).
+
+    Raises:
+        WeightWriteError: an earlier background write failed.
+    """
+    if getattr(trainer, "num_ranks", 1) > 1:
+        trainer.publish(store)
+    else:
+        store.publish_in_background(trainer.version, trainer.named_weights())
+
+
 def ensure_durable(store: WeightStore, trainer) -> None:
     """The trainer's current version is in ``store`` once this returns (background writes flushed; a
     version not written yet is published now): what a run's last version needs."""
@@ -245,8 +260,8 @@ class IpcSpec:
 class CudaIpcTransport:
     """``runtime.weight_sync=cuda_ipc`` (``moerl.weights.ipc``): for a trainer and workers on one host
     (hybrid / colocated engines): buckets through a ring of shared device buffers (CUDA IPC; shared
-    memory on CPU), checksummed on the device; the durable store in the background every
-    ``durable_every`` versions."""
+    memory on CPU), checksummed on the device; the durable store in the background (from a host
+    snapshot) every ``durable_every`` versions."""
 
     name = "cuda_ipc"
     supports_ep_rollout = False
@@ -279,7 +294,7 @@ class CudaIpcTransport:
 
     def publish(self, trainer, workers: Sequence, *, durable: bool | None = None) -> PublishReport:
         """The version through the ring to every connected worker (new connections joined first); the
-        store in the background when due (from a host copy taken now)."""
+        store in the background when due (``write_durable``: from a host snapshot taken now)."""
         t0 = time.perf_counter()
         tensors: Mapping[str, torch.Tensor] = trainer.named_weights()
         if self.ipc is None:
@@ -289,7 +304,7 @@ class CudaIpcTransport:
         report = self.ipc.publish(trainer.version, tensors)
         is_durable = self.store is not None and is_due(trainer.version, self.durable_every, durable)
         if is_durable:
-            self.store.publish_in_background(trainer.version, tensors)
+            write_durable(self.store, trainer)
         seconds = time.perf_counter() - t0
         moved = report.nbytes * report.num_engines
         return PublishReport(trainer.version, seconds, 0, report.nbytes, moved, is_durable)

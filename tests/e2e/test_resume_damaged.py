@@ -100,7 +100,13 @@ def test_a_full_disk_stops_the_run_with_the_resume_hint(tmp_path, tiny_init, mon
     the resume command, exit 1 (not a config error); the resume it names then completes the run."""
     import moerl.cli
 
-    cfg = short_config(tmp_path / "runs", tiny_init, "trainer.steps=4", "trainer.checkpoint_every=2")
+    cfg = short_config(
+        tmp_path / "runs",
+        tiny_init,
+        "trainer.steps=4",
+        "trainer.checkpoint_every=2",
+        "runtime.durable_every=1",
+    )  # every version written (in the background): version 3's write finds the disk full
     real_write = WeightStore._write_file
 
     def write_until_full(self, vdir, name, shard):

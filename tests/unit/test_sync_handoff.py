@@ -50,15 +50,23 @@ def test_sync_publish_serializes_only_the_due_versions_and_the_last(tmp_path):
     trainer = ModelTrainer(build_model(cfg.model, 32))
     store = WeightStore(str(tmp_path / "weights"), keep=10)
     rollouts = _rollouts(store, durable_every=3)
+    at = {}  # version -> the trainer's weights then
     for v in range(1, 6):
+        store.writer.copies.wait()  # the run's fence before the optimizer step (host copies taken)
         trainer.step(v)
+        at[v] = {k: t.clone() for k, t in trainer.named_weights().items()}
         rollouts.publish(trainer, is_final=v == 5)
         version, tensors = rollouts.weights.poll(v - 1)
         assert version == v and rollouts.buffer.version == v
         for name, t in trainer.named_weights().items():  # references: no copy, no bytes
             assert tensors[name].data_ptr() == t.data_ptr()
         assert isinstance(rollouts.fleet_values(1)["timing/weight_sync_s"], float)
-    assert trainer.published == [3, 5] and store.versions() == [3, 5]
+    # written from host snapshots on the store's writer thread (not the trainer's foreground publish),
+    # each the weights of its own version though the trainer stepped on in place meanwhile
+    assert trainer.published == [] and store.versions() == [3, 5]
+    for v in (3, 5):
+        stored = store.load(v)
+        assert all(torch.equal(stored[k], t) for k, t in at[v].items()), v
 
 
 def test_in_process_swap_gives_the_engine_exactly_the_stored_path_weights(tmp_path):

@@ -83,6 +83,7 @@ def test_collective_transport_moves_versions_and_writes_the_store_when_due(tmp_p
     receiver = transport.receiver_spec().for_worker(1).open(fallback=None, device="cpu")
     try:
         for _ in range(3):
+            store.writer.copies.wait()  # the run's fence before the optimizer step (host copies taken)
             trainer.step()
             report = transport.publish(trainer, workers=[object()])
             assert report.version == trainer.version and report.num_buckets > 1
@@ -92,9 +93,12 @@ def test_collective_transport_moves_versions_and_writes_the_store_when_due(tmp_p
                 got = receiver.poll(trainer.version - 1)
                 time.sleep(0.01)
             assert got[0] == trainer.version and torch.equal(got[1]["w"], trainer.weights["w"])
-        assert trainer.published == [2]  # durable_every=2
+        # durable_every=2: version 2 from a host snapshot on the store's writer thread, not the trainer's
+        # own (foreground) publish; the copy taken at the publish, not the tensors stepped on since
+        assert trainer.published == [] and store.versions() == [2]
+        assert torch.equal(store.load(2)["w"], torch.full((64, 64), 2.0))
         transport.finish(trainer)  # the last version (3) goes to the store
-        assert trainer.published == [2, 3] and store.latest().version == 3
+        assert trainer.published == [3] and store.latest().version == 3
     finally:
         receiver.close()
         transport.close()
@@ -113,7 +117,8 @@ def test_sync_mode_hands_weights_over_in_process(tmp_path):
     assert rollouts.weights.poll(0)[0] == 1 and buffer.version == 1 and store.latest().version == 1
     trainer.step()
     rollouts.publish(trainer, is_stored=True)  # written by the caller: not again
-    assert trainer.published == [1] and rollouts.weights.poll(1)[0] == 2
+    assert rollouts.weights.poll(1)[0] == 2 and store.versions() == [1]
+    assert trainer.published == []  # the store's background writer wrote version 1
 
 
 def test_a_version_that_is_not_the_engines_parameter_set_is_refused_and_logged_once(caplog):

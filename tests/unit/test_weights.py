@@ -201,7 +201,8 @@ def test_background_publish_snapshots_commits_in_order_and_reads_its_writes(url)
 
     store._write_files = slow_write
     first = store.publish_in_background(1, live)
-    for t in live.values():  # the trainer updates its weights in place right after publishing
+    store.writer.copies.wait()  # the trainer's fence before its next in-place update (not the write)
+    for t in live.values():  # the trainer updates its weights in place while the write is pending
         t.fill_(99)
     second = store.publish_in_background(2, weights(2))
     assert not first.done()  # nothing written yet: the call returned at once

@@ -41,3 +41,17 @@ def test_bad_buckets_commit_nothing(tmp_path):
     with pytest.raises(ValueError, match="expected 3"):
         store.publish_buckets(1, iter([[("w0", t["w0"])]]), num_buckets=3)
     assert store.versions() == []
+
+
+def test_packed_nbytes_is_what_the_buckets_hold_before_packing():
+    from moerl.weights.buckets import iter_packed, packed_nbytes
+
+    named = {
+        "a": torch.zeros(33, dtype=torch.float32),  # 132 bytes: padded to 192
+        "b": torch.zeros(5, 7, dtype=torch.bfloat16),
+        "c": torch.zeros(1000, dtype=torch.float32),
+        "d": torch.zeros((), dtype=torch.int64),
+    }
+    for bucket_bytes in (64, 1000, 10**6):
+        packed = sum(b.nbytes for b in iter_packed(1, named, bucket_bytes))
+        assert packed_nbytes(named, bucket_bytes) == packed, bucket_bytes

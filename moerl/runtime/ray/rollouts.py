@@ -65,6 +65,7 @@ from moerl.runtime.ray.reward_pool import rollout_gpu_share
 from moerl.runtime.ray.worker_actor import REFUSED_EVAL, RolloutWorkerActor
 from moerl.runtime.worker import WorkerStats
 from moerl.tasks.eval import EvalResult
+from moerl.weights.buckets import bucket_bytes_of, packed_nbytes
 from moerl.weights.snapshot import WeightSnapshot
 from moerl.weights.store import WeightStore
 from moerl.weights.transport import WeightHolder, make_transport
@@ -287,6 +288,8 @@ class RayRollouts:
         )
         self._sending: threading.Thread | None = None
         self._send_error: BaseException | None = None
+        self._spare: dict | None = None  # the last sent snapshot's device copies, reused by the next one
+        self._store = store
         self.nodes = NodeWatch()  # Ray nodes lost during the run: an event in the log and the metrics
 
     def _ask(self, ref):
@@ -359,7 +362,14 @@ class RayRollouts:
         self._snapshot = None
         return groups, gen_s, now - start
 
-    def publish(self, trainer: WeightHolder, *, is_stored: bool = False, is_final: bool = False) -> None:
+    def publish(
+        self,
+        trainer: WeightHolder,
+        *,
+        is_stored: bool = False,
+        is_final: bool = False,
+        is_durable: bool = False,
+    ) -> None:
         """Send the trainer's current version through the run's weight transport and advance the
         staleness clock to it.
 
@@ -367,23 +377,44 @@ class RayRollouts:
         moves them to the workers; nothing passes through here. The version goes to the exchange without
         waiting (workers' admissions see it a round trip later); the next ``next_groups`` carries it
         too, so the trainer's batch is always taken at it. ``is_stored``: the caller already wrote the
-        version to the store; ``is_final``: the run's last version, made durable before returning.
+        version to the store; ``is_final``: the run's last version, made durable before returning;
+        ``is_durable``: a version that must reach the store (a checkpoint's), written in the background
+        like every ``durable_every``-th. With ``runtime.overlap_publish`` the send runs on a thread from a
+        device copy (``WeightSnapshot``) while the trainer trains on.
+
+        Raises:
+            WeightWriteError: an earlier background write to the store failed (one line).
         """
         version = trainer.version
         self._version, self._snapshot = version, None
         self.exchange.set_version.remote(version)
         self.wait_sent()  # the previous version's background send (runtime.overlap_publish)
+        if self._store is not None:
+            self._store.check_writes()  # a failed background write stops the run here
         workers = self.backend.alive_handles()
+        durable = False if is_stored else (True if is_durable else None)
         t0 = time.perf_counter()
         if self._overlap and not (is_stored or is_final):
-            snapshot = WeightSnapshot(version, trainer.named_weights())
+            spare, self._spare = self._spare, None
+            named = dict(trainer.named_weights())
+            fence = self._store.writer.copies if self._store is not None else None
+            if fence is None:  # nobody would wait for a copy taken later: take it now
+                taken = WeightSnapshot(version, named, reuse=spare)
+                take = lambda: taken  # noqa: E731
+            else:
+                fence.begin()  # the trainer's next optimizer step waits for the copy (moerl.train)
+                take = lambda: WeightSnapshot(version, named, reuse=spare)  # noqa: E731
             self._sending = threading.Thread(
-                target=self._send, args=(snapshot, workers), name="moerl-publish", daemon=True
+                target=self._send, args=(take, fence, workers, durable), name="moerl-publish", daemon=True
             )
             self._sending.start()
-            self._sync_values = {"timing/weight_sync_s": time.perf_counter() - t0, "weights/sync_bytes": None}
+            bucket_bytes = bucket_bytes_of(self.cfg.runtime.publish_bucket_mb)
+            self._sync_values = {  # the bytes this version moves (the send itself is under way)
+                "timing/weight_sync_s": time.perf_counter() - t0,
+                "weights/sync_bytes": packed_nbytes(named, bucket_bytes) * len(workers),
+            }
             return
-        report = self.transport.publish(trainer, workers, durable=False if is_stored else None)
+        report = self.transport.publish(trainer, workers, durable=durable)
         self._sync_values = {
             "timing/weight_sync_s": time.perf_counter() - t0,
             "weights/sync_bytes": report.bytes_moved,
@@ -397,12 +428,20 @@ class RayRollouts:
         self.wait_sent()
         self.transport.finish(trainer)
 
-    def _send(self, snapshot: WeightSnapshot, workers: list) -> None:
-        """The background send of ``runtime.overlap_publish`` (on a side CUDA stream after the copy)."""
+    def _send(self, take, fence, workers: list, durable: bool | None) -> None:
+        """The background send of ``runtime.overlap_publish``: ``take()`` makes the device copy
+        (``WeightSnapshot``, into the previous send's buffers), then ``fence`` (the store writer's
+        ``PendingCopies``, begun by ``publish``) is released and the version sent from the copy (on a side
+        CUDA stream after it); the copy's buffers are kept for the next send."""
         try:
+            try:
+                snapshot = take()
+            finally:
+                if fence is not None:
+                    fence.end()
             with snapshot.stream_context():
-                report = self.transport.publish(snapshot, workers, durable=None)
-            self._sync_values["weights/sync_bytes"] = report.bytes_moved
+                self.transport.publish(snapshot, workers, durable=durable)
+            self._spare = snapshot.tensors  # read by nobody now: the transport copied what it sends
         except BaseException as e:  # raised in the driver by the next publish (wait_sent)
             self._send_error = e
 
