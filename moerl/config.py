@@ -275,8 +275,10 @@ class RolloutConfig:
     """Record the top routed experts per token and layer (rollout routing replay, R3)."""
     max_prefill_tokens: int = 4096
     """Prompt tokens the engine prefills per scheduler step (at least one prompt is always admitted)."""
-    sync_every: int = 1
-    """Decode steps between host copies of the sampled tokens (1 on CPU; 4-16 keeps a GPU busy)."""
+    sync_every: int | None = None
+    """Decode steps between host copies of the sampled tokens; None: the engine's device default
+    (``moerl.rollout.engine.default_sync_every``: 8 on CUDA, 1 on CPU). Larger keeps a GPU busy at the cost
+    of up to ``sync_every - 1`` discarded decode steps per finished sequence."""
     overlap_sync: bool = True
     """Overlap each host copy of sampled tokens with the next decode step where the device runs
     asynchronously (CUDA; never on CPU): finished sequences are freed, and their completions returned,
@@ -332,7 +334,8 @@ class RolloutConfig:
         check_range("rollout.max_slots", self.max_slots, 1)
         check_range("rollout.kv_token_budget", self.kv_token_budget, 1)
         check_range("rollout.max_prefill_tokens", self.max_prefill_tokens, 1)
-        check_range("rollout.sync_every", self.sync_every, 1)
+        if self.sync_every is not None:
+            check_range("rollout.sync_every", self.sync_every, 1)
         # here, not at the top: moerl.ep and moerl.rollout load torch, and this module must load without it
         from moerl.ep.registry import DISPATCHERS
         from moerl.rollout.kv_cache import MLA_CACHE_FORMS

@@ -71,6 +71,18 @@ class _Pending:
     version: int
 
 
+
+GPU_SYNC_EVERY = 8
+"""Decode steps between host copies of the sampled tokens on CUDA when none is configured: the device runs
+ahead of the host (with the overlapped sync it never waits for it); a finished sequence costs at most 7
+discarded steps. The uniform and long-tail GPU benchmarks (bench/rollout_gpu.py, bench/paged_kv.py) run 8."""
+
+
+def default_sync_every(device: torch.device) -> int:
+    """``sync_every`` when none is given: ``GPU_SYNC_EVERY`` on CUDA, 1 elsewhere (a CPU runs the host's
+    own work in between, so a later copy only wastes steps)."""
+    return GPU_SYNC_EVERY if device.type == "cuda" else 1
+
 class Engine:
     """Batched generation for a ``moerl.models`` causal LM (any model with the KV cache seam).
 
@@ -86,8 +98,9 @@ class Engine:
             slots.
         max_prefill_tokens: prompt tokens prefilled per step (at least one prompt is always admitted).
         max_stop_tokens: most stop token ids per request.
-        sync_every: decode steps between host copies of the sampled tokens (1 on CPU; larger values keep
-            the device busy, at the cost of up to ``sync_every - 1`` wasted steps per finished sequence).
+        sync_every: decode steps between host copies of the sampled tokens; larger values keep the device
+            busy, at the cost of up to ``sync_every - 1`` wasted steps per finished sequence. ``None``: the
+            device's default, ``default_sync_every`` (8 on CUDA, 1 elsewhere).
         batch_buckets: decode batch sizes to round B up to (fixed shapes for CUDA graphs); ``None``: with
             CUDA graphs ``cuda_graphs.graph_batch_buckets(slots)`` (at most 1.5x padding), else exact.
         attn_len_multiple: the decode read length R is rounded up to a multiple of this (with CUDA graphs
@@ -121,7 +134,7 @@ class Engine:
         max_seq_len: int | None = None,
         max_prefill_tokens: int = 4096,
         max_stop_tokens: int = 8,
-        sync_every: int = 1,
+        sync_every: int | None = None,
         batch_buckets: tuple[int, ...] | None = None,
         attn_len_multiple: int = 64,
         seed: int = 0,
@@ -164,7 +177,7 @@ class Engine:
         model: torch.nn.Module,
         max_seq_len: int,
         max_stop_tokens: int,
-        sync_every: int,
+        sync_every: int | None,
         max_prefill_tokens: int,
         batch_buckets: tuple[int, ...] | None,
         attn_len_multiple: int,
@@ -176,12 +189,14 @@ class Engine:
         Raises:
             ValueError: ``sync_every``, ``max_prefill_tokens`` or ``attn_len_multiple`` below 1.
         """
+        param = next(model.parameters())
+        if sync_every is None:
+            sync_every = default_sync_every(param.device)
         if sync_every < 1 or max_prefill_tokens < 1 or attn_len_multiple < 1:
             raise ValueError(
                 f"sync_every={sync_every}, max_prefill_tokens={max_prefill_tokens}, "
                 f"attn_len_multiple={attn_len_multiple} must all be >= 1"
             )
-        param = next(model.parameters())
         self.model = model
         self.device = param.device
         self.vocab_size: int = model.config.vocab_size

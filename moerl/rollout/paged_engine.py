@@ -71,7 +71,7 @@ class PagedEngine(Engine):
         block_size: int = 16,
         max_prefill_tokens: int = 4096,
         max_stop_tokens: int = 8,
-        sync_every: int = 1,
+        sync_every: int | None = None,
         batch_buckets: tuple[int, ...] | None = None,
         attn_len_multiple: int = 64,
         seed: int = 0,
