@@ -184,3 +184,19 @@ def test_a_chat_row_without_a_chat_template_is_one_line(default_init, tmp_path, 
         f"({default_init / 'tokenizer.json'} has none)"
     ), err
     assert not (tmp_path / "o").exists()
+
+
+def test_api_bad_input_is_refused_before_the_model_loads(policy):
+    folder, _ = policy
+    with pytest.raises(ValueError, match="prompts must be a list"):
+        generate(folder, "12+34=")
+    with pytest.raises(ValueError, match=r"prompts\[1\]: expected an object with a string 'prompt' field"):
+        generate(folder, ["12+34=", {"text": "1+2="}])
+    with pytest.raises(ValueError, match=r"prompts\[0\]: message 0 has role 'bot'"):
+        generate(folder, [[{"role": "bot", "content": "hi"}]])
+    with pytest.raises(TypeError, match=r"unknown rollout settings \['max_slot'\]"):
+        generate(folder, ["12+34="], max_slot=4)
+    with pytest.raises(ValueError, match="needs a model folder"):
+        generate(None, ["12+34="])
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        generate(folder / "nope", ["12+34="])
