@@ -18,6 +18,7 @@ from moerl.generate import (
     GenerateSpec,
     Generation,
     PromptRow,
+    check_engine_memory,
     check_model,
     generate_config,
     prompt_row,
@@ -140,4 +141,5 @@ def generate(
         dtype=dtype or cfg.model.dtype,
         device=device or cfg.model.device,
     )
+    check_engine_memory(spec)
     return run_generation(spec, rows)

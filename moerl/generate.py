@@ -42,6 +42,7 @@ from moerl.ep.registry import DISPATCHERS
 from moerl.models import CheckpointError, check_model_folder, from_pretrained
 from moerl.models.dtypes import torch_dtype
 from moerl.rollout.ep_generate import EPGenerateSpec, generate_ep
+from moerl.rollout.memory_check import check_memory
 from moerl.rollout.params import FINISH_ERROR, FINISH_STOP, Completion, Request, SamplingParams
 from moerl.runtime.build import make_engine
 from moerl.tasks import DatasetError, Tokenizer, load_tokenizer
@@ -458,6 +459,23 @@ def _check_weight_dtype(choice: str, ep_size: int) -> None:
         )
 
 
+def check_engine_memory(spec: GenerateSpec) -> None:
+    """Refuse an engine whose KV cache plus the model's weights cannot fit the device's memory, before
+    anything loads (``moerl.rollout.memory_check.check_memory`` as a run checks it, counting the one
+    engine and the one copy of the policy that generation holds; EP ranks are not estimated).
+
+    Raises:
+        ConfigError: (a ``ValueError``) the estimate exceeds the available memory; the message names
+            ``rollout.max_slots`` and ``rollout.kv_token_budget`` (``--max-slots``, ``--kv-token-budget``).
+    """
+    if spec.cfg.rollout.ep_size > 1:
+        return
+    one = copy.deepcopy(spec.cfg)  # the run's residents table with nothing but the driver: 1 engine, 1 copy
+    one.init_from, one.runtime.mode, one.trainer.num_ranks = None, "sync", 1
+    one.model.path, one.model.dtype, one.model.device = spec.model, spec.dtype, spec.device
+    check_memory(one, 0, rollouts=False)
+
+
 def spec_from_args(args: argparse.Namespace) -> GenerateSpec:
     """The ``GenerateSpec`` of ``moerl generate``'s flags (``generate_main``), every flag checked first.
 
@@ -486,10 +504,12 @@ def spec_from_args(args: argparse.Namespace) -> GenerateSpec:
     sampling = {name: getattr(args, name, None) for name in SAMPLING_FIELDS}
     params, fit_context = sampling_for(cfg, from_config, seed=seed, **sampling)
     dtype = args.dtype or cfg.model.dtype
-    return GenerateSpec(
+    spec = GenerateSpec(
         model=model, cfg=cfg, params=params, fit_context=fit_context, tokenizer=tokenizer, dtype=dtype,
         device=device,
     )  # fmt: skip
+    check_engine_memory(spec)
+    return spec
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -134,3 +134,19 @@ def test_a_row_with_neither_prompt_nor_messages_names_its_line(paths, capsys, tm
         f"moerl generate: error: {tmp_path / 'p.jsonl'}:2: expected an object with a string 'prompt' field "
         "or a 'messages' list"
     ), err
+
+
+def test_a_cache_beyond_the_memory_is_refused_before_the_model_loads(paths, capsys, tmp_path, monkeypatch):
+    import moerl.rollout.memory_check as memory_check
+
+    monkeypatch.setattr(memory_check, "host_available_bytes", lambda: (64 << 10, "a 64 KiB host"))
+    assert main(["generate", *paths, "--max-slots", "48", "--kv-token-budget", "4096"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith(
+            "moerl generate: error: rollout.max_slots=48, rollout.kv_token_budget=4096: the run needs about"
+        )
+        and "1 rollout engine KV cache(s)" in err
+        and len(err.splitlines()) == 1
+    ), err
+    assert not (tmp_path / "o.jsonl").exists()
