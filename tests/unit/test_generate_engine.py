@@ -42,6 +42,20 @@ def policy(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     return folder, hf
 
 
+@pytest.fixture
+def built(monkeypatch) -> list:
+    """The engines generation builds, recorded on their way out of the run's factory (``make_engine``)."""
+    engines = []
+    real_make_engine = gen_mod.make_engine
+
+    def recording_make_engine(model, cfg, **kw):
+        engines.append(real_make_engine(model, cfg, **kw))
+        return engines[-1]
+
+    monkeypatch.setattr(gen_mod, "make_engine", recording_make_engine)
+    return engines
+
+
 def _write(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -68,21 +82,11 @@ def _hf_logprobs(hf: torch.nn.Module, rows: list[dict]) -> list[torch.Tensor]:
     return out
 
 
-def test_the_48_sample_load_runs_on_the_paged_engine_with_transformers_logprobs(
-    policy, tmp_path, monkeypatch
-):
+def test_the_48_sample_load_runs_on_the_paged_engine_with_transformers_logprobs(policy, tmp_path, built):
     folder, hf = policy
     prompts = _write(
         tmp_path / "p.jsonl", [{"id": f"q{i}", "prompt": PREAMBLE + q} for i, q in enumerate(QUESTIONS)]
     )
-    built = []
-    real_make_engine = gen_mod.make_engine
-
-    def recording_make_engine(model, cfg, **kw):  # the run's factory, watched
-        built.append(real_make_engine(model, cfg, **kw))
-        return built[-1]
-
-    monkeypatch.setattr(gen_mod, "make_engine", recording_make_engine)
     out = tmp_path / "o.jsonl"
     argv = ["generate", "--model", str(folder), "--prompts", str(prompts), "--out", str(out), *LOAD]
     assert main(argv) == 0
@@ -200,3 +204,26 @@ def test_api_bad_input_is_refused_before_the_model_loads(policy):
         generate(None, ["12+34="])
     with pytest.raises(FileNotFoundError, match="no such folder"):
         generate(folder / "nope", ["12+34="])
+
+
+def test_an_mla_model_runs_on_the_latent_cache_by_default_and_expanded_on_request(tmp_path, built):
+    from test_rollout_mla import DSV3
+
+    folder = tmp_path / "dsv3"
+    hf = save_random_hf_model(
+        "deepseek_v3",
+        folder,
+        seed=5,
+        attn_implementation="eager",
+        **dict(DSV3, vocab_size=save_chat_tokenizer(folder)),
+    )
+    prompts = [PREAMBLE[:40], [{"role": "user", "content": "What is 2+3?"}]]
+    runs = {
+        form: generate(folder, prompts, n=2, temperature=1.0, max_new_tokens=12, mla_cache=form)
+        for form in (None, "expanded")
+    }
+    assert [e.cache.latent for e in built] == [True, False]
+    rows = [s.to_json() for s in runs[None]]
+    for r, e in zip(rows, _hf_logprobs(hf, rows), strict=True):
+        assert torch.allclose(torch.tensor(r["logprobs"]), e, atol=1e-4)
+    assert [s.token_ids for s in runs["expanded"]] == [r["token_ids"] for r in rows]
