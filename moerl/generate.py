@@ -271,8 +271,10 @@ def sampling_for(
     return dataclasses.replace(base, **chosen), fit_context
 
 
-def _completions(spec: GenerateSpec, model: torch.nn.Module, requests: list[Request]) -> list[Completion]:
-    """The requests run on the engine a run's rollout builds (``make_engine``), or on its EP ranks."""
+def _completions(spec: GenerateSpec, requests: list[Request]) -> list[Completion]:
+    """The requests run on the engine a run's rollout builds (``make_engine``) over the model loaded here
+    (``rollout.weight_dtype=fp8``: an FP8 release kept as is, else quantized by the engine), or on
+    ``rollout.ep_size`` local EP ranks that each load it and build the same engine."""
     cfg = spec.cfg
     if cfg.rollout.ep_size > 1:  # the experts sharded over ep_size local ranks (moerl.rollout.ep_generate)
         ep_spec = EPGenerateSpec(
@@ -284,16 +286,16 @@ def _completions(spec: GenerateSpec, model: torch.nn.Module, requests: list[Requ
             ranks_per_node=cfg.rollout.ep_ranks_per_node,
         )
         return generate_ep(ep_spec, requests, cfg.rollout.ep_size)
+    is_fp8 = cfg.rollout.weight_dtype == "fp8"
+    model = from_pretrained(spec.model, dtype=torch_dtype(spec.dtype), device=spec.device, fp8=is_fp8)
     return make_engine(model, cfg).generate(requests, on_error="return")
 
 
-def run_generation(
-    spec: GenerateSpec, rows: list[PromptRow], *, tokenizer: Tokenizer | None = None
-) -> list[Generation]:
-    """Generate ``spec.params.n`` samples of every row: rows rendered (``prompt_renderer``), the model
-    loaded (``rollout.weight_dtype=fp8``: an FP8 release kept as is, else quantized by the engine), the
-    engine built from ``spec.cfg.rollout``; samples in row order, then sample index. A row that cannot be
-    served (too long for the context or the cache) comes back as one ``error`` sample.
+def run_generation(spec: GenerateSpec, rows: list[PromptRow]) -> list[Generation]:
+    """Generate ``spec.params.n`` samples of every row: rows rendered (``prompt_renderer``) and encoded
+    before the model loads, then run on the engine built from ``spec.cfg.rollout`` (``_completions``);
+    samples in row order, then sample index. A row that cannot be served (too long for the context or the
+    cache) comes back as one ``error`` sample.
 
     Raises:
         ValueError: a chat row without a chat template (``prompt_renderer``), or no rows.
@@ -301,14 +303,12 @@ def run_generation(
     """
     if not rows:
         raise ValueError("no prompts to generate from")
-    tokenizer = tokenizer or load_tokenizer(spec.tokenizer or spec.model)
+    tokenizer = load_tokenizer(spec.tokenizer or spec.model)
     render = prompt_renderer(spec.cfg, tokenizer)
     texts = [render(row) for row in rows]  # a template error before the model loads
     encoded = [tokenizer.encode(text) for text in texts]
-    is_fp8 = spec.cfg.rollout.weight_dtype == "fp8"
-    model = from_pretrained(spec.model, dtype=torch_dtype(spec.dtype), device=spec.device, fp8=is_fp8)
     params = dataclasses.replace(spec.params, stop_token_ids=(tokenizer.eos_id,))
-    context = model.config.max_position_embeddings
+    context = check_model_folder(spec.model).max_position_embeddings  # config.json only
 
     def params_for(ids: list[int]) -> SamplingParams:
         if not spec.fit_context:
@@ -321,7 +321,7 @@ def run_generation(
         Request(request_id=row.id, prompt_ids=ids, params=params_for(ids))
         for row, ids in zip(rows, encoded, strict=True)
     ]
-    completions = _completions(spec, model, requests)
+    completions = _completions(spec, requests)
     text_of = {row.id: text for row, text in zip(rows, texts, strict=True)}
     return [_generation(c, text_of[c.request_id], tokenizer) for c in completions]
 
