@@ -5,7 +5,7 @@
     samples = generate("runs/x/policy", ["12+34=", [{"role": "user", "content": "Hi"}]], n=4, temperature=1.0)
     samples[0].completion, samples[0].logprobs
 
-The same engine and prompt rendering as ``moerl generate`` (``moerl.generate``; ``moerl/rollout/README.md``).
+The same engine and prompt rendering as ``moerl generate`` (``moerl.generation``; ``moerl/rollout/README.md``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from moerl.config import RunConfig
-from moerl.generate import (
+from moerl.generation import (
     GenerateSpec,
     Generation,
     PromptRow,
@@ -37,7 +37,7 @@ def _rows(prompts: Sequence[PromptLike]) -> list[PromptRow]:
     """``PromptRow``s of the API's prompts; ids default to the position (from 0).
 
     Raises:
-        ValueError: a prompt of another kind, a bad row (``moerl.generate.prompt_row``) or a duplicate id.
+        ValueError: a prompt of another kind, a bad row (``moerl.generation.prompt_row``) or a duplicate id.
     """
     if isinstance(prompts, (str, Mapping)):
         raise ValueError("prompts must be a list (of texts, conversations or rows), not one prompt")
@@ -99,7 +99,7 @@ def generate(
         dtype, device: the model's weights dtype (``float32``, ``bfloat16``) and torch device; None: the
             config's ``model.dtype`` / ``model.device`` (float32, cpu).
         tokenizer: tokenizer file or folder; None: ``task.tokenizer``, else the model folder's.
-        **rollout: ``rollout.*`` fields to override, by name (``moerl.generate.ROLLOUT_FLAGS``: max_slots,
+        **rollout: ``rollout.*`` fields to override, by name (``moerl.generation.ROLLOUT_FLAGS``: max_slots,
             kv_token_budget, kv_cache, kv_block_size, mla_cache, weight_dtype, ep_size, ep_dispatcher,
             ep_ranks_per_node).
 

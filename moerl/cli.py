@@ -159,7 +159,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from moerl.generate import generate_main  # here: loads torch, only for this command
+    from moerl.generation import generate_main  # here: loads torch, only for this command
 
     return generate_main(args)
 
@@ -222,7 +222,7 @@ def _add_plan_parser(sub) -> None:
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     """``moerl generate``'s flags: a flag left out (None) takes the ``--config``'s value, else the
-    built-in default (``moerl.generate.generate_main``)."""
+    built-in default (``moerl.generation.generate_main``)."""
     p.add_argument(
         "--model", default=None, help="Hugging Face model folder (default: the config's model.path)"
     )

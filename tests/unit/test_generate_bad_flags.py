@@ -35,7 +35,7 @@ def paths(tmp_path):
         # the default model has 8 routed experts per MoE layer: 3 ranks cannot share them
         (["--ep-size", "3"], "has 8 routed experts per MoE layer, which must be a positive multiple"),
         (["--device", "nonsense"], "not a torch device"),
-        # the engine's rollout.* fields: a flag over the config (moerl.generate.ROLLOUT_FLAGS)
+        # the engine's rollout.* fields: a flag over the config (moerl.generation.ROLLOUT_FLAGS)
         (["--kv-block-size", "0"], "--kv-block-size=0: must be >= 1"),
         (["--kv-cache", "nope"], "rollout.kv_cache='nope' is not allowed; choose one of ['paged', 'slots']"),
         (

@@ -15,7 +15,7 @@ import transformers
 from _hf import save_random_hf_model
 from test_user_inputs import save_chat_tokenizer
 
-import moerl.generate as gen_mod
+import moerl.generation as gen_mod
 from moerl.api import Generation, generate
 from moerl.cli import main
 from moerl.rollout.paged_engine import PagedEngine

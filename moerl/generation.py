@@ -1,4 +1,4 @@
-"""``moerl generate`` (and ``moerl.api.generate``): offline batch generation on a run's rollout engine.
+"""``moerl generate`` and ``moerl.api.generate``: offline batch generation on a run's rollout engine.
 
 The engine is the one a run's rollout worker builds: ``moerl.runtime.build.make_engine`` over a
 ``RunConfig``'s ``rollout`` section (``--config RUN.yaml``, else the built-in defaults), so the paged KV
