@@ -159,7 +159,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from moerl.generate import generate_main  # here: loads torch, only for this command
+    from moerl.generation import generate_main  # here: loads torch, only for this command
 
     return generate_main(args)
 
@@ -220,6 +220,94 @@ def _add_plan_parser(sub) -> None:
     p.set_defaults(func=_cmd_plan)
 
 
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    """``moerl generate``'s flags: a flag left out (None) takes the ``--config``'s value, else the
+    built-in default (``moerl.generation.generate_main``)."""
+    p.add_argument(
+        "--model", default=None, help="Hugging Face model folder (default: the config's model.path)"
+    )
+    p.add_argument(
+        "--prompts", required=True, help="JSONL with a 'prompt' string or 'messages' list per line"
+    )
+    p.add_argument("--out", required=True, help="output JSONL")
+    p.add_argument(
+        "--config", "-c", default=None,
+        help="YAML run config: its rollout.* build the engine and sample, its task.* (prompt_format, template, "
+        "system_prompt, tokenizer) render prompts (default: built-in defaults, greedy sampling)",
+    )  # fmt: skip
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config field, e.g. --set rollout.kv_block_size=32 (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None,
+        help="default: the config's rollout.max_new_tokens; without --config 64, fewer where a prompt leaves "
+        "less of the model's context (a value given is not capped: a request it does not fit fails, reported)",
+    )  # fmt: skip
+    p.add_argument(
+        "--temperature", type=float, default=None,
+        help="sampling temperature, 0 is greedy (default: the config's rollout.temperature, else 0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--top-p", type=float, default=None, help="nucleus mass (default: the config's, else 1: off)"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=None, help="top-k sampling (default: the config's, else 0: off)"
+    )
+    p.add_argument(
+        "-n", type=int, default=None, help="samples per prompt (default: rollout.group_size, else 1)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="sampling seed (default: the config's seed, else 0)"
+    )
+    p.add_argument("--dtype", default=None, help="weights and compute dtype (default: model.dtype, float32)")
+    p.add_argument(
+        "--device", default=None, help="torch device, e.g. cpu or cuda (default: model.device, cpu)"
+    )
+    p.add_argument(
+        "--weight-dtype", default=None,
+        help="the engine's weights (rollout.weight_dtype): auto = --dtype (an FP8 release dequantized to it), "
+        "bf16, fp8 = 128x128 block-quantized FP8 (an FP8 release kept as is) (default: the config's, auto)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json or its folder (default: task.tokenizer, else the model's)",
+    )
+    p.add_argument(
+        "--kv-cache", default=None,
+        help="rollout.kv_cache: paged blocks or contiguous slots (default: the config's, paged)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-slots", type=int, default=None,
+        help="rollout.max_slots: most sequences decoding together (default: the config's, 64)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-token-budget", type=int, default=None,
+        help="rollout.kv_token_budget: KV cache tokens in all (default: the config's, 16384)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-block-size", type=int, default=None, help="rollout.kv_block_size (default: the config's, 16)"
+    )
+    p.add_argument(
+        "--mla-cache", default=None,
+        help="rollout.mla_cache of an MLA model: latent or expanded (default: the config's, latent)",
+    )  # fmt: skip
+    p.add_argument(
+        "--ep-size", type=int, default=None,
+        help="rollout.ep_size: expert-parallel ranks (local processes; default: the config's, 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--ep-dispatcher", default=None,
+        help="rollout.ep_dispatcher: token dispatch/combine between EP ranks, by its moerl.ep name (default: "
+        "alltoall; an unknown name is refused with the list)",
+    )  # fmt: skip
+    p.add_argument(
+        "--ep-ranks-per-node", type=int, default=None,
+        help="simulated node size of the hierarchical dispatcher; divides --ep-size (default: one node)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moerl", description="RL post-training (GRPO, PPO and variants) of Mixture-of-Experts LMs."
@@ -254,61 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output checkpoint folder (Hugging Face format)")
     p.set_defaults(func=_cmd_sft)
 
-    p = sub.add_parser("generate", help="offline batch generation from a JSONL file of prompts")
-    p.add_argument("--model", required=True, help="Hugging Face model folder")
-    p.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field per line")
-    p.add_argument("--out", required=True, help="output JSONL")
-    p.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help="default: 64, fewer where a prompt leaves less of the model's context; a value given is "
-        "not capped (a request it does not fit fails, and is reported)",
+    p = sub.add_parser(
+        "generate",
+        help="offline batch generation from a JSONL file of prompts, on a run's rollout engine",
+        description="Generate samples of each prompt ('prompt' text or chat 'messages') with the engine a "
+        "run's rollout builds (rollout.*: paged KV cache, max_slots, kv_token_budget, weight_dtype, "
+        "mla_cache); flags override the config's fields (moerl/rollout/README.md).",
     )
-    p.add_argument(
-        "--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)"
-    )
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
-    p.add_argument(
-        "--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)"
-    )
-    p.add_argument("-n", type=int, default=1, help="samples per prompt (default: 1)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    p.add_argument("--dtype", default="float32", help="weights and compute dtype (default: float32)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
-    p.add_argument(
-        "--weight-dtype",
-        default="auto",
-        help="auto: --dtype weights (an FP8 release is dequantized to it); fp8: 128x128 block-quantized "
-        "FP8 weights, an FP8 release kept as is (default: auto)",
-    )
-    p.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json or its folder (default: the model folder's)"
-    )
-    p.add_argument(
-        "--max-slots", type=int, default=64, help="concurrent sequences of the engine (default: 64)"
-    )
-    p.add_argument(
-        "--kv-token-budget",
-        type=int,
-        default=None,
-        help="KV cache tokens over all slots (default: longest prompt + max-new-tokens per slot)",
-    )
-    p.add_argument(
-        "--ep-size", type=int, default=1, help="expert-parallel ranks (local processes; default: 1)"
-    )
-    p.add_argument(
-        "--ep-dispatcher",
-        default="alltoall",
-        help="token dispatch/combine between EP ranks, by its moerl.ep name (default: alltoall; an unknown "
-        "name is refused with the list)",
-    )
-    p.add_argument(
-        "--ep-ranks-per-node",
-        type=int,
-        default=None,
-        help="simulated node size of the hierarchical dispatcher; divides --ep-size (default: one node)",
-    )
+    _add_generate_args(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("report", help="plot a run's curves and print its summary")

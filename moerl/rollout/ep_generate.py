@@ -1,7 +1,9 @@
 """``moerl generate --ep-size N``: the same generation on N expert-parallel ranks (``EPEngine``).
 
 The parent process starts N local processes joined in a process group (gloo on CPU, NCCL on CUDA; one
-GPU each), each loads the model, shards its experts (``--ep-dispatcher``) and runs the prompts
+GPU each), each loads the model, builds its engine with the caller's ``build_engine`` (``moerl generate``
+passes the run's ``make_engine``: the same engine as a run's EP rollout ranks), shards its experts
+(``--ep-dispatcher``) and runs the prompts
 ``i % N == rank`` in lockstep with the others; the completions come back through per-rank files and
 are returned in request order. Every collective has a timeout (``timeout_s``), and ranks still alive
 after it are killed, so a hung rank fails the command instead of stalling it.
@@ -15,6 +17,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +38,8 @@ class EPGenerateSpec:
     dtype: torch.dtype
     device: str
     """``cpu`` or ``cuda`` (rank r takes ``cuda:r``)."""
-    max_slots: int
-    kv_token_budget: int
-    seed: int
+    build_engine: Callable[[torch.nn.Module], Engine]
+    """The rank's engine over its model (a picklable callable: the spec travels to spawned processes)."""
     dispatcher: str
     """``alltoall`` or ``hierarchical``."""
     ranks_per_node: int | None
@@ -73,7 +75,7 @@ def _rank_main(rank: int, size: int, folder: str, spec: EPGenerateSpec, requests
         )
         device = f"cuda:{rank}" if is_cuda else "cpu"
         model = from_pretrained(spec.model, dtype=spec.dtype, device=device)
-        engine = Engine(model, max_slots=spec.max_slots, kv_token_budget=spec.kv_token_budget, seed=spec.seed)
+        engine = spec.build_engine(model)
         ep = EPEngine(engine, dispatcher=spec.dispatcher, ranks_per_node=spec.ranks_per_node)
         mine = [r for i, r in enumerate(requests) if i % size == rank]
         valid, errors = [], []

@@ -16,7 +16,7 @@ import moerl.tasks
 import moerl.tasks.arithmetic
 import moerl.tasks.datasets
 from moerl.config import AlgorithmConfig, ConfigError, EnvConfig, RolloutConfig, TaskConfig, TrainerConfig
-from moerl.generate import check_sizes
+from moerl.generation import check_sizes
 
 
 def test_a_new_dispatcher_is_a_choice_of_both_sections_and_of_generate(monkeypatch):

@@ -35,6 +35,20 @@ def paths(tmp_path):
         # the default model has 8 routed experts per MoE layer: 3 ranks cannot share them
         (["--ep-size", "3"], "has 8 routed experts per MoE layer, which must be a positive multiple"),
         (["--device", "nonsense"], "not a torch device"),
+        # the engine's rollout.* fields: a flag over the config (moerl.generation.ROLLOUT_FLAGS)
+        (["--kv-block-size", "0"], "--kv-block-size=0: must be >= 1"),
+        (["--kv-cache", "nope"], "rollout.kv_cache='nope' is not allowed; choose one of ['paged', 'slots']"),
+        (
+            ["--mla-cache", "nope"],
+            "rollout.mla_cache='nope' is not allowed; choose one of ['latent', 'expanded']",
+        ),
+        (
+            ["--weight-dtype", "int4"],
+            "rollout.weight_dtype='int4' is not allowed; choose one of ['auto', 'bf16', 'fp8']",
+        ),
+        (["--weight-dtype", "fp8", "--ep-size", "2"], "--weight-dtype fp8 runs one engine"),
+        (["--config", "nope.yaml"], "nope.yaml"),
+        (["--set", "rollout.max_slots=0"], "rollout.max_slots=0"),
     ],
 )
 def test_bad_flags_are_one_line_errors(paths, capsys, tmp_path, flags, message):
@@ -101,3 +115,38 @@ def test_a_model_folder_without_tokenizer_says_how_to_give_one(paths, capsys, tm
         f"moerl generate: error: --model {tmp_path / 'm'}: no tokenizer.json in the folder; pass --tokenizer "
         "PATH (moerl train uses the built-in character tokenizer for such a folder and says so)"
     )
+
+
+def test_no_model_and_no_config_model_path_is_one_line(paths, capsys, tmp_path):
+    assert main(["generate", *paths[2:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "moerl generate: error: --model is required (a Hugging Face model folder), or model.path in --config"
+    )
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_row_with_neither_prompt_nor_messages_names_its_line(paths, capsys, tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+2="}\n{"text": "3+4="}\n')
+    assert main(["generate", *paths]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"moerl generate: error: {tmp_path / 'p.jsonl'}:2: expected an object with a string 'prompt' field "
+        "or a 'messages' list"
+    ), err
+
+
+def test_a_cache_beyond_the_memory_is_refused_before_the_model_loads(paths, capsys, tmp_path, monkeypatch):
+    import moerl.rollout.memory_check as memory_check
+
+    monkeypatch.setattr(memory_check, "host_available_bytes", lambda: (64 << 10, "a 64 KiB host"))
+    assert main(["generate", *paths, "--max-slots", "48", "--kv-token-budget", "4096"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith(
+            "moerl generate: error: rollout.max_slots=48, rollout.kv_token_budget=4096: the run needs about"
+        )
+        and "1 rollout engine KV cache(s)" in err
+        and len(err.splitlines()) == 1
+    ), err
+    assert not (tmp_path / "o.jsonl").exists()
