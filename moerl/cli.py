@@ -49,7 +49,9 @@ def _config(args: argparse.Namespace, *, import_dirs: bool = True):
     cfg = load_config(path, args.overrides)
     if not import_dirs:
         return cfg
-    print(config_line(path), file=sys.stderr)  # a run's first line: which config it runs
+    # a run's first line, which config it runs; on stdout: stderr is the run's errors and progress (one
+    # line per failure, which scripts and tests read whole)
+    print(config_line(path), flush=True)
     return with_import_dirs(cfg, path)
 
 

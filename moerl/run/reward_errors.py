@@ -66,7 +66,7 @@ class RewardErrorWatch:
             group.task.prompt_text,
             self.tokenizer.decode(list(sample.response_ids)),
             group.task.answer,
-            group.task.extra,
+            getattr(group.task, "extra", None),  # a RolloutTask's; a stand-in may have none
         )
         name = (
             f"task.reward_fn={self.cfg.reward_fn!r}"

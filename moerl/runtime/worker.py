@@ -43,7 +43,7 @@ from moerl.rollout.weight_update import cancel_all, recompute_running
 from moerl.runtime.buffer import BufferClosed, PutResult
 from moerl.runtime.delivery import GroupSink, Outbox
 from moerl.runtime.drain import InFlightGroup, ResumePlan, group_progress
-from moerl.tasks.base import Reward, stable_hash
+from moerl.tasks.base import Reward, score_many, stable_hash
 from moerl.tasks.tokenizer import Tokenizer
 from moerl.weights.sources import WeightSource
 
@@ -326,13 +326,11 @@ class RolloutWorker:
         the group in one call), the row's ``extra`` columns passed along."""
         t, n = lease.task, len(completions)
         texts = [self.decode(c.token_ids) for c in completions]
-        return list(self.task.reward_many([t.prompt_text] * n, texts, [t.answer] * n, [t.extra] * n))
+        return score_many(self.task, [t.prompt_text] * n, texts, [t.answer] * n, [t.extra] * n)
 
     def _to_sample(self, lease: Lease, c: Completion, reward: Reward | None = None) -> Sample:
         if reward is None:
-            reward = self.task.reward(
-                lease.task.prompt_text, self.decode(c.token_ids), lease.task.answer, lease.task.extra
-            )
+            reward = self._score(lease, [c])[0]
         self.stats.reward_errors += int(reward.info.get("error", 0.0) > 0)
         return Sample(
             prompt_ids=lease.task.prompt_ids,

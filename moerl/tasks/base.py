@@ -242,6 +242,21 @@ class Task:
             return 0.0
 
 
+def score_many(
+    task: Any,
+    prompt_texts: Sequence[str],
+    response_texts: Sequence[str],
+    answers: Sequence[str],
+    extras: Sequence[dict | None],
+) -> list[Reward]:
+    """``task.reward_many(...)`` of a ``Task``; for an object with only ``reward(prompt_text, response_text,
+    answer)`` (the scoring contract of the rollout worker and the eval), one such call per sample."""
+    many = getattr(task, "reward_many", None)
+    if many is not None:
+        return list(many(prompt_texts, response_texts, answers, extras))
+    return [task.reward(p, r, a) for p, r, a in zip(prompt_texts, response_texts, answers, strict=True)]
+
+
 class GeneratedTask(Task):
     """A task whose problems are drawn from a seeded generator and split train/eval by ``split_of``.
 

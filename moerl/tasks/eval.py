@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moerl.rollout import Completion, PagedEngine, Request, SamplingParams
-from moerl.tasks.base import Prompt, Task, stable_hash
+from moerl.tasks.base import Prompt, Task, score_many, stable_hash
 
 if TYPE_CHECKING:  # the config sits above this package (docs/architecture.md, Layers)
     from moerl.config import EvalConfig
@@ -212,8 +212,8 @@ def score_completions(
 
 def _verdicts(task: Task, prompts: list[Prompt], texts: list[str]) -> list[tuple[float, float | None]]:
     """(reward score, correct verdict or None) of ``texts[i]`` answering ``prompts[i]``."""
-    rewards = task.reward_many(
-        [p.text for p in prompts], texts, [p.answer for p in prompts], [p.extra for p in prompts]
+    rewards = score_many(
+        task, [p.text for p in prompts], texts, [p.answer for p in prompts], [p.extra for p in prompts]
     )
     return [
         (r.score, task.held_out_correct(p.text, t, p.answer, r))
