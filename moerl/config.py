@@ -248,7 +248,9 @@ class TaskConfig:
                 f"rows; use task.name=dataset (or prompt_format=raw)"
             )
         if self.val_path is not None and self.name not in DATASET_TASKS:
-            raise ConfigError(f"task.val_path is for dataset tasks; task.name={self.name!r} has its own eval split")
+            raise ConfigError(
+                f"task.val_path is for dataset tasks; task.name={self.name!r} has its own eval split"
+            )
         if self.layout == "messages" and self.name in DATASET_TASKS and self.prompt_format != "chat":
             raise ConfigError(
                 "task.layout=messages needs task.prompt_format=chat (messages are rendered by the chat template)"
@@ -272,15 +274,21 @@ class TaskConfig:
         else:
             named = [(Path(str(v)).stem, v) for v in value]
         if not named:
-            raise ConfigError("task.val_path is empty; give a path, a list of paths or a mapping name -> path")
+            raise ConfigError(
+                "task.val_path is empty; give a path, a list of paths or a mapping name -> path"
+            )
         names = [k for k, _ in named]
         for name, path in named:
             if not isinstance(path, str) or not path:
                 raise ConfigError(f"task.val_path[{name!r}]={path!r} must be a non-empty path")
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-                raise ConfigError(f"task.val_path: set name {name!r} must be letters, digits, '_', '.' or '-'")
+                raise ConfigError(
+                    f"task.val_path: set name {name!r} must be letters, digits, '_', '.' or '-'"
+                )
         if len(set(names)) < len(names):
-            raise ConfigError(f"task.val_path: two sets named alike ({names}); name them: {{name: path, ...}}")
+            raise ConfigError(
+                f"task.val_path: two sets named alike ({names}); name them: {{name: path, ...}}"
+            )
         return dict(named)
 
 
@@ -773,9 +781,15 @@ def resolve_paths(cfg: RunConfig, config_path: str | Path | None) -> RunConfig:
         if isinstance(value, str):
             setattr(owner, field_name, _resolve_one(dotted, value, folders))
         elif isinstance(value, dict):
-            setattr(owner, field_name, {k: _resolve_one(f"{dotted}.{k}", v, folders) for k, v in value.items()})
+            setattr(
+                owner, field_name, {k: _resolve_one(f"{dotted}.{k}", v, folders) for k, v in value.items()}
+            )
         elif isinstance(value, tuple):
-            setattr(owner, field_name, tuple(_resolve_one(f"{dotted}[{i}]", v, folders) for i, v in enumerate(value)))
+            setattr(
+                owner,
+                field_name,
+                tuple(_resolve_one(f"{dotted}[{i}]", v, folders) for i, v in enumerate(value)),
+            )
     return cfg
 
 

@@ -482,7 +482,7 @@ class Run:
         """Append the sampled eval responses (``eval.k``) to ``RUN_DIR/eval_samples.jsonl``, one per line."""
         records = sample_records(result, step)
         if records:
-            with open(self.dir.path / "eval_samples.jsonl", "a") as f:
+            with open(self.dir.eval_samples, "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)
 
     def _fp8_gap(self, groups: list[Group]) -> LogprobGap | None:

@@ -74,8 +74,6 @@ ScoreFn = Callable[..., "Reward | float | bool | int"]
 ``moerl.tasks.rewards.RewardFunction`` (batched, timed out)."""
 
 
-
-
 def stable_hash(key: str) -> int:
     """A 64-bit hash of ``key`` that is the same in every process (unlike ``hash()``)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
@@ -146,9 +144,7 @@ class Task:
         """The task's own verifier; may raise (``reward`` guards it)."""
         raise NotImplementedError
 
-    def reward(
-        self, prompt_text: str, response_text: str, answer: str, extra: dict | None = None
-    ) -> Reward:
+    def reward(self, prompt_text: str, response_text: str, answer: str, extra: dict | None = None) -> Reward:
         """Score one response; never raises (``reward_many`` of one sample).
 
         Returns:

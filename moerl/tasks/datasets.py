@@ -260,7 +260,9 @@ def _table_rows(path: Path, fmt: str, split: str | None = None) -> list[dict]:
 
             return pq.read_table(path).to_pylist()
         except ImportError as e:
-            raise DatasetError(f"{path}: reading a parquet dataset needs the 'pyarrow' package ({e})") from None
+            raise DatasetError(
+                f"{path}: reading a parquet dataset needs the 'pyarrow' package ({e})"
+            ) from None
         except Exception as e:  # noqa: BLE001 - pyarrow raises its own types for a bad file
             raise DatasetError(f"{path}: not a readable parquet dataset ({type(e).__name__}: {e})") from None
     data = _load_from_disk(path)

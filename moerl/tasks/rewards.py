@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 REWARD_ARGS = ("prompt_text", "response_text", "answer")
 """The arguments ``Task.reward`` passes a reward function, positionally and in this order."""
 

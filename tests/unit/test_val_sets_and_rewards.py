@@ -5,7 +5,6 @@ parquet, and config paths resolved beside the config file."""
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -86,7 +85,9 @@ def test_val_path_replaces_the_carve_out_and_names_several_sets(tmp_path):
         "".join(json.dumps({"question": f"h{i}", "answer": f"#### {i}"}) + "\n" for i in range(3))
     )
     base = ["task.name=dataset", f"task.path={tmp_path / 'train.jsonl'}"]
-    listed = load_config(None, [*base, f"task.val_path=[{tmp_path / 'hard.jsonl'}, {tmp_path / 'easy.jsonl'}]"])
+    listed = load_config(
+        None, [*base, f"task.val_path=[{tmp_path / 'hard.jsonl'}, {tmp_path / 'easy.jsonl'}]"]
+    )
     task = make_task(listed.task)
     assert {k: len(v) for k, v in task.eval_sets().items()} == {"hard": 3, "easy": 1}
     assert [p.text for p in task.eval_prompts()] == [p.text for p in task.eval_sets()["hard"]]  # the first
@@ -153,7 +154,9 @@ def test_a_batched_reward_gets_one_call_per_group_and_a_wrong_length_fails_the_b
 
     def batched(prompts, responses, answers, extra):
         calls.append(len(prompts))
-        return [Reward(float(r == a), {"correct": float(r == a)}) for r, a in zip(responses, answers)]
+        return [
+            Reward(float(r == a), {"correct": float(r == a)}) for r, a in zip(responses, answers, strict=True)
+        ]
 
     records = [Record(i + 1, f"q{i}", str(i), str(i), extra={"k": i}) for i in range(10)]
     task = make_task_like(records, batched)
@@ -222,6 +225,15 @@ def test_score_completions_reports_pass_at_k_mean_at_k_and_the_samples():
     }  # fmt: skip
 
 
+def test_a_resume_cuts_the_eval_samples_back_to_its_checkpoint(tmp_path):
+    from moerl.run.folder import RunDir, read_jsonl
+
+    run = RunDir(tmp_path / "run")
+    run.eval_samples.write_text("".join(json.dumps({"step": s, "prompt_id": "p"}) + "\n" for s in (0, 2, 4)))
+    run.rewind(2)
+    assert [r["step"] for r in read_jsonl(run.eval_samples)] == [0, 2]
+
+
 def test_several_sets_report_per_set_metrics_and_the_first_is_eval_accuracy():
     def fake(prompts):
         acc = len(prompts) / 10
@@ -233,7 +245,9 @@ def test_several_sets_report_per_set_metrics_and_the_first_is_eval_accuracy():
     assert keys[:2] == ["eval/pass@4", "eval/mean@4"] and "eval/math/pass@4" in keys
     values = eval_values(result, keys)
     assert values["eval/pass@4"] == 0.2 / 2 and values["eval/gsm/accuracy"] == 0.2
-    assert values["eval/math/accuracy"] == pytest.approx(0.3) and values["eval/math/mean@4"] == pytest.approx(0.15)
+    assert values["eval/math/accuracy"] == pytest.approx(0.3) and values["eval/math/mean@4"] == pytest.approx(
+        0.15
+    )
     assert eval_values(None, keys) == dict.fromkeys(keys)
     assert eval_keys(0, ["held_out"]) == []
     record = make_record(1, 0.0, {"eval/accuracy": 0.2, **values})
@@ -265,9 +279,17 @@ def test_paths_resolve_beside_the_config_then_in_the_working_folder(tmp_path, mo
     cfg = load_config(None, ["task.name=dataset", "task.path=data/train.jsonl", "model.path=/abs/elsewhere"])
     with pytest.raises(ConfigError) as e:  # no config file: the working folder alone
         with_import_dirs(cfg, None)
-    assert str(e.value) == f"task.path='data/train.jsonl': no such file or folder (tried {work / 'data' / 'train.jsonl'})"
-    cfg = load_config(None, ["task.name=dataset", f"task.path={conf / 'data' / 'train.jsonl'}", "init_from=nope"])
-    with pytest.raises(ConfigError, match=f"init_from='nope': no such file or folder \\(tried {conf / 'nope'}, {work / 'nope'}\\)"):
+    assert (
+        str(e.value)
+        == f"task.path='data/train.jsonl': no such file or folder (tried {work / 'data' / 'train.jsonl'})"
+    )
+    cfg = load_config(
+        None, ["task.name=dataset", f"task.path={conf / 'data' / 'train.jsonl'}", "init_from=nope"]
+    )
+    with pytest.raises(
+        ConfigError,
+        match=f"init_from='nope': no such file or folder \\(tried {conf / 'nope'}, {work / 'nope'}\\)",
+    ):
         resolve_paths(cfg, conf / "run.yaml")
     assert cfg.model.path is None  # unset fields stay unset
 
@@ -275,4 +297,6 @@ def test_paths_resolve_beside_the_config_then_in_the_working_folder(tmp_path, mo
 def test_the_first_line_names_the_config_or_the_built_in_defaults(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert config_line("run.yaml") == f"config: {tmp_path / 'run.yaml'}"
-    assert config_line(None).endswith(f"no configs/default.yaml in {tmp_path}): running the built-in defaults")
+    assert config_line(None).endswith(
+        f"no configs/default.yaml in {tmp_path}): running the built-in defaults"
+    )
