@@ -111,6 +111,19 @@ def test_bad_val_paths_are_one_line_config_errors(value, message):
         load_config(None, ["task.name=dataset", "task.path=t.jsonl", f"task.val_path={value}"])
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("eval.num_samples=2", "eval.num_samples=2 must be >= eval.k=4"),
+        ("eval.temperature=0", "eval.temperature=0.0 is out of range"),
+        ("task.reward_timeout_s=0", "task.reward_timeout_s=0.0 is out of range"),
+    ],
+)
+def test_bad_eval_and_reward_settings_are_one_line_config_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["eval.k=4", override])
+
+
 # -- verl format and extra= rewards -----------------------------------------------------------------
 
 
