@@ -47,7 +47,23 @@ def _config(args: argparse.Namespace, *, import_dirs: bool = True):
 
     path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
     cfg = load_config(path, args.overrides)
-    return with_import_dirs(cfg, path) if import_dirs else cfg
+    if not import_dirs:
+        return cfg
+    # a run's first line, which config it runs; on stdout: stderr is the run's errors and progress (one
+    # line per failure, which scripts and tests read whole)
+    print(config_line(path), flush=True)
+    return with_import_dirs(cfg, path)
+
+
+def config_line(path: str | None) -> str:
+    """The first line of a run: the config file it runs, or that it runs the built-in defaults."""
+    import os
+
+    if path is not None:
+        return f"config: {os.path.abspath(path)}"
+    return (
+        f"config: none (no --config, and no {DEFAULT_CONFIG} in {os.getcwd()}): running the built-in defaults"
+    )
 
 
 def _local_url(path: str) -> str:

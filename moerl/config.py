@@ -140,10 +140,18 @@ class TaskConfig:
     path: str | None = None
     """The dataset when ``name`` is ``dataset`` or ``jsonl``: a ``.jsonl`` file, a ``.parquet`` file or a
     folder written by the ``datasets`` library's ``save_to_disk`` (``moerl.tasks.datasets``)."""
+    val_path: str | tuple[str, ...] | dict[str, str] | None = None
+    """Validation sets used for held-out eval instead of a carve-out of ``path``: one dataset (a file, or a
+    folder: a DatasetDict's ``test``/``validation`` split, or one split's folder such as ``data/dd/test``),
+    a list of them (named by file stem), or a mapping name -> path; the first is the main set
+    (``eval/accuracy``), each one reports ``eval/<name>/...`` when there are several. Same ``layout`` as
+    ``path``. None: a DatasetDict ``path`` with a ``test`` or ``validation`` split holds that split out,
+    anything else is carved (``task.num_eval``)."""
     layout: str = "gsm8k"
     """Dataset layout: ``gsm8k`` (question / answer ending in ``#### N``), ``generic`` (``prompt_field`` /
-    ``answer_field``) or ``messages`` (``messages_field``: a list of ``{role, content}``; needs
-    ``prompt_format: chat``)."""
+    ``answer_field``), ``messages`` (``messages_field``: a list of ``{role, content}``; needs
+    ``prompt_format: chat``) or ``verl`` (verl's parquet: chat ``prompt``, ``reward_model.ground_truth``;
+    detected when left at ``gsm8k``). See docs/data.md."""
     prompt_field: str = "prompt"
     """Prompt field name for the generic layout."""
     answer_field: str = "answer"
@@ -159,7 +167,14 @@ class TaskConfig:
     """With ``prompt_format: chat``: a system message put first in every conversation that has none."""
     reward_fn: str | None = None
     """Import path ``package.module:function`` of a custom reward ``(prompt, response, answer) -> float |
-    Reward``; the module is looked up on the import path, then in ``import_dirs``."""
+    Reward``; the module is looked up on the import path, then in ``import_dirs``. A parameter named
+    ``extra`` receives the row's unconsumed columns (``moerl.tasks.rewards``)."""
+    reward_batched: bool = False
+    """Call ``reward_fn`` with lists (prompts, responses, answers[, extra]) once per group (training) or per
+    held-out set (eval), returning a list of scores; False: once per sample."""
+    reward_timeout_s: float | None = None
+    """Seconds one ``reward_fn`` call may take (a batched call counts once); longer counts as a failed
+    reward (score 0, ``error`` 1), as a raising one does. None: no limit."""
     import_dirs: tuple[str, ...] = ()
     """Folders searched for ``reward_fn``'s and ``env.name``'s module (in every process of the run, Ray
     workers too); ``moerl train`` and ``moerl sft`` add the config file's folder and the folder they run from
@@ -204,6 +219,9 @@ class TaskConfig:
         self.import_dirs = tuple(self.import_dirs)
         check_range("task.max_reward_error_fraction", self.max_reward_error_fraction, 0.0, 1.0)
         check_range("task.reward_error_window", self.reward_error_window, 1)
+        if self.reward_timeout_s is not None:
+            check_range("task.reward_timeout_s", self.reward_timeout_s, 0.0, lo_open=True)
+        self.val_sets()  # a malformed val_path fails here
         check_range("task.num_eval", self.num_eval, 1)
         check_range("task.countdown_min_numbers", self.countdown_min_numbers, 2)
         check_range("task.countdown_max_numbers", self.countdown_max_numbers, self.countdown_min_numbers)
@@ -229,10 +247,49 @@ class TaskConfig:
                 f"task.prompt_format=chat with task.name={self.name!r}: chat prompts are built from dataset "
                 f"rows; use task.name=dataset (or prompt_format=raw)"
             )
+        if self.val_path is not None and self.name not in DATASET_TASKS:
+            raise ConfigError(
+                f"task.val_path is for dataset tasks; task.name={self.name!r} has its own eval split"
+            )
         if self.layout == "messages" and self.name in DATASET_TASKS and self.prompt_format != "chat":
             raise ConfigError(
                 "task.layout=messages needs task.prompt_format=chat (messages are rendered by the chat template)"
             )
+
+    def val_sets(self) -> dict[str, str]:
+        """``val_path`` as name -> path, in order (the first is the main set): a mapping as it is, a path or
+        a list named by each path's file stem (a split folder ``dd/test``: ``test``); ``{}`` when None.
+
+        Raises:
+            ConfigError: an empty list or mapping, an empty path, a name that is not a plain word
+                (letters, digits, ``_.-``), or two sets with one name.
+        """
+        value = self.val_path
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            value = (value,)
+        if isinstance(value, dict):
+            named = [(str(k), v) for k, v in value.items()]
+        else:
+            named = [(Path(str(v)).stem, v) for v in value]
+        if not named:
+            raise ConfigError(
+                "task.val_path is empty; give a path, a list of paths or a mapping name -> path"
+            )
+        names = [k for k, _ in named]
+        for name, path in named:
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"task.val_path[{name!r}]={path!r} must be a non-empty path")
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ConfigError(
+                    f"task.val_path: set name {name!r} must be letters, digits, '_', '.' or '-'"
+                )
+        if len(set(names)) < len(names):
+            raise ConfigError(
+                f"task.val_path: two sets named alike ({names}); name them: {{name: path, ...}}"
+            )
+        return dict(named)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -473,13 +530,31 @@ class SFTConfig:
 
 @dataclass(kw_only=True, slots=True)
 class EvalConfig:
-    """Held-out evaluation (greedy, exact-match accuracy)."""
+    """Held-out evaluation: greedy exact match (``eval/accuracy``) and, with ``k``, sampled pass@k."""
 
     every: int = 10
     """Evaluate every this many trainer steps (and at the start and the end); 0: only start and end."""
+    k: int = 0
+    """Sampled eval: the k of ``eval/pass@<k>`` (unbiased estimator, Chen et al. 2021, eq. 1) and
+    ``eval/mean@<k>`` (mean correctness of the samples), beside the greedy exact match, per validation
+    set; the samples go to ``RUN_DIR/eval_samples.jsonl``. 0: greedy only."""
+    num_samples: int = 0
+    """Samples drawn per held-out prompt for pass@k, n >= k (a larger n lowers the estimator's variance);
+    0: n = k."""
+    temperature: float = 1.0
+    """Sampling temperature of the eval samples (> 0)."""
 
     def __post_init__(self) -> None:
         check_range("eval.every", self.every, 0)
+        check_range("eval.k", self.k, 0)
+        check_range("eval.temperature", self.temperature, 0.0, lo_open=True)
+        if self.num_samples and self.num_samples < self.k:
+            raise ConfigError(f"eval.num_samples={self.num_samples} must be >= eval.k={self.k} (or 0: n = k)")
+
+    @property
+    def n(self) -> int:
+        """Samples per held-out prompt: ``num_samples``, or ``k`` when that is 0."""
+        return self.num_samples or self.k
 
 
 @dataclass(kw_only=True, slots=True)
@@ -669,9 +744,61 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def with_import_dirs(cfg: RunConfig, config_path: str | Path | None) -> RunConfig:
     """Put the config file's folder and the current folder (absolute) into ``task.import_dirs`` (``moerl
     train`` and ``moerl sft`` do): a reward module beside the config, or in the folder a run starts from,
-    imports without ``PYTHONPATH``, in every process of the run. Returns ``cfg``, changed in place."""
+    imports without ``PYTHONPATH``, in every process of the run; and make its input paths absolute
+    (``resolve_paths``). Returns ``cfg``, changed in place.
+
+    Raises:
+        ConfigError: a relative input path found in neither folder (``resolve_paths``).
+    """
     found = [str(Path(config_path).resolve().parent)] if config_path is not None else []
     cfg.task.import_dirs = tuple(dict.fromkeys([*cfg.task.import_dirs, *found, str(Path.cwd())]))
+    return resolve_paths(cfg, config_path)
+
+
+INPUT_PATHS = ("model.path", "init_from", "task.path", "task.val_path", "task.tokenizer", "reward.model_path")
+"""The config fields naming files or folders a run reads (``resolve_paths``); ``output_dir`` is not one:
+a run writes where it is started."""
+
+
+def _resolve_one(name: str, value: str, folders: list[Path]) -> str:
+    """``value`` made absolute: the first of ``folders / value`` that exists (``value`` itself when absolute
+    or a URL ``scheme://...``, left to the checks that read it)."""
+    if "://" in value or Path(value).expanduser().is_absolute():
+        return value
+    tried = [folder / Path(value).expanduser() for folder in folders]
+    hit = next((t for t in tried if t.exists()), None)
+    if hit is None:
+        where = ", ".join(str(t) for t in dict.fromkeys(tried))
+        raise ConfigError(f"{name}={value!r}: no such file or folder (tried {where})")
+    return str(hit)
+
+
+def resolve_paths(cfg: RunConfig, config_path: str | Path | None) -> RunConfig:
+    """Make every relative path of ``INPUT_PATHS`` absolute: against the config file's folder first, then
+    the working folder (the working folder alone without a config file), so that a config runs the same
+    from anywhere. Returns ``cfg``, changed in place (the run folder's config.yaml keeps absolute paths).
+
+    Raises:
+        ConfigError: a relative path found in neither folder; the one line names every path tried.
+    """
+    folders = [Path(config_path).resolve().parent] if config_path is not None else []
+    folders.append(Path.cwd())
+    for dotted in INPUT_PATHS:
+        section, _, field_name = dotted.rpartition(".")
+        owner = getattr(cfg, section) if section else cfg
+        value = getattr(owner, field_name)
+        if isinstance(value, str):
+            setattr(owner, field_name, _resolve_one(dotted, value, folders))
+        elif isinstance(value, dict):
+            setattr(
+                owner, field_name, {k: _resolve_one(f"{dotted}.{k}", v, folders) for k, v in value.items()}
+            )
+        elif isinstance(value, tuple):
+            setattr(
+                owner,
+                field_name,
+                tuple(_resolve_one(f"{dotted}[{i}]", v, folders) for i, v in enumerate(value)),
+            )
     return cfg
 
 

@@ -71,6 +71,9 @@ class RolloutTask:
     partial: tuple[PartialResponse, ...] = ()
     """Response prefixes left by an earlier lease that was drained (``TaskQueue.release(lease, partial=...)``);
     a worker may continue them instead of starting over. Empty normally."""
+    extra: dict | None = field(default=None, hash=False)
+    """The prompt's dataset-row columns the task does not consume (JSON values, nested as they are), passed
+    to a reward function that takes ``extra=`` (``moerl.tasks.rewards``); None: none."""
 
     def __post_init__(self) -> None:
         _as_tuple(self, "prompt_ids", self.prompt_ids)

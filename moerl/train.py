@@ -18,6 +18,7 @@ entry points (``moerl train``); Ctrl-C or SIGTERM ends a run with ``RunInterrupt
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -54,7 +55,15 @@ from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.local import LocalRollouts
 from moerl.runtime.ray import RayRollouts, check_ray_address, init_ray
 from moerl.runtime.rollouts import Rollouts
-from moerl.tasks.eval import EXACT_MATCH, METRIC_NAMES, EvalResult
+from moerl.tasks.eval import (
+    EXACT_MATCH,
+    METRIC_NAMES,
+    EvalResult,
+    eval_keys,
+    eval_values,
+    evaluate_sets,
+    sample_records,
+)
 from moerl.tasks.sft import save_tokenizer_and_companions
 from moerl.telemetry.live import LiveView, done_line
 from moerl.telemetry.report import plot_report
@@ -92,6 +101,7 @@ class Run:
         self.restarts = 0
         self.mirror = _open_mirror(cfg, run_dir)  # storage.url in an object store: copy there
         self.pushed_version = 0  # newest version sent to the rollouts (recovery publishes past it)
+        self.eval_keys: list[str] | None = None  # eval/pass@k, eval/<set>/... (set at the first step)
         self.startup: dict[str, float] = {}
         """Seconds from this object's creation to each start milestone (summary.json ``startup_s``)."""
 
@@ -370,7 +380,7 @@ class Run:
             state.update(wall_s=0.0, loop_s=0.0, samples=0)
             if driver_evaluates_start(self.cfg):  # else evaluated once the workers are up (_start)
                 self.state = state
-                self._start_eval(self.comp.evaluate())  # before the publish: not slowed by its copy
+                self._start_eval(self._driver_eval())  # before the publish: not slowed by its copy
             self._publish_version0()
             return state
         load_trainer_state(self.trainer, checkpoint, parts)  # written at any number of ranks
@@ -448,6 +458,7 @@ class Run:
         """Record the eval of version 0 (after the warm start, if one ran) in the run's totals and say it on
         the console."""
         self.startup["start_eval"] = self._since_start()
+        self._log_eval_samples(result, 0)
         self.state.update(
             start_accuracy=result.accuracy if result.metric == EXACT_MATCH else None,
             start_mean_reward=result.mean_reward,
@@ -467,23 +478,36 @@ class Run:
         if not is_due:
             return None
         try:
-            return self._eval_result()
+            result = self._eval_result()
         except EvalVersionRefused as e:  # the workers refused this version (weights/refused_total): no eval
             self.view.message(f"step {step}: {e}")
             return None
+        self._log_eval_samples(result, step)
+        return result
 
     def _eval_result(self) -> EvalResult:
-        """Held-out greedy evaluation of the trainer's current version: on a rollout worker in async mode
-        (the version is published first if this step did not publish it), else in process on the
-        driver's copy."""
+        """Held-out evaluation of the trainer's current version, every validation set
+        (``moerl.tasks.eval.evaluate_sets``): on a rollout worker in async mode (the version is published
+        first if this step did not publish it), else in process on the driver's copy."""
         if not evaluates_on_workers(self.cfg):
             self.trainer.refresh_model()  # a streamed version reaches the driver's copy only when needed
-            return self.comp.evaluate()
+            return self._driver_eval()
         if self.pushed_version != self.trainer.version:  # not a publish step: the workers need it
             self.rollouts.publish(self.trainer)
             self.pushed_version = self.trainer.version
-        prompts = self.comp.task.eval_prompts()
-        return self.rollouts.evaluate(prompts, self.trainer.version)
+        version = self.trainer.version
+        return evaluate_sets(self.comp.task.eval_sets(), lambda p: self.rollouts.evaluate(p, version))
+
+    def _driver_eval(self) -> EvalResult:
+        """Every validation set evaluated on the driver's copy of the policy."""
+        return evaluate_sets(self.comp.task.eval_sets(), self.comp.evaluate)
+
+    def _log_eval_samples(self, result: EvalResult, step: int) -> None:
+        """Append the sampled eval responses (``eval.k``) to ``RUN_DIR/eval_samples.jsonl``, one per line."""
+        records = sample_records(result, step)
+        if records:
+            with open(self.dir.eval_samples, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
 
     def _fp8_gap(self, groups: list[Group]) -> LogprobGap | None:
         """With ``rollout.weight_dtype=fp8`` in sync mode with the one-process trainer: the FP8 engine's
@@ -520,6 +544,9 @@ class Run:
         values = step_values(
             groups, stats, timings, queue, buffer, accuracy=exact, eval_mean_reward=mean_reward
         )
+        if self.eval_keys is None:  # the same keys at every step: eval.k and the validation sets
+            self.eval_keys = eval_keys(self.cfg.eval.k, list(self.comp.task.eval_sets()))
+        values.update(eval_values(accuracy, self.eval_keys))
         if self.cfg.rollout.weight_dtype == "fp8":
             values.update(fp8_values(fp8_gap, stats))
         values.update(r.fleet_values(self.cfg.trainer.batch_groups), policy_version=self.trainer.version)
@@ -548,6 +575,7 @@ class Run:
         self.view.update(record)
         if accuracy is not None:
             s["final_accuracy"], s["final_mean_reward"] = exact, mean_reward
+            s["final_eval"] = {k: record[k] for k in self.eval_keys}
 
     def _checkpoint(self, step: int) -> None:
         if self._is_checkpoint_step(step):
@@ -571,6 +599,7 @@ class Run:
             "final_eval_accuracy": s.get("final_accuracy"),
             "start_eval_mean_reward": s.get("start_mean_reward"),
             "final_eval_mean_reward": s.get("final_mean_reward"),
+            "final_eval": s.get("final_eval", {}),  # eval/pass@k, eval/<set>/... of the last eval
             "wall_time_s": s["wall_s"],
             "samples_per_s": s["samples"] / max(s["loop_s"], 1e-9),
             "samples_trained": s["samples"],

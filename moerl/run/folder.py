@@ -6,6 +6,7 @@ Layout (``runs/<name>-<timestamp>/``)::
     metrics.jsonl      one record per trainer step (schema: moerl.telemetry.metrics.METRIC_KEYS)
     summary.json       final figures and exactly-once task accounting
     ledger.jsonl       one line per trained task: {"task_id", "step", "policy_version", "lease_token"}
+    eval_samples.jsonl the sampled held-out responses (eval.k): {"step", "set", "k", "prompt_id", ...}
     checkpoints/       step_N/ full run state (moerl.trainer.checkpoint: save/load/latest_checkpoint)
     weights/           published weight versions (the default WeightStore)
     report.png         curves against step and wall time
@@ -164,6 +165,7 @@ class RunDir:
     metrics = property(lambda self: self.path / "metrics.jsonl")
     summary = property(lambda self: self.path / "summary.json")
     ledger = property(lambda self: self.path / "ledger.jsonl")
+    eval_samples = property(lambda self: self.path / "eval_samples.jsonl")  # sampled eval responses (eval.k)
     checkpoints = property(lambda self: self.path / "checkpoints")
     weights = property(lambda self: self.path / "weights")
     report = property(lambda self: self.path / "report.png")
@@ -194,9 +196,11 @@ class RunDir:
         return [LedgerEntry(**r) for r in read_jsonl(self.ledger)]
 
     def rewind(self, step: int) -> None:
-        """Drop metrics and ledger records after trainer step ``step`` (before resuming from it)."""
+        """Drop metrics, ledger and eval-sample records after trainer step ``step`` (before resuming from it)."""
         truncate_jsonl(self.metrics, lambda r: r.get("step", 0) <= step)
         truncate_jsonl(self.ledger, lambda r: r.get("step", 0) <= step)
+        if self.eval_samples.exists():
+            truncate_jsonl(self.eval_samples, lambda r: r.get("step", 0) <= step)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write ``summary.json`` atomically."""

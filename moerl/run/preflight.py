@@ -200,9 +200,10 @@ def _check_import(field: str, spec: str, load, dirs=()) -> None:
 
 
 def _check_prompt_length(cfg: RunConfig, task: Task, tokenizer: Tokenizer) -> None:
-    """The longest held-out prompt (and of the first training prompts) + ``max_new_tokens`` must fit the
-    cache slot (``moerl.config.engine_slot_tokens``), else every request of it fails in the engine."""
-    held_out = task.eval_prompts()
+    """The longest held-out prompt (of every validation set, and of the first training prompts) +
+    ``max_new_tokens`` must fit the cache slot (``moerl.config.engine_slot_tokens``), else every request of
+    it fails in the engine."""
+    held_out = [p for prompts in task.eval_sets().values() for p in prompts]
     if not held_out:  # a dataset holds out at most half its rows: one row leaves none to evaluate
         raise ConfigError(
             f"task: no held-out prompts (task.name={cfg.task.name!r}, task.num_eval={cfg.task.num_eval}): "

@@ -63,7 +63,10 @@ class RewardErrorWatch:
         group, i = failed[0]
         sample = group.samples[i]
         why = self.task.explain_failure(
-            group.task.prompt_text, self.tokenizer.decode(list(sample.response_ids)), group.task.answer
+            group.task.prompt_text,
+            self.tokenizer.decode(list(sample.response_ids)),
+            group.task.answer,
+            getattr(group.task, "extra", None),  # a RolloutTask's; a stand-in may have none
         )
         name = (
             f"task.reward_fn={self.cfg.reward_fn!r}"

@@ -120,10 +120,10 @@ class Components:
     the driver holds no copy (async mode with a trainer group and a ``init_path``: the ranks load their
     shards from it, a rollout worker evaluates: ``moerl.rollout.memory_check.driver_holds_policy``)."""
 
-    def evaluate(self) -> EvalResult:
-        """Held-out greedy evaluation of the driver's policy (``moerl.tasks.eval.evaluate``): its exact
-        match (``accuracy``, in [0, 1]) or, for a task with no notion of correctness, its mean reward
-        (``metric``).
+    def evaluate(self, prompts: list | None = None) -> EvalResult:
+        """Held-out greedy evaluation of the driver's policy (``moerl.tasks.eval.evaluate``) on ``prompts``
+        (default: the task's main held-out set): its exact match (``accuracy``, in [0, 1]) or, for a task
+        with no notion of correctness, its mean reward (``metric``); with ``eval.k`` also the sampled pass@k.
 
         Raises:
             RuntimeError: the driver holds no copy of the policy (``model`` is None).
@@ -135,9 +135,11 @@ class Components:
             self.model,
             self.tokenizer,
             self.task,
+            prompts,
             max_new_tokens=r.max_new_tokens,
             max_slots=r.max_slots,
             kv_token_budget=r.kv_token_budget,
+            sampling=self.cfg.eval,
         )
 
 

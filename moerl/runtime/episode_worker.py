@@ -55,7 +55,10 @@ class EpisodeWorker(RolloutWorker):
         )
         return super()._params(lease)
 
-    def _to_sample(self, lease: Lease, c: Completion) -> Sample:
+    def _score(self, lease: Lease, completions: list[Completion]) -> list[None]:
+        return [None] * len(completions)  # an episode's reward comes with it (``EpisodeCompletion.reward``)
+
+    def _to_sample(self, lease: Lease, c: Completion, reward=None) -> Sample:
         if not isinstance(c, EpisodeCompletion):
             raise TypeError(f"EpisodeWorker got a {type(c).__name__} for {c.request_id}; expected an episode")
         return Sample(

@@ -39,6 +39,7 @@ class PromptLike(Protocol):
     id: str
     text: str
     answer: str
+    extra: dict | None  # the row's columns for an ``extra=`` reward (``moerl.tasks.Prompt.extra``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +376,7 @@ class TaskQueue:
             prompt_text=prompt.text,
             answer=prompt.answer,
             num_samples=self._num_samples,
+            extra=getattr(prompt, "extra", None),
         )
         self._cursor += 1
         if task.task_id in self._entries:  # pragma: no cover - the cursor makes ids unique

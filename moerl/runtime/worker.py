@@ -43,7 +43,7 @@ from moerl.rollout.weight_update import cancel_all, recompute_running
 from moerl.runtime.buffer import BufferClosed, PutResult
 from moerl.runtime.delivery import GroupSink, Outbox
 from moerl.runtime.drain import InFlightGroup, ResumePlan, group_progress
-from moerl.tasks.base import stable_hash
+from moerl.tasks.base import Reward, score_many, stable_hash
 from moerl.tasks.tokenizer import Tokenizer
 from moerl.weights.sources import WeightSource
 
@@ -321,8 +321,16 @@ class RolloutWorker:
         version, at = self._empty_lease
         return version == self.version and time.monotonic() - at < self.lease_retry_s
 
-    def _to_sample(self, lease: Lease, c: Completion) -> Sample:
-        reward = self.task.reward(lease.task.prompt_text, self.decode(c.token_ids), lease.task.answer)
+    def _score(self, lease: Lease, completions: list[Completion]) -> list[Reward | None]:
+        """The rewards of a group's completions: one ``Task.reward_many`` (a batched reward function gets
+        the group in one call), the row's ``extra`` columns passed along."""
+        t, n = lease.task, len(completions)
+        texts = [self.decode(c.token_ids) for c in completions]
+        return score_many(self.task, [t.prompt_text] * n, texts, [t.answer] * n, [t.extra] * n)
+
+    def _to_sample(self, lease: Lease, c: Completion, reward: Reward | None = None) -> Sample:
+        if reward is None:
+            reward = self._score(lease, [c])[0]
         self.stats.reward_errors += int(reward.info.get("error", 0.0) > 0)
         return Sample(
             prompt_ids=lease.task.prompt_ids,
@@ -339,7 +347,8 @@ class RolloutWorker:
     def _group_of(self, job: _InFlight) -> Group:
         """Score a finished job's samples and bundle them as the lease's group."""
         job.completions.sort(key=lambda c: c.sample_index)
-        samples = [self._to_sample(job.lease, c) for c in job.completions]
+        rewards = self._score(job.lease, job.completions)
+        samples = [self._to_sample(job.lease, c, r) for c, r in zip(job.completions, rewards, strict=True)]
         self.stats.tokens_generated += sum(len(s.response_ids) for s in samples)
         return Group.from_lease(job.lease, samples, time.perf_counter() - job.started)
 
@@ -522,7 +531,7 @@ class RolloutWorker:
         for request in requests:
             self.engine.add_request(request)
         done: list[Completion] = []
-        while len(done) < len(requests):
+        while len(done) < sum(r.params.n for r in requests):  # n samples each (a sampled eval: eval.n)
             done += [c for c in self.engine.step() if c.request_id in wanted]
         return done
 

@@ -16,7 +16,7 @@ from moerl.tasks.arithmetic import ArithmeticTask
 from moerl.tasks.base import Prompt, Reward, Task
 from moerl.tasks.chat import ChatTemplateError, chat_renderer
 from moerl.tasks.countdown import CountdownTask
-from moerl.tasks.datasets import DatasetError, JsonlTask, load_jsonl, load_records
+from moerl.tasks.datasets import DatasetError, JsonlTask, eval_split, load_jsonl, load_records
 from moerl.tasks.rewards import load_reward_fn, load_score_fn
 from moerl.tasks.tokenizer import Tokenizer, load_tokenizer
 
@@ -68,17 +68,46 @@ def _countdown(cfg: TaskConfig, env: EnvConfig | None, score_fn, template: dict)
 
 
 def _dataset(cfg: TaskConfig, env: EnvConfig | None, score_fn, template: dict) -> Task:
-    records = load_records(
-        cfg.path,
-        layout=cfg.layout,
-        prompt_field=cfg.prompt_field,
-        answer_field=cfg.answer_field,
-        messages_field=cfg.messages_field,
-        require_answer=score_fn is None,
-    )
+    def read(path: str, split: str | None = None) -> list:
+        return load_records(
+            path,
+            layout=cfg.layout,
+            prompt_field=cfg.prompt_field,
+            answer_field=cfg.answer_field,
+            messages_field=cfg.messages_field,
+            require_answer=score_fn is None,
+            split=split,
+        )
+
+    eval_sets, source = _eval_sets(cfg, read)
     if "render" in template:  # chat: task.template (if any) shapes the user message, not the prompt
         template = {"render": template["render"]}
-    return JsonlTask(records, name=Path(cfg.path).stem, num_eval=cfg.num_eval, score_fn=score_fn, **template)
+    return JsonlTask(
+        read(cfg.path),
+        name=Path(cfg.path).stem,
+        num_eval=cfg.num_eval,
+        score_fn=score_fn,
+        eval_sets=eval_sets,
+        eval_source=source,
+        **template,
+    )
+
+
+def _eval_sets(cfg: TaskConfig, read: Callable[..., list]) -> tuple[dict[str, list] | None, str]:
+    """The validation sets of a dataset task (name -> records) and what they are, for the split line:
+    ``task.val_path`` (a DatasetDict folder gives its ``test``/``validation`` split), else the ``test`` or
+    ``validation`` split of a DatasetDict ``task.path``, else None (carved from ``task.path``)."""
+    named = cfg.val_sets()
+    if named:
+        sets = {}
+        for name, path in named.items():
+            split = eval_split(path)
+            sets[name] = read(path, split)
+        return sets, "task.val_path"
+    split = eval_split(cfg.path)
+    if split is None:
+        return None, ""
+    return {split: read(cfg.path, split)}, f"the {split!r} split of task.path={cfg.path}"
 
 
 def _env(cfg: TaskConfig, env: EnvConfig | None, score_fn, template: dict) -> Task:
@@ -120,7 +149,11 @@ def make_task(cfg: TaskConfig, env: EnvConfig | None = None, tokenizer: Tokenize
     """
     if cfg.name not in TASKS:
         raise ValueError(f"task.name={cfg.name!r}: choose one of {', '.join(TASKS)}")
-    score_fn = load_score_fn(cfg.reward_fn, dirs=cfg.import_dirs) if cfg.reward_fn else None
+    score_fn = None
+    if cfg.reward_fn:
+        score_fn = load_score_fn(
+            cfg.reward_fn, dirs=cfg.import_dirs, batched=cfg.reward_batched, timeout_s=cfg.reward_timeout_s
+        )
     template: dict = {"template": cfg.template} if cfg.template else {}
     if cfg.prompt_format == "chat":
         if tokenizer is None or tokenizer.chat_template is None:

@@ -2,8 +2,9 @@
 
 A task is the start of moerl's data flow (tasks -> rollout -> buffer -> trainer). It yields
 ``Prompt``s whose ``text`` is already templated (ready to tokenize) and scores a response with
-``reward(prompt_text, response_text, answer) -> Reward``. Scoring is a plain Python callable; any
-exception it raises is caught, counted and turned into ``Reward(0.0, {"error": 1.0})`` so that one
+``reward(prompt_text, response_text, answer, extra=None) -> Reward`` (or ``reward_many`` for a group).
+Scoring is a plain Python callable (``moerl.tasks.rewards``); any exception it raises, or a call past
+``task.reward_timeout_s``, is caught, counted and turned into ``Reward(0.0, {"error": 1.0})`` so that one
 bad sample never stops a run.
 
 Train and eval splits are disjoint by construction: every built-in task assigns each problem to
@@ -17,8 +18,11 @@ import logging
 import math
 import numbers
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from moerl.tasks.rewards import RewardFunction
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,9 @@ class Prompt:
     text: str
     answer: str
     solution: str | None = None
+    extra: dict[str, Any] | None = field(default=None, hash=False)
+    """The columns of the prompt's dataset row that the task does not consume (JSON values: nested
+    dicts and lists as they are), passed to a reward function that takes ``extra=``; None: none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +69,9 @@ class Reward:
     info: dict[str, float] = field(default_factory=dict)
 
 
-ScoreFn = Callable[[str, str, str], "Reward | float | bool | int"]
-"""A reward function ``(prompt_text, response_text, answer) -> Reward | float``."""
+ScoreFn = Callable[..., "Reward | float | bool | int"]
+"""A reward function ``(prompt_text, response_text, answer[, extra=dict]) -> Reward | float``, or a
+``moerl.tasks.rewards.RewardFunction`` (batched, timed out)."""
 
 
 def stable_hash(key: str) -> int:
@@ -108,7 +116,7 @@ class Task:
     scoring is the user's reward function (``held_out_correct`` then returns None)."""
 
     def __init__(self, score_fn: ScoreFn | None = None) -> None:
-        self._score_fn = score_fn
+        self._score_fn = None if score_fn is None else RewardFunction.of(score_fn)
         self.num_reward_errors = 0
         self.first_reward_error: str | None = None
         """``"<Type>: <message>"`` of the first reward failure, for the line that stops a run."""
@@ -127,37 +135,85 @@ class Task:
         """The held-out prompts (disjoint from every training prompt), in a fixed order."""
         raise NotImplementedError
 
+    def eval_sets(self) -> dict[str, list[Prompt]]:
+        """The held-out sets, name -> prompts, the first the main one (``eval/accuracy``); a task with one
+        set: ``{"held_out": eval_prompts()}``. Names are the ``<name>`` of ``eval/<name>/...`` metrics."""
+        return {"held_out": self.eval_prompts()}
+
     def score(self, prompt_text: str, response_text: str, answer: str) -> Reward:
         """The task's own verifier; may raise (``reward`` guards it)."""
         raise NotImplementedError
 
-    def reward(self, prompt_text: str, response_text: str, answer: str) -> Reward:
-        """Score one response; never raises.
+    def reward(self, prompt_text: str, response_text: str, answer: str, extra: dict | None = None) -> Reward:
+        """Score one response; never raises (``reward_many`` of one sample).
 
         Returns:
-            The verifier's ``Reward``; ``Reward(0.0, {"error": 1.0, "correct": 0.0})`` when it raised
-            or returned something that is not a finite number (``num_reward_errors`` grows by one).
+            The verifier's ``Reward``; ``Reward(0.0, {"error": 1.0, "correct": 0.0})`` when it raised, took
+            longer than ``task.reward_timeout_s`` or returned something that is not a finite number
+            (``num_reward_errors`` grows by one).
         """
-        fn = self._score_fn or self.score
-        try:
-            return as_reward(fn(prompt_text, response_text, answer))
-        except Exception as e:  # noqa: BLE001 - a reward bug must cost one sample, not the run
-            self.num_reward_errors += 1
-            if self.first_reward_error is None:
-                self.first_reward_error = f"{type(e).__name__}: {e}"
-            if self.num_reward_errors <= MAX_LOGGED_ERRORS:  # one line each; the traceback at debug level
-                log.warning(
-                    "reward function raised on prompt %r: %s: %s", prompt_text[:80], type(e).__name__, e
-                )
-                log.debug("reward function traceback", exc_info=True)
-            return Reward(0.0, {"error": 1.0, "correct": 0.0})
+        return self.reward_many([prompt_text], [response_text], [answer], [extra])[0]
 
-    def explain_failure(self, prompt_text: str, response_text: str, answer: str) -> str | None:
+    def reward_many(
+        self,
+        prompt_texts: Sequence[str],
+        response_texts: Sequence[str],
+        answers: Sequence[str],
+        extras: Sequence[dict | None],
+    ) -> list[Reward]:
+        """Score B responses (a group, or a held-out set); never raises.
+
+        A batched reward function (``task.reward_batched``) gets one call with the B-long lists: if it fails,
+        all B samples count as failed; otherwise each sample is one guarded call. The task's own verifier is
+        called per sample.
+
+        Returns:
+            B ``Reward``s, in order (a failed one as ``reward`` says).
+        """
+        fn = self._score_fn
+        rows = list(zip(prompt_texts, response_texts, answers, extras, strict=True))
+        if fn is not None and fn.batched:
+            try:
+                values = fn.call_batch(*(list(c) for c in zip(*rows, strict=True)))
+                return [as_reward(v) for v in values]
+            except Exception as e:  # noqa: BLE001 - a reward bug must cost the batch, not the run
+                return [self._failed(e, prompt_texts[0]) for _ in rows]
+        out = []
+        for prompt_text, response_text, answer, extra in rows:
+            try:
+                value = (
+                    fn.call_one(prompt_text, response_text, answer, extra)
+                    if fn is not None
+                    else self.score(prompt_text, response_text, answer)
+                )
+                out.append(as_reward(value))
+            except Exception as e:  # noqa: BLE001 - a reward bug must cost one sample, not the run
+                out.append(self._failed(e, prompt_text))
+        return out
+
+    def _failed(self, e: Exception, prompt_text: str) -> Reward:
+        """Count and log (the first ``MAX_LOGGED_ERRORS``) one failed reward; its ``Reward``."""
+        self.num_reward_errors += 1
+        if self.first_reward_error is None:
+            self.first_reward_error = f"{type(e).__name__}: {e}"
+        if self.num_reward_errors <= MAX_LOGGED_ERRORS:  # one line each; the traceback at debug level
+            log.warning("reward function raised on prompt %r: %s: %s", prompt_text[:80], type(e).__name__, e)
+            log.debug("reward function traceback", exc_info=e)
+        return Reward(0.0, {"error": 1.0, "correct": 0.0})
+
+    def explain_failure(
+        self, prompt_text: str, response_text: str, answer: str, extra: dict | None = None
+    ) -> str | None:
         """Score one response again, unguarded, and say why it fails (``"ValueError: boom"``,
         ``"returned str '1.0', not a number"``), or None when it scores. For the line that stops a run."""
-        fn = self._score_fn or self.score
+        fn = self._score_fn
         try:
-            as_reward(fn(prompt_text, response_text, answer))
+            if fn is None:
+                as_reward(self.score(prompt_text, response_text, answer))
+            elif fn.batched:
+                as_reward(fn.call_batch([prompt_text], [response_text], [answer], [extra])[0])
+            else:
+                as_reward(fn.call_one(prompt_text, response_text, answer, extra))
         except Exception as e:  # noqa: BLE001 - the failure is what is asked for
             return f"{type(e).__name__}: {e}"
         return None
@@ -180,6 +236,21 @@ class Task:
             return float(as_reward(self.score(prompt_text, response_text, answer)).info.get("correct", 0.0))
         except Exception:  # noqa: BLE001 - the built-in verifiers do not raise; a broken one is "not correct"
             return 0.0
+
+
+def score_many(
+    task: Any,
+    prompt_texts: Sequence[str],
+    response_texts: Sequence[str],
+    answers: Sequence[str],
+    extras: Sequence[dict | None],
+) -> list[Reward]:
+    """``task.reward_many(...)`` of a ``Task``; for an object with only ``reward(prompt_text, response_text,
+    answer)`` (the scoring contract of the rollout worker and the eval), one such call per sample."""
+    many = getattr(task, "reward_many", None)
+    if many is not None:
+        return list(many(prompt_texts, response_texts, answers, extras))
+    return [task.reward(p, r, a) for p, r, a in zip(prompt_texts, response_texts, answers, strict=True)]
 
 
 class GeneratedTask(Task):

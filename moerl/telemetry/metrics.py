@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 METRIC_KEYS: tuple[str, ...] = (
@@ -147,6 +148,11 @@ WORKER_FIELDS: tuple[str, ...] = (
 )
 """Fields of each ``rollout/workers`` entry, in order."""
 
+EVAL_KEY = re.compile(r"eval/([A-Za-z0-9_.-]+/)?(accuracy|mean_reward|pass@\d+|mean@\d+)")
+"""Eval metrics beyond ``METRIC_KEYS`` that a run's config adds (``eval.k``, several ``task.val_path`` sets):
+``eval/pass@<k>``, ``eval/mean@<k>``, ``eval/<set>/accuracy``, ``eval/<set>/mean_reward``,
+``eval/<set>/pass@<k>``, ``eval/<set>/mean@<k>`` (``moerl.tasks.eval.eval_keys``)."""
+
 WORKER_WALL_FIELDS = ("tokens_per_s", "groups_per_s", "tokens_total", "groups_total")
 """Per-worker fields left out when two runs are compared: the rates depend on wall-clock time, the
 totals on the worker process's life (a resumed run's workers start again from 0)."""
@@ -166,16 +172,21 @@ def make_record(
 ) -> dict[str, float | int | None]:
     """A schema-complete record: ``step``, ``wall_s`` and every ``METRIC_KEYS`` entry (missing: None).
 
+    Keys of the run's eval (``EVAL_KEY``: ``eval/pass@4``, ``eval/<set>/accuracy``, ...) are written too;
+    the run passes the same ones at every step (``moerl.tasks.eval.eval_keys``).
+
     Raises:
-        KeyError: ``values`` has a key outside ``METRIC_KEYS``.
+        KeyError: ``values`` has a key outside ``METRIC_KEYS`` and ``EVAL_KEY``.
         TypeError: a value is not a number or None.
     """
-    unknown = sorted(set(values) - set(METRIC_KEYS))
+    unknown = sorted(k for k in set(values) - set(METRIC_KEYS) if not EVAL_KEY.fullmatch(k))
     if unknown:
         raise KeyError(f"metrics outside the fixed schema: {unknown}; allowed: {list(METRIC_KEYS)}")
     record: dict[str, float | int | None] = {"step": int(step), "wall_s": round(float(wall_s), 4)}
     for key in METRIC_KEYS:
         record[key] = _clean_workers(values.get(key)) if key == WORKERS_KEY else _clean(values.get(key))
+    for key in sorted(set(values) - set(METRIC_KEYS)):  # the run's eval keys, the same at every step
+        record[key] = _clean(values[key])
     return record
 
 

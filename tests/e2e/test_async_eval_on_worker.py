@@ -40,11 +40,11 @@ def test_async_eval_accuracy_equals_evaluating_the_saved_version_in_process(
     driver_evals = []
     in_process = Components.evaluate
 
-    def start_eval_only(self):
+    def start_eval_only(self, *args):
         if driver_evals:
             raise AssertionError("the driver evaluated in process after the start")
         driver_evals.append(1)
-        return in_process(self)
+        return in_process(self, *args)
 
     monkeypatch.setattr(Components, "evaluate", start_eval_only)
     # the rollout workers start while the trainer is built: the build waits for their start to begin

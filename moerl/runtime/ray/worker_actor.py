@@ -381,9 +381,10 @@ class RolloutWorkerActor:
                 max_slots=r.max_slots,
                 kv_token_budget=r.kv_token_budget,
             )
-        requests = eval_requests(request.prompts, self.tokenizer, r.max_new_tokens)
+        sampling = self.cfg.eval  # eval.k: the sampled pass@k beside the greedy exact match
+        requests = eval_requests(request.prompts, self.tokenizer, r.max_new_tokens, sampling)
         completions = self.worker.generate_alone(requests)
-        return score_completions(request.prompts, completions, self.tokenizer, task)
+        return score_completions(request.prompts, completions, self.tokenizer, task, sampling)
 
     def _fail_evals(self, why: str) -> None:
         with self._evals_lock:
