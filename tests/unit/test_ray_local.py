@@ -192,3 +192,20 @@ def test_the_cli_says_a_failed_ray_start_in_one_line(monkeypatch, capfd, tmp_pat
     assert cli_main(["train", "--set", f"output_dir={tmp_path}"]) == 1
     err = capfd.readouterr().err.strip()
     assert err == "moerl: Ray's local start failed: a raylet did not register within Ray's 30 s in 3 starts"
+
+
+@pytest.mark.parametrize(("preset", "expected"), [(None, "token"), ("disabled", "disabled")])
+def test_a_local_start_states_rays_auth_mode_so_ray_prints_no_banner(monkeypatch, preset, expected):
+    """Issue 51: with ``RAY_AUTH_MODE`` unset, Ray >= 2.5x enables token auth for a new local instance and
+    prints a three-line banner on every run; ``start_local_ray`` states the same mode (``token``) before
+    ``ray.init``, and a mode the user set wins."""
+    import ray
+
+    seen = []
+    if preset is None:
+        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    else:
+        monkeypatch.setenv("RAY_AUTH_MODE", preset)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append(os.environ.get("RAY_AUTH_MODE")))
+    local.start_local_ray(num_cpus=1)
+    assert seen == [expected]

@@ -119,11 +119,20 @@ def retry_ray_start(
     raise AssertionError("unreachable")
 
 
+RAY_AUTH_MODE = "token"
+"""The authentication mode of the local instances moerl starts: ``RAY_AUTH_MODE`` (Ray's own variable, see
+docs.ray.io ray-security/token-auth), unless the environment sets it already. Ray >= 2.5x turns token
+authentication on for a new local instance when the variable is unset and then prints a three-line banner
+saying so on every run; set explicitly, the mode is the same (a token, generated once in ~/.ray) and Ray
+prints nothing. ``RAY_AUTH_MODE=disabled`` in the environment still opts out; older Ray ignores it."""
+
+
 def start_local_ray(
     num_attempts: int = 3, should_stop: Callable[[], bool] = lambda: False, **init_kwargs
 ) -> None:
     """``ray.init(address="local", **init_kwargs)``: a new local Ray instance, never another process's
     running cluster, started again when Ray's fixed 30 s wait for its raylet runs out (``retry_ray_start``).
+    Its authentication mode is ``RAY_AUTH_MODE`` (token authentication, stated, so Ray prints no banner).
 
     Args:
         num_attempts: starts to try (>= 1).
@@ -141,4 +150,5 @@ def start_local_ray(
         raise ValueError(
             "start_local_ray starts a local instance: pass no address (use ray.init for a cluster)"
         )
+    os.environ.setdefault("RAY_AUTH_MODE", RAY_AUTH_MODE)  # read by ray.init and inherited by its processes
     retry_ray_start(lambda: ray.init(address="local", **init_kwargs), num_attempts, should_stop=should_stop)
