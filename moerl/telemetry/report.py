@@ -60,9 +60,9 @@ X_AXES = (("step", "trainer step"), ("wall_s", "wall time (s)"))
 """Rows of the figure: (record key, x-axis label with units)."""
 
 
-SMOOTH_POINTS = 50
+SMOOTH_POINTS = 30
 """A smoothed series' rolling window is ``len(points) // SMOOTH_POINTS`` points (so about that many
-independent means span the run); below two points of window nothing is smoothed."""
+independent means span the run: 100 steps at the main job's 3000); below two points of window nothing is smoothed."""
 
 
 def rolling_window(num_points: int) -> int:

@@ -119,12 +119,30 @@ def retry_ray_start(
     raise AssertionError("unreachable")
 
 
-RAY_AUTH_MODE = "token"
-"""The authentication mode of the local instances moerl starts: ``RAY_AUTH_MODE`` (Ray's own variable, see
-docs.ray.io ray-security/token-auth), unless the environment sets it already. Ray >= 2.5x turns token
-authentication on for a new local instance when the variable is unset and then prints a three-line banner
-saying so on every run; set explicitly, the mode is the same (a token, generated once in ~/.ray) and Ray
-prints nothing. ``RAY_AUTH_MODE=disabled`` in the environment still opts out; older Ray ignores it."""
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+"""The logger of Ray's token-authentication set-up (Ray >= 2.5x), whose banner ``RAY_AUTH_BANNER`` starts."""
+RAY_AUTH_BANNER = "Token authentication is enabled for this Ray cluster"
+"""How the banner starts that Ray logs at every new local instance when ``RAY_AUTH_MODE`` is unset: token
+authentication is on by default, "set RAY_AUTH_MODE=disabled to opt out", a link (three lines on an
+80-column console, every run)."""
+
+
+def _is_not_auth_banner(record: logging.LogRecord) -> bool:
+    """A ``logging`` filter: False for Ray's token-auth banner only (its security warnings pass)."""
+    return not str(record.msg).startswith(RAY_AUTH_BANNER)
+
+
+def quiet_ray_auth_banner() -> None:
+    """Drop Ray's token-authentication banner (``RAY_AUTH_BANNER``) from this process's log, keeping the
+    mode it announces (token authentication, Ray's default for a local instance) and every other message
+    of that logger, e.g. the warning that authentication is disabled. Idempotent.
+
+    Why not ``RAY_AUTH_MODE=token``, which also silences it: Ray reads the variable when it is imported, so
+    setting it in a process that imported Ray already leaves the driver in the disabled mode while the
+    instance it starts requires a token, and ``ray.init`` fails (seen with Ray 2.60)."""
+    banner_logger = logging.getLogger(RAY_AUTH_LOGGER)
+    if _is_not_auth_banner not in banner_logger.filters:
+        banner_logger.addFilter(_is_not_auth_banner)
 
 
 def start_local_ray(
@@ -132,7 +150,7 @@ def start_local_ray(
 ) -> None:
     """``ray.init(address="local", **init_kwargs)``: a new local Ray instance, never another process's
     running cluster, started again when Ray's fixed 30 s wait for its raylet runs out (``retry_ray_start``).
-    Its authentication mode is ``RAY_AUTH_MODE`` (token authentication, stated, so Ray prints no banner).
+    Ray's token-authentication banner is left out of the console (``quiet_ray_auth_banner``).
 
     Args:
         num_attempts: starts to try (>= 1).
@@ -150,5 +168,5 @@ def start_local_ray(
         raise ValueError(
             "start_local_ray starts a local instance: pass no address (use ray.init for a cluster)"
         )
-    os.environ.setdefault("RAY_AUTH_MODE", RAY_AUTH_MODE)  # read by ray.init and inherited by its processes
+    quiet_ray_auth_banner()
     retry_ray_start(lambda: ray.init(address="local", **init_kwargs), num_attempts, should_stop=should_stop)
