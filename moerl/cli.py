@@ -188,7 +188,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 _CLUSTER_RENDER_DESCRIPTION = """\
 Write the Amazon EKS + KubeRay manifests of a run config with a cluster: section
-(see moerl/config_cluster.py and the README's "Run on a cluster"):
+(see moerl/config_cluster.py and docs/cluster.md):
 
   OUT/eksctl-cluster.yaml            eksctl create cluster -f OUT/eksctl-cluster.yaml
   OUT/iam-s3-policy.json             the pods' S3 access alone (the run's bucket and prefixes)

@@ -63,7 +63,7 @@ class AlgorithmConfig:
     (``rollout.return_routed_experts`` is switched on), and the trainer's forwards replay them
     (``MoeForCausalLM.forward(forced_experts=...)``), so that train and rollout log-probs come from the
     same experts. Off by default: on CPU the engine and the trainer run the same float32 model and
-    kernels, so their expert choices already agree; see the README for the measured cost and gain."""
+    kernels, so their expert choices already agree; see bench/README.md for the measured cost and gain."""
     kl_coef: float = 0.0
     """Coefficient beta of the KL penalty against a frozen reference policy (a copy of the policy the RL
     run starts from: the warm start or ``init_from``); 0 disables it and builds no reference model."""

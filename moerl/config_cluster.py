@@ -228,7 +228,7 @@ class ClusterConfig:
     """Kubernetes namespace of the RayJob and its config."""
     image: str | None = None
     """Container image with moerl and Ray installed: build ``deploy/docker/Dockerfile`` and push it to a
-    registry the nodes can pull from (the README's "Run on a cluster"). None: ``moerl cluster render``
+    registry the nodes can pull from (docs/cluster.md, "Run on a cluster"). None: ``moerl cluster render``
     refuses. moerl publishes no image, and a default that names one would render pods that fail to pull
     it only once their GPU nodes are rented."""
     ray_version: str = "2.60.0"

@@ -134,6 +134,7 @@ class Run:
         if cfg.runtime.mode == "async" and cfg.runtime.ray_address:  # before the warm start, not after
             check_ray_address(cfg.runtime.ray_address)
         init_path = warm_start(cfg, self.dir, self.view)
+        self.view.phase("starting the trainer and the rollouts")  # the console's live line until step 1
         if self.mirror is not None and cfg.init_from is None:  # a resume elsewhere then needs no SFT again
             self.mirror.warm_start(Path(init_path))
         # its digests were read when resume_checkpoint picked it (the run folder is locked since)
@@ -159,6 +160,7 @@ class Run:
         if parts is not None:
             restore_rng_state(parts["rng"])
         self.clock0, self.wall0 = time.perf_counter(), self.state["wall_s"]
+        self.view.phase(f"generating the first {cfg.trainer.batch_groups} groups")
 
     def step(self) -> None:
         """One RL step: lease -> generate -> score -> buffer (the rollouts) -> train -> publish -> eval

@@ -5,7 +5,7 @@ One managed node group per worker group, all in the first Availability Zone of
 placement group; eksctl makes the placement group for an ``efaEnabled`` group). GPU groups are tainted
 ``nvidia.com/gpu=true:NoSchedule``; the rollout group is Spot capacity. The pods' service account gets
 an IAM role for S3 through IRSA (``iam.withOIDC``). Nodes come and go with the Kubernetes Cluster
-Autoscaler (``withAddonPolicies.autoScaler``; the README installs it), which follows the Ray pods the
+Autoscaler (``withAddonPolicies.autoScaler``; docs/cluster.md installs it), which follows the Ray pods the
 KubeRay autoscaler adds or removes.
 
 The service account's IAM role has one inline policy: the run's S3 bucket and prefixes only

@@ -29,7 +29,7 @@ PRESETS: dict[str, dict] = {
     "deepseek-v3": {"model": "deepseek-v3"},
     # configs/cluster_mission.yaml's scenario: DeepSeek-V3, 16 training nodes (EP 64 = 8 nodes), 32 rollout
     # workers of one node each (EP 8) with FP8 weights, 256 sequences per rollout GPU, 256 prompts x 16
-    # samples per step, 512 + 3584 tokens, Spot rollout nodes (what differs: the README's "Run on a cluster").
+    # samples per step, 512 + 3584 tokens, Spot rollout nodes (what differs: docs/cluster.md, "Run on a cluster").
     "mission-recipe": {"model": "deepseek-v3", "total_nodes": 48, "train_nodes": 16, "train_ep_nodes": 8,
                        "rollout_ep_nodes": 1, "rollout_rows_per_gpu": 256, "weight_bytes": 1.0,
                        "prompts_per_step": 256, "group_size": 16, "prompt_len": 512, "response_len": 3584,

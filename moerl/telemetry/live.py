@@ -94,7 +94,7 @@ class LiveView:
         self.last_eval_step: int | None = None
         self._progress = None
         self._task = None
-        self._sft_task = None
+        self._has_step = False  # a step's status line has replaced the start-up phase
         if enabled and self.stream.isatty():
             from rich.console import Console
             from rich.progress import Progress, TextColumn, TimeElapsedColumn
@@ -119,12 +119,24 @@ class LiveView:
         else:
             print(f"[{time.strftime('%H:%M:%S')}] {text}", file=self.stream, flush=True)
 
+    def phase(self, text: str) -> None:
+        """Name what the run is doing before its first step (``text``, e.g. "starting rollout workers").
+
+        On a TTY: the live line's text until the first ``update`` (the line is the run's one live line,
+        so nothing stale stays under it); ignored once a step has been shown. Otherwise nothing: the
+        plain log has a timestamped line for each milestone that matters already.
+        """
+        if self.enabled and self._progress is not None and not self._has_step:
+            self._progress.update(self._task, description=text, refresh=True)  # rare: shown at once
+
     def warm_start_progress(self, step: int, num_steps: int, loss: float) -> None:
-        """Show the SFT warm start's progress as ``sft step i/N loss x``.
+        """Show the SFT warm start's progress as ``warm start: sft step i/N loss x``.
 
         Meant as the ``progress`` callback of the warm start (called after each optimizer step). On a
-        TTY: a second progress bar, advanced every call. Otherwise: a plain timestamped line at step 1,
-        every ``max(1, num_steps // 10)`` steps and at the last step (about a dozen lines per warm start).
+        TTY: the live line itself (``phase``), updated every call, so that it says what the run is doing
+        (not "starting") and leaves no stale line behind when RL begins. Otherwise: a plain timestamped
+        line ``sft step i/N loss x`` at step 1, every ``max(1, num_steps // 10)`` steps and at the last
+        step (about a dozen lines per warm start).
 
         Args:
             step: optimizer steps done, in [1, num_steps].
@@ -140,9 +152,7 @@ class LiveView:
             return
         line = f"sft step {step}/{num_steps} loss {loss:.4f}"
         if self._progress is not None:
-            if self._sft_task is None:
-                self._sft_task = self._progress.add_task(line, total=num_steps)
-            self._progress.update(self._sft_task, completed=step, description=line)
+            self.phase(f"warm start: {line}")
         elif step == 1 or step == num_steps or step % max(1, num_steps // 10) == 0:
             print(f"[{time.strftime('%H:%M:%S')}] {line}", file=self.stream, flush=True)
 
@@ -169,6 +179,7 @@ class LiveView:
         if not self.enabled:
             return
         if self._progress is not None:
+            self._has_step = True
             self._progress.update(self._task, completed=step, description=line)
         elif has_eval or step in (1, self.total_steps) or step % max(1, self.total_steps // 100) == 0:
             print(f"[{time.strftime('%H:%M:%S')}] {line}", file=self.stream, flush=True)

@@ -32,6 +32,8 @@ class Panel:
     """(metric key of ``METRIC_KEYS``, legend label) pairs."""
     is_count: bool = False
     """The values are counts: integer y ticks only."""
+    is_smoothed: bool = False
+    """Per-step noise: each series is drawn raw (faint) under its rolling mean (``rolling_mean``)."""
 
 
 PANELS = (
@@ -44,16 +46,57 @@ PANELS = (
         "Throughput",
         "throughput (tokens/s)",
         (("perf/rollout_tokens_per_s", "rollout"), ("perf/train_tokens_per_s", "train")),
+        is_smoothed=True,
     ),
     Panel(
         "Buffer and queue depth",
         "depth (buffer: groups, queue: tasks)",
         (("buffer/depth", "buffer depth"), ("queue/depth", "queue depth")),
         is_count=True,
+        is_smoothed=True,
     ),
 )
 X_AXES = (("step", "trainer step"), ("wall_s", "wall time (s)"))
 """Rows of the figure: (record key, x-axis label with units)."""
+
+
+SMOOTH_POINTS = 30
+"""A smoothed series' rolling window is ``len(points) // SMOOTH_POINTS`` points (so about that many
+independent means span the run: 100 steps at the main job's 3000); below two points of window nothing is smoothed."""
+
+
+def rolling_window(num_points: int) -> int:
+    """Points in the rolling mean of a smoothed series of ``num_points`` points (1: drawn raw only)."""
+    return max(1, num_points // SMOOTH_POINTS)
+
+
+def rolling_mean(values: list[float], window: int) -> list[float]:
+    """Trailing rolling mean: element i is the mean of ``values[max(0, i - window + 1) : i + 1]`` (the
+    first ``window - 1`` elements average the points so far). Same length as ``values``.
+
+    Raises:
+        ValueError: ``window < 1``.
+    """
+    if window < 1:
+        raise ValueError(f"rolling_mean: window={window} must be >= 1")
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _plot_series(ax, xs, ys, label: str, *, dots: bool, smoothed: bool) -> None:
+    """One series on ``ax``: raw points, or (``smoothed`` and enough points) the raw points faint under
+    their rolling mean in the same colour, the legend naming the window."""
+    window = rolling_window(len(ys)) if smoothed else 1
+    if window == 1:
+        ax.plot(xs, ys, marker="o" if dots else None, markersize=3, label=label)
+        return
+    (raw,) = ax.plot(xs, ys, linewidth=0.6, alpha=0.25)
+    ax.plot(xs, rolling_mean(list(ys), window), color=raw.get_color(), label=f"{label} (mean of {window})")
 
 
 def _step_limits(records: list[dict], start_accuracy: float | None) -> tuple[float, float]:
@@ -68,8 +111,9 @@ def _step_limits(records: list[dict], start_accuracy: float | None) -> tuple[flo
 def report_figure(records: list[dict], *, start_accuracy: float | None = None, title: str = "moerl run"):
     """The report as a matplotlib ``Figure`` (2 x 3 axes): ``PANELS`` against ``X_AXES``.
 
-    Every axis has a title and x/y labels with units; the step row has integer ticks only. The eval
-    accuracy curve starts at ``(0, start_accuracy)`` (the warm start, before step 1) when given.
+    Every axis has a title and x/y labels with units; the step row has integer ticks only. The
+    throughput and depth panels (``Panel.is_smoothed``) draw each series' rolling mean over its raw points
+    (faint): per-step rates and depths are noise at any one step. The eval accuracy curve starts at ``(0, start_accuracy)`` (the warm start, before step 1) when given.
     A plain ``matplotlib.figure.Figure``: no pyplot, no backend, nothing to close.
     """
     from matplotlib.figure import Figure
@@ -87,7 +131,7 @@ def report_figure(records: list[dict], *, start_accuracy: float | None = None, t
                 if pts:
                     xs, ys = zip(*pts, strict=True)
                     dots = key == "eval/accuracy" or len(pts) < 30  # a lone point needs a marker to show
-                    ax.plot(xs, ys, marker="o" if dots else None, markersize=3, label=label)
+                    _plot_series(ax, xs, ys, label, dots=dots, smoothed=panel.is_smoothed)
             ax.set_title(f"{panel.title} by {x_label.split(' (')[0]}", fontsize=12)
             ax.set_xlabel(x_label, fontsize=10)
             ax.set_ylabel(panel.y_label, fontsize=10)

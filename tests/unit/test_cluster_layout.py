@@ -340,7 +340,7 @@ def _render_argv(text: str, env: dict[str, str]) -> list[str]:
 def test_the_documented_render_commands_run(source, tmp_path):
     from moerl.cli import _CLUSTER_RENDER_DESCRIPTION, main
 
-    text = (ROOT / "README.md").read_text() if source == "readme" else _CLUSTER_RENDER_DESCRIPTION
+    text = (ROOT / "docs" / "cluster.md").read_text() if source == "readme" else _CLUSTER_RENDER_DESCRIPTION
     argv = _render_argv(text, {"BUCKET": "bkt", "IMAGE": "registry.example/moerl:0.1.0"})  # S3: 3+ chars
     argv[argv.index("--out") + 1] = str(tmp_path / "out")
     assert main(argv[1:]) == 0

@@ -1,4 +1,4 @@
-"""The README's TorchX line renders (``torchx run --dryrun``) into the Volcano job the run needs."""
+"""docs/cluster.md's TorchX line renders (``torchx run --dryrun``) into the Volcano job the run needs."""
 
 import base64
 import os
@@ -17,7 +17,7 @@ IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/moerl:0.1.0"
 
 
 def _readme_line() -> list[str]:
-    lines = [ln.strip() for ln in (ROOT / "README.md").read_text().splitlines()]
+    lines = [ln.strip() for ln in (ROOT / "docs" / "cluster.md").read_text().splitlines()]
     (line,) = [ln for ln in lines if ln.startswith("torchx run -s kubernetes")]
     return [a.replace("$IMAGE", IMAGE) for a in shlex.split(line)]  # as the README's shell expands it
 

@@ -21,8 +21,10 @@ def _is_work_tree() -> bool:
 
 @pytest.mark.skipif(not _is_work_tree(), reason="needs git and a git checkout")
 def test_cluster_render_outputs_of_the_readme_are_ignored():
-    outs = re.findall(r"moerl cluster render [^\n]*--out (deploy/\S+)", (ROOT / "README.md").read_text())
-    assert outs, "the README's cluster render commands write under deploy/"
+    guides = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md"]
+    text = "\n".join(p.read_text() for p in guides if p.exists())
+    outs = re.findall(r"moerl cluster render [^\n]*--out (deploy/\S+)", text)
+    assert len(outs) >= 2, "the guides' cluster render commands (README, docs/cluster.md) write under deploy/"
     for out in outs:
         path = f"{out}/eksctl-cluster.yaml"
         done = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)

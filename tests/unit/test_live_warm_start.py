@@ -56,8 +56,41 @@ def test_terminal_gets_a_live_line_with_the_elapsed_time():
     view.close()
     out = stream.getvalue()
     assert "sft step 3/3 loss 0.2500" in out
-    assert re.search(r"\d:\d\d:\d\d\S* sft step 3/3", out)  # the elapsed-time column (no bar: 80 columns)
+    # the elapsed-time column (no bar: 80 columns), then the warm start's progress as the live line itself
+    assert re.search(r"\d:\d\d:\d\d\S* warm start: sft step 3/3", out)
     assert not re.search(r"\[\d\d:\d\d:\d\d\] sft", out)  # no plain timestamped lines on a terminal
+
+
+def _final_frame(out: str) -> str:
+    """What a terminal shows after the live display stopped: the text after its last line erase."""
+    return out.rsplit("\x1b[2K", 1)[-1]
+
+
+def test_the_live_line_names_each_phase_and_no_warm_start_line_outlives_it():
+    """Issue 51: the line said "starting" through the warm start, and a stale ``sft step 600/600`` line
+    stayed under the status line for the whole run. Now the one live line shows the warm start's progress,
+    then each start-up phase, then the steps; a phase after the first step changes nothing."""
+    stream = _Terminal()
+    view = LiveView(5, stream=stream)
+    view.warm_start_progress(1, 2, loss=0.5)
+    assert "warm start: sft step 1/2 loss 0.5000" in _final_frame(stream.getvalue())
+    view.warm_start_progress(2, 2, loss=0.25)
+    view.phase("starting the trainer and the rollouts")
+    assert "starting the trainer and the rollouts" in _final_frame(stream.getvalue())
+    record = {"step": 1, "rollout/reward_mean": 0.5, "perf/rollout_tokens_per_s": 10.0, "buffer/depth": 0}
+    view.update({**record, "policy_version": 1})
+    view.phase("generating the first 32 groups")  # too late: the status line stays
+    view.close()
+    final = _final_frame(stream.getvalue())
+    assert "step 1/5 reward 0.500" in final and "sft step" not in final and "generating" not in final
+    assert len([ln for ln in final.splitlines() if ln.strip() and ln != "\x1b[?25h"]) == 1  # (cursor shown)
+
+
+def test_phases_print_nothing_off_a_terminal():
+    stream = io.StringIO()
+    view = LiveView(5, stream=stream)
+    view.phase("starting the trainer and the rollouts")
+    assert stream.getvalue() == ""
 
 
 @pytest.mark.parametrize(

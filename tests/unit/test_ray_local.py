@@ -2,6 +2,7 @@
 arguments, and the run's ``init_ray`` starting Ray again after Ray's startup timeout (real Ray processes:
 tests/distributed/test_ray_local_start.py)."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -192,3 +193,32 @@ def test_the_cli_says_a_failed_ray_start_in_one_line(monkeypatch, capfd, tmp_pat
     assert cli_main(["train", "--set", f"output_dir={tmp_path}"]) == 1
     err = capfd.readouterr().err.strip()
     assert err == "moerl: Ray's local start failed: a raylet did not register within Ray's 30 s in 3 starts"
+
+
+def test_a_local_start_leaves_rays_token_banner_out_and_keeps_its_warnings(monkeypatch):
+    """Issue 51: Ray >= 2.5x logs a three-line banner at every new local instance ("Token authentication is
+    enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out ..."); ``start_local_ray`` drops
+    that record only. The logger is Ray's own (a renamed module fails here, not silently)."""
+    import ray
+    from ray._private.authentication import authentication_token_setup as ray_auth
+
+    assert ray_auth.logger.name == local.RAY_AUTH_LOGGER
+
+    def init(**kwargs):  # what ray.init logs when it starts a local instance with the mode unset
+        ray_auth._warn_token_auth_enabled()
+        ray_auth._warn_token_auth_disabled()  # a security warning: kept
+
+    class Records(logging.Handler):  # on Ray's logger itself: Ray's loggers need not propagate to root
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    messages, handler = [], Records()
+    monkeypatch.setattr(ray, "init", init)
+    logging.getLogger(local.RAY_AUTH_LOGGER).addHandler(handler)
+    try:
+        local.start_local_ray(num_cpus=1)
+        local.start_local_ray(num_cpus=1)  # idempotent: one filter
+    finally:
+        logging.getLogger(local.RAY_AUTH_LOGGER).removeHandler(handler)
+    assert len(messages) == 2 and all("is disabled" in m for m in messages)
+    assert logging.getLogger(local.RAY_AUTH_LOGGER).filters.count(local._is_not_auth_banner) == 1

@@ -106,3 +106,44 @@ def test_summary_table_shows_the_last_steps_algorithm_metrics():
     text = console.export_text()
     assert "last step train/kl_ref" in text and "0.0123" in text and "2.5e-07" in text
     assert "last step train/value_explained_var" in text and "train/value_loss" not in text  # null: left out
+
+
+def test_rolling_mean_is_the_trailing_mean_of_the_points_so_far():
+    from moerl.telemetry.report import rolling_mean
+
+    assert rolling_mean([1.0, 2.0, 3.0, 4.0, 5.0], 2) == [1.0, 1.5, 2.5, 3.5, 4.5]
+    assert rolling_mean([4.0, 0.0, 8.0], 3) == [4.0, 2.0, 4.0]
+    assert rolling_mean([3.0, 1.0], 1) == [3.0, 1.0]
+    with pytest.raises(ValueError, match="window=0"):
+        rolling_mean([1.0], 0)
+
+
+def test_throughput_and_depth_are_drawn_as_a_rolling_mean_over_the_faint_raw_points():
+    """500 steps of alternating 0 / 200 tokens/s: the raw line stays faint and complete, the labelled line
+    is the rolling mean over 500 // 30 = 16 steps (100 once the window is full); reward stays raw."""
+    records = _records(500)
+    for r in records:
+        r["perf/rollout_tokens_per_s"] = 200.0 * (r["step"] % 2)
+        r["buffer/depth"] = 4 * (r["step"] % 2)
+    fig = report_figure(records)
+    for ax in fig.get_axes()[1:3]:  # throughput and depth, by step
+        lines = ax.get_lines()
+        raw = [ln for ln in lines if ln.get_label().startswith("_")]
+        mean = [ln for ln in lines if "(mean of 16)" in ln.get_label()]
+        assert len(raw) == len(mean) == 2  # each series: faint raw + its rolling mean, same colour
+        assert all(ln.get_alpha() is not None and ln.get_alpha() < 0.5 for ln in raw)
+        assert {ln.get_color() for ln in raw} == {ln.get_color() for ln in mean}
+        first = mean[0].get_ydata()
+        assert len(first) == 500 and set(first[15:]) == {max(first[15:])}  # flat once the window is full
+    tokens = next(ln for ln in fig.get_axes()[1].get_lines() if ln.get_label() == "rollout (mean of 16)")
+    assert list(tokens.get_ydata()[15:]) == [100.0] * 485
+    raw_tokens = [ln for ln in fig.get_axes()[1].get_lines() if ln.get_label().startswith("_")][0]
+    assert sorted(set(raw_tokens.get_ydata())) == [0.0, 200.0]  # the raw points, unchanged
+    reward = [ln.get_label() for ln in fig.get_axes()[0].get_lines()]
+    assert reward == ["reward mean", "eval accuracy"]  # the learning panel is not smoothed
+
+
+def test_short_runs_are_drawn_raw():
+    fig = report_figure(_records(40))  # window 40 // 30 = 1: nothing to smooth
+    labels = [ln.get_label() for ln in fig.get_axes()[1].get_lines()]
+    assert labels == ["rollout", "train"]

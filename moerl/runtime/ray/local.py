@@ -119,11 +119,38 @@ def retry_ray_start(
     raise AssertionError("unreachable")
 
 
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+"""The logger of Ray's token-authentication set-up (Ray >= 2.5x), whose banner ``RAY_AUTH_BANNER`` starts."""
+RAY_AUTH_BANNER = "Token authentication is enabled for this Ray cluster"
+"""How the banner starts that Ray logs at every new local instance when ``RAY_AUTH_MODE`` is unset: token
+authentication is on by default, "set RAY_AUTH_MODE=disabled to opt out", a link (three lines on an
+80-column console, every run)."""
+
+
+def _is_not_auth_banner(record: logging.LogRecord) -> bool:
+    """A ``logging`` filter: False for Ray's token-auth banner only (its security warnings pass)."""
+    return not str(record.msg).startswith(RAY_AUTH_BANNER)
+
+
+def quiet_ray_auth_banner() -> None:
+    """Drop Ray's token-authentication banner (``RAY_AUTH_BANNER``) from this process's log, keeping the
+    mode it announces (token authentication, Ray's default for a local instance) and every other message
+    of that logger, e.g. the warning that authentication is disabled. Idempotent.
+
+    Why not ``RAY_AUTH_MODE=token``, which also silences it: Ray reads the variable when it is imported, so
+    setting it in a process that imported Ray already leaves the driver in the disabled mode while the
+    instance it starts requires a token, and ``ray.init`` fails (seen with Ray 2.60)."""
+    banner_logger = logging.getLogger(RAY_AUTH_LOGGER)
+    if _is_not_auth_banner not in banner_logger.filters:
+        banner_logger.addFilter(_is_not_auth_banner)
+
+
 def start_local_ray(
     num_attempts: int = 3, should_stop: Callable[[], bool] = lambda: False, **init_kwargs
 ) -> None:
     """``ray.init(address="local", **init_kwargs)``: a new local Ray instance, never another process's
     running cluster, started again when Ray's fixed 30 s wait for its raylet runs out (``retry_ray_start``).
+    Ray's token-authentication banner is left out of the console (``quiet_ray_auth_banner``).
 
     Args:
         num_attempts: starts to try (>= 1).
@@ -141,4 +168,5 @@ def start_local_ray(
         raise ValueError(
             "start_local_ray starts a local instance: pass no address (use ray.init for a cluster)"
         )
+    quiet_ray_auth_banner()
     retry_ray_start(lambda: ray.init(address="local", **init_kwargs), num_attempts, should_stop=should_stop)
