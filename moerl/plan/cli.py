@@ -37,6 +37,8 @@ from moerl.plan.args import COLUMNS, PRESETS, RESULTS, WIDE_COLUMNS
 from moerl.plan.inputs import Plan, with_params
 from moerl.plan.models import MODELS, ModelShape
 from moerl.plan.predict import as_rows, best_split, plan_hardware, plan_model, run
+from moerl.plan.matrix import ratio_sensitivity, schedule_matrix
+from moerl.plan.published import BOUND, published_rows
 from moerl.plan.sensitivity import tornado
 from moerl.plan.validate_report import validation_lines, validation_rows, validation_table
 
@@ -253,6 +255,9 @@ def _summary(plan: Plan, point: dict, cal: dict) -> str:
     train, useful = best_split(plan, cal)
     return "\n".join([
         f"hierarchical / flat rollout tok/s: {point['ratio_rollout_hier_over_flat']:.3f}",
+        f"schedule {hier['schedule']}, weight transport {hier['weight_transport']}: weight sync "
+        f"{hier['weight_sync_s']:.2f} s, step {flat['step_s']:.1f} s flat / {hier['step_s']:.1f} s hierarchical, "
+        f"{hier['tokens_per_s_per_gpu']:,.0f} training tok/s per GPU (hierarchical)",
         f"async iteration {hier['async_iter_s']:.1f} s vs sync {hier['sync_iter_s']:.1f} s (hierarchical); "
         f"rollout supply / training demand = {hier['balance']:.2f}",
         f"best split of {plan.total_nodes} nodes: {train} training + {plan.total_nodes - train} rollout "
@@ -270,6 +275,57 @@ def _tornado_table(rows: list[dict]) -> Table:
     for r in rows:
         t.add_row(r["param"], r["low"], r["high"], fmt(r["ratio_low"]), fmt(r["ratio_high"]), r["what"])
     return t
+
+
+def published_table(rows: list[dict]) -> Table:
+    """The ``--published`` table: figure, quantity, published value, prediction, ratio, within the bound."""
+    t = Table(title=f"moerl plan --published (hit: within +-{BOUND:.0%} of the value or the range's nearest end)",
+              box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")  # fmt: skip
+    for c in ("#", "figure", "quantity", "published", "predicted", "ratio", "error", "hit"):
+        t.add_column(c, justify="left" if c in ("figure", "quantity") else "right", overflow="fold")
+    for i, r in enumerate(rows, 1):
+        t.add_row(str(i), r["key"], r["quantity"].replace("tokens_per_s_per_gpu", "tok/s/GPU"), r["published"],
+                  f"{r['predicted']:.3g}", f"{r['ratio']:.2f}", f"{r['error']:+.0%}", "yes" if r["hit"] else "MISS")  # fmt: skip
+    return t
+
+
+def published_lines(rows: list[dict]) -> list[str]:
+    """Per figure: the parameters used, where they come from, what was assumed, the figure's source."""
+    lines = [f"{sum(r['hit'] for r in rows)} of {len(rows)} figures within +-{BOUND:.0%}; misses are not refitted "
+             "(the constants come from moerl's measurements and datasheets only)."]  # fmt: skip
+    for i, r in enumerate(rows, 1):
+        params = ", ".join(f"{k}={v}" for k, v in r["setup"].items())
+        sync = f"; sync of {r['sync_gb']:g} GB as published" if r["sync_gb"] else ""
+        lines += [f"[{i}] {r['key']}: {params}{sync}", f"    figure: {r['source']}", f"    setup: {r['setup_source']}"]
+        if r["assumed"]:
+            lines.append(f"    assumed: {r['assumed']}")
+    return lines
+
+
+def _matrix_tables(plan: Plan, cal: dict) -> list[Table]:
+    """``--schedules``: the (schedule, transport) matrix and the ratio's sensitivity (``moerl.plan.matrix``)."""
+    m = Table(title="hier/flat useful episodes/s and $ per 1000 useful episodes by schedule and transport",
+              box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")  # fmt: skip
+    for c in ("schedule", "transport", "sync s", "step s flat", "step s hier", "$/1000 flat", "$/1000 hier", "hier/flat"):
+        m.add_column(c, justify="left" if c in ("schedule", "transport") else "right", overflow="fold")
+    for r in schedule_matrix(plan, cal):
+        if "error" in r:
+            m.add_row(r["schedule"], r["transport"], *(["-"] * 6))
+            continue
+        m.add_row(r["schedule"], r["transport"], f"{r['weight_sync_s']:.2f}", f"{r['step_flat_s']:.1f}",
+                  f"{r['step_hier_s']:.1f}", f"{r['usd_flat']:.2f}", f"{r['usd_hier']:.2f}", f"{r['ratio']:.3f}")  # fmt: skip
+    rows = ratio_sensitivity(plan, cal)
+    s = Table(title="hier/flat useful episodes/s at each calibrated value's low / high (other inputs as planned)",
+              box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")  # fmt: skip
+    s.add_column("calibrated value", overflow="fold")
+    schedules = list(rows[0]["base"])
+    for sch in schedules:
+        s.add_column(f"{sch}\n{rows[0]['base'][sch]:.3f}" if rows[0]["base"][sch] else sch, justify="right")
+    fmt = lambda r: "-" if r is None else f"{r:.3f}"  # noqa: E731
+    for r in rows:
+        s.add_row(f"{r['param']} {r['low']:.3g}..{r['high']:.3g}",
+                  *[f"{fmt(r['by_schedule'][sch][0])}/{fmt(r['by_schedule'][sch][1])}" for sch in schedules])  # fmt: skip
+    return [m, s]
 
 
 def results_folder(given: str | None) -> Path:
@@ -296,6 +352,21 @@ def plan_main(args: argparse.Namespace) -> int:
     console = Console(width=WIDE_COLUMNS if getattr(args, "wide", False) else COLUMNS)
     check_preset(args.preset)
     config_values = getattr(args, "config_values", None)
+    if getattr(args, "published", False):
+        ignored = [f for f, v in (("--preset", args.preset), ("--file", args.file), ("--config", getattr(args, "config", None)),
+                                  ("--set", args.overrides), ("--sweep", args.sweep), ("--csv", args.csv),
+                                  ("--plot", args.plot), ("--sensitivity", args.sensitivity),
+                                  ("--validate", args.validate), ("--schedules", getattr(args, "schedules", False)),
+                                  ("--results", args.results)) if v]  # fmt: skip
+        if ignored:
+            raise ConfigError(f"--published predicts the published runs' own setups; drop {', '.join(ignored)}")
+        check_output_paths(args)
+        rows = published_rows(cal)
+        console.print(published_table(rows))
+        console.print("\n".join(published_lines(rows)), highlight=False)
+        if args.json:
+            atomic_write_text(args.json, json.dumps({"bound": BOUND, "figures": rows}, indent=2))
+        return 0
     if args.validate:
         ignored = [f for f, v in (("--preset", args.preset), ("--file", args.file),
                                   ("--config", getattr(args, "config", None)), ("--set", args.overrides),
@@ -321,11 +392,15 @@ def plan_main(args: argparse.Namespace) -> int:
     for note in getattr(args, "config_notes", ()):
         console.print(f"note: {note}", highlight=False)
     console.print(_table(points, swept, wide=getattr(args, "wide", False)))
-    if not args.sweep:
-        console.print("\n".join(["assumptions:", *assumptions(base, cal)]), highlight=False)
+    if not args.sweep:  # the answer first; the inputs behind it on request
         console.print(_summary(base, points[0], cal), highlight=False)
+    if getattr(args, "assumptions", False):
+        console.print("\n".join(["assumptions:", *assumptions(base, cal)]), highlight=False)
     if args.sensitivity:
         console.print(_tornado_table(tornado(base, cal)))
+    if getattr(args, "schedules", False):
+        for table in _matrix_tables(base, cal):
+            console.print(table)
     if args.json:
         atomic_write_text(
             args.json, json.dumps({"calibration": cal["constants"], "points": points}, indent=2)
