@@ -307,7 +307,8 @@ def _matrix_tables(plan: Plan, cal: dict) -> list[Table]:
     m = Table(title="hier/flat useful episodes/s and $ per 1000 useful episodes by schedule and transport",
               box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")  # fmt: skip
     for c in ("schedule", "transport", "sync s", "step s flat", "step s hier", "$/1000 flat", "$/1000 hier", "hier/flat"):
-        m.add_column(c, justify="left" if c in ("schedule", "transport") else "right", overflow="fold")
+        named = c in ("schedule", "transport")
+        m.add_column(c if named else c.replace(" ", "\n", 1), justify="left" if named else "right", no_wrap=named)
     for r in schedule_matrix(plan, cal):
         if "error" in r:
             m.add_row(r["schedule"], r["transport"], *(["-"] * 6))
@@ -315,15 +316,17 @@ def _matrix_tables(plan: Plan, cal: dict) -> list[Table]:
         m.add_row(r["schedule"], r["transport"], f"{r['weight_sync_s']:.2f}", f"{r['step_flat_s']:.1f}",
                   f"{r['step_hier_s']:.1f}", f"{r['usd_flat']:.2f}", f"{r['usd_hier']:.2f}", f"{r['ratio']:.3f}")  # fmt: skip
     rows = ratio_sensitivity(plan, cal)
-    s = Table(title="hier/flat useful episodes/s at each calibrated value's low / high (other inputs as planned)",
+    s = Table(title="hier/flat useful episodes/s with one calibrated value at its low / high: fractions x0.5..x2, "
+              "fixed costs x0.1..x2, rates x0.5..x4 (--sensitivity: the values); header: the plan's ratio",
               box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")  # fmt: skip
-    s.add_column("calibrated value", overflow="fold")
+    s.add_column("calibrated value", no_wrap=True)
     schedules = list(rows[0]["base"])
     for sch in schedules:
-        s.add_column(f"{sch}\n{rows[0]['base'][sch]:.3f}" if rows[0]["base"][sch] else sch, justify="right")
+        base = rows[0]["base"][sch]
+        s.add_column(f"{sch}\n{base:.3f}" if base else sch, justify="right", no_wrap=True)
     fmt = lambda r: "-" if r is None else f"{r:.3f}"  # noqa: E731
     for r in rows:
-        s.add_row(f"{r['param']} {r['low']:.3g}..{r['high']:.3g}",
+        s.add_row(r["param"].replace("weight_sync.constants.", "weight_sync."),
                   *[f"{fmt(r['by_schedule'][sch][0])}/{fmt(r['by_schedule'][sch][1])}" for sch in schedules])  # fmt: skip
     return [m, s]
 
