@@ -296,7 +296,9 @@ def published_lines(rows: list[dict]) -> list[str]:
     for i, r in enumerate(rows, 1):
         params = ", ".join(f"{k}={v}" for k, v in r["setup"].items())
         sync = f"; sync of {r['sync_gb']:g} GB as published" if r["sync_gb"] else ""
-        lines += [f"[{i}] {r['key']}: {params}{sync}", f"    figure: {r['source']}", f"    setup: {r['setup_source']}"]
+        parts = ", ".join(f"{k} {v:.3g} s" for k, v in r["parts"].items())
+        lines += [f"[{i}] {r['key']}: {params}{sync}", f"    predicted parts: {parts}", f"    figure: {r['source']}",
+                  f"    setup: {r['setup_source']}"]  # fmt: skip
         if r["assumed"]:
             lines.append(f"    assumed: {r['assumed']}")
     return lines

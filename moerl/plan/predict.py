@@ -14,17 +14,22 @@ returns one ``Prediction`` per dispatcher (flat all-to-all, hierarchical). Formu
 - Training step over the training GPUs: tokens = prompts x group x (P + E[r]) spread evenly; EP spans the
   ``train_ep_nodes`` nodes; 2 round trips per MoE layer; FSDP traffic over the data-parallel copies
   (1.5x an all-reduce, ZeRO sec. 7.2.2).
-- Weight sync per policy version: the rollout copy of the weights (``weight_bytes`` per parameter) streamed
-  to every rollout node from a broadcast tree: (bytes / ``rollout_ep_nodes``) / node EFA bandwidth; the
-  rollout pauses for (1 - ``sync_overlap``) of it.
+- A rollout replica of ``rollout_tp`` GPUs (> 0) is tensor parallel instead (``_tp_step_s``): each GPU reads
+  1/tp of the weights and KV and does 1/tp of the FLOPs, plus 2 NVLink all-reduces per layer.
+- Weight sync per policy version: ``weight_transport`` over the plan's GPUs (``moerl.plan.transports``:
+  broadcast, sharded RDMA, staged, object store, on-device; buckets, delta, FP8 requantization).
+- Training adds ``logprob_passes`` forward passes (old log-probs, reference), a third of its FLOPs each.
 - Checkpoint every ``checkpoint_every`` steps: params x ``checkpoint_bytes_per_param`` written by the
   training nodes at ``storage_gb_s_per_node`` each; training blocks for it.
 - Spot: a replica of n nodes is interrupted at rate n lambda; with a notice of s seconds a sequence with
   remaining time u > s is lost, u ~ U[0, t_seq]: lost replica-seconds (t_seq - s)^2 / (2 t_seq), then the
   replica is down for ``replace_s`` (new instance, weights reloaded). Availability = 1 - n lambda (lost + down),
   a first-order model: a plan where it is <= 0 is a ConfigError, not a figure.
-- Async: useful episodes/s = min(rollout supply, training demand) (the staleness gate throttles the faster
-  side); sync: one batch generated, then trained: episodes / (t_gen + t_train + t_sync).
+- Schedules (``moerl.plan.schedules``): ``step_s`` of ``colocated`` (every GPU generates then trains), ``sync``,
+  ``one_step_off`` and ``fully_async`` (the slower of rollout supply and training demand, as before);
+  the schedules that generate a whole batch wait for its longest response (``gen_batch_s``, the long
+  tail). Useful episodes/s = episodes / step_s; ``tokens_per_s_per_gpu`` = training tokens / (step_s x all
+  GPUs), NeMo-RL's definition.
 - Cost per hour = train nodes x on-demand + rollout nodes x (Spot or on-demand); $ per useful episode = cost
   per second / useful episodes per second; per converged policy = ``steps_to_converge`` x episodes per step.
 """
@@ -362,7 +367,8 @@ def _check_fits(p: Plan, hw, m) -> None:
         raise ConfigError(
             f"rollout weights need {per_gpu:.0f} GB per GPU of {hw.hbm_gb:g}; raise rollout_ep_nodes"
         )
-    train = m.num_params * (2 + 2 + 4 + 4) / (p.train_nodes * hw.gpus_per_node) / 1e9
+    nodes = p.total_nodes if p.schedule_used == "colocated" else p.train_nodes  # colocated: every node trains
+    train = m.num_params * (2 + 2 + 4 + 4) / (nodes * hw.gpus_per_node) / 1e9
     if train > 0.9 * hw.hbm_gb:
         raise ConfigError(f"training state needs {train:.0f} GB per GPU of {hw.hbm_gb:g}; raise train_nodes")
 

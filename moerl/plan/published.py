@@ -148,14 +148,17 @@ def figure_plan(fig: Figure) -> Plan:
     return with_params(Plan(), fig.setup)
 
 
-def predict_figure(fig: Figure, cal: dict) -> float:
-    """The planner's value of ``fig.quantity`` for ``fig``'s setup (flat dispatcher where EP matters: the
-    published engines use all-to-all dispatch)."""
+def predict_figure(fig: Figure, cal: dict) -> tuple[float, dict[str, float]]:
+    """The planner's value of ``fig.quantity`` for ``fig``'s setup and the parts it adds up from, seconds
+    (flat dispatcher where EP matters: the published engines use all-to-all dispatch)."""
     plan = figure_plan(fig)
-    if fig.sync_gb:
-        setup = replace(sync_setup(plan, cal), num_params=fig.sync_gb * 1e9 / 2)
-        return sync_time(setup, plan.weight_transport).total_s
-    return getattr(predict(plan, cal)[0], fig.quantity)
+    if fig.quantity == "weight_sync_s":
+        setup = sync_setup(plan, cal)
+        t = sync_time(replace(setup, num_params=fig.sync_gb * 1e9 / 2) if fig.sync_gb else setup, plan.weight_transport)
+        return t.total_s, {"prepare": t.prepare_s, "transfer": t.transfer_s, "apply": t.apply_s, "buckets": t.buckets_s}
+    pr = predict(plan, cal)[0]
+    parts = {"gen batch": pr.gen_batch_s, "train": pr.train_step_s, "sync": pr.weight_sync_s, "step": pr.step_s}
+    return getattr(pr, fig.quantity), parts
 
 
 def error_of(predicted: float, low: float, high: float) -> float:
@@ -167,14 +170,15 @@ def error_of(predicted: float, low: float, high: float) -> float:
 
 def published_rows(cal: dict) -> list[dict]:
     """One row per ``PUBLISHED`` figure: {key, quantity, published, predicted, ratio, error, hit, setup,
-    source, setup_source, assumed}; ``ratio`` is predicted over the published value (a range's midpoint)."""
+    source, setup_source, assumed, sync_gb, parts}; ``ratio`` is predicted over the published value (a
+    range's midpoint)."""
     rows = []
     for fig in PUBLISHED:
-        pred = predict_figure(fig, cal)
+        pred, parts = predict_figure(fig, cal)
         err = error_of(pred, fig.low, fig.high)
         published = f"{fig.low:g}" if fig.low == fig.high else f"{fig.low:g}-{fig.high:g}"
         rows.append({"key": fig.key, "quantity": fig.quantity, "published": published, "predicted": pred,
                      "ratio": pred / ((fig.low + fig.high) / 2), "error": err, "hit": abs(err) <= BOUND,
                      "setup": fig.setup, "source": fig.source, "setup_source": fig.setup_source,
-                     "assumed": fig.assumed, "sync_gb": fig.sync_gb})  # fmt: skip
+                     "assumed": fig.assumed, "sync_gb": fig.sync_gb, "parts": parts})  # fmt: skip
     return rows
