@@ -24,7 +24,9 @@ _IB_H20 = (
     "assumption: an H20 node with one 400 Gb/s NIC per GPU as the HGX reference design (the verl runs do "
     "not state their NICs)"
 )
-_PRICE = "assumption: the p5 capacity-block rate (no price is part of a published figure); override with --set"
+_PRICE = (
+    "assumption: the p5 capacity-block rate (no price is part of a published figure); override with --set"
+)
 
 
 def _ib_node(name: str, gpu: str, chip: str, net_src: str, **kw) -> Hardware:

@@ -69,7 +69,9 @@ def ratio_sensitivity(plan: Plan, cal: dict) -> list[dict]:
     rows = []
     for path, lo, hi, _what in calibrated_ranges(cal) + sync_ranges(cal):
         by = {s: tuple(_ratio(p, _with(cal, path, v)) for v in (lo, hi)) for s, p in plans.items()}
-        moved = [abs(r - base[s]) for s, rs in by.items() for r in rs if r is not None and base[s] is not None]
+        moved = [
+            abs(r - base[s]) for s, rs in by.items() for r in rs if r is not None and base[s] is not None
+        ]
         swing = max(moved, default=0.0)
         name = ".".join(path[1:] if path[0] == "constants" else path)
         rows.append({"param": name, "low": lo, "high": hi, "value": _get(cal, path), "by_schedule": by,

@@ -73,7 +73,9 @@ _NEMO_REFIT_SETUP = (
 )
 
 
-def _refit(key: str, gb: float, low: float, high: float, train: int, total: int, tp: int, model: str) -> Figure:
+def _refit(
+    key: str, gb: float, low: float, high: float, train: int, total: int, tp: int, model: str
+) -> Figure:
     setup = {**_H100, "model": model, "total_nodes": total, "train_nodes": train, "rollout_tp": min(tp, 8),
              "rollout_ep_nodes": max(1, tp // 8), "weight_transport": "sharded_p2p", "schedule": "one_step_off"}  # fmt: skip
     if tp > 8:  # a replica over several nodes: EP over whole nodes instead of TP
@@ -84,7 +86,9 @@ def _refit(key: str, gb: float, low: float, high: float, train: int, total: int,
                   setup_source=_NEMO_REFIT_SETUP, sync_gb=gb)  # fmt: skip
 
 
-def _nemo_perf(key: str, value: float, model: str, nodes: int, prompts: int, seq: int, max_seq: int, **kw) -> Figure:
+def _nemo_perf(
+    key: str, value: float, model: str, nodes: int, prompts: int, seq: int, max_seq: int, **kw
+) -> Figure:
     setup = {**_H100, "model": model, "total_nodes": nodes, "train_nodes": nodes // 2, "schedule": "colocated",
              "weight_transport": "cuda_ipc", "prompts_per_step": prompts, "group_size": 32, "prompt_len": 256,
              "response_len": seq - 256, "max_response_len": max_seq - 256, "logprob_passes": 2, **kw}  # fmt: skip
@@ -101,44 +105,138 @@ PUBLISHED: tuple[Figure, ...] = (
     _refit("NeMo-RL refit 470.2 GB", 470.2, 2.31, 2.73, 16, 32, 8, "qwen3-235b-a22b"),
     _refit("NeMo-RL refit 1342 GB", 1342.0, 3.27, 3.46, 32, 64, 32, "deepseek-v3"),
     *(
-        Figure(key=f"verl ckpt engine {backend}", quantity="weight_sync_s", low=7.0, high=7.0, source=VERL_CKPT,
-               setup={**_H100, "model": "qwen3-30b-a3b", "total_nodes": 4, "train_nodes": 1, "rollout_tp": 1,
-                      "weight_transport": "nccl_broadcast", "schedule": "one_step_off", "sync_pipelined": False,
-                      "sync_bucket_mb": 4096},
-               setup_source=f"{VERL_CKPT}: 4x8 H100, CX7 400 Gb/s IB, trainer FSDP world size 2, 30 rollouts each "
-               f"receiving the whole model; {backend} = all_gather + {'broadcast' if backend == 'NCCL' else 'ring p2p'}"
-               " (a pipelined chain: the broadcast term)",
-               assumed="buckets of 4096 MiB, not overlapped with the load (verl's defaults, fully_async.md); "
-               "the trainer's 2 GPUs send as in the 1 training node of the plan")  # fmt: skip
+        Figure(
+            key=f"verl ckpt engine {backend}",
+            quantity="weight_sync_s",
+            low=7.0,
+            high=7.0,
+            source=VERL_CKPT,
+            setup={
+                **_H100,
+                "model": "qwen3-30b-a3b",
+                "total_nodes": 4,
+                "train_nodes": 1,
+                "rollout_tp": 1,
+                "weight_transport": "nccl_broadcast",
+                "schedule": "one_step_off",
+                "sync_pipelined": False,
+                "sync_bucket_mb": 4096,
+            },
+            setup_source=f"{VERL_CKPT}: 4x8 H100, CX7 400 Gb/s IB, trainer FSDP world size 2, 30 rollouts each "
+            f"receiving the whole model; {backend} = all_gather + {'broadcast' if backend == 'NCCL' else 'ring p2p'}"
+            " (a pipelined chain: the broadcast term)",
+            assumed="buckets of 4096 MiB, not overlapped with the load (verl's defaults, fully_async.md); "
+            "the trainer's 2 GPUs send as in the 1 training node of the plan",
+        )  # fmt: skip
         for backend in ("NCCL", "NIXL")
     ),
-    Figure(key="verl 7B colocated 128", quantity="step_s", low=356.30, high=356.30, source=VERL_ASYNC,
-           setup={**_H20, **_VERL_COLO, "model": "qwen2.5-7b", "total_nodes": 16, "rollout_tp": 4,
-                  "response_len": 28672 // 4, "max_response_len": 28672, "logprob_passes": 1},
-           setup_source=f"{VERL_ASYNC} (128 H20, 512 prompts x 16, max response 28K, old_log_prob pass, no KL); "
-           f"{VERL_SCRIPTS}dapo_7b_math_fsdp2_64_64.sh (gen_tp 4)", assumed=_VERL_ASSUMED),  # fmt: skip
-    Figure(key="verl 7B async 64:64", quantity="step_s", low=150.63, high=150.63, source=VERL_ASYNC,
-           setup={**_H20, **_VERL_ASYNC, "model": "qwen2.5-7b", "total_nodes": 16, "train_nodes": 8, "rollout_tp": 4,
-                  "response_len": 28672 // 4, "max_response_len": 28672, "logprob_passes": 0},
-           setup_source=f"{VERL_ASYNC} (64 rollout : 64 trainer H20, staleness 0.5 with partial rollouts, rollout "
-           f"log-probs, NCCL checkpoint engine); {VERL_SCRIPTS}dapo_7b_math_fsdp2_64_64.sh",
-           assumed=_VERL_ASSUMED + "; verl's staleness 0.5 of a batch as the planner's bound of 1 version"),  # fmt: skip
-    Figure(key="verl 30B colocated 128", quantity="step_s", low=497.89, high=497.89, source=VERL_ASYNC,
-           setup={**_H20, **_VERL_COLO, "model": "qwen3-30b-a3b", "total_nodes": 16, "rollout_tp": 4,
-                  "response_len": 8192 // 4, "max_response_len": 8192, "logprob_passes": 2},
-           setup_source=f"{VERL_ASYNC} (128 H20, 512 x 16, max response 8K, old_log_prob and ref passes); "
-           f"{VERL_SCRIPTS}grpo_30b_a3b_base_math_megatron_96_32.sh (INFER_TP 4, EP 8)", assumed=_VERL_ASSUMED),  # fmt: skip
-    Figure(key="verl 30B async 96:32", quantity="step_s", low=282.75, high=282.75, source=VERL_ASYNC,
-           setup={**_H20, **_VERL_ASYNC, "model": "qwen3-30b-a3b", "total_nodes": 16, "train_nodes": 4,
-                  "rollout_tp": 4, "response_len": 8192 // 4, "max_response_len": 8192, "logprob_passes": 1},
-           setup_source=f"{VERL_ASYNC} (96 rollout : 32 trainer H20, ref pass, staleness 0.5, partial rollouts); "
-           f"{VERL_SCRIPTS}grpo_30b_a3b_base_math_megatron_96_32.sh",
-           assumed=_VERL_ASSUMED + "; staleness 0.5 as a bound of 1 version; the optimizer offload not modelled"),  # fmt: skip
+    Figure(
+        key="verl 7B colocated 128",
+        quantity="step_s",
+        low=356.30,
+        high=356.30,
+        source=VERL_ASYNC,
+        setup={
+            **_H20,
+            **_VERL_COLO,
+            "model": "qwen2.5-7b",
+            "total_nodes": 16,
+            "rollout_tp": 4,
+            "response_len": 28672 // 4,
+            "max_response_len": 28672,
+            "logprob_passes": 1,
+        },
+        setup_source=f"{VERL_ASYNC} (128 H20, 512 prompts x 16, max response 28K, old_log_prob pass, no KL); "
+        f"{VERL_SCRIPTS}dapo_7b_math_fsdp2_64_64.sh (gen_tp 4)",
+        assumed=_VERL_ASSUMED,
+    ),  # fmt: skip
+    Figure(
+        key="verl 7B async 64:64",
+        quantity="step_s",
+        low=150.63,
+        high=150.63,
+        source=VERL_ASYNC,
+        setup={
+            **_H20,
+            **_VERL_ASYNC,
+            "model": "qwen2.5-7b",
+            "total_nodes": 16,
+            "train_nodes": 8,
+            "rollout_tp": 4,
+            "response_len": 28672 // 4,
+            "max_response_len": 28672,
+            "logprob_passes": 0,
+        },
+        setup_source=f"{VERL_ASYNC} (64 rollout : 64 trainer H20, staleness 0.5 with partial rollouts, rollout "
+        f"log-probs, NCCL checkpoint engine); {VERL_SCRIPTS}dapo_7b_math_fsdp2_64_64.sh",
+        assumed=_VERL_ASSUMED + "; verl's staleness 0.5 of a batch as the planner's bound of 1 version",
+    ),  # fmt: skip
+    Figure(
+        key="verl 30B colocated 128",
+        quantity="step_s",
+        low=497.89,
+        high=497.89,
+        source=VERL_ASYNC,
+        setup={
+            **_H20,
+            **_VERL_COLO,
+            "model": "qwen3-30b-a3b",
+            "total_nodes": 16,
+            "rollout_tp": 4,
+            "response_len": 8192 // 4,
+            "max_response_len": 8192,
+            "logprob_passes": 2,
+        },
+        setup_source=f"{VERL_ASYNC} (128 H20, 512 x 16, max response 8K, old_log_prob and ref passes); "
+        f"{VERL_SCRIPTS}grpo_30b_a3b_base_math_megatron_96_32.sh (INFER_TP 4, EP 8)",
+        assumed=_VERL_ASSUMED,
+    ),  # fmt: skip
+    Figure(
+        key="verl 30B async 96:32",
+        quantity="step_s",
+        low=282.75,
+        high=282.75,
+        source=VERL_ASYNC,
+        setup={
+            **_H20,
+            **_VERL_ASYNC,
+            "model": "qwen3-30b-a3b",
+            "total_nodes": 16,
+            "train_nodes": 4,
+            "rollout_tp": 4,
+            "response_len": 8192 // 4,
+            "max_response_len": 8192,
+            "logprob_passes": 1,
+        },
+        setup_source=f"{VERL_ASYNC} (96 rollout : 32 trainer H20, ref pass, staleness 0.5, partial rollouts); "
+        f"{VERL_SCRIPTS}grpo_30b_a3b_base_math_megatron_96_32.sh",
+        assumed=_VERL_ASSUMED + "; staleness 0.5 as a bound of 1 version; the optimizer offload not modelled",
+    ),  # fmt: skip
     _nemo_perf("NeMo-RL 30B on-policy 32", 1102, "qwen3-30b-a3b", 4, 64, 3203, 4096, rollout_tp=2),
-    _nemo_perf("NeMo-RL 235B on-policy 128", 58.9, "qwen3-235b-a22b", 16, 16, 5698, 8192, rollout_tp=0,
-               rollout_ep_nodes=2, train_ep_nodes=2),
-    _nemo_perf("NeMo-RL 235B on-policy 256", 37.4, "qwen3-235b-a22b", 32, 16, 5713, 8192, rollout_tp=0,
-               rollout_ep_nodes=2, train_ep_nodes=2),
+    _nemo_perf(
+        "NeMo-RL 235B on-policy 128",
+        58.9,
+        "qwen3-235b-a22b",
+        16,
+        16,
+        5698,
+        8192,
+        rollout_tp=0,
+        rollout_ep_nodes=2,
+        train_ep_nodes=2,
+    ),
+    _nemo_perf(
+        "NeMo-RL 235B on-policy 256",
+        37.4,
+        "qwen3-235b-a22b",
+        32,
+        16,
+        5713,
+        8192,
+        rollout_tp=0,
+        rollout_ep_nodes=2,
+        train_ep_nodes=2,
+    ),
 )
 """The figures of issue 53, in its order."""
 
@@ -154,10 +252,22 @@ def predict_figure(fig: Figure, cal: dict) -> tuple[float, dict[str, float]]:
     plan = figure_plan(fig)
     if fig.quantity == "weight_sync_s":
         setup = sync_setup(plan, cal)
-        t = sync_time(replace(setup, num_params=fig.sync_gb * 1e9 / 2) if fig.sync_gb else setup, plan.weight_transport)
-        return t.total_s, {"prepare": t.prepare_s, "transfer": t.transfer_s, "apply": t.apply_s, "buckets": t.buckets_s}
+        t = sync_time(
+            replace(setup, num_params=fig.sync_gb * 1e9 / 2) if fig.sync_gb else setup, plan.weight_transport
+        )
+        return t.total_s, {
+            "prepare": t.prepare_s,
+            "transfer": t.transfer_s,
+            "apply": t.apply_s,
+            "buckets": t.buckets_s,
+        }
     pr = predict(plan, cal)[0]
-    parts = {"gen batch": pr.gen_batch_s, "train": pr.train_step_s, "sync": pr.weight_sync_s, "step": pr.step_s}
+    parts = {
+        "gen batch": pr.gen_batch_s,
+        "train": pr.train_step_s,
+        "sync": pr.weight_sync_s,
+        "step": pr.step_s,
+    }
     return getattr(pr, fig.quantity), parts
 
 

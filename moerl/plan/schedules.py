@@ -68,7 +68,11 @@ def step_s(schedule: str, parts: StepParts, *, sync_overlap: float, max_stalenes
 def gamma_sf(t: float, mean: float, cv: float) -> float:
     """P(r > t) for r ~ Gamma(shape 1 / cv^2, scale mean cv^2) (mean ``mean``, std cv mean); cv > 0."""
     shape, scale = 1 / cv**2, mean * cv**2
-    return float(torch.special.gammaincc(torch.tensor(shape, dtype=torch.float64), torch.tensor(t / scale, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(shape, dtype=torch.float64), torch.tensor(t / scale, dtype=torch.float64)
+        )
+    )
 
 
 def gamma_quantile(q: float, mean: float, cv: float) -> float:
@@ -117,6 +121,7 @@ def batch_decode_s(
     sf = (lambda t: 1.0) if cv <= 0 else (lambda t: gamma_sf(t, mean, cv))
     dt = longest / TAIL_POINTS
     tail = sum(
-        dt * step_at(max(n * sf((i + 0.5) * dt), 1.0), prompt_len + (i + 0.5) * dt) for i in range(TAIL_POINTS)
+        dt * step_at(max(n * sf((i + 0.5) * dt), 1.0), prompt_len + (i + 0.5) * dt)
+        for i in range(TAIL_POINTS)
     )
     return start + tail

@@ -86,7 +86,9 @@ def sync_constants(bench: dict) -> SyncConstants:
             hash_gb_s=w / floors["xxh3_host"] / 1e9,
         )
     except KeyError as e:
-        raise ConfigError(f"weight-sync bench result lacks {e}; run bench/weight_sync.py --spec reference") from None
+        raise ConfigError(
+            f"weight-sync bench result lacks {e}; run bench/weight_sync.py --spec reference"
+        ) from None
 
 
 def constants_of(cal: dict) -> SyncConstants:
@@ -97,7 +99,9 @@ def constants_of(cal: dict) -> SyncConstants:
     """
     rec = cal.get("weight_sync")
     if not rec:
-        raise ConfigError("the calibration has no weight_sync record (python -m moerl.plan.transports writes it)")
+        raise ConfigError(
+            "the calibration has no weight_sync record (python -m moerl.plan.transports writes it)"
+        )
     return SyncConstants(**rec["constants"])
 
 
@@ -135,7 +139,11 @@ class SyncSetup:
     @property
     def bytes_on_wire(self) -> float:
         """W = N e min(1, f (1 + 4 / e)): bytes of one version on the wire."""
-        return self.num_params * self.wire_bytes * min(1.0, self.changed_fraction * (1 + INDEX_BYTES / self.wire_bytes))
+        return (
+            self.num_params
+            * self.wire_bytes
+            * min(1.0, self.changed_fraction * (1 + INDEX_BYTES / self.wire_bytes))
+        )
 
     @property
     def num_buckets(self) -> int:
@@ -211,7 +219,9 @@ def checkpoint_engine(s: SyncSetup) -> SyncTime:
     h2d = w / s.replica_gpus / (s.consts.pinned_gb_s * 1e9)
     apply = _apply_s(s)
     moved = _stages([d2h, bcast, h2d, apply], s.num_buckets, s.is_pipelined)
-    return SyncTime("checkpoint_engine", _prepare_s(s), moved - apply, apply, s.num_buckets * s.consts.bucket_s)
+    return SyncTime(
+        "checkpoint_engine", _prepare_s(s), moved - apply, apply, s.num_buckets * s.consts.bucket_s
+    )
 
 
 def object_store(s: SyncSetup) -> SyncTime:

@@ -74,7 +74,9 @@ def test_no_module_that_makes_a_constant_reads_the_published_figures():
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import | ast.ImportFrom) else []
             module = getattr(node, "module", None) or ""
-            if "moerl.plan.published" in [module, *names] or (module == "moerl.plan" and "published" in names):
+            if "moerl.plan.published" in [module, *names] or (
+                module == "moerl.plan" and "published" in names
+            ):
                 readers.add(path.name)
     assert readers == {"cli.py"}
 
@@ -90,7 +92,9 @@ def test_published_cli_prints_the_table_sources_and_json(tmp_path, capsys, rows)
     hits = sum(r["hit"] for r in rows)
     assert f"{hits} of 13 figures within +-30%" in text and text.count("MISS") == 13 - hits
     data = json.loads(out.read_text())
-    assert data["bound"] == 0.3 and [f["predicted"] for f in data["figures"]] == [r["predicted"] for r in rows]
+    assert data["bound"] == 0.3 and [f["predicted"] for f in data["figures"]] == [
+        r["predicted"] for r in rows
+    ]
     assert main(["plan", "--published", "--set", "total_nodes=4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--published predicts the published runs' own setups; drop --set" in err and "\n" not in err
@@ -99,11 +103,15 @@ def test_published_cli_prints_the_table_sources_and_json(tmp_path, capsys, rows)
 def test_the_answer_comes_first_and_assumptions_only_on_request(capsys):
     assert main(["plan", "--preset", "bench-reference"]) == 0
     text = capsys.readouterr().out
-    assert text.lstrip().startswith("moerl plan") and "assumptions:" not in text and "plan.model =" not in text
+    assert (
+        text.lstrip().startswith("moerl plan") and "assumptions:" not in text and "plan.model =" not in text
+    )
     assert "hierarchical / flat rollout tok/s" in text and len(text.splitlines()) < 25
     assert main(["plan", "--preset", "bench-reference", "--assumptions"]) == 0
     text = capsys.readouterr().out
-    assert text.index("$ per useful episode") < text.index("assumptions:") < text.index("plan.model = reference")
+    assert (
+        text.index("$ per useful episode") < text.index("assumptions:") < text.index("plan.model = reference")
+    )
     assert "calibrated.decode_hbm_fraction" in text
 
 

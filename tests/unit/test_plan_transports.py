@@ -43,7 +43,9 @@ def test_sharded_p2p_is_the_busiest_nic():
 
 
 def test_nccl_broadcast_gathers_then_sends_the_whole_version_once():
-    one = replace(BASE, trainer_gpus=1, is_pipelined=False)  # no gather; broadcast 2 GB / 40 GB/s, apply 0.001
+    one = replace(
+        BASE, trainer_gpus=1, is_pipelined=False
+    )  # no gather; broadcast 2 GB / 40 GB/s, apply 0.001
     assert sync_time(one, "nccl_broadcast").total_s == pytest.approx(0.05 + 0.001)
     gathered = replace(BASE, is_pipelined=False)  # 7/8 of W over NVLink at 400 GB/s: 4.375 ms more
     assert sync_time(gathered, "nccl_broadcast").total_s == pytest.approx(0.051 + 1.75 / 400)
@@ -136,11 +138,24 @@ def test_plan_fields_and_json_point(tmp_path, capsys):
 
 
 def test_transport_and_schedule_change_the_prediction():
-    p = Plan(model="qwen3-30b-a3b", router_groups=1, topk_groups=1, total_nodes=4, train_nodes=2, rollout_ep_nodes=1)
-    sharded, bcast = (weight_sync(set_param(p, "weight_transport", t), CAL).total_s for t in ("sharded_p2p", "nccl_broadcast"))
+    p = Plan(
+        model="qwen3-30b-a3b",
+        router_groups=1,
+        topk_groups=1,
+        total_nodes=4,
+        train_nodes=2,
+        rollout_ep_nodes=1,
+    )
+    sharded, bcast = (
+        weight_sync(set_param(p, "weight_transport", t), CAL).total_s
+        for t in ("sharded_p2p", "nccl_broadcast")
+    )
     assert bcast > 4 * sharded  # 16 trainer GPUs send in parallel; one broadcasts everything
     fp8 = weight_sync(set_param(p, "sync_fp8", "true"), CAL).total_s
     assert fp8 < sharded
     steps = {s: predict(set_param(p, "schedule", s), CAL)[0] for s in ("sync", "one_step_off", "fully_async")}
     assert steps["fully_async"].step_s < steps["one_step_off"].step_s < steps["sync"].step_s
-    assert steps["sync"].gen_batch_s > steps["sync"].step_s - steps["sync"].train_step_s - steps["sync"].weight_sync_s - 1e-9
+    assert (
+        steps["sync"].gen_batch_s
+        > steps["sync"].step_s - steps["sync"].train_step_s - steps["sync"].weight_sync_s - 1e-9
+    )
