@@ -35,9 +35,9 @@ from moerl.atomic import atomic_path, atomic_write_text
 from moerl.configlib import ConfigError
 from moerl.plan.args import COLUMNS, PRESETS, RESULTS, WIDE_COLUMNS
 from moerl.plan.inputs import Plan, with_params
+from moerl.plan.matrix import ratio_sensitivity, schedule_matrix
 from moerl.plan.models import MODELS, ModelShape
 from moerl.plan.predict import as_rows, best_split, plan_hardware, plan_model, run
-from moerl.plan.matrix import ratio_sensitivity, schedule_matrix
 from moerl.plan.published import BOUND, published_rows
 from moerl.plan.sensitivity import tornado
 from moerl.plan.validate_report import validation_lines, validation_rows, validation_table

@@ -46,8 +46,8 @@ from moerl.plan.hardware import get_hardware
 from moerl.plan.inputs import Plan, parse_param, set_param, with_params
 from moerl.plan.models import get_model
 from moerl.plan.schedules import StepParts, batch_decode_s, step_s
-from moerl.plan.transports import FP8_BYTES, SyncSetup, SyncTime, constants_of, sync_time
 from moerl.plan.traffic import RowBytes, expected_traffic
+from moerl.plan.transports import FP8_BYTES, SyncSetup, SyncTime, constants_of, sync_time
 from moerl.plan.validation import expected_work_bytes
 
 __all__ = ["DISPATCHERS", "Plan", "Prediction", "as_rows", "best_split", "parse_param", "plan_hardware",
