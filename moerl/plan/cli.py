@@ -362,7 +362,7 @@ def plan_main(args: argparse.Namespace) -> int:
                                   ("--set", args.overrides), ("--sweep", args.sweep), ("--csv", args.csv),
                                   ("--plot", args.plot), ("--sensitivity", args.sensitivity),
                                   ("--validate", args.validate), ("--schedules", getattr(args, "schedules", False)),
-                                  ("--results", args.results)) if v]  # fmt: skip
+                                  ("--assumptions", getattr(args, "assumptions", False)), ("--results", args.results)) if v]  # fmt: skip
         if ignored:
             raise ConfigError(f"--published predicts the published runs' own setups; drop {', '.join(ignored)}")
         check_output_paths(args)
@@ -376,7 +376,9 @@ def plan_main(args: argparse.Namespace) -> int:
         ignored = [f for f, v in (("--preset", args.preset), ("--file", args.file),
                                   ("--config", getattr(args, "config", None)), ("--set", args.overrides),
                                   ("--sweep", args.sweep), ("--json", args.json), ("--csv", args.csv),
-                                  ("--plot", args.plot), ("--sensitivity", args.sensitivity)) if v]  # fmt: skip
+                                  ("--plot", args.plot), ("--sensitivity", args.sensitivity),
+                                  ("--schedules", getattr(args, "schedules", False)),
+                                  ("--assumptions", getattr(args, "assumptions", False))) if v]  # fmt: skip
         if ignored:
             raise ConfigError(
                 f"--validate compares the calibration with bench results only; drop {', '.join(ignored)}"

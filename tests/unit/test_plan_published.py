@@ -98,6 +98,8 @@ def test_published_cli_prints_the_table_sources_and_json(tmp_path, capsys, rows)
     assert main(["plan", "--published", "--set", "total_nodes=4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--published predicts the published runs' own setups; drop --set" in err and "\n" not in err
+    assert main(["plan", "--validate", "--schedules"]) == 2
+    assert "drop --schedules" in capsys.readouterr().err
 
 
 def test_the_answer_comes_first_and_assumptions_only_on_request(capsys):
