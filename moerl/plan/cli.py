@@ -296,6 +296,7 @@ def published_lines(rows: list[dict]) -> list[str]:
     for i, r in enumerate(rows, 1):
         params = ", ".join(f"{k}={v}" for k, v in r["setup"].items())
         sync = f"; sync of {r['sync_gb']:g} GB as published" if r["sync_gb"] else ""
+        sync += "; {} trainer and {} rollout GPUs as published".format(*r["sync_gpus"]) if any(r["sync_gpus"]) else ""
         parts = ", ".join(f"{k} {v:.3g} s" for k, v in r["parts"].items())
         lines += [f"[{i}] {r['key']}: {params}{sync}", f"    predicted parts: {parts}", f"    figure: {r['source']}",
                   f"    setup: {r['setup_source']}"]  # fmt: skip

@@ -54,6 +54,8 @@ class Figure:
     sync_gb: float = 0.0
     """> 0: the bytes of one sync as published (GB; the refit calculator's ``model_size_gb``) instead of the
     model's parameter count x 2."""
+    sync_gpus: tuple[int, int] = (0, 0)
+    """(trainer GPUs, rollout GPUs) of a sync benchmark that uses part of its nodes; (0, 0): the plan's."""
 
 
 _QWEN = {"router_groups": 1, "topk_groups": 1, "rollout_ep_nodes": 1}
@@ -125,8 +127,8 @@ PUBLISHED: tuple[Figure, ...] = (
             setup_source=f"{VERL_CKPT}: 4x8 H100, CX7 400 Gb/s IB, trainer FSDP world size 2, 30 rollouts each "
             f"receiving the whole model; {backend} = all_gather + {'broadcast' if backend == 'NCCL' else 'ring p2p'}"
             " (a pipelined chain: the broadcast term)",
-            assumed="buckets of 4096 MiB, not overlapped with the load (verl's defaults, fully_async.md); "
-            "the trainer's 2 GPUs send as in the 1 training node of the plan",
+            assumed="buckets of 4096 MiB, not overlapped with the load (verl's defaults, fully_async.md)",
+            sync_gpus=(2, 30),
         )  # fmt: skip
         for backend in ("NCCL", "NIXL")
     ),
@@ -252,9 +254,11 @@ def predict_figure(fig: Figure, cal: dict) -> tuple[float, dict[str, float]]:
     plan = figure_plan(fig)
     if fig.quantity == "weight_sync_s":
         setup = sync_setup(plan, cal)
-        t = sync_time(
-            replace(setup, num_params=fig.sync_gb * 1e9 / 2) if fig.sync_gb else setup, plan.weight_transport
-        )
+        if fig.sync_gb:
+            setup = replace(setup, num_params=fig.sync_gb * 1e9 / 2)
+        if fig.sync_gpus != (0, 0):
+            setup = replace(setup, trainer_gpus=fig.sync_gpus[0], rollout_gpus=fig.sync_gpus[1])
+        t = sync_time(setup, plan.weight_transport)
         return t.total_s, {
             "prepare": t.prepare_s,
             "transfer": t.transfer_s,
@@ -290,5 +294,5 @@ def published_rows(cal: dict) -> list[dict]:
         rows.append({"key": fig.key, "quantity": fig.quantity, "published": published, "predicted": pred,
                      "ratio": pred / ((fig.low + fig.high) / 2), "error": err, "hit": abs(err) <= BOUND,
                      "setup": fig.setup, "source": fig.source, "setup_source": fig.setup_source,
-                     "assumed": fig.assumed, "sync_gb": fig.sync_gb, "parts": parts})  # fmt: skip
+                     "assumed": fig.assumed, "sync_gb": fig.sync_gb, "parts": parts, "sync_gpus": fig.sync_gpus})  # fmt: skip
     return rows

@@ -124,3 +124,12 @@ def test_schedules_answers_the_seeds_question(capsys):
     for pair in ("colocated      cuda_ipc", "one_step_off   sharded_p2p", "fully_async    object_store"):
         assert pair in text
     assert "weight_sync.bucket_s" in text and "decode_hbm_fraction" in text
+
+
+def test_the_guide_shows_the_table_as_the_code_prints_it(capsys):
+    """docs/planning.md quotes ``moerl plan --published``'s table: it must be the one the code prints."""
+    assert main(["plan", "--published"]) == 0
+    lines = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
+    table = "\n".join(lines[: lines.index("") + 1 + 2 + len(PUBLISHED) + 1]).strip()
+    guide = (PLAN.parents[1] / "docs" / "planning.md").read_text()
+    assert table in guide
