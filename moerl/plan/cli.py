@@ -223,6 +223,7 @@ def effective_values(plan: Plan) -> dict[str, str]:
         f"({'plan' if plan.flat_net_fraction else 'net_fraction'})",
         "price_on_demand": f"{hw.price_on_demand} $/node-hour "
         f"({'plan' if plan.price_on_demand else f'{hw.name} catalog'})",
+        "schedule": f"{plan.schedule_used} ({'plan' if plan.schedule != 'auto' else 'auto: from mode and max_staleness'})",
         "interruptions_per_hour": f"{hw.interruptions_per_hour} per node-hour "
         f"({'plan' if rate >= 0 else f'{hw.name} catalog'}; applied only with spot_rollout)",
     }
@@ -246,6 +247,10 @@ def assumptions(plan: Plan, cal: dict) -> list[str]:
     lines += [
         f"calibrated.{k} = {v:.4g} ({cal['sources'].get(k, cal['sources']['ep'])})"
         for k, v in cal["constants"].items()
+    ]
+    sync = cal.get("weight_sync", {})
+    lines += [
+        f"measured.weight_sync.{k} = {v:.4g} ({sync['source']})" for k, v in sync.get("constants", {}).items()
     ]
     return lines
 
@@ -296,7 +301,11 @@ def published_lines(rows: list[dict]) -> list[str]:
     for i, r in enumerate(rows, 1):
         params = ", ".join(f"{k}={v}" for k, v in r["setup"].items())
         sync = f"; sync of {r['sync_gb']:g} GB as published" if r["sync_gb"] else ""
-        sync += "; {} trainer and {} rollout GPUs as published".format(*r["sync_gpus"]) if any(r["sync_gpus"]) else ""
+        sync += (
+            "; {} trainer and {} rollout GPUs as published".format(*r["sync_gpus"])
+            if any(r["sync_gpus"])
+            else ""
+        )
         parts = ", ".join(f"{k} {v:.3g} s" for k, v in r["parts"].items())
         lines += [f"[{i}] {r['key']}: {params}{sync}", f"    predicted parts: {parts}", f"    figure: {r['source']}",
                   f"    setup: {r['setup_source']}"]  # fmt: skip
@@ -309,9 +318,20 @@ def _matrix_tables(plan: Plan, cal: dict) -> list[Table]:
     """``--schedules``: the (schedule, transport) matrix and the ratio's sensitivity (``moerl.plan.matrix``)."""
     m = Table(title="hier/flat useful episodes/s and $ per 1000 useful episodes by schedule and transport",
               box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")  # fmt: skip
-    for c in ("schedule", "transport", "sync s", "step s flat", "step s hier", "$/1000 flat", "$/1000 hier", "hier/flat"):
+    for c in (
+        "schedule",
+        "transport",
+        "sync s",
+        "step s flat",
+        "step s hier",
+        "$/1000 flat",
+        "$/1000 hier",
+        "hier/flat",
+    ):
         named = c in ("schedule", "transport")
-        m.add_column(c if named else c.replace(" ", "\n", 1), justify="left" if named else "right", no_wrap=named)
+        m.add_column(
+            c if named else c.replace(" ", "\n", 1), justify="left" if named else "right", no_wrap=named
+        )
     for r in schedule_matrix(plan, cal):
         if "error" in r:
             m.add_row(r["schedule"], r["transport"], *(["-"] * 6))
@@ -365,7 +385,9 @@ def plan_main(args: argparse.Namespace) -> int:
                                   ("--validate", args.validate), ("--schedules", getattr(args, "schedules", False)),
                                   ("--assumptions", getattr(args, "assumptions", False)), ("--results", args.results)) if v]  # fmt: skip
         if ignored:
-            raise ConfigError(f"--published predicts the published runs' own setups; drop {', '.join(ignored)}")
+            raise ConfigError(
+                f"--published predicts the published runs' own setups; drop {', '.join(ignored)}"
+            )
         check_output_paths(args)
         rows = published_rows(cal)
         console.print(published_table(rows))

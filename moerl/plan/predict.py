@@ -129,7 +129,9 @@ _EP_MEMO: dict[tuple, tuple[float, float]] = {}
 (``expected_traffic`` costs ~30 ms a call)."""
 
 
-def _ep_s_memo(p: Plan, hw, placement: ExpertPlacement, tokens: float, rows: RowBytes, dispatcher: str, cal: dict):
+def _ep_s_memo(
+    p: Plan, hw, placement: ExpertPlacement, tokens: float, rows: RowBytes, dispatcher: str, cal: dict
+):
     """``_ep_s`` through ``_EP_MEMO`` (keyed on every input it reads)."""
     topo = placement.topology
     key = (hw, p.model, p.top_k, p.placement, p.router_groups, p.topk_groups, p.ep_impl, p.kernel_call_us,
@@ -165,7 +167,10 @@ def _decode_step(
         ep_rt, inter = t0 + (t1 - t0) * (rows - r0) / (r1 - r0) if r1 != r0 else t0, 0.0
     else:
         ep_rt, inter = _ep_s_memo(p, hw, placement, rows, rows_b, dispatcher, cal)
-    step = timing.decode_step_s(m, hw, c, rows, ctx, r, p.weight_bytes) + (1 - p.ep_overlap) * m.num_moe_layers * ep_rt
+    step = (
+        timing.decode_step_s(m, hw, c, rows, ctx, r, p.weight_bytes)
+        + (1 - p.ep_overlap) * m.num_moe_layers * ep_rt
+    )
     return step, ep_rt, inter
 
 
@@ -174,7 +179,9 @@ def _tp_step_s(p: Plan, hw, m, c, rows: float, ctx: float) -> float:
     reads 1/tp of the touched weights and of the KV cache and does 1/tp of the FLOPs (Megatron-LM TP,
     Shoeybi et al. 2019, sec. 3), plus 2 all-reduces of rows x H per layer over NVLink (one message each)."""
     tp = p.rollout_tp
-    mem = timing.decode_weight_bytes(m, rows, 1, p.weight_bytes) + rows * ctx * m.kv_bytes_per_token(p.weight_bytes)
+    mem = timing.decode_weight_bytes(m, rows, 1, p.weight_bytes) + rows * ctx * m.kv_bytes_per_token(
+        p.weight_bytes
+    )
     t_mem = mem / tp / (c.decode_hbm_fraction * hw.hbm_tb_s * 1e12)
     peak = hw.fp8_tflops if p.weight_bytes <= 1 else hw.bf16_tflops
     t_flop = rows * m.forward_flops_per_token(ctx) / tp / (c.prefill_matmul_fraction * peak * 1e12)
@@ -198,7 +205,9 @@ def _prefill_s(p: Plan, hw, m, cal: dict, dispatcher: str, tokens: float) -> flo
     if not p.rollout_tp and hw.gpus_per_node * p.rollout_ep_nodes > 1:
         r = hw.gpus_per_node * p.rollout_ep_nodes
         placement = ExpertPlacement(
-            m.num_experts, Topology(r, hw.gpus_per_node), "contiguous" if p.placement == "grouped" else "round_robin"
+            m.num_experts,
+            Topology(r, hw.gpus_per_node),
+            "contiguous" if p.placement == "grouped" else "round_robin",
         )
         rows_b = RowBytes(hidden=int(m.hidden_size * p.dispatch_bytes), top_k=m.top_k)
         chunk = min(tokens, PREFILL_CHUNK)
@@ -227,7 +236,12 @@ def _gen_batch_s(p: Plan, hw, m, cal: dict, dispatcher: str, nodes: int) -> floa
 
     ctx = p.prompt_len + p.response_len / 2
     lo, hi = 1 / g, min(per_replica, rows) / g  # rows per GPU at the end of the tail and at its start
-    line = (lo, _decode_step(p, hw, m, cal, dispatcher, lo, ctx)[1], hi, _decode_step(p, hw, m, cal, dispatcher, hi, ctx)[1])
+    line = (
+        lo,
+        _decode_step(p, hw, m, cal, dispatcher, lo, ctx)[1],
+        hi,
+        _decode_step(p, hw, m, cal, dispatcher, hi, ctx)[1],
+    )
 
     def step_at(replica_rows: float, ctx: float) -> float:
         return _decode_step(p, hw, m, cal, dispatcher, replica_rows / g, ctx, ep_line=line)[0]

@@ -114,7 +114,8 @@ def test_the_answer_comes_first_and_assumptions_only_on_request(capsys):
     assert (
         text.index("$ per useful episode") < text.index("assumptions:") < text.index("plan.model = reference")
     )
-    assert "calibrated.decode_hbm_fraction" in text
+    assert "calibrated.decode_hbm_fraction" in text and "measured.weight_sync.bucket_s" in text
+    assert "plan.schedule = fully_async (auto: from mode and max_staleness)" in text
 
 
 def test_schedules_answers_the_seeds_question(capsys):
