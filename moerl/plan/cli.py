@@ -369,6 +369,25 @@ def results_folder(given: str | None) -> Path:
     return folder
 
 
+def _published_main(args: argparse.Namespace, cal: dict, console: Console) -> int:
+    """``moerl plan --published``: the table, each figure's parameters and sources, ``--json``. Raises
+    ConfigError when a plan flag is given (the figures' own setups are the plans)."""
+    ignored = [f for f, v in (("--preset", args.preset), ("--file", args.file), ("--config", getattr(args, "config", None)),
+                              ("--set", args.overrides), ("--sweep", args.sweep), ("--csv", args.csv),
+                              ("--plot", args.plot), ("--sensitivity", args.sensitivity),
+                              ("--validate", args.validate), ("--schedules", getattr(args, "schedules", False)),
+                              ("--assumptions", getattr(args, "assumptions", False)), ("--results", args.results)) if v]  # fmt: skip
+    if ignored:
+        raise ConfigError(f"--published predicts the published runs' own setups; drop {', '.join(ignored)}")
+    check_output_paths(args)
+    rows = published_rows(cal)
+    console.print(published_table(rows))
+    console.print("\n".join(published_lines(rows)), highlight=False)
+    if args.json:
+        atomic_write_text(args.json, json.dumps({"bound": BOUND, "figures": rows}, indent=2))
+    return 0
+
+
 def plan_main(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit code."""
     try:
@@ -379,22 +398,7 @@ def plan_main(args: argparse.Namespace) -> int:
     check_preset(args.preset)
     config_values = getattr(args, "config_values", None)
     if getattr(args, "published", False):
-        ignored = [f for f, v in (("--preset", args.preset), ("--file", args.file), ("--config", getattr(args, "config", None)),
-                                  ("--set", args.overrides), ("--sweep", args.sweep), ("--csv", args.csv),
-                                  ("--plot", args.plot), ("--sensitivity", args.sensitivity),
-                                  ("--validate", args.validate), ("--schedules", getattr(args, "schedules", False)),
-                                  ("--assumptions", getattr(args, "assumptions", False)), ("--results", args.results)) if v]  # fmt: skip
-        if ignored:
-            raise ConfigError(
-                f"--published predicts the published runs' own setups; drop {', '.join(ignored)}"
-            )
-        check_output_paths(args)
-        rows = published_rows(cal)
-        console.print(published_table(rows))
-        console.print("\n".join(published_lines(rows)), highlight=False)
-        if args.json:
-            atomic_write_text(args.json, json.dumps({"bound": BOUND, "figures": rows}, indent=2))
-        return 0
+        return _published_main(args, cal, console)
     if args.validate:
         ignored = [f for f, v in (("--preset", args.preset), ("--file", args.file),
                                   ("--config", getattr(args, "config", None)), ("--set", args.overrides),
