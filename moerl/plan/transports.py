@@ -21,9 +21,10 @@ b_copy, and the receivers' apply: W / g bytes copied into the engine at b_copy):
 - ``sharded_p2p``: every trainer GPU writes its shard straight to the rollout GPUs that hold it
   (one-sided RDMA; NeMo-RL's NCCL reshard refit, Mooncake-style transfer engines): the busiest NIC
   carries max(W / g received, W n / S sent); one message per (sender, receiver) pair that share bytes.
-- ``checkpoint_engine``: the staged path of MoonshotAI's checkpoint-engine: each bucket is copied to pinned
-  host memory (b_pin), broadcast between nodes from there (as ``nccl_broadcast``), copied to the device
-  (b_pin); pipelined over buckets when ``sync_pipelined``.
+- ``checkpoint_engine``: the staged path of MoonshotAI's checkpoint-engine: every trainer GPU copies its
+  shard to pinned host memory (W / S at b_pin), the buckets are broadcast between nodes from there (as
+  ``nccl_broadcast``), each receiver copies its W / g to the device (b_pin); pipelined over buckets when
+  ``sync_pipelined``.
 - ``object_store``: the version is written to storage by the training nodes and read by every rollout node
   (moerl's ``store`` / ``object_store`` transports): W / (trainer nodes x storage GB/s) + W_node / storage
   GB/s, plus hashing at moerl's measured xxh3 rate on both sides.
@@ -214,7 +215,7 @@ def sharded_p2p(s: SyncSetup) -> SyncTime:
 def checkpoint_engine(s: SyncSetup) -> SyncTime:
     """Device -> pinned host -> network broadcast -> pinned host -> device, per bucket (module docstring)."""
     w = s.bytes_on_wire
-    d2h = w / (s.consts.pinned_gb_s * 1e9)
+    d2h = w / s.trainer_gpus / (s.consts.pinned_gb_s * 1e9)  # each trainer GPU stages its shard
     bcast = w / (s.net_gb_s * 1e9) + s.rollout_gpus / s.gpus_per_node * s.message_s
     h2d = w / s.replica_gpus / (s.consts.pinned_gb_s * 1e9)
     apply = _apply_s(s)
@@ -228,8 +229,7 @@ def object_store(s: SyncSetup) -> SyncTime:
     """Training nodes write the version, every rollout node reads its replicas' shards; xxh3 both ways."""
     w = s.bytes_on_wire
     train_nodes = max(1, s.trainer_gpus // s.gpus_per_node)
-    per_node = w * min(s.gpus_per_node, s.rollout_gpus) / s.replica_gpus  # a node holds 8 / g shards of 1/g
-    per_node = min(per_node, w * max(1, s.gpus_per_node // s.replica_gpus))
+    per_node = w * min(s.gpus_per_node, s.rollout_gpus) / s.replica_gpus  # its GPUs' shards: W / g each
     write = w / train_nodes / (s.storage_gb_s * 1e9) + w / train_nodes / (s.consts.hash_gb_s * 1e9)
     read = per_node / (s.storage_gb_s * 1e9) + per_node / (s.consts.hash_gb_s * 1e9)
     return SyncTime("object_store", _prepare_s(s), write + read, _apply_s(s), 0.0)

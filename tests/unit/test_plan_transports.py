@@ -70,6 +70,8 @@ def test_delta_fp8_and_bucket_costs():
 def test_staged_and_stored_paths():
     staged = replace(BASE, trainer_gpus=1, is_pipelined=False)  # d2h 2 GB at 10, send at 40, h2d 1 GB at 10
     assert sync_time(staged, "checkpoint_engine").total_s == pytest.approx(0.2 + 0.05 + 0.1 + 0.001)
+    two = replace(staged, trainer_gpus=2)  # each stages half: d2h 0.1 s (the gather is the broadcast's own)
+    assert sync_time(two, "checkpoint_engine").total_s == pytest.approx(0.1 + 0.05 + 0.1 + 0.001)
     # one training node writes 2 GB at 2 GB/s; a rollout node reads its 4 replicas' shards (4 x 1 GB... = W x 4)
     stored = sync_time(BASE, "object_store")
     assert stored.transfer_s == pytest.approx(1.0 + 8e9 / 2e9, rel=1e-6)
