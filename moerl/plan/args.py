@@ -87,6 +87,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--sensitivity", action="store_true", help="one-at-a-time sensitivity of the hier/flat ratio"
     )
     p.add_argument(
+        "--assumptions",
+        action="store_true",
+        help="after the answer, list every input of the prediction with its source (~80 lines)",
+    )
+    p.add_argument(
+        "--published",
+        action="store_true",
+        help="predict the published figures of NeMo-RL and verl runs (moerl.plan.published) and exit "
+        "(alone: with --calibration, --json)",
+    )
+    p.add_argument(
+        "--schedules",
+        action="store_true",
+        help="the hier/flat ratio of useful episodes/s and $ per 1000 useful episodes under every schedule and "
+        "weight transport, and the ratio's sensitivity to each calibrated value (moerl.plan.matrix)",
+    )
+    p.add_argument(
         "--wide",
         action="store_true",
         help=f"every column (EP ms/step, inter-node MB/layer), up to {WIDE_COLUMNS} columns wide; "

@@ -35,8 +35,10 @@ from moerl.atomic import atomic_path, atomic_write_text
 from moerl.configlib import ConfigError
 from moerl.plan.args import COLUMNS, PRESETS, RESULTS, WIDE_COLUMNS
 from moerl.plan.inputs import Plan, with_params
+from moerl.plan.matrix import ratio_sensitivity, schedule_matrix
 from moerl.plan.models import MODELS, ModelShape
 from moerl.plan.predict import as_rows, best_split, plan_hardware, plan_model, run
+from moerl.plan.published import BOUND, published_rows
 from moerl.plan.sensitivity import tornado
 from moerl.plan.validate_report import validation_lines, validation_rows, validation_table
 
@@ -221,6 +223,7 @@ def effective_values(plan: Plan) -> dict[str, str]:
         f"({'plan' if plan.flat_net_fraction else 'net_fraction'})",
         "price_on_demand": f"{hw.price_on_demand} $/node-hour "
         f"({'plan' if plan.price_on_demand else f'{hw.name} catalog'})",
+        "schedule": f"{plan.schedule_used} ({'plan' if plan.schedule != 'auto' else 'auto: from mode and max_staleness'})",
         "interruptions_per_hour": f"{hw.interruptions_per_hour} per node-hour "
         f"({'plan' if rate >= 0 else f'{hw.name} catalog'}; applied only with spot_rollout)",
     }
@@ -245,6 +248,10 @@ def assumptions(plan: Plan, cal: dict) -> list[str]:
         f"calibrated.{k} = {v:.4g} ({cal['sources'].get(k, cal['sources']['ep'])})"
         for k, v in cal["constants"].items()
     ]
+    sync = cal.get("weight_sync", {})
+    lines += [
+        f"measured.weight_sync.{k} = {v:.4g} ({sync['source']})" for k, v in sync.get("constants", {}).items()
+    ]
     return lines
 
 
@@ -253,6 +260,9 @@ def _summary(plan: Plan, point: dict, cal: dict) -> str:
     train, useful = best_split(plan, cal)
     return "\n".join([
         f"hierarchical / flat rollout tok/s: {point['ratio_rollout_hier_over_flat']:.3f}",
+        f"schedule {hier['schedule']}, weight transport {hier['weight_transport']}: weight sync "
+        f"{hier['weight_sync_s']:.2f} s, step {flat['step_s']:.1f} s flat / {hier['step_s']:.1f} s hierarchical, "
+        f"{hier['tokens_per_s_per_gpu']:,.0f} training tok/s per GPU (hierarchical)",
         f"async iteration {hier['async_iter_s']:.1f} s vs sync {hier['sync_iter_s']:.1f} s (hierarchical); "
         f"rollout supply / training demand = {hier['balance']:.2f}",
         f"best split of {plan.total_nodes} nodes: {train} training + {plan.total_nodes - train} rollout "
@@ -272,6 +282,78 @@ def _tornado_table(rows: list[dict]) -> Table:
     return t
 
 
+def published_table(rows: list[dict]) -> Table:
+    """The ``--published`` table: figure, quantity, published value, prediction, ratio, within the bound."""
+    t = Table(title=f"moerl plan --published (hit: within +-{BOUND:.0%} of the value or the range's nearest end)",
+              box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")  # fmt: skip
+    for c in ("#", "figure", "quantity", "published", "predicted", "ratio", "error", "hit"):
+        t.add_column(c, justify="left" if c in ("figure", "quantity") else "right", overflow="fold")
+    for i, r in enumerate(rows, 1):
+        t.add_row(str(i), r["key"], r["quantity"].replace("tokens_per_s_per_gpu", "tok/s/GPU"), r["published"],
+                  f"{r['predicted']:.3g}", f"{r['ratio']:.2f}", f"{r['error']:+.0%}", "yes" if r["hit"] else "MISS")  # fmt: skip
+    return t
+
+
+def published_lines(rows: list[dict]) -> list[str]:
+    """Per figure: the parameters used, where they come from, what was assumed, the figure's source."""
+    lines = [f"{sum(r['hit'] for r in rows)} of {len(rows)} figures within +-{BOUND:.0%}; misses are not refitted "
+             "(the constants come from moerl's measurements and datasheets only)."]  # fmt: skip
+    for i, r in enumerate(rows, 1):
+        params = ", ".join(f"{k}={v}" for k, v in r["setup"].items())
+        sync = f"; sync of {r['sync_gb']:g} GB as published" if r["sync_gb"] else ""
+        sync += (
+            "; {} trainer and {} rollout GPUs as published".format(*r["sync_gpus"])
+            if any(r["sync_gpus"])
+            else ""
+        )
+        parts = ", ".join(f"{k} {v:.3g} s" for k, v in r["parts"].items())
+        lines += [f"[{i}] {r['key']}: {params}{sync}", f"    predicted parts: {parts}", f"    figure: {r['source']}",
+                  f"    setup: {r['setup_source']}"]  # fmt: skip
+        if r["assumed"]:
+            lines.append(f"    assumed: {r['assumed']}")
+    return lines
+
+
+def _matrix_tables(plan: Plan, cal: dict) -> list[Table]:
+    """``--schedules``: the (schedule, transport) matrix and the ratio's sensitivity (``moerl.plan.matrix``)."""
+    m = Table(title="hier/flat useful episodes/s and $ per 1000 useful episodes by schedule and transport",
+              box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")  # fmt: skip
+    for c in (
+        "schedule",
+        "transport",
+        "sync s",
+        "step s flat",
+        "step s hier",
+        "$/1000 flat",
+        "$/1000 hier",
+        "hier/flat",
+    ):
+        named = c in ("schedule", "transport")
+        m.add_column(
+            c if named else c.replace(" ", "\n", 1), justify="left" if named else "right", no_wrap=named
+        )
+    for r in schedule_matrix(plan, cal):
+        if "error" in r:
+            m.add_row(r["schedule"], r["transport"], *(["-"] * 6))
+            continue
+        m.add_row(r["schedule"], r["transport"], f"{r['weight_sync_s']:.2f}", f"{r['step_flat_s']:.1f}",
+                  f"{r['step_hier_s']:.1f}", f"{r['usd_flat']:.2f}", f"{r['usd_hier']:.2f}", f"{r['ratio']:.3f}")  # fmt: skip
+    rows = ratio_sensitivity(plan, cal)
+    s = Table(title="hier/flat useful episodes/s with one calibrated value at its low / high: fractions x0.5..x2, "
+              "fixed costs x0.1..x2, rates x0.5..x4 (--sensitivity: the values); header: the plan's ratio",
+              box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")  # fmt: skip
+    s.add_column("calibrated value", no_wrap=True)
+    schedules = list(rows[0]["base"])
+    for sch in schedules:
+        base = rows[0]["base"][sch]
+        s.add_column(f"{sch}\n{base:.3f}" if base else sch, justify="right", no_wrap=True)
+    fmt = lambda r: "-" if r is None else f"{r:.3f}"  # noqa: E731
+    for r in rows:
+        s.add_row(r["param"].replace("weight_sync.constants.", "weight_sync."),
+                  *[f"{fmt(r['by_schedule'][sch][0])}/{fmt(r['by_schedule'][sch][1])}" for sch in schedules])  # fmt: skip
+    return [m, s]
+
+
 def results_folder(given: str | None) -> Path:
     """The bench results folder of ``--validate``: ``--results`` as given, else the repository's ``RESULTS``
     (so ``moerl plan --validate`` runs from any folder). Raises ConfigError naming where it looked."""
@@ -287,6 +369,25 @@ def results_folder(given: str | None) -> Path:
     return folder
 
 
+def _published_main(args: argparse.Namespace, cal: dict, console: Console) -> int:
+    """``moerl plan --published``: the table, each figure's parameters and sources, ``--json``. Raises
+    ConfigError when a plan flag is given (the figures' own setups are the plans)."""
+    ignored = [f for f, v in (("--preset", args.preset), ("--file", args.file), ("--config", getattr(args, "config", None)),
+                              ("--set", args.overrides), ("--sweep", args.sweep), ("--csv", args.csv),
+                              ("--plot", args.plot), ("--sensitivity", args.sensitivity),
+                              ("--validate", args.validate), ("--schedules", getattr(args, "schedules", False)),
+                              ("--assumptions", getattr(args, "assumptions", False)), ("--results", args.results)) if v]  # fmt: skip
+    if ignored:
+        raise ConfigError(f"--published predicts the published runs' own setups; drop {', '.join(ignored)}")
+    check_output_paths(args)
+    rows = published_rows(cal)
+    console.print(published_table(rows))
+    console.print("\n".join(published_lines(rows)), highlight=False)
+    if args.json:
+        atomic_write_text(args.json, json.dumps({"bound": BOUND, "figures": rows}, indent=2))
+    return 0
+
+
 def plan_main(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit code."""
     try:
@@ -296,11 +397,15 @@ def plan_main(args: argparse.Namespace) -> int:
     console = Console(width=WIDE_COLUMNS if getattr(args, "wide", False) else COLUMNS)
     check_preset(args.preset)
     config_values = getattr(args, "config_values", None)
+    if getattr(args, "published", False):
+        return _published_main(args, cal, console)
     if args.validate:
         ignored = [f for f, v in (("--preset", args.preset), ("--file", args.file),
                                   ("--config", getattr(args, "config", None)), ("--set", args.overrides),
                                   ("--sweep", args.sweep), ("--json", args.json), ("--csv", args.csv),
-                                  ("--plot", args.plot), ("--sensitivity", args.sensitivity)) if v]  # fmt: skip
+                                  ("--plot", args.plot), ("--sensitivity", args.sensitivity),
+                                  ("--schedules", getattr(args, "schedules", False)),
+                                  ("--assumptions", getattr(args, "assumptions", False))) if v]  # fmt: skip
         if ignored:
             raise ConfigError(
                 f"--validate compares the calibration with bench results only; drop {', '.join(ignored)}"
@@ -321,11 +426,15 @@ def plan_main(args: argparse.Namespace) -> int:
     for note in getattr(args, "config_notes", ()):
         console.print(f"note: {note}", highlight=False)
     console.print(_table(points, swept, wide=getattr(args, "wide", False)))
-    if not args.sweep:
-        console.print("\n".join(["assumptions:", *assumptions(base, cal)]), highlight=False)
+    if not args.sweep:  # the answer first; the inputs behind it on request
         console.print(_summary(base, points[0], cal), highlight=False)
+    if getattr(args, "assumptions", False):
+        console.print("\n".join(["assumptions:", *assumptions(base, cal)]), highlight=False)
     if args.sensitivity:
         console.print(_tornado_table(tornado(base, cal)))
+    if getattr(args, "schedules", False):
+        for table in _matrix_tables(base, cal):
+            console.print(table)
     if args.json:
         atomic_write_text(
             args.json, json.dumps({"calibration": cal["constants"], "points": points}, indent=2)

@@ -15,8 +15,11 @@ from dataclasses import dataclass, field, fields, replace
 from math import ceil, inf, isfinite
 
 from moerl.configlib import ConfigError
+from moerl.plan import catalog  # noqa: F401 - registers the published runs' nodes and models
 from moerl.plan.hardware import get_hardware
 from moerl.plan.models import get_model
+from moerl.plan.schedules import SCHEDULES
+from moerl.plan.transports import LOCAL_TRANSPORTS, TRANSPORTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +172,32 @@ class Plan:
     """Seconds an interrupted replica is down (new instance, weights reloaded)."""
     sync_overlap: float = field(default=0.0, metadata=_in(0, 1))
     """Fraction of the weight sync hidden behind generation."""
+    schedule: str = "auto"
+    """How rollout and training share time (``moerl.plan.schedules``): ``colocated`` (every GPU generates,
+    then every GPU trains), ``sync`` (rollout and training nodes take turns), ``one_step_off`` (batch n + 1
+    is generated while batch n trains), ``fully_async`` (streaming with partial rollouts, bounded by
+    ``max_staleness``); ``auto`` = ``fully_async`` when ``mode`` is async and ``max_staleness`` >= 1, else
+    ``sync``."""
+    weight_transport: str = "sharded_p2p"
+    """How a policy version reaches the rollout GPUs (``moerl.plan.transports.TRANSPORTS``):
+    ``nccl_broadcast``, ``sharded_p2p``, ``checkpoint_engine``, ``object_store``, ``cuda_ipc`` (colocated
+    only)."""
+    sync_bucket_mb: float = field(default=256.0, metadata=_gt(0, note=" MiB"))
+    """Bucket size of a weight sync, MiB (moerl's ``runtime.publish_bucket_mb`` default)."""
+    sync_pipelined: bool = True
+    """True: a sync's stages (gather, send, apply) overlap across buckets; False: one after the other."""
+    sync_changed_fraction: float = field(default=1.0, metadata=_in(0, 1, lo_open=True))
+    """Fraction of the elements a delta sync sends (each with a 4-byte index); 1 = the whole version."""
+    sync_fp8: bool = False
+    """True: the trainer requantizes bf16 to FP8 (128 x 128 block scales) before sending."""
+    rollout_tp: int = field(default=0, metadata=_ge(0, note=" GPUs (0: EP over rollout_ep_nodes nodes)"))
+    """> 0: a rollout replica is this many GPUs of one node, tensor parallel (vLLM-style); 0 = an EP group
+    over ``rollout_ep_nodes`` whole nodes."""
+    max_response_len: float = field(default=0.0, metadata=_ge(0, note=" tokens (0: no limit)"))
+    """Response length limit; the tail of a synchronous batch ends at the expected longest of its responses,
+    at most this (0: no limit)."""
+    logprob_passes: int = field(default=0, metadata=_ge(0))
+    """Forward passes over the batch on the trainer besides training (old-policy log-probs, reference)."""
     checkpoint_every: int = field(default=50, metadata=_ge(1, note=" steps"))
     """Training steps between checkpoints."""
     checkpoint_bytes_per_param: float = field(default=6.0, metadata=_gt(0))
@@ -211,6 +240,21 @@ class Plan:
             raise ConfigError(f"ep_impl must be kernel or moerl, got {self.ep_impl!r}")
         if self.mode not in ("async", "sync"):
             raise ConfigError(f"mode must be async or sync, got {self.mode!r}")
+        if self.schedule not in ("auto", *SCHEDULES):
+            raise ConfigError(f"schedule must be one of auto, {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.weight_transport not in TRANSPORTS:
+            raise ConfigError(
+                f"weight_transport must be one of {', '.join(TRANSPORTS)}, got {self.weight_transport!r}"
+            )
+        if self.weight_transport in LOCAL_TRANSPORTS and self.schedule != "colocated":
+            raise ConfigError(
+                f"weight_transport={self.weight_transport} moves weights within a GPU: it needs schedule=colocated"
+            )
+        if self.rollout_tp > get_hardware(self.hardware).gpus_per_node:
+            raise ConfigError(
+                f"rollout_tp={self.rollout_tp} exceeds the {get_hardware(self.hardware).gpus_per_node} GPUs of a "
+                f"{self.hardware} node"
+            )
 
     def _check_routing(self) -> None:
         """Group-limited routing needs Gr | E and k <= M E / Gr (``traffic.miss_probability``)."""
@@ -248,6 +292,13 @@ class Plan:
     def rollout_nodes(self) -> int:
         """total_nodes - train_nodes."""
         return self.total_nodes - self.train_nodes
+
+    @property
+    def schedule_used(self) -> str:
+        """``schedule`` with ``auto`` resolved (its docstring)."""
+        if self.schedule != "auto":
+            return self.schedule
+        return "fully_async" if self.mode == "async" and self.max_staleness >= 1 else "sync"
 
 
 RANGES: dict[str, Range] = {f.name: f.metadata["range"] for f in fields(Plan) if "range" in f.metadata}

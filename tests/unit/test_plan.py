@@ -128,7 +128,7 @@ def test_cli_outputs(tmp_path, capsys):
 
 def test_example_plan_file_runs(capsys):
     example = RESULTS.parents[1] / "docs" / "plan_example.yaml"
-    assert main(["plan", "--file", str(example)]) == 0
+    assert main(["plan", "--file", str(example), "--assumptions"]) == 0
     assert "plan.spot_rollout = True" in capsys.readouterr().out
 
 

@@ -76,6 +76,6 @@ def test_config_with_a_model_of_its_own_reads_its_config_json(tmp_path, capsys):
     run["init_from"] = str(folder)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
     out = tmp_path / "plan.json"
-    assert main(["plan", "--config", str(tmp_path / "run.yaml"), "--json", str(out)]) == 0
+    assert main(["plan", "--config", str(tmp_path / "run.yaml"), "--json", str(out), "--assumptions"]) == 0
     assert json.loads(out.read_text())["points"][0]["plan"]["model"] == "mine-model"
     assert "plan.top_k = 4 (the model mine-model)" in capsys.readouterr().out

@@ -1,0 +1,298 @@
+"""``moerl plan --published``: the planner's predictions of figures other projects published, never fitted.
+
+Each ``Figure`` holds a published value (a number or a range), the source file it was read from (repository
+and path), and the setup of the run behind it as ``Plan`` parameters: GPU counts, batch, sequence lengths,
+parallelism, schedule and transport, read from the same source or the recipe it names (``setup_source``).
+Where a source does not state an input, the figure's ``assumed`` names the value used and why; no such value
+was chosen by comparing a prediction with the figure. The planner's constants come from moerl's own
+measurements (``calibration.json``) and datasheets only: nothing in this module feeds them, and
+``tests/unit/test_plan_published.py`` checks that editing a published figure changes no constant and no
+prediction, only the ratio.
+
+A prediction is within the bound when |predicted / published - 1| <= ``BOUND`` (a range: inside it, or within
+the bound of its nearest end). Misses are printed as misses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from moerl.plan.inputs import Plan, with_params
+from moerl.plan.predict import predict, sync_setup
+from moerl.plan.transports import sync_time
+
+BOUND = 0.30
+"""Largest |predicted / published - 1| counted as a hit (issue 53)."""
+
+NEMO_REFIT = "NVIDIA-NeMo/RL: tools/refit_bandwidth_calculator.py (_NCCL_ANCHORS)"
+NEMO_PERF = "NVIDIA-NeMo/RL: docs/about/performance-summary.md (v0.6, H100 BF16)"
+NEMO_RECIPES = "NVIDIA-NeMo/RL: examples/configs/recipes/llm/performance/"
+VERL_ASYNC = "volcengine/verl: docs/advance/fully_async.md"
+VERL_SCRIPTS = "volcengine/verl: verl/experimental/fully_async_policy/shell/"
+VERL_CKPT = "volcengine/verl: verl/checkpoint_engine/README.md"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Figure:
+    """One published figure and the setup behind it."""
+
+    key: str
+    """Short name in the table."""
+    quantity: str
+    """``weight_sync_s``, ``step_s`` or ``tokens_per_s_per_gpu`` (a ``Prediction`` field of that name)."""
+    low: float
+    high: float
+    """The published value (low == high) or range, in the quantity's unit."""
+    source: str
+    """Repository and file the figure is read from."""
+    setup: dict
+    """``Plan`` parameters of the run behind it."""
+    setup_source: str
+    """Where the setup's values come from."""
+    assumed: str = ""
+    """Inputs the sources do not state and the value used."""
+    sync_gb: float = 0.0
+    """> 0: the bytes of one sync as published (GB; the refit calculator's ``model_size_gb``) instead of the
+    model's parameter count x 2."""
+    sync_gpus: tuple[int, int] = (0, 0)
+    """(trainer GPUs, rollout GPUs) of a sync benchmark that uses part of its nodes; (0, 0): the plan's."""
+
+
+_QWEN = {"router_groups": 1, "topk_groups": 1, "rollout_ep_nodes": 1}
+"""Qwen models route over all experts (no group limit); replicas of one node unless a figure says more."""
+_H100 = {"hardware": "dgx-h100", **_QWEN}
+_H20 = {"hardware": "h20", "prompts_per_step": 512, "group_size": 16, "prompt_len": 256, **_QWEN}
+_VERL_ASYNC = {"schedule": "fully_async", "max_staleness": 1, "weight_transport": "nccl_broadcast",
+               "sync_pipelined": False, "sync_bucket_mb": 4096}  # fmt: skip
+_VERL_COLO = {"schedule": "colocated", "weight_transport": "cuda_ipc", "train_nodes": 8}
+_VERL_ASSUMED = (
+    "prompt 256 tokens and mean response = max / 4 (not published; DAPO, arXiv:2503.14476, reports means "
+    "of about a quarter of its 20K limit); response cv 0.5 (planner default)"
+)
+_NEMO_REFIT_SETUP = (
+    f"{NEMO_RECIPES}*-async-1off.yaml (the non-colocated recipes, where refit is NCCL): trainer and "
+    "generation nodes, generation TP; sharded: 1342 GB in 3.3 s is 400 GB/s, beyond one 400 Gb/s rank"
+)
+
+
+def _refit(
+    key: str, gb: float, low: float, high: float, train: int, total: int, tp: int, model: str
+) -> Figure:
+    setup = {**_H100, "model": model, "total_nodes": total, "train_nodes": train, "rollout_tp": min(tp, 8),
+             "rollout_ep_nodes": max(1, tp // 8), "weight_transport": "sharded_p2p", "schedule": "one_step_off"}  # fmt: skip
+    if tp > 8:  # a replica over several nodes: EP over whole nodes instead of TP
+        setup["rollout_tp"] = 0
+    if model == "deepseek-v3":  # group-limited routing, 4 of 8 groups (DeepSeek-V3 sec. 2.1.2)
+        setup.update(router_groups=8, topk_groups=4)
+    return Figure(key=key, quantity="weight_sync_s", low=low, high=high, source=NEMO_REFIT, setup=setup,
+                  setup_source=_NEMO_REFIT_SETUP, sync_gb=gb)  # fmt: skip
+
+
+def _nemo_perf(
+    key: str, value: float, model: str, nodes: int, prompts: int, seq: int, max_seq: int, **kw
+) -> Figure:
+    setup = {**_H100, "model": model, "total_nodes": nodes, "train_nodes": nodes // 2, "schedule": "colocated",
+             "weight_transport": "cuda_ipc", "prompts_per_step": prompts, "group_size": 32, "prompt_len": 256,
+             "response_len": seq - 256, "max_response_len": max_seq - 256, "logprob_passes": 2, **kw}  # fmt: skip
+    return Figure(key=key, quantity="tokens_per_s_per_gpu", low=value, high=value, source=NEMO_PERF, setup=setup,
+                  setup_source=f"{NEMO_PERF} (GPUs, G-average seq len, T-max, parallelism); {NEMO_RECIPES} "
+                  "(prompts x 32 generations; reference KL 0.01 in grpo_math_1B.yaml: policy + reference "
+                  "log-prob passes)",
+                  assumed="prompt 256 tokens of the average sequence (not published)")  # fmt: skip
+
+
+PUBLISHED: tuple[Figure, ...] = (
+    _refit("NeMo-RL refit 63.2 GB", 63.2, 0.84, 1.60, 2, 4, 2, "qwen3-30b-a3b"),
+    _refit("NeMo-RL refit 247.2 GB", 247.2, 1.46, 1.74, 8, 32, 8, "qwen3-235b-a22b"),
+    _refit("NeMo-RL refit 470.2 GB", 470.2, 2.31, 2.73, 16, 32, 8, "qwen3-235b-a22b"),
+    _refit("NeMo-RL refit 1342 GB", 1342.0, 3.27, 3.46, 32, 64, 32, "deepseek-v3"),
+    *(
+        Figure(
+            key=f"verl ckpt engine {backend}",
+            quantity="weight_sync_s",
+            low=7.0,
+            high=7.0,
+            source=VERL_CKPT,
+            setup={
+                **_H100,
+                "model": "qwen3-30b-a3b",
+                "total_nodes": 4,
+                "train_nodes": 1,
+                "rollout_tp": 1,
+                "weight_transport": "nccl_broadcast",
+                "schedule": "one_step_off",
+                "sync_pipelined": False,
+                "sync_bucket_mb": 4096,
+            },
+            setup_source=f"{VERL_CKPT}: 4x8 H100, CX7 400 Gb/s IB, trainer FSDP world size 2, 30 rollouts each "
+            f"receiving the whole model; {backend} = all_gather + {'broadcast' if backend == 'NCCL' else 'ring p2p'}"
+            " (a pipelined chain: the broadcast term)",
+            assumed="buckets of 4096 MiB, not overlapped with the load (verl's defaults, fully_async.md)",
+            sync_gpus=(2, 30),
+        )  # fmt: skip
+        for backend in ("NCCL", "NIXL")
+    ),
+    Figure(
+        key="verl 7B colocated 128",
+        quantity="step_s",
+        low=356.30,
+        high=356.30,
+        source=VERL_ASYNC,
+        setup={
+            **_H20,
+            **_VERL_COLO,
+            "model": "qwen2.5-7b",
+            "total_nodes": 16,
+            "rollout_tp": 4,
+            "response_len": 28672 // 4,
+            "max_response_len": 28672,
+            "logprob_passes": 1,
+        },
+        setup_source=f"{VERL_ASYNC} (128 H20, 512 prompts x 16, max response 28K, old_log_prob pass, no KL); "
+        f"{VERL_SCRIPTS}dapo_7b_math_fsdp2_64_64.sh (gen_tp 4)",
+        assumed=_VERL_ASSUMED,
+    ),  # fmt: skip
+    Figure(
+        key="verl 7B async 64:64",
+        quantity="step_s",
+        low=150.63,
+        high=150.63,
+        source=VERL_ASYNC,
+        setup={
+            **_H20,
+            **_VERL_ASYNC,
+            "model": "qwen2.5-7b",
+            "total_nodes": 16,
+            "train_nodes": 8,
+            "rollout_tp": 4,
+            "response_len": 28672 // 4,
+            "max_response_len": 28672,
+            "logprob_passes": 0,
+        },
+        setup_source=f"{VERL_ASYNC} (64 rollout : 64 trainer H20, staleness 0.5 with partial rollouts, rollout "
+        f"log-probs, NCCL checkpoint engine); {VERL_SCRIPTS}dapo_7b_math_fsdp2_64_64.sh",
+        assumed=_VERL_ASSUMED + "; verl's staleness 0.5 of a batch as the planner's bound of 1 version",
+    ),  # fmt: skip
+    Figure(
+        key="verl 30B colocated 128",
+        quantity="step_s",
+        low=497.89,
+        high=497.89,
+        source=VERL_ASYNC,
+        setup={
+            **_H20,
+            **_VERL_COLO,
+            "model": "qwen3-30b-a3b",
+            "total_nodes": 16,
+            "rollout_tp": 4,
+            "response_len": 8192 // 4,
+            "max_response_len": 8192,
+            "logprob_passes": 2,
+        },
+        setup_source=f"{VERL_ASYNC} (128 H20, 512 x 16, max response 8K, old_log_prob and ref passes); "
+        f"{VERL_SCRIPTS}grpo_30b_a3b_base_math_megatron_96_32.sh (INFER_TP 4, EP 8)",
+        assumed=_VERL_ASSUMED,
+    ),  # fmt: skip
+    Figure(
+        key="verl 30B async 96:32",
+        quantity="step_s",
+        low=282.75,
+        high=282.75,
+        source=VERL_ASYNC,
+        setup={
+            **_H20,
+            **_VERL_ASYNC,
+            "model": "qwen3-30b-a3b",
+            "total_nodes": 16,
+            "train_nodes": 4,
+            "rollout_tp": 4,
+            "response_len": 8192 // 4,
+            "max_response_len": 8192,
+            "logprob_passes": 1,
+        },
+        setup_source=f"{VERL_ASYNC} (96 rollout : 32 trainer H20, ref pass, staleness 0.5, partial rollouts); "
+        f"{VERL_SCRIPTS}grpo_30b_a3b_base_math_megatron_96_32.sh",
+        assumed=_VERL_ASSUMED + "; staleness 0.5 as a bound of 1 version; the optimizer offload not modelled",
+    ),  # fmt: skip
+    _nemo_perf("NeMo-RL 30B on-policy 32", 1102, "qwen3-30b-a3b", 4, 64, 3203, 4096, rollout_tp=2),
+    _nemo_perf(
+        "NeMo-RL 235B on-policy 128",
+        58.9,
+        "qwen3-235b-a22b",
+        16,
+        16,
+        5698,
+        8192,
+        rollout_tp=0,
+        rollout_ep_nodes=2,
+        train_ep_nodes=2,
+    ),
+    _nemo_perf(
+        "NeMo-RL 235B on-policy 256",
+        37.4,
+        "qwen3-235b-a22b",
+        32,
+        16,
+        5713,
+        8192,
+        rollout_tp=0,
+        rollout_ep_nodes=2,
+        train_ep_nodes=2,
+    ),
+)
+"""The figures of issue 53, in its order."""
+
+
+def figure_plan(fig: Figure) -> Plan:
+    """The ``Plan`` of ``fig``'s setup. Raises ConfigError as ``with_params``."""
+    return with_params(Plan(), fig.setup)
+
+
+def predict_figure(fig: Figure, cal: dict) -> tuple[float, dict[str, float]]:
+    """The planner's value of ``fig.quantity`` for ``fig``'s setup and the parts it adds up from, seconds
+    (flat dispatcher where EP matters: the published engines use all-to-all dispatch)."""
+    plan = figure_plan(fig)
+    if fig.quantity == "weight_sync_s":
+        setup = sync_setup(plan, cal)
+        if fig.sync_gb:
+            setup = replace(setup, num_params=fig.sync_gb * 1e9 / 2)
+        if fig.sync_gpus != (0, 0):
+            setup = replace(setup, trainer_gpus=fig.sync_gpus[0], rollout_gpus=fig.sync_gpus[1])
+        t = sync_time(setup, plan.weight_transport)
+        return t.total_s, {
+            "prepare": t.prepare_s,
+            "transfer": t.transfer_s,
+            "apply": t.apply_s,
+            "buckets": t.buckets_s,
+        }
+    pr = predict(plan, cal)[0]
+    parts = {
+        "gen batch": pr.gen_batch_s,
+        "train": pr.train_step_s,
+        "sync": pr.weight_sync_s,
+        "step": pr.step_s,
+    }
+    return getattr(pr, fig.quantity), parts
+
+
+def error_of(predicted: float, low: float, high: float) -> float:
+    """predicted / published - 1 against the nearest end of [low, high]; 0 inside it."""
+    if low <= predicted <= high:
+        return 0.0
+    return predicted / (low if predicted < low else high) - 1
+
+
+def published_rows(cal: dict) -> list[dict]:
+    """One row per ``PUBLISHED`` figure: {key, quantity, published, predicted, ratio, error, hit, setup,
+    source, setup_source, assumed, sync_gb, parts}; ``ratio`` is predicted over the published value (a
+    range's midpoint)."""
+    rows = []
+    for fig in PUBLISHED:
+        pred, parts = predict_figure(fig, cal)
+        err = error_of(pred, fig.low, fig.high)
+        published = f"{fig.low:g}" if fig.low == fig.high else f"{fig.low:g}-{fig.high:g}"
+        rows.append({"key": fig.key, "quantity": fig.quantity, "published": published, "predicted": pred,
+                     "ratio": pred / ((fig.low + fig.high) / 2), "error": err, "hit": abs(err) <= BOUND,
+                     "setup": fig.setup, "source": fig.source, "setup_source": fig.setup_source,
+                     "assumed": fig.assumed, "sync_gb": fig.sync_gb, "parts": parts, "sync_gpus": fig.sync_gpus})  # fmt: skip
+    return rows
