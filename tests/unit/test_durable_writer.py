@@ -159,7 +159,9 @@ def test_the_runs_optimizer_step_waits_for_a_copy_still_being_taken(monkeypatch,
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     store = WeightStore(str(tmp_path / "w"))
-    run = SimpleNamespace(trainer=SimpleNamespace(optimizer=torch.optim.AdamW(model.parameters())), store=store)
+    run = SimpleNamespace(
+        trainer=SimpleNamespace(optimizer=torch.optim.AdamW(model.parameters())), store=store
+    )
     Run._fence_weights(run)  # what Run does to the trainer it builds
     published = {k: v.detach().clone() for k, v in model.state_dict().items()}
     store.publish_in_background(1, model.state_dict())  # returns before the copy is taken
