@@ -458,22 +458,27 @@ class RuntimeConfig:
     lost: its leases expire and it is replaced), the trainer goes on."""
     durable_every: int = 10
     """Every this many versions (and version 0, each checkpoint's and the last one) also go to the weight
-    store, in both modes and with every ``weight_sync``: a host snapshot is taken at the publish (on CUDA
-    a non-blocking device-to-host copy into pinned memory; on CPU a copy into reused buffers) and
-    serialized on the store's background writer thread (``moerl.weights.durable``), never on the step's
-    path; at most two versions wait for the writer (one host copy of the model each), and a step waits
-    only when the writer is that far behind. Resume, trainer recovery and workers that start later read
-    the store (resume and recovery from the checkpoints' versions). A smaller value keeps a fresher
-    store for readers outside the run (each version's file write and sha256 cost disk and writer-thread
-    time); 1 writes every version, which suits small models or a writer that keeps up with the steps.
-    A trainer group (``trainer.num_ranks > 1``) gathers and writes its due versions in the foreground."""
+    store, in both modes and with every ``weight_sync``, off the step's path (``moerl.weights.durable``):
+    the publish returns at once, a copier thread takes a host snapshot (on CUDA a non-blocking
+    device-to-host copy into pinned memory; on CPU a copy into reused buffers; the trainer's next
+    optimizer step waits for it, not for the write) and the store's writer thread serializes and writes
+    it. At most two versions wait for the writer (one host copy of the model each); a publish waits only
+    when the writer is that far behind (no due version is dropped). Resume and trainer recovery start
+    from the checkpoints' versions; workers that start later load the store's newest and are then
+    offered the newest sent version. A smaller value keeps a fresher store for readers outside the run
+    at the price of more disk writes and writer-thread time (sha256, I/O); 1 writes every version,
+    which suits a writer that keeps up with the steps (small models, fast disks). A trainer group
+    (``trainer.num_ranks > 1``) in sync mode or with ``weight_sync=collective`` gathers and writes its
+    due versions in the foreground (with ``object_store``: from the streamed buckets, in the
+    background); ``weight_sync=store`` writes every version, as its name says."""
     overlap_publish: bool = True
-    """Async mode with ``weight_sync=object_store`` and one trainer process: ``publish`` copies the weights
-    on their device into a spare copy (one more copy of the model in device memory, reused for every
-    version) and sends that copy on a background thread, so the next training step does not wait for
-    the send (double buffering: a publish waits only for the one before it). The run's last version is
-    sent in the foreground. ``false`` saves that device copy (for a model that fits the GPU only
-    without it) at the price of the send on every step's path. Ignored elsewhere."""
+    """Async mode with ``weight_sync=object_store`` and one trainer process: ``publish`` returns at once;
+    a thread copies the weights on their device into a spare copy (one more copy of the model in device
+    memory, reused for every version; the trainer's next optimizer step waits for the copy) and sends
+    that copy to the workers while the trainer trains on (double buffering: a publish waits only for the
+    send before it). The run's last version is sent in the foreground. ``false`` saves that device copy
+    (for a model that fits the GPU only without it) at the price of the send on every step's path.
+    Ignored elsewhere."""
     keep_versions: int = 3
     """Weight versions kept in the store."""
     max_materialized_tasks: int = 1024

@@ -151,7 +151,7 @@ class Run:
                 raise
             record_ranks(self.trainer, self.dir.path)
             self.rollouts = self._start_rollouts(parts, init_path, self.trainer.version)
-            self.startup["rollouts_started"] = self._since_start()
+            self._note_rollouts_started()
         if parts is None and self.state["eval_metric"] is None:  # a rollout worker evaluates v0
             self._start_eval(self._eval_result())
         self.telemetry.watch_fleet(self.rollouts)  # scrapes read the workers' latest heartbeats
@@ -313,6 +313,13 @@ class Run:
     def _since_start(self) -> float:
         return round(time.perf_counter() - self.process_start, 3)
 
+    def _note_rollouts_started(self) -> None:
+        """``startup`` gains ``rollouts_started`` and the rollout side's own milestones
+        (``Rollouts.start_milestones``: async ``ray_started``, ``workers_spawned``, ``exchange_ready``)."""
+        for name, at in self.rollouts.start_milestones().items():
+            self.startup[name] = round(at - self.process_start, 3)
+        self.startup["rollouts_started"] = self._since_start()
+
     def _note_worker_startup(self) -> None:
         """``startup`` gains the start of the worker whose groups came first (``WorkerStats.startup``), on
         this run's clock: ``worker_init``, ``worker_policy_loaded``, ``worker_ready``, ``worker_first_put``
@@ -362,7 +369,7 @@ class Run:
             built = pool.submit(build_and_begin)
             try:
                 self.rollouts = self._start_rollouts(None, init_path, 0)
-                self.startup["rollouts_started"] = self._since_start()
+                self._note_rollouts_started()
             except BaseException:
                 if built.exception() is None:  # waits for the build; its own error is secondary
                     self.close_trainer()
@@ -608,8 +615,9 @@ class Run:
             "reward_errors": fleet.reward_errors,
             **accounting(self.dir.read_ledger(), fleet),
             # seconds from the run's start to each start milestone (Run.startup): warm_start,
-            # trainer_built, rollouts_started, start_eval, first_groups, first_step, and the first
-            # worker's (worker_*); a resumed run: its own
+            # trainer_built, rollouts_started (async: after ray_started, workers_spawned,
+            # exchange_ready), start_eval, first_groups, first_step, and the first worker's
+            # (worker_*); a resumed run: its own
             "startup_s": dict(self.startup),
         }
 

@@ -148,6 +148,10 @@ class LocalRollouts:
         self.buffer.set_version(version)
         self._publish_s = time.perf_counter() - t0
 
+    def start_milestones(self) -> dict[str, float]:
+        """``Rollouts.start_milestones``: none in process."""
+        return {}
+
     def make_durable(self, trainer: WeightHolder) -> None:
         """``Rollouts.make_durable``: the trainer's version in the store (``ensure_durable``); nothing
         without a store."""

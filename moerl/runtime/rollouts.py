@@ -58,6 +58,13 @@ class Rollouts(Protocol):
         """
         ...
 
+    def start_milestones(self) -> dict[str, float]:
+        """``time.perf_counter()`` (this process) of each milestone of the rollout side's start, for
+        ``summary.json`` ``startup_s``: async ``ray_started`` (Ray connected or started),
+        ``workers_spawned`` (worker actors asked for), ``exchange_ready`` (queue and buffer actor up);
+        sync: none (its worker is built in process)."""
+        ...
+
     def make_durable(self, trainer: WeightHolder) -> None:
         """Make ``trainer``'s current version, published already, durable: in the weight store once this
         returns (background writes flushed, the version written if no earlier write has). What a run's

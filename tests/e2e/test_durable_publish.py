@@ -81,6 +81,10 @@ def test_publish_stays_off_the_step_and_the_store_keeps_the_durable_versions(tmp
     assert statistics.median(publish_s) <= PUBLISH_BOUND_S, publish_s
     # version 0, every 2nd, the checkpoint's (3) and the last (5); 1 never
     assert WeightStore(str(run.weights)).versions() == [0, 2, 3, 4, 5]
+    startup = summary["startup_s"]
+    if mode == "async":  # the rollout side's start milestones, in the order they happen
+        at = [startup[k] for k in ("ray_started", "workers_spawned", "exchange_ready", "rollouts_started")]
+        assert at == sorted(at) and at[-1] <= startup["first_step"], startup
 
 
 def test_a_store_whose_background_writes_fail_stops_the_run_with_one_line(

@@ -142,3 +142,31 @@ def test_cuda_snapshot_is_pinned_and_ordered_before_later_kernels():
     src["w"].add_(1.0)  # queued after the copy on the same stream
     snap.wait()
     assert host["w"].is_pinned() and float(host["w"][0, 0]) == 1.0
+
+
+def test_the_runs_optimizer_step_waits_for_a_copy_still_being_taken(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from moerl.train import Run
+
+    real_take = HostSnapshot.take
+
+    def slow_take(self, named):  # the copier thread is late (a loaded host)
+        time.sleep(0.5)
+        return real_take(self, named)
+
+    monkeypatch.setattr(HostSnapshot, "take", slow_take)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    store = WeightStore(str(tmp_path / "w"))
+    run = SimpleNamespace(
+        trainer=SimpleNamespace(optimizer=torch.optim.AdamW(model.parameters())), store=store
+    )
+    Run._fence_weights(run)  # what Run does to the trainer it builds
+    published = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    store.publish_in_background(1, model.state_dict())  # returns before the copy is taken
+    model(torch.randn(4, 8)).square().sum().backward()
+    run.trainer.optimizer.step()  # in place: must come after the copy
+    stored = store.load(1)
+    assert not torch.equal(model.weight.detach(), published["weight"])  # the step did change the weights
+    assert all(torch.equal(stored[k], t) for k, t in published.items())  # the version as published

@@ -219,6 +219,7 @@ class RayRollouts:
         import ray
 
         init_ray(cfg)
+        self._milestones = {"ray_started": time.perf_counter()}
         # a remote store: the model folder goes there too, so actors on other machines share no folder
         init_path = stage_model_folder(init_path, store_url, cfg.storage.options)
         # the run's state: on the `exchange` node or the driver's own, never a rollout node
@@ -271,7 +272,9 @@ class RayRollouts:
         )
         self.chaos = ChaosMonkey(cfg.chaos)
         self.manager.start()
+        self._milestones["workers_spawned"] = time.perf_counter()
         self._exchange_node = self._ask(node)
+        self._milestones["exchange_ready"] = time.perf_counter()
         self._last_batch = time.perf_counter()
         self._next_check = 0.0
         self._version = version  # the trainer's policy version, sent with each batch request
@@ -421,6 +424,10 @@ class RayRollouts:
         }
         if is_final:
             self.transport.finish(trainer)
+
+    def start_milestones(self) -> dict[str, float]:
+        """``Rollouts.start_milestones``: ``ray_started``, ``workers_spawned``, ``exchange_ready``."""
+        return dict(self._milestones)
 
     def make_durable(self, trainer: WeightHolder) -> None:
         """``Rollouts.make_durable``: the background send of the version landed (``wait_sent``; a due
