@@ -78,7 +78,7 @@ def test_the_one_gpu_example_runs_on_cpu(example_dir, monkeypatch, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 2
     config = yaml.safe_load((run / "config.yaml").read_text())
-    assert config["rollout"]["sync_every"] == 8 and config["model"]["path"] == "my_model"
+    assert config["rollout"]["max_slots"] == 256 and config["model"]["path"] == "my_model"
 
 
 def test_the_cluster_example_renders(tmp_path):
