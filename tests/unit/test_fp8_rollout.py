@@ -138,7 +138,9 @@ def test_fp8_rollout_of_an_mla_model_decodes_on_the_latent_cache():
     einsum of the queries with float8 weights fails). The FP8 engine's greedy tokens and log-probs on the
     latent cache equal a teacher-forced forward of the same FP8 model (float32 activations): the decode is
     checked against its own model, not against the unquantized one, whose near-tied logits FP8 rounding may
-    flip (a bf16 comparison of the two flipped a token under some test orders)."""
+    flip. The model is initialized (``init_weights``): ``MoeForCausalLM(cfg)`` alone leaves its parameters
+    as ``torch.empty`` made them, whatever the allocator held (an earlier test's tensors: the cause of this
+    test failing after tests/unit/test_fp8.py, with NaN log-probs or a flipped token)."""
     from bench.mla_gpu import model_config
     from moerl.models.model import MoeForCausalLM
     from moerl.rollout import Request, SamplingParams
@@ -147,6 +149,8 @@ def test_fp8_rollout_of_an_mla_model_decodes_on_the_latent_cache():
 
     torch.manual_seed(0)
     model = MoeForCausalLM(model_config(2, 8, 512, True)).float().eval()
+    with torch.no_grad():
+        model.init_weights(std=0.1)  # O(0.1) weights: decisive logits
     fp8 = prepare_rollout_model(copy.deepcopy(model), "fp8")
     assert fp8.layers[0].self_attn.kv_b_proj.weight.dtype == FP8_DTYPE
     prompt = list(range(5, 25))
