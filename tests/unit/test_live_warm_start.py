@@ -115,6 +115,7 @@ def test_the_start_eval_shows_until_the_first_rl_eval_and_names_a_warm_start_onl
         dir=SimpleNamespace(path="runs/x"),
         startup={},
         _since_start=lambda: 1.5,
+        _log_eval_samples=lambda result, step: None,  # eval_samples.jsonl: not this test's subject
     )
     Run._start_eval(run, EvalResult(0.286, 0.3, 16, 12.0, 0))
     run.view.update({"step": 1, "rollout/reward_mean": 0.1})
