@@ -70,6 +70,7 @@ REPO = Path(__file__).resolve().parent.parent
 CAPTURE_FAILED = re.compile(r"capture failed", re.IGNORECASE)
 FIRST_STEP = re.compile(r"\bstep 1/\d+")
 
+
 def _shape_fields(shape: ModelShape) -> dict:
     """``model.*`` fields of a planner preset (``moerl.plan.models.MODELS``: the one table of sizes)."""
     return dict(
@@ -214,7 +215,13 @@ def alone(config: str, overrides: list[str], init_dir: Path, steps: int, max_war
     train = []
     for _, groups in timed:
         stats = trainer.train_step(trainer.build_batch(groups, comp.tokenizer.pad_id))
-        train.append({"train_s": stats.train_s, "tokens": stats.num_tokens, "tokens_per_s": stats.num_tokens / stats.train_s})
+        train.append(
+            {
+                "train_s": stats.train_s,
+                "tokens": stats.num_tokens,
+                "tokens_per_s": stats.num_tokens / stats.train_s,
+            }
+        )
     if cuda:
         torch.cuda.synchronize()
     t1 = time.perf_counter()
@@ -557,7 +564,14 @@ def main(argv: list[str] | None = None) -> int:
         resummarize(Path(args.resummarize))
         return 0
     if args.alone:
-        alone(args.alone, args.alone_set, Path(args.init_dir), args.alone_steps, args.alone_max_warmup, Path(args.alone_out))
+        alone(
+            args.alone,
+            args.alone_set,
+            Path(args.init_dir),
+            args.alone_steps,
+            args.alone_max_warmup,
+            Path(args.alone_out),
+        )
         return 0
     if args.tiny:
         args.device, args.sizes = "cpu", "tiny"

@@ -71,7 +71,6 @@ class _Pending:
     version: int
 
 
-
 GPU_SYNC_EVERY = 8
 """Decode steps between host copies of the sampled tokens on CUDA when none is configured: the device runs
 ahead of the host (with the overlapped sync it never waits for it); a finished sequence costs at most 7
@@ -82,6 +81,7 @@ def default_sync_every(device: torch.device) -> int:
     """``sync_every`` when none is given: ``GPU_SYNC_EVERY`` on CUDA, 1 elsewhere (a CPU runs the host's
     own work in between, so a later copy only wastes steps)."""
     return GPU_SYNC_EVERY if device.type == "cuda" else 1
+
 
 class Engine:
     """Batched generation for a ``moerl.models`` causal LM (any model with the KV cache seam).

@@ -4,7 +4,6 @@ step 1 and ratios read back from a run folder (the runs themselves: ``python3 be
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -24,10 +23,14 @@ def test_each_size_runs_a_shipped_config_overriding_only_size_steps_device_and_f
             "trainer.steps",
             "trainer.micro_batch_size",
         }
-    one_b = load_config(e2e_gpu.REPO / "configs/gpu_single.yaml", e2e_gpu.run_overrides("1b", "cpu", tmp_path, 4))
+    one_b = load_config(
+        e2e_gpu.REPO / "configs/gpu_single.yaml", e2e_gpu.run_overrides("1b", "cpu", tmp_path, 4)
+    )
     m = one_b.model
     assert (m.hidden_size, m.num_layers, m.num_experts, m.top_k) == (1024, 8, 64, 8)
-    big = load_config(e2e_gpu.REPO / "configs/gpu_single.yaml", e2e_gpu.run_overrides("6.9b", "cpu", tmp_path, 4))
+    big = load_config(
+        e2e_gpu.REPO / "configs/gpu_single.yaml", e2e_gpu.run_overrides("6.9b", "cpu", tmp_path, 4)
+    )
     assert (big.model.hidden_size, big.model.num_layers, big.model.moe_intermediate_size) == (2048, 16, 1024)
 
 
@@ -82,7 +85,9 @@ def test_a_run_folder_gives_medians_of_its_steady_steps_and_ratios_to_the_parts_
     assert e2e_gpu.summarize_run(tmp_path, alone)["baseline_faults"] == ["rollout_tokens_per_s_over_alone"]
     # async: a step's gen_s sums overlapping groups, so no rollout ratio (and no fault from it)
     out_async = e2e_gpu.summarize_run(tmp_path, alone, "async")
-    assert out_async["ratios"]["rollout_tokens_per_s_over_alone"] is None and out_async["baseline_faults"] == []
+    assert (
+        out_async["ratios"]["rollout_tokens_per_s_over_alone"] is None and out_async["baseline_faults"] == []
+    )
     assert [s["step"] for s in out["steps"]] == [1, 2, 3, 4, 5]
     assert out["capture_failed_in_folder"] == [str(tmp_path / "worker.log")]
     assert e2e_gpu.summarize_run(tmp_path / "missing", alone)["error"] == "no metrics.jsonl"
