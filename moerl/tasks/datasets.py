@@ -246,8 +246,12 @@ def dataset_splits(path: str | Path) -> tuple[str, ...]:
 
 
 def eval_split(path: str | Path) -> str | None:
-    """The split of a DatasetDict folder that serves as its held-out set (``EVAL_SPLITS``), else None."""
+    """The split of a DatasetDict folder that serves as its held-out set (``EVAL_SPLITS``), else None.
+    Only beside a ``train`` split: a DatasetDict whose only split is ``test`` or ``validation`` trains on
+    that split, so holding it out too would evaluate on the training rows (the carve-out applies)."""
     splits = dataset_splits(path)
+    if "train" not in splits:
+        return None
     return next((s for s in EVAL_SPLITS if s in splits), None)
 
 

@@ -75,6 +75,11 @@ def test_a_datasetdict_test_split_is_exactly_the_held_out_set(tmp_path, capsys):
     assert trained == {r["answer"] for r in train}  # every train row trains, none of test
     assert "30 rows: 30 train; held out: the 'test' split of task.path=" in task.split_line()
     assert "test (7 rows)" in task.split_line()
+    # a DatasetDict whose only split is 'validation' trains on it: its rows are not also the held-out set
+    dd_only = datasets.DatasetDict({"validation": datasets.Dataset.from_list(train)})
+    dd_only.save_to_disk(str(tmp_path / "only"))
+    only = make_task(load_config(None, ["task.name=dataset", f"task.path={tmp_path / 'only'}", "task.layout=generic"]).task)
+    assert list(only.eval_sets()) == ["held_out"] and only.max_train_prompts == 27  # the 10% carve-out
 
 
 def test_val_path_replaces_the_carve_out_and_names_several_sets(tmp_path):
