@@ -84,7 +84,9 @@ def test_async_eval_accuracy_equals_evaluating_the_saved_version_in_process(
     driver = [k for k in startup if not k.startswith("worker_")]
     assert sorted(driver) == sorted(
         ["warm_start", "rollouts_started", "trainer_built", "start_eval", "first_groups", "first_step"]
+        + ["ray_started", "workers_spawned", "exchange_ready"]  # the async rollout side's own milestones
     )
+    assert startup["ray_started"] <= startup["workers_spawned"] <= startup["rollouts_started"]
     # the trainer is built and version 0 evaluated while the rollouts start; both before the first groups
     assert startup["warm_start"] <= startup["trainer_built"] <= startup["start_eval"]
     assert startup["warm_start"] <= startup["rollouts_started"]
