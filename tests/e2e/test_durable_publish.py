@@ -1,11 +1,15 @@
-"""Issue 47's CPU figure: at a ~50 M-parameter policy, the default publish keeps durable copies off the step's
-path in sync and async mode (``timing/publish_s`` median <= 0.05 s), and the store still holds version 0,
-every ``durable_every``-th version, the checkpoint's and the last; a store whose writes fail stops a run
-with one line."""
+"""Issue 47 on CPU: at a ~50 M-parameter policy, the default publish keeps durable copies off the step's path
+in sync and async mode, and the store still holds version 0, every ``durable_every``-th version, the
+checkpoint's and the last; a store whose writes fail stops a run with one line.
+
+Off the path is shown without timing the host: version 2's durable write is made ``SLOW_WRITE_S`` slower, and
+step 2's ``timing/publish_s`` may not contain it (a publish that writes before it returns takes at least that).
+The figure itself (``timing/publish_s`` per step) is printed (``pytest -s``)."""
 
 from __future__ import annotations
 
-import statistics
+import threading
+import time
 
 import pytest
 from _runs import newest_run, run_config, save_fresh_policy
@@ -30,8 +34,8 @@ FIFTY_M = [
 ]
 """48.8 M parameters with the built-in tokenizer (float32: 195 MB a version)."""
 
-PUBLISH_BOUND_S = 0.05
-"""Issue 47: ``timing/publish_s`` median per step, at most."""
+SLOW_WRITE_S = 2.0
+"""Seconds added to version 2's durable write (on the store's writer thread)."""
 
 
 @pytest.fixture(scope="module")
@@ -66,19 +70,34 @@ def _config(tmp_path, init, mode: str):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_publish_stays_off_the_step_and_the_store_keeps_the_durable_versions(tmp_path, init_50m, mode):
+def test_publish_stays_off_the_step_and_the_store_keeps_the_durable_versions(
+    tmp_path, init_50m, mode, monkeypatch
+):
     if mode == "async":
         pytest.importorskip("ray")
+    real = WeightStore._publish_now
+    written: list[tuple[int, str]] = []
+
+    def slow(self, version, tensors, max_shard_bytes):
+        if version == 2:
+            time.sleep(SLOW_WRITE_S)
+        written.append((version, threading.current_thread().name))
+        return real(self, version, tensors, max_shard_bytes)
+
+    monkeypatch.setattr(WeightStore, "_publish_now", slow)
     cfg = _config(tmp_path, init_50m, mode)
     summary = train(cfg, live=False)
     run = newest_run(cfg)
     rows = read_jsonl(run.metrics)
     publish_s = [r["timing/publish_s"] for r in rows]
     assert summary["steps"] == 5 and len(publish_s) == 5
-    print(f"{mode}: timing/publish_s per step {[round(x, 4) for x in publish_s]}")
-    # versions 2, 3 (the checkpoint's), 4 and 5 (the last) were handed to the writer at their publish:
-    # the median step is one of them; a loaded 2-core host stretches single steps, not the median
-    assert statistics.median(publish_s) <= PUBLISH_BOUND_S, publish_s
+    print(f"{mode}: timing/publish_s per step {[round(x, 4) for x in publish_s]}, writes {written}")
+    # versions 2, 3 (the checkpoint's), 4 and 5 (the last) were handed to the writer at their publish; version
+    # 2's write takes SLOW_WRITE_S more, none of it inside step 2's publish (step 4's hand-over may wait for
+    # it: at most 2 versions are pending, memory stays bounded)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and publish_s[1] < SLOW_WRITE_S / 2, publish_s
+    later = [name for v, name in written if v >= 1]
+    assert later and all(name.startswith("moerl-weight-store") for name in later), written
     # version 0, every 2nd, the checkpoint's (3) and the last (5); 1 never
     assert WeightStore(str(run.weights)).versions() == [0, 2, 3, 4, 5]
     startup = summary["startup_s"]
