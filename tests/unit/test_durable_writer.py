@@ -55,25 +55,31 @@ def test_the_snapshot_is_the_handed_over_version_and_its_buffers_are_reused():
 
 def test_the_hand_over_returns_at_once_and_the_copies_fence_holds_until_the_copy_is_taken(monkeypatch):
     real_take = HostSnapshot.take
+    release, taken = threading.Event(), threading.Event()
 
-    def slow_take(self, named):  # a loaded host: the copy takes a while
-        time.sleep(0.5)
-        return real_take(self, named)
+    def held_take(self, named):  # a loaded host: the copy waits until the test lets it go
+        release.wait(timeout=30)
+        out = real_take(self, named)
+        taken.set()
+        return out
 
-    monkeypatch.setattr(HostSnapshot, "take", slow_take)
+    monkeypatch.setattr(HostSnapshot, "take", held_take)
     writes = GatedWrites()
     writes.gate.set()
     writer = DurableWriter(writes, "mem://x")
     live = _weights(1.0)
-    t0 = time.perf_counter()
-    writer.submit(1, live)
-    handed_s = time.perf_counter() - t0
-    writer.copies.wait()
-    fenced_s = time.perf_counter() - t0
+    writer.submit(1, live)  # returns while the copy is held: the caller went on
+    assert not taken.is_set() and not release.is_set()
+    fence = threading.Thread(target=writer.copies.wait)
+    fence.start()
+    fence.join(timeout=0.3)
+    assert fence.is_alive()  # the fence holds while the copy is not taken
+    release.set()
+    fence.join(timeout=30)
+    assert not fence.is_alive() and taken.is_set()
     for t in live.values():
         t.add_(1)
     writer.flush()
-    assert handed_s < 0.25 <= fenced_s  # the caller went on; the fence waited for the copy
     assert writes.written == [(1, 1.0)]
 
 
@@ -92,7 +98,7 @@ def test_at_most_max_pending_versions_wait_and_the_next_hand_over_waits_instead_
     writer.flush()
     assert [v for v, _ in writes.written] == [1, 2, 3]  # every version, in order
     assert [x for _, x in writes.written] == [1.0, 2.0, 3.0]
-    assert writer.wait_s >= 0.2 and len(writer._free) == 2  # it waited; two host copies at most
+    assert writer.wait_s > 0 and len(writer._free) == 2  # it waited; two host copies at most
 
 
 def test_a_failed_write_is_raised_once_as_one_line_naming_version_and_store():
