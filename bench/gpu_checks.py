@@ -340,7 +340,6 @@ def check_overlap_sync(device: torch.device) -> None:
     from moerl.config import ModelConfig
     from moerl.models import build_model
     from moerl.rollout import Engine, Request, SamplingParams
-    from moerl.rollout.paged_engine import PagedEngine
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -362,8 +361,14 @@ def check_overlap_sync(device: torch.device) -> None:
     ]
     makers = {
         "slots": lambda o: Engine(model, max_slots=8, kv_token_budget=8 * 64, sync_every=4, overlap_sync=o),
-        "paged": lambda o: PagedEngine(
-            model, max_slots=12, kv_token_budget=120, block_size=4, sync_every=4, overlap_sync=o
+        "paged": lambda o: Engine(
+            model,
+            cache="paged",
+            max_slots=12,
+            kv_token_budget=120,
+            block_size=4,
+            sync_every=4,
+            overlap_sync=o,
         ),
     }
     for kind, make in makers.items():

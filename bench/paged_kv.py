@@ -40,7 +40,6 @@ from moerl.atomic import atomic_write_text
 from moerl.config import ModelConfig
 from moerl.models import build_model
 from moerl.rollout import Engine, Request, SamplingParams
-from moerl.rollout.paged_engine import PagedEngine
 
 CONFIGS = {
     "tiny": dict(vocab=256, model=ModelConfig(max_position_embeddings=1024)),
@@ -118,8 +117,8 @@ def run(engine: Engine, requests: list[Request], device: torch.device) -> tuple[
 def timed_pass(engine: Engine, requests: list[Request], device: torch.device) -> tuple[dict, list]:
     """One timed ``generate`` of ``requests`` on ``engine`` as it is (graphs captured so far kept; the
     prefix index emptied, so no pass hits the blocks of an earlier one)."""
-    if hasattr(engine, "pool"):
-        engine.pool.clear_index()
+    if engine.cache_kind == "paged":
+        engine.policy.pool.clear_index()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     before, captures = engine.stats, _graph_captures(engine)
@@ -156,8 +155,8 @@ def _generate_wrapped(engine: Engine, requests: list[Request], device: torch.dev
     wall seconds (device-synchronized at both ends)."""
     for name in _PHASES:
         setattr(engine, name, wrap(name, getattr(engine, name)))
-    if hasattr(engine, "pool"):
-        engine.pool.clear_index()
+    if engine.cache_kind == "paged":
+        engine.policy.pool.clear_index()
     try:
         _sync(device)
         t0 = time.perf_counter()
@@ -297,8 +296,8 @@ def kernel_profile(
         return original()
 
     engine._decode = wrapper
-    if hasattr(engine, "pool"):
-        engine.pool.clear_index()
+    if engine.cache_kind == "paged":
+        engine.policy.pool.clear_index()
     try:
         engine.generate(requests)
     finally:
@@ -417,8 +416,9 @@ def main(argv: list[str] | None = None) -> int:
             batch_buckets=_buckets(args.kv_slots) if args.buckets == "pow2" else None,
             **common,
         ),
-        "paged": lambda: PagedEngine(
+        "paged": lambda: Engine(
             model,
+            cache="paged",
             max_slots=args.max_slots,
             block_size=args.block_size,
             batch_buckets=_buckets(args.max_slots) if args.buckets == "pow2" else None,

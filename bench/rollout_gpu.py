@@ -58,7 +58,6 @@ from bench.common import (  # noqa: E402
 from moerl.models.kernels import fast_paths  # noqa: E402
 from moerl.rl import token_logprobs  # noqa: E402
 from moerl.rollout import Engine, Request, SamplingParams  # noqa: E402
-from moerl.rollout.paged_engine import PagedEngine  # noqa: E402
 
 
 def floor_seconds(
@@ -218,16 +217,17 @@ def sampling_requests(
 
 
 KV_CACHE = {"kind": "slots"}
-"""``--kv-cache``: the engine ``engine_for`` builds (``slots``: ``Engine``; ``paged``: ``PagedEngine``)."""
+"""``--kv-cache``: the engine ``engine_for`` builds (``Engine`` over the ``slots`` or ``paged`` cache policy)."""
 
 
 def engine_for(model, batch: int, prompt_len: int, new_tokens: int, sync_every: int, **kw) -> Engine:
-    """An ``Engine`` (``PagedEngine`` with ``--kv-cache paged``) sized for B = ``batch`` prompts of P =
+    """An ``Engine`` (the paged cache policy with ``--kv-cache paged``) sized for B = ``batch`` prompts of P =
     ``prompt_len`` tokens and N = ``new_tokens``: B slots, a KV budget of B (P + N) tokens, all B prompts
     prefilled in one step; ``kw`` goes to the engine."""
     if KV_CACHE["kind"] == "paged":  # sized by blocks: no max_seq_len (the longest sequence is the cache)
-        return PagedEngine(
+        return Engine(
             model,
+            cache="paged",
             max_slots=batch,
             kv_token_budget=batch * (prompt_len + new_tokens),
             max_prefill_tokens=batch * prompt_len,

@@ -318,10 +318,11 @@ class RolloutConfig:
     Paged: any sequence up to this length (and the model context) can run; sequences are admitted while
     their blocks fit, and the youngest are preempted (recomputed later) when decoding outgrows it."""
     kv_cache: str = "paged"
-    """KV cache of the rollout engine: ``paged`` (``moerl.rollout.paged_engine.PagedEngine``: blocks of
-    ``kv_block_size`` tokens, a group's prompt prefilled once and its blocks shared, common prompt
-    preambles shared, memory bounded by the tokens held) or ``slots`` (``moerl.rollout.engine.Engine``:
-    ``max_slots`` contiguous slots of ``kv_token_budget // max_slots`` tokens each)."""
+    """KV cache policy of the rollout engine (``moerl.rollout.Engine(cache=...)``, ``CACHE_POLICIES``):
+    ``paged`` (``moerl.rollout.paged_policy``: blocks of ``kv_block_size`` tokens, a group's prompt
+    prefilled once and its blocks shared, common prompt preambles shared, memory bounded by the tokens
+    held) or ``slots`` (``moerl.rollout.slot_policy``: ``max_slots`` contiguous slots of
+    ``kv_token_budget // max_slots`` tokens each)."""
     kv_block_size: int = 16
     """Tokens per block of the paged KV cache (``kv_cache: paged``)."""
     mla_cache: str = "latent"
@@ -396,10 +397,11 @@ class RolloutConfig:
             check_range("rollout.sync_every", self.sync_every, 1)
         # here, not at the top: moerl.ep and moerl.rollout load torch, and this module must load without it
         from moerl.ep.registry import DISPATCHERS
+        from moerl.rollout.engine import CACHE_POLICIES
         from moerl.rollout.kv_cache import MLA_CACHE_FORMS
         from moerl.rollout.weight_update import ON_WEIGHT_UPDATE
 
-        check_choice("rollout.kv_cache", self.kv_cache, ["paged", "slots"])
+        check_choice("rollout.kv_cache", self.kv_cache, sorted(CACHE_POLICIES))
         check_choice("rollout.mla_cache", self.mla_cache, MLA_CACHE_FORMS)
         check_range("rollout.kv_block_size", self.kv_block_size, 1)
         check_choice("rollout.ep_dispatcher", self.ep_dispatcher, DISPATCHERS)

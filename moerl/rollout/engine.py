@@ -1,16 +1,25 @@
-"""The rollout engine: continuous batching over a static per-slot KV cache, exact behaviour log-probs,
+"""The rollout engine: continuous batching over a pluggable KV-cache policy, exact behaviour log-probs,
 in-place weight updates between steps.
 
-Shapes: N slots, A running sequences (slots 0..A-1), B decode rows (A, or A rounded up to a bucket),
-R prefill rows (one per admitted request), T padded prompt length, V vocabulary.
+The KV cache is a component (``cache_policy.CachePolicy``; ``slot_policy.py``: a contiguous slot per
+sequence, ``paged_policy.py``: blocks with shared prefixes and preemption), chosen by the caller
+(``Engine(model, cache="paged")``); this module is the one loop over it.
+
+Shapes: N rows ("slots"), A running sequences (rows 0..A-1), B decode rows (A, or A rounded up to a
+bucket), R prefill rows (one per admitted request), T padded prompt length, V vocabulary.
 
 One ``step()``:
-  1. admit waiting requests into free slots; prefill each admitted prompt once (R rows, right-padded),
-     copy its KV into the slots of its other samples, and sample each sample's first token;
-  2. decode one token for every running sequence (fixed-shape [B, 1] forward over the cache);
+  1. admit waiting requests (the policy allocates their cache); prefill each admitted prompt once (R
+     rows, right-padded), let the policy give its other samples the prompt's keys (a copy, or shared
+     blocks), and sample each sample's first token;
+  2. make room for the next token (the policy; when it is short, sync, then preempt) and decode one
+     token for every running sequence (fixed-shape [B, 1] forward over the cache). The decode is one
+     forward that samples one token per row (``_decode_forward_no_sync``), then the host-side state
+     advances (``_decode``): a drafted-and-verified step (speculative decoding) replaces the first and
+     records several tokens per row in the second;
   3. every ``sync_every`` steps (or when a sequence reaches ``max_new_tokens``), copy the sampled tokens
      to the host in one transfer, finish sequences at their first stop token or at their length limit,
-     free their slots and compact the running ones.
+     free their cache and compact the running rows.
 Between syncs the decode loop never waits for the device: tokens, log-probs, positions and the next
 inputs stay in device tensors, and the sampler's noise is counter-based (see ``sampler.py``).
 
@@ -34,18 +43,21 @@ Policy versions: a token's version is the engine's ``version`` when its logits w
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from moerl.models.fp8 import FP8_DTYPE, copy_into_fp8
+from moerl.rollout.cache_policy import CachePolicy, CacheSpec, PrefillRow
 from moerl.rollout.cuda_graphs import GraphRunner, graph_batch_buckets, round_read_len
-from moerl.rollout.kv_cache import KVLayout, SlotKVCache, cache_geometry, kv_layout
+from moerl.rollout.kv_cache import KVLayout, kv_layout
+from moerl.rollout.paged_policy import PagedCachePolicy
 from moerl.rollout.params import FINISH_ERROR, Completion, InvalidRequestError, Request, validate_request
 from moerl.rollout.sampler import SamplingRows, sample_key, sample_no_sync
 from moerl.rollout.scheduler import Admission, Scheduler, Sequence
+from moerl.rollout.slot_policy import SlotCachePolicy
 from moerl.rollout.stats import EngineStats
 
 if TYPE_CHECKING:  # the config sits above the rollout engine (docs/architecture.md, Layers)
@@ -83,19 +95,32 @@ def default_sync_every(device: torch.device) -> int:
     return GPU_SYNC_EVERY if device.type == "cuda" else 1
 
 
+CACHE_POLICIES: dict[str, Callable[[CacheSpec], CachePolicy]] = {
+    "paged": PagedCachePolicy,
+    "slots": SlotCachePolicy,
+}
+"""The engine's KV-cache policies by name (``Engine(cache=...)``; ``rollout.kv_cache`` names one):
+``paged`` (blocks, shared prefixes, preemption; the run default) and ``slots`` (contiguous per-slot)."""
+
+
 class Engine:
-    """Batched generation for a ``moerl.models`` causal LM (any model with the KV cache seam).
+    """Batched generation for a ``moerl.models`` causal LM (any model with the KV cache seam), over a
+    KV-cache policy component (``cache``: slots or paged blocks; ``cache_policy.CachePolicy``).
 
     Args:
         model: callable ``model(input_ids, attention_mask, position_ids, *, cache, return_routed_experts)``
             returning an object with ``logits`` [B, T, V] (and ``routed_experts`` [B, T, Lm, K] when
             asked), and a ``config`` with Hugging Face field names. Run as given (its train/eval mode is
             left alone) under ``torch.no_grad``.
+        cache: the KV-cache policy: a name of ``CACHE_POLICIES`` (``"slots"``: a contiguous slot per
+            sequence, ``slot_policy.py``; ``"paged"``: blocks with shared prefixes and preemption,
+            ``paged_policy.py``) or a factory ``CacheSpec -> CachePolicy`` (a policy class).
         max_slots: most concurrent sequences.
-        kv_token_budget: KV cache capacity in tokens over all slots.
-        max_seq_len: tokens per slot (prompt + new); ``None``: ``kv_token_budget // max_slots``. Capped at
-            the model's ``max_position_embeddings``. The engine gets ``min(max_slots, budget // max_seq_len)``
-            slots.
+        kv_token_budget: KV cache capacity in tokens over all sequences.
+        max_seq_len: slots only: tokens per slot (prompt + new); ``None``: ``kv_token_budget // max_slots``.
+            Capped at the model's ``max_position_embeddings``. The slot engine gets
+            ``min(max_slots, budget // max_seq_len)`` slots. A paged sequence may use the whole cache.
+        block_size: paged only: tokens per cache block (``None``: ``paged_policy.DEFAULT_BLOCK_SIZE``, 16).
         max_prefill_tokens: prompt tokens prefilled per step (at least one prompt is always admitted).
         max_stop_tokens: most stop token ids per request.
         sync_every: decode steps between host copies of the sampled tokens; larger values keep the device
@@ -103,8 +128,9 @@ class Engine:
             device's default, ``default_sync_every`` (8 on CUDA, 1 elsewhere).
         batch_buckets: decode batch sizes to round B up to (fixed shapes for CUDA graphs); ``None``: with
             CUDA graphs ``cuda_graphs.graph_batch_buckets(slots)`` (at most 1.5x padding), else exact.
-        attn_len_multiple: the decode read length R is rounded up to a multiple of this (with CUDA graphs
-            also to four keys per doubling, ``cuda_graphs.round_read_len``: at most 25% over).
+        attn_len_multiple: the decode read length R is rounded up to a multiple of this (in whole blocks
+            when paged; with CUDA graphs also to four keys per doubling, ``cuda_graphs.round_read_len``:
+            at most 25% over).
         seed: seeds the draw of a noise seed for requests whose ``params.seed`` is None.
         version: initial policy version.
         kv_layout_override: the KV geometry, when it cannot be derived from ``model.config``.
@@ -121,17 +147,20 @@ class Engine:
             (nothing to overlap); ``RolloutConfig.overlap_sync``.
 
     Raises:
-        ValueError: sizes that leave no cache slot of two tokens; a non-positive sync/prefill/length setting;
-            an unknown ``mla_cache``.
+        ValueError: an unknown ``cache`` name; sizes that leave no room for a sequence of two tokens; a
+            non-positive sync/prefill/length/block setting; a setting of the other cache kind
+            (``max_seq_len`` paged, ``block_size`` slots); an unknown ``mla_cache``.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         *,
+        cache: str | Callable[[CacheSpec], CachePolicy] = "slots",
         max_slots: int = 64,
         kv_token_budget: int = 16384,
         max_seq_len: int | None = None,
+        block_size: int | None = None,
         max_prefill_tokens: int = 4096,
         max_stop_tokens: int = 8,
         sync_every: int | None = None,
@@ -145,50 +174,6 @@ class Engine:
         overlap_sync: bool | None = None,
     ) -> None:
         cfg = model.config
-        context = cfg.max_position_embeddings
-        num_slots, slot_len = cache_geometry(max_slots, kv_token_budget, context, max_seq_len)
-        if slot_len < 2 or num_slots < 1:
-            raise ValueError(
-                f"max_slots={max_slots}, kv_token_budget={kv_token_budget}, max_seq_len={max_seq_len} leave no "
-                f"cache slot of at least 2 tokens (model context {cfg.max_position_embeddings})"
-            )
-        param = self._init_common(
-            model,
-            slot_len,
-            max_stop_tokens,
-            sync_every,
-            max_prefill_tokens,
-            batch_buckets,
-            attn_len_multiple,
-            version,
-        )
-        self.cache = SlotKVCache(
-            kv_layout_override or kv_layout(cfg, mla_cache),
-            num_slots=num_slots,
-            capacity=slot_len,
-            dtype=param.dtype,
-            device=self.device,
-        )
-        self.scheduler = Scheduler(num_slots, max_prefill_tokens)
-        self._init_state(num_slots, seed, cuda_graphs, overlap_sync)
-
-    def _init_common(
-        self,
-        model: torch.nn.Module,
-        max_seq_len: int,
-        max_stop_tokens: int,
-        sync_every: int | None,
-        max_prefill_tokens: int,
-        batch_buckets: tuple[int, ...] | None,
-        attn_len_multiple: int,
-        version: int,
-    ) -> torch.nn.Parameter:
-        """The settings every engine (slot or paged) checks and keeps; returns a parameter of ``model``
-        (its device and dtype size the cache).
-
-        Raises:
-            ValueError: ``sync_every``, ``max_prefill_tokens`` or ``attn_len_multiple`` below 1.
-        """
         param = next(model.parameters())
         if sync_every is None:
             sync_every = default_sync_every(param.device)
@@ -197,17 +182,32 @@ class Engine:
                 f"sync_every={sync_every}, max_prefill_tokens={max_prefill_tokens}, "
                 f"attn_len_multiple={attn_len_multiple} must all be >= 1"
             )
+        spec = CacheSpec(
+            layout=kv_layout_override or kv_layout(cfg, mla_cache),
+            dtype=param.dtype,
+            device=param.device,
+            context=cfg.max_position_embeddings,
+            num_attention_heads=cfg.num_attention_heads,
+            max_slots=max_slots,
+            kv_token_budget=kv_token_budget,
+            max_prefill_tokens=max_prefill_tokens,
+            max_seq_len=max_seq_len,
+            block_size=block_size,
+        )
+        self.policy: CachePolicy = cache_policy_factory(cache)(spec)
+        """The KV-cache component: admission, allocation, freeing, eviction, the model's cache seam."""
         self.model = model
         self.device = param.device
-        self.vocab_size: int = model.config.vocab_size
-        self.max_seq_len = max_seq_len
+        self.vocab_size: int = cfg.vocab_size
+        self.max_seq_len = self.policy.max_seq_len
+        """Longest sequence (prompt + new tokens) a request may ask for."""
         self.max_stop_tokens = max_stop_tokens
         self.sync_every = sync_every
         self.batch_buckets = tuple(sorted(batch_buckets)) if batch_buckets else None
         self.attn_len_multiple = attn_len_multiple
         self.version = version
         """Policy version of the current weights (set by ``update_weights``)."""
-        return param
+        self._init_state(self.policy.num_slots, seed, cuda_graphs, overlap_sync)
 
     def _init_state(self, num_slots: int, seed: int, cuda_graphs: bool, overlap_sync: bool | None) -> None:
         """Per-engine run state: sampling seeds, pending device results, per-slot tensors, counters and
@@ -218,7 +218,7 @@ class Engine:
         self._overlap_sync = self.device.type == "cuda" if overlap_sync is None else bool(overlap_sync)
         self._staged: _Staged | None = None  # a started copy of the first pending tokens (_stage)
         self._init_slot_state(num_slots)
-        self._prefill_tokens = self._prefix_hit_tokens = self._decode_steps = self._decode_rows = 0
+        self._decode_steps = self._decode_rows = 0
         # Decode steps replayed from CUDA graphs, one per (B, R, sampling flags) key (cuda_graphs.py).
         self._graphs = GraphRunner(self.device) if cuda_graphs and self.device.type == "cuda" else None
         if self._graphs is not None and self.batch_buckets is None:  # keys that recur (cuda_graphs.py)
@@ -226,13 +226,24 @@ class Engine:
 
     @classmethod
     def from_config(
-        cls, model: torch.nn.Module, cfg: RolloutConfig, *, seed: int = 0, version: int = 0
+        cls,
+        model: torch.nn.Module,
+        cfg: RolloutConfig,
+        *,
+        cache: str | Callable[[CacheSpec], CachePolicy] = "slots",
+        seed: int = 0,
+        version: int = 0,
     ) -> Engine:
-        """An engine sized by the run config's ``RolloutConfig`` (slots, KV budget, prefill cap, sync period)."""
+        """An engine sized by the run config's ``RolloutConfig`` (slots, KV budget, prefill cap, sync
+        period, and ``kv_block_size`` for a paged ``cache``) over the cache policy the caller chose
+        (``moerl.runtime.build.make_engine`` passes ``rollout.kv_cache``; this never reads it)."""
+        kind = cache_policy_factory(cache)
         return cls(
             model,
+            cache=kind,
             max_slots=cfg.max_slots,
             kv_token_budget=cfg.kv_token_budget,
+            block_size=cfg.kv_block_size if getattr(kind, "kind", None) == "paged" else None,
             max_prefill_tokens=cfg.max_prefill_tokens,
             sync_every=cfg.sync_every,
             seed=seed,
@@ -259,12 +270,28 @@ class Engine:
             self._top_k,
             self._top_p,
             self._keys,
+            *self.policy.row_state,  # e.g. the paged block table: moved with its row on compaction
         ]
 
     @property
+    def cache_kind(self) -> str:
+        """The cache policy's name (``"slots"``, ``"paged"``)."""
+        return self.policy.kind
+
+    @property
+    def cache(self):
+        """The model's KV-cache seam object of the policy (``SlotKVCache``, ``PagedKVCache``)."""
+        return self.policy.kv
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The policy's host scheduler (waiting requests, running rows)."""
+        return self.policy.scheduler
+
+    @property
     def num_slots(self) -> int:
-        """N, concurrent sequences."""
-        return self.cache.num_slots
+        """N, most sequences running together (rows of the per-row state)."""
+        return self.policy.num_slots
 
     @property
     def num_unfinished(self) -> int:
@@ -407,71 +434,104 @@ class Engine:
             else:
                 targets[name].copy_(t)
         self.version = int(version)
+        self.policy.weights_changed()
 
     @property
     def stats(self) -> EngineStats:
-        """Counters of this engine since it started (``moerl.rollout.stats``)."""
-        running = len(self.scheduler.running)
+        """Cache use and counters of this engine since it started (``moerl.rollout.stats``): blocks
+        (slots for the slot policy), preemptions, prefill vs prefix-hit tokens, decode batch sizes."""
+        sched = self.scheduler
+        kv_tokens, blocks_total, blocks_used = self.policy.capacity()
         return EngineStats(
-            kv_tokens=self.cache.num_slots * self.cache.capacity,
-            kv_tokens_used=sum(s.seq_len for s in self.scheduler.running),
-            blocks_total=self.num_slots,
-            blocks_used=running,
-            running=running,
-            prefill_tokens=self._prefill_tokens,
+            kv_tokens=kv_tokens,
+            kv_tokens_used=sum(s.seq_len for s in sched.running),
+            blocks_total=blocks_total,
+            blocks_used=blocks_used,
+            running=len(sched.running),
+            prefill_tokens=sched.prefill_tokens,
             decode_steps=self._decode_steps,
             decode_rows=self._decode_rows,
-            prefix_hit_tokens=self._prefix_hit_tokens,
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            preemptions=sched.num_preemptions,
         )
 
     # -- Admission, prefill and decode ----------------------------------------------------------
 
     def _admit(self) -> list[Admission]:
-        """This step's admissions (the scheduler's plan)."""
-        admissions = self.scheduler.admit(sample_key)
-        self._prefill_tokens += sum(len(a.request.prompt_ids) for a in admissions)
-        self._prefix_hit_tokens += sum((len(a.sequences) - 1) * len(a.request.prompt_ids) for a in admissions)
-        return admissions
+        """This step's admissions (the policy's scheduler's plan, cache allocated)."""
+        return self.scheduler.admit(sample_key)
 
     def _reserve_decode(self) -> list[Completion]:
-        """Make room for the next decode step (slots need none: a slot holds its whole sequence).
-        Returns completions finished by a host sync this needed."""
-        return []
+        """Make room for the next decode step: the policy gives each running sequence room for its next
+        token; while it is short, pending tokens are synced first (which may finish sequences and free
+        theirs), then it evicts (preempts) sequences. Returns completions finished by those syncs.
+
+        Raises:
+            RuntimeError: still short with one sequence running (a request longer than the cache).
+        """
+        done: list[Completion] = []
+        policy, sched = self.policy, self.scheduler
+        while sched.running and policy.blocks_short() > 0:
+            if self._pending:
+                done += self._sync()
+                continue
+            victims = policy.preempt(policy.blocks_short())
+            self._vacate(victims, sched.remove(victims))
+            if policy.blocks_short() > 0:
+                raise RuntimeError(
+                    f"{policy.kind} KV cache: {policy.blocks_short()} blocks short with one sequence "
+                    "running; a request longer than the cache was admitted"
+                )
+        policy.prepare_decode(self._bucket(len(sched.running)) if sched.running else 0)
+        return done
+
+    def _forward_prefill(self, rows: list[PrefillRow], want_routed: bool) -> torch.Tensor:
+        """One prefill forward of ``rows`` into the cache (the policy binds it); returns the logits
+        [R, T, V], row r's last computed position at ``len(tokens) - start - 1``."""
+        ids, pos = self.policy.bind_prefill(rows)
+        out = self.model(ids.to(self.device), None, pos, cache=self.cache, return_routed_experts=want_routed)
+        if want_routed:
+            self.policy.record_routed(out.routed_experts)  # [R, T, Lm, K]
+        self.policy.unbind()
+        return out.logits
 
     def _prefill(self, admissions: list[Admission]) -> None:
+        """Prefill each admission once (its first sample's cache), let the policy place the group's other
+        samples, and sample each new sample's first token from the prompt's last logits (a readmitted
+        sequence continues from its last token)."""
         dev = self.device
-        lens = [len(a.request.prompt_ids) for a in admissions]
-        t = max(lens)
-        ids = torch.zeros(len(admissions), t, dtype=torch.int64)
-        for r, a in enumerate(admissions):
-            ids[r, : lens[r]] = torch.tensor(a.request.prompt_ids, dtype=torch.int64)
-        lengths = torch.tensor(lens, dtype=torch.int64, device=dev)
-        first = torch.tensor([a.sequences[0].slot for a in admissions], dtype=torch.int64, device=dev)
         want_routed = any(a.request.params.return_routed_experts for a in admissions)
-        self.cache.bind_prefill(first, lengths, t)
-        pos = torch.arange(t, device=dev).expand(len(admissions), t)
-        out = self.model(ids.to(dev), None, pos, cache=self.cache, return_routed_experts=want_routed)
-        self.cache.unbind()
-        if want_routed:
-            routed = out.routed_experts  # [R, T, Lm, K]
-            buf = self.cache.ensure_routed(routed.shape[2], routed.shape[3])
-            buf[first, :t] = routed.to(torch.int32)
-        last = out.logits[torch.arange(len(admissions), device=dev), lengths - 1]  # [R, V]
+        rows = [PrefillRow(a.sequences[0], a.tokens, a.cached) for a in admissions]
+        logits = self._forward_prefill(rows, want_routed)
+        self.policy.place_prefill(admissions)
+        all_seqs = [s for a in admissions for s in a.sequences]
+        slot_all = torch.tensor([s.slot for s in all_seqs], dtype=torch.int64, device=dev)
+        self._set_slot_params(all_seqs, slot_all)
+        self._active[slot_all] = 1
+        resumed = [a.sequences[0] for a in admissions if a.resumed]
+        if resumed:  # the last token is the next decode input
+            idx = torch.tensor([s.slot for s in resumed], dtype=torch.int64, device=dev)
+            self._last_token[idx] = torch.tensor(
+                [s.token_ids[-1] for s in resumed], dtype=torch.int64, device=dev
+            )
+            self._seq_len[idx] = torch.tensor([s.seq_len for s in resumed], dtype=torch.int64, device=dev)
+        fresh = [(r, a) for r, a in enumerate(admissions) if not a.resumed]
+        if not fresh:
+            return
+        n_new = torch.tensor([len(a.tokens) - a.cached for a in admissions], device=dev)
+        last = logits[torch.arange(len(admissions), device=dev), n_new - 1]  # [R, V]
         seqs: list[Sequence] = []
-        rows: list[int] = []
-        for r, a in enumerate(admissions):
-            slots = [s.slot for s in a.sequences]
-            self.cache.copy_slots([slots[0]] * (len(slots) - 1), slots[1:], lens[r])
+        rows_of: list[int] = []
+        for r, a in fresh:
             seqs += a.sequences
-            rows += [r] * len(slots)
+            rows_of += [r] * len(a.sequences)
         slot_idx = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=dev)
-        self._set_slot_params(seqs, slot_idx)
-        rows_t = torch.tensor(rows, device=dev)
-        prompt_len = lengths[rows_t]  # the first new token sits at position P
-        tokens, logprobs = sample_no_sync(last[rows_t], self._rows(slot_idx, seqs), prompt_len)
+        prompt_len = torch.tensor([s.prompt_len for s in seqs], dtype=torch.int64, device=dev)
+        tokens, logprobs = sample_no_sync(
+            last[torch.tensor(rows_of, device=dev)], self._rows(slot_idx, seqs), prompt_len
+        )  # the first new token sits at position P
         self._last_token[slot_idx] = tokens
         self._seq_len[slot_idx] = prompt_len + 1
-        self._active[slot_idx] = 1
         self._record(seqs, tokens, logprobs)
 
     def _set_slot_params(self, seqs: list[Sequence], slot_idx: torch.Tensor) -> None:
@@ -517,15 +577,15 @@ class Engine:
         self._decode_rows += a
 
     def _decode_variant(self) -> tuple:
-        """What else decides the decode step's Python path (part of its CUDA-graph key): nothing here."""
-        return ()
+        """What else decides the decode step's Python path (part of its CUDA-graph key): the policy's."""
+        return self.policy.decode_variant()
 
     def _read_len(self, seqs: list[Sequence]) -> int:
-        """R, keys a decode step reads per row: the longest sequence rounded up to ``attn_len_multiple``."""
-        return self._round_read_len(max(s.seq_len for s in seqs), self.attn_len_multiple, self.max_seq_len)
+        """The decode's read length per row (keys for slots, blocks for paged; ``CachePolicy.read_len``)."""
+        return self.policy.read_len(seqs, self.attn_len_multiple, self._round_read_len)
 
     def _round_read_len(self, need: int, multiple: int, cap: int) -> int:
-        """``need`` (tokens, or blocks in ``PagedEngine``) rounded up to a multiple of ``multiple``, capped at
+        """``need`` (tokens, or blocks when paged) rounded up to a multiple of ``multiple``, capped at
         ``cap``; with CUDA graphs also to four keys per doubling (``cuda_graphs.round_read_len``)."""
         if self._graphs is not None:
             return round_read_len(need, multiple, cap)
@@ -546,7 +606,7 @@ class Engine:
         """
         seq_len = self._seq_len[:b]
         pos = seq_len - 1  # the last sampled token is fed at its own position
-        self.cache.bind_decode(b, pos, read_len)
+        self.policy.bind_decode(b, pos, read_len)
         out = self.model(
             self._last_token[:b, None],
             None,
@@ -554,11 +614,9 @@ class Engine:
             cache=self.cache,
             return_routed_experts=want_routed,
         )
-        self.cache.unbind()
         if want_routed:
-            routed = out.routed_experts  # [B, 1, Lm, K]
-            buf = self.cache.ensure_routed(routed.shape[2], routed.shape[3])
-            buf[torch.arange(b, device=self.device), pos] = routed[:, 0].to(torch.int32)
+            self.policy.record_routed(out.routed_experts)  # [B, 1, Lm, K]
+        self.policy.unbind()
         return sample_no_sync(out.logits[:, -1], rows, seq_len)
 
     def _bucket(self, a: int) -> int:
@@ -648,7 +706,7 @@ class Engine:
         routed = None
         if seq.request.params.return_routed_experts and self.cache.routed is not None:
             n = seq.prompt_len + len(seq.token_ids) - 1
-            routed = self.cache.routed[seq.slot, :n].to("cpu", torch.int64)
+            routed = self.policy.routed_records(seq, n).to("cpu", torch.int64)
         return Completion(
             request_id=seq.request.request_id,
             sample_index=seq.sample_index,
@@ -661,6 +719,8 @@ class Engine:
         )
 
     def _release(self, finished: list[Sequence]) -> None:
+        """Free what finished sequences hold (cache, then rows) and compact the running rows."""
+        self.policy.release(finished)
         if not finished:
             return
         self._vacate(finished, self.scheduler.release(finished))
@@ -674,7 +734,7 @@ class Engine:
         # One batched copy for all moves: sources (>= the running count) and destinations (< it) are
         # disjoint.
         src, dst = [m[0] for m in moves], [m[1] for m in moves]
-        self._move_cache(src, dst)
+        self.policy.move_rows(src, dst)
         src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
         dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
         for state in self._slot_state:
@@ -685,33 +745,37 @@ class Engine:
         """Mark slots free: inactive, length 1 (a padded decode row stays in range)."""
         self._active[idx] = 0
         self._seq_len[idx] = 1
-
-    def _move_cache(self, src: list[int], dst: list[int]) -> None:
-        # Copying up to the longest mover's length is safe: positions past a slot's length are never read.
-        self.cache.copy_slots(src, dst, max(self.scheduler.running[d].seq_len for d in dst))
+        self.policy.reset_rows(idx)
 
     def _reprefill(self, seqs: list[Sequence]) -> None:
-        """One prefill forward of the prefixes of ``seqs`` (prompt and generated tokens but the last)
-        into their own cache; logits are discarded (``weight_update.reprefill``)."""
-        dev = self.device
-        # the cache holds positions 0..seq_len-2; the last generated token is the next decode input
-        prefixes = [list(s.request.prompt_ids) + s.token_ids[:-1] for s in seqs]
-        lens = [len(p) for p in prefixes]
-        t = max(lens)
-        ids = torch.zeros(len(seqs), t, dtype=torch.int64)
-        for r, p in enumerate(prefixes):
-            ids[r, : lens[r]] = torch.tensor(p, dtype=torch.int64)
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=dev)
+        """One prefill forward of the prefixes of ``seqs`` (prompt and generated tokens but the last: the
+        last is the next decode input) into their own cache; logits are discarded
+        (``weight_update.reprefill``)."""
         want_routed = any(s.request.params.return_routed_experts for s in seqs)
-        self.cache.bind_prefill(slots, torch.tensor(lens, dtype=torch.int64, device=dev), t)
-        pos = torch.arange(t, device=dev).expand(len(seqs), t)
-        out = self.model(ids.to(dev), None, pos, cache=self.cache, return_routed_experts=want_routed)
-        self.cache.unbind()
-        if want_routed:
-            routed = out.routed_experts  # [R, T, Lm, K]
-            buf = self.cache.ensure_routed(routed.shape[2], routed.shape[3])
-            buf[slots, :t] = routed.to(torch.int32)
+        rows = [PrefillRow(s, list(s.request.prompt_ids) + s.token_ids[:-1]) for s in seqs]
+        self._forward_prefill(rows, want_routed)
 
     def _drop_waiting(self) -> None:
-        """Forget queued requests (used when ``generate`` rejects a batch before running it)."""
-        self.scheduler = Scheduler(self.num_slots, self.scheduler.max_prefill_tokens)
+        """Forget queued (and preempted) requests: ``generate`` rejecting a batch, ``cancel_all``."""
+        self.scheduler.drop_all()
+
+
+def cache_policy_factory(
+    cache: str | Callable[[CacheSpec], CachePolicy],
+) -> Callable[[CacheSpec], CachePolicy]:
+    """The policy factory ``cache`` names (``CACHE_POLICIES``), or ``cache`` itself when it is one.
+
+    Raises:
+        ValueError: an unknown name. TypeError: neither a name nor a callable.
+    """
+    if isinstance(cache, str):
+        if cache not in CACHE_POLICIES:
+            raise ValueError(
+                f"cache={cache!r}: expected one of {sorted(CACHE_POLICIES)} or a CachePolicy class"
+            )
+        return CACHE_POLICIES[cache]
+    if not callable(cache):
+        raise TypeError(
+            f"cache={cache!r}: expected a name of {sorted(CACHE_POLICIES)} or a CachePolicy class"
+        )
+    return cache

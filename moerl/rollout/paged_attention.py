@@ -503,7 +503,7 @@ def prefix_group_rows(heads_per_kv: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PrefixGroups:
-    """Rows of a decode batch that share leading cache blocks (a group's prompt; ``PagedEngine`` finds
+    """Rows of a decode batch that share leading cache blocks (a group's prompt; ``PagedCachePolicy`` finds
     them), attended once per group by ``_group_program``. Device tensors over the batch's B rows;
     a group is named at its leader row (its first member).
 

@@ -30,17 +30,11 @@ from moerl.rollout.scheduler import Admission, Scheduler, Sequence
 
 @dataclass(kw_only=True, slots=True)
 class PagedAdmission(Admission):
-    """Samples admitted in this step with one prefill of ``tokens[cached:]``."""
+    """Samples admitted in this step with one prefill of ``tokens[cached:]`` (``cached`` a multiple of
+    the block size)."""
 
-    tokens: list[int]
-    """The prefix held in the cache: the prompt (a new request) or prompt + generated tokens but the
-    last (a preempted sequence readmitted)."""
-    cached: int = 0
-    """Leading tokens found in the cache (prefix hits, a multiple of the block size): not recomputed."""
     copies: list[tuple[int, int]] = field(default_factory=list)
     """``(src, dst)`` blocks to copy after the prefill: each further sample's own last prompt block."""
-    resumed: bool = False
-    """A preempted sequence readmitted: no token is sampled after the prefill."""
 
 
 class PagedScheduler(Scheduler):
@@ -57,13 +51,7 @@ class PagedScheduler(Scheduler):
         self.pool = pool
         self.preempted: list[Sequence] = []
         """Preempted sequences waiting for readmission, oldest first."""
-        self._arrivals = 0
-        self.num_preemptions = 0
-        """Sequences preempted since the scheduler started."""
-        self.prefill_tokens = 0
-        """Tokens computed by prefills (prompts and readmissions) since the scheduler started."""
-        self.prefix_hit_tokens = 0
-        """Prefix tokens found in the cache instead of computed (shared group prompts count here)."""
+        self._arrivals = 0  # prefill_tokens and prefix_hit_tokens also count readmissions and index hits
 
     @property
     def num_unfinished(self) -> int:

@@ -54,11 +54,19 @@ class Sequence:
 
 @dataclass(kw_only=True, slots=True)
 class Admission:
-    """Samples of one request admitted in this step; they share one prefill of the prompt."""
+    """Samples of one request admitted in this step; they share one prefill of ``tokens[cached:]``."""
 
     request: Request
     sequences: list[Sequence]
-    """The admitted samples; ``sequences[0].slot`` receives the prefill, the others a copy of it."""
+    """The admitted samples; ``sequences[0]``'s cache receives the prefill, the others the prompt's keys
+    from it (the cache policy's ``place_prefill``: a copy, or shared blocks)."""
+    tokens: list[int]
+    """The prefix held in the cache: the prompt (a new request) or prompt + generated tokens but the
+    last (a preempted sequence readmitted)."""
+    cached: int = 0
+    """Leading tokens found in the cache (prefix hits): not recomputed."""
+    resumed: bool = False
+    """A preempted sequence readmitted: no token is sampled after the prefill."""
 
 
 @dataclass(slots=True)
@@ -83,6 +91,12 @@ class Scheduler:
         """Running sequences; ``running[i].slot == i``."""
         self._waiting: deque[_Waiting] = deque()
         self._in_flight: dict[str, int] = {}  # request id -> samples not yet finished
+        self.prefill_tokens = 0
+        """Tokens computed by prefills since the scheduler started (planned at admission)."""
+        self.prefix_hit_tokens = 0
+        """Prefix tokens taken from the cache instead of computed (a group's n - 1 shared prompts)."""
+        self.num_preemptions = 0
+        """Sequences preempted since the scheduler started (none here: a slot holds its sequence)."""
 
     @property
     def num_unfinished(self) -> int:
@@ -129,8 +143,12 @@ class Scheduler:
                 )
                 self.running.append(seq)
                 seqs.append(seq)
-            admissions.append(Admission(request=head.request, sequences=seqs))
+            admissions.append(
+                Admission(request=head.request, sequences=seqs, tokens=list(head.request.prompt_ids))
+            )
             prefill_tokens += plen
+            self.prefill_tokens += plen
+            self.prefix_hit_tokens += (take - 1) * plen
             head.next_sample += take
             if head.next_sample == head.request.params.n:
                 self._waiting.popleft()
@@ -167,3 +185,11 @@ class Scheduler:
             seq.slot = hole
         self.running = sorted(keep, key=lambda s: s.slot)
         return moves
+
+    def drop_all(self) -> list[Sequence]:
+        """Forget waiting requests (running ones are left to the caller); returns the sequences dropped
+        that had started (none here)."""
+        for w in self._waiting:
+            self._in_flight.pop(w.request.request_id, None)
+        self._waiting.clear()
+        return []

@@ -17,7 +17,6 @@ from moerl.models.dtypes import torch_dtype
 from moerl.rl import preset_from_config
 from moerl.rollout import Engine
 from moerl.rollout.memory_check import driver_holds_policy
-from moerl.rollout.paged_engine import PagedEngine
 from moerl.rollout.weight_dtype import prepare_rollout_model
 from moerl.runtime.buffer import ExperienceBuffer, has_reward_variance
 from moerl.runtime.delivery import GroupSink
@@ -40,12 +39,12 @@ def load_policy(cfg: RunConfig, init_path: str | None, vocab_size: int) -> torch
 
 def make_engine(model: torch.nn.Module, cfg: RunConfig, *, version: int = 0) -> Engine:
     """A rollout engine sized by ``cfg.rollout`` (KV cache kind and budget, sequences decoding together,
-    prefill cap, sync period), seeded by ``cfg.seed``: a ``PagedEngine`` unless ``rollout.kv_cache`` is
-    ``slots``. The engine's weights take ``rollout.weight_dtype`` (``model``, the engine's own copy, is
-    converted in place: ``moerl.rollout.weight_dtype.prepare_rollout_model``)."""
+    prefill cap, sync period), seeded by ``cfg.seed``, over the cache policy ``rollout.kv_cache`` names
+    (paged blocks by default, or slots; the one place a run reads it for the engine). The engine's
+    weights take ``rollout.weight_dtype`` (``model``, the engine's own copy, is converted in place:
+    ``moerl.rollout.weight_dtype.prepare_rollout_model``)."""
     model = prepare_rollout_model(model, cfg.rollout.weight_dtype)
-    kind = PagedEngine if cfg.rollout.kv_cache == "paged" else Engine
-    return kind.from_config(model, cfg.rollout, seed=cfg.seed, version=version)
+    return Engine.from_config(model, cfg.rollout, cache=cfg.rollout.kv_cache, seed=cfg.seed, version=version)
 
 
 def make_queue(cfg: RunConfig, task: Task, tokenizer: Tokenizer) -> TaskQueue:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moerl.rollout import Completion, PagedEngine, Request, SamplingParams
+from moerl.rollout import Completion, Engine, Request, SamplingParams
 from moerl.tasks.base import Prompt, Task, score_many, stable_hash
 
 if TYPE_CHECKING:  # the config sits above this package (docs/architecture.md, Layers)
@@ -103,7 +103,7 @@ def evaluate(
     kv_token_budget: int = 16384,
     sampling: EvalConfig | None = None,
 ) -> EvalResult:
-    """Greedy held-out accuracy (and with ``sampling.k`` > 0 the sampled pass@k) through ``moerl.rollout.PagedEngine`` (a paged KV cache: any prompt and
+    """Greedy held-out accuracy (and with ``sampling.k`` > 0 the sampled pass@k) through ``moerl.rollout.Engine`` over a paged KV cache (any prompt and
     response up to ``kv_token_budget`` tokens fit).
 
     Args:
@@ -137,7 +137,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        engine = PagedEngine(model, max_slots=max_slots, kv_token_budget=kv_token_budget)
+        engine = Engine(model, cache="paged", max_slots=max_slots, kv_token_budget=kv_token_budget)
         completions = engine.generate(requests)
     finally:
         model.train(was_training)

@@ -113,10 +113,8 @@ def paged_requests(routed: bool = True) -> list[Request]:
 
 def run_paged_cases(rank: int, world: int, ranks_per_node: int) -> dict:
     """Paged engines (a budget small enough to preempt) under EP: each rank runs its share of the groups."""
-    from moerl.rollout.paged_engine import PagedEngine
-
     base = make_model()
-    engine = PagedEngine(copy.deepcopy(base), max_slots=16, kv_token_budget=96, block_size=4)
+    engine = Engine(copy.deepcopy(base), cache="paged", max_slots=16, kv_token_budget=96, block_size=4)
     ep = EPEngine(engine)
     mine = [q for i, q in enumerate(paged_requests()) if i % world == rank]
     done = ep.generate(mine)

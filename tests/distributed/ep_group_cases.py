@@ -171,11 +171,11 @@ def run_traffic_case(rank: int, world: int) -> dict:
 def run_paged_group_case(rank: int, world: int) -> dict:
     """The leader's ``EPGroupEngine`` over paged engines whose budget forces preemption (sampled n=8
     groups with a shared preamble, spread over the ranks)."""
-    from moerl.rollout.paged_engine import PagedEngine
+    from moerl.rollout import Engine
 
     model = base.make_model()
     ctrl = _ctrl()
-    engine = PagedEngine(copy.deepcopy(model), max_slots=16, kv_token_budget=96, block_size=4)
+    engine = Engine(copy.deepcopy(model), cache="paged", max_slots=16, kv_token_budget=96, block_size=4)
     ep = EPEngine(engine, dispatcher="alltoall")
     out: dict = {}
     if rank == 0:

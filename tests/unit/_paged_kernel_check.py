@@ -15,7 +15,6 @@ from moerl.config import ModelConfig  # noqa: E402
 from moerl.models import build_model  # noqa: E402
 from moerl.rollout import Engine, Request, SamplingParams  # noqa: E402
 from moerl.rollout import paged_attention as pa  # noqa: E402
-from moerl.rollout.paged_engine import PagedEngine  # noqa: E402
 
 
 def kernel_errors() -> list[float]:
@@ -112,7 +111,7 @@ def engine_check() -> dict:
             for i, p in enumerate(prompts)
         ]
         ref = Engine(model, max_slots=4, kv_token_budget=4 * 32).generate(reqs)
-        eng = PagedEngine(model, max_slots=4, kv_token_budget=32, block_size=4)
+        eng = Engine(model, cache="paged", max_slots=4, kv_token_budget=32, block_size=4)
         out = eng.generate(reqs)
         result[name] = {
             "tokens_equal": [c.token_ids for c in out] == [c.token_ids for c in ref],
@@ -144,9 +143,9 @@ def group_slots_check() -> dict:
         for i in range(3)
     ]
     ref = Engine(model, max_slots=8, kv_token_budget=8 * 32).generate(reqs)
-    eng = PagedEngine(model, max_slots=8, kv_token_budget=8 * 32, block_size=4)
+    eng = Engine(model, cache="paged", max_slots=8, kv_token_budget=8 * 32, block_size=4)
     capped = {"batches": 0}
-    real = eng._prefix_groups
+    real = eng.policy._prefix_groups
 
     def counted():
         real()
@@ -155,10 +154,10 @@ def group_slots_check() -> dict:
             if len(s.blocks) > 1:
                 firsts[s.blocks[0]] = firsts.get(s.blocks[0], 0) + 1
         groups = sum(c > 1 for c in firsts.values())
-        named = int((eng._prefix.n > 0).sum())
+        named = int((eng.policy._prefix.n > 0).sum())
         capped["batches"] += groups > named >= 1
 
-    eng._prefix_groups = counted
+    eng.policy._prefix_groups = counted
     out = eng.generate(reqs)
     return {
         "tokens_equal": [c.token_ids for c in out] == [c.token_ids for c in ref],

@@ -143,8 +143,7 @@ def test_fp8_rollout_of_an_mla_model_decodes_on_the_latent_cache():
     test failing after tests/unit/test_fp8.py, with NaN log-probs or a flipped token)."""
     from bench.mla_gpu import model_config
     from moerl.models.model import MoeForCausalLM
-    from moerl.rollout import Request, SamplingParams
-    from moerl.rollout.paged_engine import PagedEngine
+    from moerl.rollout import Engine, Request, SamplingParams
     from moerl.rollout.weight_dtype import prepare_rollout_model
 
     torch.manual_seed(0)
@@ -155,7 +154,7 @@ def test_fp8_rollout_of_an_mla_model_decodes_on_the_latent_cache():
     assert fp8.layers[0].self_attn.kv_b_proj.weight.dtype == FP8_DTYPE
     prompt = list(range(5, 25))
     req = Request(request_id="a", prompt_ids=prompt, params=SamplingParams(max_new_tokens=8, temperature=0.0))
-    engine = PagedEngine(fp8, max_slots=4, kv_token_budget=512, block_size=16)
+    engine = Engine(fp8, cache="paged", max_slots=4, kv_token_budget=512, block_size=16)
     assert engine.cache.latent
     out = engine.generate([req])[0]
     ids = torch.tensor([prompt + out.token_ids[:-1]])

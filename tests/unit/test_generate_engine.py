@@ -18,7 +18,6 @@ from test_user_inputs import save_chat_tokenizer
 import moerl.generation as gen_mod
 from moerl.api import Generation, generate
 from moerl.cli import main
-from moerl.rollout.paged_engine import PagedEngine
 
 PREAMBLE = "You are a careful calculator. Think step by step, then give the number. Be exact"
 """The 80-token shared preamble of the issue's load (one token a character)."""
@@ -94,8 +93,8 @@ def test_the_48_sample_load_runs_on_the_paged_engine_with_transformers_logprobs(
     assert [(r["id"], r["sample_index"]) for r in rows] == [(f"q{i}", j) for i in range(6) for j in range(8)]
     assert all(len(r["prompt_ids"]) == 104 and r["finish_reason"] in ("stop", "length") for r in rows)
     [engine] = built
-    assert isinstance(engine, PagedEngine) and engine.num_slots == 48
-    assert engine.pool.num_blocks * engine.block_size == 4096
+    assert engine.cache_kind == "paged" and engine.num_slots == 48
+    assert engine.policy.pool.num_blocks * engine.policy.block_size == 4096
     # the load's tokens exceed the budget: the paged cache holds each group's prompt once (its samples and
     # the other groups' preambles hit the indexed blocks) and frees a finished sequence's blocks
     assert sum(len(r["prompt_ids"]) + len(r["token_ids"]) for r in rows) > 4096

@@ -13,7 +13,6 @@ import torch
 from moerl.config import ModelConfig
 from moerl.models import build_model
 from moerl.rollout import Engine, Request, SamplingParams
-from moerl.rollout.paged_engine import PagedEngine
 from moerl.rollout.weight_update import cancel_all, recompute_running
 
 VOCAB = 61
@@ -57,8 +56,9 @@ def _engine(kind, m, overlap, sync_every, small=False, rows=8):
             m, max_slots=rows, kv_token_budget=rows * 64, sync_every=sync_every, overlap_sync=overlap
         )
     budget = 120 if small else 2000  # 30 blocks of 4 for 16 samples of up to 43 tokens: preemption
-    return PagedEngine(
+    return Engine(
         m,
+        cache="paged",
         max_slots=rows + 4,
         kv_token_budget=budget,
         block_size=4,
@@ -162,7 +162,7 @@ def test_overlap_with_weight_update_recompute_and_cancel_between_steps(model, ki
 
 def test_overlap_is_off_on_cpu_by_default(model):
     assert Engine(model, max_slots=2, kv_token_budget=128)._overlap_sync is False
-    assert PagedEngine(model, max_slots=2, kv_token_budget=128, block_size=4)._overlap_sync is False
+    assert Engine(model, cache="paged", max_slots=2, kv_token_budget=128, block_size=4)._overlap_sync is False
 
 
 @pytest.mark.parametrize("kind", ["slots", "paged"])
@@ -229,7 +229,9 @@ def test_rollout_config_turns_the_overlap_off(model, monkeypatch):
         original(self, num_slots, seed, cuda_graphs, overlap_sync)
 
     monkeypatch.setattr(Engine, "_init_state", spy)
-    for cls in (Engine, PagedEngine):
-        cls.from_config(model, RolloutConfig(max_slots=4, kv_token_budget=256, overlap_sync=False))
-        cls.from_config(model, RolloutConfig(max_slots=4, kv_token_budget=256))
+    for cache in ("slots", "paged"):
+        Engine.from_config(
+            model, RolloutConfig(max_slots=4, kv_token_budget=256, overlap_sync=False), cache=cache
+        )
+        Engine.from_config(model, RolloutConfig(max_slots=4, kv_token_budget=256), cache=cache)
     assert seen == [False, None, False, None]  # None: on where the device is asynchronous (CUDA)

@@ -368,12 +368,11 @@ def test_sync_every_defaults_to_the_devices_value(model):
     """No ``sync_every`` given (config None): 8 decode steps between host copies on CUDA, 1 on CPU."""
     from moerl.config import load_config
     from moerl.rollout.engine import GPU_SYNC_EVERY, default_sync_every
-    from moerl.rollout.paged_engine import PagedEngine
 
     assert default_sync_every(torch.device("cuda", 0)) == GPU_SYNC_EVERY == 8
     assert default_sync_every(torch.device("cpu")) == 1
     cfg = load_config(None, []).rollout
     assert cfg.sync_every is None  # no knob a GPU user must set
     assert Engine(model, max_slots=2, kv_token_budget=64).sync_every == 1
-    assert PagedEngine.from_config(model, cfg).sync_every == 1
+    assert Engine.from_config(model, cfg, cache="paged").sync_every == 1
     assert Engine(model, max_slots=2, kv_token_budget=64, sync_every=3).sync_every == 3

@@ -11,7 +11,6 @@ from _hf import HF_BASE, save_random_hf_model
 import moerl.models as mm
 from moerl.rollout import Engine, Request, SamplingParams
 from moerl.rollout.kv_cache import kv_layout
-from moerl.rollout.paged_engine import PagedEngine
 
 R, ROPE, LAYERS = 8, 4, 3  # kv_lora_rank, qk_rope_head_dim, layers
 DSV3 = dict(
@@ -88,12 +87,14 @@ def test_latent_cache_allocates_rank_plus_rope_per_token_and_layer(models):
     _, ours = models
     assert kv_layout(ours.config).latent and not kv_layout(ours.config, "expanded").latent
     per_token = (R + ROPE) * LAYERS * 4  # float32
-    paged = PagedEngine(ours, max_slots=4, kv_token_budget=64, block_size=4)
+    paged = Engine(ours, cache="paged", max_slots=4, kv_token_budget=64, block_size=4)
     tokens = (paged.cache.num_blocks + 1) * 4  # the blocks and the null block
     assert paged.cache.k.nbytes + paged.cache.v.nbytes == tokens * per_token
     slots = Engine(ours, max_slots=4, kv_token_budget=64)
     assert slots.cache.k.nbytes + slots.cache.v.nbytes == 4 * 16 * per_token
-    expanded = PagedEngine(ours, max_slots=4, kv_token_budget=64, block_size=4, mla_cache="expanded")
+    expanded = Engine(
+        ours, cache="paged", max_slots=4, kv_token_budget=64, block_size=4, mla_cache="expanded"
+    )
     heads, dk, dv = 4, 8 + ROPE, 8
     assert expanded.cache.k.nbytes + expanded.cache.v.nbytes == tokens * heads * (dk + dv) * LAYERS * 4
     with pytest.raises(ValueError, match="mla_cache='compressed'"):
@@ -103,11 +104,11 @@ def test_latent_cache_allocates_rank_plus_rope_per_token_and_layer(models):
 def test_greedy_latent_equals_expanded_and_transformers(models):
     hf, ours = models
     reqs = _requests(n=1, temperature=0.0)
-    ref = PagedEngine(ours, max_slots=8, kv_token_budget=1024, block_size=4, mla_cache="expanded").generate(
-        reqs
-    )
+    ref = Engine(
+        ours, cache="paged", max_slots=8, kv_token_budget=1024, block_size=4, mla_cache="expanded"
+    ).generate(reqs)
     for engine in (
-        PagedEngine(ours, max_slots=8, kv_token_budget=1024, block_size=4),
+        Engine(ours, cache="paged", max_slots=8, kv_token_budget=1024, block_size=4),
         Engine(ours, max_slots=3, kv_token_budget=3 * 40),  # the slot cache, one request joins late
     ):
         assert engine.cache.latent
@@ -124,12 +125,14 @@ def test_greedy_latent_equals_expanded_and_transformers(models):
 def test_sampled_groups_preemption_and_routed_experts_latent_equal_expanded(models):
     _, ours = models
     reqs = _requests(n=8, temperature=0.9, top_k=20, return_routed_experts=True)
-    ref = PagedEngine(ours, max_slots=32, kv_token_budget=4096, block_size=4, mla_cache="expanded").generate(
-        reqs
-    )
-    roomy = PagedEngine(ours, max_slots=32, kv_token_budget=4096, block_size=4)
+    ref = Engine(
+        ours, cache="paged", max_slots=32, kv_token_budget=4096, block_size=4, mla_cache="expanded"
+    ).generate(reqs)
+    roomy = Engine(ours, cache="paged", max_slots=32, kv_token_budget=4096, block_size=4)
     _assert_same(ref, roomy.generate(reqs), routed=True)
     assert roomy.stats.prefix_hit_tokens > 0 and roomy.stats.preemptions == 0
-    tight = PagedEngine(ours, max_slots=32, kv_token_budget=120, block_size=4)  # 30 blocks, 32 sequences
+    tight = Engine(
+        ours, cache="paged", max_slots=32, kv_token_budget=120, block_size=4
+    )  # 30 blocks, 32 sequences
     _assert_same(ref, tight.generate(reqs), routed=True)
     assert tight.stats.preemptions > 0

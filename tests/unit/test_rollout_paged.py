@@ -1,4 +1,4 @@
-"""PagedEngine (paged KV cache, shared prefixes, preemption) against the slot Engine and transformers, float32."""
+"""The engine over the paged cache policy (paged KV cache, shared prefixes, preemption) against the slot Engine and transformers, float32."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from moerl.config import ModelConfig
 from moerl.models import build_model
 from moerl.rollout import Engine, InvalidRequestError, Request, SamplingParams
 from moerl.rollout.block_pool import BlockPool, block_hashes
-from moerl.rollout.paged_engine import PagedEngine
 from moerl.rollout.weight_update import recompute_running
 
 VOCAB = 61
@@ -88,7 +87,7 @@ def test_block_pool_refcounts_free_list_and_hash_index():
 def test_groups_share_prompt_and_preamble_greedy_equal_slot_engine(model):
     reqs = _requests(temperature=0.0)
     ref = Engine(model, max_slots=32, kv_token_budget=32 * 80).generate(reqs)
-    engine = PagedEngine(model, max_slots=32, kv_token_budget=4000, block_size=4)
+    engine = Engine(model, cache="paged", max_slots=32, kv_token_budget=4000, block_size=4)
     _assert_same(ref, engine.generate(reqs))
     st = engine.stats
     # one prefill per group; the 2nd and 3rd prompts hit the preamble's 5 full blocks
@@ -103,7 +102,7 @@ def test_preemption_keeps_sampled_tokens_logprobs_and_routed_experts(model):
     reqs = _requests(temperature=0.8, top_k=20, return_routed_experts=True)
     ref = Engine(model, max_slots=32, kv_token_budget=32 * 80).generate(reqs)
     for budget in (300, 100):  # 75 and 25 blocks for 32 sequences of up to 64 tokens
-        engine = PagedEngine(model, max_slots=32, kv_token_budget=budget, block_size=4)
+        engine = Engine(model, cache="paged", max_slots=32, kv_token_budget=budget, block_size=4)
         _assert_same(ref, engine.generate(reqs), routed=True)
         assert engine.stats.preemptions > 0 and engine.stats.blocks_used == 0
 
@@ -111,8 +110,14 @@ def test_preemption_keeps_sampled_tokens_logprobs_and_routed_experts(model):
 def test_sync_every_and_buckets_with_preemption(model):
     reqs = _requests(temperature=1.0, max_new_tokens=20)
     ref = Engine(model, max_slots=32, kv_token_budget=32 * 80).generate(reqs)
-    engine = PagedEngine(
-        model, max_slots=16, kv_token_budget=160, block_size=8, sync_every=4, batch_buckets=(4, 8, 16)
+    engine = Engine(
+        model,
+        cache="paged",
+        max_slots=16,
+        kv_token_budget=160,
+        block_size=8,
+        sync_every=4,
+        batch_buckets=(4, 8, 16),
     )
     _assert_same(ref, engine.generate(reqs))
     assert engine.stats.preemptions > 0
@@ -131,7 +136,7 @@ def test_budget_far_below_slots_times_length_completes(model):
     with pytest.raises(InvalidRequestError, match="longer than the context|can never fit"):
         Engine(model, max_slots=16, kv_token_budget=160).generate(reqs)
     ref = Engine(model, max_slots=16, kv_token_budget=16 * 120).generate(reqs)
-    engine = PagedEngine(model, max_slots=16, kv_token_budget=160, block_size=16)
+    engine = Engine(model, cache="paged", max_slots=16, kv_token_budget=160, block_size=16)
     out = engine.generate(reqs)
     _assert_same(ref, out)
     assert all(len(c.token_ids) == 100 for c in out) and engine.stats.preemptions > 0
@@ -146,7 +151,7 @@ def test_recompute_after_weight_update_equals_fresh_prefill(model):
 
     m = copy.deepcopy(model)
     reqs = _requests(temperature=0.0, n=2, max_new_tokens=12)
-    engine = PagedEngine(m, max_slots=8, kv_token_budget=4000, block_size=4)
+    engine = Engine(m, cache="paged", max_slots=8, kv_token_budget=4000, block_size=4)
     for r in reqs:
         engine.add_request(r)
     for _ in range(4):
@@ -171,7 +176,7 @@ def test_recompute_after_weight_update_equals_fresh_prefill(model):
         want.update({(c.request_id, c.sample_index): c for c in ref.step()})
     _assert_same([want[k] for k in sorted(want)], [done[k] for k in sorted(done)])
     assert {tuple(c.policy_versions) for c in done.values()} != {(0,) * 12}
-    assert engine.pool.lookup(0, 0, ()) is None  # nothing indexed under stale weights is served
+    assert engine.policy.pool.lookup(0, 0, ()) is None  # nothing indexed under stale weights is served
 
 
 def test_greedy_equals_transformers_with_preemption(tmp_path):
@@ -205,7 +210,9 @@ def test_greedy_equals_transformers_with_preemption(tmp_path):
                 hf.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)[0, len(p) :].tolist()
             )
     params = SamplingParams(temperature=0.0, max_new_tokens=new, n=3)
-    engine = PagedEngine(ours, max_slots=9, kv_token_budget=48, block_size=4)  # 12 blocks for 9 sequences
+    engine = Engine(
+        ours, cache="paged", max_slots=9, kv_token_budget=48, block_size=4
+    )  # 12 blocks for 9 sequences
     outs = engine.generate(
         [Request(request_id=str(i), prompt_ids=p, params=params) for i, p in enumerate(prompts)]
     )
@@ -219,7 +226,7 @@ def test_greedy_equals_transformers_with_preemption(tmp_path):
         assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-5)
     # sampled (T = 0.8), preempting: log softmax(logits / T) of transformers' forward
     params = SamplingParams(temperature=0.8, max_new_tokens=new, n=3, seed=5)
-    engine = PagedEngine(ours, max_slots=9, kv_token_budget=48, block_size=4)
+    engine = Engine(ours, cache="paged", max_slots=9, kv_token_budget=48, block_size=4)
     outs = engine.generate(
         [Request(request_id=str(i), prompt_ids=p, params=params) for i, p in enumerate(prompts)]
     )
@@ -242,7 +249,7 @@ def test_preempted_sequences_stay_visible_in_flight(model):
         )
         for i, p in enumerate(_prompts())
     ]
-    engine = PagedEngine(model, max_slots=8, kv_token_budget=96, block_size=4)
+    engine = Engine(model, cache="paged", max_slots=8, kv_token_budget=96, block_size=4)
     for r in reqs:
         engine.add_request(r)
     seen_preempted = False
@@ -256,8 +263,8 @@ def test_preempted_sequences_stay_visible_in_flight(model):
             (s.request.request_id, s.sample_index) for s in engine.scheduler.running
         }
         seen_preempted |= bool(preempted)
-        assert engine.pool.num_used <= engine.pool.num_blocks
-    assert seen_preempted and engine.pool.num_free == engine.pool.num_blocks
+        assert engine.policy.pool.num_used <= engine.policy.pool.num_blocks
+    assert seen_preempted and engine.policy.pool.num_free == engine.policy.pool.num_blocks
 
 
 @pytest.mark.parametrize("kind", ["slots", "paged"])
@@ -275,7 +282,9 @@ def test_graph_keys_padded_batch_and_rounded_read_length_decode_the_same(model, 
     if kind == "slots":
         engine = Engine(model, max_slots=32, kv_token_budget=32 * 80, attn_len_multiple=4)
     else:
-        engine = PagedEngine(model, max_slots=32, kv_token_budget=400, block_size=4, attn_len_multiple=4)
+        engine = Engine(
+            model, cache="paged", max_slots=32, kv_token_budget=400, block_size=4, attn_len_multiple=4
+        )
     engine._graphs = GraphRunner("cpu")  # a runner: the keyed path, each step run eagerly (CPU)
     engine.batch_buckets = graph_batch_buckets(engine.num_slots)
     seen: list[tuple[int, int]] = []

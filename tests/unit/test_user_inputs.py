@@ -119,7 +119,7 @@ def test_partial_credit_reward_reports_the_true_exact_match(monkeypatch):
     # every response uses the format, only the first has the right number
     responses = {p.id: f"#### {p.answer if k == 0 else '0'}" for k, p in enumerate(held)}
     tok = load_tokenizer(None)
-    monkeypatch.setattr(eval_mod, "PagedEngine", fake_engine(responses, tok))
+    monkeypatch.setattr(eval_mod, "Engine", fake_engine(responses, tok))
     result = eval_mod.evaluate(torch.nn.Linear(1, 1), tok, task)
     assert result.metric == "exact_match"
     assert result.accuracy == pytest.approx(0.1)  # 1 of 10; `score > 0` would have said 1.0
@@ -132,7 +132,7 @@ def test_a_task_without_correctness_reports_the_mean_reward_named_so(monkeypatch
     assert not task.has_verifier
     responses = {p.id: "ab" for p in task.eval_prompts()}
     tok = load_tokenizer(None)
-    monkeypatch.setattr(eval_mod, "PagedEngine", fake_engine(responses, tok))
+    monkeypatch.setattr(eval_mod, "Engine", fake_engine(responses, tok))
     result = eval_mod.evaluate(torch.nn.Linear(1, 1), tok, task)
     assert (result.metric, result.accuracy, result.mean_reward) == ("mean_reward", 0.5, 0.5)
     assert eval_mod.METRIC_NAMES[result.metric] == "mean held-out reward"

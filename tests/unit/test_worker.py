@@ -125,14 +125,13 @@ def test_local_fleet_generates_exactly_a_batch_on_policy():
 
 
 def test_worker_keeps_its_paged_engines_kv_stats_for_the_metrics():
-    from moerl.rollout.paged_engine import PagedEngine
     from moerl.telemetry.step import kv_values
 
     model = tiny_model(TOK.vocab_size)
     queue = TaskQueue(_prompts(["1+1=", "2+2=", "3+3="]), num_samples=4, tokenize=TOK.encode)
     buffer = ExperienceBuffer(8, max_staleness=0, settle=queue.settle, requeue=queue.requeue)
     cfg = RolloutConfig(group_size=4, max_new_tokens=4, max_slots=8, kv_token_budget=8 * 64)
-    engine = PagedEngine(model, max_slots=8, kv_token_budget=64, block_size=4)
+    engine = Engine(model, cache="paged", max_slots=8, kv_token_budget=64, block_size=4)
     worker = RolloutWorker(
         "w0", engine, CountTask(), TOK.decode, queue, buffer, cfg, stop_token_ids=(TOK.eos_id,), run_seed=7
     )
