@@ -556,6 +556,15 @@ class Engine:
         )
 
     def _decode(self) -> None:
+        """One decode step of every running row: the step's shape (B rows, the policy's read length: its
+        CUDA-graph key), the forward that samples one token per row (``_decode_forward_no_sync``,
+        replayed from a graph on CUDA), then the per-row state advanced outside the graph.
+
+        Speculative decoding (issue 49) fits here as draft -> verify -> accept: a draft before the
+        forward, a verify forward of k + 1 tokens per row (the policy then makes room for k + 1 tokens
+        in ``blocks_short`` / ``prepare_decode`` and binds them in ``bind_decode``), and the accepted
+        tokens recorded per row where ``_record`` records one.
+        """
         seqs = self.scheduler.running
         a = len(seqs)
         b = self._bucket(a)

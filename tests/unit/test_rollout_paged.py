@@ -295,3 +295,22 @@ def test_graph_keys_padded_batch_and_rounded_read_length_decode_the_same(model, 
     assert len({r for _, r in seen}) < len(seen) / 4  # few read lengths recur over the steps
     if kind == "paged":
         assert engine.stats.preemptions > 0
+
+
+def test_readmission_writes_back_the_saved_routed_experts(model):
+    """A preempted R3 sequence's routed-experts records are saved on the host and written back when it is
+    readmitted (not left to the readmission prefill): records replaced while it waits come out in its
+    completion, past the prefix its readmission found in the cache."""
+    reqs = _requests(n=2, max_new_tokens=12, temperature=1.0, return_routed_experts=True)
+    engine = Engine(model, cache="paged", max_slots=8, kv_token_budget=64, block_size=4)
+    for r in reqs:
+        engine.add_request(r)
+    marked, done = set(), []
+    while engine.num_unfinished:
+        for s in engine.scheduler.preempted:
+            if s.saved_routed is not None and id(s) not in marked:
+                s.saved_routed = torch.full_like(s.saved_routed, -7)
+                marked.add(id(s))
+        done += engine.step()
+    assert marked and engine.stats.preemptions > 0
+    assert any((c.routed_experts == -7).any() for c in done)
