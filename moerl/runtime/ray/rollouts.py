@@ -48,6 +48,7 @@ from moerl.cluster.autoscale import RolloutCapacity
 from moerl.cluster.placement import exchange_placement
 from moerl.config import ConfigError, RunConfig
 from moerl.errors import EvalVersionRefused, ExchangeLostError
+from moerl.placement import Placement
 from moerl.records import Group, RolloutTask
 from moerl.run.storage import stage_model_folder
 from moerl.runtime.accounting import FleetState
@@ -175,7 +176,7 @@ def _ray_init(cfg: RunConfig, ray, should_stop: Callable[[], bool]) -> None:
     else:
         ranks = cfg.rollout.num_workers * cfg.rollout.ep_size  # rollout processes, one CPU each
         # a trainer group's rank actors need a (fractional) CPU beside them (moerl.trainer.distributed.ray_ranks)
-        trainer_cpus = int(cfg.trainer.num_ranks > 1)
+        trainer_cpus = int(Placement.from_config(cfg).trainer.needs_ray_first)
         rw = cfg.reward  # reward workers (moerl.runtime.ray.reward_pool)
         reward_cpus = math.ceil(rw.num_workers * rw.cpus_per_worker) if rw.is_enabled else 0
         start_local_ray(  # a new instance, as documented: never another process's running cluster
@@ -287,7 +288,7 @@ class RayRollouts:
         self._overlap = (
             cfg.runtime.overlap_publish
             and cfg.runtime.weight_sync == "object_store"
-            and cfg.trainer.num_ranks == 1
+            and not Placement.from_config(cfg).trainer.is_group
         )
         self._sending: threading.Thread | None = None
         self._send_error: BaseException | None = None
