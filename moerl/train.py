@@ -34,7 +34,7 @@ from moerl.envs.stats import step_values as env_step_values
 from moerl.errors import EvalVersionRefused, RewardFunctionError
 from moerl.placement import Placement
 from moerl.records import Group
-from moerl.rollout.precision_gap import LogprobGap, logprob_gap
+from moerl.rollout.precision_gap import LogprobGap
 from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
 from moerl.run.group_recovery import restart_group
 from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk, stops_on_lost_exchange
@@ -47,9 +47,9 @@ from moerl.run.warm_start import fine_tunes, warm_start
 from moerl.runtime.accounting import FleetState, accounting
 from moerl.runtime.build import build_components
 from moerl.runtime.chaos import ChaosMonkey
-from moerl.runtime.local import LocalRollouts
-from moerl.runtime.ray import RayRollouts, check_ray_address, init_ray
+from moerl.runtime.ray import check_ray_address, init_ray
 from moerl.runtime.rollouts import Rollouts
+from moerl.runtime.start import RolloutsStart, start_rollouts
 from moerl.tasks.eval import (
     EXACT_MATCH,
     METRIC_NAMES,
@@ -96,7 +96,6 @@ class Run:
         self.view = LiveView(cfg.trainer.steps, enabled=live)
         self.restarts = 0
         self.mirror = _open_mirror(cfg, run_dir)  # storage.url in an object store: copy there
-        self.pushed_version = 0  # newest version sent to the rollouts (recovery publishes past it)
         self.eval_keys: list[str] | None = None  # eval/pass@k, eval/<set>/... (set at the first step)
         self.startup: dict[str, float] = {}
         """Seconds from this object's creation to each start milestone (summary.json ``startup_s``)."""
@@ -234,7 +233,7 @@ class Run:
             self.journal,
             self.trainer,
             lost,
-            newest_pushed=self.pushed_version,
+            newest_pushed=self.rollouts.published_version(),
         )
         self.restarts += 1
         self.view.message(
@@ -257,7 +256,7 @@ class Run:
             self.rollouts,
             self.journal,
             failed_step,
-            newest_pushed=self.pushed_version,
+            newest_pushed=self.rollouts.published_version(),
         )
         self._fence_weights()  # the new trainer's optimizer
         self.restarts += 1
@@ -410,18 +409,19 @@ class Run:
             write_durable(self.store, self.trainer)
 
     def _start_rollouts(self, parts: dict | None, init_path: str | None, version: int) -> Rollouts:
-        cfg = self.cfg
-        if self.placement.rollout.is_in_driver:
-            return LocalRollouts.start(cfg, self.comp, version, parts)
-        return RayRollouts(
-            cfg,
+        """The rollout side the placement asks for (``moerl.runtime.start``), at policy ``version``."""
+        # notices: where workers look for them (fleet.notice_file unset)
+        start = RolloutsStart(
+            self.cfg,
+            self.placement,
+            self.comp,
             init_path,
-            self.store.url,
-            version=version,
-            parts=parts,
-            notice_dir=self.dir.path / "notices",  # where workers look for notices (fleet.notice_file unset)
-            store=self.store,
+            self.store,
+            version,
+            parts,
+            self.dir.path / "notices",
         )
+        return start_rollouts(start)
 
     def _record(self, groups: list[Group], step: int) -> None:
         """Ledger (exactly-once accounting) and journal (trainer recovery) of the groups trained at ``step``."""
@@ -443,7 +443,6 @@ class Run:
             # trainer -> transport -> workers (runtime.weight_sync, moerl.weights.transport); sync mode
             # hands the weights over in process
             self.rollouts.publish(self.trainer, is_durable=self._is_checkpoint_step(step) or is_last)
-            self.pushed_version = self.trainer.version
         elif self._is_checkpoint_step(step):  # not sent to the workers: only to the store
             write_durable(self.store, self.trainer)
         t2 = time.perf_counter()
@@ -492,16 +491,9 @@ class Run:
 
     def _eval_result(self) -> EvalResult:
         """Held-out evaluation of the trainer's current version, every validation set
-        (``moerl.tasks.eval.evaluate_sets``): on a rollout worker in async mode (the version is published
-        first if this step did not publish it), else in process on the driver's copy."""
-        if self.placement.driver.evaluates_later:
-            self.trainer.refresh_model()  # a streamed version reaches the driver's copy only when needed
-            return self._driver_eval()
-        if self.pushed_version != self.trainer.version:  # not a publish step: the workers need it
-            self.rollouts.publish(self.trainer)
-            self.pushed_version = self.trainer.version
-        version = self.trainer.version
-        return evaluate_sets(self.comp.task.eval_sets(), lambda p: self.rollouts.evaluate(p, version))
+        (``moerl.tasks.eval.evaluate_sets``), where the placement evaluates (``Rollouts.evaluate``: on a
+        rollout worker in async mode, the version published first; in process on the driver's copy)."""
+        return evaluate_sets(self.comp.task.eval_sets(), lambda p: self.rollouts.evaluate(self.trainer, p))
 
     def _driver_eval(self) -> EvalResult:
         """Every validation set evaluated on the driver's copy of the policy."""
@@ -515,20 +507,10 @@ class Run:
                 f.writelines(json.dumps(r) + "\n" for r in records)
 
     def _fp8_gap(self, groups: list[Group]) -> LogprobGap | None:
-        """With ``rollout.weight_dtype=fp8`` in sync mode with the one-process trainer: the FP8 engine's
-        log-prob gap and greedy agreement against the trainer's policy on this step's samples (both
-        models re-run on them, no grad; ``moerl.rollout.precision_gap``). None otherwise."""
-        if not (
-            self.placement.driver.probes_precision  # FP8 engine and the one-process trainer in the driver
-        ):
-            return None
-        seqs = [(s.prompt_ids, s.response_ids) for g in groups for s in g.samples]
-        was_training = self.trainer.model.training
-        try:
-            self.trainer.model.eval()
-            return logprob_gap(self.trainer.model, self.rollouts.engine_model(), seqs)
-        finally:
-            self.trainer.model.train(was_training)
+        """The precision probe (``Rollouts.precision_gap``): with FP8 engine weights in the driver, beside
+        the one-process trainer, the engine's log-prob gap and greedy agreement against the trainer's
+        policy on this step's samples; None where the placement does not probe."""
+        return self.rollouts.precision_gap(self.trainer, groups)
 
     def _log(
         self,

@@ -50,6 +50,7 @@ from moerl.config import ConfigError, RunConfig
 from moerl.errors import EvalVersionRefused, ExchangeLostError
 from moerl.placement import Placement
 from moerl.records import Group, RolloutTask
+from moerl.rollout.precision_gap import LogprobGap
 from moerl.run.storage import stage_model_folder
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
@@ -66,13 +67,14 @@ from moerl.runtime.ray.reward_pool import rollout_gpu_share
 from moerl.runtime.ray.worker_actor import REFUSED_EVAL, RolloutWorkerActor
 from moerl.runtime.worker import WorkerStats
 from moerl.tasks.eval import EvalResult
+from moerl.trainer.protocol import Trainer
 from moerl.weights.buckets import bucket_bytes_of, packed_nbytes
 from moerl.weights.snapshot import WeightSnapshot
 from moerl.weights.store import WeightStore
 from moerl.weights.transport import WeightHolder, make_transport
 
 EVAL_ATTEMPTS = 3
-"""Workers a held-out eval is tried on before the run fails (``RayRollouts.evaluate``)."""
+"""Workers a held-out eval is tried on before the run fails (``RayRollouts.evaluate_version``)."""
 EVAL_TIMEOUT_S = 600.0
 """How long one worker may take to serve an eval: its wait for the version plus the generation."""
 
@@ -462,7 +464,32 @@ class RayRollouts:
             error, self._send_error = self._send_error, None
             raise error
 
-    def evaluate(self, prompts: list, version: int, *, timeout_s: float = EVAL_TIMEOUT_S) -> EvalResult:
+    def published_version(self) -> int:
+        """``Rollouts.published_version``: the trainer's version last published (or started at)."""
+        return self._version
+
+    def evaluate(self, trainer: Trainer, prompts: list | None) -> EvalResult:
+        """``Rollouts.evaluate`` on a rollout worker: ``trainer``'s current version, published first when
+        this step did not (``publish``), evaluated by one worker (``evaluate_version``).
+
+        Raises:
+            EvalVersionRefused, RuntimeError: as ``evaluate_version``.
+        """
+        if self._version != trainer.version:  # not a publish step: the workers need it
+            self.publish(trainer)
+        return self.evaluate_version(prompts, trainer.version)
+
+    def precision_gap(self, trainer: Trainer, groups: list[Group]) -> LogprobGap | None:
+        """``Rollouts.precision_gap``: None (the engines are in the worker processes)."""
+        return None
+
+    def engine_model(self) -> torch.nn.Module | None:
+        """``Rollouts.engine_model``: None (each worker's engine holds its own model)."""
+        return None
+
+    def evaluate_version(
+        self, prompts: list | None, version: int, *, timeout_s: float = EVAL_TIMEOUT_S
+    ) -> EvalResult:
         """Held-out greedy accuracy of policy ``version`` (published already) on ``prompts``, evaluated by
         one rollout worker (``RolloutWorkerActor.evaluate``; an EP group's leader evaluates with all its
         ranks): the driver needs no copy of the policy. A worker lost or failing during the eval: the
