@@ -35,15 +35,15 @@ from moerl.errors import EvalVersionRefused, RewardFunctionError
 from moerl.placement import Placement
 from moerl.records import Group
 from moerl.rollout.precision_gap import LogprobGap
-from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
 from moerl.run.group_recovery import restart_group
 from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk, stops_on_lost_exchange
 from moerl.run.preflight import check_run_inputs
 from moerl.run.recovery import StepJournal, recover_trainer
 from moerl.run.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
 from moerl.run.reward_errors import RewardErrorWatch
-from moerl.run.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
 from moerl.run.warm_start import fine_tunes, warm_start
+from moerl.rundir.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
+from moerl.rundir.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
 from moerl.runtime.accounting import FleetState, accounting
 from moerl.runtime.build import build_components
 from moerl.runtime.chaos import ChaosMonkey

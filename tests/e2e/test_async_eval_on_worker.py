@@ -13,7 +13,7 @@ from conftest import short_config
 from moerl import train as train_module
 from moerl.models import from_pretrained
 from moerl.placement import RAY_ACTORS
-from moerl.run.folder import RunDir, read_jsonl
+from moerl.rundir.folder import RunDir, read_jsonl
 from moerl.runtime import start as start_module
 from moerl.runtime.build import Components
 from moerl.tasks import make_task

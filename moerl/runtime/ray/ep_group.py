@@ -51,7 +51,7 @@ from moerl.allocator import keep_freed_memory
 from moerl.config import RunConfig, rollout_ep_ranks_per_node
 from moerl.rollout.ep_engine import EPEngine
 from moerl.rollout.ep_group import EPFollower, EPGroupEngine, EPGroupError
-from moerl.run.storage import is_remote, local_model_folder
+from moerl.rundir.storage import is_remote, local_model_folder
 from moerl.runtime.build import load_policy, make_engine
 from moerl.tasks.tokenizer import load_run_tokenizer
 from moerl.weights.buckets import BucketAssembler

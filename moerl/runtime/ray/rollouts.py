@@ -51,7 +51,7 @@ from moerl.errors import EvalVersionRefused, ExchangeLostError
 from moerl.placement import Placement
 from moerl.records import Group, RolloutTask
 from moerl.rollout.precision_gap import LogprobGap
-from moerl.run.storage import stage_model_folder
+from moerl.rundir.storage import stage_model_folder
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.chaos import ChaosMonkey

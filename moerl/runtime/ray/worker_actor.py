@@ -32,7 +32,7 @@ from moerl.allocator import keep_freed_memory
 from moerl.config import RunConfig
 from moerl.records import Group, Lease, PartialResponse, Settlement
 from moerl.rollout.ep_group import EPGroupError
-from moerl.run.storage import is_remote, local_model_folder
+from moerl.rundir.storage import is_remote, local_model_folder
 from moerl.runtime.buffer import BufferClosed
 from moerl.runtime.build import load_policy, make_worker
 from moerl.runtime.chaos import Slowdown
