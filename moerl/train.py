@@ -45,7 +45,7 @@ from moerl.run.warm_start import fine_tunes, warm_start
 from moerl.rundir.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
 from moerl.rundir.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
 from moerl.runtime.accounting import FleetState, accounting
-from moerl.runtime.build import build_components
+from moerl.runtime.build import Components, build_components
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.ray import check_ray_address, init_ray
 from moerl.runtime.rollouts import Rollouts
@@ -145,7 +145,7 @@ class Run:
                 self.close_trainer()
                 raise
             record_ranks(self.trainer, self.dir.path)
-            self.rollouts = self._start_rollouts(parts, init_path, self.trainer.version)
+            self.rollouts = self._start_rollouts(parts, init_path, self.trainer.version, self.comp)
             self._note_rollouts_started()
         if parts is None and self.state["eval_metric"] is None:  # a rollout worker evaluates v0
             self._start_eval(self._eval_result())
@@ -363,7 +363,7 @@ class Run:
         with ThreadPoolExecutor(1, thread_name_prefix="moerl-trainer-build") as pool:
             built = pool.submit(build_and_begin)
             try:
-                self.rollouts = self._start_rollouts(None, init_path, 0)
+                self.rollouts = self._start_rollouts(None, init_path, 0, None)  # comp: being built
                 self._note_rollouts_started()
             except BaseException:
                 if built.exception() is None:  # waits for the build; its own error is secondary
@@ -408,18 +408,14 @@ class Run:
         else:
             write_durable(self.store, self.trainer)
 
-    def _start_rollouts(self, parts: dict | None, init_path: str | None, version: int) -> Rollouts:
-        """The rollout side the placement asks for (``moerl.runtime.start``), at policy ``version``."""
+    def _start_rollouts(
+        self, parts: dict | None, init_path: str | None, version: int, comp: Components | None
+    ) -> Rollouts:
+        """The rollout side the placement asks for (``moerl.runtime.start``), at policy ``version``;
+        ``comp`` None while the trainer's thread builds it (``_start_overlapped``)."""
         # notices: where workers look for them (fleet.notice_file unset)
         start = RolloutsStart(
-            self.cfg,
-            self.placement,
-            self.comp,
-            init_path,
-            self.store,
-            version,
-            parts,
-            self.dir.path / "notices",
+            self.cfg, self.placement, comp, init_path, self.store, version, parts, self.dir.path / "notices"
         )
         return start_rollouts(start)
 

@@ -31,8 +31,9 @@ class RolloutsStart:
     """The run config."""
     placement: Placement
     """Where the run's parts run (``Placement.from_config(cfg)``)."""
-    comp: Components
-    """The driver's tokenizer, task and policy (the in-process side copies the policy)."""
+    comp: Components | None
+    """The driver's tokenizer, task and policy (the in-process side copies the policy); None while they are
+    still being built (``Placement.starts_rollouts_early``: a side that starts early needs none)."""
     init_path: str | None
     """HF folder the workers build their model from (version 0's weights; later ones from the store)."""
     store: WeightStore
@@ -46,6 +47,10 @@ class RolloutsStart:
 
 
 def _in_driver(start: RolloutsStart) -> Rollouts:
+    if start.comp is None:
+        raise ValueError(
+            "the in-process rollout side copies the driver's policy: start it after the components"
+        )
     return LocalRollouts.start(start.cfg, start.comp, start.version, start.parts)
 
 

@@ -106,3 +106,10 @@ def test_the_run_starts_the_side_its_placement_names(monkeypatch):
         start = RolloutsStart(cfg, Placement.from_config(cfg), None, None, None, 0, None)
         assert start_rollouts(start) == expected
     assert seen == [IN_DRIVER, RAY_ACTORS]
+
+
+def test_the_in_process_side_needs_the_drivers_components():
+    cfg = load_config(None, ["runtime.mode=sync"])
+    start = RolloutsStart(cfg, Placement.from_config(cfg), None, None, None, 0, None)
+    with pytest.raises(ValueError, match="after the components"):
+        start_rollouts(start)
