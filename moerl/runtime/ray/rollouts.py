@@ -64,7 +64,7 @@ from moerl.runtime.ray.exchange import ExchangeActor
 from moerl.runtime.ray.local import start_local_ray
 from moerl.runtime.ray.nodes import NodeWatch
 from moerl.runtime.ray.reward_pool import rollout_gpu_share
-from moerl.runtime.ray.worker_actor import REFUSED_EVAL, RolloutWorkerActor
+from moerl.runtime.ray.worker_actor import REFUSED_EVAL, RolloutWorkerActor, WorkerOffers
 from moerl.runtime.worker import WorkerStats
 from moerl.tasks.eval import EvalResult
 from moerl.trainer.protocol import Trainer
@@ -259,7 +259,7 @@ class RayRollouts:
             handle = worker_cls.remote(  # the run's version 0 is init_path's weights: not loaded twice
                 cfg, wid, init_path, store_url, self.exchange, notices, weights=weights, init_version=0
             )
-            self.transport.offer_newest(handle)  # after its own store load: a version newer than the store's
+            self.transport.offer_newest(WorkerOffers(handle))  # after its store load: a newer version
             return handle
 
         self.backend = RayWorkerBackend(
@@ -287,9 +287,9 @@ class RayRollouts:
         self._seen: dict[str, float] = {}  # worker id -> time of the answer its lag comes from
         self._ping_version = version  # the trainer's version when the fleet's pings went out
         # runtime.overlap_publish: one version at a time sent from a device copy on a thread
-        self._overlap = (
+        self._overlap = (  # the transport says whether it can send from a device copy
             cfg.runtime.overlap_publish
-            and cfg.runtime.weight_sync == "object_store"
+            and self.transport.sends_from_snapshot
             and not Placement.from_config(cfg).trainer.is_group
         )
         self._sending: threading.Thread | None = None
@@ -397,7 +397,7 @@ class RayRollouts:
         self.wait_sent()  # the previous version's background send (runtime.overlap_publish)
         if self._store is not None:
             self._store.check_writes()  # a failed background write stops the run here
-        workers = self.backend.alive_handles()
+        workers = [WorkerOffers(h) for h in self.backend.alive_handles()]  # each worker's OfferSink
         durable = False if is_stored else (True if is_durable else None)
         t0 = time.perf_counter()
         if self._overlap and not (is_stored or is_final):
