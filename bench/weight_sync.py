@@ -315,7 +315,7 @@ def _sync_once(path, version, weights, store, publishers, engine, actor, bucket_
         return None, ray.get(actor.apply_packed.remote(version, [ref]))
     wait = actor.wait_buckets.remote(version)
     publisher = BucketPublisher(bucket_bytes, ray.put, ray.get)
-    publisher.publish(version, weights, [lambda v, i, n, r: actor.offer_bucket.remote(v, i, n, [r])])
+    publisher.publish(version, weights, [lambda offer: actor.receive_weights.remote(offer)])
     return None, ray.get(wait)
 
 

@@ -103,9 +103,9 @@ class RayEngineActor:
 
         return _apply(self.engine, version, unpack_weights(ray.get(refs[0])))
 
-    def offer_bucket(self, version: int, index: int, num_buckets: int, refs: list) -> None:
-        """A bucket of ``version`` (fetched on the assembler's thread)."""
-        self.buckets.offer(version, index, num_buckets, refs[0])
+    def receive_weights(self, offer) -> None:
+        """A bucket (``WeightOffer``) of a version, fetched on the assembler's thread, as a worker takes it."""
+        self.buckets.receive(offer)
 
     def wait_buckets(self, version: int, timeout_s: float = 600.0) -> float:
         """Poll like a worker between decode steps until ``version`` is whole; apply it."""

@@ -314,7 +314,7 @@ class ClusterConfig:
 
 @dataclass(kw_only=True, slots=True)
 class StorageConfig:
-    """Where a run's files go: a local folder or an object store (``moerl.run.storage``)."""
+    """Where a run's files go: a local folder or an object store (``moerl.rundir.storage``)."""
 
     url: str | None = None
     """``s3://bucket/prefix`` or a local folder; runs go to ``<url>/<name>-<timestamp>`` (checkpoints,

@@ -5,7 +5,7 @@ import errno
 
 
 class StorageError(OSError):
-    """An upload or download of run storage failed after its retries (``moerl.run.storage``); the
+    """An upload or download of run storage failed after its retries (``moerl.rundir.storage``); the
     message is one line naming the file."""
 
 
@@ -38,7 +38,7 @@ class DiskFullError(OSError):
 
 
 class RunFolderInUseError(RuntimeError):
-    """Another process holds a run folder's lock (``moerl.run.folder.RunFolderLock``): a second run or
+    """Another process holds a run folder's lock (``moerl.rundir.folder.RunFolderLock``): a second run or
     resume of it would rewind or overwrite what the live one writes. The message is one line naming the
     folder and the holder's pid."""
 

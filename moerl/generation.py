@@ -41,6 +41,7 @@ from moerl.config import RunConfig, load_config
 from moerl.ep.registry import DISPATCHERS
 from moerl.models import CheckpointError, check_model_folder, from_pretrained
 from moerl.models.dtypes import torch_dtype
+from moerl.placement import Placement
 from moerl.rollout.ep_generate import EPGenerateSpec, generate_ep
 from moerl.rollout.memory_check import check_memory
 from moerl.rollout.params import FINISH_ERROR, FINISH_STOP, Completion, Request, SamplingParams
@@ -286,7 +287,7 @@ def _completions(spec: GenerateSpec, requests: list[Request]) -> list[Completion
             ranks_per_node=cfg.rollout.ep_ranks_per_node,
         )
         return generate_ep(ep_spec, requests, cfg.rollout.ep_size)
-    is_fp8 = cfg.rollout.weight_dtype == "fp8"
+    is_fp8 = Placement.single_process(cfg).rollout.is_fp8
     model = from_pretrained(spec.model, dtype=torch_dtype(spec.dtype), device=spec.device, fp8=is_fp8)
     return make_engine(model, cfg).generate(requests, on_error="return")
 
@@ -471,9 +472,9 @@ def check_engine_memory(spec: GenerateSpec) -> None:
     if spec.cfg.rollout.ep_size > 1:
         return
     one = copy.deepcopy(spec.cfg)  # the run's residents table with nothing but the driver: 1 engine, 1 copy
-    one.init_from, one.runtime.mode, one.trainer.num_ranks = None, "sync", 1
+    one.init_from = None
     one.model.path, one.model.dtype, one.model.device = spec.model, spec.dtype, spec.device
-    check_memory(one, 0, rollouts=False)
+    check_memory(one, Placement.single_process(one), 0, rollouts=False)
 
 
 def spec_from_args(args: argparse.Namespace) -> GenerateSpec:
@@ -489,7 +490,7 @@ def spec_from_args(args: argparse.Namespace) -> GenerateSpec:
     rollout = {name: getattr(args, name, None) for name in ROLLOUT_FLAGS}
     cfg = generate_config(getattr(args, "config", None), getattr(args, "overrides", None) or (), **rollout)
     ep_size = cfg.rollout.ep_size
-    _check_weight_dtype(cfg.rollout.weight_dtype, ep_size)
+    _check_weight_dtype(Placement.single_process(cfg).rollout.weight_dtype, ep_size)
     device = args.device or cfg.model.device
     check_device(device, ep_size)
     model = args.model or cfg.model.path

@@ -1,5 +1,5 @@
 """Retries of remote storage operations (fsspec: s3fs, gcsfs, ...) with exponential backoff, ending in one
-line that names the operation: run storage (``moerl.run.storage``) and the weight store's reads
+line that names the operation: run storage (``moerl.rundir.storage``) and the weight store's reads
 (``moerl.weights.store``) share it."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     start:   weight store -> warm start (SFT unless init_from) -> policy + trainer -> version 0
              published and evaluated (or a checkpoint restored) -> rollouts started. A fresh async run
              with a one-process trainer starts the rollout workers first and builds the trainer and
-             evaluates version 0 meanwhile (``starts_rollouts_early``); with a trainer group (no policy
+             evaluates version 0 meanwhile (``Placement.starts_rollouts_early``); with a trainer group (no policy
              copy in the driver) or FP8 rollout weights a worker evaluates version 0 once it is up
     step:    lease -> generate -> score -> buffer (inside ``Rollouts.next_groups``) -> train ->
              publish -> eval -> log -> checkpoint
@@ -32,29 +32,24 @@ from moerl.config import ConfigError, RunConfig
 from moerl.envs.stats import merge as env_merge
 from moerl.envs.stats import step_values as env_step_values
 from moerl.errors import EvalVersionRefused, RewardFunctionError
+from moerl.placement import Placement
 from moerl.records import Group
-from moerl.rollout.memory_check import (
-    driver_evaluates_start,
-    driver_holds_policy,
-    evaluates_on_workers,
-    starts_rollouts_early,
-)
-from moerl.rollout.precision_gap import LogprobGap, logprob_gap
-from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
+from moerl.rollout.precision_gap import LogprobGap
 from moerl.run.group_recovery import restart_group
 from moerl.run.interrupt import RunInterrupted, sigterm_interrupts, stops_on_full_disk, stops_on_lost_exchange
 from moerl.run.preflight import check_run_inputs
 from moerl.run.recovery import StepJournal, recover_trainer
 from moerl.run.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
 from moerl.run.reward_errors import RewardErrorWatch
-from moerl.run.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
 from moerl.run.warm_start import fine_tunes, warm_start
+from moerl.rundir.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
+from moerl.rundir.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
 from moerl.runtime.accounting import FleetState, accounting
-from moerl.runtime.build import build_components
+from moerl.runtime.build import Components, build_components
 from moerl.runtime.chaos import ChaosMonkey
-from moerl.runtime.local import LocalRollouts
-from moerl.runtime.ray import RayRollouts, check_ray_address, init_ray
+from moerl.runtime.ray import check_ray_address, init_ray
 from moerl.runtime.rollouts import Rollouts
+from moerl.runtime.start import RolloutsStart, start_rollouts
 from moerl.tasks.eval import (
     EXACT_MATCH,
     METRIC_NAMES,
@@ -96,11 +91,11 @@ class Run:
 
     def __init__(self, cfg: RunConfig, run_dir: RunDir, *, live: bool = True) -> None:
         self.cfg, self.dir = cfg, run_dir
+        self.placement = Placement.from_config(cfg)  # where each part runs: the one owner of that question
         self.process_start, self.wall_start = time.perf_counter(), time.time()
         self.view = LiveView(cfg.trainer.steps, enabled=live)
         self.restarts = 0
         self.mirror = _open_mirror(cfg, run_dir)  # storage.url in an object store: copy there
-        self.pushed_version = 0  # newest version sent to the rollouts (recovery publishes past it)
         self.eval_keys: list[str] | None = None  # eval/pass@k, eval/<set>/... (set at the first step)
         self.startup: dict[str, float] = {}
         """Seconds from this object's creation to each start milestone (summary.json ``startup_s``)."""
@@ -131,8 +126,8 @@ class Run:
         self.store = _open_store(cfg, self.dir, self.mirror)
         check_trainer_resources(cfg)  # before the warm start, like every bad-input check
         check_run_inputs(cfg)  # import paths, dataset, prompt lengths (moerl.run.preflight)
-        if cfg.runtime.mode == "async" and cfg.runtime.ray_address:  # before the warm start, not after
-            check_ray_address(cfg.runtime.ray_address)
+        if self.placement.ray_address:  # before the warm start, not after
+            check_ray_address(self.placement.ray_address)
         init_path = warm_start(cfg, self.dir, self.view)
         self.view.phase("starting the trainer and the rollouts")  # the console's live line until step 1
         if self.mirror is not None and cfg.init_from is None:  # a resume elsewhere then needs no SFT again
@@ -140,7 +135,7 @@ class Run:
         # its digests were read when resume_checkpoint picked it (the run folder is locked since)
         parts = load_checkpoint(checkpoint, contents=False) if checkpoint is not None else None
         self.startup["warm_start"] = self._since_start()
-        if parts is None and starts_rollouts_early(cfg):
+        if parts is None and self.placement.starts_rollouts_early:
             self._start_overlapped(init_path)
         else:
             self._build_trainer(init_path)
@@ -150,7 +145,7 @@ class Run:
                 self.close_trainer()
                 raise
             record_ranks(self.trainer, self.dir.path)
-            self.rollouts = self._start_rollouts(parts, init_path, self.trainer.version)
+            self.rollouts = self._start_rollouts(parts, init_path, self.trainer.version, self.comp)
             self._note_rollouts_started()
         if parts is None and self.state["eval_metric"] is None:  # a rollout worker evaluates v0
             self._start_eval(self._eval_result())
@@ -238,7 +233,7 @@ class Run:
             self.journal,
             self.trainer,
             lost,
-            newest_pushed=self.pushed_version,
+            newest_pushed=self.rollouts.published_version(),
         )
         self.restarts += 1
         self.view.message(
@@ -249,7 +244,7 @@ class Run:
 
     def recover(self, failed_step: int) -> None:
         """Replace the trainer that died after ``failed_step`` (``moerl.run.recovery``)."""
-        if self.trainer.num_ranks > 1:  # chaos kill of a group: a new group
+        if self.placement.trainer.is_group:  # chaos kill of a group: a new group
             self.restart_group("chaos kill")
             return
         self.store.writer.copies.wait()  # the recovery overwrites the policy's tensors in place
@@ -261,7 +256,7 @@ class Run:
             self.rollouts,
             self.journal,
             failed_step,
-            newest_pushed=self.pushed_version,
+            newest_pushed=self.rollouts.published_version(),
         )
         self._fence_weights()  # the new trainer's optimizer
         self.restarts += 1
@@ -334,10 +329,10 @@ class Run:
         cfg = self.cfg
         self.comp = build_components(cfg, init_path, self.store)
         self.reward_watch = RewardErrorWatch(cfg.task, self.comp.task, self.comp.tokenizer)
-        if cfg.runtime.mode == "async" and cfg.trainer.num_ranks > 1:  # the group's rank actors, then the
-            init_ray(cfg)  # rollout fleet, on one Ray instance (make_trainer expects it)
+        if self.placement.trainer.needs_ray_first:  # the group's rank actors, then the rollout fleet,
+            init_ray(cfg)  # on one Ray instance (make_trainer expects it)
         # one rank: a LocalTrainer; more: a TrainerGroup (moerl.trainer.distributed); both a Trainer
-        keep = driver_holds_policy(cfg)  # False: a fresh policy is built only to seed the ranks
+        keep = self.placement.driver.holds_policy  # False: a fresh policy is built only to seed the ranks
         self.trainer: Trainer = make_trainer(cfg, self.comp.model, init_path, self.dir.path, keep_copy=keep)
         if not keep:
             self.comp.model = None
@@ -356,7 +351,7 @@ class Run:
             optimizer.register_step_pre_hook(lambda *_: copies.wait())
 
     def _start_overlapped(self, init_path: str | None) -> None:
-        """A fresh async run with a one-process trainer (``starts_rollouts_early``): Ray, the exchange and
+        """A fresh async run with a one-process trainer (``Placement.starts_rollouts_early``): Ray, the exchange and
         the rollout workers start (each loading ``init_path``, version 0) while a thread builds the policy
         and the trainer, evaluates version 0 (before the workers generate beside it on a shared GPU) and
         publishes it. Either side failing stops the other before raising."""
@@ -368,7 +363,7 @@ class Run:
         with ThreadPoolExecutor(1, thread_name_prefix="moerl-trainer-build") as pool:
             built = pool.submit(build_and_begin)
             try:
-                self.rollouts = self._start_rollouts(None, init_path, 0)
+                self.rollouts = self._start_rollouts(None, init_path, 0, None)  # comp: being built
                 self._note_rollouts_started()
             except BaseException:
                 if built.exception() is None:  # waits for the build; its own error is secondary
@@ -387,7 +382,7 @@ class Run:
         if parts is None:
             state = {"eval_metric": None, "start_accuracy": None, "start_mean_reward": None}
             state.update(wall_s=0.0, loop_s=0.0, samples=0)
-            if driver_evaluates_start(self.cfg):  # else evaluated once the workers are up (_start)
+            if self.placement.driver.evaluates_start:  # else evaluated once the workers are up (_start)
                 self.state = state
                 self._start_eval(self._driver_eval())  # before the publish: not slowed by its copy
             self._publish_version0()
@@ -408,24 +403,21 @@ class Run:
         a one-process trainer hands it to the store's background writer (a host snapshot now: the workers
         and the sync engine start from ``init_path``'s weights themselves, so nothing waits for the
         write); a trainer group publishes it at once (its ranks' workers may start from the store)."""
-        if self.cfg.trainer.num_ranks > 1:
+        if self.placement.trainer.is_group:
             self.trainer.publish(self.store)
         else:
             write_durable(self.store, self.trainer)
 
-    def _start_rollouts(self, parts: dict | None, init_path: str | None, version: int) -> Rollouts:
-        cfg = self.cfg
-        if cfg.runtime.mode == "sync":
-            return LocalRollouts.start(cfg, self.comp, version, parts)
-        return RayRollouts(
-            cfg,
-            init_path,
-            self.store.url,
-            version=version,
-            parts=parts,
-            notice_dir=self.dir.path / "notices",  # where workers look for notices (fleet.notice_file unset)
-            store=self.store,
+    def _start_rollouts(
+        self, parts: dict | None, init_path: str | None, version: int, comp: Components | None
+    ) -> Rollouts:
+        """The rollout side the placement asks for (``moerl.runtime.start``), at policy ``version``;
+        ``comp`` None while the trainer's thread builds it (``_start_overlapped``)."""
+        # notices: where workers look for them (fleet.notice_file unset)
+        start = RolloutsStart(
+            self.cfg, self.placement, comp, init_path, self.store, version, parts, self.dir.path / "notices"
         )
+        return start_rollouts(start)
 
     def _record(self, groups: list[Group], step: int) -> None:
         """Ledger (exactly-once accounting) and journal (trainer recovery) of the groups trained at ``step``."""
@@ -447,7 +439,6 @@ class Run:
             # trainer -> transport -> workers (runtime.weight_sync, moerl.weights.transport); sync mode
             # hands the weights over in process
             self.rollouts.publish(self.trainer, is_durable=self._is_checkpoint_step(step) or is_last)
-            self.pushed_version = self.trainer.version
         elif self._is_checkpoint_step(step):  # not sent to the workers: only to the store
             write_durable(self.store, self.trainer)
         t2 = time.perf_counter()
@@ -496,16 +487,9 @@ class Run:
 
     def _eval_result(self) -> EvalResult:
         """Held-out evaluation of the trainer's current version, every validation set
-        (``moerl.tasks.eval.evaluate_sets``): on a rollout worker in async mode (the version is published
-        first if this step did not publish it), else in process on the driver's copy."""
-        if not evaluates_on_workers(self.cfg):
-            self.trainer.refresh_model()  # a streamed version reaches the driver's copy only when needed
-            return self._driver_eval()
-        if self.pushed_version != self.trainer.version:  # not a publish step: the workers need it
-            self.rollouts.publish(self.trainer)
-            self.pushed_version = self.trainer.version
-        version = self.trainer.version
-        return evaluate_sets(self.comp.task.eval_sets(), lambda p: self.rollouts.evaluate(p, version))
+        (``moerl.tasks.eval.evaluate_sets``), where the placement evaluates (``Rollouts.evaluate``: on a
+        rollout worker in async mode, the version published first; in process on the driver's copy)."""
+        return evaluate_sets(self.comp.task.eval_sets(), lambda p: self.rollouts.evaluate(self.trainer, p))
 
     def _driver_eval(self) -> EvalResult:
         """Every validation set evaluated on the driver's copy of the policy."""
@@ -519,22 +503,10 @@ class Run:
                 f.writelines(json.dumps(r) + "\n" for r in records)
 
     def _fp8_gap(self, groups: list[Group]) -> LogprobGap | None:
-        """With ``rollout.weight_dtype=fp8`` in sync mode with the one-process trainer: the FP8 engine's
-        log-prob gap and greedy agreement against the trainer's policy on this step's samples (both
-        models re-run on them, no grad; ``moerl.rollout.precision_gap``). None otherwise."""
-        if not (
-            self.cfg.rollout.weight_dtype == "fp8"
-            and isinstance(self.rollouts, LocalRollouts)
-            and self.cfg.trainer.num_ranks == 1  # the one-process trainer (moerl.trainer.factory): its model
-        ):
-            return None
-        seqs = [(s.prompt_ids, s.response_ids) for g in groups for s in g.samples]
-        was_training = self.trainer.model.training
-        try:
-            self.trainer.model.eval()
-            return logprob_gap(self.trainer.model, self.rollouts.engine_model(), seqs)
-        finally:
-            self.trainer.model.train(was_training)
+        """The precision probe (``Rollouts.precision_gap``): with FP8 engine weights in the driver, beside
+        the one-process trainer, the engine's log-prob gap and greedy agreement against the trainer's
+        policy on this step's samples; None where the placement does not probe."""
+        return self.rollouts.precision_gap(self.trainer, groups)
 
     def _log(
         self,
@@ -556,7 +528,7 @@ class Run:
         if self.eval_keys is None:  # the same keys at every step: eval.k and the validation sets
             self.eval_keys = eval_keys(self.cfg.eval.k, list(self.comp.task.eval_sets()))
         values.update(eval_values(accuracy, self.eval_keys))
-        if self.cfg.rollout.weight_dtype == "fp8":
+        if self.placement.rollout.is_fp8:
             values.update(fp8_values(fp8_gap, stats))
         values.update(r.fleet_values(self.cfg.trainer.batch_groups), policy_version=self.trainer.version)
         workers = (
@@ -600,7 +572,7 @@ class Run:
         return {
             "status": "stopped" if stop_reason else "completed",
             "stop_reason": stop_reason,
-            "mode": self.cfg.runtime.mode,
+            "mode": self.placement.run_mode,
             "steps": trainer.step,
             "skipped_steps": trainer.num_skipped,
             "eval_metric": s.get("eval_metric", EXACT_MATCH),

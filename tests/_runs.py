@@ -15,7 +15,7 @@ import torch
 
 from moerl.config import ModelConfig, RunConfig, load_config
 from moerl.models import build_model, save_pretrained
-from moerl.run.folder import RunDir, read_jsonl
+from moerl.rundir.folder import RunDir, read_jsonl
 from moerl.tasks import load_tokenizer
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"

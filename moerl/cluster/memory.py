@@ -12,11 +12,10 @@ from __future__ import annotations
 from moerl.config import RunConfig
 from moerl.instances import gpu_memory_gb
 from moerl.models.dtypes import torch_dtype
+from moerl.placement import Placement
 from moerl.rollout.memory_check import (
     GIB,
     MEMORY_HEADROOM,
-    driver_evaluates_start,
-    driver_holds_policy,
     engine_cache_bytes,
     policy_arch,
     rollout_rank_weight_bytes,
@@ -39,9 +38,10 @@ def memory_warnings(cfg: RunConfig) -> list[str]:
     if arch is None or cfg.cluster is None:
         return []
     dtype = torch_dtype(cfg.model.dtype)
-    _, _, engine = engine_cache_bytes(arch, cfg)
+    placement = Placement.from_config(cfg)
+    _, _, engine = engine_cache_bytes(arch, cfg, placement.rollout.cache_kind)
     r = cfg.rollout
-    fmt = rollout_weight_format(cfg)
+    fmt = rollout_weight_format(cfg, placement)
     needs = [  # (group, its instance types, weight bytes, KV cache bytes one GPU holds, what, what follows)
         (
             "rollout",
@@ -53,8 +53,8 @@ def memory_warnings(cfg: RunConfig) -> list[str]:
             "the rollout workers would run out of memory",
         ),
     ]
-    if driver_holds_policy(cfg):  # sync mode, or the one-process trainer's model (async: no copy)
-        cache = engine if driver_evaluates_start(cfg) else 0  # else a rollout worker evaluates v0 too
+    if placement.driver.holds_policy:  # sync mode, or the one-process trainer's model (async: no copy)
+        cache = engine if placement.driver.evaluates_start else 0  # else a rollout worker evaluates v0 too
         needs.append(
             (
                 "train",

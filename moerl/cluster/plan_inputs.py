@@ -24,6 +24,7 @@ from pathlib import Path
 
 from moerl.config import ConfigError, RunConfig
 from moerl.models.config import MoeConfig
+from moerl.placement import Placement
 from moerl.plan.hardware import HARDWARE
 from moerl.plan.models import MODELS, ModelShape
 
@@ -110,7 +111,8 @@ def plan_values(cfg: RunConfig) -> tuple[dict, ModelShape | None, list[str]]:
     model = planner_model(cfg)
     hardware, notes = _hardware(cfg)
     gpus = HARDWARE[hardware].gpus_per_node
-    train_nodes = math.ceil(t.num_ranks / t.gpus_per_node)
+    placement = Placement.from_config(cfg)
+    train_nodes = math.ceil(placement.trainer.num_ranks / t.gpus_per_node)
     ep_nodes = math.ceil(r.ep_size / gpus)
     rollout_nodes = math.ceil(r.num_workers * r.ep_size / gpus)
     values = {
@@ -123,7 +125,7 @@ def plan_values(cfg: RunConfig) -> tuple[dict, ModelShape | None, list[str]]:
         "group_size": r.group_size,
         "response_len": r.max_new_tokens,
         "max_staleness": cfg.runtime.max_staleness,
-        "mode": cfg.runtime.mode,
+        "mode": placement.run_mode,
         "spot_rollout": c.rollout.spot,
         "checkpoint_every": max(1, t.checkpoint_every),
     }

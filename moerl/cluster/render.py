@@ -30,6 +30,7 @@ from moerl.cluster.iam import s3_policy
 from moerl.cluster.kuberay import NOTICE_FILE, config_map_name, model_folder, ray_job
 from moerl.cluster.memory import memory_warnings
 from moerl.config import ConfigError, RunConfig, from_dict, rollout_ep_ranks_per_node, to_dict
+from moerl.placement import Placement
 
 RUN_CONFIG_KEY = "run.yaml"
 NO_IMAGE = (
@@ -53,7 +54,7 @@ class Rendered:
 
 def train_nodes(cfg: RunConfig) -> int:
     """Training nodes the trainer ranks fill: ``ceil(trainer.num_ranks / trainer.gpus_per_node)``."""
-    return math.ceil(cfg.trainer.num_ranks / cfg.trainer.gpus_per_node)
+    return math.ceil(Placement.from_config(cfg).trainer.num_ranks / cfg.trainer.gpus_per_node)
 
 
 def policy_folder(cfg: RunConfig) -> str | None:
@@ -84,6 +85,7 @@ def _check_trainer(cfg: RunConfig) -> None:
     """The trainer group's layout (``trainer.num_ranks``, ``trainer.gpus_per_node``) against the train
     group's nodes; ``trainer.ep_size`` is checked by the run config itself (divides ranks and experts)."""
     c, t = cfg.cluster, cfg.trainer
+    num_ranks = Placement.from_config(cfg).trainer.num_ranks
     gpus_per_node = c.train.gpus_per_node
     if t.gpus_per_node != gpus_per_node:
         raise ConfigError(
@@ -92,14 +94,14 @@ def _check_trainer(cfg: RunConfig) -> None:
             f"set trainer.gpus_per_node={gpus_per_node}"
         )
     gpus = c.train.max_nodes * gpus_per_node
-    if t.num_ranks > gpus:
+    if num_ranks > gpus:
         raise ConfigError(
-            f"trainer.num_ranks={t.num_ranks} is more than the train group's {gpus} GPUs "
+            f"trainer.num_ranks={num_ranks} is more than the train group's {gpus} GPUs "
             f"(cluster.train.max_nodes={c.train.max_nodes} x gpus_per_node={gpus_per_node})"
         )
     if train_nodes(cfg) < c.train.min_nodes:
         raise ConfigError(
-            f"trainer.num_ranks={t.num_ranks} fills {train_nodes(cfg)} of the train group's "
+            f"trainer.num_ranks={num_ranks} fills {train_nodes(cfg)} of the train group's "
             f"cluster.train.min_nodes={c.train.min_nodes} on-demand nodes ({gpus_per_node} GPUs each); "
             f"set trainer.num_ranks={c.train.min_nodes * gpus_per_node} or lower cluster.train.min_nodes"
         )

@@ -65,9 +65,9 @@ class Environment:
         raise NotImplementedError
 
     @classmethod
-    def demonstration(cls, cfg: EnvConfig, task: Prompt, index: int) -> list[str]:
-        """The actions of a reference policy on ``task`` (``index`` varies demonstrations), each
-        without its turn delimiter; used for the supervised warm start."""
+    def demonstration(cls, cfg: EnvConfig, task: Prompt) -> list[str]:
+        """The actions of a reference policy on ``task``, each without its turn delimiter; used for the
+        supervised warm start (``EnvTask.sft_example`` calls it so)."""
         raise NotImplementedError
 
     def reset(self, task: Prompt) -> str:

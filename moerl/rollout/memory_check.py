@@ -19,12 +19,13 @@ Which parts share the checked device (``model.device``, where the driver builds 
     async, local Ray, CUDA       the driver's, and at most one worker rank (Ray gives each a GPU of its own)
     async, ``runtime.ray_address``  the driver's only (the workers run on the cluster's nodes)
 
-In async mode a rollout worker evaluates (``evaluates_on_workers``) but version 0, which the driver
-evaluates on its own engine while the workers start (``driver_evaluates_start``: not with a trainer group
-or FP8 rollout weights); the driver holds the policy only as the one-process trainer's model
-(``driver_holds_policy``): none with a trainer group.
+Where each part runs is the run's ``moerl.placement.Placement``: in async mode a rollout worker
+evaluates (``driver.evaluates_later`` False) but version 0, which the driver evaluates on its own engine
+while the workers start (``driver.evaluates_start``: not with a trainer group or FP8 rollout weights);
+the driver holds the policy only as the one-process trainer's model (``driver.holds_policy``): none with
+a trainer group.
 
-A trainer group (``trainer.num_ranks > 1``) of local processes on the host adds one more copy (its
+A trainer group (``placement.trainer.is_group``) of local processes on the host adds one more copy (its
 shards). Cluster runs are checked where ``moerl train`` runs, never by ``moerl cluster render``.
 """
 
@@ -47,8 +48,9 @@ from moerl.models.model import MoeForCausalLM
 from moerl.rollout.kv_cache import cache_bytes, cache_geometry, kv_layout
 from moerl.rollout.paged_kv_cache import paged_geometry
 
-if TYPE_CHECKING:  # the config sits above the rollout engine (docs/architecture.md, Layers)
+if TYPE_CHECKING:  # the config and the placement sit above the rollout engine (docs/architecture.md, Layers)
     from moerl.config import RunConfig
+    from moerl.placement import Placement
 
 MEMORY_HEADROOM = 0.9
 """The estimate must fit in this share of the device's available memory (the rest: activations,
@@ -95,14 +97,14 @@ def policy_arch(cfg: RunConfig, vocab_size: int) -> MoeConfig | None:
     return arch_from_model_config(cfg.model, vocab_size)
 
 
-def engine_cache_bytes(arch: MoeConfig, cfg: RunConfig) -> tuple[int, int, int]:
+def engine_cache_bytes(arch: MoeConfig, cfg: RunConfig, cache_kind: str) -> tuple[int, int, int]:
     """``(N, S, bytes)`` of one rollout engine of the run (``moerl.runtime.build.make_engine`` over
-    ``arch``). Slots: N slots of S tokens. Paged: N = 1 region of S = (blocks + the null block) x block
-    size tokens (``PagedKVCache``)."""
+    ``arch``) whose cache is ``cache_kind`` (``Placement.rollout.cache_kind``). Slots: N slots of S
+    tokens. Paged: N = 1 region of S = (blocks + the null block) x block size tokens (``PagedKVCache``)."""
     r = cfg.rollout
     routed = (len(arch.moe_layer_ids), arch.num_experts_per_tok) if r.return_routed_experts else None
     dtype = torch_dtype(cfg.model.dtype)
-    if r.kv_cache == "paged":
+    if cache_kind == "paged":
         num_blocks, _ = paged_geometry(
             r.kv_token_budget, r.kv_block_size, arch.max_position_embeddings, r.max_slots
         )
@@ -151,11 +153,11 @@ WEIGHT_FORMAT_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 """Short weight-format names (``rollout.weight_dtype``) of the ``model.dtype`` names."""
 
 
-def rollout_weight_format(cfg: RunConfig) -> str:
-    """The rollout engines' weight format: ``rollout.weight_dtype`` (``bf16`` / ``fp8``,
+def rollout_weight_format(cfg: RunConfig, placement: Placement) -> str:
+    """The rollout engines' weight format: ``placement.rollout.weight_dtype`` (``bf16`` / ``fp8``,
     ``moerl.rollout.weight_dtype``) unless it is ``auto``, else ``model.dtype``. The one place the memory
     checks read it."""
-    fmt = cfg.rollout.weight_dtype
+    fmt = placement.rollout.weight_dtype
     return cfg.model.dtype if fmt == "auto" else fmt
 
 
@@ -200,67 +202,37 @@ def rollout_rank_weight_bytes(arch: MoeConfig, weight_format: str, ep_size: int)
     )
 
 
-def evaluates_on_workers(cfg: RunConfig) -> bool:
-    """True when a rollout worker evaluates the held-out prompts during the run (async mode:
-    ``moerl.runtime.ray.RayRollouts.evaluate``; version 0 may still be the driver's,
-    ``driver_evaluates_start``); False when the driver evaluates in process (sync mode, where the driver
-    is the engine)."""
-    return cfg.runtime.mode == "async"
-
-
-def driver_evaluates_start(cfg: RunConfig) -> bool:
-    """True when the driver evaluates version 0 itself, in process on its copy of the policy (a transient
-    eval engine): sync mode, and async mode with a one-process trainer, there while the rollout workers
-    start (``starts_rollouts_early``). False with a trainer group (the driver holds no copy) or FP8 rollout
-    weights (``rollout.weight_dtype=fp8``: a worker evaluates the weights it samples from); a rollout
-    worker then evaluates version 0 once it is up."""
-    if not evaluates_on_workers(cfg):
-        return True
-    return cfg.trainer.num_ranks == 1 and cfg.rollout.weight_dtype != "fp8"
-
-
-def starts_rollouts_early(cfg: RunConfig) -> bool:
-    """True when a fresh run starts its rollout workers before its trainer is built, and builds the
-    trainer meanwhile (``moerl.train.Run``): async mode with a one-process trainer, whose version 0 is
-    the warm start's folder that the workers load themselves. A trainer group starts on the same Ray
-    instance first (its ranks publish version 0)."""
-    return cfg.runtime.mode == "async" and cfg.trainer.num_ranks == 1
-
-
-def driver_holds_policy(cfg: RunConfig) -> bool:
-    """True when the driver keeps a copy of the policy: the one-process trainer's model
-    (``trainer.num_ranks=1``), or the copy sync mode evaluates. False in async mode with a trainer
-    group: its ranks hold the shards and a rollout worker evaluates."""
-    return not evaluates_on_workers(cfg) or cfg.trainer.num_ranks == 1
-
-
-def residents(cfg: RunConfig, device: torch.device, *, rollouts: bool = True) -> tuple[int, int]:
-    """``(engines, policy copies)`` the run builds on ``device`` (the module docstring's table).
-    ``rollouts=False``: ``moerl sft`` (its model and the eval engine only)."""
+def residents(placement: Placement, device: torch.device, *, rollouts: bool = True) -> tuple[int, int]:
+    """``(engines, policy copies)`` the run placed as ``placement`` builds on ``device`` (the module
+    docstring's table). ``rollouts=False``: ``moerl sft`` (its model and the eval engine only)."""
     engines, copies = 1, 1  # the driver's policy (trainer, eval) and its eval engine
-    if rollouts and evaluates_on_workers(cfg):  # the driver's eval engine: the start eval's only
-        engines, copies = int(driver_evaluates_start(cfg)), int(driver_holds_policy(cfg))
-    local_ray = cfg.runtime.mode == "async" and not cfg.runtime.ray_address
-    if rollouts and cfg.runtime.mode == "sync":
+    driver, rollout = placement.driver, placement.rollout
+    if rollouts and not driver.evaluates_later:  # the driver's eval engine: the start eval's only
+        engines, copies = int(driver.evaluates_start), int(driver.holds_policy)
+    local_ray = placement.starts_local_ray
+    if rollouts and rollout.is_in_driver:
         engines, copies = engines + 1, copies + 1
     elif rollouts and local_ray and device.type == "cuda":
         engines, copies = engines + 1, copies + 1
     elif rollouts and local_ray:
-        workers = cfg.rollout.num_workers
-        engines, copies = engines + workers * cfg.rollout.ep_size, copies + workers
-    if device.type != "cuda" and cfg.trainer.num_ranks > 1 and (cfg.runtime.mode == "sync" or local_ray):
+        workers = rollout.num_workers
+        engines, copies = engines + workers * rollout.ep_size, copies + workers
+    if device.type != "cuda" and placement.trainer.is_group and (rollout.is_in_driver or local_ray):
         copies += 1
     return engines, copies
 
 
-def estimate_memory(cfg: RunConfig, vocab_size: int, *, rollouts: bool = True) -> MemoryEstimate | None:
-    """The run's ``MemoryEstimate`` on ``model.device``; None when the policy's config cannot be read."""
+def estimate_memory(
+    cfg: RunConfig, placement: Placement, vocab_size: int, *, rollouts: bool = True
+) -> MemoryEstimate | None:
+    """The run's ``MemoryEstimate`` on ``model.device`` (``placement``: ``moerl.placement.Placement`` of
+    ``cfg``); None when the policy's config cannot be read."""
     arch = policy_arch(cfg, vocab_size)
     if arch is None:
         return None
     device = torch.device(cfg.model.device)
-    num_slots, slot_tokens, engine = engine_cache_bytes(arch, cfg)
-    engines, copies = residents(cfg, device, rollouts=rollouts)
+    num_slots, slot_tokens, engine = engine_cache_bytes(arch, cfg, placement.rollout.cache_kind)
+    engines, copies = residents(placement, device, rollouts=rollouts)
     name = "host" if device.type != "cuda" else f"cuda:{device.index or 0}"
     weights = weight_bytes(arch, torch_dtype(cfg.model.dtype))
     return MemoryEstimate(name, num_slots, slot_tokens, engine, engines, weights, copies)
@@ -300,11 +272,14 @@ def available_bytes(device: torch.device) -> tuple[int, str] | None:
     return free, f"torch.cuda.mem_get_info(cuda:{device.index or 0})"
 
 
-def check_memory(cfg: RunConfig, vocab_size: int, *, rollouts: bool = True) -> MemoryEstimate | None:
+def check_memory(
+    cfg: RunConfig, placement: Placement, vocab_size: int, *, rollouts: bool = True
+) -> MemoryEstimate | None:
     """Refuse a run whose engines' caches and policy copies cannot fit ``model.device``'s memory.
 
     Args:
         cfg: the run config.
+        placement: where its parts run (``moerl.placement.Placement.from_config(cfg)``).
         vocab_size: the run tokenizer's vocabulary (a fresh policy's V).
         rollouts: count the rollout workers' engines (False for ``moerl sft``).
     Returns:
@@ -313,7 +288,7 @@ def check_memory(cfg: RunConfig, vocab_size: int, *, rollouts: bool = True) -> M
         ConfigError: the estimate exceeds ``MEMORY_HEADROOM`` of the available memory; names
             ``rollout.max_slots`` and ``rollout.kv_token_budget``, the estimate and the available GiB.
     """
-    est = estimate_memory(cfg, vocab_size, rollouts=rollouts)
+    est = estimate_memory(cfg, placement, vocab_size, rollouts=rollouts)
     device = torch.device(cfg.model.device)
     free = available_bytes(device) if est is not None else None
     if est is None or free is None:
@@ -322,7 +297,7 @@ def check_memory(cfg: RunConfig, vocab_size: int, *, rollouts: bool = True) -> M
     if est.total_bytes <= MEMORY_HEADROOM * available:
         return est
     r = cfg.rollout
-    paged = r.kv_cache == "paged"
+    paged = placement.rollout.cache_kind == "paged"
     layout = (
         f"{est.slot_tokens} tokens in blocks of {r.kv_block_size}"
         if paged

@@ -20,6 +20,7 @@ from pathlib import Path
 from moerl.config import ConfigError, RunConfig, engine_slot_tokens
 from moerl.models import CheckpointError, MoeConfig, check_model_folder
 from moerl.models.reward_model import check_reward_folder
+from moerl.placement import Placement
 from moerl.rollout.memory_check import check_memory
 from moerl.tasks import (
     ChatTemplateError,
@@ -60,7 +61,8 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
     """
     if cfg.model.device == "meta":
         raise ConfigError("model.device=meta holds shapes only, no weights: a run needs cpu, cuda or cuda:N")
-    if rollouts and cfg.runtime.mode == "async":
+    placement = Placement.from_config(cfg)
+    if rollouts and placement.uses_ray:
         try:  # imported now, not when the workers start after the warm start: a missing or broken Ray
             import ray  # noqa: F401
         except ImportError as e:
@@ -76,7 +78,7 @@ def check_run_inputs(cfg: RunConfig, *, rollouts: bool = True) -> Task:
     tokenizer = load_run_tokenizer(cfg, cfg.init_from)
     check_vocabulary(cfg, tokenizer)
     check_reward_model(cfg, tokenizer.vocab_size)
-    check_memory(cfg, tokenizer.vocab_size, rollouts=rollouts)  # before any dataset is read
+    check_memory(cfg, placement, tokenizer.vocab_size, rollouts=rollouts)  # before any dataset is read
     try:
         task = make_task(cfg.task, cfg.env, tokenizer)
     except FileNotFoundError as e:
@@ -216,7 +218,7 @@ def _check_prompt_length(cfg: RunConfig, task: Task, tokenizer: Tokenizer) -> No
     slot, context = engine_slot_tokens(cfg)
     r = cfg.rollout
     if num_tokens + r.max_new_tokens > slot:
-        if r.kv_cache == "paged":
+        if Placement.from_config(cfg).rollout.cache_kind == "paged":
             sizes = (
                 f"longest sequence of {slot} tokens (the whole cache: rollout.kv_token_budget={r.kv_token_budget} "
                 f"in blocks of rollout.kv_block_size={r.kv_block_size}"

@@ -28,7 +28,7 @@ import torch
 
 from moerl.config import RunConfig
 from moerl.records import RolloutTask
-from moerl.run.folder import RunDir
+from moerl.rundir.folder import RunDir
 from moerl.runtime.build import Components, load_policy
 from moerl.runtime.rollouts import Rollouts
 from moerl.trainer.checkpoint import latest_checkpoint, load_checkpoint

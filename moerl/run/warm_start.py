@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moerl.config import ConfigError, RunConfig
-from moerl.run.folder import RunDir
+from moerl.rundir.folder import RunDir
 from moerl.tasks import sft
 from moerl.telemetry.live import LiveView
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from moerl.run.folder import LedgerEntry
+from moerl.rundir.folder import LedgerEntry
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.queue import QueueStats
 

@@ -14,9 +14,9 @@ import torch
 from moerl.config import RunConfig
 from moerl.models import build_model, from_pretrained
 from moerl.models.dtypes import torch_dtype
+from moerl.placement import Placement
 from moerl.rl import preset_from_config
 from moerl.rollout import Engine
-from moerl.rollout.memory_check import driver_holds_policy
 from moerl.rollout.weight_dtype import prepare_rollout_model
 from moerl.runtime.buffer import ExperienceBuffer, has_reward_variance
 from moerl.runtime.delivery import GroupSink
@@ -39,12 +39,13 @@ def load_policy(cfg: RunConfig, init_path: str | None, vocab_size: int) -> torch
 
 def make_engine(model: torch.nn.Module, cfg: RunConfig, *, version: int = 0) -> Engine:
     """A rollout engine sized by ``cfg.rollout`` (KV cache kind and budget, sequences decoding together,
-    prefill cap, sync period), seeded by ``cfg.seed``, over the cache policy ``rollout.kv_cache`` names
-    (paged blocks by default, or slots; the one place a run reads it for the engine). The engine's
-    weights take ``rollout.weight_dtype`` (``model``, the engine's own copy, is converted in place:
+    prefill cap, sync period), seeded by ``cfg.seed``, over the cache policy the placement names
+    (``Placement.rollout.cache_kind``: paged blocks by default, or slots). The engine's weights take the
+    placement's rollout weight dtype (``model``, the engine's own copy, is converted in place:
     ``moerl.rollout.weight_dtype.prepare_rollout_model``)."""
-    model = prepare_rollout_model(model, cfg.rollout.weight_dtype)
-    return Engine.from_config(model, cfg.rollout, cache=cfg.rollout.kv_cache, seed=cfg.seed, version=version)
+    rollout = Placement.from_config(cfg).rollout
+    model = prepare_rollout_model(model, rollout.weight_dtype)
+    return Engine.from_config(model, cfg.rollout, cache=rollout.cache_kind, seed=cfg.seed, version=version)
 
 
 def make_queue(cfg: RunConfig, task: Task, tokenizer: Tokenizer) -> TaskQueue:
@@ -58,9 +59,10 @@ def make_queue(cfg: RunConfig, task: Task, tokenizer: Tokenizer) -> TaskQueue:
 
 
 def make_buffer(cfg: RunConfig, queue: TaskQueue, *, version: int = 0) -> ExperienceBuffer:
-    """The experience buffer: capacity, staleness rule (0 in sync mode), DAPO filter, queue settlement."""
+    """The experience buffer: capacity, staleness rule (``Placement.rollout.max_staleness``: 0 when the
+    rollouts run in the driver, generate-then-train), DAPO filter, queue settlement."""
     filters = (has_reward_variance,) if preset_from_config(cfg.algorithm).dynamic_sampling else ()
-    max_staleness = 0 if cfg.runtime.mode == "sync" else cfg.runtime.max_staleness
+    max_staleness = Placement.from_config(cfg).rollout.max_staleness
     return ExperienceBuffer(
         max(cfg.runtime.buffer_groups, cfg.trainer.batch_groups),
         max_staleness=max_staleness,
@@ -117,7 +119,7 @@ class Components:
     model: torch.nn.Module | None
     """The driver's policy: the one-process trainer's model, and what sync mode evaluates. None when
     the driver holds no copy (async mode with a trainer group and a ``init_path``: the ranks load their
-    shards from it, a rollout worker evaluates: ``moerl.rollout.memory_check.driver_holds_policy``)."""
+    shards from it, a rollout worker evaluates: ``moerl.placement.DriverPlacement.holds_policy``)."""
 
     def evaluate(self, prompts: list | None = None) -> EvalResult:
         """Held-out greedy evaluation of the driver's policy (``moerl.tasks.eval.evaluate``) on ``prompts``
@@ -144,12 +146,12 @@ class Components:
 
 def build_components(cfg: RunConfig, init_path: str | None, store: WeightStore) -> Components:
     """Tokenizer, task and policy of a run (the policy seeded by the torch RNG when fresh). No policy
-    (``model`` None) when the driver needs none (``driver_holds_policy``) and ``init_path`` gives the
+    (``model`` None) when the driver needs none (``Placement.driver.holds_policy``) and ``init_path`` gives the
     trainer ranks their weights; a fresh policy is still built, to be saved for the ranks (the run
     drops it once the trainer has started)."""
     tokenizer = load_run_tokenizer(cfg, init_path)
     task = make_task(cfg.task, cfg.env, tokenizer)
-    if init_path is not None and not driver_holds_policy(cfg):
+    if init_path is not None and not Placement.from_config(cfg).driver.holds_policy:
         return Components(cfg, init_path, store, tokenizer, task, None)
     model = load_policy(cfg, init_path, tokenizer.vocab_size)
     return Components(cfg, init_path, store, tokenizer, task, model)

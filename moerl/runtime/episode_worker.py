@@ -19,6 +19,7 @@ from moerl.envs.episodes import EpisodeCompletion, EpisodeEngine
 from moerl.envs.pool import LocalEnvPool
 from moerl.envs.stats import EnvStats
 from moerl.envs.task import turn_stop_ids
+from moerl.placement import RAY_ACTORS, Placement
 from moerl.records import Lease, Sample
 from moerl.rollout import Completion, SamplingParams
 from moerl.runtime.worker import RolloutWorker, WorkerStats
@@ -97,7 +98,7 @@ def episode_worker(
     """The ``EpisodeWorker`` of a run config (``cfg.env``): in-process environment threads in sync mode,
     Ray environment actors in async mode (``moerl.envs.pool_ray``), over ``engine``; ``pause_point`` as
     ``RolloutWorker``'s."""
-    if cfg.runtime.mode == "async":
+    if Placement.from_config(cfg).env_runs_on == RAY_ACTORS:
         from moerl.envs.pool_ray import RayEnvPool  # noqa: PLC0415 - ray is optional and heavy
 
         pool = RayEnvPool(task.env_cls, cfg.env)

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 
 import torch
 
 from moerl.config import RunConfig
 from moerl.errors import WeightVersionRefused
+from moerl.placement import Placement
 from moerl.records import Group, RolloutTask
+from moerl.rollout.precision_gap import LogprobGap, logprob_gap
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics, ExperienceBuffer
 from moerl.runtime.build import Components, make_buffer, make_queue, make_worker
@@ -29,6 +32,8 @@ from moerl.runtime.fleet import WorkerHealth, WorkerRecord, WorkerState
 from moerl.runtime.queue import QueueStats, TaskQueue
 from moerl.runtime.reward import LocalRewardScorer, ScoringSink
 from moerl.runtime.worker import RolloutWorker, WorkerStats
+from moerl.tasks.eval import EvalResult
+from moerl.trainer.protocol import Trainer
 from moerl.weights.sources import CheckedWeights, LocalWeights, parameter_set, refused_versions_of
 from moerl.weights.store import WeightStore
 from moerl.weights.transport import WeightHolder
@@ -50,6 +55,10 @@ class LocalRollouts:
             versions, at a checkpoint's and at the last one (None: not written from here).
         scorer: the reward model scoring the worker's deliveries (``reward.model_path``), or None.
         durable_every: ``runtime.durable_every``; 1: every version is written to the store.
+        evaluator: the held-out evaluation of the driver's copy of the policy (``Components.evaluate``:
+            prompts or None -> ``EvalResult``); None: ``evaluate`` raises.
+        probes_precision: ``precision_gap`` measures the engine's copy against the trainer's policy
+            (``Placement.driver.probes_precision``).
     """
 
     def __init__(
@@ -62,12 +71,15 @@ class LocalRollouts:
         *,
         scorer: LocalRewardScorer | None = None,
         durable_every: int = 1,
+        evaluator: Callable[[list | None], EvalResult] | None = None,
+        probes_precision: bool = False,
     ) -> None:
         if durable_every < 1:
             raise ValueError(f"durable_every={durable_every} must be at least 1")
         self.queue, self.buffer, self.worker, self.weights = queue, buffer, worker, weights
         self.store, self.durable_every = store, durable_every
         self.scorer = scorer
+        self.evaluator, self.probes_precision = evaluator, probes_precision
         self._publish_s: float | None = None  # the last publish's store write (when due) + hand-over
 
     @classmethod
@@ -90,7 +102,15 @@ class LocalRollouts:
             cfg, "local-0", model, comp.task, comp.tokenizer, queue, sink, weights, version=-1
         )
         rollouts = cls(
-            queue, buffer, worker, weights, comp.store, scorer=scorer, durable_every=cfg.runtime.durable_every
+            queue,
+            buffer,
+            worker,
+            weights,
+            comp.store,
+            scorer=scorer,
+            durable_every=cfg.runtime.durable_every,
+            evaluator=comp.evaluate,
+            probes_precision=Placement.from_config(cfg).driver.probes_precision,
         )
         if parts is not None:
             rollouts.load_state_dict(parts)
@@ -151,6 +171,35 @@ class LocalRollouts:
     def start_milestones(self) -> dict[str, float]:
         """``Rollouts.start_milestones``: none in process."""
         return {}
+
+    def published_version(self) -> int:
+        """``Rollouts.published_version``: the version last handed to the worker."""
+        return self.weights.version
+
+    def evaluate(self, trainer: Trainer, prompts: list | None) -> EvalResult:
+        """``Rollouts.evaluate`` in process: the driver's copy of the policy brought to ``trainer``'s
+        version (``refresh_model``; the one-process trainer's model is that copy), then evaluated.
+
+        Raises:
+            RuntimeError: built without an ``evaluator`` (no driver copy).
+        """
+        if self.evaluator is None:
+            raise RuntimeError("LocalRollouts.evaluate: no evaluator of the driver's copy was given")
+        trainer.refresh_model()  # a streamed version reaches the driver's copy only when needed
+        return self.evaluator(prompts)
+
+    def precision_gap(self, trainer: Trainer, groups: list[Group]) -> LogprobGap | None:
+        """``Rollouts.precision_gap``: the engine's copy against ``trainer.model`` on ``groups``' samples
+        when ``probes_precision``, else None."""
+        if not self.probes_precision:
+            return None
+        seqs = [(s.prompt_ids, s.response_ids) for g in groups for s in g.samples]
+        was_training = trainer.model.training
+        try:
+            trainer.model.eval()
+            return logprob_gap(trainer.model, self.engine_model(), seqs)
+        finally:
+            trainer.model.train(was_training)
 
     def make_durable(self, trainer: WeightHolder) -> None:
         """``Rollouts.make_durable``: the trainer's version in the store (``ensure_durable``); nothing

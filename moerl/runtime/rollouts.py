@@ -9,19 +9,26 @@
   rollout worker actors generating while the trainer trains.
 
 Whatever the implementation, the trainer meets the workers only here: through the buffer (groups in),
-the queue (tasks back on a trainer restart) and the weights (versions out).
+the queue (tasks back on a trainer restart), the weights (versions out) and the held-out evaluation.
+Which one a run gets is its placement's (``moerl.placement.Placement.rollout.runs_on``), started by
+``moerl.runtime.start.start_rollouts``; the run never tests which it holds.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from moerl.records import Group, RolloutTask
+from moerl.rollout.precision_gap import LogprobGap
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.fleet import WorkerRecord
 from moerl.runtime.queue import QueueStats
 from moerl.runtime.worker import WorkerStats
+from moerl.tasks.eval import EvalResult
+from moerl.trainer.protocol import Trainer
 from moerl.weights.transport import WeightHolder
 
 
@@ -56,6 +63,37 @@ class Rollouts(Protocol):
         Raises:
             WeightWriteError: an earlier background write to the store failed (the run stops, one line).
         """
+        ...
+
+    def published_version(self) -> int:
+        """The newest policy version sent to the workers (the version the rollouts started at before the
+        first ``publish``); a trainer recovery numbers its restored weights past it."""
+        ...
+
+    def evaluate(self, trainer: Trainer, prompts: list | None) -> EvalResult:
+        """Held-out greedy evaluation of ``trainer``'s current version on ``prompts`` (None: the task's
+        main held-out set; ``moerl.tasks.eval.evaluate``): where the placement evaluates
+        (``Placement.driver.evaluates_later``), in process on the driver's copy of the policy, brought to
+        that version first (``trainer.refresh_model``); else on one rollout worker, the version
+        published to the workers first if it was not.
+
+        Raises:
+            EvalVersionRefused: every worker tried refused the version (its tensors do not fit).
+            RuntimeError: no copy of the policy can evaluate (none in the driver, no worker left).
+        """
+        ...
+
+    def precision_gap(self, trainer: Trainer, groups: list[Group]) -> LogprobGap | None:
+        """The precision probe: the log-prob gap and greedy agreement of the rollout engine's
+        lower-precision copy (FP8) against ``trainer``'s policy on ``groups``' samples
+        (``moerl.rollout.precision_gap.logprob_gap``, both models re-run, no grad), where the placement
+        probes it (``Placement.driver.probes_precision``: the engine and the one-process trainer in the
+        driver); None elsewhere."""
+        ...
+
+    def engine_model(self) -> torch.nn.Module | None:
+        """The rollout engine's model where it is in this process (its own copy of the policy, in
+        ``rollout.weight_dtype``); None where the engines run in other processes."""
         ...
 
     def start_milestones(self) -> dict[str, float]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moerl.atomic import atomic_path
-from moerl.run.folder import RunDir, SummaryError
+from moerl.rundir.folder import RunDir, SummaryError
 
 
 @dataclass(frozen=True, slots=True)

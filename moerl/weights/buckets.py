@@ -1,7 +1,7 @@
 """Weight sync in buckets: the trainer streams a version to the rollout workers bucket by bucket.
 
     trainer: named tensors --split_buckets--> [bucket 0 | bucket 1 | ... ]   (about publish_bucket_mb each)
-             each bucket: pack_bucket (one flat uint8 buffer + xxh3-64 checksum) -> ray.put -> offer_bucket
+             each bucket: pack_bucket (one flat uint8 buffer + xxh3-64 checksum) -> ray.put -> a WeightOffer to each OfferSink
     worker:  BucketAssembler: fetch thread resolves each ref, checks version/index/checksum; the version
              becomes pollable only when all num_buckets buckets have arrived; the worker switches to it
              between scheduler steps (``RolloutWorker.sync_weights``).
@@ -29,12 +29,13 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from moerl.weights.offer import OfferSink, WeightOffer
 from moerl.weights.store import ChecksumError, table_digest
 
 log = logging.getLogger(__name__)
@@ -206,12 +207,6 @@ def iter_packed(
         )
 
 
-def bucket_offer(worker) -> Callable[[int, int, int, object], None]:
-    """``(version, index, num_buckets, ref) -> None``: offer a bucket to the rollout worker actor
-    ``worker`` without waiting (the ref goes in a list so that Ray passes the ref itself, not its value)."""
-    return lambda version, index, n, ref: worker.offer_bucket.remote(version, index, n, [ref])
-
-
 @dataclass(frozen=True, slots=True)
 class StreamedVersion:
     """A version whose buckets were packed and sent where the weights live (``stream_buckets``)."""
@@ -313,6 +308,10 @@ class BucketAssembler:
         if background:
             self._queue = queue.SimpleQueue()
             threading.Thread(target=self._fetch_loop, name="moerl-weight-fetch", daemon=True).start()
+
+    def receive(self, offer: WeightOffer) -> None:
+        """A bucket offered through a transport (``WeightOffer``: version, index, buckets, ref)."""
+        self.offer(offer.version, offer.index, offer.num_buckets, offer.ref)
 
     def offer(self, version: int, index: int, num_buckets: int, ref) -> None:
         """Bucket ``index`` of ``num_buckets`` of ``version`` is at ``ref`` (fetched now or by the thread)."""
@@ -478,12 +477,12 @@ class BucketPublisher:
         self,
         version: int,
         named: Mapping[str, torch.Tensor],
-        offers: list[Callable[[int, int, int, object], None]],
+        offers: Sequence[OfferSink],
         *,
         durable: bool | None = None,
     ) -> PublishReport:
-        """Send ``named`` as ``version``: each bucket is packed, put, and offered to every ``offers``
-        callback ``(version, index, num_buckets, ref)`` before the next bucket is packed.
+        """Send ``named`` as ``version``: each bucket is packed, put, and offered (a ``WeightOffer``) to
+        every sink of ``offers`` before the next bucket is packed.
 
         Args:
             durable: also write the version to the store; None: when ``version % durable_every == 0``.
@@ -492,8 +491,8 @@ class BucketPublisher:
         refs, nbytes = [], 0
         for bucket in iter_packed(version, named, self.bucket_bytes, reuse=True):
             ref = self.put(bucket)  # copies (ray.put): the staging buffer is reused for the next bucket
-            for offer in offers:
-                offer(version, bucket.index, bucket.num_buckets, ref)
+            for sink in offers:
+                sink(WeightOffer(version, ref, bucket.index, bucket.num_buckets))
             refs.append(ref)
             nbytes += bucket.nbytes
             del bucket  # the object store holds it now

@@ -422,6 +422,7 @@ class CollectiveTransport:
 
     name = "collective"
     supports_ep_rollout = True
+    sends_from_snapshot = False
 
     @staticmethod
     def check_config(runtime, *, trainer_ranks: int, rollout_ep_size: int) -> None:

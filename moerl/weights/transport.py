@@ -5,8 +5,11 @@ implementations registered by name in ``TRANSPORTS`` (chosen by ``runtime.weight
                                                               \\--> WeightStore (durable, background)
 
 - sending side (the driver builds it): ``publish`` asks the trainer for its version (buckets into a
-  ``BucketSink``, or whole tensors) and sends it to the workers; ``offer_newest`` gives a newly started
-  worker the newest version; ``finish`` makes the last version durable; ``close``.
+  ``BucketSink``, or whole tensors) and sends it to the workers, each an ``OfferSink`` the caller passes
+  in (``moerl.weights.offer``: a ``WeightOffer`` per whole version or bucket; a transport that moves the
+  bytes itself, ``collective`` or ``cuda_ipc``, offers nothing); ``offer_newest`` gives a newly started
+  worker the newest version; ``finish`` makes the last version durable; ``close``. The weights package
+  never names a worker process or method: a new transport needs no new rollout-worker method.
 - receiving side: ``receiver_spec()`` is a small picklable ``ReceiverSpec`` that travels to each worker
   process; ``spec.for_worker(num_ranks).open(fallback=..., device=..., rank=r)`` is each rank's
   ``moerl.weights.sources.WeightSource``, polled between scheduler steps (a version switches only when
@@ -30,6 +33,7 @@ import torch
 
 from moerl.weights.buckets import PublishReport, StreamedVersion, SyncStats, WeightBucket
 from moerl.weights.collective import CollectiveTransport
+from moerl.weights.offer import OfferSink
 from moerl.weights.transports import CudaIpcTransport, ObjectStoreTransport, StoreTransport
 
 if TYPE_CHECKING:
@@ -92,6 +96,9 @@ class WeightTransport(Protocol):
 
     name: ClassVar[str]
     supports_ep_rollout: ClassVar[bool]
+    sends_from_snapshot: ClassVar[bool]
+    """``publish`` may run on a thread from a device copy of the version (``WeightSnapshot``) while the
+    trainer trains on (``runtime.overlap_publish``); False: it runs on the step's path."""
 
     @staticmethod
     def check_config(runtime: RuntimeConfig, *, trainer_ranks: int, rollout_ep_size: int) -> None:
@@ -99,9 +106,9 @@ class WeightTransport(Protocol):
         ...
 
     def publish(
-        self, trainer: WeightHolder, workers: Sequence, *, durable: bool | None = None
+        self, trainer: WeightHolder, workers: Sequence[OfferSink], *, durable: bool | None = None
     ) -> PublishReport:
-        """Send the trainer's current version to ``workers`` (rollout worker actor handles).
+        """Send the trainer's current version to ``workers`` (one ``OfferSink`` per rollout worker).
 
         Args:
             durable: also write the store: None when due (``runtime.durable_every``), False: the caller
@@ -109,8 +116,9 @@ class WeightTransport(Protocol):
         """
         ...
 
-    def offer_newest(self, worker) -> None:
-        """Give a newly started worker the newest version (it loaded the store's newest at start)."""
+    def offer_newest(self, worker: OfferSink) -> None:
+        """Give a newly started worker (its ``OfferSink``) the newest version (it loaded the store's
+        newest at start)."""
         ...
 
     def receiver_spec(self) -> ReceiverSpec:

@@ -25,11 +25,11 @@ from moerl.weights.buckets import (
     SyncStats,
     WeightBucket,
     bucket_bytes_of,
-    bucket_offer,
     pinned_host_buffer,
 )
 from moerl.weights.ipc import IpcPublisher, IpcReceiver
 from moerl.weights.ipc_slots import IpcListener, connect
+from moerl.weights.offer import OfferSink, WeightOffer
 from moerl.weights.store import ChecksumError, WeightStore, pack_weights, unpack_weights
 
 if TYPE_CHECKING:
@@ -85,6 +85,10 @@ class OfferedWeights:
         self._offer: tuple[int, object] | None = None
         self._lock = threading.Lock()
 
+    def receive(self, offer: WeightOffer) -> None:
+        """A whole version offered through the ``store`` transport (``WeightOffer.ref``: ``PackedWeights``)."""
+        self.offer(offer.version, offer.ref)
+
     def offer(self, version: int, ref) -> None:
         """Weights of ``version`` as an object ref of ``PackedWeights`` (replaces an unclaimed offer)."""
         with self._lock:
@@ -113,16 +117,17 @@ class OfferedWeights:
 
 class ObjectStoreSink:
     """A ``BucketSink`` for ``object_store``: ``ray.put`` each bucket (in the process that packed it) and
-    offer its ref to every worker actor at once (picklable: travels to trainer rank 0)."""
+    offer its ref to every worker's ``OfferSink`` at once (picklable: travels to trainer rank 0)."""
 
-    def __init__(self, workers: Sequence) -> None:
+    def __init__(self, workers: Sequence[OfferSink]) -> None:
         self.workers = list(workers)
 
     def send(self, bucket: WeightBucket):
         """Put ``bucket`` (a copy: its buffer may be reused) and offer it; returns its ref."""
         ref = _ray().put(bucket)
+        offer = WeightOffer(bucket.version, ref, bucket.index, bucket.num_buckets)
         for worker in self.workers:
-            bucket_offer(worker)(bucket.version, bucket.index, bucket.num_buckets, ref)
+            worker(offer)
         return ref
 
 
@@ -152,6 +157,7 @@ class StoreTransport:
 
     name = "store"
     supports_ep_rollout = True
+    sends_from_snapshot = False
 
     @staticmethod
     def check_config(runtime: RuntimeConfig, *, trainer_ranks: int, rollout_ep_size: int) -> None:
@@ -167,8 +173,8 @@ class StoreTransport:
             trainer.publish(self.store)
         packed = pack_weights(trainer.named_weights())  # one flat buffer: fast out-of-band serialization
         ref = _ray().put(packed)
-        for w in workers:
-            w.offer_weights.remote(trainer.version, [ref])
+        for w in workers:  # followers poll the store: whole versions go to the leader only
+            w(WeightOffer(trainer.version, ref, to_followers=False))
         nbytes = packed.data.nbytes
         return PublishReport(
             trainer.version, time.perf_counter() - t0, 1, nbytes, nbytes * len(workers), True
@@ -197,6 +203,7 @@ class ObjectStoreTransport:
 
     name = "object_store"
     supports_ep_rollout = True
+    sends_from_snapshot = True
 
     @staticmethod
     def check_config(runtime: RuntimeConfig, *, trainer_ranks: int, rollout_ep_size: int) -> None:
@@ -223,9 +230,8 @@ class ObjectStoreTransport:
         last = self.publisher.last
         if last is None:
             return
-        offer = bucket_offer(worker)
         for i, ref in enumerate(self.publisher.refs):
-            offer(last.version, i, last.num_buckets, ref)
+            worker(WeightOffer(last.version, ref, i, last.num_buckets))
 
     def receiver_spec(self) -> AssemblerSpec:
         """Buckets by ref, checked and assembled on a thread."""
@@ -265,6 +271,7 @@ class CudaIpcTransport:
 
     name = "cuda_ipc"
     supports_ep_rollout = False
+    sends_from_snapshot = False
 
     @staticmethod
     def check_config(runtime: RuntimeConfig, *, trainer_ranks: int, rollout_ep_size: int) -> None:

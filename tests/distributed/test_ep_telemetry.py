@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from moerl.config import load_config
 from moerl.ep.traffic import DIRECTIONS, sum_traffic
-from moerl.run.folder import RunDir, read_jsonl
+from moerl.rundir.folder import RunDir, read_jsonl
 from moerl.tasks.sft import run_sft
 from moerl.train import Run
 from moerl.trainer.distributed.group import TrainerGroup

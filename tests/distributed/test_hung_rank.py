@@ -22,7 +22,7 @@ def test_a_stopped_rank_makes_the_step_fail_within_the_timeout(tmp_path):
     )
     batches = trainer_cases.batches()
     assert len(split_by_groups(batches[0], 2)) == 2
-    group = TrainerGroup(cfg, str(tmp_path / "policy"), timeout_s=5.0, reply_timeout_s=60.0)
+    group = TrainerGroup(cfg, str(tmp_path / "policy"), num_ranks=2, timeout_s=5.0, reply_timeout_s=60.0)
     try:
         assert group.train_step(batches[0]).step == 1
         os.kill(group.pids[1], signal.SIGSTOP)  # hung: alive, never reaches the next collective

@@ -15,7 +15,7 @@ import torch
 import train_cases
 
 from moerl.models import from_pretrained
-from moerl.run.folder import read_jsonl
+from moerl.rundir.folder import read_jsonl
 from moerl.train import resume
 from moerl.weights.store import WeightStore
 

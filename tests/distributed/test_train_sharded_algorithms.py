@@ -9,7 +9,7 @@ import shutil
 import pytest
 import train_cases
 
-from moerl.run.folder import read_jsonl
+from moerl.rundir.folder import read_jsonl
 from moerl.train import resume
 from moerl.weights.store import WeightStore
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from moerl.config import load_config
-from moerl.run.folder import read_jsonl
+from moerl.rundir.folder import read_jsonl
 from moerl.tasks.sft import run_sft
 from moerl.train import train
 from moerl.weights.store import WeightStore

@@ -12,7 +12,9 @@ from conftest import short_config
 
 from moerl import train as train_module
 from moerl.models import from_pretrained
-from moerl.run.folder import RunDir, read_jsonl
+from moerl.placement import RAY_ACTORS
+from moerl.rundir.folder import RunDir, read_jsonl
+from moerl.runtime import start as start_module
 from moerl.runtime.build import Components
 from moerl.tasks import make_task
 from moerl.tasks.eval import evaluate
@@ -49,7 +51,7 @@ def test_async_eval_accuracy_equals_evaluating_the_saved_version_in_process(
     monkeypatch.setattr(Components, "evaluate", start_eval_only)
     # the rollout workers start while the trainer is built: the build waits for their start to begin
     rollouts_starting, trainer_waited = threading.Event(), []
-    ray_rollouts, make_trainer = train_module.RayRollouts, train_module.make_trainer
+    ray_rollouts, make_trainer = start_module.ROLLOUT_SIDES[RAY_ACTORS], train_module.make_trainer
 
     def starting_rollouts(*args, **kwargs):
         rollouts_starting.set()
@@ -59,7 +61,7 @@ def test_async_eval_accuracy_equals_evaluating_the_saved_version_in_process(
         trainer_waited.append(rollouts_starting.wait(60))
         return make_trainer(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "RayRollouts", starting_rollouts)
+    monkeypatch.setitem(start_module.ROLLOUT_SIDES, RAY_ACTORS, starting_rollouts)
     monkeypatch.setattr(train_module, "make_trainer", trainer_after_rollouts_begin)
     cfg = short_config(
         tmp_path,
@@ -123,7 +125,7 @@ def test_a_trainer_that_fails_to_build_stops_the_rollouts_started_beside_it(
     """The overlapped start (``Run._start_overlapped``): the trainer's build failing after the rollout
     workers started raises the build's error and closes the rollouts (no worker left running)."""
     closed = []
-    ray_rollouts = train_module.RayRollouts
+    ray_rollouts = start_module.ROLLOUT_SIDES[RAY_ACTORS]
 
     def tracked(*args, **kwargs):
         rollouts = ray_rollouts(*args, **kwargs)
@@ -134,7 +136,7 @@ def test_a_trainer_that_fails_to_build_stops_the_rollouts_started_beside_it(
     def broken_trainer(*args, **kwargs):
         raise RuntimeError("trainer build failed here")
 
-    monkeypatch.setattr(train_module, "RayRollouts", tracked)
+    monkeypatch.setitem(start_module.ROLLOUT_SIDES, RAY_ACTORS, tracked)
     monkeypatch.setattr(train_module, "make_trainer", broken_trainer)
     cfg = short_config(tmp_path, tiny_init, "runtime.mode=async", "trainer.steps=2")
     with pytest.raises(RuntimeError, match="trainer build failed here"):

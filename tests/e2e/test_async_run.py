@@ -6,7 +6,7 @@ import pytest
 from conftest import short_config
 
 from moerl.models import from_pretrained
-from moerl.run.folder import RunDir, read_jsonl
+from moerl.rundir.folder import RunDir, read_jsonl
 from moerl.train import train
 from moerl.trainer.checkpoint import load_checkpoint
 from moerl.weights.store import WeightStore

@@ -27,7 +27,7 @@ import ray
 from _runs import DEFAULT_CONFIG, assert_trained_exactly_once, newest_run, run_config
 
 from moerl.config import ChaosConfig, FleetConfig
-from moerl.run.folder import RunDir, read_jsonl
+from moerl.rundir.folder import RunDir, read_jsonl
 from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.drain import DrainReport
 from moerl.runtime.fleet import FleetManager, WorkerExit, WorkerHealth, WorkerState

@@ -22,7 +22,7 @@ from s3_faults import S3WithFaults
 
 from moerl.cluster.resources import node_resources
 from moerl.config import load_config
-from moerl.run.storage import RunStorage
+from moerl.rundir.storage import RunStorage
 from moerl.train import train
 
 pytestmark = pytest.mark.timeout(300)

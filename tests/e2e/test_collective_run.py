@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from _runs import DEFAULT_CONFIG, assert_trained_exactly_once, newest_run, run_config
 
-from moerl.run.folder import read_jsonl
+from moerl.rundir.folder import read_jsonl
 from moerl.train import train
 
 ray = pytest.importorskip("ray")

@@ -17,7 +17,7 @@ from conftest import TINY_MODEL, short_config
 
 from moerl.cli import main as cli_main
 from moerl.config import load_config
-from moerl.run.folder import read_jsonl
+from moerl.rundir.folder import read_jsonl
 from moerl.train import train
 from moerl.weights.store import WeightStore
 

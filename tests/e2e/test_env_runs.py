@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import short_config
 
-from moerl.run.folder import read_jsonl
+from moerl.rundir.folder import read_jsonl
 from moerl.runtime.ray import start_local_ray
 from moerl.train import train
 

@@ -19,7 +19,7 @@ import ray
 from _runs import DEFAULT_CONFIG, assert_trained_exactly_once, newest_run, run_config
 
 from moerl.models import build_model, from_pretrained
-from moerl.run.folder import read_jsonl
+from moerl.rundir.folder import read_jsonl
 from moerl.tasks import load_tokenizer, make_task
 from moerl.tasks.eval import evaluate
 from moerl.tasks.tokenizer import load_run_tokenizer

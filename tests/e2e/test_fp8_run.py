@@ -13,7 +13,7 @@ from moerl.cli import main as cli_main
 from moerl.config import load_config
 from moerl.models import build_model
 from moerl.models.fp8_checkpoint import save_fp8_release
-from moerl.run.folder import read_jsonl
+from moerl.rundir.folder import read_jsonl
 from moerl.tasks import load_tokenizer
 from moerl.train import train
 

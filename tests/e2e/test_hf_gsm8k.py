@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from moerl.cli import main as cli_main
-from moerl.run.folder import RunDir, read_jsonl
+from moerl.rundir.folder import RunDir, read_jsonl
 from moerl.tasks import load_tokenizer
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "test.jsonl"

@@ -27,7 +27,7 @@ import ray
 from conftest import short_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from moerl.run.folder import RunDir, read_jsonl
+from moerl.rundir.folder import RunDir, read_jsonl
 from moerl.train import train
 from moerl.weights import transports
 from moerl.weights.buckets import bucket_digest

@@ -7,7 +7,7 @@ from _runs import newest_run
 from conftest import short_config
 
 from moerl.cli import main as cli_main
-from moerl.run.folder import read_jsonl
+from moerl.rundir.folder import read_jsonl
 from moerl.train import train
 
 MAIN_TASK = ["task.min_digits=2", "task.max_digits=2", "task.operations=[+]"]

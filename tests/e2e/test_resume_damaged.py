@@ -13,8 +13,8 @@ from conftest import short_config
 
 from moerl.cli import main as cli_main
 from moerl.config import load_config
-from moerl.run.folder import read_jsonl
-from moerl.run.storage import RunStorage
+from moerl.rundir.folder import read_jsonl
+from moerl.rundir.storage import RunStorage
 from moerl.tasks import sft
 from moerl.telemetry.metrics import without_wall_clock
 from moerl.train import resume, train

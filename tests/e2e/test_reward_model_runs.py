@@ -10,7 +10,7 @@ from _runs import assert_trained_exactly_once
 from conftest import short_config
 from reward_models import save_digit_reward_model
 
-from moerl.run.folder import RunDir, read_jsonl
+from moerl.rundir.folder import RunDir, read_jsonl
 from moerl.train import train
 
 STEPS = 10

@@ -16,7 +16,7 @@ from s3_faults import Fault, S3WithFaults
 
 from moerl.cli import main as cli_main
 from moerl.errors import StorageError
-from moerl.run.storage import RunStorage, fetch_run
+from moerl.rundir.storage import RunStorage, fetch_run
 from moerl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from moerl.weights.store import WeightStore
 

@@ -23,8 +23,8 @@ from s3_faults import S3WithFaults
 
 from moerl.cli import main as cli_main
 from moerl.config import RunConfig, save_config
-from moerl.run.folder import RunDir, read_jsonl
-from moerl.run.storage import MARKER, RunMirror, RunStorage, StorageError, fetch_run
+from moerl.rundir.folder import RunDir, read_jsonl
+from moerl.rundir.storage import MARKER, RunMirror, RunStorage, StorageError, fetch_run
 from moerl.telemetry.metrics import without_wall_clock
 from moerl.train import train
 from moerl.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint

@@ -11,7 +11,7 @@ from conftest import short_config
 
 from moerl.cli import main as cli_main
 from moerl.config import ConfigError
-from moerl.run.folder import read_jsonl
+from moerl.rundir.folder import read_jsonl
 from moerl.telemetry.metrics import METRIC_KEYS, without_wall_clock
 from moerl.train import resume, train
 from moerl.trainer.checkpoint import list_checkpoints

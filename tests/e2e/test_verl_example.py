@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.run.folder import read_jsonl
+from moerl.rundir.folder import read_jsonl
 
 WORKTREE = Path(__file__).resolve().parents[2]
 EXAMPLE = WORKTREE / "examples" / "verl_format" / "config.yaml"

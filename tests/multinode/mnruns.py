@@ -9,7 +9,7 @@ from pathlib import Path
 from _runs import DEFAULT_CONFIG
 from raynodes import RayNodes
 
-from moerl.run.folder import read_jsonl
+from moerl.rundir.folder import read_jsonl
 
 
 class Driver:

@@ -38,7 +38,7 @@ from mnruns import Driver, actor_nodes
 from netns import Cluster
 from raynodes import RayNodes
 
-from moerl.run.folder import RunDir, read_jsonl
+from moerl.rundir.folder import RunDir, read_jsonl
 from moerl.trainer.checkpoint import latest_checkpoint
 
 # Each test's own waits add up to more than pytest's default 300 s (steps 240 s, a fault 25-45 s, the

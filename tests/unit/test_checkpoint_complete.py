@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 
 from moerl.cli import main as cli_main
 from moerl.config import ConfigError, RunConfig
-from moerl.run.folder import RunDir
 from moerl.run.resume import RESUME_FIELDS
+from moerl.rundir.folder import RunDir
 from moerl.train import resume
 from moerl.trainer.checkpoint import (
     checkpoint_problem,

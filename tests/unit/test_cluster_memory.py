@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from moerl.cluster.render import cluster_run_config
 from moerl.config import load_config
 from moerl.configlib import ConfigError
 from moerl.instances import gpu_memory_gb
+from moerl.placement import Placement
 from moerl.rollout import memory_check
 from moerl.rollout.memory_check import (
     MEMORY_HEADROOM,
@@ -29,6 +31,11 @@ from moerl.run.preflight import check_run_inputs
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 QWEN, MISSION = CONFIGS / "cluster_qwen3_30b_1node.yaml", CONFIGS / "cluster_mission.yaml"
 MISSION_BF16 = CONFIGS / "cluster_mission_bf16_2node.yaml"
+
+
+def _cache_bytes(arch, cfg) -> int:
+    """One engine's KV cache bytes of ``cfg`` (its own cache kind)."""
+    return engine_cache_bytes(arch, cfg, cfg.rollout.kv_cache)[2]
 
 
 IMAGE = "cluster.image=registry.example/moerl:0.1.0"
@@ -97,9 +104,11 @@ def test_moerl_trains_memory_check_accepts_the_mission_recipes(recipe, monkeypat
     h100 = int(gpu_memory_gb("p5.48xlarge") * 1e9)
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: (h100, "p5.48xlarge datasheet"))
     check_run_inputs(cfg)
-    est = memory_check.estimate_memory(cfg, 129280)
+    est = memory_check.estimate_memory(cfg, Placement.from_config(cfg), 129280)
     assert (est.device, est.num_engines, est.num_copies) == ("cuda:0", 0, 0)  # no driver copy, no engine
-    monkeypatch.setattr(memory_check, "evaluates_on_workers", lambda cfg: False)  # the driver evaluating
+    placed = Placement.from_config(cfg)
+    evaluating = replace(placed, driver=replace(placed.driver, evaluates_later=True))  # the driver evaluating
+    monkeypatch.setattr(Placement, "from_config", classmethod(lambda cls, c: evaluating))
     with pytest.raises(ConfigError, match=r"GiB of cuda:0 memory \(1 rollout engine KV cache"):
         check_run_inputs(cfg)
 
@@ -128,15 +137,15 @@ def test_mission_recipe_is_deepseek_v3_with_an_mla_latent_cache_and_fits_with_fp
     assert abs(bf16 / 2 - 671e9) < 0.005 * 671e9  # DeepSeek-V3: 671 B parameters (its MTP layer aside)
     assert rollout_rank_weight_bytes(arch, "bf16", 8) == ep_rank_weight_bytes(arch, torch.bfloat16, 8)
     # the KV cache: (kv_lora_rank + rope) x layers x 2 bytes per token, the engine's own allocation size
-    _, tokens, kv = engine_cache_bytes(arch, cfg)
+    _, tokens, kv = engine_cache_bytes(arch, cfg, cfg.rollout.kv_cache)
     assert kv == tokens * (512 + 64) * 61 * 2
-    _, _, expanded = engine_cache_bytes(arch, load_config(MISSION, ["rollout.mla_cache=expanded"]))
+    expanded = _cache_bytes(arch, load_config(MISSION, ["rollout.mla_cache=expanded"]))
     assert expanded == tokens * 128 * (192 + 128) * 61 * 2  # 71x the latent cache
     h200 = MEMORY_HEADROOM * gpu_memory_gb("p5en.48xlarge") * 1e9
     assert rollout_rank_weight_bytes(arch, "fp8", 8) + kv <= h200 < rollout_rank_weight_bytes(arch, "bf16", 8)
     # the bf16 variant: a 2-node group (EP 16) and half the cache fits as well
-    _, _, kv16 = engine_cache_bytes(arch, load_config(MISSION, ["rollout.kv_token_budget=131072"]))
+    kv16 = _cache_bytes(arch, load_config(MISSION, ["rollout.kv_token_budget=131072"]))
     assert rollout_rank_weight_bytes(arch, "bf16", 16) + kv16 <= h200
     # the render's rollout check with FP8 weights (rollout.weight_dtype, issue 34's FP8 half) warns not
-    monkeypatch.setattr(moerl.cluster.memory, "rollout_weight_format", lambda cfg: "fp8")
+    monkeypatch.setattr(moerl.cluster.memory, "rollout_weight_format", lambda cfg, placement: "fp8")
     assert [w for w in memory_warnings(cfg) if w.startswith("cluster.rollout")] == []

@@ -1,4 +1,4 @@
-"""``RayRollouts.evaluate``: a worker lost during a held-out eval, the eval goes to another worker."""
+"""``RayRollouts.evaluate_version``: a worker lost during a held-out eval, the eval goes to another worker."""
 
 from types import SimpleNamespace
 
@@ -47,7 +47,7 @@ def fake_get(monkeypatch):
 def test_a_worker_lost_during_the_eval_hands_it_to_the_next(fake_get):
     lost = ray.exceptions.RayActorError()
     r, calls = _rollouts({"w0": lost, "w1": RESULT}, ["w0", "w1"])
-    assert r.evaluate(["p"], 3) is RESULT
+    assert r.evaluate_version(["p"], 3) is RESULT
     assert fake_get == [("w0", 3), ("w1", 3)] and calls.count("check") == 2  # the fleet checked each time
 
 
@@ -55,8 +55,8 @@ def test_every_try_failing_fails_the_eval_with_each_error(fake_get):
     lost = ray.exceptions.RayActorError()
     r, _ = _rollouts({"w0": lost}, ["w0"])
     with pytest.raises(RuntimeError, match=rf"held-out eval of v2 failed on {EVAL_ATTEMPTS} tries: w0: "):
-        r.evaluate(["p"], 2)
+        r.evaluate_version(["p"], 2)
     assert fake_get == [("w0", 2)] * EVAL_ATTEMPTS
     r, _ = _rollouts({}, [])
     with pytest.raises(RuntimeError, match="no rollout worker is left"):
-        r.evaluate(["p"], 2)
+        r.evaluate_version(["p"], 2)

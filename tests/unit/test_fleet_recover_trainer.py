@@ -8,8 +8,8 @@ import torch
 from moerl.config import load_config
 from moerl.models import build_model
 from moerl.records import Group, Lease, RolloutTask, Sample
-from moerl.run.folder import LedgerEntry, RunDir
 from moerl.run.recovery import StepJournal, recover_trainer
+from moerl.rundir.folder import LedgerEntry, RunDir
 from moerl.trainer.batch import build_train_batch
 from moerl.trainer.local import LocalTrainer
 from moerl.weights.store import WeightStore

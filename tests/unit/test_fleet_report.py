@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from moerl.config import RunConfig
-from moerl.run.folder import RunDir
+from moerl.rundir.folder import RunDir
 from moerl.telemetry.metrics import MetricsWriter, make_record
 from moerl.telemetry.report import FLEET_REPORT, fleet_figure, fleet_panels, plot_report
 

@@ -53,12 +53,19 @@ def layer_of(module: str, layers: list[list[str]]) -> int | None:
 
 
 def layer_problems(edges: dict[str, set[str]], layers: list[list[str]]) -> list[str]:
-    """One line per problem: a name listed twice or naming no module, a module no line covers, an
-    upward import (``a -> b (layer i -> layer j)``)."""
+    """One line per problem: a name listed twice or naming no module, a package split over two layers (a
+    submodule listed apart from its package), a module no line covers, an upward import (``a -> b
+    (layer i -> layer j)``)."""
     problems = []
     listed = [name for names in layers for name in names]
     for name in sorted({n for n in listed if listed.count(n) > 1}):
         problems.append(f"{name} is listed in more than one layer")
+    for name in listed:
+        for package in listed:
+            if name != package and covers(package, name) and not package.endswith(".__init__"):
+                problems.append(
+                    f"{name} splits the package {package} over layers: make it a package of its own"
+                )
     for name in listed:
         if not any(covers(name, m) for m in edges):
             problems.append(f"{name} names no moerl module")
@@ -90,6 +97,10 @@ def test_the_check_finds_upward_and_unlisted_modules():
     assert layer_problems({"pkg": set()}, [["pkg", "gone"], ["pkg"]]) == [
         "pkg is listed in more than one layer",
         "gone names no moerl module",
+    ]
+    split = {"pkg.a": set(), "pkg.a.low": set()}
+    assert layer_problems(split, [["pkg.a.low"], ["pkg.a"]]) == [
+        "pkg.a.low splits the package pkg.a over layers: make it a package of its own"
     ]
 
 

@@ -10,6 +10,7 @@ import torch
 
 from moerl.config import ConfigError, load_config
 from moerl.models import build_model
+from moerl.placement import Placement
 from moerl.rollout import memory_check
 from moerl.rollout.memory_check import (
     MEMORY_HEADROOM,
@@ -64,7 +65,7 @@ def test_estimate_equals_what_the_engine_allocates(overrides, expected):
     sizes = ["rollout.max_slots=4", "rollout.kv_token_budget=64", "rollout.max_new_tokens=4"]
     cfg = load_config(None, [*sizes, *overrides])
     arch = policy_arch(cfg, VOCAB)
-    _, _, estimated = engine_cache_bytes(arch, cfg)
+    _, _, estimated = engine_cache_bytes(arch, cfg, cfg.rollout.kv_cache)
     model = build_model(cfg.model, VOCAB)
     engine = make_engine(model, cfg)
     cache = engine.cache
@@ -108,20 +109,20 @@ def test_estimate_equals_what_the_engine_allocates(overrides, expected):
 )
 def test_engines_and_copies_on_the_checked_device(overrides, device, rollouts, expected):
     cfg = load_config(None, overrides)
-    assert residents(cfg, torch.device(device), rollouts=rollouts) == expected
+    assert residents(Placement.from_config(cfg), torch.device(device), rollouts=rollouts) == expected
 
 
 def test_refused_only_beyond_the_headroom_of_what_is_available(monkeypatch):
     cfg = load_config(None, ["runtime.mode=sync"])
-    need = estimate_memory(cfg, VOCAB).total_bytes
+    need = estimate_memory(cfg, Placement.from_config(cfg), VOCAB).total_bytes
     fits = int(need / MEMORY_HEADROOM) + 1
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: (fits, "test"))
-    assert check_memory(cfg, VOCAB).total_bytes == need
+    assert check_memory(cfg, Placement.from_config(cfg), VOCAB).total_bytes == need
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: (fits - 2, "test"))
     with pytest.raises(
         ConfigError, match=r"^rollout.max_slots=64, rollout.kv_token_budget=16384: the run needs"
     ):
-        check_memory(cfg, VOCAB)
+        check_memory(cfg, Placement.from_config(cfg), VOCAB)
 
 
 def test_host_available_memory_is_at_most_the_total():
@@ -139,12 +140,12 @@ def test_cluster_configs_load_here_and_are_measured_only_where_the_engines_are_b
     # (plus the null block of 16) of 48 layers x 4 kv heads x 256 dims x 2 bytes per engine; it loads
     # (and renders) on any machine
     cfg = load_config(CONFIGS / "cluster_qwen3_30b_1node.yaml")
-    est = estimate_memory(cfg, 151936)
+    est = estimate_memory(cfg, Placement.from_config(cfg), 151936)
     assert est.engine_bytes == (32 * 2048 + 16) * 48 * 4 * 256 * 2
     assert est.weight_bytes == 30_532_122_624 * 2
     if est.total_bytes > MEMORY_HEADROOM * host_available_bytes()[0]:  # not a 600 GiB machine
         with pytest.raises(ConfigError, match="GiB of host memory"):
-            check_memory(cfg, 151936)
+            check_memory(cfg, Placement.from_config(cfg), 151936)
 
 
 @pytest.mark.parametrize("config", ["default.yaml", "env_calculator.yaml", "env_guess.yaml"])

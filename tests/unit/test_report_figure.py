@@ -7,7 +7,7 @@ import re
 import pytest
 
 from moerl.config import RunConfig
-from moerl.run.folder import RunDir
+from moerl.rundir.folder import RunDir
 from moerl.telemetry.metrics import MetricsWriter, make_record
 from moerl.telemetry.report import plot_report, report_figure
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moerl.config import ConfigError, RunConfig
-from moerl.run.folder import RunDir
+from moerl.rundir.folder import RunDir
 from moerl.telemetry.metrics import MetricsWriter
 
 

@@ -15,11 +15,11 @@ import moerl.train as controller
 from moerl.cli import main
 from moerl.config import ConfigError, RunConfig
 from moerl.errors import RunFolderInUseError
-from moerl.run.folder import LedgerEntry, RunDir, RunFolderLock
+from moerl.rundir.folder import LedgerEntry, RunDir, RunFolderLock
 
 HOLD = (
     "import sys, time\n"
-    "from moerl.run.folder import RunFolderLock\n"
+    "from moerl.rundir.folder import RunFolderLock\n"
     "RunFolderLock(sys.argv[1]).acquire()\n"
     "print('locked', flush=True)\n"
     "time.sleep(120)\n"

@@ -7,7 +7,7 @@ import fsspec
 import pytest
 
 from moerl.config import load_config
-from moerl.run.storage import (
+from moerl.rundir.storage import (
     MARKER,
     RunMirror,
     RunStorage,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moerl.config import ConfigError, RunConfig
-from moerl.run.folder import RunDir
-from moerl.run.storage import MARKER, RunMirror, RunStorage, fetch_run
+from moerl.rundir.folder import RunDir
+from moerl.rundir.storage import MARKER, RunMirror, RunStorage, fetch_run
 from moerl.train import resume
 from moerl.trainer.checkpoint import save_checkpoint
 

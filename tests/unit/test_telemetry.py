@@ -6,7 +6,7 @@ import json
 import pytest
 
 from moerl.config import RunConfig
-from moerl.run.folder import LedgerEntry, RunDir, atomic_write_text, read_jsonl
+from moerl.rundir.folder import LedgerEntry, RunDir, atomic_write_text, read_jsonl
 from moerl.telemetry.live import LiveView, status_line
 from moerl.telemetry.metrics import METRIC_KEYS, MetricsWriter, make_record, without_wall_clock
 from moerl.telemetry.report import plot_report, report_main

@@ -244,7 +244,7 @@ def test_score_completions_reports_pass_at_k_mean_at_k_and_the_samples():
 
 
 def test_a_resume_cuts_the_eval_samples_back_to_its_checkpoint(tmp_path):
-    from moerl.run.folder import RunDir, read_jsonl
+    from moerl.rundir.folder import RunDir, read_jsonl
 
     run = RunDir(tmp_path / "run")
     run.eval_samples.write_text("".join(json.dumps({"step": s, "prompt_id": "p"}) + "\n" for s in (0, 2, 4)))

@@ -189,7 +189,7 @@ def test_publisher_streams_buckets_and_writes_durable_versions(tmp_path):
     pub = BucketPublisher(100, put, objects.__getitem__, store, durable_every=2)
     workers = [BucketAssembler(objects.__getitem__, None, background=False) for _ in range(2)]
     for version in (1, 2, 3):
-        report = pub.publish(version, _tensors(version), [w.offer for w in workers])
+        report = pub.publish(version, _tensors(version), [w.receive for w in workers])
         assert report.num_buckets == len(pub.refs) >= 3
         assert report.bytes_moved == 2 * report.bytes_per_worker
         assert report.durable == (version == 2)

@@ -4,7 +4,7 @@ its ``ep_size - 1`` follower ranks as actors in a placement group.
     RolloutWorkerActor (EP rank 0: leases, delivers, heartbeats -- one worker to the fleet)
       EPRolloutGroup: placement group (the leader's node, or one bundle per node), EPFollowerActor x (ep_size - 1)
       engine = EPGroupEngine over the group (moerl.rollout.ep_group)
-      offer_bucket(...) --forwarded--> each follower's BucketAssembler (the same object refs)
+      receive_weights(offer) --forwarded--> each follower's BucketAssembler (the same object refs)
     EPFollowerActor (EP rank r): own model copy, experts sharded on joining; EPFollower loop
 
 Placement (``follower_placement``): each follower asks for what the worker actor asks for (1 CPU, 1 GPU
@@ -51,10 +51,11 @@ from moerl.allocator import keep_freed_memory
 from moerl.config import RunConfig, rollout_ep_ranks_per_node
 from moerl.rollout.ep_engine import EPEngine
 from moerl.rollout.ep_group import EPFollower, EPGroupEngine, EPGroupError
-from moerl.run.storage import is_remote, local_model_folder
+from moerl.rundir.storage import is_remote, local_model_folder
 from moerl.runtime.build import load_policy, make_engine
 from moerl.tasks.tokenizer import load_run_tokenizer
 from moerl.weights.buckets import BucketAssembler
+from moerl.weights.offer import WeightOffer
 from moerl.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class FollowerWeights:
 
     Args:
         assembler: this rank's receiver of the run's weight transport (a ``BucketAssembler`` fed by
-            ``offer_bucket``, or its own ``CollectiveReceiver``); complete versions are kept until asked for.
+            ``receive_weights``, or its own ``CollectiveReceiver``); complete versions are kept until asked for.
         store: the run's weight store.
         weight_wait_s: how long ``load`` waits for a version's last buckets.
     """
@@ -213,9 +214,9 @@ class EPFollowerActor:
         """This rank's process id."""
         return os.getpid()
 
-    def offer_bucket(self, version: int, index: int, num_buckets: int, refs: list) -> None:
-        """A bucket forwarded by the leader (``RolloutWorkerActor.offer_bucket``)."""
-        self.weights.assembler.offer(version, index, num_buckets, refs[0])
+    def receive_weights(self, offer: WeightOffer) -> None:
+        """A bucket forwarded by the leader (``RolloutWorkerActor.receive_weights``)."""
+        self.weights.assembler.receive(offer)
 
     def ep_state(self) -> dict:
         """This rank's engine: ``version``, ``steps`` run, ``expert_bytes`` (its expert parameters) and
@@ -379,10 +380,10 @@ class EPRolloutGroup:
         )
         return self.engine
 
-    def offer_bucket(self, version: int, index: int, num_buckets: int, refs: list) -> None:
-        """Forward a bucket's ref to every follower (not waited for)."""
+    def forward(self, offer: WeightOffer) -> None:
+        """Forward a weight offer (a bucket's ref) to every follower (not waited for)."""
         for a in self.actors:
-            a.offer_bucket.remote(version, index, num_buckets, refs)
+            a.receive_weights.remote(offer)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the followers' loops, end their actors and the placement group, leave the process group."""

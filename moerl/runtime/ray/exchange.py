@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from moerl.config import RunConfig
 from moerl.records import Group, Lease, PartialResponse, RolloutTask, Settlement
-from moerl.run.storage import local_model_folder
+from moerl.rundir.storage import local_model_folder
 from moerl.runtime.buffer import BufferMetrics, PutResult
 from moerl.runtime.build import make_buffer, make_queue
 from moerl.runtime.queue import QueueStats

@@ -48,8 +48,10 @@ from moerl.cluster.autoscale import RolloutCapacity
 from moerl.cluster.placement import exchange_placement
 from moerl.config import ConfigError, RunConfig
 from moerl.errors import EvalVersionRefused, ExchangeLostError
+from moerl.placement import Placement
 from moerl.records import Group, RolloutTask
-from moerl.run.storage import stage_model_folder
+from moerl.rollout.precision_gap import LogprobGap
+from moerl.rundir.storage import stage_model_folder
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.chaos import ChaosMonkey
@@ -62,16 +64,17 @@ from moerl.runtime.ray.exchange import ExchangeActor
 from moerl.runtime.ray.local import start_local_ray
 from moerl.runtime.ray.nodes import NodeWatch
 from moerl.runtime.ray.reward_pool import rollout_gpu_share
-from moerl.runtime.ray.worker_actor import REFUSED_EVAL, RolloutWorkerActor
+from moerl.runtime.ray.worker_actor import REFUSED_EVAL, RolloutWorkerActor, WorkerOffers
 from moerl.runtime.worker import WorkerStats
 from moerl.tasks.eval import EvalResult
+from moerl.trainer.protocol import Trainer
 from moerl.weights.buckets import bucket_bytes_of, packed_nbytes
 from moerl.weights.snapshot import WeightSnapshot
 from moerl.weights.store import WeightStore
 from moerl.weights.transport import WeightHolder, make_transport
 
 EVAL_ATTEMPTS = 3
-"""Workers a held-out eval is tried on before the run fails (``RayRollouts.evaluate``)."""
+"""Workers a held-out eval is tried on before the run fails (``RayRollouts.evaluate_version``)."""
 EVAL_TIMEOUT_S = 600.0
 """How long one worker may take to serve an eval: its wait for the version plus the generation."""
 
@@ -175,7 +178,7 @@ def _ray_init(cfg: RunConfig, ray, should_stop: Callable[[], bool]) -> None:
     else:
         ranks = cfg.rollout.num_workers * cfg.rollout.ep_size  # rollout processes, one CPU each
         # a trainer group's rank actors need a (fractional) CPU beside them (moerl.trainer.distributed.ray_ranks)
-        trainer_cpus = int(cfg.trainer.num_ranks > 1)
+        trainer_cpus = int(Placement.from_config(cfg).trainer.needs_ray_first)
         rw = cfg.reward  # reward workers (moerl.runtime.ray.reward_pool)
         reward_cpus = math.ceil(rw.num_workers * rw.cpus_per_worker) if rw.is_enabled else 0
         start_local_ray(  # a new instance, as documented: never another process's running cluster
@@ -256,7 +259,7 @@ class RayRollouts:
             handle = worker_cls.remote(  # the run's version 0 is init_path's weights: not loaded twice
                 cfg, wid, init_path, store_url, self.exchange, notices, weights=weights, init_version=0
             )
-            self.transport.offer_newest(handle)  # after its own store load: a version newer than the store's
+            self.transport.offer_newest(WorkerOffers(handle))  # after its store load: a newer version
             return handle
 
         self.backend = RayWorkerBackend(
@@ -284,10 +287,10 @@ class RayRollouts:
         self._seen: dict[str, float] = {}  # worker id -> time of the answer its lag comes from
         self._ping_version = version  # the trainer's version when the fleet's pings went out
         # runtime.overlap_publish: one version at a time sent from a device copy on a thread
-        self._overlap = (
+        self._overlap = (  # the transport says whether it can send from a device copy
             cfg.runtime.overlap_publish
-            and cfg.runtime.weight_sync == "object_store"
-            and cfg.trainer.num_ranks == 1
+            and self.transport.sends_from_snapshot
+            and not Placement.from_config(cfg).trainer.is_group
         )
         self._sending: threading.Thread | None = None
         self._send_error: BaseException | None = None
@@ -394,7 +397,7 @@ class RayRollouts:
         self.wait_sent()  # the previous version's background send (runtime.overlap_publish)
         if self._store is not None:
             self._store.check_writes()  # a failed background write stops the run here
-        workers = self.backend.alive_handles()
+        workers = [WorkerOffers(h) for h in self.backend.alive_handles()]  # each worker's OfferSink
         durable = False if is_stored else (True if is_durable else None)
         t0 = time.perf_counter()
         if self._overlap and not (is_stored or is_final):
@@ -461,7 +464,32 @@ class RayRollouts:
             error, self._send_error = self._send_error, None
             raise error
 
-    def evaluate(self, prompts: list, version: int, *, timeout_s: float = EVAL_TIMEOUT_S) -> EvalResult:
+    def published_version(self) -> int:
+        """``Rollouts.published_version``: the trainer's version last published (or started at)."""
+        return self._version
+
+    def evaluate(self, trainer: Trainer, prompts: list | None) -> EvalResult:
+        """``Rollouts.evaluate`` on a rollout worker: ``trainer``'s current version, published first when
+        this step did not (``publish``), evaluated by one worker (``evaluate_version``).
+
+        Raises:
+            EvalVersionRefused, RuntimeError: as ``evaluate_version``.
+        """
+        if self._version != trainer.version:  # not a publish step: the workers need it
+            self.publish(trainer)
+        return self.evaluate_version(prompts, trainer.version)
+
+    def precision_gap(self, trainer: Trainer, groups: list[Group]) -> LogprobGap | None:
+        """``Rollouts.precision_gap``: None (the engines are in the worker processes)."""
+        return None
+
+    def engine_model(self) -> torch.nn.Module | None:
+        """``Rollouts.engine_model``: None (each worker's engine holds its own model)."""
+        return None
+
+    def evaluate_version(
+        self, prompts: list | None, version: int, *, timeout_s: float = EVAL_TIMEOUT_S
+    ) -> EvalResult:
         """Held-out greedy accuracy of policy ``version`` (published already) on ``prompts``, evaluated by
         one rollout worker (``RolloutWorkerActor.evaluate``; an EP group's leader evaluates with all its
         ranks): the driver needs no copy of the policy. A worker lost or failing during the eval: the

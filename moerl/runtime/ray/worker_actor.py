@@ -2,12 +2,14 @@
 
 ``RolloutWorkerActor`` builds its model, engine and task from the run config and runs the same
 ``RolloutWorker`` loop as sync mode. It serves four threads: the generation loop (``run``) and control
-calls (``health``, ``pause``/``unpause``, ``stop``, ``notify``, ``offer_weights``, ``evaluate``: the
+calls (``health``, ``pause``/``unpause``, ``stop``, ``notify``, ``receive_weights``, ``evaluate``: the
 run's held-out eval, served by the loop between scheduler steps at the version asked). Its queue is a
 ``QueueProxy`` (blocking calls to the exchange actor) and its buffer a ``BufferProxy`` whose deliveries are
 not waited for (``moerl.runtime.delivery``). Newer weights come through the run's weight transport
-(``runtime.weight_sync``, ``moerl.weights.transport``: offers by object ref, a collective group, or a
-shared ring), else from polling the weight store; a failed transport loses the worker (``crashed``).
+(``runtime.weight_sync``, ``moerl.weights.transport``: ``WeightOffer``s by object ref through the one
+``receive_weights`` method, whatever the transport (``WorkerOffers`` is the driver's ``OfferSink`` to it),
+a collective group, or a shared ring), else from polling the weight store; a failed transport loses the
+worker (``crashed``).
 
 With ``rollout.ep_size > 1`` the actor is EP rank 0 of a group (``moerl.runtime.ray.ep_group``): it starts
 the follower ranks, drives them through its ``EPGroupEngine``, forwards them every weight bucket, and
@@ -32,7 +34,7 @@ from moerl.allocator import keep_freed_memory
 from moerl.config import RunConfig
 from moerl.records import Group, Lease, PartialResponse, Settlement
 from moerl.rollout.ep_group import EPGroupError
-from moerl.run.storage import is_remote, local_model_folder
+from moerl.rundir.storage import is_remote, local_model_folder
 from moerl.runtime.buffer import BufferClosed
 from moerl.runtime.build import load_policy, make_worker
 from moerl.runtime.chaos import Slowdown
@@ -47,6 +49,7 @@ from moerl.tasks import make_task
 from moerl.tasks.eval import EvalResult, eval_requests, evaluate, score_completions
 from moerl.tasks.tokenizer import load_run_tokenizer
 from moerl.weights.collective import WeightTransportError
+from moerl.weights.offer import WeightOffer
 from moerl.weights.sources import (
     CheckedWeights,
     StoreWeights,
@@ -76,6 +79,17 @@ def _remote_call(handle, method: str, *args, **kwargs):
 
 REFUSED_EVAL = "weight version refused"
 """How a worker's eval error starts when it refused the version asked (``RayRollouts.evaluate``)."""
+
+
+class WorkerOffers:
+    """The ``OfferSink`` (``moerl.weights.offer``) of one rollout worker actor: each offer goes to its
+    ``receive_weights``, not waited for. Picklable (an actor handle): travels to trainer rank 0."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def __call__(self, offer: WeightOffer) -> None:
+        self.handle.receive_weights.remote(offer)
 
 
 class RayPending:
@@ -191,7 +205,7 @@ class RolloutWorkerActor:
         self._pause = threading.Event()
         self._paused = threading.Event()
         self._stop = threading.Event()
-        self._offered = threading.Event()  # set by ``offer_weights``; the idle loop waits on it
+        self._offered = threading.Event()  # set by ``receive_weights``; the idle loop waits on it
         self._evals: list[_EvalRequest] = []  # held-out evals asked by the driver, served by ``run``
         self._evals_lock = threading.Lock()
         self.tokenizer, self.cfg = tokenizer, cfg
@@ -413,19 +427,14 @@ class RolloutWorkerActor:
         self.worker.request_stop()
         self._offered.set()  # an idle loop ends at once
 
-    def offer_weights(self, version: int, refs: list) -> None:
-        """Weights of ``version`` in the object store (``refs[0]``, a list so that Ray passes the ref
-        itself), applied between scheduler steps."""
-        self.source.offer(version, refs[0])  # runtime.weight_sync=store: OfferedWeights
-        self._offered.set()
-
-    def offer_bucket(self, version: int, index: int, num_buckets: int, refs: list) -> None:
-        """Bucket ``index`` of ``num_buckets`` of ``version`` in the object store (``refs[0]``: a
-        ``WeightBucket``), fetched on the assembler's thread; applied once the version is whole."""
-        self.source.offer(version, index, num_buckets, refs[0])  # object_store: a BucketAssembler
-        if self.group is not None:  # the followers fetch the same objects themselves
-            self.group.offer_bucket(version, index, num_buckets, refs)
-        if index == num_buckets - 1:
+    def receive_weights(self, offer: WeightOffer) -> None:
+        """A piece of a newer version (a whole one or a bucket, ``WeightOffer``), whatever the transport:
+        handed to this worker's receiving side (``receive``: fetched on its thread, applied between
+        scheduler steps once the version is whole) and, for an EP group, forwarded to the followers."""
+        self.source.receive(offer)
+        if self.group is not None and offer.to_followers:  # the followers fetch the same objects themselves
+            self.group.forward(offer)
+        if offer.completes_version:
             self._offered.set()
 
     def worker_stats(self):

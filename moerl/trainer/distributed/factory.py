@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from moerl.config import ConfigError, RunConfig
+from moerl.placement import IN_DRIVER, LOCAL_PROCESSES, RAY_ACTORS, Placement
 from moerl.trainer.distributed.checkpoint import (
     ShardedCheckpointError,
     load_critic_scheduler,
@@ -25,18 +26,22 @@ def check_trainer_resources(cfg: RunConfig) -> None:
         ConfigError: ``trainer.num_ranks`` is larger than the GPUs this machine has (sync mode: the
             ranks are local processes), or one rank's ``model.device`` (``cuda:N``) is not on it.
     """
-    t = cfg.trainer
+    placed = Placement.from_config(cfg).trainer
     device = torch.device(cfg.model.device)  # its form is checked at load: cpu, cuda, cuda:N
-    if t.num_ranks == 1 and device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+    if (
+        placed.ranks_run_on == IN_DRIVER
+        and device.type == "cuda"
+        and (device.index or 0) >= torch.cuda.device_count()
+    ):
         raise ConfigError(  # the trainer runs in this process (sync and async mode alike)
             f"model.device={cfg.model.device} needs a GPU (trainer.num_ranks=1) but this machine has "
             f"{torch.cuda.device_count()}; use model.device=cpu"
         )
-    if t.num_ranks > 1 and str(cfg.model.device).startswith("cuda") and cfg.runtime.mode == "sync":
+    if placed.ranks_run_on == LOCAL_PROCESSES and device.type == "cuda":
         available = torch.cuda.device_count()
-        if t.num_ranks > available:
+        if placed.num_ranks > available:
             raise ConfigError(
-                f"trainer.num_ranks={t.num_ranks} needs {t.num_ranks} GPUs (one per rank) but this machine has "
+                f"trainer.num_ranks={placed.num_ranks} needs {placed.num_ranks} GPUs (one per rank) but this machine has "
                 f"{available}; lower trainer.num_ranks or use model.device=cpu"
             )
 
@@ -65,7 +70,9 @@ def make_trainer(
         RuntimeError: async mode with ``trainer.num_ranks > 1`` before the run's Ray instance is up
             (``moerl.runtime.ray.init_ray``; the trainer sits below the runtime and does not start it).
     """
-    if cfg.trainer.num_ranks == 1:
+    placed = Placement.from_config(cfg).trainer
+    ranks_run_on = placed.ranks_run_on
+    if ranks_run_on == IN_DRIVER:
         return LocalTrainer.from_run_config(model, cfg)
     if init_path is None:  # a fresh policy: saved once, so that a restarted group loads the same weights
         from moerl.models import save_pretrained
@@ -73,7 +80,7 @@ def make_trainer(
         init_path = str(scratch / "trainer_init")
         if not (Path(init_path) / "config.json").exists():
             save_pretrained(model, init_path)
-    if cfg.runtime.mode == "async":
+    if ranks_run_on == RAY_ACTORS:
         import ray  # here: Ray only in async mode
 
         if not ray.is_initialized():  # ray.remote would start an instance the rollout fleet cannot share
@@ -82,11 +89,16 @@ def make_trainer(
             cfg,
             init_path,
             model if keep_copy else None,
+            num_ranks=placed.num_ranks,
             ranks="ray",
             timeout_s=cfg.trainer.collective_timeout_s,
         )
     return TrainerGroup(
-        cfg, init_path, model if keep_copy else None, timeout_s=cfg.trainer.collective_timeout_s
+        cfg,
+        init_path,
+        model if keep_copy else None,
+        num_ranks=placed.num_ranks,
+        timeout_s=cfg.trainer.collective_timeout_s,
     )
 
 

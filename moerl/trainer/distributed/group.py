@@ -123,10 +123,12 @@ class LocalRanks:
 
 
 class TrainerGroup:
-    """The policy trained by ``cfg.trainer.num_ranks`` ranks; used like ``moerl.trainer.local.Trainer``.
+    """The policy trained by ``num_ranks`` ranks; used like ``moerl.trainer.local.Trainer``.
 
     Args:
         cfg: the run config.
+        num_ranks: training processes (``moerl.placement.TrainerPlacement.num_ranks``; ``batch_groups``
+            and ``ep_size`` divide it, as ``RunConfig`` checks for ``trainer.num_ranks``).
         init_path: Hugging Face folder the ranks load their shards from.
         model: the driver's copy of the policy (eval and export use it); refreshed from every
             version published to the store, and from a streamed one by ``refresh_model``. None: no copy kept.
@@ -147,13 +149,14 @@ class TrainerGroup:
         init_path: str,
         model: torch.nn.Module | None = None,
         *,
+        num_ranks: int,
         timeout_s: float = COLLECTIVE_TIMEOUT_S,
         startup_s: float = 120.0,
         reply_timeout_s: float | None = None,
         ranks: str = "local",
     ) -> None:
         self.cfg, self.model = cfg, model
-        self.num_ranks = cfg.trainer.num_ranks
+        self.num_ranks = num_ranks
         self.preset = preset_from_config(cfg.algorithm)
         self.timeout_s = reply_timeout_s if reply_timeout_s is not None else 10 * timeout_s
         self._rendezvous = Path(tempfile.mkdtemp(prefix="moerl-trainer-"))

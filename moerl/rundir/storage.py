@@ -1,6 +1,6 @@
 """Run storage: a run's files in an object store (``storage.url: s3://bucket/prefix``), no shared filesystem.
 
-The trainer writes its run folder on local disk as always (``moerl.run.folder``); ``RunMirror``
+The trainer writes its run folder on local disk as always (``moerl.rundir.folder``); ``RunMirror``
 copies it to ``<storage.url>/<run folder name>/`` as it goes, and the weight store writes its versions
 there directly (``<run>/weights``, ``moerl.weights.store``), so rollout workers on other machines read
 them from the store; the model folder the actors build their policy from is staged beside the
