@@ -43,9 +43,9 @@ def make_engine(model: torch.nn.Module, cfg: RunConfig, *, version: int = 0) -> 
     (``Placement.rollout.cache_kind``: paged blocks by default, or slots). The engine's weights take the
     placement's rollout weight dtype (``model``, the engine's own copy, is converted in place:
     ``moerl.rollout.weight_dtype.prepare_rollout_model``)."""
-    rollout = Placement.from_config(cfg).rollout
-    model = prepare_rollout_model(model, rollout.weight_dtype)
-    return Engine.from_config(model, cfg.rollout, cache=rollout.cache_kind, seed=cfg.seed, version=version)
+    placed = Placement.from_config(cfg).rollout
+    model = prepare_rollout_model(model, placed.weight_dtype)
+    return Engine.from_config(model, cfg.rollout, cache=placed.cache_kind, seed=cfg.seed, version=version)
 
 
 def make_queue(cfg: RunConfig, task: Task, tokenizer: Tokenizer) -> TaskQueue:
