@@ -217,6 +217,8 @@ class Engine:
         self._steps_since_sync = 0
         self._overlap_sync = self.device.type == "cuda" if overlap_sync is None else bool(overlap_sync)
         self._staged: _Staged | None = None  # a started copy of the first pending tokens (_stage)
+        self.speculation = None
+        """Speculative decoding (``moerl.rollout.spec_decode.SpeculativeDecoding``; paged engine only)."""
         self._init_slot_state(num_slots)
         self._decode_steps = self._decode_rows = 0
         # Decode steps replayed from CUDA graphs, one per (B, R, sampling flags) key (cuda_graphs.py).
@@ -338,7 +340,9 @@ class Engine:
         if self._sync_due() and (self._staged is None or self._at_limit()):
             done += self._sync()
         done += self._reserve_decode()
-        if self.scheduler.running:
+        if self.scheduler.running and self.speculation is not None and self.speculation.should_speculate(self):
+            done += self.speculation.step(self)  # draft, verify, accept, sync (moerl.rollout.spec_decode)
+        elif self.scheduler.running:
             self._decode()
             self._steps_since_sync += 1
         if self._staged is not None:  # the copy started last step: read now, this step's decode runs
@@ -653,6 +657,11 @@ class Engine:
         """[M, 2] float64 on the device: the pending entries' token ids (exact in float64) beside their
         log-probs, in entry then row order."""
         return torch.cat([torch.stack((p.tokens.double(), p.logprobs.double()), 1) for p in self._pending])
+
+    def _sync_all(self) -> list[Completion]:
+        """Finish a started copy and sync every pending token: afterwards the host knows every token."""
+        done = self._finish_staged() if self._staged is not None else []
+        return done + (self._sync() if self._pending else [])
 
     def _sync(self) -> list[Completion]:
         """Copy every pending token to the host (waiting for the device), then finish and release
