@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -99,7 +100,8 @@ class MtpLayer(nn.Module):
         logits_i = lm_head(shared_head.norm(h_i^mtp))  ->  P(t_{i+2})   (Eq. 23)
 
     ``block`` is a ``DecoderLayer`` with index ``num_hidden_layers + depth`` (an MoE layer where the
-    config's rules make one). Embedding and output head are the main model's (shared, Sec. 2.2).
+    config's rules make one). Embedding and output head are the main model's (shared, Sec. 2.2), used
+    detached: a loss on this module's logits never moves the policy.
     More in ``moerl.models.mtp``.
     """
 
@@ -130,7 +132,8 @@ class MtpLayer(nn.Module):
         Returns:
             h_mtp [B, T, H] (model dtype), logits [B, T, V] predicting t_{i+2}.
         """
-        emb = model.embed_tokens(next_ids)
+        # the shared embedding and head enter detached: the MTP loss trains this module, never the policy
+        emb = F.embedding(next_ids, model.embed_tokens.weight.detach())
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden.to(emb.dtype))], dim=-1))
         cos, sin = model.rotary(position_ids, x.dtype)
         mask = None
@@ -138,7 +141,7 @@ class MtpLayer(nn.Module):
             mask = causal_padding_mask(attention_mask)
         token_mask = attention_mask.reshape(-1).bool() if attention_mask is not None else None
         h, _ = self.block(x, cos, sin, mask, None, token_mask, None)
-        return h, model.lm_head(self.shared_head.norm(h))
+        return h, F.linear(self.shared_head.norm(h), model.lm_head.weight.detach())
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,7 @@ def test_mtp_loss_trains_the_module_only():
         has_grad = p.grad is not None and bool(p.grad.abs().sum() > 0)
         if name.startswith("mtp_layers."):
             assert has_grad or "router" in name or "experts" in name, name
-        elif name not in ("embed_tokens.weight", "lm_head.weight"):  # shared with the module (Sec. 2.2)
+        else:  # the policy, its shared embedding and head included: untouched by the MTP loss
             assert not has_grad, name
     # the hand-computed value: position i predicts ids[i + 2]
     logits = model.mtp_layers[0](model, out.hidden[:, :-2], ids[:, 1:-1], torch.arange(1, 8).expand(3, -1))[1]
