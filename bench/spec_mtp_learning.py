@@ -84,14 +84,20 @@ def main() -> None:
         "steps": args.steps,
         "speculative_tokens": args.tokens,
         "mtp_loss_weight": args.mtp_loss_weight,
-        "off": {"start_acc": off_summary.get("start_eval_accuracy"), "final_acc": off_summary.get("final_eval_accuracy"),
-                "wall_s": off_summary.get("wall_time_s")},
-        "mtp": {"start_acc": spec_summary.get("start_eval_accuracy"),
-                "final_acc": spec_summary.get("final_eval_accuracy"), "wall_s": spec_summary.get("wall_time_s"),
-                "acceptance_first_tenth": _window_mean(rate, 0, tenth),
-                "acceptance_last_tenth": _window_mean(rate, len(rate) - tenth, len(rate)),
-                "mtp_accuracy_first": spec[0].get("train/mtp_accuracy") if spec else None,
-                "mtp_accuracy_last": spec[-1].get("train/mtp_accuracy") if spec else None},
+        "off": {
+            "start_acc": off_summary.get("start_eval_accuracy"),
+            "final_acc": off_summary.get("final_eval_accuracy"),
+            "wall_s": off_summary.get("wall_time_s"),
+        },
+        "mtp": {
+            "start_acc": spec_summary.get("start_eval_accuracy"),
+            "final_acc": spec_summary.get("final_eval_accuracy"),
+            "wall_s": spec_summary.get("wall_time_s"),
+            "acceptance_first_tenth": _window_mean(rate, 0, tenth),
+            "acceptance_last_tenth": _window_mean(rate, len(rate) - tenth, len(rate)),
+            "mtp_accuracy_first": spec[0].get("train/mtp_accuracy") if spec else None,
+            "mtp_accuracy_last": spec[-1].get("train/mtp_accuracy") if spec else None,
+        },
         "acceptance_by_step": rate,
         "mtp_loss_by_step": [r.get("train/mtp_loss") for r in spec],
     }
@@ -103,8 +109,10 @@ def main() -> None:
     print(f"{'run':6} {'start acc':>9} {'final acc':>9} {'accept first':>12} {'accept last':>11}")
     for name in ("off", "mtp"):
         r = result[name]
-        print(f"{name:6} {r['start_acc']!s:>9} {r['final_acc']!s:>9} "
-              f"{r.get('acceptance_first_tenth')!s:>12} {r.get('acceptance_last_tenth')!s:>11}")
+        print(
+            f"{name:6} {r['start_acc']!s:>9} {r['final_acc']!s:>9} "
+            f"{r.get('acceptance_first_tenth')!s:>12} {r.get('acceptance_last_tenth')!s:>11}"
+        )
     print(f"wrote {out}", file=sys.stderr)
 
 

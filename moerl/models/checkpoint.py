@@ -325,8 +325,12 @@ def _hf_tensors(model: MoeForCausalLM) -> dict[str, torch.Tensor]:
         else:
             out[mapper.to_hf(name)] = t
     for j in range(cfg.num_nextn_predict_layers):  # the release's copies of the shared embedding and head
-        out[f"model.layers.{cfg.num_hidden_layers + j}.embed_tokens.weight"] = model.embed_tokens.weight.detach()
-        out[f"model.layers.{cfg.num_hidden_layers + j}.shared_head.head.weight"] = model.lm_head.weight.detach()
+        out[f"model.layers.{cfg.num_hidden_layers + j}.embed_tokens.weight"] = (
+            model.embed_tokens.weight.detach()
+        )
+        out[f"model.layers.{cfg.num_hidden_layers + j}.shared_head.head.weight"] = (
+            model.lm_head.weight.detach()
+        )
     return {k: v.to("cpu").contiguous().clone() for k, v in out.items()}
 
 

@@ -91,14 +91,18 @@ def mtp_loss(
         ValueError: the model has no MTP layer.
     """
     if not has_mtp(model):
-        raise ValueError("the model has no MTP layer (attach_fresh_mtp or a release with num_nextn_predict_layers)")
+        raise ValueError(
+            "the model has no MTP layer (attach_fresh_mtp or a release with num_nextn_predict_layers)"
+        )
     b, t = input_ids.shape
     if t < 3:
         zero = hidden.new_zeros((), dtype=torch.float32)
         return zero, zero
     am = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     pos = positions_from_mask(am)
-    h, logits = model.mtp_layers[0](model, hidden[:, :-2].detach(), input_ids[:, 1:-1], pos[:, 1:-1], am[:, 1:-1])
+    h, logits = model.mtp_layers[0](
+        model, hidden[:, :-2].detach(), input_ids[:, 1:-1], pos[:, 1:-1], am[:, 1:-1]
+    )
     target = input_ids[:, 2:]
     weight = (loss_mask[:, 2:] * am[:, 2:]).float()
     ce = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="none").view(b, t - 2)

@@ -340,7 +340,11 @@ class Engine:
         if self._sync_due() and (self._staged is None or self._at_limit()):
             done += self._sync()
         done += self._reserve_decode()
-        if self.scheduler.running and self.speculation is not None and self.speculation.should_speculate(self):
+        if (
+            self.scheduler.running
+            and self.speculation is not None
+            and self.speculation.should_speculate(self)
+        ):
             done += self.speculation.step(self)  # draft, verify, accept, sync (moerl.rollout.spec_decode)
         elif self.scheduler.running:
             self._decode()

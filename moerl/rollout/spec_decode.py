@@ -31,8 +31,8 @@ import torch
 
 from moerl.rollout.params import Completion
 from moerl.rollout.speculative import (
-    DraftRequest,
     Drafter,
+    DraftRequest,
     MtpDrafter,
     NgramDrafter,
     SpecPolicy,
@@ -104,11 +104,14 @@ class SpeculativeDecoding:
         rows = engine._rows(slot_idx, seqs)
         contexts = [list(s.request.prompt_ids) + s.token_ids for s in seqs]
         requests = [
-            DraftRequest(ctx, self._room(s), s.noise_key, id(s)) for s, ctx in zip(seqs, contexts, strict=True)
+            DraftRequest(ctx, self._room(s), s.noise_key, id(s))
+            for s, ctx in zip(seqs, contexts, strict=True)
         ]
         with self.timer:
             drafts = self.drafter.propose(requests, rows, self.num_tokens)
-        counts = [engine._blocks_for_drafts(s, n) for s, n in zip(seqs, drafts.num_drafts.tolist(), strict=True)]
+        counts = [
+            engine._blocks_for_drafts(s, n) for s, n in zip(seqs, drafts.num_drafts.tolist(), strict=True)
+        ]
         k = max(counts)
         want_routed = any(s.request.params.return_routed_experts for s in seqs)
         want_hidden = isinstance(self.drafter, MtpDrafter)
@@ -124,8 +127,12 @@ class SpeculativeDecoding:
         first = torch.tensor([s.seq_len for s in seqs], dtype=torch.int64, device=dev)
         probs = None if drafts.probs is None or k == 0 else drafts.probs[:, :k]
         ver = verify_drafts(
-            logits[:, : k + 1], drafts.tokens[:, : max(k, 1)], probs,
-            torch.tensor(counts, dtype=torch.int64, device=dev), rows, first,
+            logits[:, : k + 1],
+            drafts.tokens[:, : max(k, 1)],
+            probs,
+            torch.tensor(counts, dtype=torch.int64, device=dev),
+            rows,
+            first,
         )
         accepted = ver.num_accepted.tolist()  # host sync: the step's lengths decide the next one
         self._record(engine, seqs, ver, accepted, slot_idx, first)

@@ -289,11 +289,16 @@ class MtpDrafter:
         b = len(requests)
         ready = [self._window_of(req) for req in requests]
         if k == 0 or not any(w is not None for w in ready):
-            return Drafts(tokens=torch.zeros(b, max(k, 1), dtype=torch.int64, device=dev),
-                          num_drafts=torch.zeros(b, dtype=torch.int64, device=dev))
+            return Drafts(
+                tokens=torch.zeros(b, max(k, 1), dtype=torch.int64, device=dev),
+                num_drafts=torch.zeros(b, dtype=torch.int64, device=dev),
+            )
         ids, hid, pos, mask = self._batch(requests, ready, dev)
-        counts = torch.tensor([r.max_drafts if w is not None else 0 for r, w in zip(requests, ready, strict=True)],
-                              dtype=torch.int64, device=dev).clamp(max=k)
+        counts = torch.tensor(
+            [r.max_drafts if w is not None else 0 for r, w in zip(requests, ready, strict=True)],
+            dtype=torch.int64,
+            device=dev,
+        ).clamp(max=k)
         k_draft = purpose_keys(rows.keys, _DRAFT)
         tokens, probs = [], []
         layer = self.model.mtp_layers[0]

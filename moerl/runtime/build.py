@@ -13,8 +13,8 @@ import torch
 
 from moerl.config import RunConfig
 from moerl.models import build_model, from_pretrained
-from moerl.models.mtp import attach_fresh_mtp
 from moerl.models.dtypes import torch_dtype
+from moerl.models.mtp import attach_fresh_mtp
 from moerl.rl import preset_from_config
 from moerl.rollout import Engine
 from moerl.rollout.memory_check import driver_holds_policy

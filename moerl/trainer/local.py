@@ -276,7 +276,12 @@ class LocalTrainer:
         forced = self.algo.forced_experts(mb, self.device)
         want_hidden = with_grad and self.cfg.mtp_loss_weight > 0  # the MTP loss needs every position's
         split = None
-        if self.cfg.share_prompt and self.cfg.aux_loss_coef == 0 and mb.prompt_lens is not None and not want_hidden:
+        if (
+            self.cfg.share_prompt
+            and self.cfg.aux_loss_coef == 0
+            and mb.prompt_lens is not None
+            and not want_hidden
+        ):
             split = split_shared_prefix(
                 ids, attn, mb.prompt_lens.to(self.device), mb.group_ids.to(self.device)
             )
@@ -385,9 +390,16 @@ class LocalTrainer:
             share = mb.num_sequences / num_rows
             if self.cfg.aux_loss_coef > 0:
                 loss = loss + self.cfg.aux_loss_coef * share * out.aux_loss
-            if out.hidden is not None:  # trainer.mtp_loss_weight > 0: the draft module learns beside the policy
-                m_loss, m_acc = mtp_loss(self.model, out.hidden, mb.input_ids.to(self.device), mask,
-                                         mb.attention_mask.to(self.device))
+            if (
+                out.hidden is not None
+            ):  # trainer.mtp_loss_weight > 0: the draft module learns beside the policy
+                m_loss, m_acc = mtp_loss(
+                    self.model,
+                    out.hidden,
+                    mb.input_ids.to(self.device),
+                    mask,
+                    mb.attention_mask.to(self.device),
+                )
                 loss = loss + self.cfg.mtp_loss_weight * share * m_loss
                 mtp_part["mtp_loss"] += float(m_loss.detach()) * share
                 mtp_part["mtp_accuracy"] += float(m_acc) * share

@@ -41,9 +41,16 @@ def test_release_names_round_trip(tmp_path, family):
         keys = set(h.keys())
         assert torch.equal(h.get_tensor(f"model.layers.{n}.shared_head.head.weight"), model.lm_head.weight)
         assert torch.equal(h.get_tensor(f"model.layers.{n}.embed_tokens.weight"), model.embed_tokens.weight)
-    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                 "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.experts.0.gate_proj.weight",
-                 "mlp.gate.weight"):
+    for name in (
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "mlp.experts.0.gate_proj.weight",
+        "mlp.gate.weight",
+    ):
         assert f"model.layers.{n}.{name}" in keys, name
     assert json.loads((tmp_path / "m" / "config.json").read_text())["num_nextn_predict_layers"] == 1
     loaded = from_pretrained(tmp_path / "m")
@@ -117,9 +124,17 @@ def _batch_groups():
         samples = []
         for i in range(2):
             resp = [(prompt[0] + 3 * j + i) % VOCAB for j in range(10)]  # a learnable pattern
-            samples.append(Sample(prompt_ids=prompt, response_ids=resp, response_logprobs=[-1.0] * 10,
-                                  loss_mask=[1] * 10, finish_reason="stop", policy_versions=[0] * 10,
-                                  reward=float(i)))
+            samples.append(
+                Sample(
+                    prompt_ids=prompt,
+                    response_ids=resp,
+                    response_logprobs=[-1.0] * 10,
+                    loss_mask=[1] * 10,
+                    finish_reason="stop",
+                    policy_versions=[0] * 10,
+                    reward=float(i),
+                )
+            )
         groups.append(Group.from_lease(Lease(task, "w", t + 1, 0.0), samples, 0.5))
     return groups
 

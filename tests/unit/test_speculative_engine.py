@@ -10,9 +10,9 @@ import torch
 from moerl.config import ModelConfig, RolloutConfig
 from moerl.models import build_model
 from moerl.models.mtp import attach_fresh_mtp
-from moerl.rollout.sampler import token_logprobs
 from moerl.rollout import Request, SamplingParams
 from moerl.rollout.paged_engine import PagedEngine
+from moerl.rollout.sampler import token_logprobs
 from moerl.rollout.spec_decode import SpeculativeDecoding
 from moerl.rollout.speculative import NgramDrafter, SpecPolicy
 
@@ -34,15 +34,24 @@ def _requests(n=2, max_new_tokens=16, **kw):
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, VOCAB, (k,), generator=gen).tolist() for k in (5, 11, 7)]
     return [
-        Request(request_id=f"r{i}", prompt_ids=p,
-                params=SamplingParams(max_new_tokens=max_new_tokens, n=n, seed=i, **kw))
+        Request(
+            request_id=f"r{i}",
+            prompt_ids=p,
+            params=SamplingParams(max_new_tokens=max_new_tokens, n=n, seed=i, **kw),
+        )
         for i, p in enumerate(prompts)
     ]
 
 
 def _engine(model, speculative="off", k=3, **kw):
-    cfg = RolloutConfig(max_slots=16, kv_token_budget=2048, kv_block_size=4, speculative=speculative,
-                        speculative_tokens=k, **kw)
+    cfg = RolloutConfig(
+        max_slots=16,
+        kv_token_budget=2048,
+        kv_block_size=4,
+        speculative=speculative,
+        speculative_tokens=k,
+        **kw,
+    )
     return PagedEngine.from_config(model, cfg, seed=0)
 
 
@@ -114,14 +123,17 @@ class _WrongDrafter(NgramDrafter):
 
     def propose(self, requests, rows, k):
         d = super().propose(requests, rows, k)
-        return type(d)(tokens=torch.full_like(d.tokens, VOCAB - 1),
-                       num_drafts=torch.tensor([min(k, r.max_drafts) for r in requests]))
+        return type(d)(
+            tokens=torch.full_like(d.tokens, VOCAB - 1),
+            num_drafts=torch.tensor([min(k, r.max_drafts) for r in requests]),
+        )
 
 
 def test_speculation_turns_off_where_it_does_not_pay(model):
     engine = _engine(model)
-    engine.speculation = SpeculativeDecoding(_WrongDrafter(), 3,
-                                             SpecPolicy(max_batch=4, min_acceptance=0.3, probe_every=8))
+    engine.speculation = SpeculativeDecoding(
+        _WrongDrafter(), 3, SpecPolicy(max_batch=4, min_acceptance=0.3, probe_every=8)
+    )
     pol = engine.speculation.policy
     big = engine.generate(_requests(n=2, max_new_tokens=8, temperature=0.0))  # 6 sequences > max_batch
     assert pol.num_off_batch > 0 and pol.num_spec_steps == 0  # the large batch decoded plainly

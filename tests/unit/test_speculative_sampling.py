@@ -110,7 +110,9 @@ def test_no_draft_is_a_plain_decode_step():
     rows = _rows(32, top_k=3)
     logits = torch.randn(32, 3, V, generator=torch.Generator().manual_seed(5))
     pos = torch.arange(32, dtype=torch.int64) + 4
-    out = verify_drafts(logits, torch.zeros(32, 2, dtype=torch.int64), None, torch.zeros(32, dtype=torch.int64), rows, pos)
+    out = verify_drafts(
+        logits, torch.zeros(32, 2, dtype=torch.int64), None, torch.zeros(32, dtype=torch.int64), rows, pos
+    )
     tok, lp = sample_no_sync(logits[:, 0], rows, pos)
     assert torch.equal(out.tokens[:, 0], tok) and torch.allclose(out.logprobs[:, 0], lp)
     assert int(out.num_accepted.sum()) == 0
