@@ -155,3 +155,25 @@ def test_speculative_config_is_checked():
         RolloutConfig(speculative="ngram", kv_cache="slots")
     with pytest.raises(ConfigError, match="speculative_tokens"):
         RolloutConfig(speculative="ngram", speculative_tokens=0)
+
+
+def test_engine_stats_reach_the_metrics(model):
+    from moerl.telemetry.step import kv_values
+
+    engine = _engine(model, "ngram")
+    assert kv_values([engine.stats])["rollout/spec_acceptance_rate"] is None  # nothing speculated yet
+    engine.generate(_requests(n=1, max_new_tokens=12, temperature=0.0))
+    values = kv_values([engine.stats])
+    pol = engine.speculation.policy
+    assert values["rollout/spec_acceptance_rate"] == pol.acceptance_rate
+    assert values["rollout/spec_accepted_per_step"] == pol.accepted_per_step
+    assert values["timing/spec_draft_s"] > 0
+
+
+def test_run_policy_gets_an_mtp_module_where_the_config_needs_one():
+    from moerl.config import load_config
+    from moerl.runtime.build import load_policy
+
+    cfg = load_config(None, ["rollout.speculative=mtp"])
+    assert len(load_policy(cfg, None, VOCAB).mtp_layers) == 1
+    assert len(load_policy(load_config(None, []), None, VOCAB).mtp_layers) == 0
