@@ -89,6 +89,19 @@ class SpeculativeDecoding:
             SpecPolicy(max_batch=cfg.speculative_max_batch),
         )
 
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether the drafter conditions on the policy's hidden states (the MTP drafter)."""
+        return isinstance(self.drafter, MtpDrafter)
+
+    def observe_prefill(self, admissions, hidden: torch.Tensor) -> None:
+        """Hand a prefill's hidden states [R, T, H] (row r: positions ``cached ..`` of admission r's tokens)
+        to the drafter for every sequence of the admission (a group's samples share its prompt)."""
+        for r, a in enumerate(admissions):
+            n = len(a.tokens) - a.cached
+            for s in a.sequences:
+                self.drafter.observe(id(s), a.cached, hidden[r, :n])
+
     def should_speculate(self, engine: PagedEngine) -> bool:
         """Whether this engine step speculates (``SpecPolicy.should_speculate`` on the running count)."""
         return self.policy.should_speculate(len(engine.scheduler.running))
@@ -114,7 +127,7 @@ class SpeculativeDecoding:
         ]
         k = max(counts)
         want_routed = any(s.request.params.return_routed_experts for s in seqs)
-        want_hidden = isinstance(self.drafter, MtpDrafter)
+        want_hidden = self.wants_hidden
         draft_ids = drafts.tokens[:, :k].tolist() if k else [[] for _ in seqs]
         starts = [s.seq_len - 1 for s in seqs]
         logits, _, hidden = engine._forward_prefixes(
