@@ -371,8 +371,8 @@ class RolloutConfig:
     recorded in every case (``moerl.weights.buckets``)."""
 
     speculative: str = "off"
-    """Speculative decoding in the paged engine's decode (``moerl.rollout.speculative``, docs/speculative.md):
-    ``off``; ``mtp`` drafts with the policy's multi-token-prediction module (a release's, else a fresh one
+    """Speculative decoding in the engine's decode over the paged cache (``moerl.rollout.spec_decode``,
+    docs/speculative.md): ``off``; ``mtp`` drafts with the policy's multi-token-prediction module (a release's, else a fresh one
     that ``trainer.mtp_loss_weight`` trains online); ``ngram`` drafts by prompt lookup (model-free). The
     drafts are verified in one forward and accepted by the rejection-sampling rule, so tokens and log-probs
     are distributed exactly as without speculation; steps with more than ``speculative_max_batch``
@@ -436,8 +436,8 @@ class RolloutConfig:
         check_range("rollout.speculative_max_batch", self.speculative_max_batch, 1)
         if self.speculative != "off" and (self.kv_cache != "paged" or self.ep_size > 1):
             raise ConfigError(
-                f"rollout.speculative={self.speculative} runs in the paged engine of one rank: it needs "
-                f"rollout.kv_cache=paged (got {self.kv_cache}) and rollout.ep_size=1 (got {self.ep_size})"
+                f"rollout.speculative={self.speculative} runs in one rank's engine over the paged cache: "
+                f"it needs rollout.kv_cache=paged (got {self.kv_cache}) and rollout.ep_size=1 (got {self.ep_size})"
             )
 
 

@@ -1,16 +1,17 @@
-"""The paged engine's speculative decode step: draft, verify in one forward, accept, record.
+"""The engine's speculative decode step: draft, verify in one forward, accept, record.
 
 Shapes: B running sequences, K = ``rollout.speculative_tokens``, V vocabulary, H hidden size.
 
-``SpeculativeDecoding`` is a component the engine holds (``PagedEngine.speculation``; None when
-``rollout.speculative=off``); ``Engine.step`` asks it, once per step, whether to speculate
+``SpeculativeDecoding`` is a component the engine holds (``Engine.speculation``; None when
+``rollout.speculative=off``), over a cache policy that can reserve room for drafts
+(``PagedCachePolicy.room_for_drafts``); ``Engine.step`` asks it, once per step, whether to speculate
 (``SpecPolicy``) and then calls ``step(engine)`` instead of the plain decode. One speculative step:
 
 1. the host learns every pending token (a sync; drafting needs the context on the host);
 2. the drafter proposes k_b <= K tokens per row (fewer near ``max_new_tokens``, or where the cache has
    no block for them);
 3. one forward over [t, d_0, ..., d_{k_b - 1}] per row, through the engine's prefill path
-   (``PagedEngine._forward_prefixes``: each row attends over its cached prefix and writes the keys,
+   (``Engine._forward_prefill``: each row attends over its cached prefix and writes the keys,
    values and, with R3, the routed experts of those positions into its blocks);
 4. ``moerl.rollout.speculative.verify_drafts`` keeps a_b drafts and adds one token (exact policy
    distribution); the a_b + 1 tokens are recorded with the policy's log-probs and the step's version;
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moerl.rollout.cache_policy import PrefillRow
 from moerl.rollout.params import Completion
 from moerl.rollout.speculative import (
     Drafter,
@@ -42,7 +44,7 @@ from moerl.rollout.speculative import (
 
 if TYPE_CHECKING:
     from moerl.config import RolloutConfig
-    from moerl.rollout.paged_engine import PagedEngine
+    from moerl.rollout.engine import Engine
     from moerl.rollout.scheduler import Sequence
 
 
@@ -102,11 +104,11 @@ class SpeculativeDecoding:
             for s in a.sequences:
                 self.drafter.observe(id(s), a.cached, hidden[r, :n])
 
-    def should_speculate(self, engine: PagedEngine) -> bool:
+    def should_speculate(self, engine: Engine) -> bool:
         """Whether this engine step speculates (``SpecPolicy.should_speculate`` on the running count)."""
         return self.policy.should_speculate(len(engine.scheduler.running))
 
-    def step(self, engine: PagedEngine) -> list[Completion]:
+    def step(self, engine: Engine) -> list[Completion]:
         """One speculative decode step of every running sequence; returns the completions it finished."""
         done = engine._sync_all()
         seqs = list(engine.scheduler.running)
@@ -123,20 +125,18 @@ class SpeculativeDecoding:
         with self.timer:
             drafts = self.drafter.propose(requests, rows, self.num_tokens)
         counts = [
-            engine._blocks_for_drafts(s, n) for s, n in zip(seqs, drafts.num_drafts.tolist(), strict=True)
+            engine.policy.room_for_drafts(s, n) for s, n in zip(seqs, drafts.num_drafts.tolist(), strict=True)
         ]
         k = max(counts)
         want_routed = any(s.request.params.return_routed_experts for s in seqs)
         want_hidden = self.wants_hidden
         draft_ids = drafts.tokens[:, :k].tolist() if k else [[] for _ in seqs]
         starts = [s.seq_len - 1 for s in seqs]
-        logits, _, hidden = engine._forward_prefixes(
-            [s.blocks for s in seqs],
-            [ctx + d[:n] for ctx, d, n in zip(contexts, draft_ids, counts, strict=True)],
-            starts,
-            want_routed,
-            want_hidden=want_hidden,
-        )
+        rows_in = [
+            PrefillRow(s, ctx + d[:n], s.seq_len - 1)
+            for s, ctx, d, n in zip(seqs, contexts, draft_ids, counts, strict=True)
+        ]
+        logits, hidden = engine._forward_prefill(rows_in, want_routed, want_hidden=want_hidden)
         first = torch.tensor([s.seq_len for s in seqs], dtype=torch.int64, device=dev)
         probs = None if drafts.probs is None or k == 0 else drafts.probs[:, :k]
         ver = verify_drafts(
@@ -165,7 +165,7 @@ class SpeculativeDecoding:
         return max(0, min(self.num_tokens, left))
 
     @staticmethod
-    def _record(engine: PagedEngine, seqs, ver, accepted: list[int], slot_idx, first) -> None:
+    def _record(engine: Engine, seqs, ver, accepted: list[int], slot_idx, first) -> None:
         """The emitted tokens as pending entries (one per position j: the rows that emitted a j-th token)
         and the rows' device state (last token, length)."""
         emitted = [a + 1 for a in accepted]

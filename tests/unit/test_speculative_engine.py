@@ -1,4 +1,4 @@
-"""Speculative decoding in the paged engine (float32, CPU): every sampled token's log-prob is the
+"""Speculative decoding in the engine over the paged cache policy (float32, CPU): every sampled token's log-prob is the
 policy's teacher-forced one, greedy output is identical with and without speculation, R3 records are
 those of the accepted tokens, and speculation turns itself off where it does not pay."""
 
@@ -11,7 +11,7 @@ from moerl.config import ModelConfig, RolloutConfig
 from moerl.models import build_model
 from moerl.models.mtp import attach_fresh_mtp
 from moerl.rollout import Request, SamplingParams
-from moerl.rollout.paged_engine import PagedEngine
+from moerl.rollout.engine import Engine
 from moerl.rollout.sampler import token_logprobs
 from moerl.rollout.spec_decode import SpeculativeDecoding
 from moerl.rollout.speculative import NgramDrafter, SpecPolicy
@@ -44,6 +44,7 @@ def _requests(n=2, max_new_tokens=16, **kw):
 
 
 def _engine(model, speculative="off", k=3, **kw):
+    """A paged engine; speculating (when on) at every step whatever the acceptance (exactness tests)."""
     cfg = RolloutConfig(
         max_slots=16,
         kv_token_budget=2048,
@@ -52,7 +53,10 @@ def _engine(model, speculative="off", k=3, **kw):
         speculative_tokens=k,
         **kw,
     )
-    return PagedEngine.from_config(model, cfg, seed=0)
+    engine = Engine.from_config(model, cfg, cache="paged", seed=0)
+    if engine.speculation is not None:
+        engine.speculation.policy = SpecPolicy(min_acceptance=0.0)
+    return engine
 
 
 def _teacher_forced(model, c, temperature):
