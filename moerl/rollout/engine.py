@@ -243,6 +243,11 @@ class Engine:
         period, and ``kv_block_size`` for a paged ``cache``) over the cache policy the caller chose
         (``moerl.runtime.build.make_engine`` passes ``rollout.kv_cache``; this never reads it)."""
         kind = cache_policy_factory(cache)
+        if cfg.speculative != "off" and not hasattr(kind, "room_for_drafts"):
+            raise ValueError(
+                f"rollout.speculative={cfg.speculative} needs a cache policy that reserves drafted "
+                f"positions (room_for_drafts: the paged one); got {getattr(kind, 'kind', kind)!r}"
+            )
         engine = cls(
             model,
             cache=kind,

@@ -161,6 +161,12 @@ def test_speculative_config_is_checked():
         RolloutConfig(speculative="ngram", speculative_tokens=0)
 
 
+def test_engine_refuses_speculation_over_a_policy_without_draft_room(model):
+    cfg = RolloutConfig(max_slots=4, kv_token_budget=256, speculative="ngram")
+    with pytest.raises(ValueError, match="room_for_drafts"):
+        Engine.from_config(model, cfg, cache="slots")
+
+
 def test_engine_stats_reach_the_metrics(model):
     from moerl.telemetry.step import kv_values
 
