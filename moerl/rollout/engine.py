@@ -512,18 +512,14 @@ class Engine:
         ``want_hidden`` the final hidden states [R, T, H] (else None; the MTP drafter's input). Also the
         verify forward of a speculative step (``moerl.rollout.spec_decode``)."""
         ids, pos = self.policy.bind_prefill(rows)
+        more = {"return_hidden": True} if want_hidden else {}  # only MoeForCausalLM knows it
         out = self.model(
-            ids.to(self.device),
-            None,
-            pos,
-            cache=self.cache,
-            return_routed_experts=want_routed,
-            return_hidden=want_hidden,
+            ids.to(self.device), None, pos, cache=self.cache, return_routed_experts=want_routed, **more
         )
         if want_routed:
             self.policy.record_routed(out.routed_experts)  # [R, T, Lm, K]
         self.policy.unbind()
-        return out.logits, out.hidden
+        return out.logits, getattr(out, "hidden", None)
 
     def _prefill(self, admissions: list[Admission]) -> None:
         """Prefill each admission once (its first sample's cache), let the policy place the group's other

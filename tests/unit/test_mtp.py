@@ -142,12 +142,12 @@ def _batch_groups():
 def test_online_mtp_training_in_the_trainer():
     torch.manual_seed(0)
     model = tiny_model(VOCAB, max_position_embeddings=64)
-    trainer = LocalTrainer(model, TrainerConfig(mtp_loss_weight=1.0, lr=1e-2), AlgorithmConfig())
+    trainer = LocalTrainer(model, TrainerConfig(mtp_loss_weight=1.0, lr=3e-2), AlgorithmConfig())
     assert has_mtp(model)
     batch = trainer.build_batch(_batch_groups(), 0)
-    stats = [trainer.train_step(batch) for _ in range(8)]
-    assert stats[0].mtp_loss is not None and stats[-1].mtp_loss < 0.9 * stats[0].mtp_loss
-    assert stats[0].mtp_accuracy < 0.2 < 0.3 < stats[-1].mtp_accuracy
+    stats = [trainer.train_step(batch) for _ in range(10)]
+    assert stats[0].mtp_loss is not None and stats[-1].mtp_loss < 0.7 * stats[0].mtp_loss
+    assert stats[0].mtp_accuracy < 0.2 < 0.4 < stats[-1].mtp_accuracy
     off = LocalTrainer(tiny_model(VOCAB, max_position_embeddings=64), TrainerConfig(), AlgorithmConfig())
     assert off.train_step(off.build_batch(_batch_groups(), 0)).mtp_loss is None
 
