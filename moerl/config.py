@@ -370,6 +370,18 @@ class RolloutConfig:
     the in-flight tasks to the queue (requeued, their tokens discarded). Per-token policy versions are
     recorded in every case (``moerl.weights.buckets``)."""
 
+    speculative: str = "off"
+    """Speculative decoding in the engine's decode over the paged cache (``moerl.rollout.spec_decode``,
+    docs/speculative.md): ``off``; ``mtp`` drafts with the policy's multi-token-prediction module (a release's, else a fresh one
+    that ``trainer.mtp_loss_weight`` trains online); ``ngram`` drafts by prompt lookup (model-free). The
+    drafts are verified in one forward and accepted by the rejection-sampling rule, so tokens and log-probs
+    are distributed exactly as without speculation; steps with more than ``speculative_max_batch``
+    sequences, or whose recent acceptance rate is too low, decode plainly."""
+    speculative_tokens: int = 3
+    """Tokens drafted per sequence and speculative step, k (1..16)."""
+    speculative_max_batch: int = 32
+    """Most sequences decoding together for a step to speculate (above: a plain decode step)."""
+
     weight_dtype: str = "auto"
     """Precision of the rollout engine's weights (``moerl.rollout.weight_dtype.WEIGHT_DTYPES``): ``auto``
     keeps the policy's dtype (``model.dtype``; what the trainer computes with); ``bf16`` casts the
@@ -417,6 +429,16 @@ class RolloutConfig:
         from moerl.rollout.weight_dtype import WEIGHT_DTYPES
 
         check_choice("rollout.weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
+        from moerl.rollout.speculative import SPECULATIVE
+
+        check_choice("rollout.speculative", self.speculative, SPECULATIVE)
+        check_range("rollout.speculative_tokens", self.speculative_tokens, 1, 16)
+        check_range("rollout.speculative_max_batch", self.speculative_max_batch, 1)
+        if self.speculative != "off" and (self.kv_cache != "paged" or self.ep_size > 1):
+            raise ConfigError(
+                f"rollout.speculative={self.speculative} runs in one rank's engine over the paged cache: "
+                f"it needs rollout.kv_cache=paged (got {self.kv_cache}) and rollout.ep_size=1 (got {self.ep_size})"
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -32,6 +32,13 @@ class TrainerConfig:
     resume that raises ``steps`` stretches the rest of the decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables."""
+    mtp_loss_weight: float = 0.0
+    """Weight of the multi-token-prediction loss (``moerl.models.mtp.mtp_loss``, DeepSeek-V3 Eq. 24-25 at
+    depth 1) added to the RL loss on the trainer's batches; it trains only the MTP module (the policy's
+    hidden states enter detached), which is published with each version like the policy, so the draft
+    of ``rollout.speculative=mtp`` tracks the policy. A policy without an MTP module gets a fresh one.
+    0: off. One-process trainer only (``trainer.num_ranks`` 1). Metrics ``train/mtp_loss``,
+    ``train/mtp_accuracy``."""
     aux_loss_coef: float = 0.0
     """Coefficient of the MoE load-balancing loss. The loss is computed per micro-batch (over its tokens,
     weighted by its share of the mini-batch's rows), on a sharded trainer per micro-batch of each rank
@@ -110,6 +117,12 @@ class TrainerConfig:
         check_choice("trainer.lr_schedule", self.lr_schedule, ["constant", "cosine"])
         check_range("trainer.grad_clip", self.grad_clip, 0.0)
         check_range("trainer.aux_loss_coef", self.aux_loss_coef, 0.0)
+        check_range("trainer.mtp_loss_weight", self.mtp_loss_weight, 0.0)
+        if self.mtp_loss_weight > 0 and self.num_ranks > 1:
+            raise ConfigError(
+                f"trainer.mtp_loss_weight={self.mtp_loss_weight} needs the one-process trainer "
+                f"(trainer.num_ranks=1, got {self.num_ranks})"
+            )
         check_choice("trainer.aux_loss_level", self.aux_loss_level, ["batch", "sequence"])
         check_range("trainer.bias_update_rate", self.bias_update_rate, 0.0)
         check_range("trainer.ppo_epochs", self.ppo_epochs, 1)

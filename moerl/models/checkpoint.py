@@ -164,11 +164,11 @@ def _check_missing(state: dict[str, torch.Tensor], cov: _Coverage, mapper: KeyMa
         if name in cov.filled:
             continue
         if ".experts." in name and name in cov.expert_parts:
-            layer = int(name.split(".")[1])
+            layer = mapper.checkpoint_layer(name)
             for e, part in sorted(_expected_parts(name, t) - cov.expert_parts[name]):
                 missing.append(mapper.expert_key(layer, e, part))
         elif ".experts." in name:
-            layer = int(name.split(".")[1])
+            layer = mapper.checkpoint_layer(name)
             missing.append(
                 f"{mapper.to_hf(name)} (or the per-expert "
                 f"{mapper.expert_key(layer, 0, 'down' if 'down_proj' in name else 'gate')} ...)"
@@ -269,6 +269,8 @@ def from_pretrained(
         raise FileNotFoundError(f"{folder}: no config.json")
     raw = json.loads(cfg_file.read_text())
     cfg = MoeConfig.from_hf_dict(raw)
+    if cfg.num_nextn_predict_layers and not _has_layer(folder, cfg.num_hidden_layers):
+        cfg = cfg.replace(num_nextn_predict_layers=0)  # a copy saved without its MTP layers: none
     try:
         quantized = release_quantization(raw)
     except ValueError as e:
@@ -283,7 +285,8 @@ def from_pretrained(
     # Allocate in the target dtype first, so that copy_ casts tensor by tensor (no full-size upcast copy).
     model = model.to_empty(device=device).keep_router_buffers_fp32()
     model.tie_weights()
-    load_tensors(model, folder, KeyMapper(cfg.model_type, cfg.num_hidden_layers), quantized=quantized)
+    mapper = KeyMapper(cfg.model_type, cfg.num_hidden_layers, cfg.num_nextn_predict_layers)
+    load_tensors(model, folder, mapper, quantized=quantized)
     if fp8 and not keep_bytes:
         quantize_model_fp8(model)
     # to_empty left the non-persistent rotary buffer uninitialized: rebuild it on the target device.
@@ -291,17 +294,27 @@ def from_pretrained(
     return model.eval()
 
 
+def _has_layer(folder: Path, layer: int) -> bool:
+    """Whether the folder's safetensors hold any ``model.layers.{layer}.`` tensor (headers only)."""
+    prefix = f"model.layers.{layer}."
+    for f in _shard_files(folder):
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            if any(k.startswith(prefix) for k in h.keys()):  # noqa: SIM118 - not a Mapping
+                return True
+    return False
+
+
 def _hf_tensors(model: MoeForCausalLM) -> dict[str, torch.Tensor]:
     """The model's tensors under their checkpoint names, experts split per expert (transformers' layout)."""
     cfg = model.config
-    mapper = KeyMapper(cfg.model_type, cfg.num_hidden_layers)
+    mapper = KeyMapper(cfg.model_type, cfg.num_hidden_layers, cfg.num_nextn_predict_layers)
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         t = t.detach()
         if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-            layer = int(name.split(".")[1])
+            layer = mapper.checkpoint_layer(name)
             for e in range(t.shape[0]):
                 if name.endswith("down_proj"):
                     out[mapper.expert_key(layer, e, "down")] = t[e]
@@ -311,6 +324,13 @@ def _hf_tensors(model: MoeForCausalLM) -> dict[str, torch.Tensor]:
                     out[mapper.expert_key(layer, e, "up")] = up
         else:
             out[mapper.to_hf(name)] = t
+    for j in range(cfg.num_nextn_predict_layers):  # the release's copies of the shared embedding and head
+        out[f"model.layers.{cfg.num_hidden_layers + j}.embed_tokens.weight"] = (
+            model.embed_tokens.weight.detach()
+        )
+        out[f"model.layers.{cfg.num_hidden_layers + j}.shared_head.head.weight"] = (
+            model.lm_head.weight.detach()
+        )
     return {k: v.to("cpu").contiguous().clone() for k, v in out.items()}
 
 

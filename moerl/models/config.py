@@ -97,6 +97,9 @@ class MoeConfig:
     tie_word_embeddings: bool = False
     router_aux_loss_coef: float = 0.001
     """Recorded for round trips; the trainer's coefficient is ``TrainerConfig.aux_loss_coef``."""
+    num_nextn_predict_layers: int = 0
+    """Multi-token-prediction depths (DeepSeek-V3 / GLM-4.5 ``config.json``; ``MoeForCausalLM.mtp_layers``,
+    checkpoint layers ``num_hidden_layers + j``); 0: none."""
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -118,6 +121,7 @@ class MoeConfig:
         ):
             check_range(name, getattr(self, name), 1)
         check_range("num_experts", self.num_experts, 0)
+        check_range("num_nextn_predict_layers", self.num_nextn_predict_layers, 0)
         if self.num_experts:
             check_range("num_experts_per_tok", self.num_experts_per_tok, 1, self.num_experts)
             if self.num_experts % self.n_group:

@@ -100,6 +100,7 @@ def hf_to_fields(d: dict[str, Any]) -> dict[str, Any]:
         pad_token_id=d.get("pad_token_id"),
         num_experts_per_tok=d.get("num_experts_per_tok", 2),
         norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
     )
     if mt in ("qwen3_moe", "qwen2_moe"):
         f.update(
@@ -205,6 +206,8 @@ def fields_to_hf(c: MoeConfig) -> dict[str, Any]:
         pad_token_id=c.pad_token_id,
         dtype="float32",
     )
+    if c.num_nextn_predict_layers or c.model_type in ("deepseek_v3", "glm4_moe"):
+        d["num_nextn_predict_layers"] = c.num_nextn_predict_layers
     mt = c.model_type
     if mt in ("qwen3_moe", "qwen2_moe"):
         d.update(

@@ -10,7 +10,10 @@ The first rule that maps to a moerl name is the one ``save_pretrained`` writes.
 moerl names: ``embed_tokens``, ``norm``, ``lm_head``, ``layers.{L}.{input_layernorm, self_attn.*,
 post_attention_layernorm}``, dense ``layers.{L}.mlp.{gate,up,down}_proj``, MoE
 ``layers.{L}.mlp.{router.weight, router.e_score_correction_bias, experts.gate_up_proj,
-experts.down_proj, shared_experts.*, shared_expert_gate.weight}``.
+experts.down_proj, shared_experts.*, shared_expert_gate.weight}``; multi-token prediction
+``mtp_layers.{j}.{enorm, hnorm, eh_proj, shared_head.norm}`` and ``mtp_layers.{j}.block.*`` (a decoder
+layer's names) <-> the release's ``model.layers.{N + j}.*`` (N = ``num_hidden_layers``), whose
+``embed_tokens`` and ``shared_head.head`` copies of the shared embedding and head are read past.
 """
 
 from __future__ import annotations
@@ -125,12 +128,26 @@ def _template_regex(template: str) -> re.Pattern[str]:
     return re.compile("^" + body + ("(?P<rest>.+)$" if template.endswith(".") else "$"))
 
 
-class KeyMapper:
-    """Translate checkpoint keys of one family to moerl names and back (see the module docstring)."""
+MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+"""The MTP layer's own tensors under ``model.layers.{N + j}.`` (same names in moerl's ``mtp_layers.{j}.``)."""
+MTP_SHARED = ("embed_tokens.", "shared_head.head.")
+"""The release's copies of the shared embedding and output head in each MTP layer."""
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
-    def __init__(self, model_type: str, num_hidden_layers: int) -> None:
+
+class KeyMapper:
+    """Translate checkpoint keys of one family to moerl names and back (see the module docstring).
+
+    Args:
+        model_type: the family (a ``KEY_TABLES`` key).
+        num_hidden_layers: N, decoder layers; checkpoint layers N .. N + num_mtp_layers - 1 are MTP layers.
+        num_mtp_layers: MTP depths the model has (``MoeConfig.num_nextn_predict_layers``).
+    """
+
+    def __init__(self, model_type: str, num_hidden_layers: int, num_mtp_layers: int = 0) -> None:
         self.table = KEY_TABLES[model_type]
         self.num_layers = num_hidden_layers
+        self.num_mtp = num_mtp_layers
         self._hf = [(_template_regex(r.hf), r) for r in self.table.rules]
         self._ours = [(_template_regex(r.ours), r) for r in self.table.rules]
         ex = self.table.experts
@@ -146,11 +163,39 @@ class KeyMapper:
         """Whether the checkpoint key is read past (rotary caches, multi-token-prediction layers)."""
         if any(p.match(hf_key) for p in self._ignore):
             return True
-        m = re.match(r"^model\.layers\.(\d+)\.", hf_key)
-        return bool(self.table.skip_extra_layers and m and int(m.group(1)) >= self.num_layers)
+        m = _LAYER_KEY.match(hf_key)
+        if not m or int(m.group(1)) < self.num_layers:
+            return False
+        if int(m.group(1)) < self.num_layers + self.num_mtp:
+            return m.group(2).startswith(MTP_SHARED)
+        return self.table.skip_extra_layers
 
     def to_ours(self, hf_key: str) -> str | ExpertSlice | None:
         """The moerl name (or per-expert slice) of a checkpoint key; None when no rule matches."""
+        m = _LAYER_KEY.match(hf_key)
+        if m and self.num_layers <= int(m.group(1)) < self.num_layers + self.num_mtp:
+            return self._mtp_to_ours(int(m.group(1)), m.group(2))
+        return self._main_to_ours(hf_key)
+
+    def _mtp_to_ours(self, layer: int, rest: str) -> str | ExpertSlice | None:
+        prefix = f"mtp_layers.{layer - self.num_layers}."
+        if rest.startswith(MTP_OWN):
+            return prefix + rest
+        if rest.startswith(MTP_SHARED):
+            return None
+        inner = self._main_to_ours(f"model.layers.{layer}.{rest}")
+        if inner is None:
+            return None
+        name = inner.name if isinstance(inner, ExpertSlice) else inner
+        ours = prefix + "block." + name.removeprefix(f"layers.{layer}.")
+        return ExpertSlice(ours, inner.expert, inner.part) if isinstance(inner, ExpertSlice) else ours
+
+    def checkpoint_layer(self, name: str) -> int:
+        """The checkpoint layer index of a moerl ``layers.{L}.*`` or ``mtp_layers.{j}.*`` name (N + j)."""
+        parts = name.split(".")
+        return int(parts[1]) + (self.num_layers if parts[0] == "mtp_layers" else 0)
+
+    def _main_to_ours(self, hf_key: str) -> str | ExpertSlice | None:
         m = self._expert.match(hf_key)
         if m and m.group("part") in self._parts:
             part = self._parts[m.group("part")]
@@ -168,6 +213,12 @@ class KeyMapper:
         Raises:
             KeyError: no rule of this family covers the name.
         """
+        if name.startswith("mtp_layers."):
+            layer = self.checkpoint_layer(name)
+            rest = name.split(".", 2)[2]
+            if rest.startswith("block."):
+                return self.to_hf(f"layers.{layer}.{rest.removeprefix('block.')}")
+            return f"model.layers.{layer}.{rest}"
         for rx, rule in self._ours:
             m = rx.match(name)
             if m:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -34,6 +35,8 @@ class CausalLMOutput:
     """[B, T, L_moe, k] int64 chosen experts, when ``return_routed_experts``."""
     layer_stats: tuple[MoeLayerStats, ...] = ()
     """Router results of each MoE layer, in layer order (empty without MoE layers)."""
+    hidden: torch.Tensor | None = None
+    """[B, T, H] final hidden states after the last norm (the MTP module's input), when ``return_hidden``."""
 
     @functools.cached_property
     def aux_loss(self) -> torch.Tensor:
@@ -81,6 +84,66 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h), None
 
 
+class SharedHead(nn.Module):
+    """The MTP release's ``shared_head``: its own final norm; the head matrix is the model's ``lm_head``."""
+
+    def __init__(self, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MtpLayer(nn.Module):
+    """One multi-token-prediction depth of DeepSeek-V3 (arXiv 2412.19437 Sec. 2.2, Eq. 21-23):
+
+        h'_i = eh_proj([enorm(Emb(t_{i+1})); hnorm(h_i)])     (Eq. 21; embedding first, as the release)
+        h_i^mtp = block(h'_i)                                 (Eq. 22: one decoder layer, causal)
+        logits_i = lm_head(shared_head.norm(h_i^mtp))  ->  P(t_{i+2})   (Eq. 23)
+
+    ``block`` is a ``DecoderLayer`` with index ``num_hidden_layers + depth`` (an MoE layer where the
+    config's rules make one). Embedding and output head are the main model's (shared, Sec. 2.2), used
+    detached: a loss on this module's logits never moves the policy.
+    More in ``moerl.models.mtp``.
+    """
+
+    def __init__(self, cfg: MoeConfig, depth: int) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers + depth)
+        self.shared_head = SharedHead(cfg)
+
+    def forward(
+        self,
+        model: MoeForCausalLM,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states and logits of the token after next, without a KV cache (causal attention).
+
+        Args:
+            model: the main model (its ``embed_tokens``, ``lm_head``, ``rotary``).
+            hidden: [B, T, H] h_i (the main model's ``CausalLMOutput.hidden``, or a previous depth's).
+            next_ids: [B, T] int64 t_{i+1}, the token after position i.
+            position_ids: [B, T] int64 the positions i + 1 of ``next_ids`` (rotary).
+            attention_mask: [B, T] 1 = real position; None = all real.
+        Returns:
+            h_mtp [B, T, H] (model dtype), logits [B, T, V] predicting t_{i+2}.
+        """
+        # the shared embedding and head enter detached: the MTP loss trains this module, never the policy
+        emb = F.embedding(next_ids, model.embed_tokens.weight.detach())
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden.to(emb.dtype))], dim=-1))
+        cos, sin = model.rotary(position_ids, x.dtype)
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):  # device sync
+            mask = causal_padding_mask(attention_mask)
+        token_mask = attention_mask.reshape(-1).bool() if attention_mask is not None else None
+        h, _ = self.block(x, cos, sin, mask, None, token_mask, None)
+        return h, F.linear(self.shared_head.norm(h), model.lm_head.weight.detach())
+
+
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids [B, T] int64 = (cumsum of the mask) - 1, clamped at 0, so left padding shifts nothing."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -113,6 +176,8 @@ class MoeForCausalLM(nn.Module):
         self.rotary = self.build_rotary()
         self.activation_checkpointing = False
         """Recompute each decoder layer in the backward pass (only while gradients are enabled)."""
+        self.mtp_layers = nn.ModuleList(MtpLayer(cfg, j) for j in range(cfg.num_nextn_predict_layers))
+        """Multi-token-prediction depths (``MtpLayer``; empty without one); ``forward`` never runs them."""
 
     def tie_weights(self) -> None:
         """Share ``lm_head.weight`` with ``embed_tokens.weight`` when ``tie_word_embeddings`` (again after
@@ -127,7 +192,8 @@ class MoeForCausalLM(nn.Module):
         return RotaryEmbedding(rot_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def moe_blocks(self) -> Iterator[MoeBlock]:
-        """The MoE blocks in layer order (length L_moe)."""
+        """The MoE blocks of the decoder layers in order (length L_moe; the MTP layers' are not among
+        them: they stay whole on every EP rank)."""
         for layer in self.layers:
             if isinstance(layer.mlp, MoeBlock):
                 yield layer.mlp
@@ -141,6 +207,7 @@ class MoeForCausalLM(nn.Module):
         cache: KVCache | None = None,
         forced_experts: torch.Tensor | None = None,
         return_routed_experts: bool = False,
+        return_hidden: bool = False,
     ) -> CausalLMOutput:
         """Logits and router losses of ``input_ids`` [B, T] int64.
 
@@ -152,6 +219,7 @@ class MoeForCausalLM(nn.Module):
             cache: KV-cache seam; its ``attn_mask`` [B, 1, T, S] replaces the causal+padding mask.
             forced_experts: [B, T, L_moe, k] int64 routing to replay instead of the router's choice.
             return_routed_experts: fill ``routed_experts`` [B, T, L_moe, k].
+            return_hidden: fill ``hidden`` [B, T, H] (after the final norm; the MTP module's input).
         Raises:
             ValueError: mismatched shapes of attention_mask / position_ids / forced_experts.
         """
@@ -198,7 +266,8 @@ class MoeForCausalLM(nn.Module):
                 x, s = layer(x, cos, sin, mask, cache, token_mask, forced)
             if s is not None:
                 stats.append(s)
-        logits = self.lm_head(self.norm(x))
+        normed = self.norm(x)
+        logits = self.lm_head(normed)
         routed = None
         if return_routed_experts:
             k = self.config.num_experts_per_tok
@@ -207,7 +276,8 @@ class MoeForCausalLM(nn.Module):
                 if stats
                 else input_ids.new_zeros(b, t, 0, k)
             )
-        return CausalLMOutput(logits=logits, routed_experts=routed, layer_stats=tuple(stats))
+        hidden = normed if return_hidden else None
+        return CausalLMOutput(logits=logits, routed_experts=routed, layer_stats=tuple(stats), hidden=hidden)
 
     def keep_router_buffers_fp32(self) -> MoeForCausalLM:
         """Cast ``e_score_correction_bias`` back to float32 after a ``.to(dtype)`` (selection precision)."""

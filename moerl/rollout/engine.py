@@ -58,6 +58,7 @@ from moerl.rollout.params import FINISH_ERROR, Completion, InvalidRequestError, 
 from moerl.rollout.sampler import SamplingRows, sample_key, sample_no_sync
 from moerl.rollout.scheduler import Admission, Scheduler, Sequence
 from moerl.rollout.slot_policy import SlotCachePolicy
+from moerl.rollout.spec_decode import SpeculativeDecoding
 from moerl.rollout.stats import EngineStats
 
 if TYPE_CHECKING:  # the config sits above the rollout engine (docs/architecture.md, Layers)
@@ -217,6 +218,10 @@ class Engine:
         self._steps_since_sync = 0
         self._overlap_sync = self.device.type == "cuda" if overlap_sync is None else bool(overlap_sync)
         self._staged: _Staged | None = None  # a started copy of the first pending tokens (_stage)
+        self.speculation: SpeculativeDecoding | None = None
+        """Speculative decoding (``moerl.rollout.spec_decode``; ``rollout.speculative``): a component that
+        replaces a step's decode with a drafted-and-verified one when it says so; None = off. Needs a
+        policy with ``room_for_drafts`` (the paged one)."""
         self._init_slot_state(num_slots)
         self._decode_steps = self._decode_rows = 0
         # Decode steps replayed from CUDA graphs, one per (B, R, sampling flags) key (cuda_graphs.py).
@@ -238,7 +243,12 @@ class Engine:
         period, and ``kv_block_size`` for a paged ``cache``) over the cache policy the caller chose
         (``moerl.runtime.build.make_engine`` passes ``rollout.kv_cache``; this never reads it)."""
         kind = cache_policy_factory(cache)
-        return cls(
+        if cfg.speculative != "off" and not hasattr(kind, "room_for_drafts"):
+            raise ValueError(
+                f"rollout.speculative={cfg.speculative} needs a cache policy that reserves drafted "
+                f"positions (room_for_drafts: the paged one); got {getattr(kind, 'kind', kind)!r}"
+            )
+        engine = cls(
             model,
             cache=kind,
             max_slots=cfg.max_slots,
@@ -251,6 +261,8 @@ class Engine:
             mla_cache=cfg.mla_cache,
             overlap_sync=None if cfg.overlap_sync else False,
         )
+        engine.speculation = SpeculativeDecoding.from_config(model, cfg)  # rollout.speculative (or None)
+        return engine
 
     def _init_slot_state(self, n: int) -> None:
         dev = self.device
@@ -338,7 +350,13 @@ class Engine:
         if self._sync_due() and (self._staged is None or self._at_limit()):
             done += self._sync()
         done += self._reserve_decode()
-        if self.scheduler.running:
+        if (
+            self.scheduler.running
+            and self.speculation is not None
+            and self.speculation.should_speculate(self)
+        ):
+            done += self.speculation.step(self)  # draft, verify, accept, sync (moerl.rollout.spec_decode)
+        elif self.scheduler.running:
             self._decode()
             self._steps_since_sync += 1
         if self._staged is not None:  # the copy started last step: read now, this step's decode runs
@@ -453,6 +471,7 @@ class Engine:
             decode_rows=self._decode_rows,
             prefix_hit_tokens=sched.prefix_hit_tokens,
             preemptions=sched.num_preemptions,
+            **(self.speculation.stats() if self.speculation is not None else {}),
         )
 
     # -- Admission, prefill and decode ----------------------------------------------------------
@@ -485,15 +504,22 @@ class Engine:
         policy.prepare_decode(self._bucket(len(sched.running)) if sched.running else 0)
         return done
 
-    def _forward_prefill(self, rows: list[PrefillRow], want_routed: bool) -> torch.Tensor:
+    def _forward_prefill(
+        self, rows: list[PrefillRow], want_routed: bool, *, want_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One prefill forward of ``rows`` into the cache (the policy binds it); returns the logits
-        [R, T, V], row r's last computed position at ``len(tokens) - start - 1``."""
+        [R, T, V], row r's last computed position at ``len(tokens) - start - 1``, and with
+        ``want_hidden`` the final hidden states [R, T, H] (else None; the MTP drafter's input). Also the
+        verify forward of a speculative step (``moerl.rollout.spec_decode``)."""
         ids, pos = self.policy.bind_prefill(rows)
-        out = self.model(ids.to(self.device), None, pos, cache=self.cache, return_routed_experts=want_routed)
+        more = {"return_hidden": True} if want_hidden else {}  # only MoeForCausalLM knows it
+        out = self.model(
+            ids.to(self.device), None, pos, cache=self.cache, return_routed_experts=want_routed, **more
+        )
         if want_routed:
             self.policy.record_routed(out.routed_experts)  # [R, T, Lm, K]
         self.policy.unbind()
-        return out.logits
+        return out.logits, getattr(out, "hidden", None)
 
     def _prefill(self, admissions: list[Admission]) -> None:
         """Prefill each admission once (its first sample's cache), let the policy place the group's other
@@ -502,7 +528,12 @@ class Engine:
         dev = self.device
         want_routed = any(a.request.params.return_routed_experts for a in admissions)
         rows = [PrefillRow(a.sequences[0], a.tokens, a.cached) for a in admissions]
-        logits = self._forward_prefill(rows, want_routed)
+        spec = self.speculation
+        logits, hidden = self._forward_prefill(
+            rows, want_routed, want_hidden=spec is not None and spec.wants_hidden
+        )
+        if hidden is not None:  # the MTP drafter's first draft conditions on the prompt's hidden states
+            spec.observe_prefill(admissions, hidden)
         self.policy.place_prefill(admissions)
         all_seqs = [s for a in admissions for s in a.sequences]
         slot_all = torch.tensor([s.slot for s in all_seqs], dtype=torch.int64, device=dev)
@@ -653,6 +684,11 @@ class Engine:
         """[M, 2] float64 on the device: the pending entries' token ids (exact in float64) beside their
         log-probs, in entry then row order."""
         return torch.cat([torch.stack((p.tokens.double(), p.logprobs.double()), 1) for p in self._pending])
+
+    def _sync_all(self) -> list[Completion]:
+        """Finish a started copy and sync every pending token: afterwards the host knows every token."""
+        done = self._finish_staged() if self._staged is not None else []
+        return done + (self._sync() if self._pending else [])
 
     def _sync(self) -> list[Completion]:
         """Copy every pending token to the host (waiting for the device), then finish and release

@@ -198,6 +198,20 @@ class PagedCachePolicy:
         if self._groups_stale and self._prefix is not None:
             self._prefix_groups(batch_rows)
 
+    def room_for_drafts(self, seq: Sequence, num_drafts: int) -> int:
+        """Give ``seq`` the blocks that ``num_drafts`` drafted positions after its next one need (free
+        blocks only, never a preemption); returns how many drafts fit (speculative decoding,
+        ``moerl.rollout.spec_decode``). Blocks past the length stay the sequence's, used as it grows."""
+        bs = self.block_size
+        need = -(-(seq.seq_len + num_drafts) // bs) - len(seq.blocks)  # positions up to seq_len - 1 + n
+        grown = min(max(need, 0), self.pool.num_free)
+        for _ in range(grown):
+            seq.blocks.append(self.pool.allocate())
+        if grown:
+            self._set_tables([seq])
+            self._groups_stale = True
+        return min(num_drafts, len(seq.blocks) * bs - seq.seq_len)
+
     def _prefix_groups(self, batch_rows: int) -> None:
         """Write ``_prefix`` for the running rows: rows whose block lists start with the same blocks
         (a group's samples: their prompt's full blocks, shared at admission or found in the prefix index)

@@ -33,6 +33,18 @@ class EngineStats:
     length) and full blocks found in the hash index (paged only)."""
     preemptions: int = 0
     """Sequences preempted for lack of free blocks (paged only)."""
+    spec_steps: int = 0
+    """Speculative decode steps (``rollout.speculative``; ``moerl.rollout.speculative``)."""
+    spec_drafted: int = 0
+    """Tokens drafted in them (cumulative)."""
+    spec_accepted: int = 0
+    """Drafted tokens accepted (cumulative)."""
+    spec_acceptance_recent: float | None = None
+    """Accepted / drafted over the engine's last ``SpecPolicy.window`` speculative steps (None: none yet)."""
+    spec_accepted_per_step_recent: float | None = None
+    """Accepted drafts per sequence and speculative step over the same window (None: none yet)."""
+    spec_draft_s: float = 0.0
+    """Seconds spent drafting (cumulative)."""
 
     @property
     def blocks_free(self) -> int:

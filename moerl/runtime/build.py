@@ -14,6 +14,7 @@ import torch
 from moerl.config import RunConfig
 from moerl.models import build_model, from_pretrained
 from moerl.models.dtypes import torch_dtype
+from moerl.models.mtp import attach_fresh_mtp
 from moerl.placement import Placement
 from moerl.rl import preset_from_config
 from moerl.rollout import Engine
@@ -31,10 +32,17 @@ from moerl.weights.store import WeightStore
 
 
 def load_policy(cfg: RunConfig, init_path: str | None, vocab_size: int) -> torch.nn.Module:
-    """The policy at ``init_path`` (HF folder), or a fresh model of ``cfg.model`` seeded by the torch RNG."""
+    """The policy at ``init_path`` (HF folder), or a fresh model of ``cfg.model`` seeded by the torch RNG.
+    A run that trains or drafts with an MTP module (``trainer.mtp_loss_weight > 0``,
+    ``rollout.speculative=mtp``) gives a policy without one a fresh one (``attach_fresh_mtp``, no RNG
+    drawn), so every process's copy has the same tensors."""
     if init_path is None:
-        return build_model(cfg.model, vocab_size)
-    return from_pretrained(init_path, dtype=torch_dtype(cfg.model.dtype), device=cfg.model.device)
+        model = build_model(cfg.model, vocab_size)
+    else:
+        model = from_pretrained(init_path, dtype=torch_dtype(cfg.model.dtype), device=cfg.model.device)
+    if cfg.trainer.mtp_loss_weight > 0 or cfg.rollout.speculative == "mtp":
+        attach_fresh_mtp(model)
+    return model
 
 
 def make_engine(model: torch.nn.Module, cfg: RunConfig, *, version: int = 0) -> Engine:

@@ -57,6 +57,8 @@ METRIC_KEYS: tuple[str, ...] = (
     "train/value_loss",  # critic's clipped value loss (estimator gae)
     "train/value_explained_var",  # explained variance of the GAE returns by the critic (estimator gae)
     "train/value_loss_normalized",  # value_loss / (0.5 Var[returns]): 1 = a critic predicting the mean return
+    "train/mtp_loss",  # MTP module's cross-entropy on the step's response tokens (trainer.mtp_loss_weight > 0; else null)
+    "train/mtp_accuracy",  # share of response targets whose MTP argmax is the token after next (else null)
     "eval/accuracy",  # held-out exact match (only on eval steps; null for a task with no notion of correctness)
     "eval/mean_reward",  # mean held-out reward of the greedy responses (only on eval steps)
     "policy_version",  # trainer's weight version after the step
@@ -92,6 +94,9 @@ METRIC_KEYS: tuple[str, ...] = (
     "rollout/kv_prefix_hit_tokens",  # prompt tokens shared instead of prefilled, all workers (cumulative)
     "rollout/kv_prefill_tokens",  # tokens prefilled, all workers (cumulative)
     "rollout/kv_decoding_together_mean",  # sequences per decode step since each engine started (mean over workers)
+    "rollout/spec_acceptance_rate",  # rollout.speculative: accepted / drafted tokens over each engine's last 16 speculative steps (mean over workers; else null)
+    "rollout/spec_accepted_per_step",  # accepted drafts per sequence and speculative step, same window
+    "timing/spec_draft_s",  # seconds the engines spent drafting (cumulative, summed over workers)
     "rollout/fp8_logprob_gap_mean",  # rollout.weight_dtype=fp8: mean |FP8 engine - policy| log-prob of the step's response tokens (nats; else null)
     "rollout/fp8_logprob_gap_max",  # the largest such gap (sync mode: both models re-run on the batch; async: null)
     "rollout/fp8_greedy_agreement",  # fraction of response positions where FP8 and policy argmax agree (sync mode; async: null)
@@ -120,6 +125,7 @@ WALL_KEYS = (
     "timing/weight_sync_s",
     "timing/weight_sync_worker_s",
     "reward/latency_s",
+    "timing/spec_draft_s",
 )
 """Fields that depend on wall-clock time (excluded when comparing two runs for equality)."""
 
@@ -130,6 +136,9 @@ ENGINE_LIFE_KEYS = (
     "rollout/kv_prefix_hit_tokens",
     "rollout/kv_prefill_tokens",
     "rollout/kv_decoding_together_mean",
+    "rollout/spec_acceptance_rate",
+    "rollout/spec_accepted_per_step",
+    "timing/spec_draft_s",
 )
 """Fields that depend on the rollout engine's life (counters since it started, prefix hits on what its
 cache still holds): a resumed run's engines start empty, so these are excluded from run-to-run equality

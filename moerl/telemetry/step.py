@@ -46,6 +46,19 @@ def kv_values(kv: Sequence[EngineStats | None]) -> dict[str, float]:
         "rollout/kv_prefix_hit_tokens": sum(s.prefix_hit_tokens for s in kv),
         "rollout/kv_prefill_tokens": sum(s.prefill_tokens for s in kv),
         "rollout/kv_decoding_together_mean": statistics.fmean(s.mean_decode_batch for s in kv),
+        **spec_values(kv),
+    }
+
+
+def spec_values(kv: Sequence[EngineStats]) -> dict[str, float | None]:
+    """The ``rollout/spec_*`` and ``timing/spec_draft_s`` metrics from the engines' ``EngineStats``: the
+    recent acceptance figures averaged over the engines that speculated (None: none did)."""
+    rates = [s.spec_acceptance_recent for s in kv if s.spec_acceptance_recent is not None]
+    per_step = [s.spec_accepted_per_step_recent for s in kv if s.spec_accepted_per_step_recent is not None]
+    return {
+        "rollout/spec_acceptance_rate": statistics.fmean(rates) if rates else None,
+        "rollout/spec_accepted_per_step": statistics.fmean(per_step) if per_step else None,
+        "timing/spec_draft_s": sum(s.spec_draft_s for s in kv) if any(s.spec_steps for s in kv) else None,
     }
 
 
@@ -130,6 +143,8 @@ def step_values(
             "train/grad_norm": stats.grad_norm,
             "train/lr": stats.lr,
             "train/aux_loss": stats.aux_loss,
+            "train/mtp_loss": stats.mtp_loss,
+            "train/mtp_accuracy": stats.mtp_accuracy,
             "train/expert_load_cv": stats.expert_load_cv,
             **algo_values(stats),
             "eval/accuracy": accuracy,

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from moerl.config import AlgorithmConfig, RunConfig, TrainerConfig
 from moerl.lr_schedule import warmup_cosine_lr
 from moerl.models import save_pretrained
+from moerl.models.mtp import attach_fresh_mtp, mtp_loss
 from moerl.records import Group, WeightVersion
 from moerl.rl import (
     entropy_from_logits,
@@ -98,6 +99,8 @@ class _Forward:
     """scalar float32 load-balancing loss."""
     routed_experts: torch.Tensor | None
     """[B, T, L_moe, k] int64 or None."""
+    hidden: torch.Tensor | None = None
+    """[B, T, H] final hidden states (``trainer.mtp_loss_weight > 0``: the MTP module's input), or None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +134,11 @@ class TrainStats:
     """True when the loss or gradient was non-finite and no update was made."""
     algo: algorithms.AlgoStats = algorithms.AlgoStats()
     """Mismatch, KL, critic and expert-load figures of the step (``moerl.trainer.algorithms``)."""
+    mtp_loss: float | None = None
+    """MTP cross-entropy (nats, token mean over response targets; ``moerl.models.mtp.mtp_loss``), mean over
+    the step's updates; None without ``trainer.mtp_loss_weight``."""
+    mtp_accuracy: float | None = None
+    """Share of response targets whose MTP argmax is the token after next (the greedy draft's hit rate)."""
 
 
 def lr_factor(cfg: TrainerConfig, step: int) -> float:
@@ -181,6 +189,9 @@ class LocalTrainer:
         self.algorithm = algorithm
         self.temperature = temperature if temperature > 0 else 1.0
         self.norm_length = norm_length
+        if cfg.mtp_loss_weight > 0:  # before the optimizer is built: the MTP module's parameters train too
+            attach_fresh_mtp(model)
+        self._mtp_sums = {"mtp_loss": 0.0, "mtp_accuracy": 0.0}
         if hasattr(model, "activation_checkpointing"):
             model.activation_checkpointing = cfg.activation_checkpointing
         # fused=True: one kernel per step instead of the foreach chain on CUDA (bench/NOTES.md, section 4)
@@ -263,16 +274,24 @@ class LocalTrainer:
         labels = torch.where(mb.loss_mask.to(self.device), ids, IGNORE_INDEX)
         routed = with_grad and self.num_experts > 0
         forced = self.algo.forced_experts(mb, self.device)
+        want_hidden = with_grad and self.cfg.mtp_loss_weight > 0  # the MTP loss needs every position's
         split = None
-        if self.cfg.share_prompt and self.cfg.aux_loss_coef == 0 and mb.prompt_lens is not None:
+        if (
+            self.cfg.share_prompt
+            and self.cfg.aux_loss_coef == 0
+            and mb.prompt_lens is not None
+            and not want_hidden
+        ):
             split = split_shared_prefix(
                 ids, attn, mb.prompt_lens.to(self.device), mb.group_ids.to(self.device)
             )
         with torch.set_grad_enabled(with_grad):
             if split is None:
-                out = model(ids, attn, forced_experts=forced, return_routed_experts=routed)
+                out = model(
+                    ids, attn, forced_experts=forced, return_routed_experts=routed, return_hidden=want_hidden
+                )
                 logp = token_logprobs(out.logits, labels, self.temperature)
-                return _Forward(logp, out.logits, labels, out.aux_loss, out.routed_experts)
+                return _Forward(logp, out.logits, labels, out.aux_loss, out.routed_experts, out.hidden)
             shared = shared_prefix_forward(
                 model, split, ids.shape[1], return_routed_experts=routed, forced_experts=forced
             )
@@ -317,6 +336,7 @@ class LocalTrainer:
         )
         lr = self.optimizer.param_groups[0]["lr"]
         norms = []
+        self._mtp_sums = {"mtp_loss": 0.0, "mtp_accuracy": 0.0}
         minis = batch.mini_batches(self.cfg.mini_batches)
         for epoch in range(self.cfg.ppo_epochs):
             for mini in minis:
@@ -336,7 +356,14 @@ class LocalTrainer:
             is_skipped=any(math.isnan(n) for n in norms),
             algo=self.algo.stats(batch),
             **sums,
+            **self._mtp_stats(len(norms)),
         )
+
+    def _mtp_stats(self, num_updates: int) -> dict[str, float | None]:
+        """``mtp_loss`` / ``mtp_accuracy`` of the step (means over its updates), None when not trained."""
+        if self.cfg.mtp_loss_weight == 0:
+            return {"mtp_loss": None, "mtp_accuracy": None}
+        return {k: v / max(num_updates, 1) for k, v in self._mtp_sums.items()}
 
     def _update(self, mini: TrainBatch, sums: dict[str, float], *, is_first_epoch: bool) -> float:
         """One optimizer step on a mini-batch (gradients accumulated over its micro-batches, normalized by
@@ -346,6 +373,7 @@ class LocalTrainer:
         mini = self._with_global_normalizers(mini)  # num_tokens / num_seqs over all data-parallel ranks
         num_rows = int(self._sum_over_ranks([mini.num_sequences])[0])  # rows over all data-parallel ranks
         part = dict.fromkeys(sums, 0.0)  # this update's metrics, summed over the ranks below
+        mtp_part = self._mtp_sums
         for mb in mini.micro_batches(self.cfg.micro_batch_size):
             out = self._forward(mb, with_grad=True)
             mask = mb.loss_mask.to(self.device)
@@ -362,6 +390,19 @@ class LocalTrainer:
             share = mb.num_sequences / num_rows
             if self.cfg.aux_loss_coef > 0:
                 loss = loss + self.cfg.aux_loss_coef * share * out.aux_loss
+            if (
+                out.hidden is not None
+            ):  # trainer.mtp_loss_weight > 0: the draft module learns beside the policy
+                m_loss, m_acc = mtp_loss(
+                    self.model,
+                    out.hidden,
+                    mb.input_ids.to(self.device),
+                    mask,
+                    mb.attention_mask.to(self.device),
+                )
+                loss = loss + self.cfg.mtp_loss_weight * share * m_loss
+                mtp_part["mtp_loss"] += float(m_loss.detach()) * share
+                mtp_part["mtp_accuracy"] += float(m_acc) * share
             ent = None
             if self.algorithm.entropy_coef > 0:  # 0 where not trained: the sum is over loss tokens
                 ent = entropy_from_logits(out.logits, out.labels, temperature=self.temperature)
