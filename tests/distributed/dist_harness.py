@@ -49,7 +49,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, folder: str, args
 
 
 HERE = Path(__file__).resolve().parent
-PRELOAD = [
+_PRELOAD = [
     "torch",
     "torch.distributed",
     "moerl.ep",
@@ -63,14 +63,14 @@ CPU a rank on 2 cores); all of them cost the server 0.4 s more, once."""
 
 
 def start_fork_server(extra: tuple[str, ...] = ()) -> None:
-    """Start this process's ``forkserver`` with ``PRELOAD`` (and ``extra``) imported, if not running yet.
+    """Start this process's ``forkserver`` with ``_PRELOAD`` (and ``extra``) imported, if not running yet.
 
     Local trainer ranks of sync runs (``moerl.trainer.distributed.group.LocalRanks``) fork from the same
     server: once it runs, their own preload list is not used and they get this one, which holds theirs.
     """
     from multiprocessing import forkserver
 
-    mp.get_context("forkserver").set_forkserver_preload([*PRELOAD, *extra])
+    mp.get_context("forkserver").set_forkserver_preload([*_PRELOAD, *extra])
     # the server imports its list before it applies this process's sys.path (Python 3.11's
     # forkserver.main takes sys_path and does not use it), skipping what it cannot import: it finds the
     # case modules (and tests/_recompute) through PYTHONPATH, as of its start
@@ -95,7 +95,7 @@ def run_world(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes joined over gloo.
 
     ``fn`` must be importable (a module-level function); ``preload`` names modules the fork server
-    imports once besides ``PRELOAD`` (only when this call starts the server: ``start_fork_server``). Returns the per-rank results, rank order.
+    imports once besides ``_PRELOAD`` (only when this call starts the server: ``start_fork_server``). Returns the per-rank results, rank order.
     Raises:
         RuntimeError: a worker failed (its traceback is in the message) or the world timed out.
     """

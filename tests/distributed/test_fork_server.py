@@ -3,17 +3,24 @@ trainer ranks of a sync run, start with every case module and the rank code alre
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import sys
 
-from dist_harness import PRELOAD, run_world
+from dist_harness import _PRELOAD, start_fork_server
 
 
-def imported_at_entry(rank: int, world_size: int) -> list[str]:
-    """The ``PRELOAD`` modules this rank finds imported before it imports anything itself."""
-    return [m for m in PRELOAD if m in sys.modules]
+def imported_at_entry(conn) -> None:
+    """Send the ``_PRELOAD`` modules this process finds imported before it imports anything itself."""
+    conn.send([m for m in _PRELOAD if m in sys.modules])
 
 
 def test_every_case_module_is_imported_before_a_rank_starts():
-    assert {"trainer_cases", "ep_engine_cases", "moerl.trainer.distributed.rank"} <= set(PRELOAD)
-    for found in run_world(imported_at_entry, 2):
-        assert found == PRELOAD
+    assert {"trainer_cases", "ep_engine_cases", "moerl.trainer.distributed.rank"} <= set(_PRELOAD)
+    start_fork_server()  # as tests/distributed/conftest.py does (no-op once running), then fork as run_world does
+    ctx = mp.get_context("forkserver")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=imported_at_entry, args=(child,), daemon=True)
+    proc.start()
+    assert parent.poll(60), "the forked process did not answer"
+    assert parent.recv() == _PRELOAD
+    proc.join(10)
