@@ -48,7 +48,41 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, folder: str, args
             dist.destroy_process_group()
 
 
-_PRELOAD = ["torch", "torch.distributed", "moerl.ep"]
+HERE = Path(__file__).resolve().parent
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "moerl.ep",
+    "moerl.trainer.distributed.rank",  # also what sync runs' local trainer ranks import (LocalRanks)
+    *sorted(p.stem for p in HERE.glob("*_cases.py")),
+]
+"""What the fork server imports once, for every world of this process: torch, the trainer's rank code
+(DTensor, FSDP2) and every ``*_cases`` module. The server serves each world of the xdist worker, so
+a list of only the first world's cases left every later world's ranks importing their own (1-2 s of
+CPU a rank on 2 cores); all of them cost the server 0.4 s more, once."""
+
+
+def start_fork_server(extra: tuple[str, ...] = ()) -> None:
+    """Start this process's ``forkserver`` with ``_PRELOAD`` (and ``extra``) imported, if not running yet.
+
+    Local trainer ranks of sync runs (``moerl.trainer.distributed.group.LocalRanks``) fork from the same
+    server: once it runs, their own preload list is not used and they get this one, which holds theirs.
+    """
+    from multiprocessing import forkserver
+
+    mp.get_context("forkserver").set_forkserver_preload([*_PRELOAD, *extra])
+    # the server imports its list before it applies this process's sys.path (Python 3.11's
+    # forkserver.main takes sys_path and does not use it), skipping what it cannot import: it finds the
+    # case modules (and tests/_recompute) through PYTHONPATH, as of its start
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), old) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def run_world(
@@ -61,12 +95,12 @@ def run_world(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes joined over gloo.
 
     ``fn`` must be importable (a module-level function); ``preload`` names modules the fork server
-    imports once (only the first call's list takes effect). Returns the per-rank results, rank order.
+    imports once besides ``_PRELOAD`` (only when this call starts the server: ``start_fork_server``). Returns the per-rank results, rank order.
     Raises:
         RuntimeError: a worker failed (its traceback is in the message) or the world timed out.
     """
+    start_fork_server(preload)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD + list(preload))
     with tempfile.TemporaryDirectory() as folder:
         procs = [
             ctx.Process(target=_entry, args=(fn, r, world_size, folder, args), daemon=True)

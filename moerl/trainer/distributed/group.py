@@ -4,7 +4,7 @@ The driver (the controller's process) holds no shard. Each step it builds the ba
 the whole batch), cuts it into R slices of whole groups (``split_by_groups``), sends rank r its
 slice and waits for all R replies. Publishing, checkpointing and loading are commands every rank
 runs together (their collectives line up). In sync mode the ranks are local processes started here
-(``multiprocessing`` spawn, no Ray); ``runtime.mode=async`` uses Ray actors (``moerl.trainer.distributed.ray_ranks``)
+(``multiprocessing`` fork server, no Ray); ``runtime.mode=async`` uses Ray actors (``moerl.trainer.distributed.ray_ranks``)
 behind the same ``RankHandle`` interface.
 
 Failure: a rank that exits, or a reply that does not come within the collective timeout plus a
@@ -15,6 +15,7 @@ margin, raises ``TrainerRankError`` naming the rank and its pid; the caller tear
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import shutil
 import tempfile
 import time
@@ -34,7 +35,13 @@ from moerl.trainer.batch import TrainBatch, build_train_batch
 from moerl.trainer.checkpoint import capture_rng_state, list_checkpoints, save_checkpoint
 from moerl.trainer.distributed.batching import split_by_groups
 from moerl.trainer.distributed.mesh import COLLECTIVE_TIMEOUT_S
-from moerl.trainer.distributed.rank import RankSpec, TrainerRankError, serve, unwrap_reply, write_file_url
+from moerl.trainer.distributed.rank import (
+    RankSpec,
+    TrainerRankError,
+    serve_in_env,
+    unwrap_reply,
+    write_file_url,
+)
 from moerl.trainer.distributed.ray_ranks import RayRanks
 from moerl.trainer.local import TrainStats
 from moerl.weights.buckets import StreamedVersion, unpack_bucket
@@ -44,16 +51,35 @@ SHARDS_DIR = "shards"
 """Sub-folder of ``RUN_DIR/checkpoints`` with the DCP folder of each checkpoint step."""
 
 
+RANK_PRELOAD = ["moerl.trainer.distributed.rank"]
+"""What the fork server of local ranks imports once: torch, FSDP2 and DTensor, moerl's trainer."""
+
+
+def _rank_context() -> mp.context.ForkServerContext:
+    """The context local ranks start from: a fork server that imported ``RANK_PRELOAD`` once, so each rank
+    (and each group restarted after a failure) forks from it instead of importing torch, DTensor and
+    the trainer again (seconds of CPU a process, the rank start's whole cost on CPU). The server is
+    single-threaded, holds no process group and never initializes CUDA, so a fork of it is as clean as
+    a ``spawn``ed process; each rank takes the driver's environment of the moment (``serve_in_env``).
+    One server per driver process, started by the first group (a later preload list is not used)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    return ctx
+
+
 class LocalRanks:
-    """R rank processes on this machine (``multiprocessing`` spawn), one duplex pipe each."""
+    """R rank processes on this machine (forked from ``_rank_context``'s server), one duplex pipe each."""
 
     def __init__(self, specs: list[RankSpec]) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _rank_context()
         self.conns, self.procs = [], []
         for spec in specs:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=serve, args=(spec, child), name=f"moerl-trainer-rank{spec.rank}", daemon=True
+                target=serve_in_env,
+                args=(dict(os.environ), spec, child),
+                name=f"moerl-trainer-rank{spec.rank}",
+                daemon=True,
             )
             proc.start()
             child.close()

@@ -194,6 +194,15 @@ def _reply(conn, kind: str, value: Any) -> None:
     conn.send((kind, value))
 
 
+def serve_in_env(environ: dict[str, str], spec: RankSpec, conn) -> None:
+    """``serve`` under ``environ``, the driver's environment when it started this rank: a rank forked from
+    a fork server (``moerl.trainer.distributed.group``) otherwise keeps the server's environment of its
+    own start, where a ``spawn``ed one would have the driver's (``MOERL_RANK_THREADS``, ``CUDA_*``)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    serve(spec, conn)
+
+
 def serve(spec: RankSpec, conn) -> None:
     """Entry point of a local rank process: build the rank, then answer ``(method, args)`` messages on
     ``conn`` with ``("ok", result)``, ``("raise", exception)`` or ``("error", traceback text)`` until
