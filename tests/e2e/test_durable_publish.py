@@ -34,7 +34,7 @@ FIFTY_M = [
 ]
 """48.8 M parameters with the built-in tokenizer (float32: 195 MB a version)."""
 
-SLOW_WRITE_S = 2.0
+SLOW_WRITE_S = 4.0
 """Seconds added to version 2's durable write (on the store's writer thread)."""
 
 
@@ -93,9 +93,9 @@ def test_publish_stays_off_the_step_and_the_store_keeps_the_durable_versions(
     assert summary["steps"] == 5 and len(publish_s) == 5
     print(f"{mode}: timing/publish_s per step {[round(x, 4) for x in publish_s]}, writes {written}")
     # versions 2, 3 (the checkpoint's), 4 and 5 (the last) were handed to the writer at their publish; version
-    # 2's write takes SLOW_WRITE_S more, none of it inside step 2's publish (step 4's hand-over may wait for
-    # it: at most 2 versions are pending, memory stays bounded)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and publish_s[1] < SLOW_WRITE_S / 2, publish_s
+    # 2's write takes SLOW_WRITE_S more: a publish that wrote it before returning would take at least that
+    # (step 4's hand-over may wait for it: at most 2 versions are pending, memory stays bounded)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and publish_s[1] < SLOW_WRITE_S, publish_s
     later = [name for v, name in written if v >= 1]
     assert later and all(name.startswith("moerl-weight-store") for name in later), written
     # version 0, every 2nd, the checkpoint's (3) and the last (5); 1 never
