@@ -39,28 +39,12 @@ def default_init(tmp_path_factory):
     return save_fresh_policy(tmp_path_factory.mktemp("default") / "policy")
 
 
-HEAVY_FIRST = ("multinode", "meta", "e2e", "distributed")
-"""Test folders in the order their work reaches the xdist workers, before ``unit`` (``_dispatch_rank``)."""
-
-
-def pytest_configure(config):
-    """xdist hands out work units in collection order, not sorted by test count (its default, which
-    dispatches a 3-test group of a 5-minute run after every 40-test group of quick checks): the order
-    of ``pytest_collection_modifyitems`` below is what balances the four workers."""
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``-n 4 --dist loadgroup``): the namespaced-cluster tests share host network
     state (address ranges, bridges), so they run one at a time on one worker; the mutation check's tests
     share one module fixture (six pytest subprocesses), which each worker would otherwise run again; so do
-    the tests of any other module that uses a module-scoped fixture (``_uses_module_fixture``).
-
-    Then the long work units go first (``_dispatch_rank``): the suite's wall time is bounded by the unit
-    that starts last, so minutes-long groups start at once and the many short unit tests fill the
-    workers at the end. The sort is stable: a module's tests keep their order."""
+    the tests of any other module that uses a module-scoped fixture (``_uses_module_fixture``)."""
     for item in items:
         if "multinode" in item.path.parts:
             item.add_marker(pytest.mark.xdist_group("netns"))
@@ -68,26 +52,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("meta"))
         elif _uses_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
-    limits: dict = {}  # a module's longest declared time limit (pytest-timeout's marker), in seconds
-    for item in items:
-        limits[item.path] = max(limits.get(item.path, 0), _timeout_s(item))
-    items.sort(key=lambda item: _dispatch_rank(item, limits[item.path]))
-
-
-def _timeout_s(item) -> float:
-    """The test's own ``pytest.mark.timeout`` (its author's bound on its length), or 0 without one."""
-    marker = item.get_closest_marker("timeout")
-    return float(marker.args[0] if marker.args else marker.kwargs.get("timeout", 0)) if marker else 0.0
-
-
-def _dispatch_rank(item, module_limit_s: float) -> tuple[int, float, bool]:
-    """(folder in ``HEAVY_FIRST`` order, ``unit`` last; the module's longest declared time limit, longest
-    first; grouped before single tests): runs of the main job, gloo worlds and Ray clusters before the
-    CPU-only unit checks; within a folder the modules whose authors gave a test minutes of limit, then
-    those that share a trained fixture (seconds to minutes of setup), then tests that stand alone. Keys
-    are per module, so a module's tests keep their order."""
-    folder = next((i for i, name in enumerate(HEAVY_FIRST) if name in item.path.parts), len(HEAVY_FIRST))
-    return folder, -module_limit_s, item.get_closest_marker("xdist_group") is None
 
 
 def _uses_module_fixture(item) -> bool:
