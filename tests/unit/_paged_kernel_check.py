@@ -147,8 +147,8 @@ def group_slots_check() -> dict:
     capped = {"batches": 0}
     real = eng.policy._prefix_groups
 
-    def counted():
-        real()
+    def counted(batch_rows: int) -> None:
+        real(batch_rows)
         firsts: dict[int, int] = {}
         for s in eng.scheduler.running:
             if len(s.blocks) > 1:
