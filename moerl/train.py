@@ -47,7 +47,7 @@ from moerl.rundir.storage import RunMirror, fetch_for_resume, is_remote, use_loc
 from moerl.runtime.accounting import FleetState, accounting
 from moerl.runtime.build import Components, build_components
 from moerl.runtime.chaos import ChaosMonkey
-from moerl.runtime.ray import check_ray_address, init_ray
+from moerl.runtime.ray import check_ray_address, init_ray, stops_ray_it_started
 from moerl.runtime.rollouts import Rollouts
 from moerl.runtime.start import RolloutsStart, start_rollouts
 from moerl.tasks.eval import (
@@ -597,6 +597,7 @@ class Run:
 def train(cfg: RunConfig, *, live: bool = True) -> dict:
     """Run RL training from scratch in a new run folder; returns the summary (also in summary.json).
     A local ``cfg.init_from`` is made absolute (so stored in ``config.yaml``: resumable from any folder).
+    A Ray connection the run made (async mode) is shut down when it ends; one made before is kept.
 
     Raises:
         ConfigError: an invalid combination of settings, or a weight store URL that cannot be written.
@@ -612,6 +613,7 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
             stops_on_full_disk(run_dir.path),
             stops_on_lost_exchange(run_dir.path),
             sigterm_interrupts(),
+            stops_ray_it_started(),  # a second run in this process starts its own, with its environment
         ):
             # a failure before step 1 leaves no half-written folder
             with run_dir.discarded_on_early_failure():
@@ -664,7 +666,12 @@ def _resume(run_dir: str | Path, fetched: Path | None, overrides: list[str] | No
         check_init_from(cfg, folder.path, folder.config)  # relative ones from the folder the run began in
         ckpt = resume_checkpoint(folder.path, cfg)  # the newest complete one; skipped ones named
     try:
-        with stops_on_full_disk(folder.path), stops_on_lost_exchange(folder.path), sigterm_interrupts():
+        with (
+            stops_on_full_disk(folder.path),
+            stops_on_lost_exchange(folder.path),
+            sigterm_interrupts(),
+            stops_ray_it_started(),
+        ):
             run = Run(cfg, folder, live=live)
             with removed_on_failure(fetched):
                 run.start(checkpoint=ckpt)

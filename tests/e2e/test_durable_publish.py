@@ -18,6 +18,7 @@ from conftest import TINY_MODEL, short_config
 from moerl.cli import main as cli_main
 from moerl.config import load_config
 from moerl.rundir.folder import read_jsonl
+from moerl.runtime.ray.local import ray_connected
 from moerl.train import train
 from moerl.weights.store import WeightStore
 
@@ -104,6 +105,9 @@ def test_publish_stays_off_the_step_and_the_store_keeps_the_durable_versions(
     if mode == "async":  # the rollout side's start milestones, in the order they happen
         at = [startup[k] for k in ("ray_started", "workers_spawned", "exchange_ready", "rollouts_started")]
         assert at == sorted(at) and at[-1] <= startup["first_step"], startup
+        # the run shut down the Ray instance it started: the next run here starts its own (CI once
+        # reused this one in a later test, whose workers lacked that test's PYTHONPATH)
+        assert not ray_connected()
 
 
 def test_a_store_whose_background_writes_fail_stops_the_run_with_one_line(

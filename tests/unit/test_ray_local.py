@@ -222,3 +222,31 @@ def test_a_local_start_leaves_rays_token_banner_out_and_keeps_its_warnings(monke
         logging.getLogger(local.RAY_AUTH_LOGGER).removeHandler(handler)
     assert len(messages) == 2 and all("is disabled" in m for m in messages)
     assert logging.getLogger(local.RAY_AUTH_LOGGER).filters.count(local._is_not_auth_banner) == 1
+
+
+class _FakeRay:
+    """A stand-in ``ray`` module: ``is_initialized`` and ``shutdown`` only."""
+
+    def __init__(self, up: bool):
+        self.up, self.shutdowns = up, 0
+
+    def is_initialized(self) -> bool:
+        return self.up
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+        self.up = False
+
+
+@pytest.mark.parametrize("up_before", [False, True])
+def test_a_run_shuts_down_only_the_ray_connection_it_made(monkeypatch, up_before):
+    fake = _FakeRay(up_before)
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    with local.stops_ray_it_started():
+        fake.up = True  # the body connects (or finds it connected)
+    assert fake.shutdowns == (0 if up_before else 1) and fake.up == up_before
+    fake.up = False
+    with pytest.raises(RuntimeError), local.stops_ray_it_started():  # also when the run fails
+        fake.up = True
+        raise RuntimeError("the run failed")
+    assert fake.shutdowns == (1 if up_before else 2)

@@ -13,11 +13,13 @@ timeout is raised as Ray raised it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from moerl.errors import RayStartError
@@ -170,3 +172,23 @@ def start_local_ray(
         )
     quiet_ray_auth_banner()
     retry_ray_start(lambda: ray.init(address="local", **init_kwargs), num_attempts, should_stop=should_stop)
+
+
+def ray_connected() -> bool:
+    """Whether this process is connected to a Ray instance (False when Ray was never imported)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+@contextlib.contextmanager
+def stops_ray_it_started() -> Iterator[None]:
+    """Shut down, on the way out, a Ray connection that the body made (a local instance it started, a
+    cluster it joined); one that was up before the body is left as found. A run (``moerl.train.train``,
+    ``resume``) owns the Ray instance it starts: a second run in the same process starts its own, with
+    that run's environment (``PYTHONPATH``, reward modules), instead of inheriting the first one's."""
+    before = ray_connected()
+    try:
+        yield
+    finally:
+        if not before and ray_connected():
+            sys.modules["ray"].shutdown()

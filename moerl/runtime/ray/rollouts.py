@@ -310,7 +310,11 @@ class RayRollouts:
         try:
             return ray.get(ref)
         except ray.exceptions.RayActorError as e:
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            # the first line says how it died; the last, for an error in its creation, which error
+            first = (
+                " ... ".join(dict.fromkeys([lines[0][:200], lines[-1][:300]])) if lines else type(e).__name__
+            )
             raise ExchangeLostError(
                 f"the exchange actor (task queue, experience buffer) was lost, its node gone or unreachable "
                 f"({type(e).__name__}: {first}); the run stopped after its last whole step"
