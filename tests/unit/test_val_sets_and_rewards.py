@@ -78,7 +78,9 @@ def test_a_datasetdict_test_split_is_exactly_the_held_out_set(tmp_path, capsys):
     # a DatasetDict whose only split is 'validation' trains on it: its rows are not also the held-out set
     dd_only = datasets.DatasetDict({"validation": datasets.Dataset.from_list(train)})
     dd_only.save_to_disk(str(tmp_path / "only"))
-    only = make_task(load_config(None, ["task.name=dataset", f"task.path={tmp_path / 'only'}", "task.layout=generic"]).task)
+    only = make_task(
+        load_config(None, ["task.name=dataset", f"task.path={tmp_path / 'only'}", "task.layout=generic"]).task
+    )
     assert list(only.eval_sets()) == ["held_out"] and only.max_train_prompts == 27  # the 10% carve-out
 
 

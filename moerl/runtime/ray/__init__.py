@@ -16,4 +16,11 @@ No module here imports Ray at import time.
 from moerl.runtime.ray.local import retry_ray_start, start_local_ray, stops_ray_it_started
 from moerl.runtime.ray.rollouts import RayRollouts, check_ray_address, init_ray
 
-__all__ = ["RayRollouts", "check_ray_address", "init_ray", "retry_ray_start", "start_local_ray", "stops_ray_it_started"]
+__all__ = [
+    "RayRollouts",
+    "check_ray_address",
+    "init_ray",
+    "retry_ray_start",
+    "start_local_ray",
+    "stops_ray_it_started",
+]
