@@ -50,6 +50,42 @@ class PartialResponse:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseSnapshot:
+    """A rollout worker's progress on one leased group, sent to the exchange (``TaskQueue.save_progress``).
+
+    Kept there only while ``lease_token`` is the task's current lease, newest only; when the lease expires
+    (the worker lost) the prefixes become the task's ``partial`` and the next worker continues them.
+    """
+
+    task_id: str
+    """The leased task."""
+    lease_token: int
+    """Fencing token of the lease the progress was made under."""
+    prefixes: tuple[PartialResponse, ...]
+    """Generated tokens so far, one entry per sample that has any (finished samples whole)."""
+
+    def __post_init__(self) -> None:
+        _as_tuple(self, "prefixes", self.prefixes)
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens held, over the group's samples."""
+        return sum(len(p.response_ids) for p in self.prefixes)
+
+
+def merge_prefixes(
+    old: Sequence[PartialResponse], new: Sequence[PartialResponse]
+) -> tuple[PartialResponse, ...]:
+    """Per sample index the longer of ``old`` and ``new`` (a newer snapshot extends an older one; a sample
+    missing from ``new``, e.g. queued again in the engine, keeps its ``old`` prefix). Sorted by index."""
+    best = {p.sample_index: p for p in old}
+    for p in new:
+        if p.sample_index not in best or len(p.response_ids) >= len(best[p.sample_index].response_ids):
+            best[p.sample_index] = p
+    return tuple(best[i] for i in sorted(best))
+
+
+@dataclass(frozen=True, slots=True)
 class RolloutTask:
     """One prompt to be answered ``num_samples`` times: one GRPO group.
 

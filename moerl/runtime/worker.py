@@ -89,6 +89,13 @@ class WorkerStats:
     """Groups released because new weights arrived (``on_weight_update=abort``)."""
     tokens_aborted: int = 0
     """Tokens discarded with them."""
+    tokens_resumed: int = 0
+    """Generated tokens carried into a continued sequence: the prefixes of the tasks it leased with a
+    ``partial`` (a drained worker's, or a lost worker's newest progress snapshot) and continued."""
+    tokens_discarded: int = 0
+    """Generated tokens this worker threw away: groups aborted for new weights, released by a drain or a
+    stop without their prefixes (``fleet.keep_partial`` off). A hard loss's tokens are counted by the
+    fleet (``FleetManager``), which this worker cannot report."""
     kv: EngineStats | None = None
     """The engine's cache and scheduler counters after its last step (``Engine.stats``; an EP group's:
     the leader rank's); None before the first step."""
@@ -132,6 +139,8 @@ class RolloutWorker:
             that got nothing, unless its weights changed meanwhile (``_is_backing_off``).
         pause_point: called between scheduler steps and between ``put`` retries, where the worker
             holds no half-delivered group; a Ray actor blocks there while paused (checkpoints).
+        keep_partial: a stop (``release_all``, a delivery given up) hands the generated prefixes back
+            with the released tasks (``fleet.keep_partial``); else they are discarded.
     """
 
     def __init__(
@@ -151,8 +160,10 @@ class RolloutWorker:
         put_timeout_s: float = 1.0,
         lease_retry_s: float = 0.05,
         pause_point: Callable[[], None] | None = None,
+        keep_partial: bool = True,
     ):
         self.worker_id = worker_id
+        self.keep_partial = keep_partial
         self.engine = engine
         self.task = task
         self.decode = decode
@@ -208,6 +219,7 @@ class RolloutWorker:
             run_seed=cfg.seed,
             lease_ttl_s=cfg.runtime.lease_ttl_s,
             pause_point=pause_point,
+            keep_partial=cfg.fleet.keep_partial,
         )
 
     @property
@@ -241,7 +253,9 @@ class RolloutWorker:
     def _abort_in_flight(self) -> None:
         """``on_weight_update=abort``: drop the engine's requests and release their leases (requeued)."""
         running = self.engine.running_by_request()
-        self.stats.tokens_aborted += sum(len(s.token_ids) for seqs in running.values() for s in seqs)
+        aborted = sum(len(s.token_ids) for seqs in running.values() for s in seqs)
+        self.stats.tokens_aborted += aborted
+        self.stats.tokens_discarded += aborted
         if isinstance(self.engine, EPGroupEngine):
             self.engine.cancel_all()  # on every rank of the group, at its next step
         else:
@@ -288,7 +302,8 @@ class RolloutWorker:
             requests = [Request(request_id=request_id, prompt_ids=list(lease.task.prompt_ids), params=params)]
             try:
                 if lease.task.partial and not self.cfg.return_routed_experts:  # R3 needs all tokens' experts
-                    job.plan = ResumePlan(lease.task, params, request_id)  # continue the drained prefixes
+                    job.plan = ResumePlan(lease.task, params, request_id)  # continue the kept prefixes
+                    self.stats.tokens_resumed += sum(len(p.response_ids) for p in lease.task.partial)
                     job.completions += job.plan.ready
                     requests = job.plan.requests
                 for request in requests:
@@ -383,8 +398,10 @@ class RolloutWorker:
             delivered += done
             if is_full:  # backpressure
                 if self._is_stopping:  # nobody will drain the buffer: hand the tasks back
-                    for job in self.outbox.take_waiting():
-                        self.queue.release(job.lease)
+                    waiting = self.outbox.take_waiting()
+                    progress = {g.lease.token: g for g in self._progress_of(waiting, running={})}
+                    for job in waiting:
+                        self._release(progress[job.lease.token])
                     return delivered
                 self.heartbeat(force=True)
                 if self.pause_point is not None:
@@ -444,20 +461,32 @@ class RolloutWorker:
         return list({id(job): job for job in list(self._in_flight.values())}.values())
 
     def in_flight(self) -> list[InFlightGroup]:
-        """Progress of each undelivered group (for a drain; safe from another thread: it copies lists)."""
-        running = self.engine.running_by_request()
-        out = [
-            group_progress(job.lease, list(job.completions), [], max_new_tokens=0)
-            for job in self.outbox.jobs()
-        ]
-        for job in self._jobs():
+        """Progress of each undelivered group (for a drain and the progress snapshots; safe from another
+        thread: it copies lists)."""
+        out = self._progress_of(self.outbox.jobs(), running={})
+        return out + self._progress_of(self._jobs(), self.engine.running_by_request())
+
+    def _progress_of(self, jobs: list[_InFlight], running: dict) -> list[InFlightGroup]:
+        """``group_progress`` of ``jobs``: finished completions, the engine's ``running`` sequences, and a
+        resumed sample still queued in the engine (not running) at its kept prefix."""
+        out = []
+        for job in jobs:
             seqs = [seq for rid in job.request_ids for seq in running.get(rid, [])]
             if job.plan is not None:
                 seqs = [job.plan.progress(seq) for seq in seqs]
-            out.append(
-                group_progress(job.lease, list(job.completions), seqs, max_new_tokens=self.cfg.max_new_tokens)
-            )
+            finished = list(job.completions)
+            if job.plan is not None:  # queued continuations keep their prefix in a snapshot or release
+                seen = {p.sample_index for p in seqs} | {c.sample_index for c in finished}
+                seqs += [p for p in job.lease.task.partial if p.sample_index not in seen]
+            max_new = self.cfg.max_new_tokens if len(finished) < job.lease.task.num_samples else 0
+            out.append(group_progress(job.lease, finished, seqs, max_new_tokens=max_new))
         return out
+
+    def _release(self, group: InFlightGroup) -> bool:
+        """Release ``group``'s lease with its prefixes (``keep_partial``), else count them discarded."""
+        if not self.keep_partial:
+            self.stats.tokens_discarded += group.num_tokens
+        return bool(self.queue.release(group.lease, partial=group.prefixes if self.keep_partial else ()))
 
     def abandon(self, task_id: str, partial=()) -> bool:
         """Release the group of ``task_id`` (with ``partial`` prefixes) and forget it (its engine requests run
@@ -510,8 +539,9 @@ class RolloutWorker:
             self.settle_deliveries()
         except BufferClosed:  # the run is over: its groups are released below
             pass
-        jobs = self._jobs() + self.outbox.take_waiting()
-        released = sum(bool(self.queue.release(job.lease)) for job in jobs)
+        groups = self._progress_of(self._jobs(), self.engine.running_by_request())
+        groups += self._progress_of(self.outbox.take_waiting(), running={})
+        released = sum(self._release(g) for g in groups)
         self._in_flight.clear()
         return released
 
