@@ -422,6 +422,12 @@ class FleetManager:
         if worker_id in self.records:
             self.records[worker_id].tokens_lost = self.tokens_lost(worker_id)
 
+    @property
+    def tokens_in_flight_at_losses(self) -> int:
+        """Tokens the killed workers had in flight at their last answers, summed (what a hard loss would
+        discard without progress snapshots)."""
+        return sum(in_flight for in_flight, _ in self._kill_loss.values())
+
     def tokens_lost(self, worker_id: str) -> int:
         """Generated tokens of ``worker_id`` lost to interruptions: what its drains released without
         prefixes, plus, if it was killed, its in-flight tokens at its last answer less those its progress

@@ -34,7 +34,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from moerl.records import Lease, LeaseSnapshot, PartialResponse, RolloutTask, Settlement, merge_prefixes
+from moerl.records import (
+    Lease,
+    LeaseSnapshot,
+    PartialResponse,
+    RolloutTask,
+    Settlement,
+    append_prefixes,
+    merge_prefixes,
+)
 
 _FORMAT = "moerl-queue/1"
 
@@ -223,10 +231,12 @@ class TaskQueue:
             return True
 
     def save_progress(self, snapshots: Sequence[LeaseSnapshot]) -> int:
-        """Keep each snapshot whose lease is current (merged into the newest: per sample the longer prefix).
+        """Keep each snapshot whose lease is current: its pieces appended to what the lease's earlier
+        snapshots left (``LeaseSnapshot.offsets``; a piece at offset 0 replaces a shorter prefix).
 
         Returns:
-            How many were kept; the others' leases were expired, released or settled (counted as refused).
+            How many were kept; the others' leases were expired, released or settled, or their offsets do
+            not continue what is held (counted as refused; the sender then resends whole prefixes).
         """
         kept = 0
         with self._lock:
@@ -235,7 +245,10 @@ class TaskQueue:
                 entry = self._current_entry_locked(snap.task_id, snap.lease_token)
                 if entry is None:
                     continue
-                entry.snapshot = merge_prefixes(entry.snapshot, snap.prefixes)
+                held = append_prefixes(entry.snapshot, snap.prefixes, snap.offsets)
+                if held is None:
+                    continue
+                entry.snapshot = held
                 kept += 1
             self._counts["snapshots_saved"] += kept
             self._counts["snapshots_refused"] += len(snapshots) - kept

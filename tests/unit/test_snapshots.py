@@ -61,6 +61,19 @@ def test_queue_keeps_the_newest_snapshot_per_live_lease_and_drops_it_on_settle()
     assert q.stats().snapshot_tokens_held == 0 and q.lease("w1", 10.0)[0].task.partial == ()
 
 
+def test_snapshot_deltas_append_and_a_gap_is_refused():
+    q = _queue()
+    (a,) = q.lease("w0", 10.0)
+    q.save_progress([LeaseSnapshot(a.task_id, a.token, [_prefix(0, 4)])])
+    more = PartialResponse(0, [7, 8], [-0.1, -0.2], [1, 1])
+    assert q.save_progress([LeaseSnapshot(a.task_id, a.token, [more], [4])]) == 1  # tokens 4, 5
+    assert q.save_progress([LeaseSnapshot(a.task_id, a.token, [more], [9])]) == 0  # a gap: refused
+    assert q.stats().snapshot_tokens_held == 6 and q.expire_worker("w0") == 6
+    (again,) = q.lease("w1", 10.0)
+    assert again.task.partial[0].response_ids == (0, 1, 2, 3, 7, 8)
+    assert again.task.partial[0].policy_versions == (0, 0, 0, 0, 1, 1)
+
+
 def test_an_expired_lease_requeues_its_task_with_the_newest_snapshot():
     clock = Clock()
     q = _queue(clock)
@@ -146,6 +159,17 @@ def test_snapshots_are_sent_every_n_tokens_per_sequence_in_one_batch(setup):
         worker.step()
     assert sender.flush() == 2 and queue.stats().snapshot_tokens_held == 2 * 3 * 8
     assert sender.stats.bytes_sent > 0 and sender.stats.snapshots_kept == 4
+    assert sender.stats.tokens_sent == 2 * 3 * 8  # deltas: each token sent once, not 4 + 8 per sample
+    held = {g.lease.task_id: g for g in worker.in_flight()}
+    queue.expire_worker("w0")  # the exchange's copy, put together from deltas, is the worker's prefixes
+    again = {lease.task_id: lease for lease in queue.lease("w1", 10.0, 2)}
+    for task_id, g in held.items():
+        assert again[task_id].task.partial == tuple(
+            PartialResponse(
+                p.sample_index, p.response_ids[:8], p.response_logprobs[:8], p.policy_versions[:8]
+            )
+            for p in g.prefixes
+        )
 
 
 def test_the_decode_loop_never_waits_for_a_snapshot(setup):
@@ -283,3 +307,4 @@ def test_the_fleet_counts_a_hard_loss_less_what_its_snapshots_kept():
     assert (m.tokens_discarded, m.rollout_tokens_discarded, m.rollout_tokens_resumed) == (320, 327, 5)
     assert m.as_metrics()["rollout/tokens_discarded"] == 327
     assert fleet.records["rollout-1"].tokens_discarded == 307  # its own 7 and the 300 of the loss
+    assert fleet.tokens_in_flight_at_losses == 600

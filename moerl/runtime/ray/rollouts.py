@@ -598,6 +598,7 @@ class RayRollouts:
             "lost_work_frac": m.lost_work_frac,
             "tokens_generated": m.tokens_generated,
             "tokens_discarded": m.tokens_discarded,
+            "tokens_in_flight_at_losses": self.manager.tokens_in_flight_at_losses,
             "rollout/tokens_resumed": m.rollout_tokens_resumed,
             "rollout/tokens_discarded": m.rollout_tokens_discarded,
             "tokens_restored_from_snapshots": q.tokens_restored,
