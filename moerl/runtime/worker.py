@@ -143,6 +143,10 @@ class RolloutWorker:
             with the released tasks (``fleet.keep_partial``); else they are discarded.
     """
 
+    continues_prefixes = True
+    """Whether a task's kept prefixes (``RolloutTask.partial``) are continued rather than started over (an
+    ``EpisodeWorker``'s episodes hold environment state no prefix restores: it starts over)."""
+
     def __init__(
         self,
         worker_id: str,
@@ -163,7 +167,7 @@ class RolloutWorker:
         keep_partial: bool = True,
     ):
         self.worker_id = worker_id
-        self.keep_partial = keep_partial
+        self.keep_partial = keep_partial and self.continues_prefixes
         self.engine = engine
         self.task = task
         self.decode = decode
@@ -301,7 +305,8 @@ class RolloutWorker:
             job, params = _InFlight(lease, time.perf_counter()), self._params(lease)
             requests = [Request(request_id=request_id, prompt_ids=list(lease.task.prompt_ids), params=params)]
             try:
-                if lease.task.partial and not self.cfg.return_routed_experts:  # R3 needs all tokens' experts
+                # R3 needs every token's routed experts, which a prefix does not carry
+                if lease.task.partial and self.continues_prefixes and not self.cfg.return_routed_experts:
                     job.plan = ResumePlan(lease.task, params, request_id)  # continue the kept prefixes
                     self.stats.tokens_resumed += sum(len(p.response_ids) for p in lease.task.partial)
                     job.completions += job.plan.ready

@@ -232,7 +232,7 @@ class RolloutWorkerActor:
             engine=None if self.group is None else self.group.start(model),
         )
         self.snapshots = None  # fleet.snapshot_tokens: progress to the exchange, on its own thread
-        if cfg.fleet.snapshot_tokens > 0:
+        if cfg.fleet.snapshot_tokens > 0 and self.worker.continues_prefixes:
             self.snapshots = SnapshotSender(
                 worker_id,
                 self.worker.in_flight,
@@ -243,7 +243,7 @@ class RolloutWorkerActor:
         self.worker.sync_weights()  # the newest published version before the first lease
         self.worker.stats.startup.update(started, ready=time.time())
         self.watcher = watcher_from_config(cfg.fleet, worker_id, default_notice_dir=notice_dir).start()
-        self.drainer = Drainer(cfg.fleet.drain_grace_s, keep_partial=cfg.fleet.keep_partial)
+        self.drainer = Drainer(cfg.fleet.drain_grace_s, keep_partial=self.worker.keep_partial)
         self.slowdown = Slowdown.from_config(cfg.chaos, worker_id)
         self._has_gpu = cfg.model.device.startswith("cuda")
         self._node = node_address()  # the Ray node it runs on: the `node` label of its series
