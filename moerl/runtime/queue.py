@@ -297,7 +297,8 @@ class TaskQueue:
             if entry is None:
                 self._counts["refused"] += 1
                 return False
-            if outcome is Settlement.REQUEUED_STALE:
+            if outcome is Settlement.REQUEUED_STALE:  # its kept prefix is what made it stale: start over
+                entry.task = dataclasses.replace(entry.task, partial=())
                 self._return_locked(entry, "requeued_stale")
             else:
                 del self._entries[task_id]
@@ -305,7 +306,8 @@ class TaskQueue:
             return True
 
     def requeue(self, task: RolloutTask) -> None:
-        """Put a finished task back to the front of the queue (its admitted group went stale in the buffer).
+        """Put a finished task back to the front of the queue (its admitted group went stale in the buffer,
+        or its training was lost with a trainer restart), without its kept prefixes: it starts over.
 
         Raises:
             ValueError: the task is still pending or leased here (requeuing it would duplicate it).
@@ -314,7 +316,7 @@ class TaskQueue:
             self._reap_locked()
             if task.task_id in self._entries:
                 raise ValueError(f"TaskQueue.requeue: task {task.task_id!r} is still pending or leased")
-            self._entries[task.task_id] = _Entry(task)
+            self._entries[task.task_id] = _Entry(dataclasses.replace(task, partial=()))
             self._pending.appendleft(task.task_id)
             self._counts["requeued"] += 1
             self._counts["requeued_stale"] += 1

@@ -254,10 +254,13 @@ class RolloutWorker:
         self.stats.last_weight_load_s = time.perf_counter() - t0
         return True
 
-    def _abort_in_flight(self) -> None:
-        """``on_weight_update=abort``: drop the engine's requests and release their leases (requeued)."""
+    def _abort_in_flight(self, *, keep_prefixes: bool = False) -> None:
+        """Drop the engine's requests and release their leases (requeued): ``on_weight_update=abort``
+        (the prefixes are discarded: the point is fresh weights), or an eval that needs the engine alone
+        (``keep_prefixes``: released with their prefixes, ``keep_partial``)."""
+        groups = self._progress_of(self._jobs(), self.engine.running_by_request()) if keep_prefixes else []
         running = self.engine.running_by_request()
-        aborted = sum(len(s.token_ids) for seqs in running.values() for s in seqs)
+        aborted = 0 if keep_prefixes else sum(len(s.token_ids) for seqs in running.values() for s in seqs)
         self.stats.tokens_aborted += aborted
         self.stats.tokens_discarded += aborted
         if isinstance(self.engine, EPGroupEngine):
@@ -265,9 +268,13 @@ class RolloutWorker:
         else:
             cancel_all(self.engine)
         self._early.clear()
-        for job in self._jobs():
-            self.queue.release(job.lease)
-            self.stats.groups_aborted += 1
+        if keep_prefixes:
+            for group in groups:
+                self._release(group)
+        else:
+            for job in self._jobs():
+                self.queue.release(job.lease)
+        self.stats.groups_aborted += self.num_in_flight
         self._in_flight.clear()
 
     def _params(self, lease: Lease) -> SamplingParams:
@@ -553,7 +560,7 @@ class RolloutWorker:
     def generate_alone(self, requests: list[Request]) -> list[Completion]:
         """Run ``requests`` to completion on this worker's engine with nothing else in it (a held-out
         eval): the groups in flight are aborted first (engine requests dropped on every EP rank, their
-        leases released to the queue, ``stats.groups_aborted``), so the engine generates exactly these,
+        leases released to the queue with their prefixes under ``keep_partial``, ``stats.groups_aborted``), so the engine generates exactly these,
         as a fresh one would. Returns their completions (any order). Weights are not synced meanwhile.
 
         Raises:
@@ -561,7 +568,7 @@ class RolloutWorker:
         """
         self.settle_deliveries()  # finished groups go to the buffer; only unfinished ones are aborted
         if self._in_flight:
-            self._abort_in_flight()
+            self._abort_in_flight(keep_prefixes=True)
         wanted = {r.request_id for r in requests}
         for request in requests:
             self.engine.add_request(request)

@@ -89,6 +89,24 @@ def test_an_expired_lease_requeues_its_task_with_the_newest_snapshot():
     assert not q.settle(a.task_id, a.token, "admitted")
 
 
+def test_a_task_requeued_as_stale_starts_over():
+    """A continued group too stale to train came back: its kept prefix (the old tokens) is dropped, else
+    every later lease would continue it and be refused again."""
+    clock = Clock()
+    q = _queue(clock)
+    (a,) = q.lease("w0", 10.0)
+    q.save_progress([LeaseSnapshot(a.task_id, a.token, [_prefix(0, 4)])])
+    clock.now = 11.0
+    (b,) = q.lease("w1", 10.0)
+    assert b.task.partial
+    assert q.settle(b.task_id, b.token, "requeued_stale")
+    (c,) = q.lease("w2", 10.0)
+    assert c.task_id == a.task_id and c.task.partial == ()
+    q.settle(c.task_id, c.token, "admitted")
+    q.requeue(b.task)  # a trained task handed back (its group went stale in the buffer): from scratch too
+    assert q.lease("w3", 10.0)[0].task.partial == ()
+
+
 def test_expire_worker_now_and_a_resume_keeps_the_snapshot():
     q = _queue()
     a, b = q.lease("w0", 60.0, 2)
