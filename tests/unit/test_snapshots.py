@@ -264,6 +264,25 @@ def test_a_killed_workers_snapshot_is_continued_and_each_token_keeps_its_version
             torch.testing.assert_close(got[8:], want1, atol=1e-5, rtol=0)  # v1 sampled these
             assert (got[8:] - _teacher_forced(model, s.prompt_ids, s.response_ids)[8:]).abs().max() > 1e-3
 
+    # the trainer's batch keeps each token's own behaviour log-prob: the mismatch correction (TIS/MIS)
+    # against a policy equal to the version that sampled each token is exactly 1 at every token
+    from moerl.rl.mismatch import mismatch_weights
+    from moerl.rl.presets import preset_from_config
+    from moerl.trainer.batch import build_train_batch
+
+    batch = build_train_batch(groups, pad_id=0)
+    sampled_by = torch.zeros_like(batch.behaviour_logprobs)
+    for row, s in enumerate(x for g in groups for x in g.samples):
+        lo, hi = len(s.prompt_ids), len(s.prompt_ids) + len(s.response_ids)
+        assert batch.behaviour_logprobs[row, lo:hi].tolist() == list(s.response_logprobs)
+        sampled_by[row, lo : lo + 8] = _teacher_forced(model, s.prompt_ids, s.response_ids)[:8]
+        sampled_by[row, lo + 8 : hi] = _teacher_forced(v1, s.prompt_ids, s.response_ids)[8:]
+    from moerl.config import AlgorithmConfig
+
+    preset = preset_from_config(AlgorithmConfig(mismatch_mode="truncate"))
+    w = mismatch_weights(sampled_by, batch.behaviour_logprobs, batch.loss_mask, preset).weights
+    torch.testing.assert_close(w[batch.loss_mask], torch.ones_like(w[batch.loss_mask]), atol=1e-4, rtol=0)
+
     # the lost worker's late delivery is refused by its lease's fence: each sequence is trained once
     clock.now = 0.0
     late = [r for _ in range(MAX_NEW) for r in lost.step()]
