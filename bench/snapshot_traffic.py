@@ -17,7 +17,7 @@ other processes do not change: the decode thread's (``time.thread_time``) per to
 and the snapshot thread's (``SnapshotStats.cpu_s``), whose ratio to the decode thread's CPU bounds what
 the snapshots can take from decode (the GIL: at most the time the snapshot thread runs Python).
 ``decode_cost_cpu_frac`` = (decode CPU per token with snapshots + snapshot CPU per token) / decode CPU
-per token alone - 1. The sender's bytes/s (pickled batches), snapshots and calls per second, per worker.
+per token alone - 1 (decode CPU per token: the median over the rounds of each kind). The sender's bytes/s (pickled batches), snapshots and calls per second, per worker.
 Writes ``<out-dir>/snapshot_traffic.json``.
 """
 
@@ -112,10 +112,11 @@ def run(args) -> dict:
         snap.append(_round(worker, args.steps, sender))
     base = statistics.median(r["tokens_per_s"] for r in plain)
     with_snap = statistics.median(r["tokens_per_s"] for r in snap)
-    cpu_plain = sum(r["decode_cpu_s"] for r in plain) / sum(r["tokens"] for r in plain)
-    snap_tokens = sum(r["tokens"] for r in snap)
-    cpu_decode_snap = sum(r["decode_cpu_s"] for r in snap) / snap_tokens
-    cpu_sender = sum(r["snapshot_cpu_s"] for r in snap) / snap_tokens
+    # medians over rounds: one round slowed by a neighbour's burst (cache, memory bandwidth) moves a
+    # thread's CPU time per token too, by up to 1.5x on the shared machine
+    cpu_plain = statistics.median(r["decode_cpu_s_per_token"] for r in plain)
+    cpu_decode_snap = statistics.median(r["decode_cpu_s_per_token"] for r in snap)
+    cpu_sender = sum(r["snapshot_cpu_s"] for r in snap) / sum(r["tokens"] for r in snap)
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
