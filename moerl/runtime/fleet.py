@@ -424,9 +424,14 @@ class FleetManager:
 
     @property
     def tokens_in_flight_at_losses(self) -> int:
-        """Tokens the killed workers had in flight at their last answers, summed (what a hard loss would
-        discard without progress snapshots)."""
-        return sum(in_flight for in_flight, _ in self._kill_loss.values())
+        """Tokens the killed workers had in flight when lost, summed (what a hard loss would discard
+        without progress snapshots): per worker the larger of its last answer's in-flight tokens and the
+        tokens the queue restored from its snapshots (a last answer may be older than its last snapshot:
+        an answer that timed out under load keeps the one before)."""
+        return sum(
+            max(in_flight, self._restored.get(worker_id, 0))
+            for worker_id, (in_flight, _) in self._kill_loss.items()
+        )
 
     def tokens_lost(self, worker_id: str) -> int:
         """Generated tokens of ``worker_id`` lost to interruptions: what its drains released without

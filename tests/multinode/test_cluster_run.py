@@ -102,7 +102,7 @@ GROUP_OVERRIDES = [
 ]
 
 
-SNAP_STEPS, SNAP_BATCH, SNAP_NEW = 8, 2, 512
+SNAP_STEPS, SNAP_BATCH, SNAP_NEW = 12, 2, 512
 
 SNAP_OVERRIDES = [
     "name=snapkill",
@@ -118,7 +118,7 @@ SNAP_OVERRIDES = [
     f"rollout.max_new_tokens={SNAP_NEW}",
     "model.max_position_embeddings=1024",
     f"runtime.max_staleness={SNAP_STEPS}",  # a continued group's oldest tokens may be trained at any step
-    "runtime.buffer_groups=8",
+    "runtime.buffer_groups=4",  # the continued groups are trained soon after they arrive, not after the run
     "runtime.lease_ttl_s=10",
     "eval.every=0",
     "task.num_eval=20",
