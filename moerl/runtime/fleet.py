@@ -435,11 +435,12 @@ class FleetManager:
 
     def tokens_lost(self, worker_id: str) -> int:
         """Generated tokens of ``worker_id`` lost to interruptions: what its drains released without
-        prefixes, plus, if it was killed, its in-flight tokens at its last answer less those its progress
-        snapshots kept (the snapshotted figure of that answer, or what the queue restored if less: a lower
-        bound, it may have generated more after its last answer)."""
+        prefixes, plus, if it was killed, its in-flight tokens at its last answer less those the exchange
+        held in its progress snapshots at that answer (once the queue confirmed the loss,
+        ``credit_restored``): the un-snapshotted tail, an estimate from one instant (groups delivered
+        meanwhile are not lost; tokens generated after the answer are)."""
         in_flight, snapshotted = self._kill_loss.get(worker_id, (0, 0))
-        kept = min(snapshotted, self._restored.get(worker_id, 0)) if worker_id in self._restored else 0
+        kept = snapshotted if worker_id in self._restored else 0  # both of one answer: the exchange held
         return self._drain_lost.get(worker_id, 0) + max(0, in_flight - kept)
 
     def _replace(self, now: float) -> None:
