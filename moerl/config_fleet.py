@@ -24,9 +24,19 @@ class FleetConfig:
     """Seconds between the controller's fleet checks (liveness, replacement, chaos)."""
     drain_grace_s: float = 90.0
     """Seconds a worker has after a termination notice to finish in-flight groups before it releases the rest."""
-    keep_partial: bool = False
-    """On drain, hand the generated token prefixes back with the task so the next worker continues them
-    (else they are discarded and counted as lost work)."""
+    keep_partial: bool = True
+    """On drain (and at a worker's stop), hand the generated token prefixes back with the task so the
+    next worker continues them (else they are discarded and counted in ``rollout/tokens_discarded``)."""
+    snapshot_tokens: int = 64
+    """Progress snapshots (``moerl.runtime.snapshots``): each rollout worker sends the state of its
+    in-flight sequences (token ids, log-probs, per-token policy versions) to the exchange each time one of
+    its sequences has this many more tokens than in its last snapshot, batched, from a background thread
+    (never on the decode path). A worker lost without a notice (SIGKILL, node lost) then costs at most
+    about this many tokens per sequence: its tasks go back to the queue with the newest snapshot and the
+    next worker continues them. 0: no snapshots (a hard loss discards every in-flight token)."""
+    snapshot_poll_s: float = 0.25
+    """Seconds between the snapshot thread's looks at the worker's progress (it sends only when a
+    sequence crossed ``snapshot_tokens``)."""
     handle_sigterm: bool = True
     """Treat SIGTERM to a worker process as a termination notice (where a handler can be installed)."""
     notice_file: str | None = None
@@ -67,6 +77,8 @@ class FleetConfig:
         check_range("fleet.check_every_s", self.check_every_s, 0.0, lo_open=True)
         check_range("fleet.drain_grace_s", self.drain_grace_s, 0.0)
         check_range("fleet.notice_poll_s", self.notice_poll_s, 0.0, lo_open=True)
+        check_range("fleet.snapshot_tokens", self.snapshot_tokens, 0)
+        check_range("fleet.snapshot_poll_s", self.snapshot_poll_s, 0.0, lo_open=True)
         if self.notice_url is not None and not self.notice_url.startswith(("http://", "https://")):
             raise ConfigError(f"fleet.notice_url={self.notice_url!r} must start with http:// or https://")
         if self.imds_url is not None and not self.imds_url.startswith(("http://", "https://")):

@@ -50,6 +50,76 @@ class PartialResponse:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseSnapshot:
+    """A rollout worker's progress on one leased group, sent to the exchange (``TaskQueue.save_progress``).
+
+    Kept there only while ``lease_token`` is the task's current lease, newest only; when the lease expires
+    (the worker lost) the prefixes become the task's ``partial`` and the next worker continues them.
+    """
+
+    task_id: str
+    """The leased task."""
+    lease_token: int
+    """Fencing token of the lease the progress was made under."""
+    prefixes: tuple[PartialResponse, ...]
+    """Generated tokens, one entry per sample that has new ones (finished samples whole): the tokens from
+    ``offsets[i]`` on of sample ``prefixes[i].sample_index`` (a delta on what the exchange holds)."""
+    offsets: tuple[int, ...] = ()
+    """Per prefix, how many of the sample's tokens come before it (the exchange holds them from an earlier
+    snapshot of this lease); empty: all 0, whole prefixes."""
+
+    def __post_init__(self) -> None:
+        _as_tuple(self, "prefixes", self.prefixes)
+        _as_tuple(self, "offsets", self.offsets or (0,) * len(self.prefixes))
+        if len(self.offsets) != len(self.prefixes) or any(o < 0 for o in self.offsets):
+            raise ValueError(
+                f"LeaseSnapshot {self.task_id!r}: {len(self.offsets)} offsets (each >= 0) for "
+                f"{len(self.prefixes)} prefixes"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens held, over the group's samples."""
+        return sum(len(p.response_ids) for p in self.prefixes)
+
+
+def append_prefixes(
+    held: Sequence[PartialResponse], pieces: Sequence[PartialResponse], offsets: Sequence[int]
+) -> tuple[PartialResponse, ...] | None:
+    """``held`` with each piece appended to its sample at its offset (offset 0: the piece replaces the
+    sample's prefix if at least as long). None if a piece's offset is not the held prefix's length (a gap
+    or an overlap: the snapshot does not continue what is held). Sorted by sample index."""
+    best = {p.sample_index: p for p in held}
+    for piece, offset in zip(pieces, offsets, strict=True):
+        old = best.get(piece.sample_index)
+        if offset == 0:
+            if old is None or len(piece.response_ids) >= len(old.response_ids):
+                best[piece.sample_index] = piece
+            continue
+        if old is None or len(old.response_ids) != offset:
+            return None
+        best[piece.sample_index] = PartialResponse(
+            piece.sample_index,
+            old.response_ids + piece.response_ids,
+            old.response_logprobs + piece.response_logprobs,
+            old.policy_versions + piece.policy_versions,
+        )
+    return tuple(best[i] for i in sorted(best))
+
+
+def merge_prefixes(
+    old: Sequence[PartialResponse], new: Sequence[PartialResponse]
+) -> tuple[PartialResponse, ...]:
+    """Per sample index the longer of ``old`` and ``new`` (a newer snapshot extends an older one; a sample
+    missing from ``new``, e.g. queued again in the engine, keeps its ``old`` prefix). Sorted by index."""
+    best = {p.sample_index: p for p in old}
+    for p in new:
+        if p.sample_index not in best or len(p.response_ids) >= len(best[p.sample_index].response_ids):
+            best[p.sample_index] = p
+    return tuple(best[i] for i in sorted(best))
+
+
+@dataclass(frozen=True, slots=True)
 class RolloutTask:
     """One prompt to be answered ``num_samples`` times: one GRPO group.
 

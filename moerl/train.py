@@ -422,7 +422,17 @@ class Run:
     def _record(self, groups: list[Group], step: int) -> None:
         """Ledger (exactly-once accounting) and journal (trainer recovery) of the groups trained at ``step``."""
         self.dir.append_ledger(
-            [LedgerEntry(g.task_id, step, g.min_policy_version, g.lease_token) for g in groups]
+            [
+                LedgerEntry(
+                    g.task_id,
+                    step,
+                    g.min_policy_version,
+                    g.lease_token,
+                    tuple(sorted({v for s in g.samples for v in s.policy_versions})),
+                    sum(len(p.response_ids) for p in g.task.partial),
+                )
+                for g in groups
+            ]
         )
         self.journal.record(step, [g.task for g in groups])
 

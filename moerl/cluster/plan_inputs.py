@@ -11,6 +11,7 @@ cluster section's node groups, with the run's own layout and batch.
     prompts_per_step, group_size, response_len, max_staleness, mode, spot_rollout, checkpoint_every
                   trainer.batch_groups, rollout.group_size, rollout.max_new_tokens, runtime.max_staleness,
                   runtime.mode, cluster.rollout.spot, trainer.checkpoint_every
+    snapshot_tokens, keep_partial   fleet.snapshot_tokens, fleet.keep_partial (the Spot loss model)
 
 The planner prices one instance type for both groups; a rollout group of another type is named in the
 notes (``plan_values``). ``router_groups`` / ``topk_groups`` stay the plan's (the run's router has none).
@@ -127,6 +128,8 @@ def plan_values(cfg: RunConfig) -> tuple[dict, ModelShape | None, list[str]]:
         "max_staleness": cfg.runtime.max_staleness,
         "mode": placement.run_mode,
         "spot_rollout": c.rollout.spot,
+        "snapshot_tokens": cfg.fleet.snapshot_tokens,
+        "keep_partial": cfg.fleet.keep_partial,
         "checkpoint_every": max(1, t.checkpoint_every),
     }
     return values, None if isinstance(model, str) else model, notes

@@ -269,7 +269,21 @@ def _summary(plan: Plan, point: dict, cal: dict) -> str:
         f"({useful:.2f} useful episodes/s, hierarchical)",
         f"$ per useful episode: flat {flat['usd_per_episode']:.4f}, hierarchical {hier['usd_per_episode']:.4f}; "
         f"per 1000: {flat['usd_per_1000_episodes']:.2f} / {hier['usd_per_1000_episodes']:.2f}",
+        *_hard_loss_line(plan, hier),
     ])  # fmt: skip
+
+
+def _hard_loss_line(plan: Plan, hier: dict) -> list[str]:
+    """The Spot hard-loss line (``hard_loss_fraction`` > 0): $ per useful episode with and without
+    progress snapshots, and the replica-seconds lost per interruption."""
+    if not (plan.spot_rollout and plan.hard_loss_fraction > 0):
+        return []
+    return [
+        f"Spot hard losses ({plan.hard_loss_fraction:.0%} of interruptions): {hier['spot_lost_s']:.0f} replica-s "
+        f"lost per interruption; $ per useful episode {hier['usd_per_episode']:.4f} with "
+        f"snapshot_tokens={plan.snapshot_tokens:g}, {hier['usd_per_episode_no_snapshots']:.4f} without "
+        "(hierarchical)"
+    ]
 
 
 def _tornado_table(rows: list[dict]) -> Table:

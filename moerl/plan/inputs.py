@@ -170,6 +170,15 @@ class Plan:
     """Interruption notice, seconds: sequences that finish within it are not lost (0 = no notice)."""
     replace_s: float = field(default=600.0, metadata=_ge(0, note=" s"))
     """Seconds an interrupted replica is down (new instance, weights reloaded)."""
+    hard_loss_fraction: float = field(default=0.0, metadata=_in(0, 1))
+    """Fraction of Spot interruptions that come without a usable notice (a reclaim that beats its notice,
+    a node off the network, a crash): the replica's in-flight work is lost but for its progress snapshots."""
+    snapshot_tokens: float = field(default=0.0, metadata=_ge(0, note=" tokens (0: no snapshots)"))
+    """``fleet.snapshot_tokens``: tokens per sequence between progress snapshots at the exchange; a hard
+    loss costs at most that much per sequence (0: its whole progress)."""
+    keep_partial: bool = False
+    """``fleet.keep_partial``: a noticed interruption hands every generated prefix on (nothing lost); False:
+    sequences that cannot finish within ``notice_s`` are lost."""
     sync_overlap: float = field(default=0.0, metadata=_in(0, 1))
     """Fraction of the weight sync hidden behind generation."""
     schedule: str = "auto"

@@ -22,9 +22,14 @@ returns one ``Prediction`` per dispatcher (flat all-to-all, hierarchical). Formu
 - Checkpoint every ``checkpoint_every`` steps: params x ``checkpoint_bytes_per_param`` written by the
   training nodes at ``storage_gb_s_per_node`` each; training blocks for it.
 - Spot: a replica of n nodes is interrupted at rate n lambda; with a notice of s seconds a sequence with
-  remaining time u > s is lost, u ~ U[0, t_seq]: lost replica-seconds (t_seq - s)^2 / (2 t_seq), then the
-  replica is down for ``replace_s`` (new instance, weights reloaded). Availability = 1 - n lambda (lost + down),
-  a first-order model: a plan where it is <= 0 is a ConfigError, not a figure.
+  remaining time u > s is lost, u ~ U[0, t_seq]: lost replica-seconds (t_seq - s)^2 / (2 t_seq) (0 with
+  ``keep_partial``: the prefixes are continued), then the replica is down for ``replace_s`` (new instance,
+  weights reloaded). A fraction ``hard_loss_fraction`` of interruptions has no notice: each sequence loses
+  its progress since its last snapshot, ~ U[0, K step] with K = min(``snapshot_tokens``, E[r]) (K = E[r]
+  without snapshots): K step / 2 replica-seconds (``lost_per_interruption_s``). Availability = 1 - n lambda
+  (lost + down), a first-order model: a plan where it is <= 0 is a ConfigError, not a figure.
+  ``usd_per_episode_no_snapshots`` is the same plan with ``snapshot_tokens`` = 0 (inf where its availability
+  is <= 0).
 - Schedules (``moerl.plan.schedules``): ``step_s`` of ``colocated`` (every GPU generates then trains), ``sync``,
   ``one_step_off`` and ``fully_async`` (the slower of rollout supply and training demand, as before);
   the schedules that generate a whole batch wait for its longest response (``gen_batch_s``, the long
@@ -93,6 +98,10 @@ class Prediction:
     usd_per_episode: float
     usd_per_1000_episodes: float
     usd_per_converged_policy: float
+    spot_lost_s: float = 0.0
+    """Replica-seconds of generation lost per Spot interruption (``lost_per_interruption_s``; 0 without Spot)."""
+    usd_per_episode_no_snapshots: float = 0.0
+    """``usd_per_episode`` of the same plan without progress snapshots (``snapshot_tokens`` = 0)."""
 
 
 def _ep_s(
@@ -345,8 +354,7 @@ def _predict_one(p: Plan, hw, m, cal: dict, disp: str) -> Prediction:
     lam = hw.interruptions_per_hour / 3600 * p.rollout_ep_nodes if p.spot_rollout else 0.0
     tok_s, step, ep_s, inter = _replica(p, hw, m, cal, disp, gen_nodes)
     t_train = _train_step_s(p, hw, m, cal, disp, train_nodes) + ckpt_s / p.checkpoint_every
-    t_seq = p.response_len * step
-    lost = max(0.0, t_seq - p.notice_s) ** 2 / (2 * t_seq)
+    lost = lost_per_interruption_s(p, step)
     avail = 1 - lam * (lost + p.replace_s)
     if avail <= 0:  # Plan checks n lambda replace_s < 1; the lost work of long sequences adds to it
         raise ConfigError(
@@ -370,7 +378,41 @@ def _predict_one(p: Plan, hw, m, cal: dict, disp: str) -> Prediction:
                       step_s("fully_async", parts, sync_overlap=p.sync_overlap, max_staleness=max(1, p.max_staleness)),
                       step_s("sync", parts, **kw), schedule, p.weight_transport, parts.gen_batch_s, step_time,
                       tokens / (step_time * p.total_nodes * hw.gpus_per_node), usd_h, per_ep, 1e3 * per_ep,
-                      per_ep * episodes * p.steps_to_converge)  # fmt: skip
+                      per_ep * episodes * p.steps_to_converge, lost if lam else 0.0,
+                      _without_snapshots(p, cal, disp, per_ep))  # fmt: skip
+
+
+def lost_per_interruption_s(p: Plan, step_s: float) -> float:
+    """Expected replica-seconds of generation lost per Spot interruption (module docstring, "Spot").
+
+    Args:
+        p: the plan (``response_len`` E[r], ``notice_s`` s, ``keep_partial``, ``hard_loss_fraction`` f,
+            ``snapshot_tokens`` K).
+        step_s: seconds per decode step of the replica.
+
+    Returns:
+        (1 - f) x noticed + f x hard, seconds: noticed = (t_seq - s)^2 / (2 t_seq) with t_seq = E[r] step
+        (a sequence with u ~ U[0, t_seq] left is lost if u > s), 0 with ``keep_partial``; hard = K step / 2
+        with K = min(K, E[r]), or E[r] without snapshots (the progress since the last snapshot, uniform).
+    """
+    t_seq = p.response_len * step_s
+    noticed = 0.0 if p.keep_partial else max(0.0, t_seq - p.notice_s) ** 2 / (2 * t_seq)
+    kept_every = min(p.snapshot_tokens, p.response_len) if p.snapshot_tokens > 0 else p.response_len
+    hard = kept_every * step_s / 2
+    return (1 - p.hard_loss_fraction) * noticed + p.hard_loss_fraction * hard
+
+
+def _without_snapshots(p: Plan, cal: dict, disp: str, per_ep: float) -> float:
+    """``usd_per_episode`` with ``snapshot_tokens`` = 0 (``per_ep`` itself when the plan has none or no
+    hard losses; inf when the plan without them cannot run: availability <= 0)."""
+    if not (p.spot_rollout and p.snapshot_tokens > 0 and p.hard_loss_fraction > 0):
+        return per_ep
+    try:
+        return _predict_one(
+            replace(p, snapshot_tokens=0.0), plan_hardware(p), plan_model(p), cal, disp
+        ).usd_per_episode
+    except ConfigError:
+        return float("inf")
 
 
 def _check_fits(p: Plan, hw, m) -> None:

@@ -5,7 +5,8 @@ Layout (``runs/<name>-<timestamp>/``)::
     config.yaml        resolved RunConfig
     metrics.jsonl      one record per trainer step (schema: moerl.telemetry.metrics.METRIC_KEYS)
     summary.json       final figures and exactly-once task accounting
-    ledger.jsonl       one line per trained task: {"task_id", "step", "policy_version", "lease_token"}
+    ledger.jsonl       one line per trained task: {"task_id", "step", "policy_version", "lease_token",
+                       "versions", "tokens_resumed"}
     eval_samples.jsonl the sampled held-out responses (eval.k): {"step", "set", "k", "prompt_id", ...}
     checkpoints/       step_N/ full run state (moerl.trainer.checkpoint: save/load/latest_checkpoint)
     weights/           published weight versions (the default WeightStore)
@@ -73,6 +74,11 @@ class LedgerEntry:
     """Oldest policy version that generated the group."""
     lease_token: int
     """Fencing token of the lease under which the group was delivered."""
+    versions: tuple[int, ...] = ()
+    """The distinct policy versions that generated the group's tokens, ascending (empty in older ledgers)."""
+    tokens_resumed: int = 0
+    """Tokens of the group that an earlier lease generated and this one continued (``RolloutTask.partial``:
+    a drained worker's prefixes or a lost worker's progress snapshot)."""
 
 
 class RunDir:
@@ -185,6 +191,8 @@ class RunDir:
                             "step": e.step,
                             "policy_version": e.policy_version,
                             "lease_token": e.lease_token,
+                            "versions": list(e.versions),
+                            "tokens_resumed": e.tokens_resumed,
                         }
                     )
                     + "\n"
@@ -193,7 +201,9 @@ class RunDir:
 
     def read_ledger(self) -> list[LedgerEntry]:
         """All ledger entries in file order."""
-        return [LedgerEntry(**r) for r in read_jsonl(self.ledger)]
+        return [
+            LedgerEntry(**{**r, "versions": tuple(r.get("versions", ()))}) for r in read_jsonl(self.ledger)
+        ]
 
     def rewind(self, step: int) -> None:
         """Drop metrics, ledger and eval-sample records after trainer step ``step`` (before resuming from it)."""

@@ -42,6 +42,7 @@ class EpisodeWorker(RolloutWorker):
     """A ``RolloutWorker`` whose engine is an ``EpisodeEngine`` (arguments as ``RolloutWorker``)."""
 
     engine: EpisodeEngine
+    continues_prefixes = False  # an episode's environment state is not in its token prefix
 
     def __init__(self, worker_id: str, engine: EpisodeEngine, *args, **kwargs) -> None:
         super().__init__(worker_id, engine, *args, **kwargs)

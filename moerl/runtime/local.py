@@ -241,6 +241,8 @@ class LocalRollouts:
             "weights/refused_total": refused_versions_of(self.weights),
             "timing/weight_sync_s": self._publish_s,
             "timing/weight_sync_worker_s": load_s,
+            "rollout/tokens_resumed": self.worker.stats.tokens_resumed,
+            "rollout/tokens_discarded": self.worker.stats.tokens_discarded,
         }
         if self.scorer is not None:
             values.update(self.scorer.stats.take())
@@ -253,6 +255,8 @@ class LocalRollouts:
             tokens_delivered=stats.tokens_generated,
             groups_delivered=stats.groups_put,
             policy_version=self.worker.version,
+            tokens_resumed=stats.tokens_resumed,
+            tokens_discarded=stats.tokens_discarded,
         )
         return [WorkerRecord(self.worker.worker_id, 0.0, WorkerState.ALIVE, health=health)]
 

@@ -8,6 +8,12 @@ Life of a task (one prompt x n samples, one GRPO group)::
                         ^
                         +-- requeue(task): a done task whose group later went stale in the buffer
 
+Progress snapshots (``save_progress``): a worker sends the generated prefixes of its leased groups now
+and then; the queue keeps the newest one per current lease only (a settled, released or expired lease
+drops it), so its memory is bounded by the leased tasks. When a lease *expires* (its worker lost without
+a notice: SIGKILL, node gone) the snapshot becomes the task's ``partial`` and the next worker continues
+it (``moerl.runtime.drain.ResumePlan``); a ``release`` carries its own prefixes instead.
+
 Each lease carries a fencing token, strictly increasing over the queue's life (and across a resume). A
 task has at most one current token; ack, release, heartbeat and settle act only when the token they carry
 is the current one, so a slow worker that delivers after its lease expired (and the task was leased again)
@@ -28,7 +34,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from moerl.records import Lease, PartialResponse, RolloutTask, Settlement
+from moerl.records import (
+    Lease,
+    LeaseSnapshot,
+    PartialResponse,
+    RolloutTask,
+    Settlement,
+    append_prefixes,
+    merge_prefixes,
+)
 
 _FORMAT = "moerl-queue/1"
 
@@ -72,6 +86,14 @@ class QueueStats:
     """Prompts drawn from the source so far (the data cursor)."""
     is_exhausted: bool
     """The source has no more prompts and no task is pending or leased."""
+    snapshots_saved: int = 0
+    """Progress snapshots kept (``save_progress`` under a current lease)."""
+    snapshots_refused: int = 0
+    """Progress snapshots refused: their lease was no longer current."""
+    snapshot_tokens_held: int = 0
+    """Response tokens held in snapshots right now (newest per current lease only)."""
+    tokens_restored: int = 0
+    """Response tokens handed from snapshots to tasks whose lease expired (continued by the next worker)."""
 
 
 @dataclass(slots=True)
@@ -79,6 +101,7 @@ class _Entry:
     task: RolloutTask  # attempt = leases so far
     lease: Lease | None = None
     ttl_s: float = 0.0
+    snapshot: tuple[PartialResponse, ...] = ()  # newest progress under the current lease
 
 
 def _task_to_dict(task: RolloutTask) -> dict[str, Any]:
@@ -132,6 +155,7 @@ class TaskQueue:
         self._source_done = False
         self._last_token = 0
         self._counts = collections.Counter()
+        self._restored: dict[str, int] = {}  # worker id -> tokens restored from its snapshots
 
     # -- worker side ---------------------------------------------------------------------------
 
@@ -206,6 +230,43 @@ class TaskQueue:
             self._return_locked(entry, "released")
             return True
 
+    def save_progress(self, snapshots: Sequence[LeaseSnapshot]) -> int:
+        """Keep each snapshot whose lease is current: its pieces appended to what the lease's earlier
+        snapshots left (``LeaseSnapshot.offsets``; a piece at offset 0 replaces a shorter prefix).
+
+        Returns:
+            How many were kept; the others' leases were expired, released or settled, or their offsets do
+            not continue what is held (counted as refused; the sender then resends whole prefixes).
+        """
+        kept = 0
+        with self._lock:
+            self._reap_locked()
+            for snap in snapshots:
+                entry = self._current_entry_locked(snap.task_id, snap.lease_token)
+                if entry is None:
+                    continue
+                held = append_prefixes(entry.snapshot, snap.prefixes, snap.offsets)
+                if held is None:
+                    continue
+                entry.snapshot = held
+                kept += 1
+            self._counts["snapshots_saved"] += kept
+            self._counts["snapshots_refused"] += len(snapshots) - kept
+        return kept
+
+    def expire_worker(self, worker_id: str) -> int:
+        """Expire every lease of ``worker_id`` now (it was lost); their tasks go back to the queue with
+        their newest snapshots. Returns the tokens restored from snapshots of this worker's leases over
+        the queue's life (this call's and earlier expiries')."""
+        with self._lock:
+            self._reap_locked()
+            mine = [
+                e for e in self._entries.values() if e.lease is not None and e.lease.worker_id == worker_id
+            ]
+            for entry in sorted(mine, key=lambda e: e.lease.token, reverse=True):
+                self._return_locked(entry, "expired")
+            return self._restored.get(worker_id, 0)
+
     # -- buffer side ---------------------------------------------------------------------------
 
     def validate(self, lease: Lease) -> bool:
@@ -236,7 +297,8 @@ class TaskQueue:
             if entry is None:
                 self._counts["refused"] += 1
                 return False
-            if outcome is Settlement.REQUEUED_STALE:
+            if outcome is Settlement.REQUEUED_STALE:  # its kept prefix is what made it stale: start over
+                entry.task = dataclasses.replace(entry.task, partial=())
                 self._return_locked(entry, "requeued_stale")
             else:
                 del self._entries[task_id]
@@ -244,7 +306,8 @@ class TaskQueue:
             return True
 
     def requeue(self, task: RolloutTask) -> None:
-        """Put a finished task back to the front of the queue (its admitted group went stale in the buffer).
+        """Put a finished task back to the front of the queue (its admitted group went stale in the buffer,
+        or its training was lost with a trainer restart), without its kept prefixes: it starts over.
 
         Raises:
             ValueError: the task is still pending or leased here (requeuing it would duplicate it).
@@ -253,7 +316,7 @@ class TaskQueue:
             self._reap_locked()
             if task.task_id in self._entries:
                 raise ValueError(f"TaskQueue.requeue: task {task.task_id!r} is still pending or leased")
-            self._entries[task.task_id] = _Entry(task)
+            self._entries[task.task_id] = _Entry(dataclasses.replace(task, partial=()))
             self._pending.appendleft(task.task_id)
             self._counts["requeued"] += 1
             self._counts["requeued_stale"] += 1
@@ -277,6 +340,12 @@ class TaskQueue:
                 pending=len(self._pending),
                 cursor=self._cursor,
                 is_exhausted=self._source_done and not self._entries,
+                snapshots_saved=c["snapshots_saved"],
+                snapshots_refused=c["snapshots_refused"],
+                snapshot_tokens_held=sum(
+                    len(p.response_ids) for e in self._entries.values() for p in e.snapshot
+                ),
+                tokens_restored=c["tokens_restored"],
             )
 
     # -- resume --------------------------------------------------------------------------------
@@ -284,14 +353,18 @@ class TaskQueue:
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state: data cursor, last token, counters, and the pending then leased tasks.
 
-        Leased tasks are saved as pending (with their attempt count): on resume they are leased again.
+        Leased tasks are saved as pending (with their attempt count and their newest snapshot as
+        ``partial``): on resume they are leased again and continued.
         """
         with self._lock:
             self._reap_locked()
             leased = sorted(
                 (e for e in self._entries.values() if e.lease is not None), key=lambda e: e.lease.token
             )
-            tasks = [self._entries[t].task for t in self._pending] + [e.task for e in leased]
+            tasks = [self._entries[t].task for t in self._pending] + [
+                dataclasses.replace(e.task, partial=merge_prefixes(e.task.partial, e.snapshot))
+                for e in leased
+            ]
             return {
                 "format": _FORMAT,
                 "cursor": self._cursor,
@@ -349,6 +422,15 @@ class TaskQueue:
         return now
 
     def _return_locked(self, entry: _Entry, reason: str) -> None:
+        if reason == "expired" and entry.snapshot:  # a lost worker: its newest progress is continued
+            num = sum(len(p.response_ids) for p in entry.snapshot)
+            entry.task = dataclasses.replace(
+                entry.task, partial=merge_prefixes(entry.task.partial, entry.snapshot)
+            )
+            worker = entry.lease.worker_id
+            self._restored[worker] = self._restored.get(worker, 0) + num
+            self._counts["tokens_restored"] += num
+        entry.snapshot = ()
         entry.lease = None
         self._pending.appendleft(entry.task.task_id)
         self._counts[reason] += 1

@@ -89,6 +89,13 @@ class WorkerStats:
     """Groups released because new weights arrived (``on_weight_update=abort``)."""
     tokens_aborted: int = 0
     """Tokens discarded with them."""
+    tokens_resumed: int = 0
+    """Generated tokens carried into a continued sequence: the prefixes of the tasks it leased with a
+    ``partial`` (a drained worker's, or a lost worker's newest progress snapshot) and continued."""
+    tokens_discarded: int = 0
+    """Generated tokens this worker threw away: groups aborted for new weights, released by a drain or a
+    stop without their prefixes (``fleet.keep_partial`` off). A hard loss's tokens are counted by the
+    fleet (``FleetManager``), which this worker cannot report."""
     kv: EngineStats | None = None
     """The engine's cache and scheduler counters after its last step (``Engine.stats``; an EP group's:
     the leader rank's); None before the first step."""
@@ -132,7 +139,13 @@ class RolloutWorker:
             that got nothing, unless its weights changed meanwhile (``_is_backing_off``).
         pause_point: called between scheduler steps and between ``put`` retries, where the worker
             holds no half-delivered group; a Ray actor blocks there while paused (checkpoints).
+        keep_partial: a stop (``release_all``, a delivery given up) hands the generated prefixes back
+            with the released tasks (``fleet.keep_partial``); else they are discarded.
     """
+
+    continues_prefixes = True
+    """Whether a task's kept prefixes (``RolloutTask.partial``) are continued rather than started over (an
+    ``EpisodeWorker``'s episodes hold environment state no prefix restores: it starts over)."""
 
     def __init__(
         self,
@@ -151,8 +164,10 @@ class RolloutWorker:
         put_timeout_s: float = 1.0,
         lease_retry_s: float = 0.05,
         pause_point: Callable[[], None] | None = None,
+        keep_partial: bool = True,
     ):
         self.worker_id = worker_id
+        self.keep_partial = keep_partial and self.continues_prefixes
         self.engine = engine
         self.task = task
         self.decode = decode
@@ -208,6 +223,7 @@ class RolloutWorker:
             run_seed=cfg.seed,
             lease_ttl_s=cfg.runtime.lease_ttl_s,
             pause_point=pause_point,
+            keep_partial=cfg.fleet.keep_partial,
         )
 
     @property
@@ -238,18 +254,27 @@ class RolloutWorker:
         self.stats.last_weight_load_s = time.perf_counter() - t0
         return True
 
-    def _abort_in_flight(self) -> None:
-        """``on_weight_update=abort``: drop the engine's requests and release their leases (requeued)."""
+    def _abort_in_flight(self, *, keep_prefixes: bool = False) -> None:
+        """Drop the engine's requests and release their leases (requeued): ``on_weight_update=abort``
+        (the prefixes are discarded: the point is fresh weights), or an eval that needs the engine alone
+        (``keep_prefixes``: released with their prefixes, ``keep_partial``)."""
+        groups = self._progress_of(self._jobs(), self.engine.running_by_request()) if keep_prefixes else []
         running = self.engine.running_by_request()
-        self.stats.tokens_aborted += sum(len(s.token_ids) for seqs in running.values() for s in seqs)
+        aborted = 0 if keep_prefixes else sum(len(s.token_ids) for seqs in running.values() for s in seqs)
+        self.stats.tokens_aborted += aborted
+        self.stats.tokens_discarded += aborted
         if isinstance(self.engine, EPGroupEngine):
             self.engine.cancel_all()  # on every rank of the group, at its next step
         else:
             cancel_all(self.engine)
         self._early.clear()
-        for job in self._jobs():
-            self.queue.release(job.lease)
-            self.stats.groups_aborted += 1
+        if keep_prefixes:
+            for group in groups:
+                self._release(group)
+        else:
+            for job in self._jobs():
+                self.queue.release(job.lease)
+        self.stats.groups_aborted += self.num_in_flight
         self._in_flight.clear()
 
     def _params(self, lease: Lease) -> SamplingParams:
@@ -287,8 +312,10 @@ class RolloutWorker:
             job, params = _InFlight(lease, time.perf_counter()), self._params(lease)
             requests = [Request(request_id=request_id, prompt_ids=list(lease.task.prompt_ids), params=params)]
             try:
-                if lease.task.partial and not self.cfg.return_routed_experts:  # R3 needs all tokens' experts
-                    job.plan = ResumePlan(lease.task, params, request_id)  # continue the drained prefixes
+                # R3 needs every token's routed experts, which a prefix does not carry
+                if lease.task.partial and self.continues_prefixes and not self.cfg.return_routed_experts:
+                    job.plan = ResumePlan(lease.task, params, request_id)  # continue the kept prefixes
+                    self.stats.tokens_resumed += sum(len(p.response_ids) for p in lease.task.partial)
                     job.completions += job.plan.ready
                     requests = job.plan.requests
                 for request in requests:
@@ -383,8 +410,10 @@ class RolloutWorker:
             delivered += done
             if is_full:  # backpressure
                 if self._is_stopping:  # nobody will drain the buffer: hand the tasks back
-                    for job in self.outbox.take_waiting():
-                        self.queue.release(job.lease)
+                    waiting = self.outbox.take_waiting()
+                    progress = {g.lease.token: g for g in self._progress_of(waiting, running={})}
+                    for job in waiting:
+                        self._release(progress[job.lease.token])
                     return delivered
                 self.heartbeat(force=True)
                 if self.pause_point is not None:
@@ -444,20 +473,32 @@ class RolloutWorker:
         return list({id(job): job for job in list(self._in_flight.values())}.values())
 
     def in_flight(self) -> list[InFlightGroup]:
-        """Progress of each undelivered group (for a drain; safe from another thread: it copies lists)."""
-        running = self.engine.running_by_request()
-        out = [
-            group_progress(job.lease, list(job.completions), [], max_new_tokens=0)
-            for job in self.outbox.jobs()
-        ]
-        for job in self._jobs():
+        """Progress of each undelivered group (for a drain and the progress snapshots; safe from another
+        thread: it copies lists)."""
+        out = self._progress_of(self.outbox.jobs(), running={})
+        return out + self._progress_of(self._jobs(), self.engine.running_by_request())
+
+    def _progress_of(self, jobs: list[_InFlight], running: dict) -> list[InFlightGroup]:
+        """``group_progress`` of ``jobs``: finished completions, the engine's ``running`` sequences, and a
+        resumed sample still queued in the engine (not running) at its kept prefix."""
+        out = []
+        for job in jobs:
             seqs = [seq for rid in job.request_ids for seq in running.get(rid, [])]
             if job.plan is not None:
                 seqs = [job.plan.progress(seq) for seq in seqs]
-            out.append(
-                group_progress(job.lease, list(job.completions), seqs, max_new_tokens=self.cfg.max_new_tokens)
-            )
+            finished = list(job.completions)
+            if job.plan is not None:  # queued continuations keep their prefix in a snapshot or release
+                seen = {p.sample_index for p in seqs} | {c.sample_index for c in finished}
+                seqs += [p for p in job.lease.task.partial if p.sample_index not in seen]
+            max_new = self.cfg.max_new_tokens if len(finished) < job.lease.task.num_samples else 0
+            out.append(group_progress(job.lease, finished, seqs, max_new_tokens=max_new))
         return out
+
+    def _release(self, group: InFlightGroup) -> bool:
+        """Release ``group``'s lease with its prefixes (``keep_partial``), else count them discarded."""
+        if not self.keep_partial:
+            self.stats.tokens_discarded += group.num_tokens
+        return bool(self.queue.release(group.lease, partial=group.prefixes if self.keep_partial else ()))
 
     def abandon(self, task_id: str, partial=()) -> bool:
         """Release the group of ``task_id`` (with ``partial`` prefixes) and forget it (its engine requests run
@@ -510,15 +551,16 @@ class RolloutWorker:
             self.settle_deliveries()
         except BufferClosed:  # the run is over: its groups are released below
             pass
-        jobs = self._jobs() + self.outbox.take_waiting()
-        released = sum(bool(self.queue.release(job.lease)) for job in jobs)
+        groups = self._progress_of(self._jobs(), self.engine.running_by_request())
+        groups += self._progress_of(self.outbox.take_waiting(), running={})
+        released = sum(self._release(g) for g in groups)
         self._in_flight.clear()
         return released
 
     def generate_alone(self, requests: list[Request]) -> list[Completion]:
         """Run ``requests`` to completion on this worker's engine with nothing else in it (a held-out
         eval): the groups in flight are aborted first (engine requests dropped on every EP rank, their
-        leases released to the queue, ``stats.groups_aborted``), so the engine generates exactly these,
+        leases released to the queue with their prefixes under ``keep_partial``, ``stats.groups_aborted``), so the engine generates exactly these,
         as a fresh one would. Returns their completions (any order). Weights are not synced meanwhile.
 
         Raises:
@@ -526,7 +568,7 @@ class RolloutWorker:
         """
         self.settle_deliveries()  # finished groups go to the buffer; only unfinished ones are aborted
         if self._in_flight:
-            self._abort_in_flight()
+            self._abort_in_flight(keep_prefixes=True)
         wanted = {r.request_id for r in requests}
         for request in requests:
             self.engine.add_request(request)

@@ -20,6 +20,10 @@ The alerts (one rule group ``moerl``):
                              ``comm_error_window``; fires at once
     MoerlSpotNoticeBurst     at least ``spot_notices`` termination notices over all workers within
                              ``spot_window``: clustered preemptions
+    MoerlTokensDiscarded     generated tokens thrown away (``rollout/tokens_discarded``: hard losses less
+                             their progress snapshots, drains without prefixes, aborts) per hour of
+                             rollout (per live worker) over ``discarded_window`` above
+                             ``discarded_tokens_per_hour``: work is being redone
     MoerlStalenessAtLimit    a live worker's policy lag is at ``runtime.max_staleness`` (and > 0) for
                              ``staleness_for``: it keeps generating at the staleness limit
 
@@ -79,6 +83,12 @@ class AlertParams:
     """Window of the notice count."""
     staleness_for: str = "15m"
     """How long a worker's policy lag must stay at the staleness limit."""
+    discarded_tokens_per_hour: int = 100_000
+    """Discarded generated tokens per hour of one live worker's rollout above which the run redoes too
+    much work (a hard loss with ``fleet.snapshot_tokens`` loses at most about that many tokens per
+    sequence; without snapshots, every in-flight token: ~ slots x mean response length)."""
+    discarded_window: str = "1h"
+    """Window of ``rate(moerl_tokens_discarded_total[...])``."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -90,6 +100,7 @@ class AlertParams:
         for name in ("rate_drop", "spread", "starvation_wait_frac"):
             check_range(f"alerts.{name}", getattr(self, name), 0.0, 1.0, lo_open=True, hi_open=True)
         check_range("alerts.spot_notices", self.spot_notices, 1)
+        check_range("alerts.discarded_tokens_per_hour", self.discarded_tokens_per_hour, 1)
 
 
 def _rule(name: str, expr: str, duration: str, severity: str, summary: str, description: str) -> dict:
@@ -137,7 +148,7 @@ def _worker_rules(p: AlertParams) -> list[dict]:
 
 
 def _run_rules(p: AlertParams) -> list[dict]:
-    """Backlog, starvation, comm errors, notice bursts, staleness."""
+    """Backlog, starvation, comm errors, notice bursts, discarded tokens, staleness."""
     # the backlog is the depth the buffer never drains below: robust to the step-by-step sawtooth
     low = f"min_over_time(moerl_buffer_depth_groups[{p.backlog_window}])"
     low_before = f"min_over_time(moerl_buffer_depth_groups[{p.backlog_window}] offset {p.backlog_window})"
@@ -177,6 +188,17 @@ def _run_rules(p: AlertParams) -> list[dict]:
             "warning",
             "Clustered spot preemptions",
             f"At least {p.spot_notices} termination notices within {p.spot_window}; expect requeues and lost work.",
+        ),
+        _rule(
+            "MoerlTokensDiscarded",
+            f"sum without(worker, node) (rate(moerl_tokens_discarded_total[{p.discarded_window}])) * 3600 / "
+            f"clamp_min(count without(worker, node) ({UP}), 1) > {p.discarded_tokens_per_hour}",
+            "0s",
+            "warning",
+            "Rollout work is being thrown away",
+            f"More than {p.discarded_tokens_per_hour} generated tokens discarded per hour of rollout per live "
+            f"worker over {p.discarded_window} (hard losses not covered by progress snapshots, drains or "
+            "aborts); check fleet.snapshot_tokens and the interruption rate.",
         ),
         _rule(
             "MoerlStalenessAtLimit",

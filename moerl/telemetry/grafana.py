@@ -134,9 +134,18 @@ def _faults_row() -> list[dict]:
         _ts(
             "Lost work",
             "short",
-            (f"moerl_lost_work_tokens_total{{{SEL}}}", "tokens discarded"),
+            (f"moerl_lost_work_tokens_total{{{SEL}}}", "tokens lost to interruptions"),
             (f"moerl_tasks_lost_total{{{SEL}}}", "tasks lost"),
             (f"moerl_tasks_duplicated_total{{{SEL}}}", "tasks duplicated"),
+        ),
+        _ts(
+            "Tokens continued and discarded (per hour)",
+            "short",
+            # progress snapshots: a lost worker's in-flight tokens continued elsewhere, or thrown away
+            (f"sum(rate(moerl_tokens_resumed_total{{{SEL}}}[{RATE}])) * 3600", "continued"),
+            (f"sum(rate(moerl_tokens_discarded_total{{{SEL}}}[{RATE}])) * 3600", "discarded"),
+            description="rollout/tokens_resumed and rollout/tokens_discarded: generated tokens carried into a "
+            "continued sequence after a loss, and those regenerated from scratch (hard losses less snapshots)",
         ),
         _ts(
             "Communication errors",

@@ -71,6 +71,8 @@ METRIC_KEYS: tuple[str, ...] = (
     "fleet/desired_workers",  # scaling hint for an external autoscaler (moerl.runtime.fleet)
     "fleet/spot_notices",  # termination notices received by rollout workers (cumulative)
     "fleet/lost_work_tokens",  # generated tokens discarded by interruptions (cumulative)
+    "rollout/tokens_resumed",  # generated tokens carried into continued sequences, all workers (cumulative)
+    "rollout/tokens_discarded",  # generated tokens thrown away: hard losses less snapshots, drains and aborts (cumulative)
     "fleet/nodes_lost",  # Ray nodes of the cluster seen dead or unreachable during the run (cumulative; async)
     "ep/intra_node_bytes",  # bytes EP ranks sent within a node, dispatch + combine (cumulative; null: no EP)
     "ep/inter_node_bytes",  # bytes EP ranks sent across nodes (cumulative; null: no EP)
@@ -154,6 +156,8 @@ WORKER_FIELDS: tuple[str, ...] = (
     "policy_lag",  # trainer version when its last heartbeat was asked for - its weights version (null: none yet)
     "spot_notices",  # termination notices it received (cumulative)
     "is_up",  # 1 while it answers liveness pings, 0 once gone
+    "tokens_resumed",  # generated tokens it carried into continued sequences (cumulative)
+    "tokens_discarded",  # its generated tokens thrown away (cumulative; a hard loss less its snapshots)
 )
 """Fields of each ``rollout/workers`` entry, in order."""
 

@@ -16,6 +16,7 @@ Series (``SERIES``; the alert rules and the Grafana dashboard use only these):
     moerl_rollout_tokens_total{worker}, moerl_rollout_groups_total{worker}   counters
     moerl_worker_up{worker}, moerl_worker_policy_lag{worker}                 gauges (lag in versions)
     moerl_spot_notices_total{worker}                                          counter
+    moerl_tokens_resumed_total{worker}, moerl_tokens_discarded_total{worker}  counters (``rollout/tokens_*``)
     moerl_buffer_depth_groups, moerl_buffer_capacity_groups, moerl_queue_depth_tasks   gauges
     moerl_tasks_requeued_total, moerl_tasks_lost_total, moerl_tasks_duplicated_total   counters
     moerl_worker_kills_total, moerl_lost_work_tokens_total, moerl_trainer_wait_seconds_total counters
@@ -88,6 +89,8 @@ SERIES: dict[str, str] = {
     "moerl_worker_up": "gauge",
     "moerl_worker_policy_lag": "gauge",
     "moerl_spot_notices_total": "counter",
+    "moerl_tokens_resumed_total": "counter",
+    "moerl_tokens_discarded_total": "counter",
     "moerl_buffer_depth_groups": "gauge",
     "moerl_buffer_capacity_groups": "gauge",
     "moerl_queue_depth_tasks": "gauge",
@@ -150,6 +153,10 @@ class WorkerSeries:
     node: str = ""
     """The node it runs on (``WorkerHealth.node``: the Ray node's IP address; "" unknown), the ``node``
     label of its series."""
+    tokens_resumed_total: int = 0
+    """Generated tokens it carried into continued sequences, cumulative (``rollout/tokens_resumed``)."""
+    tokens_discarded_total: int = 0
+    """Its generated tokens thrown away, cumulative (``rollout/tokens_discarded``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,14 +380,22 @@ def _worker_families(workers: Mapping[str, WorkerSeries]) -> Iterator:
         labels=WORKER_LABELS,
     )
     notices = CounterMetricFamily("moerl_spot_notices", "Termination notices received.", labels=WORKER_LABELS)
+    resumed = CounterMetricFamily(
+        "moerl_tokens_resumed", "Generated tokens carried into continued sequences.", labels=WORKER_LABELS
+    )
+    discarded = CounterMetricFamily(
+        "moerl_tokens_discarded", "Generated tokens thrown away (lost, aborted).", labels=WORKER_LABELS
+    )
     for wid, w in sorted(workers.items()):
+        resumed.add_metric([wid, w.node], w.tokens_resumed_total)
+        discarded.add_metric([wid, w.node], w.tokens_discarded_total)
         tokens.add_metric([wid, w.node], w.tokens_total)
         groups.add_metric([wid, w.node], w.groups_total)
         up.add_metric([wid, w.node], 1.0 if w.is_up else 0.0)
         if w.policy_lag is not None:
             lag.add_metric([wid, w.node], w.policy_lag)
         notices.add_metric([wid, w.node], w.spot_notices_total)
-    yield from (tokens, groups, up, lag, notices)
+    yield from (tokens, groups, up, lag, notices, resumed, discarded)
 
 
 def _gpu_families(gpus: Mapping[str, tuple[GpuSample, ...]]) -> Iterator:

@@ -56,6 +56,8 @@ def worker_series(rec: WorkerRecord, policy_lag: int | None) -> WorkerSeries:
         gpus=h.gpus,
         comm_errors=h.comm_errors,
         node=h.node,
+        tokens_resumed_total=h.tokens_resumed,
+        tokens_discarded_total=rec.tokens_discarded,
     )
 
 
@@ -238,6 +240,8 @@ class RunTelemetry:
                 "policy_lag": w.policy_lag,
                 "spot_notices": w.spot_notices_total,
                 "is_up": int(w.is_up),
+                "tokens_resumed": w.tokens_resumed_total,
+                "tokens_discarded": w.tokens_discarded_total,
             }
             history.append((wall_s, w.tokens_total, w.groups_total))
         return entries

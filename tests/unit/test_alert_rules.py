@@ -103,6 +103,7 @@ def test_unit_tests_fail_without_the_alert(tmp_path, alert):
         {"starvation_wait_frac": 0.2},  # the trainer waiting 25% would fire
         {"spot_notices": 1},  # notices spread over 30m would fire
         {"staleness_for": "5m"},  # the 10m point of the staleness case would fire
+        {"discarded_tokens_per_hour": 10_000},  # the 40k-token loss (~20k per worker-hour) would fire
     ],
 )
 def test_unit_tests_fail_with_looser_thresholds(tmp_path, loose):

@@ -196,3 +196,24 @@ def test_mission_recipe_preset_is_the_cluster_recipe_scenario():
     assert (p["prompts_per_step"], p["group_size"]) == (t.batch_groups, r.group_size)
     assert p["prompt_len"] + p["response_len"] == 4096 and p["response_len"] == r.max_new_tokens
     assert (p["max_staleness"], p["checkpoint_every"]) == (cfg.runtime.max_staleness, t.checkpoint_every)
+
+
+def test_spot_hard_losses_cost_less_with_progress_snapshots():
+    from dataclasses import replace
+
+    from moerl.plan.predict import lost_per_interruption_s
+
+    p = replace(Plan(), spot_rollout=True, interruptions_per_hour=0.2, response_len=16384.0, notice_s=120.0)
+    p = replace(p, schedule="sync")  # generation on the step's path: lost generation costs step time
+    hard = replace(p, hard_loss_fraction=0.5, snapshot_tokens=64.0, keep_partial=True)
+    # hand-computed: noticed half loses nothing (keep_partial), hard half loses 64 / 2 tokens of steps
+    assert lost_per_interruption_s(hard, 0.02) == pytest.approx(0.5 * 64 * 0.02 / 2)
+    no_snap = replace(hard, snapshot_tokens=0.0)  # a hard loss costs half a response on average
+    assert lost_per_interruption_s(no_snap, 0.02) == pytest.approx(0.5 * 16384 * 0.02 / 2)
+    old = lost_per_interruption_s(p, 0.02)  # notice only, no keep_partial: the earlier model
+    assert old == pytest.approx((16384 * 0.02 - 120) ** 2 / (2 * 16384 * 0.02))
+    h = predict(hard, CAL)[1]
+    assert h.spot_lost_s > 0 and h.usd_per_episode < h.usd_per_episode_no_snapshots
+    n = predict(no_snap, CAL)[1]
+    assert n.usd_per_episode == pytest.approx(h.usd_per_episode_no_snapshots)
+    assert n.spot_availability < h.spot_availability < 1

@@ -95,6 +95,8 @@ def test_write_step_records_workers_and_feeds_the_exporter(tmp_path):
         "policy_lag": 0,
         "spot_notices": 0,
         "is_up": 1,
+        "tokens_resumed": 0,
+        "tokens_discarded": 0,
     }
     assert (
         w1["tokens_per_s"] == 15.0 and w1["is_up"] == 0 and w1["spot_notices"] == 1 and w1["policy_lag"] == 1
@@ -228,3 +230,32 @@ def test_a_resumed_run_carries_the_cumulative_ep_bytes_on(tmp_path):
     fresh.carry_ep_totals([{"step": 1, "ep/intra_node_bytes": None, "ep/inter_node_bytes": None}])
     assert fresh.write_step(2, 2.0, {}, workers=[], **kw)["ep/intra_node_bytes"] is None
     fresh.close()
+
+
+def test_tokens_resumed_and_discarded_per_worker_in_the_record_and_on_metrics(tmp_path):
+    cfg = load_config(None, ["telemetry.metrics_port=0"])
+    t = RunTelemetry.start(cfg, tmp_path, tmp_path / "metrics.jsonl")
+    alive = _rec("rollout-0", 100, 2, 1)
+    alive.health = WorkerHealth(tokens_delivered=100, tokens_resumed=40, tokens_discarded=3, node="10.0.0.0")
+    killed = _rec("rollout-1", 50, 1, 0, state=WorkerState.KILLED)
+    killed.tokens_lost = 7  # the fleet's count: its in-flight tokens less what its snapshots kept
+    record = t.write_step(
+        1,
+        1.0,
+        {"policy_version": 1, "rollout/tokens_resumed": 40, "rollout/tokens_discarded": 10},
+        groups=[],
+        workers=[alive, killed],
+        lags={},
+        queue=_queue(),
+        buffer=_buffer(),
+        step_s=0.1,
+        weight_sync_s=None,
+    )
+    w = record["rollout/workers"]
+    assert (w["rollout-0"]["tokens_resumed"], w["rollout-0"]["tokens_discarded"]) == (40, 3)
+    assert (w["rollout-1"]["tokens_resumed"], w["rollout-1"]["tokens_discarded"]) == (0, 7)
+    assert (record["rollout/tokens_resumed"], record["rollout/tokens_discarded"]) == (40, 10)
+    s = _samples(t.exporter.render().decode())
+    assert s["moerl_tokens_resumed_total", (("node", "10.0.0.0"), ("worker", "rollout-0"))] == 40
+    assert s["moerl_tokens_discarded_total", (("node", "10.0.0.1"), ("worker", "rollout-1"))] == 7
+    t.close()

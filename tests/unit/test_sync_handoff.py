@@ -40,7 +40,9 @@ class ModelTrainer:
 
 def _rollouts(store, durable_every):
     buffer = SimpleNamespace(set_version=lambda v: setattr(buffer, "version", v))
-    worker = SimpleNamespace(stats=SimpleNamespace(weight_updates=0, last_weight_load_s=None))
+    worker = SimpleNamespace(
+        stats=SimpleNamespace(weight_updates=0, last_weight_load_s=None, tokens_resumed=0, tokens_discarded=0)
+    )
     return LocalRollouts(None, buffer, worker, LocalWeights(), store, durable_every=durable_every)
 
 

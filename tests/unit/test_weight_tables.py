@@ -304,7 +304,9 @@ def test_sync_mode_stops_in_one_line_when_its_worker_refuses_the_pushed_version(
 
     class Worker:  # the RolloutWorker's weight loading (and the counters fleet_values reads), nothing else
         version = -1
-        stats = types.SimpleNamespace(weight_updates=0, last_weight_load_s=None)
+        stats = types.SimpleNamespace(
+            weight_updates=0, last_weight_load_s=None, tokens_resumed=0, tokens_discarded=0
+        )
 
         def sync_weights(self):
             found = weights.poll(self.version)

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 
 from moerl.config import RunConfig
-from moerl.records import Group, Lease, PartialResponse, RolloutTask, Settlement
+from moerl.records import Group, Lease, LeaseSnapshot, PartialResponse, RolloutTask, Settlement
 from moerl.rundir.storage import local_model_folder
 from moerl.runtime.buffer import BufferMetrics, PutResult
 from moerl.runtime.build import make_buffer, make_queue
@@ -99,6 +99,15 @@ class ExchangeActor:
     def release(self, lease: Lease, *, partial: Sequence[PartialResponse] = ()) -> bool:
         """``TaskQueue.release``: hand a lease back (with the drained ``partial`` prefixes)."""
         return self.queue.release(lease, partial=partial)
+
+    def save_progress(self, snapshots: list[LeaseSnapshot]) -> int:
+        """``TaskQueue.save_progress``: a worker's progress snapshots (``moerl.runtime.snapshots``)."""
+        return self.queue.save_progress(snapshots)
+
+    def expire_worker(self, worker_id: str) -> int:
+        """``TaskQueue.expire_worker``: a lost worker's leases expire now, its tasks requeued with their
+        newest snapshots; returns the tokens restored from its snapshots."""
+        return self.queue.expire_worker(worker_id)
 
     def settle(self, task_id: str, token: int, outcome: Settlement) -> bool:
         """``TaskQueue.settle``: record a task's outcome if ``token`` is its current lease."""

@@ -55,7 +55,7 @@ from moerl.rundir.storage import stage_model_folder
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.chaos import ChaosMonkey
-from moerl.runtime.fleet import EXPIRE_NOW_TTL_S, FleetManager, WorkerRecord
+from moerl.runtime.fleet import FleetManager, WorkerRecord
 from moerl.runtime.notice import notice_file_for
 from moerl.runtime.queue import QueueStats
 from moerl.runtime.ray.address import ray_head
@@ -344,8 +344,9 @@ class RayRollouts:
         for line in self.nodes.poll():
             log.warning(line)
         for e in exits:
-            if e.reason == "crashed":  # expire its leases now instead of after lease_ttl_s
-                self.exchange.heartbeat.remote(e.worker_id, EXPIRE_NOW_TTL_S)
+            if e.reason == "crashed":  # expire its leases now (with their newest progress snapshots)
+                restored = self._ask(self.exchange.expire_worker.remote(e.worker_id))
+                self.manager.credit_restored(e.worker_id, restored)
         if self.chaos.is_enabled:
             self.chaos.apply(self.chaos.due(self.manager.busy_ids()), self.backend)
         if not self.manager.active_ids():
@@ -597,6 +598,19 @@ class RayRollouts:
             "lost_work_frac": m.lost_work_frac,
             "tokens_generated": m.tokens_generated,
             "tokens_discarded": m.tokens_discarded,
+            "tokens_in_flight_at_losses": self.manager.tokens_in_flight_at_losses,
+            "rollout/tokens_resumed": m.rollout_tokens_resumed,
+            "rollout/tokens_discarded": m.rollout_tokens_discarded,
+            "tokens_restored_from_snapshots": q.tokens_restored,
+            "snapshots_saved": q.snapshots_saved,
+            "snapshots_refused": q.snapshots_refused,
+            "worker_tokens": {
+                r.worker_id: {
+                    "tokens_resumed": r.health.tokens_resumed,
+                    "tokens_discarded": r.tokens_discarded,
+                }
+                for r in self.manager.records.values()
+            },
             "tasks_released": q.released,
             "tasks_expired": q.expired,
             "tasks_requeued_stale": q.requeued_stale,

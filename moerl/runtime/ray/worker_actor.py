@@ -32,7 +32,7 @@ import torch
 
 from moerl.allocator import keep_freed_memory
 from moerl.config import RunConfig
-from moerl.records import Group, Lease, PartialResponse, Settlement
+from moerl.records import Group, Lease, LeaseSnapshot, PartialResponse, Settlement
 from moerl.rollout.ep_group import EPGroupError
 from moerl.rundir.storage import is_remote, local_model_folder
 from moerl.runtime.buffer import BufferClosed
@@ -45,6 +45,7 @@ from moerl.runtime.gpu import read_gpus
 from moerl.runtime.notice import watcher_from_config
 from moerl.runtime.ray.ep_group import EPRolloutGroup
 from moerl.runtime.ray.nodes import node_address
+from moerl.runtime.snapshots import SnapshotSender
 from moerl.tasks import make_task
 from moerl.tasks.eval import EvalResult, eval_requests, evaluate, score_completions
 from moerl.tasks.tokenizer import load_run_tokenizer
@@ -127,6 +128,10 @@ class QueueProxy:
     def release(self, lease: Lease, *, partial: Sequence[PartialResponse] = ()) -> bool:
         """``ExchangeActor.release``."""
         return _remote_call(self.handle, "release", lease, partial=partial)
+
+    def save_progress(self, snapshots: list[LeaseSnapshot]) -> int:
+        """``ExchangeActor.save_progress`` (called on the worker's snapshot thread)."""
+        return _remote_call(self.handle, "save_progress", snapshots)
 
     def settle(self, task_id: str, token: int, outcome: Settlement) -> bool:
         """``ExchangeActor.settle``."""
@@ -226,10 +231,19 @@ class RolloutWorkerActor:
             pause_point=self._pause_point,
             engine=None if self.group is None else self.group.start(model),
         )
+        self.snapshots = None  # fleet.snapshot_tokens: progress to the exchange, on its own thread
+        if cfg.fleet.snapshot_tokens > 0 and self.worker.continues_prefixes:
+            self.snapshots = SnapshotSender(
+                worker_id,
+                self.worker.in_flight,
+                self.worker.queue.save_progress,
+                every_tokens=cfg.fleet.snapshot_tokens,
+                poll_s=cfg.fleet.snapshot_poll_s,
+            ).start()
         self.worker.sync_weights()  # the newest published version before the first lease
         self.worker.stats.startup.update(started, ready=time.time())
         self.watcher = watcher_from_config(cfg.fleet, worker_id, default_notice_dir=notice_dir).start()
-        self.drainer = Drainer(cfg.fleet.drain_grace_s, keep_partial=cfg.fleet.keep_partial)
+        self.drainer = Drainer(cfg.fleet.drain_grace_s, keep_partial=self.worker.keep_partial)
         self.slowdown = Slowdown.from_config(cfg.chaos, worker_id)
         self._has_gpu = cfg.model.device.startswith("cuda")
         self._node = node_address()  # the Ray node it runs on: the `node` label of its series
@@ -271,6 +285,8 @@ class RolloutWorkerActor:
                 else:
                     idle_wait = IDLE_WAIT_S[0]
             if self.watcher.is_set() and not self._stop.is_set():
+                if self.snapshots is not None:  # the newest progress first: a hard kill may beat the grace
+                    self.snapshots.flush()
                 reason, report = "drained", self.drainer.drain(self.worker, self.watcher.notice)
         except BufferClosed:
             pass
@@ -278,6 +294,8 @@ class RolloutWorkerActor:
             reason, error = "crashed", str(e)  # failed: the worker is lost, as if killed
         finally:
             self._paused.set()
+            if self.snapshots is not None:
+                self.snapshots.close()
             self._fail_evals(
                 f"worker {self.worker.worker_id} ended ({reason}{': ' + error if error else ''})"
             )
@@ -310,6 +328,10 @@ class RolloutWorkerActor:
             if self.group is None or self.group.engine is None
             else self.group.engine.ep_traffic,
             weights_refused=refused_versions_of(self.source),
+            tokens_resumed=self.worker.stats.tokens_resumed,
+            tokens_discarded=self.worker.stats.tokens_discarded,
+            tokens_snapshotted=0 if self.snapshots is None else self.snapshots.tokens_covered,
+            snapshot_bytes=0 if self.snapshots is None else self.snapshots.stats.bytes_sent,
             **self._sync_figures(),
         )
 
