@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,6 +51,7 @@ import torch
 from moerl.models.fp8 import FP8_DTYPE, copy_into_fp8
 from moerl.rollout.cache_policy import CachePolicy, CacheSpec, PrefillRow
 from moerl.rollout.cuda_graphs import GraphRunner, graph_batch_buckets, round_read_len
+from moerl.rollout.host_sync import HostSync
 from moerl.rollout.kv_cache import KVLayout, kv_layout
 from moerl.rollout.paged_policy import PagedCachePolicy
 from moerl.rollout.params import FINISH_ERROR, Completion, InvalidRequestError, Request, validate_request
@@ -63,25 +63,6 @@ from moerl.rollout.stats import EngineStats
 
 if TYPE_CHECKING:  # the config sits above the rollout engine (docs/architecture.md, Layers)
     from moerl.config import RolloutConfig
-
-
-@dataclass(slots=True)
-class _Staged:
-    """A host copy of the first ``count`` pending entries' tokens, started without waiting (``_stage``)."""
-
-    count: int
-    values: torch.Tensor  # [M, 2] float64 on the host (pinned on CUDA): token id, log-prob
-    copied: torch.cuda.Event | None  # recorded after the copy on CUDA
-
-
-@dataclass(slots=True)
-class _Pending:
-    """Tokens sampled on the device and not yet copied to the host."""
-
-    seqs: list[Sequence]
-    tokens: torch.Tensor  # [M] int64
-    logprobs: torch.Tensor  # [M] float32
-    version: int
 
 
 GPU_SYNC_EVERY = 8
@@ -203,21 +184,21 @@ class Engine:
         self.max_seq_len = self.policy.max_seq_len
         """Longest sequence (prompt + new tokens) a request may ask for."""
         self.max_stop_tokens = max_stop_tokens
-        self.sync_every = sync_every
         self.batch_buckets = tuple(sorted(batch_buckets)) if batch_buckets else None
         self.attn_len_multiple = attn_len_multiple
         self.version = version
         """Policy version of the current weights (set by ``update_weights``)."""
-        self._init_state(self.policy.num_slots, seed, cuda_graphs, overlap_sync)
+        self._init_state(self.policy.num_slots, seed, sync_every, cuda_graphs, overlap_sync)
 
-    def _init_state(self, num_slots: int, seed: int, cuda_graphs: bool, overlap_sync: bool | None) -> None:
+    def _init_state(
+        self, num_slots: int, seed: int, sync_every: int, cuda_graphs: bool, overlap_sync: bool | None
+    ) -> None:
         """Per-engine run state: sampling seeds, pending device results, per-slot tensors, counters and
         (on CUDA) the graph runner of decode steps."""
         self._seed_rng = random.Random(seed)
-        self._pending: list[_Pending] = []
-        self._steps_since_sync = 0
-        self._overlap_sync = self.device.type == "cuda" if overlap_sync is None else bool(overlap_sync)
-        self._staged: _Staged | None = None  # a started copy of the first pending tokens (_stage)
+        overlap = self.device.type == "cuda" if overlap_sync is None else bool(overlap_sync)
+        self.host = HostSync(sync_every, overlap)
+        """Tokens sampled on the device and not yet read by the host, and their copy (``host_sync.py``)."""
         self.speculation: SpeculativeDecoding | None = None
         """Speculative decoding (``moerl.rollout.spec_decode``; ``rollout.speculative``): a component that
         replaces a step's decode with a drafted-and-verified one when it says so; None = off. Needs a
@@ -286,6 +267,11 @@ class Engine:
         ]
 
     @property
+    def sync_every(self) -> int:
+        """Steps between host copies of the sampled tokens (``HostSync.sync_every``)."""
+        return self.host.sync_every
+
+    @property
     def cache_kind(self) -> str:
         """The cache policy's name (``"slots"``, ``"paged"``)."""
         return self.policy.kind
@@ -346,8 +332,8 @@ class Engine:
         admissions = self._admit()
         if admissions:
             self._prefill(admissions)
-            self._steps_since_sync += 1
-        if self._sync_due() and (self._staged is None or self._at_limit()):
+            self.host.steps += 1
+        if self._sync_due() and (self.host.staged is None or self._at_limit()):
             done += self._sync()
         done += self._reserve_decode()
         if (
@@ -358,12 +344,12 @@ class Engine:
             done += self.speculation.step(self)  # draft, verify, accept, sync (moerl.rollout.spec_decode)
         elif self.scheduler.running:
             self._decode()
-            self._steps_since_sync += 1
-        if self._staged is not None:  # the copy started last step: read now, this step's decode runs
-            done += self._finish_staged()
+            self.host.steps += 1
+        if self.host.staged is not None:  # the copy started last step: read now, this step's decode runs
+            done += self._finished(self.host.read_staged())
         if self._sync_due():
-            if self._overlap_sync and self.scheduler.running and not self._at_limit():
-                self._stage()
+            if self.host.overlap and self.scheduler.running and not self._at_limit():
+                self.host.stage()
             else:
                 done += self._sync()
         return done
@@ -491,7 +477,7 @@ class Engine:
         done: list[Completion] = []
         policy, sched = self.policy, self.scheduler
         while sched.running and policy.blocks_short() > 0:
-            if self._pending:
+            if self.host:
                 done += self._sync()
                 continue
             victims = policy.preempt(policy.blocks_short())
@@ -665,84 +651,29 @@ class Engine:
         return min([x for x in self.batch_buckets if a <= x <= self.num_slots] or [self.num_slots])
 
     def _record(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        for s in seqs:
-            s.num_generated += 1
-        self._pending.append(_Pending(list(seqs), tokens, logprobs, self.version))
+        """One step's sampled tokens of ``seqs`` (on the device), sampled by the current weights."""
+        self.host.record(seqs, tokens, logprobs, self.version)
 
     # -- Host sync: finishing and compaction ---------------------------------------------------
 
     def _sync_due(self) -> bool:
-        if not self._pending:
-            return False
-        return self._steps_since_sync >= self.sync_every or self._at_limit()
+        return self.host.due(self._at_limit)
 
     def _at_limit(self) -> bool:
         """Some running sequence has all its ``max_new_tokens`` (it must not decode again)."""
         return any(s.num_generated >= s.request.params.max_new_tokens for s in self.scheduler.running)
 
-    def _packed(self) -> torch.Tensor:
-        """[M, 2] float64 on the device: the pending entries' token ids (exact in float64) beside their
-        log-probs, in entry then row order."""
-        return torch.cat([torch.stack((p.tokens.double(), p.logprobs.double()), 1) for p in self._pending])
-
     def _sync_all(self) -> list[Completion]:
         """Finish a started copy and sync every pending token: afterwards the host knows every token."""
-        done = self._finish_staged() if self._staged is not None else []
-        return done + (self._sync() if self._pending else [])
+        return self._finished(self.host.read_everything())
 
     def _sync(self) -> list[Completion]:
-        """Copy every pending token to the host (waiting for the device), then finish and release
-        sequences (``_take``). A started copy (``_stage``) is dropped: this one covers it."""
-        self._staged = None
-        return self._take(len(self._pending), self._packed().tolist())
+        """Copy every pending token to the host (waiting for the device), then finish and release the
+        sequences that finished (a started copy is covered by this one)."""
+        return self._finished(self.host.read_all())
 
-    def _stage(self) -> None:
-        """Start the host copy of the pending tokens without waiting for it: the next step enqueues its
-        decode first and then reads them (``_finish_staged``)."""
-        packed = self._packed()
-        copied = None
-        if packed.is_cuda:
-            values = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            values.copy_(packed, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            values = packed
-        self._staged = _Staged(len(self._pending), values, copied)
-
-    def _finish_staged(self) -> list[Completion]:
-        """Wait for the started copy (not for the decode enqueued since) and take its tokens."""
-        staged, self._staged = self._staged, None
-        if staged.copied is not None:
-            staged.copied.synchronize()
-        return self._take(staged.count, staged.values.tolist())
-
-    def _take(self, count: int, values: list[list[float]]) -> list[Completion]:
-        """Append the host ``values`` (token id, log-prob per row) of the first ``count`` pending entries to
-        their sequences, finish those at a stop token or their length limit, release them. Entries left
-        (decoded after a started copy) stay pending unless all their rows finished."""
-        rows = iter(values)
-        finished: list[Sequence] = []
-        for p in self._pending[:count]:
-            for seq in p.seqs:
-                tok_f, lp = next(rows)
-                tok = int(tok_f)
-                if seq.finish_reason is not None:
-                    continue  # sampled after its stop token before the host noticed: discarded
-                seq.token_ids.append(tok)
-                seq.logprobs.append(lp)
-                seq.policy_versions.append(p.version)
-                params = seq.request.params
-                if tok in params.stop_token_ids:
-                    seq.finish_reason = "stop"
-                elif len(seq.token_ids) >= params.max_new_tokens:
-                    seq.finish_reason = "length"
-                if seq.finish_reason is not None:
-                    finished.append(seq)
-        del self._pending[:count]
-        if finished and self._pending:  # tokens decoded after a row's last one carry nothing
-            self._pending = [p for p in self._pending if any(s.finish_reason is None for s in p.seqs)]
-        self._steps_since_sync = len(self._pending)
+    def _finished(self, finished: list[Sequence]) -> list[Completion]:
+        """The completions of ``finished`` sequences (read by the host sync), their cache and rows freed."""
         completions = [self._completion(s) for s in finished]
         self._release(finished)
         return completions

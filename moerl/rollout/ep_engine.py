@@ -122,7 +122,7 @@ class EPEngine:
         if self._any(bool(admissions)):
             if admissions:
                 e._prefill(admissions)
-                e._steps_since_sync += 1
+                e.host.steps += 1
             else:
                 self._empty_forward()
         if e._sync_due():
@@ -131,7 +131,7 @@ class EPEngine:
         if self._any(bool(e.scheduler.running)):
             if e.scheduler.running:
                 e._decode()
-                e._steps_since_sync += 1
+                e.host.steps += 1
                 if e._sync_due():
                     done += e._sync()
             else:
@@ -149,7 +149,7 @@ class EPEngine:
             This rank's completions finished by the host sync that comes first.
         """
         e = self.engine
-        done = e._sync() if e._pending else []
+        done = e._sync() if e.host else []
         chunks = recompute_chunks(e)
         for i in range(self._max(len(chunks))):
             if i < len(chunks):

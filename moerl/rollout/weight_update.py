@@ -37,7 +37,7 @@ def recompute_running(engine: Engine) -> list[Completion]:
     Returns:
         Completions finished by the sync (empty when nothing was pending).
     """
-    done = engine._sync() if engine._pending else []
+    done = engine._sync() if engine.host else []
     for chunk in recompute_chunks(engine):
         reprefill(engine, chunk)
     return done
@@ -71,9 +71,7 @@ def cancel_all(engine: Engine) -> int:
     Returns:
         Running sequences dropped.
     """
-    engine._pending.clear()
-    engine._staged = None
-    engine._steps_since_sync = 0
+    engine.host.clear()
     running = list(engine.scheduler.running)
     for seq in running:
         seq.finish_reason = "abort"

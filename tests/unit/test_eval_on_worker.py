@@ -51,6 +51,7 @@ def _actor(version: int, replies: list):
     actor.cfg, actor.tokenizer, actor.group = load_config(None), TOK, None
     actor._evals, actor._evals_lock, actor._offered = [], threading.Lock(), threading.Event()
     actor.source = None  # no weight source: no version refused
+    actor.snapshots = None  # no progress snapshots (fleet.snapshot_tokens: a sender thread per worker)
 
     def generate_alone(requests):
         text = replies.pop(0)

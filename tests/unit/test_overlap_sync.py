@@ -82,9 +82,8 @@ class _Order:
 
     def __init__(self, engine):
         self.events: list[str] = []
-        for name in ("_decode", "_stage", "_finish_staged"):
-            fn = getattr(engine, name)
-            setattr(engine, name, self._wrap(name, fn))
+        for owner, name in ((engine, "_decode"), (engine.host, "stage"), (engine.host, "read_staged")):
+            setattr(owner, name, self._wrap(name, getattr(owner, name)))
 
     def _wrap(self, name, fn):
         def call(*a, **kw):
@@ -97,7 +96,7 @@ class _Order:
         """Started copies whose read came after a decode enqueued in between."""
         n, started = 0, False
         for e in self.events:
-            if e == "_stage":
+            if e == "stage":
                 started = True
             elif e == "_decode" and started:
                 n, started = n + 1, False
@@ -115,7 +114,7 @@ def test_overlap_keeps_every_completion_and_decodes_before_reading(model, kind, 
     order = _Order(engine)
     _same(ref, engine.generate(reqs), routed=routed)
     assert order.decodes_between_copy_and_read() > 0
-    assert engine._pending == [] and engine._staged is None  # nothing left over for the next batch
+    assert not engine.host and engine.host.staged is None  # nothing left over for the next batch
     if kind == "paged":
         assert engine.stats.preemptions > 0 and engine.stats.blocks_used == 0
     # and again on the same engine: no state carried over
@@ -134,11 +133,11 @@ def test_overlap_with_weight_update_recompute_and_cancel_between_steps(model, ki
         for r in _requests():
             engine.add_request(r)
         done, n = [], 0
-        while n < (steps or 20) and (steps or engine._staged is None):
+        while n < (steps or 20) and (steps or engine.host.staged is None):
             done += engine.step()
             n += 1
         if overlap:
-            assert engine._staged is not None  # the update lands while a copy is started
+            assert engine.host.staged is not None  # the update lands while a copy is started
             steps = n  # the engine syncing in place takes the same steps
         engine.update_weights(new, 1)
         done += recompute_running(engine)
@@ -152,17 +151,17 @@ def test_overlap_with_weight_update_recompute_and_cancel_between_steps(model, ki
         engine.add_request(r)
     for _ in range(10):
         engine.step()
-        if engine._staged is not None:
+        if engine.host.staged is not None:
             break
-    assert engine._staged is not None
+    assert engine.host.staged is not None
     assert cancel_all(engine) > 0
-    assert engine._pending == [] and engine._staged is None and engine.num_unfinished == 0
+    assert not engine.host and engine.host.staged is None and engine.num_unfinished == 0
     _same(_engine(kind, model, False, 3).generate(_requests()), engine.generate(_requests()))
 
 
 def test_overlap_is_off_on_cpu_by_default(model):
-    assert Engine(model, max_slots=2, kv_token_budget=128)._overlap_sync is False
-    assert Engine(model, cache="paged", max_slots=2, kv_token_budget=128, block_size=4)._overlap_sync is False
+    assert Engine(model, max_slots=2, kv_token_budget=128).host.overlap is False
+    assert Engine(model, cache="paged", max_slots=2, kv_token_budget=128, block_size=4).host.overlap is False
 
 
 @pytest.mark.parametrize("kind", ["slots", "paged"])
@@ -186,7 +185,7 @@ def test_a_sequence_at_its_limit_is_synced_not_decoded_again(model, kind):
         order = _Order(engine)
         engine.add_request(full)
         done = engine.step() + engine.step() + engine.step()
-        assert (engine._staged is not None) == overlap
+        assert (engine.host.staged is not None) == overlap
         engine.add_request(late)
         while engine.num_unfinished:
             done += engine.step()
@@ -215,7 +214,7 @@ def test_rows_that_stop_while_a_step_is_in_flight_leave_nothing_pending(model, k
         out = engine.generate([req])
         assert [c.finish_reason for c in out] == ["stop", "stop"] and out[0].token_ids[-1] == stop
         # the step decoded after the stop token, before the host read it, is dropped with its rows
-        assert engine._pending == [] and engine._steps_since_sync == 0
+        assert not engine.host and engine.host.steps == 0
 
 
 def test_rollout_config_turns_the_overlap_off(model, monkeypatch):
@@ -224,9 +223,9 @@ def test_rollout_config_turns_the_overlap_off(model, monkeypatch):
     seen = []
     original = Engine._init_state
 
-    def spy(self, num_slots, seed, cuda_graphs, overlap_sync):
+    def spy(self, num_slots, seed, sync_every, cuda_graphs, overlap_sync):
         seen.append(overlap_sync)
-        original(self, num_slots, seed, cuda_graphs, overlap_sync)
+        original(self, num_slots, seed, sync_every, cuda_graphs, overlap_sync)
 
     monkeypatch.setattr(Engine, "_init_state", spy)
     for cache in ("slots", "paged"):

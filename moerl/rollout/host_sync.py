@@ -1,0 +1,148 @@
+"""The engine's host sync: tokens sampled on the device that the host has not read yet, and their copy.
+
+The decode loop never waits for the device between syncs (``moerl.rollout.engine``): each decode (or
+prefill) step appends its sampled tokens and log-probs, still on the device, as one pending entry
+(``record``). Every ``sync_every`` steps, or when a sequence reaches its length limit, the pending entries
+are copied to the host in one transfer and appended to their sequences, which finish at their first stop
+token or at ``max_new_tokens`` (``read_all``). With the overlapped sync (on by default on CUDA) the copy
+is started without waiting (``stage``) and read a step later (``read_staged``), after the next decode
+was enqueued: the device decodes while the host finishes sequences.
+
+Shapes: M = rows of one pending entry (its running sequences), P = rows of all pending entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moerl.rollout.scheduler import Sequence
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A host copy of the first ``count`` pending entries' tokens, started without waiting (``stage``)."""
+
+    count: int
+    values: torch.Tensor  # [P, 2] float64 on the host (pinned on CUDA): token id, log-prob
+    copied: torch.cuda.Event | None  # recorded after the copy on CUDA
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Tokens sampled on the device and not yet copied to the host."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [M] int64
+    logprobs: torch.Tensor  # [M] float32
+    version: int
+
+
+class HostSync:
+    """Pending device tokens of one engine and their copy to the host.
+
+    Args:
+        sync_every: steps (prefill or decode) between host copies (>= 1).
+        overlap: start a due copy without waiting and read it a step later (``stage``/``read_staged``).
+    """
+
+    def __init__(self, sync_every: int, overlap: bool) -> None:
+        self.sync_every = sync_every
+        self.overlap = overlap
+        self.pending: list[_Pending] = []
+        self.staged: _Staged | None = None  # a started copy of the first pending entries (``stage``)
+        self.steps = 0
+        """Steps recorded since the last copy (what ``due`` compares with ``sync_every``)."""
+
+    def __bool__(self) -> bool:
+        """Whether any token is pending (sampled and not yet read by the host)."""
+        return bool(self.pending)
+
+    def record(
+        self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor, version: int
+    ) -> None:
+        """One step's sampled tokens ([M] int64) and log-probs ([M] float32) of ``seqs``, on the device,
+        sampled with weights ``version``. Counts each sequence's generated token at once (the host reads
+        the value later)."""
+        for s in seqs:
+            s.num_generated += 1
+        self.pending.append(_Pending(list(seqs), tokens, logprobs, version))
+
+    def due(self, at_limit: Callable[[], bool]) -> bool:
+        """Whether a copy is due: tokens pending and ``sync_every`` steps since the last, or ``at_limit()``
+        (a running sequence has all its tokens: it must not decode again; asked only when needed)."""
+        return bool(self.pending) and (self.steps >= self.sync_every or at_limit())
+
+    def read_all(self) -> list[Sequence]:
+        """Copy every pending token to the host (waiting for the device) and append them (``take``); a
+        started copy is dropped (this one covers it). Returns the sequences that finished."""
+        self.staged = None
+        return self.take(len(self.pending), self._packed().tolist())
+
+    def stage(self) -> None:
+        """Start the host copy of the pending tokens without waiting for it (read by ``read_staged``)."""
+        packed = self._packed()
+        copied = None
+        if packed.is_cuda:
+            values = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            values.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            values = packed
+        self.staged = _Staged(len(self.pending), values, copied)
+
+    def read_staged(self) -> list[Sequence]:
+        """Wait for the started copy (not for work enqueued since) and append its tokens (``take``).
+        Returns the sequences that finished."""
+        staged, self.staged = self.staged, None
+        if staged.copied is not None:
+            staged.copied.synchronize()
+        return self.take(staged.count, staged.values.tolist())
+
+    def read_everything(self) -> list[Sequence]:
+        """A started copy, then every token still pending: afterwards the host knows every token."""
+        done = self.read_staged() if self.staged is not None else []
+        return done + (self.read_all() if self.pending else [])
+
+    def take(self, count: int, values: list[list[float]]) -> list[Sequence]:
+        """Append the host ``values`` (token id, log-prob per row) of the first ``count`` pending entries to
+        their sequences, with each entry's version; a sequence finishes at a stop token (``"stop"``) or its
+        length limit (``"length"``). Entries left (recorded after a started copy) stay pending unless all
+        their rows finished. Returns the sequences that finished."""
+        rows = iter(values)
+        finished: list[Sequence] = []
+        for p in self.pending[:count]:
+            for seq in p.seqs:
+                tok_f, lp = next(rows)
+                tok = int(tok_f)
+                if seq.finish_reason is not None:
+                    continue  # sampled after its stop token before the host noticed: discarded
+                seq.token_ids.append(tok)
+                seq.logprobs.append(lp)
+                seq.policy_versions.append(p.version)
+                params = seq.request.params
+                if tok in params.stop_token_ids:
+                    seq.finish_reason = "stop"
+                elif len(seq.token_ids) >= params.max_new_tokens:
+                    seq.finish_reason = "length"
+                if seq.finish_reason is not None:
+                    finished.append(seq)
+        del self.pending[:count]
+        if finished and self.pending:  # tokens decoded after a row's last one carry nothing
+            self.pending = [p for p in self.pending if any(s.finish_reason is None for s in p.seqs)]
+        self.steps = len(self.pending)
+        return finished
+
+    def clear(self) -> None:
+        """Forget every pending token and a started copy (the engine dropped its running sequences)."""
+        self.pending.clear()
+        self.staged = None
+        self.steps = 0
+
+    def _packed(self) -> torch.Tensor:
+        """[P, 2] float64 on the device: the pending entries' token ids (exact in float64) beside their
+        log-probs, in entry then row order."""
+        return torch.cat([torch.stack((p.tokens.double(), p.logprobs.double()), 1) for p in self.pending])
