@@ -23,12 +23,16 @@ WORKER_RATES = {"tokens_per_s", "groups_per_s"}
 
 
 def _strip(record: dict) -> dict:
+    """The record less its timing fields; the per-worker records (``rollout/workers``) flattened to
+    ``rollout/workers/<worker>/<field>`` so that a per-worker field added since counts as new, not as a
+    difference."""
     kept = {k: v for k, v in record.items() if k not in TIMING_FIELDS and not k.startswith(TIMING_PREFIXES)}
-    if isinstance(kept.get("rollout/workers"), dict):
-        kept["rollout/workers"] = {
-            w: {k: v for k, v in fields.items() if k not in WORKER_RATES}
-            for w, fields in kept["rollout/workers"].items()
-        }
+    workers = kept.pop("rollout/workers", None)
+    if isinstance(workers, dict):
+        for w, fields in workers.items():
+            kept.update({f"rollout/workers/{w}/{k}": v for k, v in fields.items() if k not in WORKER_RATES})
+    elif workers is not None:
+        kept["rollout/workers"] = workers
     return kept
 
 
