@@ -106,7 +106,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim: int, theta: float, scaling: RopeScaling) -> None:
         super().__init__()
-        inv_freq, self.attention_factor = rope_inv_freq(dim, theta, scaling)
+        if torch.empty(0).is_meta:  # a structure-only build (its buffer is rebuilt after ``to_empty``):
+            # computed on the CPU, since torch's meta ``arange`` is a Python reference kernel whose first
+            # call imports ``torch._dynamo`` (seconds of CPU a process, for values nobody reads)
+            with torch.device("cpu"):
+                inv_freq, self.attention_factor = rope_inv_freq(dim, theta, scaling)
+            inv_freq = inv_freq.to("meta")
+        else:
+            inv_freq, self.attention_factor = rope_inv_freq(dim, theta, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -158,6 +158,19 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return ((causal & attention_mask.bool()[:, None, :]) | eye)[:, None]
 
 
+def _embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(num_embeddings, dim)`` on the ambient device, its weight ``[V, H]`` drawn from
+    N(0, 1) as torch's own ``reset_parameters`` draws it (same generator calls, bitwise the same) except
+    on the meta device, where there is nothing to draw: torch's meta ``normal_`` is a Python reference
+    kernel whose first call imports ``torch._dynamo``, seconds of CPU that every process building a
+    policy on the meta device (``from_pretrained``, each sharded trainer rank, each rollout actor) paid
+    once for nothing."""
+    weight = torch.empty(num_embeddings, dim)
+    if not weight.is_meta:
+        nn.init.normal_(weight)
+    return nn.Embedding(num_embeddings, dim, _weight=weight)
+
+
 class MoeForCausalLM(nn.Module):
     """Decoder-only MoE language model; ``config`` is its ``MoeConfig``.
 
@@ -168,7 +181,7 @@ class MoeForCausalLM(nn.Module):
     def __init__(self, cfg: MoeConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

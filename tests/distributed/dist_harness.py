@@ -52,12 +52,15 @@ HERE = Path(__file__).resolve().parent
 _PRELOAD = [
     "torch",
     "torch.distributed",
+    "torch._dynamo",  # imported lazily by the first meta-device init (build_sharded_policy): seconds a rank
     "moerl.ep",
     "moerl.trainer.distributed.rank",  # also what sync runs' local trainer ranks import (LocalRanks)
     *sorted(p.stem for p in HERE.glob("*_cases.py")),
 ]
-"""What the fork server imports once, for every world of this process: torch, the trainer's rank code
-(DTensor, FSDP2) and every ``*_cases`` module. The server serves each world of the xdist worker, so
+"""What the fork server imports once, for every world of this process: torch, ``torch._dynamo`` (which
+torch imports only at a process's first meta-device init, as every sharded trainer rank builds its
+model: 2-10 s of CPU a rank on the loaded 2 cores, paid again by every rank of every world), the
+trainer's rank code (DTensor, FSDP2) and every ``*_cases`` module. The server serves each world of the xdist worker, so
 a list of only the first world's cases left every later world's ranks importing their own (1-2 s of
 CPU a rank on 2 cores); all of them cost the server 0.4 s more, once."""
 

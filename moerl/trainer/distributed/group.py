@@ -51,8 +51,10 @@ SHARDS_DIR = "shards"
 """Sub-folder of ``RUN_DIR/checkpoints`` with the DCP folder of each checkpoint step."""
 
 
-RANK_PRELOAD = ["moerl.trainer.distributed.rank"]
-"""What the fork server of local ranks imports once: torch, FSDP2 and DTensor, moerl's trainer."""
+RANK_PRELOAD = ["torch._dynamo", "moerl.trainer.distributed.rank"]
+"""What the fork server of local ranks imports once: torch, FSDP2 and DTensor, moerl's trainer, and
+``torch._dynamo``, which torch imports lazily at a process's first meta-device op (``build_sharded_policy``
+builds the model on the meta device): 1-2 s of CPU that every rank of every group paid again."""
 
 
 def _rank_context() -> mp.context.ForkServerContext:
