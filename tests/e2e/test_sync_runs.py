@@ -31,13 +31,20 @@ def _metrics(run):
     return [without_wall_clock(r) for r in read_jsonl(run.metrics)]
 
 
-def test_sync_runs_are_bit_for_bit_reproducible(tmp_path, tiny_init):
+@pytest.fixture(scope="module")
+def twin_runs(tmp_path_factory, tiny_init):
+    """Two sync runs of one config (3 steps, evals at step 2, a cosine schedule, ``durable_every`` far off):
+    ``(cfg, (summary, run), (summary, run))``. Read by the reproducibility and last-version tests."""
+    tmp_path = tmp_path_factory.mktemp("twins")
     cfg = short_config(
         tmp_path, tiny_init, "trainer.steps=3", "eval.every=2", "trainer.lr=1e-3", DIGIT_REWARD,
-        "trainer.warmup_steps=2", "trainer.lr_schedule=cosine",
+        "trainer.warmup_steps=2", "trainer.lr_schedule=cosine", "runtime.durable_every=100",
     )  # fmt: skip
-    s1, r1 = _run(cfg)
-    s2, r2 = _run(cfg)
+    return cfg, _run(cfg), _run(cfg)
+
+
+def test_sync_runs_are_bit_for_bit_reproducible(twin_runs):
+    cfg, (s1, r1), (s2, r2) = twin_runs
     m1, m2 = _metrics(r1), _metrics(r2)
     assert len(m1) == 3 and set(read_jsonl(r1.metrics)[0]) == {"step", "wall_s", *METRIC_KEYS}
     assert m1 == m2  # every metric, every step, bit for bit
@@ -51,10 +58,12 @@ def test_sync_runs_are_bit_for_bit_reproducible(tmp_path, tiny_init):
     assert s1["tasks_duplicated"] == s1["tasks_lost"] == 0 and s1["tasks_trained"] == 6
 
 
-def test_the_last_version_is_made_durable_as_its_own_timing_not_as_a_hand_off(tmp_path, tiny_init):
+def test_the_last_version_is_made_durable_as_its_own_timing_not_as_a_hand_off(twin_runs):
     """The run's last version goes to the store at its last step (durable_every far off), timed as
-    ``timing/final_save_s`` (0 on the other steps), apart from ``timing/publish_s`` (the hand-off)."""
-    _, run = _run(short_config(tmp_path, tiny_init, "trainer.steps=3", "runtime.durable_every=100"))
+    ``timing/final_save_s`` (0 on the other steps), apart from ``timing/publish_s`` (the hand-off).
+    The first of ``twin_runs``: 3 steps, ``runtime.durable_every=100``."""
+    cfg, (_, run), _ = twin_runs
+    assert cfg.trainer.steps == 3 and cfg.runtime.durable_every == 100
     rows = read_jsonl(run.metrics)
     assert [r["timing/final_save_s"] > 0 for r in rows] == [False, False, True]
     assert WeightStore(str(run.weights)).versions() == [0, 3]  # version 0 and the last: nothing else due
