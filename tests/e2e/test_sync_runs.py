@@ -43,6 +43,7 @@ def twin_runs(tmp_path_factory, tiny_init):
     return cfg, _run(cfg), _run(cfg)
 
 
+@pytest.mark.xdist_group("sync_twin_runs")  # one worker builds twin_runs once
 def test_sync_runs_are_bit_for_bit_reproducible(twin_runs):
     cfg, (s1, r1), (s2, r2) = twin_runs
     m1, m2 = _metrics(r1), _metrics(r2)
@@ -58,6 +59,7 @@ def test_sync_runs_are_bit_for_bit_reproducible(twin_runs):
     assert s1["tasks_duplicated"] == s1["tasks_lost"] == 0 and s1["tasks_trained"] == 6
 
 
+@pytest.mark.xdist_group("sync_twin_runs")  # one worker builds twin_runs once
 def test_the_last_version_is_made_durable_as_its_own_timing_not_as_a_hand_off(twin_runs):
     """The run's last version goes to the store at its last step (durable_every far off), timed as
     ``timing/final_save_s`` (0 on the other steps), apart from ``timing/publish_s`` (the hand-off).
