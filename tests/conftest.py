@@ -30,6 +30,9 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 def _seed():
     torch.manual_seed(0)
     yield
+    # a test stopped inside ``torch.no_grad()`` (pytest-timeout's exception) leaves gradients off in this
+    # worker process: every later test there would fail on it, far from the cause
+    torch.set_grad_enabled(True)
 
 
 @pytest.fixture(scope="module")
