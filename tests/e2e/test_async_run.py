@@ -31,13 +31,13 @@ OBJECT_STORE_BUCKETED = (
     "runtime.weight_sync=object_store",
     *BUCKETED_DURABLE_EVERY_2,
     "rollout.on_weight_update=recompute",
-    "trainer.checkpoint_every=2",
+    "trainer.checkpoint_every=4",
     "eval.every=2",
 )
 """The one object-store run two tests read (``object_store_run``): in small buckets, the store every 2nd
-version, recompute on update, a checkpoint and an eval every 2 steps. Checkpoints and evals add no
-weight version and the last step's save is the final one whatever ``checkpoint_every`` is, so the
-bucketed test's figures are those of its own settings."""
+version, recompute on update, an eval every 2 steps and a checkpoint at step 4. A checkpoint makes its
+version durable: at step 4 only (the final version, durable anyway), so the store's versions still show
+``durable_every`` alone (a checkpoint every 2 steps would write versions 2 and 4 without it)."""
 
 
 def _run(tmp_path, init, *overrides: str) -> tuple[dict, RunDir, list[dict]]:
@@ -59,7 +59,9 @@ def object_store_run(tmp_path_factory, tiny_init, local_ray) -> tuple[dict, RunD
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("weight_sync", ["object_store", "store"])
 def test_async_run_trains_every_task_exactly_once(tmp_path, tiny_init, local_ray, weight_sync, request):
-    if weight_sync == "object_store":  # the shared run (object_store_run) has this test's settings and more
+    # object_store: the shared run (object_store_run), with buckets and a checkpoint at step 4 (the one
+    # read below); store: a checkpoint every 2 steps, so one is taken mid-run too
+    if weight_sync == "object_store":
         summary, run, records = request.getfixturevalue("object_store_run")
     else:
         summary, run, records = _run(
