@@ -7,7 +7,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import ray
 from conftest import short_config
 
 from moerl import train as train_module
@@ -23,15 +22,9 @@ from moerl.train import train
 from moerl.weights.store import WeightStore
 
 
-@pytest.fixture
-def ray_session():
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.timeout(300)
 def test_async_eval_accuracy_equals_evaluating_the_saved_version_in_process(
-    tmp_path, tiny_init, ray_session, monkeypatch
+    tmp_path, tiny_init, local_ray, monkeypatch
 ):
     """Every eval of the run after the start (steps 1 and 2) is a worker's: the driver's in-process eval
     runs once, for version 0, before any step. Each figure equals ``moerl.tasks.eval.evaluate`` of that
@@ -120,7 +113,7 @@ def test_async_eval_accuracy_equals_evaluating_the_saved_version_in_process(
 
 @pytest.mark.timeout(300)
 def test_a_trainer_that_fails_to_build_stops_the_rollouts_started_beside_it(
-    tmp_path, tiny_init, ray_session, monkeypatch
+    tmp_path, tiny_init, local_ray, monkeypatch
 ):
     """The overlapped start (``Run._start_overlapped``): the trainer's build failing after the rollout
     workers started raises the build's error and closes the rollouts (no worker left running)."""

@@ -27,6 +27,17 @@ BUCKETED_DURABLE_EVERY_2 = (
     "fleet.check_every_s=0.2",  # fresh liveness answers carry the workers' versions and sync times
 )
 """Weights sent in small buckets, the store written every 2nd version (versions 0, 2, 4 kept)."""
+OBJECT_STORE_BUCKETED = (
+    "runtime.weight_sync=object_store",
+    *BUCKETED_DURABLE_EVERY_2,
+    "rollout.on_weight_update=recompute",
+    "trainer.checkpoint_every=4",
+    "eval.every=2",
+)
+"""The one object-store run two tests read (``object_store_run``): in small buckets, the store every 2nd
+version, recompute on update, an eval every 2 steps and a checkpoint at step 4. A checkpoint makes its
+version durable: at step 4 only (the final version, durable anyway), so the store's versions still show
+``durable_every`` alone (a checkpoint every 2 steps would write versions 2 and 4 without it)."""
 
 
 def _run(tmp_path, init, *overrides: str) -> tuple[dict, RunDir, list[dict]]:
@@ -38,16 +49,28 @@ def _run(tmp_path, init, *overrides: str) -> tuple[dict, RunDir, list[dict]]:
     return summary, run, read_jsonl(run.metrics)
 
 
+@pytest.fixture(scope="module")
+def object_store_run(tmp_path_factory, tiny_init, local_ray) -> tuple[dict, RunDir, list[dict]]:
+    """One async run with ``OBJECT_STORE_BUCKETED``, read by the object-store case of the exactly-once test
+    and by the bucketed-sync test (one run of the module's Ray instance instead of two)."""
+    return _run(tmp_path_factory.mktemp("object_store"), tiny_init, *OBJECT_STORE_BUCKETED)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("weight_sync", ["object_store", "store"])
-def test_async_run_trains_every_task_exactly_once(tmp_path, tiny_init, local_ray, weight_sync):
-    summary, run, records = _run(
-        tmp_path,
-        tiny_init,
-        f"runtime.weight_sync={weight_sync}",
-        "trainer.checkpoint_every=2",
-        "eval.every=2",
-    )
+def test_async_run_trains_every_task_exactly_once(tmp_path, tiny_init, local_ray, weight_sync, request):
+    # object_store: the shared run (object_store_run), with buckets and a checkpoint at step 4 (the one
+    # read below); store: a checkpoint every 2 steps, so one is taken mid-run too
+    if weight_sync == "object_store":
+        summary, run, records = request.getfixturevalue("object_store_run")
+    else:
+        summary, run, records = _run(
+            tmp_path,
+            tiny_init,
+            f"runtime.weight_sync={weight_sync}",
+            "trainer.checkpoint_every=2",
+            "eval.every=2",
+        )
     ids = [e.task_id for e in run.read_ledger()]
     assert summary["status"] == "completed" and summary["mode"] == "async" and len(records) == 4
     assert len(ids) == len(set(ids)) == 8 == summary["tasks_trained"]
@@ -75,18 +98,10 @@ def test_async_run_trains_every_task_exactly_once(tmp_path, tiny_init, local_ray
 
 
 @pytest.mark.timeout(300)
-def test_async_bucketed_sync_durable_every_and_recompute(tmp_path, tiny_init, local_ray):
+def test_async_bucketed_sync_durable_every_and_recompute(object_store_run):
     """runtime.weight_sync=object_store in small buckets, the store every 2nd version, recompute on update:
     every task once, the sync metrics recorded, the store holding exactly the durable versions."""
-    summary, run, records = _run(
-        tmp_path,
-        tiny_init,
-        "runtime.weight_sync=object_store",
-        *BUCKETED_DURABLE_EVERY_2,
-        "rollout.on_weight_update=recompute",
-        "trainer.checkpoint_every=0",
-        "eval.every=0",
-    )
+    summary, run, records = object_store_run
     assert summary["status"] == "completed" and summary["tasks_trained"] == 8
     assert summary["tasks_lost"] == 0 and summary["tasks_duplicated"] == 0
     assert all(r["timing/weight_sync_s"] > 0 for r in records)

@@ -76,6 +76,9 @@ def test_async_run_on_a_rendered_cluster_shape_with_s3_storage(tmp_path, tiny_in
             f"storage.options={options}",
         )
         summary = train(cfg, live=False)
+        # the run ended the connection it made (moerl.train keeps only one that was up before it): join the
+        # cluster again to read what the run left in its GCS (actors, dead ones too; the autoscaler's KV)
+        ray.init(address=cl.address, configure_logging=False, log_to_driver=False)
         actors = ray._private.state.actors().values()
         workers = [a for a in actors if a["ActorClassName"] == "RolloutWorkerActor"]
         assert workers and {a["Address"]["NodeID"] for a in workers} == {nodes["rollout"]}
