@@ -116,12 +116,13 @@ class RayNodes:
         if r.returncode != 0:
             raise RuntimeError(f"Ray nodes did not all join: {r.stderr.strip()[-500:]} {self.log_tails()}")
 
-    def heal(self, timeout_s: float = 240.0) -> list[int]:
+    def heal(self, timeout_s: float = 240.0, *, restart: bool = True) -> list[int]:
         """Give the next run the whole cluster: every node whose ``ray start`` exited (killed, or its raylet
         stopped after the GCS declared it dead) or that the GCS no longer counts alive is cleared (what is
         left in its namespace killed), waited for until the GCS has declared it dead -- before that, Ray
-        still places actors on a killed node, and a run's exchange placed there never starts -- and
-        started again. Returns the nodes restarted. Raises RuntimeError as ``start`` does."""
+        still places actors on a killed node, and a run's exchange placed there never starts -- and, with
+        ``restart``, started again (without, the next run gets only the nodes really alive). Returns those
+        nodes. Raises RuntimeError as ``start`` does."""
         deadline = time.monotonic() + timeout_s
         alive = self._alive_addresses(deadline, dead=[])
         down = [
@@ -134,6 +135,8 @@ class RayNodes:
             self.c.kill_node(i)
         if {self.c.node(i).addr for i in down} & self._alive_addresses(deadline, dead=down):
             raise RuntimeError(f"Ray nodes {down} killed but not declared dead in {timeout_s:.0f} s")
+        if not restart:
+            return down
         for i in down:
             self._join(i, head=False, deadline=deadline)
         self._wait_alive(deadline)

@@ -11,7 +11,8 @@ off and restored. One cluster (a module fixture) serves the three runs:
 Of the rollout nodes that Ray gave workers, one is killed whole (every process at once) and another
 partitioned for 45 s, then restored with its processes alive; the third keeps generating. Each test
 starts on the whole cluster: the ``whole`` fixture starts again the nodes an earlier test lost, once the
-GCS has declared them dead (``RayNodes.heal``); the exchange node's loss comes last.
+GCS has declared them dead (``RayNodes.heal``); the exchange node's loss comes last, on the nodes left
+(one rollout worker: any rollout node is enough).
 
 - ``test_trainer_group_link_cut``: a trainer group over nodes 0 and 1 (``trainer.num_ranks=2``, one rank
   per node, gloo across the veth pairs) whose link is cut for longer than ``trainer.collective_timeout_s``
@@ -179,6 +180,15 @@ def whole(cluster):
     return c, ray
 
 
+@pytest.fixture
+def settled(cluster):
+    """The module's cluster with the nodes an earlier test killed declared dead (not started again):
+    for a run that needs only some of the nodes (``RayNodes.heal(restart=False)``)."""
+    c, ray = cluster
+    ray.heal(restart=False)
+    return c, ray
+
+
 def test_trainer_group_link_cut(whole, tmp_path):
     c, ray = whole
     init = save_fresh_policy(tmp_path / "policy")
@@ -287,8 +297,8 @@ def test_rollout_node_killed_mid_response_is_continued(whole, tmp_path):
     )
 
 
-def test_exchange_node_lost_stops_in_one_line(whole, tmp_path):
-    c, ray = whole
+def test_exchange_node_lost_stops_in_one_line(settled, tmp_path):
+    c, ray = settled  # one rollout worker: the rollout nodes left by the earlier tests are enough
     init = save_fresh_policy(tmp_path / "policy")
     overrides = [*OVERRIDES, "name=exchangelost", "rollout.num_workers=1", "trainer.checkpoint_every=2"]
     run = Driver(ray, 0, tmp_path / "runs", tmp_path / "driver.log", [*overrides, f"init_from={init}"])
