@@ -5,10 +5,15 @@ fail. The same tests run once on an unmutated copy and must pass, so a failure i
 
 A mutation is ``(file, old text, new text)``: when the code under it is reworked, the old text is checked
 first and a drift fails with a line naming the mutation (update ``MUTATIONS``), never silently passes.
+
+The repository is copied once (its Python files compiled there once); each job gets a hard-linked clone
+of that copy, in which a mutated file is a new file (the copy and the other clones keep the original)
+with its stale bytecode removed.
 """
 
 from __future__ import annotations
 
+import compileall
 import os
 import shutil
 import subprocess
@@ -104,7 +109,8 @@ pytestmark = [
 
 
 def _copy_repo(dest: Path) -> Path:
-    """The tracked files of this checkout (as they are in the work tree) copied under ``dest``."""
+    """The tracked files of this checkout (as they are in the work tree) copied under ``dest``, its
+    ``moerl`` package compiled to bytecode (once here rather than once in every job)."""
     files = subprocess.run(
         ["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True
     ).stdout.split(b"\0")
@@ -113,7 +119,30 @@ def _copy_repo(dest: Path) -> Path:
         if src.is_file():  # a file deleted in the work tree but still tracked is skipped
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
+    compileall.compile_dir(dest / "moerl", quiet=1)
     return dest
+
+
+def _clone(base: Path, dest: Path) -> Path:
+    """``base`` hard-linked under ``dest``: every file is shared, so nothing may write one in place
+    (Python and pytest write bytecode by rename, which replaces the link; ``_mutate`` writes a new file;
+    the catching tests write under their ``tmp_path``)."""
+    shutil.copytree(base, dest, copy_function=os.link, dirs_exist_ok=True)
+    return dest
+
+
+def _mutate(copy: Path, mutation: Mutation) -> int:
+    """Apply ``mutation`` in ``copy`` as a new file (the hard-linked original is left as it is) and drop
+    that file's bytecode; returns how many times its old text occurs (applied only when exactly once)."""
+    path = copy / mutation.file
+    text = path.read_text()
+    found = text.count(mutation.old)
+    if found == 1:
+        path.unlink()
+        path.write_text(text.replace(mutation.old, mutation.new))
+        for pyc in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"):
+            pyc.unlink()
+    return found
 
 
 def _pytest(copy: Path, args: tuple[str, ...]) -> subprocess.CompletedProcess:
@@ -125,7 +154,19 @@ def _pytest(copy: Path, args: tuple[str, ...]) -> subprocess.CompletedProcess:
         "the copy's subprocess imports another moerl"
     )
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args],
+        # hypothesis' plugin (no test uses it) costs each job ~1 s of CPU to import
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-x",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:hypothesispytest",
+            *args,
+        ],
         cwd=copy,
         env=env,
         capture_output=True,
@@ -141,30 +182,31 @@ def _tail(proc: subprocess.CompletedProcess, lines: int = 15) -> str:
 UNMUTATED = "unmutated"
 
 
-def _run(key: str, root: Path) -> tuple[str, object]:
-    """One job in its own copy under ``root``: the unmutated catching tests, or one mutation's tests.
+def _run(key: str, copy: Path) -> tuple[str, object]:
+    """One job in its clone ``copy``: the unmutated catching tests, or one mutation's tests.
     Returns ``("ran", CompletedProcess)``, or ``("drift", count)`` when a mutation's old text is not there
     exactly once."""
-    copy = _copy_repo(root)
     if key == UNMUTATED:
         return "ran", _pytest(copy, tuple(dict.fromkeys(t for m in MUTATIONS for t in m.tests)))
     mutation = next(m for m in MUTATIONS if Path(m.file).stem == key)
-    path = copy / mutation.file
-    text = path.read_text()
-    if text.count(mutation.old) != 1:
-        return "drift", text.count(mutation.old)
-    path.write_text(text.replace(mutation.old, mutation.new))
+    found = _mutate(copy, mutation)
+    if found != 1:
+        return "drift", found
     return "ran", _pytest(copy, mutation.tests)
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict[str, tuple[str, object]]:
     """Every job's outcome, two subprocesses at a time (each is one single-threaded pytest; a 2-core
-    machine runs two at once in about half the time)."""
-    keys = [UNMUTATED, *(Path(m.file).stem for m in MUTATIONS)]
-    roots = [tmp_path_factory.mktemp(k) for k in keys]
+    machine runs two at once in about half the time), each in its clone of one copy."""
+    # the jobs beyond unit tests (multi-process worlds, runs) first: the two longest run side by side
+    # rather than one alone at the end
+    heavy_first = sorted(MUTATIONS, key=lambda m: all(t.startswith("tests/unit/") for t in m.tests))
+    keys = [UNMUTATED, *(Path(m.file).stem for m in heavy_first)]
+    base = _copy_repo(tmp_path_factory.mktemp("copy"))
+    copies = [_clone(base, tmp_path_factory.mktemp(k)) for k in keys]  # all before any job writes
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(keys, pool.map(_run, keys, roots), strict=True))
+        return dict(zip(keys, pool.map(_run, keys, copies), strict=True))
 
 
 def test_the_catching_tests_pass_unmutated(outcomes):
@@ -184,3 +226,23 @@ def test_mutation_is_caught(outcomes, mutation):
         f"mutation {mutation.name!r} not caught by {' '.join(mutation.tests)} (exit {result.returncode}):\n"
         + _tail(result)
     )
+
+
+def test_a_mutation_changes_only_its_clone(tmp_path):
+    """The clones share their files with the copy by hard links: a mutation must reach its own clone (its
+    stale bytecode gone) and neither the copy nor another clone (the unmutated job runs beside it)."""
+    base = tmp_path / "copy"
+    (base / "pkg" / "__pycache__").mkdir(parents=True)
+    (base / "pkg" / "mod.py").write_text("x = 1\n")
+    (base / "pkg" / "__pycache__" / "mod.cpython-311.pyc").write_bytes(b"bytecode of x = 1")
+    mine, other = _clone(base, tmp_path / "mine"), _clone(base, tmp_path / "other")
+    assert _mutate(mine, Mutation("x changed", "pkg/mod.py", "x = 1", "x = 2", ("t",))) == 1
+    assert (mine / "pkg" / "mod.py").read_text() == "x = 2\n"
+    assert not list((mine / "pkg" / "__pycache__").glob("mod.*.pyc"))
+    for untouched in (base, other):
+        assert (untouched / "pkg" / "mod.py").read_text() == "x = 1\n"
+        assert (
+            untouched / "pkg" / "__pycache__" / "mod.cpython-311.pyc"
+        ).read_bytes() == b"bytecode of x = 1"
+    assert _mutate(other, Mutation("drifted", "pkg/mod.py", "y = 1", "y = 2", ("t",))) == 0
+    assert (other / "pkg" / "mod.py").read_text() == "x = 1\n"

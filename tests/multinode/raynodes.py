@@ -35,6 +35,17 @@ while sum(n["Alive"] for n in ray.nodes()) < int(sys.argv[2]):
     time.sleep(0.5)
 """
 
+# prints the addresses the GCS counts alive, after waiting (up to argv[2] s) until none of argv[3:] is
+WAIT_DEAD = """
+import json, ray, sys, time
+ray.init(address=sys.argv[1], configure_logging=False, log_to_driver=False)
+deadline = time.monotonic() + float(sys.argv[2])
+alive = lambda: {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+while alive() & set(sys.argv[3:]) and time.monotonic() < deadline:
+    time.sleep(0.5)
+print(json.dumps(sorted(alive())))
+"""
+
 
 class RayNodes:
     """Ray on the nodes of ``cluster``: ``resources`` maps node index -> custom resources of its
@@ -60,6 +71,7 @@ class RayNodes:
             PYTHONPATH=os.environ.get("PYTHONPATH", "") + os.pathsep + path,
         )
         self.env.pop("RAY_ADDRESS", None)
+        self._procs: dict[int, subprocess.Popen] = {}  # node index -> its (latest) `ray start --block`
         self.logs = os.path.join(cluster.scratch, "ray-logs")
         os.makedirs(self.logs, exist_ok=True)
 
@@ -84,42 +96,96 @@ class RayNodes:
 
     def start(self, timeout_s: float = 240.0) -> RayNodes:
         """Start the head, then the other nodes one at a time (on loaded cores a raylet that does not
-        register within Ray's fixed 30 s gives up: each start is retried), then wait until all are alive.
+        register within Ray's fixed 30 s gives up: each start is retried; five started at once on the
+        loaded 2-core machine failed so three times), then wait until all are alive.
         Raises RuntimeError (with the node logs' tails) when that takes over ``timeout_s`` seconds."""
-        t0 = time.monotonic()
-        self._join(self.head, head=True, deadline=t0 + timeout_s)
+        deadline = time.monotonic() + timeout_s
+        self._join(self.head, head=True, deadline=deadline)
         for i in self.resources:
             if i != self.head:
-                self._join(i, head=False, deadline=t0 + timeout_s)
-        left = max(10.0, timeout_s - (time.monotonic() - t0))
+                self._join(i, head=False, deadline=deadline)
+        self._wait_alive(deadline)
+        return self
+
+    def _wait_alive(self, deadline: float) -> None:
+        left = max(10.0, deadline - time.monotonic())
         r = self.c.run(
             self.head, [sys.executable, "-c", WAIT_NODES, self.address, str(len(self.resources)), str(left)],
             env=self.env, timeout=left + 60,
         )  # fmt: skip
         if r.returncode != 0:
             raise RuntimeError(f"Ray nodes did not all join: {r.stderr.strip()[-500:]} {self.log_tails()}")
-        return self
+
+    def heal(self, timeout_s: float = 240.0, *, restart: bool = True) -> list[int]:
+        """Give the next run the whole cluster: every node whose ``ray start`` exited (killed, or its raylet
+        stopped after the GCS declared it dead) or that the GCS no longer counts alive is cleared (what is
+        left in its namespace killed), waited for until the GCS has declared it dead -- before that, Ray
+        still places actors on a killed node, and a run's exchange placed there never starts -- and, with
+        ``restart``, started again (without, the next run gets only the nodes really alive). Returns those
+        nodes. Raises RuntimeError as ``start`` does."""
+        deadline = time.monotonic() + timeout_s
+        alive = self._alive_addresses(deadline, dead=[])
+        down = [
+            i for i in self.resources
+            if i != self.head and (self._procs[i].poll() is not None or self.c.node(i).addr not in alive)
+        ]  # fmt: skip
+        if not down:
+            return []
+        for i in down:
+            self.c.kill_node(i)
+        if {self.c.node(i).addr for i in down} & self._alive_addresses(deadline, dead=down):
+            raise RuntimeError(f"Ray nodes {down} killed but not declared dead in {timeout_s:.0f} s")
+        if not restart:
+            return down
+        for i in down:
+            self._join(i, head=False, deadline=deadline)
+        self._wait_alive(deadline)
+        return down
+
+    def _alive_addresses(self, deadline: float, dead: list[int]) -> set[str]:
+        """The addresses of the nodes the GCS counts alive, once it no longer counts ``dead`` among them
+        or at ``deadline``."""
+        left = max(10.0, deadline - time.monotonic())
+        argv = [
+            sys.executable,
+            "-c",
+            WAIT_DEAD,
+            self.address,
+            str(left),
+            *(self.c.node(i).addr for i in dead),
+        ]
+        r = self.c.run(self.head, argv, env=self.env, timeout=left + 60)
+        if r.returncode != 0:
+            raise RuntimeError(f"cannot read the Ray node table: {r.stderr.strip()[-500:]}")
+        return set(json.loads(r.stdout.strip().splitlines()[-1]))
 
     def _join(self, i: int, *, head: bool, deadline: float, attempts: int = 3) -> None:
         """Start node ``i`` and wait until its ``ray start`` reports it running; a start that exits is
         retried (``attempts`` in all) after what it left in the node's namespace is killed."""
         log = os.path.join(self.logs, f"node{i}.log")
         for attempt in range(attempts):
-            p = self._start(i, head=head)
-            while time.monotonic() < deadline:
-                with open(log, errors="replace") as f:
-                    if READY in f.read():
-                        return
-                if p.poll() is not None:
-                    break
-                time.sleep(0.5)
-            else:
+            self._procs[i] = self._start(i, head=head)
+            if self._ready(i, deadline):
+                return
+            if time.monotonic() > deadline:
                 break
             os.replace(log, f"{log}.failed{attempt}")
             if self.c.node(i).ns is not None:
                 self.c.kill_node(i)
                 time.sleep(1.0)
         raise RuntimeError(f"Ray node {i} did not start: {self.log_tails()}")
+
+    def _ready(self, i: int, deadline: float) -> bool:
+        """Wait until node ``i``'s ``ray start`` reports it running (True), exits or the deadline passes."""
+        log = os.path.join(self.logs, f"node{i}.log")
+        while time.monotonic() < deadline:
+            with open(log, errors="replace") as f:
+                if READY in f.read():
+                    return True
+            if self._procs[i].poll() is not None:
+                return False
+            time.sleep(0.5)
+        return False
 
     def log_tails(self, n: int = 400) -> str:
         """The last ``n`` characters of each node's ``ray start`` log (for error messages)."""

@@ -9,7 +9,10 @@ off and restored. One cluster (a module fixture) serves the three runs:
     node 5  ``exchange``: the exchange actor (task queue, experience buffer)
 
 Of the rollout nodes that Ray gave workers, one is killed whole (every process at once) and another
-partitioned for 45 s, then restored with its processes alive; the third keeps generating.
+partitioned for 45 s, then restored with its processes alive; the third keeps generating. Each test
+starts on the whole cluster: the ``whole`` fixture starts again the nodes an earlier test lost, once the
+GCS has declared them dead (``RayNodes.heal``); the exchange node's loss comes last, on the nodes left
+(one rollout worker: any rollout node is enough).
 
 - ``test_trainer_group_link_cut``: a trainer group over nodes 0 and 1 (``trainer.num_ranks=2``, one rank
   per node, gloo across the veth pairs) whose link is cut for longer than ``trainer.collective_timeout_s``
@@ -165,8 +168,29 @@ def cluster(tmp_path_factory):
     assert c.leftovers() == []
 
 
-def test_trainer_group_link_cut(cluster, tmp_path):
+@pytest.fixture
+def whole(cluster):
+    """The module's cluster with every node alive: the nodes an earlier test killed or cut off long
+    enough to be declared dead are started again (``RayNodes.heal``), after the GCS has declared them
+    dead. Without it a run started within Ray's health-check window (12 x 3 s) of an earlier test's
+    kill had its exchange actor placed on the killed node, which never ran it ("the exchange actor ...
+    was lost"), and a test after the rollout nodes' loss found fewer rollout nodes than it needs."""
     c, ray = cluster
+    ray.heal()
+    return c, ray
+
+
+@pytest.fixture
+def settled(cluster):
+    """The module's cluster with the nodes an earlier test killed declared dead (not started again):
+    for a run that needs only some of the nodes (``RayNodes.heal(restart=False)``)."""
+    c, ray = cluster
+    ray.heal(restart=False)
+    return c, ray
+
+
+def test_trainer_group_link_cut(whole, tmp_path):
+    c, ray = whole
     init = save_fresh_policy(tmp_path / "policy")
     run = Driver(ray, 0, tmp_path / "runs", tmp_path / "driver.log", [*GROUP_OVERRIDES, f"init_from={init}"])
     run.wait_steps(3, timeout_s=240)
@@ -183,8 +207,8 @@ def test_trainer_group_link_cut(cluster, tmp_path):
     assert_trained_exactly_once(summary, folder, GROUP_STEPS, BATCH)
 
 
-def test_rollout_nodes_partitioned_and_killed(cluster, tmp_path):
-    c, ray = cluster
+def test_rollout_nodes_partitioned_and_killed(whole, tmp_path):
+    c, ray = whole
     init = save_fresh_policy(tmp_path / "policy")
     run = Driver(ray, 0, tmp_path / "runs", tmp_path / "driver.log", [*OVERRIDES, f"init_from={init}"])
     run.wait_steps(2, timeout_s=240)  # training, with every rollout node delivering
@@ -234,24 +258,8 @@ def test_rollout_nodes_partitioned_and_killed(cluster, tmp_path):
     )
 
 
-def test_exchange_node_lost_stops_in_one_line(cluster, tmp_path):
-    c, ray = cluster
-    init = save_fresh_policy(tmp_path / "policy")
-    overrides = [*OVERRIDES, "name=exchangelost", "rollout.num_workers=1", "trainer.checkpoint_every=2"]
-    run = Driver(ray, 0, tmp_path / "runs", tmp_path / "driver.log", [*overrides, f"init_from={init}"])
-    run.wait_steps(3, timeout_s=240)
-    assert c.kill_node(5) > 0  # the node of the run's queue and buffer
-    assert run.finish(timeout_s=240) == 1, run.tail()
-    folder = run.run_folder()
-    ours = [line for line in run.tail(1_000_000).splitlines() if line.startswith("moerl: ")]
-    assert len(ours) == 1, ours
-    assert ours[0].startswith("moerl: the exchange actor (task queue, experience buffer) was lost"), ours
-    assert ours[0].endswith(f"; continue with: moerl train --resume {folder}"), ours
-    assert latest_checkpoint(folder) is not None  # whole (contents checked): the resume starts there
-
-
-def test_rollout_node_killed_mid_response_is_continued(cluster, tmp_path):
-    c, ray = cluster
+def test_rollout_node_killed_mid_response_is_continued(whole, tmp_path):
+    c, ray = whole
     init = save_never_stopping_policy(tmp_path / "policy")
     run = Driver(ray, 0, tmp_path / "runs", tmp_path / "driver.log", [*SNAP_OVERRIDES, f"init_from={init}"])
     run.wait_steps(2, timeout_s=300)  # every worker streaming 512-token responses, at mixed progress
@@ -287,3 +295,19 @@ def test_rollout_node_killed_mid_response_is_continued(cluster, tmp_path):
         "with two versions or more",
         sum(len(e.versions) >= 2 for e in continued),
     )
+
+
+def test_exchange_node_lost_stops_in_one_line(settled, tmp_path):
+    c, ray = settled  # one rollout worker: the rollout nodes left by the earlier tests are enough
+    init = save_fresh_policy(tmp_path / "policy")
+    overrides = [*OVERRIDES, "name=exchangelost", "rollout.num_workers=1", "trainer.checkpoint_every=2"]
+    run = Driver(ray, 0, tmp_path / "runs", tmp_path / "driver.log", [*overrides, f"init_from={init}"])
+    run.wait_steps(3, timeout_s=240)
+    assert c.kill_node(5) > 0  # the node of the run's queue and buffer
+    assert run.finish(timeout_s=240) == 1, run.tail()
+    folder = run.run_folder()
+    ours = [line for line in run.tail(1_000_000).splitlines() if line.startswith("moerl: ")]
+    assert len(ours) == 1, ours
+    assert ours[0].startswith("moerl: the exchange actor (task queue, experience buffer) was lost"), ours
+    assert ours[0].endswith(f"; continue with: moerl train --resume {folder}"), ours
+    assert latest_checkpoint(folder) is not None  # whole (contents checked): the resume starts there
