@@ -8,6 +8,8 @@ Imported as ``_runs``: pytest puts ``tests/`` on ``sys.path`` when it loads ``te
 from __future__ import annotations
 
 import json
+import random
+import socket
 from collections import Counter
 from pathlib import Path
 
@@ -104,3 +106,20 @@ def assert_trained_exactly_once(summary: dict, run: RunDir, steps: int, batch_gr
     assert summary["tasks_trained"] == steps * batch_groups
     assert summary["tasks_duplicated"] == 0 and summary["tasks_lost"] == 0
     assert [r["step"] for r in read_jsonl(run.metrics)] == list(range(1, steps + 1))
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 in 20000-29999: below the kernel's ephemeral range (32768-60999) and
+    above Ray's worker ports (10002-19999). A port the kernel hands out for port 0 is ephemeral: between
+    the check and a server's bind another process's connection took one (a run then stopped with
+    "already in use")."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 30000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-29999")

@@ -18,15 +18,10 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
+from _runs import free_port
 from moto.server import ThreadedMotoServer
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _ERRORS = {
@@ -127,7 +122,7 @@ class S3WithFaults:
     """
 
     def __init__(self, *, seed: int = 0):
-        self.moto_port, self.proxy_port = _free_port(), _free_port()
+        self.moto_port, self.proxy_port = free_port(), free_port()
         self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=self.moto_port, verbose=False)
         handler = type("Proxy", (_Proxy,), {"owner": self})
         self.proxy = http.server.ThreadingHTTPServer(("127.0.0.1", self.proxy_port), handler)

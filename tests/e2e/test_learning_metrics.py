@@ -15,7 +15,6 @@ parameter-set rule (``CheckedWeights``) can catch it.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 import urllib.error
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from _runs import free_port
 from conftest import short_config
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -31,12 +31,6 @@ from moerl.rundir.folder import RunDir, read_jsonl
 from moerl.train import train
 from moerl.weights import transports
 from moerl.weights.buckets import bucket_digest
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Scraper:
@@ -74,7 +68,7 @@ class Scraper:
 
 
 def _run_scraped(tmp_path, init, *overrides):
-    port = _free_port()
+    port = free_port()
     scraper = Scraper(f"http://127.0.0.1:{port}/metrics")
     try:
         summary = train(

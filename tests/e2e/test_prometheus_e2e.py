@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 from _needs import program
+from _runs import free_port
 from conftest import TINY_MODEL
 
 from moerl.telemetry.alerts import AlertParams, render_rules
@@ -77,12 +78,6 @@ RUN = [
 WORKER_ALERTS = ("MoerlWorkerRateSpread", "MoerlWorkerRateDrop")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 2.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.read().decode()
@@ -128,7 +123,7 @@ class Prometheus:
             "scrape_configs": [{"job_name": "moerl", "static_configs": [{"targets": targets}]}],
         }
         (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.log = open(folder / "prometheus.log", "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [
@@ -180,7 +175,7 @@ def _dashboard_queries(prom: Prometheus) -> dict[str, list]:
 
 @pytest.mark.timeout(600)
 def test_prometheus_sees_the_slowed_worker_and_nothing_without_it(tmp_path, tiny_init):
-    slow_port, steady_port = _free_port(), _free_port()
+    slow_port, steady_port = free_port(), free_port()
     slow, steady = f"127.0.0.1:{slow_port}", f"127.0.0.1:{steady_port}"
     prom = Prometheus(tmp_path / "prom", [slow, steady], render_rules(E2E_PARAMS))
     procs = []
@@ -269,7 +264,7 @@ def test_prometheus_sees_the_slowed_worker_and_nothing_without_it(tmp_path, tiny
 
 @pytest.mark.timeout(200)
 def test_endpoint_answers_while_training_and_is_gone_at_the_end(tmp_path, tiny_init):
-    port, steps = _free_port(), 30
+    port, steps = free_port(), 30
     small = [
         "runtime.mode=sync",
         f"trainer.steps={steps}",

@@ -105,7 +105,10 @@ GROUP_OVERRIDES = [
 ]
 
 
-SNAP_STEPS, SNAP_BATCH, SNAP_NEW = 12, 2, 512
+# 24 steps: after the kill (at step 2) the run must outlast Ray's declaring the node dead (12 missed 3 s
+# health checks, raynodes.HEALTH_CHECK_FAILURES) and the fleet's next check; at 12 steps a quiet host
+# finished first and the loss was never counted (fleet["killed"] == 0)
+SNAP_STEPS, SNAP_BATCH, SNAP_NEW = 24, 2, 512
 
 SNAP_OVERRIDES = [
     "name=snapkill",
