@@ -99,6 +99,7 @@ class Run:
         self.eval_keys: list[str] | None = None  # eval/pass@k, eval/<set>/... (set at the first step)
         self.startup: dict[str, float] = {}
         """Seconds from this object's creation to each start milestone (summary.json ``startup_s``)."""
+        self._first_workers: set[str] = set()  # the workers whose groups made up the first batch
 
     def start(self, checkpoint: Path | None) -> None:
         """Warm start, build policy and trainer, publish version 0 (or restore ``checkpoint``), start
@@ -162,7 +163,9 @@ class Run:
         -> log -> checkpoint."""
         t0 = time.perf_counter()
         groups, gen_s, wait_s = self.rollouts.next_groups(self.cfg.trainer.batch_groups)
-        self.startup.setdefault("first_groups", self._since_start())
+        if "first_groups" not in self.startup:
+            self.startup["first_groups"] = self._since_start()
+            self._first_workers = {g.worker_id for g in groups}
         fp8_gap = self._fp8_gap(groups)  # before training: the engine and the trainer hold one version
         self.reward_watch.observe(groups)  # a failing reward function stops the run before it trains on zeros
         batch = self.trainer.build_batch(groups, self.comp.tokenizer.pad_id)
@@ -197,6 +200,7 @@ class Run:
         self._log(groups, stats, timings, accuracy, batch.num_sequences, t0, fp8_gap)
         if "first_step" not in self.startup:
             self.startup["first_step"] = self._since_start()
+        if "worker_first_put" not in self.startup and self._first_workers:
             self._note_worker_startup()
         try:
             self._checkpoint(stats.step)
@@ -318,8 +322,14 @@ class Run:
     def _note_worker_startup(self) -> None:
         """``startup`` gains the start of the worker whose groups came first (``WorkerStats.startup``), on
         this run's clock: ``worker_init``, ``worker_policy_loaded``, ``worker_ready``, ``worker_first_put``
-        (wall clocks of one host; across hosts, as far as their clocks agree)."""
-        stamps = [w.startup for w in self.rollouts.worker_stats() if w.startup.get("first_put")]
+        (wall clocks of one host; across hosts, as far as their clocks agree). Of the workers that delivered
+        the first batch, the one that handed groups over first; while none of them has answered (a worker
+        lost or unreachable since), asked again after the next step."""
+        stamps = [
+            w.startup
+            for w in self.rollouts.worker_stats()
+            if w.worker_id in self._first_workers and w.startup.get("first_put")
+        ]
         if stamps:
             first = min(stamps, key=lambda s: s["first_put"])
             self.startup.update({f"worker_{k}": round(v - self.wall_start, 3) for k, v in first.items()})

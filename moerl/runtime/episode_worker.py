@@ -46,7 +46,7 @@ class EpisodeWorker(RolloutWorker):
 
     def __init__(self, worker_id: str, engine: EpisodeEngine, *args, **kwargs) -> None:
         super().__init__(worker_id, engine, *args, **kwargs)
-        self.stats = EpisodeWorkerStats(env=engine.stats)
+        self.stats = EpisodeWorkerStats(worker_id=worker_id, env=engine.stats)
 
     def _params(self, lease: Lease) -> SamplingParams:
         # RolloutWorker._lease_more names the request f"{task_id}#{token}" right before calling this

@@ -68,6 +68,8 @@ class _InFlight:
 class WorkerStats:
     """Counters of one worker (cumulative)."""
 
+    worker_id: str = ""
+    """The worker these counters belong to (``Lease.worker_id`` of its groups)."""
     groups_put: int = 0
     """Groups handed to the buffer (whatever it decided)."""
     groups_admitted: int = 0
@@ -183,7 +185,7 @@ class RolloutWorker:
         ahead = self.max_groups_in_flight if cfg.lease_ahead_groups is None else cfg.lease_ahead_groups
         self.lease_ahead_groups = ahead
         self.max_groups_held = self.max_groups_in_flight + ahead  # leased and not yet delivered
-        self.stats = WorkerStats()
+        self.stats = WorkerStats(worker_id=worker_id)
         self._in_flight: dict[str, _InFlight] = {}  # request id -> group (several ids for a resumed group)
         self._early: list[Completion] = []  # finished by a weight update's sync (recompute), not by step()
         self.outbox: Outbox[_InFlight] = Outbox(buffer, put_timeout_s)  # scored groups not yet in the buffer
@@ -383,7 +385,6 @@ class RolloutWorker:
         """``Outbox.collect``, counted in the worker's stats."""
         delivered, is_full = self.outbox.collect(wait=wait)
         self.stats.groups_put += len(delivered)
-        self.stats.startup.setdefault("first_put", time.time())
         self.stats.groups_admitted += sum(r == PutResult.ADMITTED for r in delivered)
         self.stats.groups_refused += sum(r == PutResult.REFUSED_STALE_TOKEN for r in delivered)
         return delivered, is_full
@@ -420,6 +421,7 @@ class RolloutWorker:
                     self.pause_point()
             if not self.outbox.send():  # one delivery at a time
                 return delivered
+            self.stats.startup.setdefault("first_put", time.time())  # groups on their way to the buffer
 
     def settle_deliveries(self) -> list[PutResult]:
         """Wait for the outstanding delivery, without sending more: afterwards no group is half-delivered
