@@ -421,12 +421,17 @@ def check_model(model: str, tokenizer: str | None, ep_size: int, *, name: str = 
     experts against ``ep_size`` before any EP rank is spawned; ``name`` is what messages call the folder.
 
     Raises:
-        FileNotFoundError: no such folder, or no ``tokenizer.json`` in it and no ``tokenizer`` given.
+        FileNotFoundError: no such folder, a run folder (naming its exported ``policy/``), or no
+            ``tokenizer.json`` in it and no ``tokenizer`` given.
         ValueError: a damaged folder (``moerl.models.check_model_folder``), or routed experts that are not
             a positive multiple of ``ep_size`` > 1.
     """
     if not Path(model).is_dir():
         raise FileNotFoundError(f"{name} {model}: no such folder (a Hugging Face model folder is expected)")
+    if (Path(model) / "config.yaml").is_file() and not (Path(model) / "config.json").is_file():
+        policy = Path(model) / "policy"
+        where = f"its exported policy is {policy}" if policy.is_dir() else "it has no exported policy yet"
+        raise FileNotFoundError(f"{name} {model} is a moerl run folder, not a model folder: {where}")
     try:  # config.json, architecture, safetensors headers: before the tokenizer and any tensor load
         arch = check_model_folder(model)
     except (FileNotFoundError, CheckpointError) as e:

@@ -661,7 +661,9 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
     if is_remote(str(run_dir)):  # a stored run's URL: fetch its files and newest checkpoint first
         run_dir = fetched = fetch_for_resume(str(run_dir), overrides)  # the local copy is what gets rewound
     with removed_on_failure(fetched):  # a failed remote resume leaves no fetched folder behind
-        if not (Path(run_dir) / "config.yaml").exists():  # checked first: RunDir() creates the folder
+        if not Path(run_dir).is_dir():  # checked first: RunDir() creates the folder
+            raise FileNotFoundError(f"{run_dir} does not exist (no run folder to resume)")
+        if not (Path(run_dir) / "config.yaml").exists():
             raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
     with RunFolderLock(run_dir):  # before anything is read back or rewound; held until the run ends
         return _resume(run_dir, fetched, overrides, live)

@@ -24,10 +24,12 @@ import math
 from pathlib import Path
 
 from moerl.config import ConfigError, RunConfig
+from moerl.models.build import arch_from_model_config
 from moerl.models.config import MoeConfig
 from moerl.placement import Placement
 from moerl.plan.hardware import HARDWARE
 from moerl.plan.models import MODELS, ModelShape
+from moerl.tasks.tokenizer import load_run_tokenizer
 
 _KEY = ("hidden_size", "num_layers", "num_heads", "num_experts", "top_k", "moe_intermediate_size")
 
@@ -61,10 +63,12 @@ def shape_of_arch(name: str, a: MoeConfig) -> ModelShape:
 
 def planner_model(cfg: RunConfig) -> str | ModelShape:
     """The preset name whose shapes are the model section's, else the shape read from the config.json of
-    ``init_from`` or ``model.path`` (named after the run).
+    ``init_from`` or ``model.path``, else the fresh model the run would build from its model section
+    (``arch_from_model_config``, the run tokenizer's vocabulary); the last two named after the run.
 
     Raises:
-        ConfigError: neither (the preset list and what to set, in one line).
+        ConfigError: the model section is not one a run can build (e.g. an unknown family), or the
+            run's tokenizer cannot be loaded.
     """
     m = cfg.model
     mine = tuple(getattr(m, k) for k in _KEY)
@@ -75,10 +79,8 @@ def planner_model(cfg: RunConfig) -> str | ModelShape:
         if folder is not None and (Path(folder) / "config.json").is_file():
             arch = MoeConfig.from_hf_dict(json.loads((Path(folder) / "config.json").read_text()))
             return shape_of_arch(f"{cfg.name}-model", arch)
-    raise ConfigError(
-        f"model section ({', '.join(f'{k}={v}' for k, v in zip(_KEY, mine, strict=True))}) is none of the "
-        f"planner's models ({', '.join(MODELS)}) and no init_from/model.path config.json says its shapes"
-    )
+    vocab_size = load_run_tokenizer(cfg).vocab_size  # the embedding rows of the model a fresh run builds
+    return shape_of_arch(f"{cfg.name}-model", arch_from_model_config(m, vocab_size))
 
 
 def _hardware(cfg: RunConfig) -> tuple[str, list[str]]:

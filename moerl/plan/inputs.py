@@ -10,6 +10,7 @@ field, the value and the range. ``--set``, ``--file`` and ``--sweep`` reach ever
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from math import ceil, inf, isfinite
@@ -337,7 +338,9 @@ def parse_param(name: str, value: object) -> object:
     """
     names = [f.name for f in fields(Plan)]
     if name not in names:
-        raise ConfigError(f"unknown plan parameter {name!r}; parameters: {', '.join(names)}")
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"parameters: {', '.join(names)}"
+        raise ConfigError(f"unknown plan parameter {name!r}; {hint}")
     kind = type(getattr(Plan(), name))
     text = str(value)  # YAML values too: 2.5 for an int field is an error, not a silent float
     try:

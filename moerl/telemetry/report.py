@@ -357,6 +357,9 @@ def report_main(run_dir: str | Path) -> int:
 
     console = Console()
     path = Path(run_dir)
+    if not path.is_dir():
+        _error(f"{path} does not exist (no run folder)")
+        return 2
     if not (path / "config.yaml").exists():
         _error(f"{path} is not a run folder (no config.yaml)")
         return 2

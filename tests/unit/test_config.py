@@ -72,6 +72,10 @@ def test_cli_user_mistakes_are_one_line_errors(tmp_path, capsys):
     assert "binary.yaml: not a UTF-8 text file" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path)]) == 2
     assert "not a run folder" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "nope")]) == 2
+    assert "nope does not exist" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "nope does not exist" in capsys.readouterr().err
 
 
 def test_group_estimators_need_groups_of_two_or_more():

@@ -150,3 +150,17 @@ def test_a_cache_beyond_the_memory_is_refused_before_the_model_loads(paths, caps
         and len(err.splitlines()) == 1
     ), err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_run_folder_as_model_names_its_exported_policy(paths, capsys, tmp_path):
+    run = tmp_path / "run-1"
+    run.mkdir()
+    (run / "config.yaml").write_text("name: x\n")
+    paths[1] = str(run)
+    assert main(["generate", *paths]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a moerl run folder, not a model folder: it has no exported policy yet" in err, err
+    (run / "policy").mkdir()
+    assert main(["generate", *paths]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"its exported policy is {run / 'policy'}" in err and len(err.splitlines()) == 1, err

@@ -144,6 +144,7 @@ def test_cli_validate_and_sensitivity(capsys):
 @pytest.mark.parametrize(
     "argv,needle",
     [(["--preset", "nope"], "unknown preset"), (["--sweep", "bogus=1"], "unknown plan parameter"),
+     (["--set", "top_kk=3"], "unknown plan parameter 'top_kk'; did you mean 'top_k'?"),
      (["--sweep", "top_k=x"], "not a valid int"), (["--set", "placement=diagonal"], "placement"),
      (["--set", "train_nodes=48"], "train_nodes"), (["--plot", "x.png"], "--plot needs a --sweep")],
 )  # fmt: skip

@@ -10,10 +10,19 @@ import pytest
 import yaml
 
 from moerl.cli import main
+from moerl.cluster.plan_inputs import planner_model
+from moerl.config import load_config
 from moerl.models.config import MoeConfig
+from moerl.tasks.tokenizer import load_run_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN = ROOT / "configs" / "cluster_qwen3_30b_1node.yaml"
+
+
+def load_config_dict(run: dict, folder: Path):
+    folder.mkdir(exist_ok=True)
+    (folder / "run.yaml").write_text(yaml.safe_dump(run))
+    return load_config(folder / "run.yaml")
 
 
 def _fits(text: str, width: int = 100) -> None:
@@ -71,8 +80,15 @@ def test_config_with_a_model_of_its_own_reads_its_config_json(tmp_path, capsys):
                         moe_intermediate_size=512)  # fmt: skip
     run["name"] = "mine"
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
-    assert main(["plan", "--config", str(tmp_path / "run.yaml")]) == 2  # neither a preset nor a config.json
-    assert "is none of the planner's models" in capsys.readouterr().err
+    # neither a preset nor a config.json: the fresh model the run builds, the run tokenizer's vocabulary
+    fresh = planner_model(load_config(tmp_path / "run.yaml"))
+    assert fresh.name == "mine-model" and fresh.vocab_size == load_run_tokenizer(load_config(QWEN)).vocab_size
+    assert (fresh.hidden_size, fresh.num_layers, fresh.num_experts, fresh.top_k) == (1024, 8, 32, 4)
+    with_init = planner_model(load_config_dict({**run, "init_from": str(folder)}, tmp_path / "init"))
+    assert with_init.vocab_size == 32000  # a config.json wins over the section
+    out = tmp_path / "fresh.json"
+    assert main(["plan", "--config", str(tmp_path / "run.yaml"), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["points"][0]["plan"]["model"] == "mine-model"
     run["init_from"] = str(folder)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
     out = tmp_path / "plan.json"

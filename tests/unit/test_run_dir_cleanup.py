@@ -66,7 +66,7 @@ def test_train_with_a_bad_init_from_leaves_no_folder_and_resume_creates_none(tmp
     with pytest.raises(ConfigError, match="init_from"):
         train(cfg, live=False)
     assert not (tmp_path / "runs").exists()  # output_dir, made by this run alone, went with it
-    with pytest.raises(FileNotFoundError, match="not a run folder"):
+    with pytest.raises(FileNotFoundError, match="typo does not exist"):
         resume(tmp_path / "typo", live=False)
     assert not (tmp_path / "typo").exists()
 
