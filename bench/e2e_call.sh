@@ -12,7 +12,7 @@ USER_MODES=${USER_MODES:-sync async}; USER_TIMEOUT=${USER_TIMEOUT:-240}; E2E_TIM
 source .ray/activate
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,memory.used --format=csv | tee $OUT/gpu.txt
-git log --oneline -1 > $OUT/git.txt 2>/dev/null || true
+echo "${BENCH_GIT:-$(git log --oneline -1 2>/dev/null)}" > $OUT/git.txt
 summarize() {  # the user run's per-step publish seconds and its store's versions, one line
   python3 - "$1" "$2" <<'PY'
 import json, statistics, sys

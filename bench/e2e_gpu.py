@@ -520,7 +520,8 @@ def _env_facts() -> dict:
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         facts["gpu"] = None
-    facts["git"] = subprocess.run(
+    # BENCH_GIT: the commit of a copied tree whose .git is not its own (the device tool's copy)
+    facts["git"] = os.environ.get("BENCH_GIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
     ).stdout.strip()
     return facts
