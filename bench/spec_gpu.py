@@ -169,6 +169,7 @@ def build_and_sft(cfg: RunConfig, args: argparse.Namespace, device: torch.device
         mtp_loss_weight=cfg.trainer.mtp_loss_weight,
     )
     _sync(device)
+    model.zero_grad(set_to_none=True)  # the last step's gradients: memory the engines can use
     sft_s = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     after = heldout_mtp(model, tokenizer, held_out, device)
@@ -267,11 +268,27 @@ def _spec_counters(engine: Engine) -> dict[str, int]:
     }
 
 
-def timed_passes(engine: Engine, requests: list[Request], device: torch.device, passes: int) -> dict:
-    """A 4-token warm-up (``paged_kv.run``) and ``passes`` timed passes, each with the speculation
-    counters it moved; the figure is the median tokens/s of the passes after the first (or the one)."""
-    rows = []
+def timed_passes(
+    engine: Engine,
+    requests: list[Request],
+    device: torch.device,
+    passes: int,
+    out: dict,
+    *,
+    deadline,
+    on_pass,
+) -> None:
+    """A 4-token warm-up (``paged_kv.run``) and up to ``passes`` timed passes into ``out``, each with the
+    speculation counters it moved; the figure is the median tokens/s of the passes after the first (or
+    the first alone). A pass after the first that would likely end past ``deadline`` (``perf_counter``
+    seconds; its predecessor's duration from now) is skipped and counted (``passes_skipped``), so a
+    call keeps to its time; ``on_pass()`` runs after each pass (the JSON is rewritten)."""
+    rows = out.setdefault("passes", [])
+    out["passes_skipped"] = 0
     for i in range(passes):
+        if i and deadline is not None and time.perf_counter() + rows[-1]["seconds"] > deadline:
+            out["passes_skipped"] = passes - i
+            break
         before = _spec_counters(engine)
         fig, _ = run(engine, requests, device) if i == 0 else timed_pass(engine, requests, device)
         after = _spec_counters(engine)
@@ -280,30 +297,28 @@ def timed_passes(engine: Engine, requests: list[Request], device: torch.device, 
             moved["spec_accepted"] / moved["spec_drafted"] if moved["spec_drafted"] else None
         )
         rows.append(fig | moved)
-    steady = rows[1:] or rows
-    rates = [r["acceptance_rate"] for r in steady if r["acceptance_rate"] is not None]
-    return {
-        "passes": rows,
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
-        "acceptance_rate": statistics.median(rates) if rates else None,
-        "spec_steps": sum(r["spec_steps"] for r in steady),
-    }
+        steady = rows[1:] or rows
+        rates = [r["acceptance_rate"] for r in steady if r["acceptance_rate"] is not None]
+        out["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in steady)
+        out["acceptance_rate"] = statistics.median(rates) if rates else None
+        out["spec_steps"] = sum(r["spec_steps"] for r in steady)
+        out["figure_from"] = "passes after the first" if len(rows) > 1 else "the first pass"
+        on_pass()
 
 
-def both_ways(model, cfg: RunConfig, make_engine, requests, device, passes: int) -> dict:
+def both_ways(model, cfg: RunConfig, make_engine, requests, device, passes: int, out: dict, **kw) -> None:
     """The workload without speculation, then with ``rollout.speculative=mtp`` (the config's other
-    speculative fields as shipped); tokens/s ratio mtp / off."""
-    out = {}
+    speculative fields as shipped), into ``out`` (``off``, ``mtp``, ``ratio`` mtp / off tokens/s);
+    ``kw``: ``timed_passes``' ``deadline`` and ``on_pass``."""
     for mode in ("off", "mtp"):
         engine = make_engine()
         rollout = dataclasses.replace(cfg.rollout, speculative=mode)
         engine.speculation = SpeculativeDecoding.from_config(model, rollout)
-        out[mode] = timed_passes(engine, requests, device, passes)
+        timed_passes(engine, requests, device, passes, out.setdefault(mode, {}), **kw)
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
     out["ratio"] = out["mtp"]["tokens_per_s"] / out["off"]["tokens_per_s"]
-    return out
 
 
 # -- the call -----------------------------------------------------------------------------------
@@ -343,14 +358,14 @@ def summary_lines(result: dict) -> list[str]:
             f"{a['completion_nll']:.3f} nats/token"
         )
     for name in ("tail", "uniform"):
-        if name in result:
-            r = result[name]
+        r = result.get(name) or {}
+        if "ratio" in r:
             acc = r["mtp"]["acceptance_rate"]
             lines.append(
                 f"[spec_gpu] {name}: off {r['off']['tokens_per_s']:.1f} tok/s, mtp "
                 f"{r['mtp']['tokens_per_s']:.1f} tok/s, ratio {r['ratio']:.3f}, acceptance "
                 f"{'n/a (no speculative step)' if acc is None else f'{acc:.3f}'}, "
-                f"speculative steps {r['mtp']['spec_steps']}"
+                f"speculative steps {r['mtp']['spec_steps']} ({r['mtp']['figure_from']})"
             )
     return lines
 
@@ -361,7 +376,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny model and workloads (CPU check of this script)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "spec_gpu.json")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--sft-steps", type=int, default=200)
     p.add_argument("--sft-batch", type=int, default=None, help="default: the config's sft.batch_size")
     p.add_argument("--mtp-loss-weight", type=float, default=1.0, help="trainer.mtp_loss_weight in the SFT")
     p.add_argument("--eval-rows", type=int, default=64, help="held-out rows of the MTP accuracy")
@@ -379,6 +394,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--uniform-new", type=int, default=128)
     p.add_argument("--uniform-sync-every", type=int, default=16, help="rollout_gpu.py's default")
     p.add_argument("--uniform-passes", type=int, default=3)
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=380.0,
+        help="seconds from the start after which no further timed pass begins that would likely end later",
+    )
     args = p.parse_args(argv)
     if args.tiny:  # tiny sizes unless given on the command line
         given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:])}
@@ -399,6 +420,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{k.replace('_', '-')} {getattr(args, k)} must be >= 1")
     if args.sft_batch is not None and args.sft_batch < 1:
         p.error(f"--sft-batch {args.sft_batch} must be >= 1")
+    if args.budget_s <= 0:
+        p.error(f"--budget-s {args.budget_s} must be > 0")
     if args.mtp_loss_weight <= 0:
         p.error(f"--mtp-loss-weight {args.mtp_loss_weight} must be > 0 (the MTP module must train)")
     if args.median_new > args.max_new:
@@ -443,6 +466,8 @@ def main(argv: list[str] | None = None) -> dict:
         "workload_args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "tail_prompts": args.tail_prompts,
         "status": "started",
+        "uniform": {},
+        "tail": {},
     }
 
     def save(status: str) -> None:
@@ -452,26 +477,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     model, tokenizer, task, result["sft"] = build_and_sft(cfg, args, device)
     save("sft done")
+    passes = dict(deadline=started + args.budget_s, on_pass=lambda: save("running"))
     uniform = [
         list(p) for p in random_prompts(tokenizer.vocab_size, args.uniform_batch, args.uniform_prompt_len)
     ]
-    result["uniform"] = both_ways(
-        model,
-        cfg,
-        lambda: uniform_engine(model, args),
-        sampling_requests(uniform, args.uniform_new, 1.0, "u"),
-        device,
-        args.uniform_passes,
-    )
-    save("uniform done")
-    result["tail"] = both_ways(
-        model,
-        cfg,
-        lambda: tail_engine(model, args),
-        tail_requests(args, tokenizer, task),
-        device,
-        args.tail_passes,
-    )
+    uniform_requests = sampling_requests(uniform, args.uniform_new, 1.0, "u")
+    make = lambda: uniform_engine(model, args)  # noqa: E731
+    both_ways(model, cfg, make, uniform_requests, device, args.uniform_passes, result["uniform"], **passes)
+    make = lambda: tail_engine(model, args)  # noqa: E731
+    tail = tail_requests(args, tokenizer, task)
+    both_ways(model, cfg, make, tail, device, args.tail_passes, result["tail"], **passes)
     save("complete")
     for line in summary_lines(result):
         print(line, flush=True)

@@ -80,3 +80,20 @@ def test_more_tail_prompts_than_held_out_gsm8k_rows_is_refused_before_the_sft(mo
     monkeypatch.setattr(spec_gpu, "build_and_sft", lambda *a: pytest.fail("built a model"))
     with pytest.raises(SystemExit, match="--prompts 65 > the 64 held-out GSM8K prompts"):
         spec_gpu.main(["--device", "cpu", "--tiny", "--prompts", "65", "--out", str(tmp_path / "s.json")])
+
+
+def test_a_pass_that_would_end_past_the_budget_is_skipped_and_counted(monkeypatch):
+    def fake_pass(engine, requests, device):
+        return {"seconds": 100.0, "tokens_per_s": 7.0}, []
+
+    monkeypatch.setattr(spec_gpu, "run", fake_pass)
+    monkeypatch.setattr(spec_gpu, "timed_pass", fake_pass)
+    monkeypatch.setattr(spec_gpu, "_spec_counters", lambda engine: dict.fromkeys(spec_gpu._COUNTERS, 0))
+    saved, out = [], {}
+    deadline = spec_gpu.time.perf_counter() + 50.0  # the first pass "took" 100 s: a second cannot fit
+    spec_gpu.timed_passes(None, [], None, 3, out, deadline=deadline, on_pass=lambda: saved.append(1))
+    assert len(out["passes"]) == 1 and out["passes_skipped"] == 2 and len(saved) == 1
+    assert out["figure_from"] == "the first pass" and out["tokens_per_s"] == 7.0
+    spec_gpu.timed_passes(None, [], None, 3, out := {}, deadline=None, on_pass=lambda: None)
+    assert len(out["passes"]) == 3 and out["passes_skipped"] == 0
+    assert out["figure_from"] == "passes after the first"
