@@ -346,28 +346,23 @@ def _gpu(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def summary_lines(result: dict) -> list[str]:
-    """One ``[spec_gpu]`` line per figure present in ``result``."""
-    lines = []
-    if "sft" in result:
-        s = result["sft"]
-        a, b = s["held_out_after"], s["held_out_before"]
-        lines.append(
-            f"[spec_gpu] sft: {s['steps']} steps in {s['seconds']:.1f} s; held-out MTP accuracy "
+def summary_line(result: dict, name: str) -> str:
+    """The ``[spec_gpu]`` line of figure ``name`` (``sft``, ``uniform``, ``tail``) of ``result``."""
+    r = result[name]
+    if name == "sft":
+        a, b = r["held_out_after"], r["held_out_before"]
+        return (
+            f"[spec_gpu] sft: {r['steps']} steps in {r['seconds']:.1f} s; held-out MTP accuracy "
             f"{b['mtp_accuracy']:.3f} -> {a['mtp_accuracy']:.3f}, completion NLL {b['completion_nll']:.3f} -> "
             f"{a['completion_nll']:.3f} nats/token"
         )
-    for name in ("tail", "uniform"):
-        r = result.get(name) or {}
-        if "ratio" in r:
-            acc = r["mtp"]["acceptance_rate"]
-            lines.append(
-                f"[spec_gpu] {name}: off {r['off']['tokens_per_s']:.1f} tok/s, mtp "
-                f"{r['mtp']['tokens_per_s']:.1f} tok/s, ratio {r['ratio']:.3f}, acceptance "
-                f"{'n/a (no speculative step)' if acc is None else f'{acc:.3f}'}, "
-                f"speculative steps {r['mtp']['spec_steps']} ({r['mtp']['figure_from']})"
-            )
-    return lines
+    acc = r["mtp"]["acceptance_rate"]
+    return (
+        f"[spec_gpu] {name}: off {r['off']['tokens_per_s']:.1f} tok/s, mtp "
+        f"{r['mtp']['tokens_per_s']:.1f} tok/s, ratio {r['ratio']:.3f}, acceptance "
+        f"{'n/a (no speculative step)' if acc is None else f'{acc:.3f}'}, "
+        f"speculative steps {r['mtp']['spec_steps']} ({r['mtp']['figure_from']})"
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -443,6 +438,9 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     overrides = config_overrides(args)
     cfg = load_config(CONFIG, overrides)  # ConfigError: one line, before any model is built
+    if cfg.task.path and not Path(cfg.task.path).is_absolute():  # the config's data, from any folder
+        overrides.append(f"task.path={REPO / cfg.task.path}")
+        cfg = load_config(CONFIG, overrides)
     if args.tail_prompts == "gsm8k" and args.prompts > cfg.task.num_eval:
         raise SystemExit(
             f"spec_gpu: --prompts {args.prompts} > the {cfg.task.num_eval} held-out GSM8K prompts "
@@ -477,6 +475,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     model, tokenizer, task, result["sft"] = build_and_sft(cfg, args, device)
     save("sft done")
+    print(summary_line(result, "sft"), flush=True)  # each figure's line as soon as it is known
     passes = dict(deadline=started + args.budget_s, on_pass=lambda: save("running"))
     uniform = [
         list(p) for p in random_prompts(tokenizer.vocab_size, args.uniform_batch, args.uniform_prompt_len)
@@ -484,12 +483,12 @@ def main(argv: list[str] | None = None) -> dict:
     uniform_requests = sampling_requests(uniform, args.uniform_new, 1.0, "u")
     make = lambda: uniform_engine(model, args)  # noqa: E731
     both_ways(model, cfg, make, uniform_requests, device, args.uniform_passes, result["uniform"], **passes)
+    print(summary_line(result, "uniform"), flush=True)
     make = lambda: tail_engine(model, args)  # noqa: E731
     tail = tail_requests(args, tokenizer, task)
     both_ways(model, cfg, make, tail, device, args.tail_passes, result["tail"], **passes)
     save("complete")
-    for line in summary_lines(result):
-        print(line, flush=True)
+    print(summary_line(result, "tail"), flush=True)
     print(f"wrote {args.out}", file=sys.stderr)
     return result
 

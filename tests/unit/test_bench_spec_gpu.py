@@ -55,7 +55,7 @@ def test_tiny_call_speculates_on_the_tail_and_turns_down_the_uniform_batch(tmp_p
     for p in _steady(uniform["mtp"]):  # 36 rows > speculative_max_batch (32): every step decodes plainly
         assert p["spec_steps"] == 0 and p["num_off_batch"] == p["decode_steps"] > 0
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[spec_gpu]")]
-    assert [x.split(":")[0] for x in lines] == ["[spec_gpu] sft", "[spec_gpu] tail", "[spec_gpu] uniform"]
+    assert [x.split(":")[0] for x in lines] == ["[spec_gpu] sft", "[spec_gpu] uniform", "[spec_gpu] tail"]
 
 
 @pytest.mark.parametrize(
