@@ -124,7 +124,7 @@ def heldout_mtp(model, tokenizer, prompts, device, batch: int = 16) -> dict:
     MTP accuracy (share of completion targets t_{i+2} equal to the MTP argmax), token-weighted means."""
     examples = [encode_example(tokenizer, p) for p in prompts if p.solution]
     sums = {"completion_nll": 0.0, "mtp_loss": 0.0, "mtp_accuracy": 0.0}
-    weight = 0.0
+    weight = weight_next = 0.0
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -132,15 +132,19 @@ def heldout_mtp(model, tokenizer, prompts, device, batch: int = 16) -> dict:
             b = collate(examples[i : i + batch], tokenizer.pad_id, device)
             out = model(b.input_ids, b.attention_mask, return_hidden=True)
             m_loss, m_acc = mtp_loss(model, out.hidden, b.input_ids, b.loss_mask, b.attention_mask)
-            n = float(b.loss_mask[:, 2:].sum())
-            sums["completion_nll"] += float(completion_nll(out.logits, b)) * n
+            n_next, n = float(b.loss_mask[:, 1:].sum()), float(b.loss_mask[:, 2:].sum())  # targets of each
+            sums["completion_nll"] += float(completion_nll(out.logits, b)) * n_next
             sums["mtp_loss"] += float(m_loss) * n
             sums["mtp_accuracy"] += float(m_acc) * n
+            weight_next += n_next
             weight += n
     model.train(was_training)
-    return {k: v / max(weight, 1.0) for k, v in sums.items()} | {
+    return {
+        "completion_nll": sums["completion_nll"] / max(weight_next, 1.0),
+        "mtp_loss": sums["mtp_loss"] / max(weight, 1.0),
+        "mtp_accuracy": sums["mtp_accuracy"] / max(weight, 1.0),
         "rows": len(examples),
-        "targets": int(weight),
+        "mtp_targets": int(weight),
     }
 
 
@@ -224,10 +228,9 @@ def pow2_buckets(n: int) -> tuple[int, ...]:
     return (*out, n)
 
 
-def tail_engine(model, args: argparse.Namespace) -> Engine:
-    """paged_kv's paged engine at the TAIL arguments."""
-    return Engine(
-        model,
+def tail_engine_args(args: argparse.Namespace) -> dict:
+    """``Engine`` arguments of paged_kv's paged engine at the TAIL arguments (the JSON records them)."""
+    return dict(
         cache="paged",
         max_slots=args.max_slots,
         block_size=16,
@@ -238,11 +241,11 @@ def tail_engine(model, args: argparse.Namespace) -> Engine:
     )
 
 
-def uniform_engine(model, args: argparse.Namespace) -> Engine:
-    """``rollout_gpu.engine_for`` with ``--kv-cache paged`` at the uniform workload's sizes."""
+def uniform_engine_args(args: argparse.Namespace) -> dict:
+    """``Engine`` arguments of ``rollout_gpu.engine_for`` with ``--kv-cache paged`` at the uniform sizes
+    (batch buckets: the engine's default, as there)."""
     b, p, n = args.uniform_batch, args.uniform_prompt_len, args.uniform_new
-    return Engine(
-        model,
+    return dict(
         cache="paged",
         max_slots=b,
         kv_token_budget=b * (p + n),
@@ -433,6 +436,36 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--out {args.out}: a .json file name")
 
 
+def header(args: argparse.Namespace, cfg: RunConfig, overrides: list[str], device: torch.device) -> dict:
+    """The result JSON before any figure: device, commit, overrides, speculation settings, arguments."""
+    shipped = SpeculativeDecoding.from_config(
+        None, dataclasses.replace(cfg.rollout, speculative="ngram")
+    ).policy
+    return {
+        "benchmark": "spec_gpu",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": _gpu(device),
+        "torch": torch.__version__,
+        "git": _git(),
+        "config": str(CONFIG.relative_to(REPO)),
+        "overrides": overrides,
+        "speculative": {  # as shipped: rollout.speculative_* defaults and the engine's SpecPolicy
+            "modes_compared": ["off", "mtp"],
+            "speculative_tokens": cfg.rollout.speculative_tokens,
+            "speculative_max_batch": shipped.max_batch,
+            "min_acceptance": shipped.min_acceptance,
+            "acceptance_window_steps": shipped.window,
+            "probe_every": shipped.probe_every,
+        },
+        "workload_args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "tail_prompts": args.tail_prompts,
+        "engine_args": {"uniform": uniform_engine_args(args), "tail": tail_engine_args(args)},
+        "status": "started",
+        "uniform": {},
+        "tail": {},
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -447,26 +480,7 @@ def main(argv: list[str] | None = None) -> dict:
             "(task.num_eval); use fewer or --tail-prompts synthetic"
         )
     started = time.perf_counter()
-    result = {
-        "benchmark": "spec_gpu",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": _gpu(device),
-        "torch": torch.__version__,
-        "git": _git(),
-        "config": str(CONFIG.relative_to(REPO)),
-        "overrides": overrides,
-        "speculative": {
-            "mode_compared": ["off", "mtp"],
-            "speculative_tokens": cfg.rollout.speculative_tokens,
-            "speculative_max_batch": cfg.rollout.speculative_max_batch,
-            "spec_policy": "SpecPolicy defaults (min_acceptance 0.2, window 16, probe_every 16)",
-        },
-        "workload_args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "tail_prompts": args.tail_prompts,
-        "status": "started",
-        "uniform": {},
-        "tail": {},
-    }
+    result = header(args, cfg, overrides, device)
 
     def save(status: str) -> None:
         result["status"] = status
@@ -481,10 +495,10 @@ def main(argv: list[str] | None = None) -> dict:
         list(p) for p in random_prompts(tokenizer.vocab_size, args.uniform_batch, args.uniform_prompt_len)
     ]
     uniform_requests = sampling_requests(uniform, args.uniform_new, 1.0, "u")
-    make = lambda: uniform_engine(model, args)  # noqa: E731
+    make = lambda: Engine(model, **uniform_engine_args(args))  # noqa: E731
     both_ways(model, cfg, make, uniform_requests, device, args.uniform_passes, result["uniform"], **passes)
     print(summary_line(result, "uniform"), flush=True)
-    make = lambda: tail_engine(model, args)  # noqa: E731
+    make = lambda: Engine(model, **tail_engine_args(args))  # noqa: E731
     tail = tail_requests(args, tokenizer, task)
     both_ways(model, cfg, make, tail, device, args.tail_passes, result["tail"], **passes)
     save("complete")
