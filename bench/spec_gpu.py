@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -312,16 +313,22 @@ def timed_passes(
 def both_ways(model, cfg: RunConfig, make_engine, requests, device, passes: int, out: dict, **kw) -> None:
     """The workload without speculation, then with ``rollout.speculative=mtp`` (the config's other
     speculative fields as shipped), into ``out`` (``off``, ``mtp``, ``ratio`` mtp / off tokens/s);
-    ``kw``: ``timed_passes``' ``deadline`` and ``on_pass``."""
+    ``kw``: ``timed_passes``' ``deadline`` and ``on_pass``. An exception in one way is recorded as its
+    ``error`` (traceback on stderr) and the call goes on: one device call still measures the rest."""
     for mode in ("off", "mtp"):
-        engine = make_engine()
-        rollout = dataclasses.replace(cfg.rollout, speculative=mode)
-        engine.speculation = SpeculativeDecoding.from_config(model, rollout)
-        timed_passes(engine, requests, device, passes, out.setdefault(mode, {}), **kw)
-        del engine
+        try:
+            engine = make_engine()
+            rollout = dataclasses.replace(cfg.rollout, speculative=mode)
+            engine.speculation = SpeculativeDecoding.from_config(model, rollout)
+            timed_passes(engine, requests, device, passes, out.setdefault(mode, {}), **kw)
+        except Exception as e:  # noqa: BLE001 -- recorded, the call goes on
+            traceback.print_exc()
+            out.setdefault(mode, {})["error"] = f"{type(e).__name__}: {e}"
+        engine = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    out["ratio"] = out["mtp"]["tokens_per_s"] / out["off"]["tokens_per_s"]
+    if "tokens_per_s" in out["off"] and "tokens_per_s" in out["mtp"]:
+        out["ratio"] = out["mtp"]["tokens_per_s"] / out["off"]["tokens_per_s"]
 
 
 # -- the call -----------------------------------------------------------------------------------
@@ -359,6 +366,9 @@ def summary_line(result: dict, name: str) -> str:
             f"{b['mtp_accuracy']:.3f} -> {a['mtp_accuracy']:.3f}, completion NLL {b['completion_nll']:.3f} -> "
             f"{a['completion_nll']:.3f} nats/token"
         )
+    if "ratio" not in r:
+        errors = {m: r[m].get("error", "no figure") for m in ("off", "mtp") if "tokens_per_s" not in r[m]}
+        return f"[spec_gpu] {name}: no ratio; {errors}"
     acc = r["mtp"]["acceptance_rate"]
     return (
         f"[spec_gpu] {name}: off {r['off']['tokens_per_s']:.1f} tok/s, mtp "
@@ -501,11 +511,12 @@ def main(argv: list[str] | None = None) -> dict:
     make = lambda: Engine(model, **tail_engine_args(args))  # noqa: E731
     tail = tail_requests(args, tokenizer, task)
     both_ways(model, cfg, make, tail, device, args.tail_passes, result["tail"], **passes)
-    save("complete")
+    failed = [f"{w}/{m}" for w in ("uniform", "tail") for m in ("off", "mtp") if "error" in result[w][m]]
+    save(f"complete, errors in {failed}" if failed else "complete")
     print(summary_line(result, "tail"), flush=True)
     print(f"wrote {args.out}", file=sys.stderr)
     return result
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if main()["status"] == "complete" else 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -97,3 +98,21 @@ def test_a_pass_that_would_end_past_the_budget_is_skipped_and_counted(monkeypatc
     spec_gpu.timed_passes(None, [], None, 3, out := {}, deadline=None, on_pass=lambda: None)
     assert len(out["passes"]) == 3 and out["passes_skipped"] == 0
     assert out["figure_from"] == "passes after the first"
+
+
+def test_a_way_that_fails_is_recorded_and_the_call_goes_on(monkeypatch, capsys):
+    def fake_passes(engine, requests, device, passes, out, **kw):
+        out["tokens_per_s"] = 5.0
+
+    monkeypatch.setattr(spec_gpu, "timed_passes", fake_passes)
+    out = {}
+    cfg = spec_gpu.load_config(spec_gpu.CONFIG)
+    # a policy without an MTP module: rollout.speculative=mtp cannot build its drafter
+    spec_gpu.both_ways(None, cfg, lambda: SimpleNamespace(), [], torch.device("cpu"), 1, out)
+    assert out["off"] == {"tokens_per_s": 5.0} and "ratio" not in out
+    assert out["mtp"]["error"].startswith(
+        "ValueError: rollout.speculative=mtp needs a policy with an MTP layer"
+    )
+    assert "Traceback" in capsys.readouterr().err
+    line = spec_gpu.summary_line({"tail": out}, "tail")
+    assert line.startswith("[spec_gpu] tail: no ratio") and "MTP layer" in line
