@@ -30,6 +30,15 @@ SMALL = dict(
 PROMPTS = [Prompt(id=f"p{i}", text=f"{i}+{i + 3}=", answer="", solution=f"{2 * i + 3}") for i in range(8)]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: a second intra-op thread only spins on a busy machine (19 s against 2 s seen)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _sft(model, weight: float) -> float:
     tok = load_tokenizer()
     sft = SFTConfig(steps=3, batch_size=4, lr=3e-2, warmup_steps=0, aux_loss_coef=0.0)
