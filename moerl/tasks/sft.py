@@ -3,7 +3,9 @@
 Each example is ``prompt_ids + solution_ids + [eos]``; the loss is the mean negative log-likelihood
 of the completion tokens (solution and eos), the prompt is masked out. Optimizer: AdamW with linear
 warm-up then cosine decay to 10% of the peak LR (Loshchilov & Hutter 2017, SGDR eq. 5, one cycle).
-The MoE load-balancing loss is added with ``sft.aux_loss_coef``.
+The MoE load-balancing loss is added with ``sft.aux_loss_coef``; ``train_sft(mtp_loss_weight=w)`` adds
+w times the MTP module's loss (``moerl.models.mtp.mtp_loss``, DeepSeek-V3 Eq. 24-25 at depth 1, on the
+same completion tokens; it trains the MTP module alone), so a speculative rollout's draft starts trained.
 
 Output: a Hugging Face checkpoint folder (``config.json`` + safetensors) with the tokenizer
 (``tokenizer.json``, ``tokenizer_config.json``) and ``sft_summary.json`` (``SFTSummary``).
@@ -30,6 +32,7 @@ from moerl.atomic import atomic_write_text
 from moerl.lr_schedule import warmup_cosine_lr
 from moerl.models import build_model, save_pretrained
 from moerl.models.checkpoint import INDEX_FILE
+from moerl.models.mtp import attach_fresh_mtp, mtp_loss
 from moerl.tasks import make_task
 from moerl.tasks.base import Prompt
 from moerl.tasks.eval import METRIC_NAMES, evaluate
@@ -114,6 +117,14 @@ def _examples(
     return [e for e in examples if len(e.ids) <= limit]
 
 
+def _clip_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
+    """Parameters clipped together (max norm 1 each): the policy's, and apart the MTP module's (if any)."""
+    mtp = getattr(model, "mtp_layers", None)
+    own = {id(p) for p in mtp.parameters()} if mtp is not None else set()
+    groups = [[p for p in model.parameters() if id(p) not in own]]
+    return groups + [list(mtp.parameters())] if own else groups
+
+
 def train_sft(
     model: torch.nn.Module,
     tokenizer: Tokenizer,
@@ -125,6 +136,7 @@ def train_sft(
     log_every: int = 100,
     progress: Callable[[int, int, float], None] | None = None,
     encode: Callable[[Tokenizer, Prompt], Example] = encode_example,
+    mtp_loss_weight: float = 0.0,
 ) -> float:
     """Fine-tune ``model`` in place on ``train`` for ``sft.steps`` steps; returns the final loss.
 
@@ -132,10 +144,18 @@ def train_sft(
     than ``max_len`` tokens (the model's context, ``model.max_position_embeddings``) are dropped.
     ``progress(step, num_steps, loss)`` is called after each optimizer step (step 1-based, loss the
     step's completion NLL in nats/token), e.g. ``moerl.telemetry.live.LiveView.warm_start_progress``.
+    ``mtp_loss_weight`` > 0 trains the model's multi-token-prediction module beside it (a fresh one,
+    ``attach_fresh_mtp``, where it has none): ``mtp_loss_weight * mtp_loss`` (``moerl.models.mtp``; the
+    policy's hidden states enter detached, so it moves the MTP module only) is added to each step's loss;
+    the returned loss stays the completion NLL.
 
     Raises:
-        ValueError: every example is longer than ``max_len``.
+        ValueError: every example is longer than ``max_len``; ``mtp_loss_weight`` < 0.
     """
+    if mtp_loss_weight < 0:
+        raise ValueError(f"mtp_loss_weight={mtp_loss_weight} must be >= 0")
+    if mtp_loss_weight > 0:  # before the optimizer: the MTP module's parameters train too
+        attach_fresh_mtp(model)
     examples = _examples(tokenizer, train, max_len, encode)
     rng = random.Random(seed)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -153,12 +173,16 @@ def train_sft(
         del order[: sft.batch_size]
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, sft.steps, sft.lr, sft.warmup_steps)
-        out = model(batch.input_ids, batch.attention_mask)
+        out = model(batch.input_ids, batch.attention_mask, return_hidden=mtp_loss_weight > 0)
         loss = completion_nll(out.logits, batch)
         total = loss + sft.aux_loss_coef * out.aux_loss if sft.aux_loss_coef else loss
+        if mtp_loss_weight > 0:
+            m_loss, _ = mtp_loss(model, out.hidden, batch.input_ids, batch.loss_mask, batch.attention_mask)
+            total = total + mtp_loss_weight * m_loss
         optimizer.zero_grad(set_to_none=True)
         total.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for params in _clip_groups(model):  # the MTP module's gradient never scales the policy's step
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         recent = (recent + [loss.item()])[-tail:]  # .item() syncs; negligible on CPU
         if progress is not None:
