@@ -29,6 +29,8 @@ from moerl.tasks.eval import evaluate
 from moerl.tasks.tokenizer import load_run_tokenizer
 from moerl.train import train
 
+pytestmark = pytest.mark.usefixtures("no_report_figures")  # no test here reads report.png
+
 BATCH = 4
 
 
