@@ -7,12 +7,15 @@ Imported as ``_runs``: pytest puts ``tests/`` on ``sys.path`` when it loads ``te
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import socket
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 from moerl.config import ModelConfig, RunConfig, load_config
@@ -123,3 +126,20 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port in 20000-29999")
+
+
+@contextlib.contextmanager
+def report_figures_skipped() -> Iterator[list[Path]]:
+    """Runs started in this process meanwhile (``moerl.train.train``/``resume``, in process) skip drawing
+    ``report.png`` and ``report_fleet.png``: ``moerl.train.plot_report`` appends the run folder it was
+    asked to draw to the yielded list instead.
+
+    For test modules whose runs nobody reads the figures of: a run's two figures are 0.5-1 s of CPU
+    (matplotlib's constrained layout and PNG encoding; 4-7 s on the loaded 2 cores, up to half of a short
+    sharded run). The figures are tested in tests/unit/test_report_figure.py, test_fleet_report.py and
+    test_telemetry.py, and a run's own call of ``plot_report`` in tests/e2e/test_hf_gsm8k.py.
+    """
+    asked: list[Path] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("moerl.train.plot_report", asked.append)
+        yield asked

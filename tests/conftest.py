@@ -7,7 +7,7 @@ import torch
 
 pytest.register_assert_rewrite("_runs")  # its shared asserts report their values as a test's own do
 
-from _runs import save_fresh_policy  # noqa: E402
+from _runs import report_figures_skipped, save_fresh_policy  # noqa: E402
 
 # Tests run on 2 cores: keep intra-op threads from oversubscribing when several processes run. Under
 # pytest-xdist (the README's `-n 4`) four workers already share the cores: one thread each, and for the
@@ -40,6 +40,16 @@ def default_init(tmp_path_factory):
     """A fresh policy of ``configs/default.yaml``'s shape (8 experts) as a Hugging Face folder with the
     built-in tokenizer (``_runs.save_fresh_policy``); one a test module."""
     return save_fresh_policy(tmp_path_factory.mktemp("default") / "policy")
+
+
+@pytest.fixture(scope="module")
+def no_report_figures():
+    """The module's in-process runs skip drawing their report figures (``_runs.report_figures_skipped``);
+    yields the run folders whose report they asked for. Use it where no test reads ``report.png``:
+    ``pytestmark = pytest.mark.usefixtures("no_report_figures")`` (before the module's other module-scoped
+    fixtures, which may train in their set-up)."""
+    with report_figures_skipped() as asked:
+        yield asked
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the node ids

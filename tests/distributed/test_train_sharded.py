@@ -19,6 +19,8 @@ from moerl.rundir.folder import read_jsonl
 from moerl.train import resume
 from moerl.weights.store import WeightStore
 
+pytestmark = pytest.mark.usefixtures("no_report_figures")  # no test here reads report.png
+
 LAYOUTS = {
     "R2-EP2": ["trainer.num_ranks=2", "trainer.ep_size=2"],
     "R4-EP2": ["trainer.num_ranks=4", "trainer.ep_size=2"],

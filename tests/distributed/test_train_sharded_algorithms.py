@@ -13,6 +13,8 @@ from moerl.rundir.folder import read_jsonl
 from moerl.train import resume
 from moerl.weights.store import WeightStore
 
+pytestmark = pytest.mark.usefixtures("no_report_figures")  # no test here reads report.png
+
 ALGORITHM = [
     "algorithm.preset=ppo",
     "algorithm.kl_coef=0.01",

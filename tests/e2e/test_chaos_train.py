@@ -35,6 +35,8 @@ from moerl.runtime.fleet import FleetManager, WorkerExit, WorkerHealth, WorkerSt
 from moerl.runtime.notice import watcher_from_config
 from moerl.train import train
 
+pytestmark = pytest.mark.usefixtures("no_report_figures")  # no test here reads report.png
+
 STEPS, BATCH, NUM_EVAL = 16, 8, 100
 ACCURACY_NOISE = 0.3
 """Largest final-accuracy difference between two runs that counts as noise: 3.5 standard deviations of

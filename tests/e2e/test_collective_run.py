@@ -13,6 +13,8 @@ from moerl.train import train
 
 ray = pytest.importorskip("ray")
 
+pytestmark = pytest.mark.usefixtures("no_report_figures")  # no test here reads report.png
+
 STEPS, BATCH = 12, 4
 MARGIN = 0.25
 """"Rising": held-out accuracy after the last step at least this much above the warm start's (the

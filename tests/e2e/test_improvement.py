@@ -4,10 +4,19 @@ import json
 from pathlib import Path
 
 import pytest
+from _runs import report_figures_skipped
 from conftest import TINY_MODEL, short_config
 
 from moerl.config import load_config
 from moerl.train import train
+
+
+@pytest.fixture(autouse=True)
+def _no_report_figures():
+    """No test here reads report.png (``_runs.report_figures_skipped``; per test, so that the module's
+    tests stay free to run on separate xdist workers)."""
+    with report_figures_skipped() as asked:
+        yield asked
 
 
 def test_rl_raises_held_out_accuracy_on_a_learnable_reward(tmp_path, tiny_init):
