@@ -145,6 +145,13 @@ def _mutate(copy: Path, mutation: Mutation) -> int:
     return found
 
 
+UNUSED_PLUGINS = ("cacheprovider", "hypothesispytest", "benchmark", "anyio", "xdist", "xdist.looponfail")
+"""pytest plugins a job's catching tests do not use, left unloaded: each job is one pytest process, and
+importing pytest-benchmark, anyio (with trio) and xdist cost a ``pytest --co`` of one unit-test file 0.6-1.4 s
+of its 6.5-9 s of CPU on the loaded 2-core machine (2026-12-07), in each of the module's six jobs.
+pytest-timeout stays: the catching tests' limits hold there too."""
+
+
 def _pytest(copy: Path, args: tuple[str, ...]) -> subprocess.CompletedProcess:
     # the copy's moerl, not the installed one; one thread each: two jobs run at once (``outcomes``)
     env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
@@ -154,19 +161,7 @@ def _pytest(copy: Path, args: tuple[str, ...]) -> subprocess.CompletedProcess:
         "the copy's subprocess imports another moerl"
     )
     return subprocess.run(
-        # hypothesis' plugin (no test uses it) costs each job ~1 s of CPU to import
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-x",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:hypothesispytest",
-            *args,
-        ],
+        [sys.executable, "-m", "pytest", "-x", "-q", *(f"-pno:{p}" for p in UNUSED_PLUGINS), *args],
         cwd=copy,
         env=env,
         capture_output=True,
