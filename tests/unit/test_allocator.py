@@ -43,3 +43,53 @@ def test_bad_thresholds_are_refused():
         keep_freed_memory(mmap_threshold=MMAP_THRESHOLD_MAX + 1)
     with pytest.raises(ValueError, match=">= 0"):
         keep_freed_memory(trim_threshold=-1)
+
+
+def test_freeze_long_lived_leaves_objects_out_until_the_block_ends():
+    import gc
+
+    from moerl.allocator import freeze_long_lived, unfreezes_on_exit
+
+    kept = [object()]  # a tracked container created before the freeze
+    with unfreezes_on_exit():
+        assert freeze_long_lived() > 0
+        assert not any(o is kept for o in gc.get_objects())  # frozen: no collection walks it
+    assert gc.get_freeze_count() == 0
+    assert any(o is kept for o in gc.get_objects())  # back with the collector
+
+
+def test_a_runs_steps_run_with_its_start_up_objects_frozen(tmp_path, monkeypatch):
+    import gc
+
+    from _runs import run_config, save_fresh_policy
+
+    from moerl import train as train_module
+
+    seen = []  # per step: frozen objects, whether the trainer (built after the warm start) is among them
+    step = train_module.Run.step
+
+    def observed_step(self):
+        seen.append((gc.get_freeze_count(), not any(o is self.trainer for o in gc.get_objects())))
+        step(self)
+
+    monkeypatch.setattr(train_module.Run, "step", observed_step)
+    init = save_fresh_policy(tmp_path / "policy")
+    cfg = run_config(
+        None,
+        tmp_path / "runs",
+        init,
+        "runtime.mode=sync",
+        "trainer.steps=2",
+        "trainer.batch_groups=2",
+        "trainer.micro_batch_size=16",
+        "rollout.group_size=2",
+        "rollout.max_slots=8",
+        "rollout.kv_token_budget=256",
+        "rollout.max_new_tokens=4",
+        "eval.every=0",
+        "task.num_eval=4",
+    )
+    train_module.train(cfg, live=False)
+    assert len(seen) == 2 and min(n for n, _ in seen) > 10_000  # the imports, policy, engine: frozen
+    assert all(trainer_frozen for _, trainer_frozen in seen)  # frozen after the start, not only the imports
+    assert gc.get_freeze_count() == 0  # handed back when the run ended
