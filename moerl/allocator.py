@@ -11,24 +11,13 @@ memory stays at its peak instead of shrinking between steps.
 The same effect is available from the environment (``MALLOC_TRIM_THRESHOLD_``,
 ``MALLOC_MMAP_THRESHOLD_``), which must be set before the process starts; ``mallopt`` works from inside
 a running process, which is what the CLI and the Ray actors need.
-
-``freeze_long_lived`` does the same for Python's cyclic garbage collector: a run's process holds a few
-hundred thousand objects that live as long as it does (imported modules: torch alone brings most of
-them, the model, the engine), and each full (generation 2) collection walks all of them, about 0.3 s on
-the 2-core machine, several times a minute on the default config. Frozen (``gc.freeze``), they are left
-out of every later collection, which then walks only what the steps themselves create. A run unfreezes
-them when it ends (``unfreezes_on_exit``), so that a process running several runs (``moerl.api.train``
-in a notebook or a test session) can collect what each run left in reference cycles.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
-import gc
 import sys
-from collections.abc import Iterator
 
 M_TRIM_THRESHOLD = -1  # mallopt(3) parameter numbers, from glibc's <malloc.h>
 M_MMAP_THRESHOLD = -3
@@ -64,31 +53,3 @@ def keep_freed_memory(*, mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshol
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success, 0 on a rejected value
     return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) & bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
-
-
-def freeze_long_lived() -> int:
-    """Collect the cyclic garbage now, then freeze every object still tracked by the garbage collector
-    (``gc.collect``, ``gc.freeze``): later collections skip them (module docstring). Called where a
-    process has built what it keeps (imports, model, engine) and before its steps.
-
-    Frozen objects are still freed by reference counting when their last reference goes; only cycles
-    among them are never collected, which is why the garbage is collected first. Results do not change:
-    the collector frees memory, it never touches tensor values.
-
-    Returns:
-        The number of frozen objects (``gc.get_freeze_count``), cumulative over calls.
-    """
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
-@contextlib.contextmanager
-def unfreezes_on_exit() -> Iterator[None]:
-    """Hand every frozen object back to the garbage collector (``gc.unfreeze``) when the block ends, how
-    it ends: what ``freeze_long_lived`` froze inside it becomes collectable again. Objects the caller
-    froze before the block are unfrozen too (the collector has one permanent generation)."""
-    try:
-        yield
-    finally:
-        gc.unfreeze()

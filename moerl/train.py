@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moerl.allocator import freeze_long_lived, keep_freed_memory, unfreezes_on_exit
+from moerl.allocator import keep_freed_memory
 from moerl.config import ConfigError, RunConfig
 from moerl.envs.stats import merge as env_merge
 from moerl.envs.stats import step_values as env_step_values
@@ -128,7 +128,6 @@ class Run:
         check_run_inputs(cfg)  # import paths, dataset, prompt lengths (moerl.run.preflight)
         if self.placement.ray_address:  # before the warm start, not after
             check_ray_address(self.placement.ray_address)
-        freeze_long_lived()  # the imports: the warm start's collections skip them (moerl.allocator)
         init_path = warm_start(cfg, self.dir, self.view)
         self.view.phase("starting the trainer and the rollouts")  # the console's live line until step 1
         if self.mirror is not None and cfg.init_from is None:  # a resume elsewhere then needs no SFT again
@@ -156,7 +155,6 @@ class Run:
         if parts is not None:
             restore_rng_state(parts["rng"])
         self.clock0, self.wall0 = time.perf_counter(), self.state["wall_s"]
-        freeze_long_lived()  # the policy, trainer and engine: the steps' collections skip them
         self.view.phase(f"generating the first {cfg.trainer.batch_groups} groups")
 
     def step(self) -> None:
@@ -626,7 +624,6 @@ def train(cfg: RunConfig, *, live: bool = True) -> dict:
             stops_on_lost_exchange(run_dir.path),
             sigterm_interrupts(),
             stops_ray_it_started(),  # a second run in this process starts its own, with its environment
-            unfreezes_on_exit(),  # the run's frozen objects collectable again (moerl.allocator)
         ):
             # a failure before step 1 leaves no half-written folder
             with run_dir.discarded_on_early_failure():
@@ -656,7 +653,7 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
     with removed_on_failure(fetched):  # a failed remote resume leaves no fetched folder behind
         if not (Path(run_dir) / "config.yaml").exists():  # checked first: RunDir() creates the folder
             raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
-    with RunFolderLock(run_dir), unfreezes_on_exit():  # the lock: before anything is read back or rewound
+    with RunFolderLock(run_dir):  # before anything is read back or rewound; held until the run ends
         return _resume(run_dir, fetched, overrides, live)
 
 
