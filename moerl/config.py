@@ -41,7 +41,6 @@ from moerl.configlib import (  # noqa: F401 - re-exported: the config API lives 
     to_dict,
     yaml_problem,
 )
-from moerl.weights.transport import TRANSPORTS, check_transport
 
 # ----------------------------------------------------------------------------------------------
 # Components
@@ -523,6 +522,9 @@ class RuntimeConfig:
         check_range("runtime.buffer_groups", self.buffer_groups, 1)
         check_range("runtime.max_staleness", self.max_staleness, 0)
         check_range("runtime.lease_ttl_s", self.lease_ttl_s, 0.0, lo_open=True)
+        # imported here: the transports need torch, which a process reading a config (the exchange actor) does not
+        from moerl.weights.transport import TRANSPORTS
+
         check_choice("runtime.weight_sync", self.weight_sync, list(TRANSPORTS))
         check_range("runtime.collective_timeout_s", self.collective_timeout_s, 0.0, lo_open=True)
         check_range("runtime.durable_every", self.durable_every, 1)
@@ -672,6 +674,9 @@ class RunConfig:
             self.rollout.return_routed_experts = True
         _check_expert_parallel(self)
         check_engine_sizes(self)
+        # the transports need torch: imported where a config is checked, not where one is only read
+        from moerl.weights.transport import check_transport
+
         try:  # each transport checks what it supports (moerl.weights.transport)
             check_transport(
                 self.runtime, trainer_ranks=self.trainer.num_ranks, rollout_ep_size=self.rollout.ep_size

@@ -13,9 +13,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:  # a Sample holds a tensor only with routing replay; the exchange never imports torch
+    import torch
 
 
 def _as_tuple(obj: Any, name: str, values: Sequence[Any]) -> None:

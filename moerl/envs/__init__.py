@@ -10,10 +10,23 @@
 Design notes: ``moerl/envs/README.md``.
 """
 
-from moerl.envs.base import EnvContractError, Environment, StepResult, load_env_class
-from moerl.envs.episodes import EpisodeCompletion, EpisodeEngine
-from moerl.envs.pool import EnvCall, EnvReply, LocalEnvPool
-from moerl.envs.stats import EnvStats
+import importlib
+
+_MODULE_OF = {
+    "EnvCall": "pool",
+    "EnvContractError": "base",
+    "EnvReply": "pool",
+    "EnvStats": "stats",
+    "Environment": "base",
+    "EpisodeCompletion": "episodes",
+    "EpisodeEngine": "episodes",
+    "LocalEnvPool": "pool",
+    "StepResult": "base",
+    "load_env_class": "base",
+}
+"""Each public name's module: resolved on first access (PEP 562), so that an environment worker actor
+(``pool_ray.py``), which imports one module of the package, never loads the engine and torch that
+``episodes.py`` needs."""
 
 __all__ = [
     "EnvCall",
@@ -27,3 +40,14 @@ __all__ = [
     "StepResult",
     "load_env_class",
 ]
+
+
+def __getattr__(name: str):
+    """``moerl.envs.<name>`` of ``__all__``, imported from its module on first access.
+
+    Raises:
+        AttributeError: ``name`` is not one of the package's names.
+    """
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)

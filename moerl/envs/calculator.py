@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 from moerl.envs.base import Environment, StepResult
 from moerl.envs.calc import CalcError, evaluate, format_value
-from moerl.envs.task import EnvTask
 from moerl.tasks.base import Prompt, stable_hash
 
 if TYPE_CHECKING:  # the config sits above this package (docs/architecture.md, Layers)
     from moerl.config_env import EnvConfig
+    from moerl.envs.task import EnvTask
 
 
 def draw_problem(cfg: EnvConfig, rng: random.Random) -> tuple[str, Prompt]:
@@ -79,6 +79,8 @@ class CalculatorEnv(Environment):
 
     @classmethod
     def make_task(cls, cfg: EnvConfig, *, num_eval: int, seed: int) -> EnvTask:
+        from moerl.envs.task import EnvTask  # the engine and torch: not in an environment worker's process
+
         return EnvTask(
             cls, cfg, lambda rng: draw_problem(cfg, rng), name="calculator", num_eval=num_eval, seed=seed
         )

@@ -19,11 +19,11 @@ import re
 from typing import TYPE_CHECKING
 
 from moerl.envs.base import Environment, StepResult
-from moerl.envs.task import EnvTask
 from moerl.tasks.base import Prompt, stable_hash
 
 if TYPE_CHECKING:  # the config sits above this package (docs/architecture.md, Layers)
     from moerl.config_env import EnvConfig
+    from moerl.envs.task import EnvTask
 
 _RANGE = re.compile(r"guess (\d+)\.\.(\d+)")
 
@@ -63,6 +63,8 @@ class GuessEnv(Environment):
 
     @classmethod
     def make_task(cls, cfg: EnvConfig, *, num_eval: int, seed: int) -> EnvTask:
+        from moerl.envs.task import EnvTask  # the engine and torch: not in an environment worker's process
+
         return EnvTask(cls, cfg, lambda rng: draw_game(cfg, rng), name="guess", num_eval=num_eval, seed=seed)
 
     @classmethod

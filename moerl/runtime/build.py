@@ -16,13 +16,11 @@ from moerl.models import build_model, from_pretrained
 from moerl.models.dtypes import torch_dtype
 from moerl.models.mtp import attach_fresh_mtp
 from moerl.placement import Placement
-from moerl.rl import preset_from_config
 from moerl.rollout import Engine
 from moerl.rollout.weight_dtype import prepare_rollout_model
-from moerl.runtime.buffer import ExperienceBuffer, has_reward_variance
+from moerl.runtime.data_plane import make_buffer, make_queue  # noqa: F401 - re-exported
 from moerl.runtime.delivery import GroupSink
 from moerl.runtime.episode_worker import episode_worker
-from moerl.runtime.queue import TaskQueue
 from moerl.runtime.worker import RolloutWorker
 from moerl.tasks import Task, Tokenizer, make_task
 from moerl.tasks.eval import EvalResult, evaluate
@@ -54,32 +52,6 @@ def make_engine(model: torch.nn.Module, cfg: RunConfig, *, version: int = 0) -> 
     placed = Placement.from_config(cfg).rollout
     model = prepare_rollout_model(model, placed.weight_dtype)
     return Engine.from_config(model, cfg.rollout, cache=placed.cache_kind, seed=cfg.seed, version=version)
-
-
-def make_queue(cfg: RunConfig, task: Task, tokenizer: Tokenizer) -> TaskQueue:
-    """The task queue over the task's endless, seeded training prompts (one task = one group)."""
-    return TaskQueue(
-        task.train_prompts(cfg.task.seed + cfg.seed),
-        num_samples=cfg.rollout.group_size,
-        tokenize=tokenizer.encode,
-        max_materialized=cfg.runtime.max_materialized_tasks,
-    )
-
-
-def make_buffer(cfg: RunConfig, queue: TaskQueue, *, version: int = 0) -> ExperienceBuffer:
-    """The experience buffer: capacity, staleness rule (``Placement.rollout.max_staleness``: 0 when the
-    rollouts run in the driver, generate-then-train), DAPO filter, queue settlement."""
-    filters = (has_reward_variance,) if preset_from_config(cfg.algorithm).dynamic_sampling else ()
-    max_staleness = Placement.from_config(cfg).rollout.max_staleness
-    return ExperienceBuffer(
-        max(cfg.runtime.buffer_groups, cfg.trainer.batch_groups),
-        max_staleness=max_staleness,
-        stale_policy=cfg.runtime.stale_policy,
-        filters=filters,
-        settle=queue.settle,
-        requeue=queue.requeue,
-        initial_version=version,
-    )
 
 
 def make_worker(

@@ -15,10 +15,9 @@ from moerl.config import RunConfig
 from moerl.records import Group, Lease, LeaseSnapshot, PartialResponse, RolloutTask, Settlement
 from moerl.rundir.storage import local_model_folder
 from moerl.runtime.buffer import BufferMetrics, PutResult
-from moerl.runtime.build import make_buffer, make_queue
+from moerl.runtime.data_plane import make_buffer, make_queue
 from moerl.runtime.queue import QueueStats
 from moerl.runtime.ray.nodes import node_address
-from moerl.runtime.reward import score_groups
 from moerl.tasks import make_task
 from moerl.tasks.tokenizer import load_run_tokenizer
 
@@ -54,13 +53,18 @@ class ExchangeActor:
         cfg: the run config (task, group size, buffer and staleness settings).
         init_path: the HF folder the run starts from (its tokenizer tokenizes the prompts), or None.
         version: the trainer's policy version.
+        dynamic_sampling: the loss preset's DAPO filter (``moerl.runtime.data_plane.is_dynamic_sampling``,
+            answered by the driver so that this process never imports ``moerl.rl`` and torch); None:
+            resolved here.
     """
 
-    def __init__(self, cfg: RunConfig, init_path: str | None, version: int):
+    def __init__(
+        self, cfg: RunConfig, init_path: str | None, version: int, dynamic_sampling: bool | None = None
+    ):
         init_path = local_model_folder(init_path, cfg.storage.options)  # staged in the store: a local copy
         tokenizer = load_run_tokenizer(cfg, init_path)
         self.queue = make_queue(cfg, make_task(cfg.task, cfg.env, tokenizer), tokenizer)
-        self.buffer = make_buffer(cfg, self.queue, version=version)
+        self.buffer = make_buffer(cfg, self.queue, version=version, dynamic_sampling=dynamic_sampling)
         self.per_version = cfg.trainer.batch_groups * cfg.trainer.publish_every
         self.max_staleness = max(1, cfg.runtime.max_staleness)  # 0 still needs one batch in flight
         self._version = version
@@ -117,6 +121,8 @@ class ExchangeActor:
         """``ExperienceBuffer.put_many``: one round trip for a worker's whole delivery; with a reward
         model the reward workers score the groups first (``score_groups``, ``RayRewardPool``)."""
         if self.rewards is not None:
+            from moerl.runtime.reward import score_groups  # torch: imported only where a reward model scores
+
             groups = score_groups(groups, self.rewards, self.reward_cfg)
         return self.buffer.put_many(groups, timeout=timeout)
 

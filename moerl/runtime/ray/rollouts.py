@@ -55,6 +55,7 @@ from moerl.rundir.storage import stage_model_folder
 from moerl.runtime.accounting import FleetState
 from moerl.runtime.buffer import BufferMetrics
 from moerl.runtime.chaos import ChaosMonkey
+from moerl.runtime.data_plane import is_dynamic_sampling
 from moerl.runtime.fleet import FleetManager, WorkerRecord
 from moerl.runtime.notice import notice_file_for
 from moerl.runtime.queue import QueueStats
@@ -228,7 +229,9 @@ class RayRollouts:
         # the run's state: on the `exchange` node or the driver's own, never a rollout node
         placement = exchange_placement(ray.cluster_resources(), ray.get_runtime_context().get_node_id())
         exchange_cls = ray.remote(num_cpus=0, max_concurrency=cfg.rollout.num_workers * 2 + 16)(ExchangeActor)
-        self.exchange = exchange_cls.options(**placement.ray_options()).remote(cfg, init_path, version)
+        self.exchange = exchange_cls.options(**placement.ray_options()).remote(
+            cfg, init_path, version, dynamic_sampling=is_dynamic_sampling(cfg)
+        )
         node = self.exchange.node.remote()  # asked once the workers are spawned: they start meanwhile
         if parts is not None:
             ray.get(
