@@ -73,7 +73,13 @@ def response_lengths(n: int, median: int, longest: int, seed: int) -> list[int]:
 def workload(args: argparse.Namespace, vocab: int) -> list[Request]:
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, vocab, (args.prompts, args.prompt_len), generator=gen).tolist()
-    lengths = response_lengths(args.prompts, args.median_new, args.max_new, args.seed + 1)
+    return group_requests(prompts, args)
+
+
+def group_requests(prompts: list[list[int]], args: argparse.Namespace) -> list[Request]:
+    """One request of ``args.group`` samples a prompt, at temperature 1, each with its response length
+    (``response_lengths``: median ``args.median_new``, long tail to ``args.max_new``)."""
+    lengths = response_lengths(len(prompts), args.median_new, args.max_new, args.seed + 1)
     return [
         Request(
             request_id=f"g{i}",
@@ -89,7 +95,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _buckets(n: int) -> tuple[int, ...]:
+def pow2_buckets(n: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below ``n``, then ``n`` (``--buckets pow2``)."""
     out, b = [], 1
     while b < n:
         out.append(b)
@@ -413,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             model,
             max_slots=args.kv_slots,
             max_seq_len=seq_len,
-            batch_buckets=_buckets(args.kv_slots) if args.buckets == "pow2" else None,
+            batch_buckets=pow2_buckets(args.kv_slots) if args.buckets == "pow2" else None,
             **common,
         ),
         "paged": lambda: Engine(
@@ -421,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             cache="paged",
             max_slots=args.max_slots,
             block_size=args.block_size,
-            batch_buckets=_buckets(args.max_slots) if args.buckets == "pow2" else None,
+            batch_buckets=pow2_buckets(args.max_slots) if args.buckets == "pow2" else None,
             **common,
         ),
     }

@@ -55,12 +55,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.common import random_prompts, write_json  # noqa: E402
-from bench.paged_kv import response_lengths, run, timed_pass  # noqa: E402
+from bench.paged_kv import group_requests, pow2_buckets, run, timed_pass  # noqa: E402
 from bench.rollout_gpu import sampling_requests  # noqa: E402
 from moerl.config import RunConfig, load_config  # noqa: E402
 from moerl.models import build_model  # noqa: E402
 from moerl.models.mtp import attach_fresh_mtp, mtp_loss  # noqa: E402
-from moerl.rollout import Engine, Request, SamplingParams  # noqa: E402
+from moerl.rollout import Engine, Request  # noqa: E402
 from moerl.rollout.spec_decode import SpeculativeDecoding  # noqa: E402
 from moerl.tasks import make_task  # noqa: E402
 from moerl.tasks.examples import collate, encode_example  # noqa: E402
@@ -209,24 +209,7 @@ def tail_requests(args: argparse.Namespace, tokenizer, task) -> list[Request]:
         prompts = torch.randint(
             0, tokenizer.vocab_size, (args.prompts, SYNTHETIC_PROMPT_LEN), generator=gen
         ).tolist()
-    lengths = response_lengths(args.prompts, args.median_new, args.max_new, args.seed + 1)
-    return [
-        Request(
-            request_id=f"g{i}",
-            prompt_ids=p,
-            params=SamplingParams(temperature=1.0, max_new_tokens=n, n=args.group, seed=args.seed + i),
-        )
-        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
-    ]
-
-
-def pow2_buckets(n: int) -> tuple[int, ...]:
-    """1, 2, 4, ... below ``n``, then ``n`` (paged_kv's ``--buckets pow2``, the TAIL default)."""
-    out, b = [], 1
-    while b < n:
-        out.append(b)
-        b *= 2
-    return (*out, n)
+    return group_requests(prompts, args)
 
 
 def tail_engine_args(args: argparse.Namespace) -> dict:

@@ -187,3 +187,43 @@ def test_run_policy_gets_an_mtp_module_where_the_config_needs_one():
     cfg = load_config(None, ["rollout.speculative=mtp"])
     assert len(load_policy(cfg, None, VOCAB).mtp_layers) == 1
     assert len(load_policy(load_config(None, []), None, VOCAB).mtp_layers) == 0
+
+
+@pytest.mark.parametrize("speculative", ["mtp", "ngram"])
+def test_greedy_and_logprobs_under_cuda_sync_defaults(model, speculative):
+    """The engine's CUDA defaults, on CPU: host syncs every 8 steps overlapped with the next decode, and
+    speculation turned on and off within a run by batch size (plain steps while more than 3 of the 6 rows
+    run); stop tokens finish sequences mid-step."""
+    stop = 3
+
+    def engine_of(speculative: str) -> Engine:  # built directly: from_config keeps CPU's sync every step
+        engine = Engine(
+            model,
+            cache="paged",
+            max_slots=16,
+            kv_token_budget=2048,
+            block_size=4,
+            sync_every=8,
+            overlap_sync=True,
+        )
+        rollout = RolloutConfig(speculative=speculative, speculative_tokens=3)
+        engine.speculation = SpeculativeDecoding.from_config(model, rollout)
+        if engine.speculation is not None:
+            engine.speculation.policy = SpecPolicy(max_batch=3, min_acceptance=0.0)
+        return engine
+
+    def requests(temperature: float):
+        return _requests(max_new_tokens=30, temperature=temperature, stop_token_ids=[stop])
+
+    plain = _by_id(engine_of("off").generate(requests(0.0)))
+    engine = engine_of(speculative)
+    spec = _by_id(engine.generate(requests(0.0)))
+    assert [(c.token_ids, c.finish_reason) for c in spec] == [(c.token_ids, c.finish_reason) for c in plain]
+    policy = engine.speculation.policy
+    assert policy.num_spec_steps > 0 and policy.num_off_batch > 0  # both kinds of step ran
+    assert any(c.finish_reason == "stop" for c in spec)
+    for c in _by_id(engine_of(speculative).generate(requests(1.0))):
+        assert torch.allclose(torch.tensor(c.logprobs), _teacher_forced(model, c, 1.0), atol=1e-5), (
+            c.request_id
+        )
+        assert len(c.token_ids) <= 30 and (c.finish_reason == "stop") == (c.token_ids[-1] == stop)
