@@ -521,9 +521,12 @@ def _env_facts() -> dict:
     except (OSError, subprocess.SubprocessError):
         facts["gpu"] = None
     # BENCH_GIT: the commit of a copied tree whose .git is not its own (the device tool's copy)
-    facts["git"] = os.environ.get("BENCH_GIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout.strip()
+    facts["git"] = (
+        os.environ.get("BENCH_GIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+        ).stdout.strip()
+    )
     return facts
 
 
