@@ -90,6 +90,19 @@ def group_requests(prompts: list[list[int]], args: argparse.Namespace) -> list[R
     ]
 
 
+def parse_device(p: argparse.ArgumentParser, text: str, cuda_hint: str = "") -> torch.device:
+    """``--device``: cpu or cuda (one usable here), else ``p.error`` (one line, exit 2)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError as e:
+        p.error(f"--device {text!r}: {e}")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {text!r}: cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device cuda: no CUDA device here{cuda_hint}")
+    return device
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -394,14 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--engines {args.engines!r}: a comma-separated list of distinct names from slots, paged")
     if args.median_new > args.max_new:
         p.error(f"--median-new {args.median_new} must be at most --max-new {args.max_new}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        p.error(f"--device {args.device!r}: {e}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device here")
-    if device.type not in ("cpu", "cuda"):
-        p.error(f"--device {args.device!r}: cpu or cuda")
+    device = parse_device(p, args.device)
     if args.busy and device.type != "cuda":
         p.error("--busy needs --device cuda (device events)")
     if args.threads:

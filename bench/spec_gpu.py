@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.common import random_prompts, write_json  # noqa: E402
-from bench.paged_kv import group_requests, pow2_buckets, run, timed_pass  # noqa: E402
+from bench.paged_kv import group_requests, parse_device, pow2_buckets, run, timed_pass  # noqa: E402
 from bench.rollout_gpu import sampling_requests  # noqa: E402
 from moerl.config import RunConfig, load_config  # noqa: E402
 from moerl.models import build_model  # noqa: E402
@@ -417,14 +417,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--mtp-loss-weight {args.mtp_loss_weight} must be > 0 (the MTP module must train)")
     if args.median_new > args.max_new:
         p.error(f"--median-new {args.median_new} must be at most --max-new {args.max_new}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        p.error(f"--device {args.device!r}: {e}")
-    if device.type not in ("cpu", "cuda"):
-        p.error(f"--device {args.device!r}: cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device here (use --device cpu --tiny for the CPU check)")
+    parse_device(p, args.device, " (use --device cpu --tiny for the CPU check)")
     if args.out.suffix != ".json":
         p.error(f"--out {args.out}: a .json file name")
 

@@ -50,6 +50,7 @@ from moerl.runtime.chaos import ChaosMonkey
 from moerl.runtime.ray import check_ray_address, init_ray, stops_ray_it_started
 from moerl.runtime.rollouts import Rollouts
 from moerl.runtime.start import RolloutsStart, start_rollouts
+from moerl.runtime.worker import WorkerStats
 from moerl.tasks.eval import (
     EXACT_MATCH,
     METRIC_NAMES,
@@ -200,8 +201,6 @@ class Run:
         self._log(groups, stats, timings, accuracy, batch.num_sequences, t0, fp8_gap)
         if "first_step" not in self.startup:
             self.startup["first_step"] = self._since_start()
-        if "worker_first_put" not in self.startup and self._first_workers:
-            self._note_worker_startup()
         try:
             self._checkpoint(stats.step)
         except TrainerRankError as e:
@@ -319,16 +318,15 @@ class Run:
             self.startup[name] = round(at - self.process_start, 3)
         self.startup["rollouts_started"] = self._since_start()
 
-    def _note_worker_startup(self) -> None:
+    def _note_worker_startup(self, workers: list[WorkerStats]) -> None:
         """``startup`` gains the start of the worker whose groups came first (``WorkerStats.startup``), on
         this run's clock: ``worker_init``, ``worker_policy_loaded``, ``worker_ready``, ``worker_first_put``
         (wall clocks of one host; across hosts, as far as their clocks agree). Of the workers that delivered
-        the first batch, the one that handed groups over first; while none of them has answered (a worker
-        lost or unreachable since), asked again after the next step."""
+        the first batch, the one that handed groups over first, from ``workers`` (this step's
+        ``Rollouts.worker_stats``); while none of them has answered (a worker lost or unreachable since),
+        looked for again at the next step."""
         stamps = [
-            w.startup
-            for w in self.rollouts.worker_stats()
-            if w.worker_id in self._first_workers and w.startup.get("first_put")
+            w.startup for w in workers if w.worker_id in self._first_workers and w.startup.get("first_put")
         ]
         if stamps:
             first = min(stamps, key=lambda s: s["first_put"])
@@ -554,6 +552,8 @@ class Run:
         workers = (
             r.worker_stats()
         )  # async: one call to each live worker (threaded actors answer mid-generate)
+        if "worker_first_put" not in self.startup:
+            self._note_worker_startup(workers)
         values.update(kv_values([w.kv for w in workers]))  # the engines' KV cache counters
         if self.cfg.task.name == "env":  # multi-turn episodes (moerl.envs)
             values.update(env_step_values(groups, workers))

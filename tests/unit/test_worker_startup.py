@@ -17,20 +17,14 @@ def _stats(worker_id: str, first_put: float | None) -> WorkerStats:
     return s
 
 
-def _run(first_workers: set[str], answers: list[list[WorkerStats]]) -> SimpleNamespace:
-    replies = iter(answers)
-    return SimpleNamespace(
-        startup={},
-        wall_start=0.0,
-        _first_workers=first_workers,
-        rollouts=SimpleNamespace(worker_stats=lambda: next(replies)),
-    )
+def _run(first_workers: set[str]) -> SimpleNamespace:
+    return SimpleNamespace(startup={}, wall_start=0.0, _first_workers=first_workers)
 
 
 def test_the_milestones_are_of_a_worker_of_the_first_batch_not_the_earliest_put():
     # "a" handed groups over first, but none of them made the first batch (refused as stale, say)
-    run = _run({"b"}, [[_stats("a", 4.0), _stats("b", 6.0)]])
-    Run._note_worker_startup(run)
+    run = _run({"b"})
+    Run._note_worker_startup(run, [_stats("a", 4.0), _stats("b", 6.0)])
     assert run.startup == {
         "worker_init": 1.0,
         "worker_policy_loaded": 2.0,
@@ -41,8 +35,8 @@ def test_the_milestones_are_of_a_worker_of_the_first_batch_not_the_earliest_put(
 
 def test_a_first_batch_worker_that_did_not_answer_is_asked_again():
     # its stats were missing at the first step (lost or unreachable): nothing recorded, not another worker's
-    run = _run({"b"}, [[_stats("a", 9.0)], [_stats("a", 9.0), _stats("b", 5.0)]])
-    Run._note_worker_startup(run)
+    run = _run({"b"})
+    Run._note_worker_startup(run, [_stats("a", 9.0)])
     assert run.startup == {}
-    Run._note_worker_startup(run)
+    Run._note_worker_startup(run, [_stats("a", 9.0), _stats("b", 5.0)])
     assert run.startup["worker_first_put"] == 5.0
