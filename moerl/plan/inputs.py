@@ -190,8 +190,8 @@ class Plan:
     ``sync``."""
     weight_transport: str = "sharded_p2p"
     """How a policy version reaches the rollout GPUs (``moerl.plan.transports.TRANSPORTS``):
-    ``nccl_broadcast``, ``sharded_p2p``, ``checkpoint_engine``, ``object_store``, ``cuda_ipc`` (colocated
-    only)."""
+    ``nccl_broadcast``, ``sharded_p2p``, ``nccl_reshard``, ``checkpoint_engine``, ``object_store``,
+    ``cuda_ipc`` (colocated only)."""
     sync_bucket_mb: float = field(default=256.0, metadata=_gt(0, note=" MiB"))
     """Bucket size of a weight sync, MiB (moerl's ``runtime.publish_bucket_mb`` default)."""
     sync_pipelined: bool = True

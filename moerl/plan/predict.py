@@ -274,8 +274,16 @@ def sync_setup(p: Plan, cal: dict, hw=None, m=None) -> SyncSetup:
         gpus_per_node=gpn, net_gb_s=p.net_fraction * hw.net_gb_s_per_gpu, nvlink_gb_s=p.nvlink_fraction * hw.nvlink_gb_s,
         copy_gb_s=consts.copy_hbm_fraction * hw.hbm_tb_s * 1e3, storage_gb_s=p.storage_gb_s_per_node,
         message_s=hw.net_message_us * 1e-6, bucket_bytes=p.sync_bucket_mb * 2**20, is_pipelined=p.sync_pipelined,
-        consts=consts,
+        consts=consts, bulk_fraction=ffn_fraction(m),
     )  # fmt: skip
+
+
+def ffn_fraction(m) -> float:
+    """Fraction of ``m``'s parameters in FFN projections: routed experts plus the dense layers' SwiGLU FFNs,
+    3 H I_d each (shared experts, attention, router, embeddings are the rest). ``nccl_reshard`` reshards
+    this part shard to shard (NeMo-RL ``nccl-reshard-refit.md``, "Bulk path")."""
+    ffn = m.routed_expert_params + m.num_dense_layers * 3 * m.hidden_size * m.dense_intermediate_size
+    return ffn / m.num_params
 
 
 def weight_sync(p: Plan, cal: dict) -> SyncTime:

@@ -70,22 +70,35 @@ _VERL_ASSUMED = (
     "of about a quarter of its 20K limit); response cv 0.5 (planner default)"
 )
 _NEMO_REFIT_SETUP = (
-    f"{NEMO_RECIPES}*-async-1off.yaml (the non-colocated recipes, where refit is NCCL): trainer and "
-    "generation nodes, generation TP; sharded: 1342 GB in 3.3 s is 400 GB/s, beyond one 400 Gb/s rank"
+    "transport: NCCL reshard refit (tools/refit_bandwidth_calculator.py at 4527bfb:19 'measured H100 reshard "
+    "results on 400 Gbps/rank InfiniBand', :57 'with generation EP enabled'; docs/design-docs/"
+    "nccl-reshard-refit.md:58-80 bulk FFN path and misc packed broadcast, :256-257 each region moved once, "
+    "then fanned out to replicas; nemo_rl/models/policy/workers/megatron_policy_worker.py:2898-2905 misc "
+    "after bulk); packed buffer 2% of the GPU's 80 GB = 1526 MiB (nemo_rl/utils/packed_tensor.py:25,30)"
 )
+_NEMO_REFIT_ASSUMED = (
+    "the anchors name neither model nor GPUs ('indexed model GB' only): the bytes are the published ones and "
+    "the trainer/generation split and generation TP are those of the non-colocated recipe named"
+)
+NEMO_REFIT_BUCKET_MB = 0.02 * 80e9 / 2**20
+"""NeMo-RL's packed-broadcast buffer: NRL_REFIT_BUFFER_MEMORY_RATIO 0.02 of the GPU's memory (H100: 80 GB),
+at most 5 GiB (``nemo_rl/utils/packed_tensor.py`` lines 25, 30)."""
 
 
-def _refit(
-    key: str, gb: float, low: float, high: float, train: int, total: int, tp: int, model: str
-) -> Figure:
-    setup = {**_H100, "model": model, "total_nodes": total, "train_nodes": train, "rollout_tp": min(tp, 8),
-             "rollout_ep_nodes": max(1, tp // 8), "weight_transport": "sharded_p2p", "schedule": "one_step_off"}  # fmt: skip
+def _refit(key: str, gb: float, low: float, high: float, model: str, recipe: str, assumed: str = "") -> Figure:
+    """A refit anchor of NeMo-RL's calculator, set up as ``recipe``: "name.yaml (total nodes, generation
+    nodes, generation TP; lines)"."""
+    nodes, gen_nodes, tp = (int(x) for x in recipe.split("(")[1].split(";")[0].split(","))
+    setup = {**_H100, "model": model, "total_nodes": nodes, "train_nodes": nodes - gen_nodes,
+             "rollout_tp": min(tp, 8), "rollout_ep_nodes": max(1, tp // 8), "weight_transport": "nccl_reshard",
+             "schedule": "one_step_off", "sync_bucket_mb": NEMO_REFIT_BUCKET_MB}  # fmt: skip
     if tp > 8:  # a replica over several nodes: EP over whole nodes instead of TP
         setup["rollout_tp"] = 0
     if model == "deepseek-v3":  # group-limited routing, 4 of 8 groups (DeepSeek-V3 sec. 2.1.2)
         setup.update(router_groups=8, topk_groups=4)
     return Figure(key=key, quantity="weight_sync_s", low=low, high=high, source=NEMO_REFIT, setup=setup,
-                  setup_source=_NEMO_REFIT_SETUP, sync_gb=gb)  # fmt: skip
+                  setup_source=f"{NEMO_RECIPES}{recipe}; {_NEMO_REFIT_SETUP}",
+                  assumed="; ".join(x for x in (_NEMO_REFIT_ASSUMED, assumed) if x), sync_gb=gb)  # fmt: skip
 
 
 def _nemo_perf(
@@ -102,10 +115,19 @@ def _nemo_perf(
 
 
 PUBLISHED: tuple[Figure, ...] = (
-    _refit("NeMo-RL refit 63.2 GB", 63.2, 0.84, 1.60, 2, 4, 2, "qwen3-30b-a3b"),
-    _refit("NeMo-RL refit 247.2 GB", 247.2, 1.46, 1.74, 8, 32, 8, "qwen3-235b-a22b"),
-    _refit("NeMo-RL refit 470.2 GB", 470.2, 2.31, 2.73, 16, 32, 8, "qwen3-235b-a22b"),
-    _refit("NeMo-RL refit 1342 GB", 1342.0, 3.27, 3.46, 32, 64, 32, "deepseek-v3"),
+    _refit("NeMo-RL refit 63.2 GB", 63.2, 0.84, 1.60, "qwen3-30b-a3b",
+           "grpo-qwen3-30ba3b-4n8g-async-1off.yaml (4, 2, 2; lines 35, 23, 27)",
+           "63.2 GB read as the 30B-A3B recipe's model (61 GB in bf16 by the planner's count)"),
+    _refit("NeMo-RL refit 247.2 GB", 247.2, 1.46, 1.74, "qwen3-235b-a22b",
+           "grpo-nemotron3-super-120BA12B-32n8g-async-1off.yaml (32, 24, 8; lines 62, 44, 47)",
+           "247.2 GB is the 120B model (calculator :75 'the latest 120B measurement'; "
+           "docs/design-docs/sparse-delta-refit.md:601): Nemotron-3-Super-120B-A12B, a hybrid Mamba MoE the "
+           "planner cannot shape; Qwen3-235B-A22B's FFN fraction (0.966) stands in: Mamba mixers ride the "
+           "misc path, so the prediction is a lower bound"),
+    _refit("NeMo-RL refit 470.2 GB", 470.2, 2.31, 2.73, "qwen3-235b-a22b",
+           "grpo-qwen3-235b-32n8g-async-1off.yaml (32, 16, 8; lines 34, 22, 25)"),
+    _refit("NeMo-RL refit 1342 GB", 1342.0, 3.27, 3.46, "deepseek-v3",
+           "grpo-deepseek-v3-64n8g-async-1off.yaml (64, 32, 32; lines 33, 21, 24)"),
     *(
         Figure(
             key=f"verl ckpt engine {backend}",

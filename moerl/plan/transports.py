@@ -19,8 +19,20 @@ b_copy, and the receivers' apply: W / g bytes copied into the engine at b_copy):
   broadcast) work this way. Stages per bucket: gather, broadcast, apply; ``sync_pipelined`` overlaps them
   across buckets (time = the slowest stage's total + the others' per-bucket time once), else they add up.
 - ``sharded_p2p``: every trainer GPU writes its shard straight to the rollout GPUs that hold it
-  (one-sided RDMA; NeMo-RL's NCCL reshard refit, Mooncake-style transfer engines): the busiest NIC
+  (one-sided RDMA, Mooncake-style transfer engines; each replica is written by the trainers, so a sender
+  carries its shard once per replica): the busiest NIC
   carries max(W / g received, W n / S sent); one message per (sender, receiver) pair that share bytes.
+- ``nccl_reshard``: NeMo-RL's NCCL reshard refit (``docs/design-docs/nccl-reshard-refit.md``): the FFN
+  projection weights (a fraction F of the bytes: routed experts and dense FFNs; shared experts excluded) are
+  resharded shard to shard, each destination region moved once from the trainers, striped over the n
+  replicas, then fanned out to the other replicas by broadcast; afterwards everything else (attention,
+  embeddings, router, shared experts: 1 - F) is gathered on trainer rank 0 and broadcast to every rollout
+  GPU in packed buffers (``nccl_broadcast``, pipelined over its two alternating buffers). Bulk, one stage
+  after the other (the python reshard's order: point-to-point, then fan-out): the busiest NIC of the
+  striped point-to-point, max(F W / S sent, F W / (g n) received), then the fan-out, a pipelined chain
+  over the n replicas carrying F W / g through each receiver's NIC (Patarasuk and Yuan 2009, as the
+  broadcast above; nothing when n = 1); the misc broadcast follows the bulk (``megatron_policy_worker``
+  ``nccl_reshard_refit``: bulk, ``torch.cuda.synchronize()``, then ``_broadcast_misc_params_packed``).
 - ``checkpoint_engine``: the staged path of MoonshotAI's checkpoint-engine: every trainer GPU copies its
   shard to pinned host memory (W / S at b_pin), the buckets are broadcast between nodes from there (as
   ``nccl_broadcast``), each receiver copies its W / g to the device (b_pin); pipelined over buckets when
@@ -38,7 +50,7 @@ bytes, GB/s = 1e9 B/s.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import ceil
 from pathlib import Path
 
@@ -136,6 +148,9 @@ class SyncSetup:
     bucket_bytes: float
     is_pipelined: bool = True
     consts: SyncConstants
+    bulk_fraction: float = 1.0
+    """F: fraction of the weights in FFN projections (routed experts, dense FFNs), the part ``nccl_reshard``
+    reshards shard to shard; the rest is broadcast from trainer rank 0. 1 = every byte is FFN."""
 
     @property
     def bytes_on_wire(self) -> float:
@@ -212,6 +227,23 @@ def sharded_p2p(s: SyncSetup) -> SyncTime:
     return SyncTime("sharded_p2p", _prepare_s(s), wire, _apply_s(s), buckets * s.consts.bucket_s)
 
 
+def nccl_reshard(s: SyncSetup) -> SyncTime:
+    """FFN weights resharded shard to shard (striped point-to-point, then fan-out to the replicas), then the
+    rest broadcast from trainer rank 0 (module docstring)."""
+    w = s.bytes_on_wire
+    bulk, replicas = w * s.bulk_fraction, max(1.0, s.rollout_gpus / s.replica_gpus)
+    striped = max(bulk / s.trainer_gpus, bulk / (s.replica_gpus * replicas)) / (s.net_gb_s * 1e9)
+    fan_out = 0.0 if replicas <= 1 else bulk / s.replica_gpus / (s.net_gb_s * 1e9) + replicas * s.message_s
+    pairs = max(s.trainer_gpus / s.replica_gpus, 1.0)  # senders whose regions one receiver takes
+    misc_s = 0.0
+    if s.bulk_fraction < 1:  # packed buffers of bucket_bytes; two alternate (packed_tensor.py), so pipelined
+        t = nccl_broadcast(replace(s, num_params=s.num_params * (1 - s.bulk_fraction), is_pipelined=True))
+        misc_s = t.transfer_s + t.buckets_s  # its preparation and apply are counted once, over all of W
+    buckets = max(1, ceil(bulk / s.trainer_gpus / s.bucket_bytes))  # each sender streams its own regions
+    wire = striped + pairs * s.message_s + fan_out + misc_s
+    return SyncTime("nccl_reshard", _prepare_s(s), wire, _apply_s(s), buckets * s.consts.bucket_s)
+
+
 def checkpoint_engine(s: SyncSetup) -> SyncTime:
     """Device -> pinned host -> network broadcast -> pinned host -> device, per bucket (module docstring)."""
     w = s.bytes_on_wire
@@ -242,7 +274,8 @@ def cuda_ipc(s: SyncSetup) -> SyncTime:
     return SyncTime("cuda_ipc", _prepare_s(s), 0.0, w / (s.copy_gb_s * 1e9), buckets * s.consts.bucket_s)
 
 
-TRANSPORTS = {f.__name__: f for f in (nccl_broadcast, sharded_p2p, checkpoint_engine, object_store, cuda_ipc)}
+TRANSPORTS = {f.__name__: f for f in (nccl_broadcast, sharded_p2p, nccl_reshard, checkpoint_engine, object_store,
+                                        cuda_ipc)}  # fmt: skip
 """Transport name -> its time model (``Plan.weight_transport``)."""
 LOCAL_TRANSPORTS = ("cuda_ipc",)
 """Transports that move weights within a GPU: only the colocated schedule can use them."""

@@ -42,6 +42,20 @@ def test_sharded_p2p_is_the_busiest_nic():
     assert fewer_senders.transfer_s == pytest.approx(0.1)
 
 
+def test_nccl_reshard_moves_each_region_once_then_fans_out():
+    # all FFN: striped p2p max(2 GB / 8 senders, 2 GB / (2 x 4 replicas)) / 40, then fan-out 2 GB / 2 / 40
+    t = sync_time(BASE, "nccl_reshard")
+    assert t.transfer_s == pytest.approx(0.25 / 40 + 1.0 / 40) and t.apply_s == pytest.approx(0.001)
+    # unlike sharded_p2p, a sender does not send its shard once per replica: 2 senders carry 1 GB each
+    assert sync_time(replace(BASE, trainer_gpus=2), "nccl_reshard").transfer_s == pytest.approx(1 / 40 + 1 / 40)
+    assert sync_time(replace(BASE, rollout_gpus=2), "nccl_reshard").transfer_s == pytest.approx(1 / 40)  # n = 1
+    # a quarter is not FFN: bulk 1.5 GB as above, then the rest (0.5 GB) gathered on rank 0 (7/8 over NVLink)
+    # and broadcast, one 1 GiB bucket: gather + broadcast + its apply, less its apply (counted over all W)
+    mixed = sync_time(replace(BASE, bulk_fraction=0.75), "nccl_reshard")
+    misc = 0.5 * 7 / 8 / 400 + 0.5 / 40
+    assert mixed.transfer_s == pytest.approx(0.1875 / 40 + 0.75 / 40 + misc)
+
+
 def test_nccl_broadcast_gathers_then_sends_the_whole_version_once():
     one = replace(
         BASE, trainer_gpus=1, is_pipelined=False
