@@ -120,6 +120,9 @@ class Plan:
     """True: each dispatcher gets the training/rollout split of total_nodes that maximizes useful episodes/s."""
     train_ep_nodes: int = field(default=1, metadata=_in(1, "train_nodes"))
     """Nodes per training EP group (the rest of the training GPUs are data/FSDP-parallel copies)."""
+    train_pp_stages: int = field(default=1, metadata=_ge(1))
+    """Pipeline-parallel stages of the trainer. Only ``weight_transport=nccl_reshard`` reads it (one reshard
+    group per stage, a few stages at a time); the training step does not model pipeline stages."""
     rollout_ep_nodes: int = field(default=2, metadata=_ge(1))
     """Nodes per rollout replica (its EP group spans them); the rollout nodes are a multiple of it."""
     rollout_rows_per_gpu: int = field(default=128, metadata=_ge(1))

@@ -274,7 +274,7 @@ def sync_setup(p: Plan, cal: dict, hw=None, m=None) -> SyncSetup:
         gpus_per_node=gpn, net_gb_s=p.net_fraction * hw.net_gb_s_per_gpu, nvlink_gb_s=p.nvlink_fraction * hw.nvlink_gb_s,
         copy_gb_s=consts.copy_hbm_fraction * hw.hbm_tb_s * 1e3, storage_gb_s=p.storage_gb_s_per_node,
         message_s=hw.net_message_us * 1e-6, bucket_bytes=p.sync_bucket_mb * 2**20, is_pipelined=p.sync_pipelined,
-        consts=consts, bulk_fraction=ffn_fraction(m),
+        consts=consts, bulk_fraction=ffn_fraction(m), pp_stages=p.train_pp_stages,
     )  # fmt: skip
 
 

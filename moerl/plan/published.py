@@ -73,8 +73,8 @@ _NEMO_REFIT_SETUP = (
     "transport: NCCL reshard refit (tools/refit_bandwidth_calculator.py at 4527bfb:19 'measured H100 reshard "
     "results on 400 Gbps/rank InfiniBand', :57 'with generation EP enabled'; docs/design-docs/"
     "nccl-reshard-refit.md:58-80 bulk FFN path and misc packed broadcast, :256-257 each region moved once, "
-    "then fanned out to replicas; nemo_rl/models/policy/workers/megatron_policy_worker.py:2898-2905 misc "
-    "after bulk); packed buffer 2% of the GPU's 80 GB = 1526 MiB (nemo_rl/utils/packed_tensor.py:25,30)"
+    "then fanned out to replicas, :51-54 and :159 pipeline stages two at a time (NRL_REFIT_NUM_STREAMS); "
+    "nemo_rl/models/policy/workers/megatron_policy_worker.py:2898-2905 misc after bulk); packed buffer 2% of the GPU's 80 GB = 1526 MiB (nemo_rl/utils/packed_tensor.py:25,30)"
 )
 _NEMO_REFIT_ASSUMED = (
     "the anchors name neither model nor GPUs ('indexed model GB' only): the bytes are the published ones and "
@@ -87,11 +87,11 @@ at most 5 GiB (``nemo_rl/utils/packed_tensor.py`` lines 25, 30)."""
 
 def _refit(key: str, gb: float, low: float, high: float, model: str, recipe: str, assumed: str = "") -> Figure:
     """A refit anchor of NeMo-RL's calculator, set up as ``recipe``: "name.yaml (total nodes, generation
-    nodes, generation TP; lines)"."""
-    nodes, gen_nodes, tp = (int(x) for x in recipe.split("(")[1].split(";")[0].split(","))
+    nodes, generation TP, training PP; lines)"."""
+    nodes, gen_nodes, tp, pp = (int(x) for x in recipe.split("(")[1].split(";")[0].split(","))
     setup = {**_H100, "model": model, "total_nodes": nodes, "train_nodes": nodes - gen_nodes,
              "rollout_tp": min(tp, 8), "rollout_ep_nodes": max(1, tp // 8), "weight_transport": "nccl_reshard",
-             "schedule": "one_step_off", "sync_bucket_mb": NEMO_REFIT_BUCKET_MB}  # fmt: skip
+             "schedule": "one_step_off", "sync_bucket_mb": NEMO_REFIT_BUCKET_MB, "train_pp_stages": pp}  # fmt: skip
     if tp > 8:  # a replica over several nodes: EP over whole nodes instead of TP
         setup["rollout_tp"] = 0
     if model == "deepseek-v3":  # group-limited routing, 4 of 8 groups (DeepSeek-V3 sec. 2.1.2)
@@ -116,18 +116,19 @@ def _nemo_perf(
 
 PUBLISHED: tuple[Figure, ...] = (
     _refit("NeMo-RL refit 63.2 GB", 63.2, 0.84, 1.60, "qwen3-30b-a3b",
-           "grpo-qwen3-30ba3b-4n8g-async-1off.yaml (4, 2, 2; lines 35, 23, 27)",
+           "grpo-qwen3-30ba3b-4n8g-async-1off.yaml (4, 2, 2, 2; lines 35, 23, 27, 16)",
            "63.2 GB read as the 30B-A3B recipe's model (61 GB in bf16 by the planner's count)"),
     _refit("NeMo-RL refit 247.2 GB", 247.2, 1.46, 1.74, "qwen3-235b-a22b",
-           "grpo-nemotron3-super-120BA12B-32n8g-async-1off.yaml (32, 24, 8; lines 62, 44, 47)",
+           "grpo-nemotron3-super-120BA12B-32n8g-async-1off.yaml (32, 24, 8, 1; lines 62, 44, 47; "
+           "PP from grpo_math_1B.yaml:219)",
            "247.2 GB is the 120B model (calculator :75 'the latest 120B measurement'; "
            "docs/design-docs/sparse-delta-refit.md:601): Nemotron-3-Super-120B-A12B, a hybrid Mamba MoE the "
            "planner cannot shape; Qwen3-235B-A22B's FFN fraction (0.966) stands in: Mamba mixers ride the "
            "misc path, so the prediction is a lower bound"),
     _refit("NeMo-RL refit 470.2 GB", 470.2, 2.31, 2.73, "qwen3-235b-a22b",
-           "grpo-qwen3-235b-32n8g-async-1off.yaml (32, 16, 8; lines 34, 22, 25)"),
+           "grpo-qwen3-235b-32n8g-async-1off.yaml (32, 16, 8, 8; lines 34, 22, 25, 16)"),
     _refit("NeMo-RL refit 1342 GB", 1342.0, 3.27, 3.46, "deepseek-v3",
-           "grpo-deepseek-v3-64n8g-async-1off.yaml (64, 32, 32; lines 33, 21, 24)"),
+           "grpo-deepseek-v3-64n8g-async-1off.yaml (64, 32, 32, 16; lines 33, 21, 24, 15)"),
     *(
         Figure(
             key=f"verl ckpt engine {backend}",
@@ -143,13 +144,17 @@ PUBLISHED: tuple[Figure, ...] = (
                 "rollout_tp": 1,
                 "weight_transport": "nccl_broadcast",
                 "schedule": "one_step_off",
-                "sync_pipelined": False,
-                "sync_bucket_mb": 4096,
+                "sync_pipelined": True,
+                "sync_bucket_mb": 2048,
             },
-            setup_source=f"{VERL_CKPT}: 4x8 H100, CX7 400 Gb/s IB, trainer FSDP world size 2, 30 rollouts each "
-            f"receiving the whole model; {backend} = all_gather + {'broadcast' if backend == 'NCCL' else 'ring p2p'}"
-            " (a pipelined chain: the broadcast term)",
-            assumed="buckets of 4096 MiB, not overlapped with the load (verl's defaults, fully_async.md)",
+            setup_source=f"{VERL_CKPT} (at 6f33c553b, lines 24-25, 35-36): 4x8 H100, CX7 400 Gb/s IB, trainer "
+            f"FSDP world size 2, 30 rollouts each receiving the whole model; {backend} = all_gather + "
+            f"{'broadcast' if backend == 'NCCL' else 'ring p2p'} (a pipelined chain: the broadcast term); "
+            "buckets of 2 GiB (tests/checkpoint_engine/test_nccl_checkpoint_engine.py:52 at 6f33c553b), two "
+            "alternating: bucket k + 1 is filled while k is broadcast, and received while k is handed on "
+            "(verl/checkpoint_engine/nccl_checkpoint_engine.py:231-246, 305-331 at 6f33c553b): pipelined",
+            assumed="the NIXL ring moves the same bytes per hop as the NCCL broadcast; the trainer's fp32 gather "
+            "(nccl_checkpoint_engine.py:226) is counted in bf16 bytes: over NVLink, under the broadcast",
             sync_gpus=(2, 30),
         )  # fmt: skip
         for backend in ("NCCL", "NIXL")

@@ -29,10 +29,13 @@ b_copy, and the receivers' apply: W / g bytes copied into the engine at b_copy):
   embeddings, router, shared experts: 1 - F) is gathered on trainer rank 0 and broadcast to every rollout
   GPU in packed buffers (``nccl_broadcast``, pipelined over its two alternating buffers). Bulk, one stage
   after the other (the python reshard's order: point-to-point, then fan-out): the busiest NIC of the
-  striped point-to-point, max(F W / S sent, F W / (g n) received), then the fan-out, a pipelined chain
+  striped point-to-point, max(rounds F W / S sent, F W / (g n) received), then the fan-out, a pipelined chain
   over the n replicas carrying F W / g through each receiver's NIC (Patarasuk and Yuan 2009, as the
   broadcast above; nothing when n = 1); the misc broadcast follows the bulk (``megatron_policy_worker``
   ``nccl_reshard_refit``: bulk, ``torch.cuda.synchronize()``, then ``_broadcast_misc_params_packed``).
+  A trainer of P pipeline stages has one reshard group per stage, and the rollout side takes the stages
+  ``RESHARD_STREAMS`` at a time (``NRL_REFIT_NUM_STREAMS``, default 2): a stage's S / P GPUs send while its
+  turn lasts, so the senders' term takes rounds = ceil(P / min(P, streams)) turns of F W / S each.
 - ``checkpoint_engine``: the staged path of MoonshotAI's checkpoint-engine: every trainer GPU copies its
   shard to pinned host memory (W / S at b_pin), the buckets are broadcast between nodes from there (as
   ``nccl_broadcast``), each receiver copies its W / g to the device (b_pin); pipelined over buckets when
@@ -56,6 +59,9 @@ from pathlib import Path
 
 from moerl.configlib import ConfigError
 
+RESHARD_STREAMS = 2
+"""Pipeline stages NeMo-RL's reshard refit moves at once: the rollout side's CUDA streams
+(``NRL_REFIT_NUM_STREAMS``, default 2; NeMo-RL ``docs/design-docs/nccl-reshard-refit.md`` "Operational knobs")."""
 FP8_BYTES = 1 + 4 / (128 * 128)
 """Wire bytes per element of FP8 weights with one fp32 scale per 128 x 128 block (DeepSeek-V3 format)."""
 INDEX_BYTES = 4
@@ -151,6 +157,8 @@ class SyncSetup:
     bulk_fraction: float = 1.0
     """F: fraction of the weights in FFN projections (routed experts, dense FFNs), the part ``nccl_reshard``
     reshards shard to shard; the rest is broadcast from trainer rank 0. 1 = every byte is FFN."""
+    pp_stages: int = 1
+    """P: pipeline stages of the trainer; ``nccl_reshard`` moves ``RESHARD_STREAMS`` stages at a time."""
 
     @property
     def bytes_on_wire(self) -> float:
@@ -232,7 +240,8 @@ def nccl_reshard(s: SyncSetup) -> SyncTime:
     rest broadcast from trainer rank 0 (module docstring)."""
     w = s.bytes_on_wire
     bulk, replicas = w * s.bulk_fraction, max(1.0, s.rollout_gpus / s.replica_gpus)
-    striped = max(bulk / s.trainer_gpus, bulk / (s.replica_gpus * replicas)) / (s.net_gb_s * 1e9)
+    rounds = ceil(s.pp_stages / min(s.pp_stages, RESHARD_STREAMS))  # turns of the stages' senders
+    striped = max(rounds * bulk / s.trainer_gpus, bulk / (s.replica_gpus * replicas)) / (s.net_gb_s * 1e9)
     fan_out = 0.0 if replicas <= 1 else bulk / s.replica_gpus / (s.net_gb_s * 1e9) + replicas * s.message_s
     pairs = max(s.trainer_gpus / s.replica_gpus, 1.0)  # senders whose regions one receiver takes
     misc_s = 0.0

@@ -49,6 +49,10 @@ def test_nccl_reshard_moves_each_region_once_then_fans_out():
     # unlike sharded_p2p, a sender does not send its shard once per replica: 2 senders carry 1 GB each
     assert sync_time(replace(BASE, trainer_gpus=2), "nccl_reshard").transfer_s == pytest.approx(1 / 40 + 1 / 40)
     assert sync_time(replace(BASE, rollout_gpus=2), "nccl_reshard").transfer_s == pytest.approx(1 / 40)  # n = 1
+    # 4 pipeline stages taken 2 at a time: each sender's 0.25 GB waits for 2 turns of the rollout side
+    staged = sync_time(replace(BASE, pp_stages=4), "nccl_reshard")
+    assert staged.transfer_s == pytest.approx(max(2 * 0.25, 0.25) / 40 + 1.0 / 40)
+    assert sync_time(replace(BASE, pp_stages=2), "nccl_reshard").transfer_s == pytest.approx(t.transfer_s)
     # a quarter is not FFN: bulk 1.5 GB as above, then the rest (0.5 GB) gathered on rank 0 (7/8 over NVLink)
     # and broadcast, one 1 GiB bucket: gather + broadcast + its apply, less its apply (counted over all W)
     mixed = sync_time(replace(BASE, bulk_fraction=0.75), "nccl_reshard")
