@@ -80,12 +80,14 @@ _NEMO_REFIT_ASSUMED = (
     "the anchors name neither model nor GPUs ('indexed model GB' only): the bytes are the published ones and "
     "the trainer/generation split and generation TP are those of the non-colocated recipe named"
 )
-NEMO_REFIT_BUCKET_MB = 0.02 * 80e9 / 2**20
+NEMO_REFIT_BUCKET_MB = round(0.02 * 80e9 / 2**20)
 """NeMo-RL's packed-broadcast buffer: NRL_REFIT_BUFFER_MEMORY_RATIO 0.02 of the GPU's memory (H100: 80 GB),
 at most 5 GiB (``nemo_rl/utils/packed_tensor.py`` lines 25, 30)."""
 
 
-def _refit(key: str, gb: float, low: float, high: float, model: str, recipe: str, assumed: str = "") -> Figure:
+def _refit(
+    key: str, gb: float, low: float, high: float, model: str, recipe: str, assumed: str = ""
+) -> Figure:
     """A refit anchor of NeMo-RL's calculator, set up as ``recipe``: "name.yaml (total nodes, generation
     nodes, generation TP, training PP; lines)"."""
     nodes, gen_nodes, tp, pp = (int(x) for x in recipe.split("(")[1].split(";")[0].split(","))
@@ -115,20 +117,44 @@ def _nemo_perf(
 
 
 PUBLISHED: tuple[Figure, ...] = (
-    _refit("NeMo-RL refit 63.2 GB", 63.2, 0.84, 1.60, "qwen3-30b-a3b",
-           "grpo-qwen3-30ba3b-4n8g-async-1off.yaml (4, 2, 2, 2; lines 35, 23, 27, 16)",
-           "63.2 GB read as the 30B-A3B recipe's model (61 GB in bf16 by the planner's count)"),
-    _refit("NeMo-RL refit 247.2 GB", 247.2, 1.46, 1.74, "qwen3-235b-a22b",
-           "grpo-nemotron3-super-120BA12B-32n8g-async-1off.yaml (32, 24, 8, 1; lines 62, 44, 47; "
-           "PP from grpo_math_1B.yaml:219)",
-           "247.2 GB is the 120B model (calculator :75 'the latest 120B measurement'; "
-           "docs/design-docs/sparse-delta-refit.md:601): Nemotron-3-Super-120B-A12B, a hybrid Mamba MoE the "
-           "planner cannot shape; Qwen3-235B-A22B's FFN fraction (0.966) stands in: Mamba mixers ride the "
-           "misc path, so the prediction is a lower bound"),
-    _refit("NeMo-RL refit 470.2 GB", 470.2, 2.31, 2.73, "qwen3-235b-a22b",
-           "grpo-qwen3-235b-32n8g-async-1off.yaml (32, 16, 8, 8; lines 34, 22, 25, 16)"),
-    _refit("NeMo-RL refit 1342 GB", 1342.0, 3.27, 3.46, "deepseek-v3",
-           "grpo-deepseek-v3-64n8g-async-1off.yaml (64, 32, 32, 16; lines 33, 21, 24, 15)"),
+    _refit(
+        "NeMo-RL refit 63.2 GB",
+        63.2,
+        0.84,
+        1.60,
+        "qwen3-30b-a3b",
+        "grpo-qwen3-30ba3b-4n8g-async-1off.yaml (4, 2, 2, 2; lines 35, 23, 27, 16)",
+        "63.2 GB read as the 30B-A3B recipe's model (61 GB in bf16 by the planner's count)",
+    ),
+    _refit(
+        "NeMo-RL refit 247.2 GB",
+        247.2,
+        1.46,
+        1.74,
+        "qwen3-235b-a22b",
+        "grpo-nemotron3-super-120BA12B-32n8g-async-1off.yaml (32, 24, 8, 1; lines 62, 44, 47; "
+        "PP from grpo_math_1B.yaml:219)",
+        "247.2 GB is the 120B model (calculator :75 'the latest 120B measurement'; "
+        "docs/design-docs/sparse-delta-refit.md:601): Nemotron-3-Super-120B-A12B, a hybrid Mamba MoE the "
+        "planner cannot shape; Qwen3-235B-A22B's FFN fraction (0.966) stands in: Mamba mixers ride the "
+        "misc path, so the prediction is a lower bound",
+    ),
+    _refit(
+        "NeMo-RL refit 470.2 GB",
+        470.2,
+        2.31,
+        2.73,
+        "qwen3-235b-a22b",
+        "grpo-qwen3-235b-32n8g-async-1off.yaml (32, 16, 8, 8; lines 34, 22, 25, 16)",
+    ),
+    _refit(
+        "NeMo-RL refit 1342 GB",
+        1342.0,
+        3.27,
+        3.46,
+        "deepseek-v3",
+        "grpo-deepseek-v3-64n8g-async-1off.yaml (64, 32, 32, 16; lines 33, 21, 24, 15)",
+    ),
     *(
         Figure(
             key=f"verl ckpt engine {backend}",
@@ -218,7 +244,8 @@ PUBLISHED: tuple[Figure, ...] = (
         },
         setup_source=f"{VERL_ASYNC} (128 H20, 512 x 16, max response 8K, old_log_prob and ref passes); "
         f"{VERL_SCRIPTS}grpo_30b_a3b_base_math_megatron_96_32.sh (INFER_TP 4, EP 8)",
-        assumed=_VERL_ASSUMED,
+        assumed=_VERL_ASSUMED + "; the colocated script is not published: if it shares the 96:32 script's "
+        "enforce_eager=True (line 192), its decode has no CUDA graphs, which the planner does not model",
     ),  # fmt: skip
     Figure(
         key="verl 30B async 96:32",
@@ -239,7 +266,9 @@ PUBLISHED: tuple[Figure, ...] = (
         },
         setup_source=f"{VERL_ASYNC} (96 rollout : 32 trainer H20, ref pass, staleness 0.5, partial rollouts); "
         f"{VERL_SCRIPTS}grpo_30b_a3b_base_math_megatron_96_32.sh",
-        assumed=_VERL_ASSUMED + "; staleness 0.5 as a bound of 1 version; the optimizer offload not modelled",
+        assumed=_VERL_ASSUMED + "; staleness 0.5 as a bound of 1 version; not modelled: the optimizer and "
+        "parameter offload (lines 50, 54, 145-153) and vLLM's enforce_eager=True (line 192; the planner's "
+        "decode step is graphed)",
     ),  # fmt: skip
     _nemo_perf("NeMo-RL 30B on-policy 32", 1102, "qwen3-30b-a3b", 4, 64, 3203, 4096, rollout_tp=2),
     _nemo_perf(

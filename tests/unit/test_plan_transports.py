@@ -47,8 +47,12 @@ def test_nccl_reshard_moves_each_region_once_then_fans_out():
     t = sync_time(BASE, "nccl_reshard")
     assert t.transfer_s == pytest.approx(0.25 / 40 + 1.0 / 40) and t.apply_s == pytest.approx(0.001)
     # unlike sharded_p2p, a sender does not send its shard once per replica: 2 senders carry 1 GB each
-    assert sync_time(replace(BASE, trainer_gpus=2), "nccl_reshard").transfer_s == pytest.approx(1 / 40 + 1 / 40)
-    assert sync_time(replace(BASE, rollout_gpus=2), "nccl_reshard").transfer_s == pytest.approx(1 / 40)  # n = 1
+    assert sync_time(replace(BASE, trainer_gpus=2), "nccl_reshard").transfer_s == pytest.approx(
+        1 / 40 + 1 / 40
+    )
+    assert sync_time(replace(BASE, rollout_gpus=2), "nccl_reshard").transfer_s == pytest.approx(
+        1 / 40
+    )  # n = 1
     # 4 pipeline stages taken 2 at a time: each sender's 0.25 GB waits for 2 turns of the rollout side
     staged = sync_time(replace(BASE, pp_stages=4), "nccl_reshard")
     assert staged.transfer_s == pytest.approx(max(2 * 0.25, 0.25) / 40 + 1.0 / 40)
