@@ -13,7 +13,8 @@ import pytest
 from moerl.cli import main
 from moerl.configlib import ConfigError
 from moerl.plan.args import CALIBRATION
-from moerl.plan.predict import Plan, predict, set_param, weight_sync
+from moerl.plan.models import get_model
+from moerl.plan.predict import Plan, ffn_fraction, predict, set_param, weight_sync
 from moerl.plan.schedules import StepParts, batch_decode_s, longest_response, step_s
 from moerl.plan.transports import (
     BENCH_FILE,
@@ -183,3 +184,15 @@ def test_transport_and_schedule_change_the_prediction():
         steps["sync"].gen_batch_s
         > steps["sync"].step_s - steps["sync"].train_step_s - steps["sync"].weight_sync_s - 1e-9
     )
+
+
+def test_ffn_fraction_and_pipeline_stages_reach_the_reshard():
+    qwen, dsv3 = get_model("qwen3-30b-a3b"), get_model("deepseek-v3")
+    assert ffn_fraction(qwen) == pytest.approx(48 * 128 * 3 * 2048 * 768 / qwen.num_params)  # ~0.950
+    # DeepSeek-V3: 58 MoE layers of 256 experts plus 3 dense FFNs of width 18432; the shared expert is not FFN
+    ffn = 58 * 256 * 3 * 7168 * 2048 + 3 * 3 * 7168 * 18432
+    assert ffn_fraction(dsv3) == pytest.approx(ffn / dsv3.num_params)  # ~0.976
+    p = Plan(model="qwen3-235b-a22b", router_groups=1, topk_groups=1, total_nodes=32, train_nodes=16,
+             rollout_ep_nodes=1, rollout_tp=8, schedule="one_step_off", weight_transport="nccl_reshard")  # fmt: skip
+    one, eight = (weight_sync(set_param(p, "train_pp_stages", n), CAL).transfer_s for n in (1, 8))
+    assert eight > one  # 8 stages, 2 at a time: the senders' term is 4 turns long
