@@ -128,9 +128,10 @@ def test_schedules_answers_the_seeds_question(capsys):
 
 
 def test_the_guide_shows_the_table_as_the_code_prints_it(capsys):
-    """docs/planning.md quotes ``moerl plan --published``'s table: it must be the one the code prints."""
+    """docs/planning.md and the README's planning section quote ``moerl plan --published``'s table: it must
+    be the one the code prints."""
     assert main(["plan", "--published"]) == 0
     lines = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
     table = "\n".join(lines[: lines.index("") + 1 + 2 + len(PUBLISHED) + 1]).strip()
-    guide = (PLAN.parents[1] / "docs" / "planning.md").read_text()
-    assert table in guide
+    for guide in (PLAN.parents[1] / "docs" / "planning.md", PLAN.parents[1] / "README.md"):
+        assert table in guide.read_text(), f"{guide.name} does not show the table moerl plan --published prints"
