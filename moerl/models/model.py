@@ -120,6 +120,8 @@ class MtpLayer(nn.Module):
         next_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states and logits of the token after next, without a KV cache (causal attention).
 
@@ -129,6 +131,8 @@ class MtpLayer(nn.Module):
             next_ids: [B, T] int64 t_{i+1}, the token after position i.
             position_ids: [B, T] int64 the positions i + 1 of ``next_ids`` (rotary).
             attention_mask: [B, T] 1 = real position; None = all real.
+            mask: [B, 1, T, T] bool (True = attend) given whole, instead of ``attention_mask``: no host
+                sync (the rollout's drafter, replayed from a CUDA graph); every query must attend a key.
         Returns:
             h_mtp [B, T, H] (model dtype), logits [B, T, V] predicting t_{i+2}.
         """
@@ -136,8 +140,7 @@ class MtpLayer(nn.Module):
         emb = F.embedding(next_ids, model.embed_tokens.weight.detach())
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden.to(emb.dtype))], dim=-1))
         cos, sin = model.rotary(position_ids, x.dtype)
-        mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):  # device sync
+        if mask is None and attention_mask is not None and not bool(attention_mask.all()):  # device sync
             mask = causal_padding_mask(attention_mask)
         token_mask = attention_mask.reshape(-1).bool() if attention_mask is not None else None
         h, _ = self.block(x, cos, sin, mask, None, token_mask, None)
