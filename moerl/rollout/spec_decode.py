@@ -17,7 +17,7 @@ to speculate (``SpecPolicy``) and then calls ``step(engine)`` instead of the pla
    row, at positions pos .. pos + k (``Engine.verify_forward_no_sync``): every row writes its key and
    value (and, with R3, its routed experts) at its own position before the layer attends, so row j
    sees rows < j of its sequence; ``verify_drafts`` keeps a_b drafts and adds one token (exact policy
-   distribution); the MTP ring keeps the hidden states of the kept positions;
+   distribution); the MTP ring takes the verify's hidden states;
 3. outside the graph the rows' device state advances (last token, length) and the a_b + 1 tokens go
    to the host sync as one entry (``HostSync.record_several``), read at once with every pending token:
    the step's one host sync (the host needs the lengths to plan the next step);
@@ -202,12 +202,13 @@ class SpeculativeDecoding:
             b, k, read_len, drafts, num_drafts, want_routed, want_hidden=self.wants_hidden
         )
         ver = verify_drafts(logits, drafts, probs, num_drafts, rows, first)
-        if hidden is not None:  # the ring keeps positions first - 1 .. first - 1 + a_b
+        if hidden is not None:  # the MTP ring: positions first - 1 .. first - 1 + k and their next tokens
+            # (those past the a_b + 1 kept ones lie past the new last fed position: the next step
+            # overwrites them before any draft reads them)
             j = torch.arange(k + 1, device=first.device)
             row = torch.arange(b, device=first.device)[:, None].expand(b, k + 1).reshape(-1)
-            kept = (j[None, :] <= ver.num_accepted[:, None]).reshape(-1)
             pos = (first[:, None] - 1 + j).reshape(-1)
-            self.drafter.keep_no_sync(row, pos, hidden.flatten(0, 1), ver.tokens.reshape(-1), kept)
+            self.drafter.keep_no_sync(row, pos, hidden.flatten(0, 1), ver.tokens.reshape(-1))
         return ver.tokens, ver.logprobs, ver.num_accepted
 
     def _plan_drafts(self, engine: Engine, seqs: list[Sequence], rows: SamplingRows) -> list[int]:

@@ -257,13 +257,12 @@ class MtpDrafter:
     The MTP block attends over the last ``window`` fed positions (recomputed each draft, no cache of its
     own), read from a device ring per engine row: the policy's final hidden state h_i and the token
     t_{i+1} after each fed position i, written by the prefill (``keep_prefill``), by every plain decode
-    step and by the verify step at its kept positions (``keep_no_sync``); so every running sequence can
+    step and by the verify step (``keep_no_sync``); so every running sequence can
     draft at every step, with fixed shapes per (B, k) and no host sync (a CUDA graph holds it).
 
     Ring: C = ``window`` + K + 1 columns per row, position i in column i mod C, so the verify's writes (at
     the K + 1 positions after the window) never overwrite what the same step's draft reads (running the
-    step twice, as a CUDA-graph capture does, reads the same window), plus one column that absorbs the
-    writes of positions not kept.
+    step twice, as a CUDA-graph capture does, reads the same window).
 
     Args:
         model: the policy (its ``mtp_layers[0]``; embedding, head and rotary are the policy's).
@@ -281,9 +280,9 @@ class MtpDrafter:
         self.window = window
         self.columns = window + 1  # C, set by ``allocate`` (window + K + 1)
         self.hidden: torch.Tensor | None = None
-        """[N, C + 1, H] model dtype: h_i of fed position i in column i mod C (C: the trash column)."""
+        """[N, C, H] model dtype: h_i of fed position i in column i mod C."""
         self.next_ids: torch.Tensor | None = None
-        """[N, C + 1] int64: t_{i+1}, the token after fed position i, beside its hidden state."""
+        """[N, C] int64: t_{i+1}, the token after fed position i, beside its hidden state."""
         self.first_position: torch.Tensor | None = None
         """[N] int64: the oldest position the row's ring holds for its sequence (its prefill's first)."""
 
@@ -299,28 +298,20 @@ class MtpDrafter:
             return
         self.columns = self.window + num_tokens + 1
         dev = hidden.device
-        self.hidden = hidden.new_zeros(num_rows, self.columns + 1, hidden.shape[-1])
-        self.next_ids = torch.zeros(num_rows, self.columns + 1, dtype=torch.int64, device=dev)
+        self.hidden = hidden.new_zeros(num_rows, self.columns, hidden.shape[-1])
+        self.next_ids = torch.zeros(num_rows, self.columns, dtype=torch.int64, device=dev)
         self.first_position = torch.zeros(num_rows, dtype=torch.int64, device=dev)
 
     def keep_no_sync(
-        self,
-        rows: torch.Tensor,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        next_ids: torch.Tensor,
-        is_kept: torch.Tensor | None = None,
+        self, rows: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, next_ids: torch.Tensor
     ) -> None:
         """Write (h_i, t_{i+1}) of fed positions into the ring, no host sync.
 
         Args:
             rows: [R] int64 engine rows. positions: [R] int64 fed positions i. hidden: [R, H].
-            next_ids: [R] int64 t_{i+1}. is_kept: [R] bool (None: all); the others go to the trash column.
+            next_ids: [R] int64 t_{i+1}.
         """
-        col = positions.remainder(self.columns)
-        if is_kept is not None:
-            col = torch.where(is_kept, col, self.columns)
-        idx = rows * (self.columns + 1) + col
+        idx = rows * self.columns + positions.remainder(self.columns)
         self.hidden.view(-1, self.hidden.shape[-1]).index_copy_(0, idx, hidden.to(self.hidden.dtype))
         self.next_ids.view(-1).index_copy_(0, idx, next_ids)
 
