@@ -146,6 +146,34 @@ class MtpLayer(nn.Module):
         h, _ = self.block(x, cos, sin, mask, None, token_mask, None)
         return h, F.linear(self.shared_head.norm(h), model.lm_head.weight.detach())
 
+    def forward_last(
+        self,
+        model: MoeForCausalLM,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s outputs at the last position only (what a drafter needs), with the block's MLP
+        (an MoE) and the output head on that position alone: every position still enters attention as a
+        key/value, and the last query attends them; equal to ``forward(...)[:, -1:]``. No host sync.
+
+        Args:
+            hidden, next_ids, position_ids: as ``forward`` ([B, T, H], [B, T], [B, T]).
+            mask: [B, 1, T, T] bool (True = attend), every query attending some key.
+        Returns:
+            h_mtp [B, 1, H] (model dtype), logits [B, 1, V] predicting the token after the last next id.
+        """
+        emb = F.embedding(next_ids, model.embed_tokens.weight.detach())
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden.to(emb.dtype))], dim=-1))
+        cos, sin = model.rotary(position_ids, x.dtype)
+        blk = self.block
+        x = x[:, -1:] + blk.self_attn(blk.input_layernorm(x), cos, sin, mask, None)[:, -1:]
+        y = blk.post_attention_layernorm(x)
+        y = blk.mlp(y, None, None)[0] if isinstance(blk.mlp, MoeBlock) else blk.mlp(y)
+        h = x + y
+        return h, F.linear(self.shared_head.norm(h), model.lm_head.weight.detach())
+
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids [B, T] int64 = (cumsum of the mask) - 1, clamped at 0, so left padding shifts nothing."""

@@ -498,8 +498,7 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One prefill forward of ``rows`` into the cache (the policy binds it); returns the logits
         [R, T, V], row r's last computed position at ``len(tokens) - start - 1``, and with
-        ``want_hidden`` the final hidden states [R, T, H] (else None; the MTP drafter's input). Also the
-        verify forward of a speculative step (``moerl.rollout.spec_decode``)."""
+        ``want_hidden`` the final hidden states [R, T, H] (else None; the MTP drafter's input)."""
         ids, pos = self.policy.bind_prefill(rows)
         more = {"return_hidden": True} if want_hidden else {}  # only MoeForCausalLM knows it
         out = self.model(
@@ -587,10 +586,9 @@ class Engine:
         CUDA-graph key), the forward that samples one token per row (``_decode_forward_no_sync``,
         replayed from a graph on CUDA), then the per-row state advanced outside the graph.
 
-        Speculative decoding (issue 49) fits here as draft -> verify -> accept: a draft before the
-        forward, a verify forward of k + 1 tokens per row (the policy then makes room for k + 1 tokens
-        in ``blocks_short`` / ``prepare_decode`` and binds them in ``bind_decode``), and the accepted
-        tokens recorded per row where ``_record`` records one.
+        A speculative step (``moerl.rollout.spec_decode``) replaces this with the same shape of work:
+        a graph-replayed forward of k + 1 decode rows per sequence (``verify_forward_no_sync``) that
+        drafts, verifies and accepts, then the rows' state advanced outside the graph.
         """
         seqs = self.scheduler.running
         a = len(seqs)

@@ -364,13 +364,13 @@ class MtpDrafter:
             t = ids.shape[1]
             causal = torch.ones(t, t, dtype=torch.bool, device=p.device).tril()
             mask = (causal[None] & valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=p.device)
-            h, logits = layer(self.model, hid, ids, pos, mask=mask[:, None])
-            q = policy_probs(logits[:, -1:], rows)[:, 0]
+            h, logits = layer.forward_last(self.model, hid, ids, pos, mask[:, None])  # [B, 1, H], [B, 1, V]
+            q = policy_probs(logits, rows)[:, 0]
             d = draw(q, uniform_no_sync(k_draft, last_fed + 2 + j))
             tokens.append(d)
             probs.append(q)
             ids = torch.cat([ids, d[:, None]], 1)
-            hid = torch.cat([hid, h[:, -1:]], 1)
+            hid = torch.cat([hid, h], 1)
             pos = torch.cat([pos, pos[:, -1:] + 1], 1)
             valid = torch.cat([valid, valid.new_ones(b, 1)], 1)
         if not tokens:
