@@ -263,12 +263,12 @@ the mean milliseconds per speculative and per plain step."""
 
 
 def _spec_counters(engine: Engine) -> dict[str, float]:
-    graphs = engine._graphs
-    counts = {
-        "graph_captures": graphs.num_captures if graphs is not None else 0,
-        "graph_replays": graphs.num_replays if graphs is not None else 0,
-    }
     spec = engine.speculation
+    runners = [g for g in (engine._graphs, spec.graphs if spec is not None else None) if g is not None]
+    counts = {
+        "graph_captures": sum(g.num_captures for g in runners),
+        "graph_replays": sum(g.num_replays for g in runners),
+    }
     if spec is None:
         return dict.fromkeys(_COUNTERS, 0) | counts
     pol = spec.policy

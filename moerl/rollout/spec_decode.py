@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moerl.rollout.cuda_graphs import GraphRunner
 from moerl.rollout.params import Completion
 from moerl.rollout.speculative import (
     Drafter,
@@ -85,6 +86,9 @@ class SpeculativeDecoding:
         self.num_accepted = 0
         self._draft_tokens: torch.Tensor | None = None  # [N, K] int64 host drafts (static: graph input)
         self._num_drafts: torch.Tensor | None = None  # [N] int64 k_b of each row (static: graph input)
+        self.graphs: GraphRunner | None = None
+        """CUDA graphs of the speculative step (``forward_no_sync``), one per (B, k, read length, sampling
+        flags, R3) key; None off CUDA or with the engine's graphs off."""
 
     @classmethod
     def from_config(cls, model: torch.nn.Module, cfg: RolloutConfig) -> SpeculativeDecoding | None:
@@ -160,7 +164,7 @@ class SpeculativeDecoding:
         read_len = engine._read_len(seqs, extra=k)
         want_routed = any(s.request.params.return_routed_experts for s in seqs)
         fn = lambda: self.forward_no_sync(engine, b, k, read_len, rows, want_routed)  # noqa: E731
-        graphs = engine._graphs
+        graphs = self.graphs
         if graphs is not None and (not want_routed or engine.cache.routed is not None):
             key = ("verify", k, b, read_len, rows.all_greedy, rows.any_truncation, want_routed)
             tokens, logprobs, accepted = graphs.run(key, fn)
@@ -239,6 +243,8 @@ class SpeculativeDecoding:
             n, dev = engine.num_slots, engine.device
             self._draft_tokens = torch.zeros(n, self.num_tokens, dtype=torch.int64, device=dev)
             self._num_drafts = torch.zeros(n, dtype=torch.int64, device=dev)
+            # its own runner: a verify step that cannot be captured leaves the plain decode's graphs on
+            self.graphs = GraphRunner(dev) if engine._graphs is not None else None
 
     def _room(self, seq: Sequence) -> int:
         """Drafts this sequence may take: K, fewer when its length limit is near (the step emits a + 1)."""
