@@ -28,8 +28,12 @@ equals a plain decode step.
 Drafters (``DRAFTERS``, ``rollout.speculative``): ``ngram`` (prompt lookup: the tokens that followed the
 latest earlier occurrence of the context's last n-gram; Saxena 2023, "Prompt Lookup Decoding") and
 ``mtp`` (the policy's multi-token-prediction module, ``moerl.models.mtp``, chained k times on its own
-hidden state). ``SpecPolicy`` decides per engine step whether to speculate at all (batch size and the
-recent acceptance rate).
+hidden state, on the device from a ring of the policy's hidden states). ``SpecPolicy`` decides per
+engine step whether to speculate at all (batch size, the recent acceptance rate, and the measured cost
+of speculative against plain steps).
+
+``verify_drafts`` and ``MtpDrafter.draft_no_sync`` never wait for the device: the engine replays them,
+with the verify forward, from one CUDA graph (``moerl.rollout.spec_decode``).
 """
 
 from __future__ import annotations
@@ -110,7 +114,8 @@ def verify_drafts(
 ) -> Verified:
     """Accept or reject each row's drafts by the rejection-sampling rule (module docstring; Leviathan et
     al. 2023 Algorithm 1, Chen et al. 2023 Algorithm 2), so each emitted token has the policy's
-    distribution.
+    distribution. Every branch (accept test, residual draw, the sampler's own draw) is computed for every
+    row and position and selected on the device: no host sync, fixed shapes (a CUDA graph holds it).
 
     Args:
         target_logits: [B, K + 1, V] the policy's logits at the positions of [t, d_0, ..., d_{K-1}]:
