@@ -219,6 +219,8 @@ class SpeculativeDecoding:
         """k_b of each sequence (host ints), with the blocks their drafted positions need; the n-gram
         drafter's tokens copied into the device buffer; both copies start without a host sync."""
         if isinstance(self.drafter, MtpDrafter):
+            if not self.drafter.row_state:  # no prefill has filled the ring yet (speculation set late)
+                return [0] * len(seqs)
             counts = [engine.policy.room_for_drafts(s, self._room(s)) for s in seqs]
         else:
             reqs = [
