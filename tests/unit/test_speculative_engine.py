@@ -182,7 +182,8 @@ def test_speculation_turns_off_where_it_is_slower(model):
     assert out[0].token_ids == ref[0].token_ids
 
 
-def test_decode_path_verify_equals_the_prefill_path(model):
+@pytest.mark.parametrize("k", [1, 3])
+def test_decode_path_verify_equals_the_prefill_path(model, k):
     """The verify forward as decode rows sharing their sequence's block-table row gives the logits and
     hidden states of the prefill-path verify (rows of different lengths, drafts 0..k, shared prompt
     blocks within each group of two samples)."""
@@ -197,8 +198,10 @@ def test_decode_path_verify_equals_the_prefill_path(model):
     seqs = list(engine.scheduler.running)
     assert len(seqs) == 6 and len({s.seq_len for s in seqs}) == 3
     assert any(a.blocks[0] == b.blocks[0] for a in seqs for b in seqs if a is not b)  # shared blocks
-    k, b = 3, len(seqs)
-    counts = [engine.policy.room_for_drafts(s, n) for s, n in zip(seqs, [3, 1, 0, 2, 3, 2], strict=True)]
+    b = len(seqs)
+    wanted = [min(n, k) for n in (3, 1, 0, 2, 3, 2)]
+    counts = [engine.policy.room_for_drafts(s, n) for s, n in zip(seqs, wanted, strict=True)]
+    assert counts == wanted
     drafts = torch.randint(0, VOCAB, (b, k), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         logits, hidden = engine.verify_forward_no_sync(
