@@ -221,18 +221,25 @@ def test_mtp_ring_holds_the_policys_hidden_states(model):
     """After prefill, plain and speculative steps, each running row's MTP ring holds the teacher-forced
     final hidden state and next token of its last ``window`` fed positions, and the device drafter's q
     equals the MTP module run on that window."""
+    import dataclasses
+
     from moerl.rollout.speculative import policy_probs
 
     engine = _engine(model, "mtp")
     spec = engine.speculation
-    for r in _requests(n=2, max_new_tokens=24):
+    short, *rest = _requests(n=2, max_new_tokens=24)
+    short = dataclasses.replace(short, params=dataclasses.replace(short.params, max_new_tokens=4))
+    for r in [short, *rest]:
         engine.add_request(r)
-    for i in range(7):
+    engine.step()
+    slots = {id(s): s.slot for s in engine.scheduler.running}
+    for i in range(6):
         spec.policy.max_batch = 0 if i % 3 == 0 else 32  # plain steps between speculative ones
         engine.step()
     engine._sync_all()
     seqs = list(engine.scheduler.running)
     assert seqs and spec.policy.num_spec_steps > 0 and spec.policy.num_off_batch > 1
+    assert any(slots[id(s)] != s.slot for s in seqs)  # the short request finished: rows moved up
     ring, b = spec.drafter, len(seqs)
     rows = engine._rows(slice(0, b), seqs)
     with torch.no_grad():
