@@ -128,7 +128,7 @@ class SpeculativeDecoding:
                 ids.append(a.tokens[a.cached :])
                 of.append(r)
         slots = torch.tensor(rows, dtype=torch.int64, device=engine.device)
-        self.drafter.keep_prefill(rows, first, ids, hidden[torch.tensor(of)], engine._last_token[slots])
+        self.drafter.keep_prefill(rows, first, ids, hidden, of, engine._last_token[slots])
 
     def keep_decode_no_sync(self, b: int, positions: torch.Tensor, hidden: torch.Tensor, tokens) -> None:
         """A plain decode step's hidden states [B, H] at ``positions`` [B] and its sampled tokens [B] into

@@ -320,29 +320,40 @@ class MtpDrafter:
         self.hidden.view(-1, self.hidden.shape[-1]).index_copy_(0, idx, hidden.to(self.hidden.dtype))
         self.next_ids.view(-1).index_copy_(0, idx, next_ids)
 
-    def keep_prefill(self, rows: list[int], first: list[int], ids: list[list[int]], hidden, last_ids) -> None:
+    def keep_prefill(
+        self,
+        rows: list[int],
+        first: list[int],
+        ids: list[list[int]],
+        hidden: torch.Tensor,
+        hidden_row: list[int],
+        last_ids: torch.Tensor,
+    ) -> None:
         """A prefill's fed positions into the ring (host-built indices: once per admission).
 
         Args:
-            rows: engine row of each sequence. first: its first fed position (the prefix-cache hit).
-            ids: its fed tokens ``tokens[first:]`` (host). hidden: [S, T, H] its final hidden states
-                (row s: positions ``first[s] ..``). last_ids: [S] int64 on the device, the token after its
+            rows: engine row of each sequence S. first: its first fed position (the prefix-cache hit).
+            ids: its fed tokens ``tokens[first:]`` (host). hidden: [R, T, H] the prefill's final hidden
+                states; sequence s's are row ``hidden_row[s]`` (positions ``first[s] ..``; a group's
+                samples share one). last_ids: [S] int64 on the device, the token after each sequence's
                 last fed position (the first sampled token, or a resumed sequence's last).
         """
-        r_of, t_of, pos, nxt = [], [], [], []
+        s_of, r_of, t_of, pos, nxt = [], [], [], [], []
         for s, (f, toks) in enumerate(zip(first, ids, strict=True)):
             n = len(toks)
-            for t in range(max(0, n - self.window), n):
-                r_of.append(s)
+            for t in range(max(0, n - self.window), n):  # the last ``window`` positions only
+                s_of.append(s)
+                r_of.append(hidden_row[s])
                 t_of.append(t)
                 pos.append(f + t)
                 nxt.append(toks[t + 1] if t + 1 < n else -1)
         dev = hidden.device
-        r_t, pos_t = torch.tensor(r_of, device=dev), torch.tensor(pos, device=dev)
+        s_t, pos_t = torch.tensor(s_of, device=dev), torch.tensor(pos, device=dev)
         nxt_t = torch.tensor(nxt, dtype=torch.int64, device=dev)
-        nxt_t = torch.where(nxt_t < 0, last_ids[r_t], nxt_t)
+        nxt_t = torch.where(nxt_t < 0, last_ids[s_t], nxt_t)
         rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-        self.keep_no_sync(rows_t[r_t], pos_t, hidden[r_t, torch.tensor(t_of, device=dev)], nxt_t)
+        h = hidden[torch.tensor(r_of, device=dev), torch.tensor(t_of, device=dev)]
+        self.keep_no_sync(rows_t[s_t], pos_t, h, nxt_t)
         self.first_position[rows_t] = torch.tensor(first, dtype=torch.int64, device=dev)
 
     @torch.no_grad()
