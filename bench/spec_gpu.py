@@ -31,7 +31,10 @@ Each workload runs twice on the same weights: an engine without speculation, the
 shipped ``speculative_tokens``, ``speculative_max_batch`` and ``SpecPolicy``, whose automatic turn-down
 stays on). Per pass: tokens/s, and from the engine's counters the speculative steps, drafted and accepted
 tokens (acceptance rate = accepted / drafted), steps decoded plainly because the batch was above
-``speculative_max_batch`` or the acceptance too low. The JSON (``--out``, rewritten after every phase so a
+``speculative_max_batch``, the acceptance too low or speculation measured slower (``num_off_cost``; and
+the plain probes), and where the time went: mean ms per speculative step and per plain step (the
+``SpecPolicy``'s host-time measurements at the host syncs), ms per decode step of any kind, and the CUDA
+graphs captured and replayed. The JSON (``--out``, rewritten after every phase so a
 cut-off call keeps what finished) holds the GPU, the git commit, every config override and every workload
 argument; one summary line per figure is printed (``[spec_gpu] ...``).
 """
@@ -239,19 +242,63 @@ def uniform_engine_args(args: argparse.Namespace) -> dict:
     )
 
 
-_COUNTERS = ("spec_steps", "spec_drafted", "spec_accepted", "num_off_batch", "num_off_acceptance")
+_COUNTERS = (
+    "spec_steps",
+    "spec_drafted",
+    "spec_accepted",
+    "num_off_batch",
+    "num_off_acceptance",
+    "num_off_cost",
+    "num_plain_probes",
+    "spec_timed_s",
+    "spec_timed_steps",
+    "plain_timed_s",
+    "plain_timed_steps",
+    "graph_captures",
+    "graph_replays",
+)
+"""Engine counters each pass reports the change of (``_spec_counters``); the ``*_timed_*`` pairs are the
+``SpecPolicy``'s own host-time measurements (at the host syncs), from which ``per_step_figures`` derives
+the mean milliseconds per speculative and per plain step."""
 
 
-def _spec_counters(engine: Engine) -> dict[str, int]:
+def _spec_counters(engine: Engine) -> dict[str, float]:
     spec = engine.speculation
+    runners = [g for g in (engine._graphs, spec.graphs if spec is not None else None) if g is not None]
+    counts = {
+        "graph_captures": sum(g.num_captures for g in runners),
+        "graph_replays": sum(g.num_replays for g in runners),
+    }
     if spec is None:
-        return dict.fromkeys(_COUNTERS, 0)
-    return {
-        "spec_steps": spec.policy.num_spec_steps,
+        return dict.fromkeys(_COUNTERS, 0) | counts
+    pol = spec.policy
+    return counts | {
+        "spec_steps": pol.num_spec_steps,
         "spec_drafted": spec.num_drafted,
         "spec_accepted": spec.num_accepted,
-        "num_off_batch": spec.policy.num_off_batch,
-        "num_off_acceptance": spec.policy.num_off_acceptance,
+        "num_off_batch": pol.num_off_batch,
+        "num_off_acceptance": pol.num_off_acceptance,
+        "num_off_cost": pol.num_off_cost,
+        "num_plain_probes": pol.num_plain_probes,
+        "spec_timed_s": pol.totals["spec"][0],
+        "spec_timed_steps": pol.totals["spec"][1],
+        "plain_timed_s": pol.totals["plain"][0],
+        "plain_timed_steps": pol.totals["plain"][1],
+    }
+
+
+def per_step_figures(moved: dict, fig: dict) -> dict:
+    """Where a pass's time went: mean ms per speculative step and per plain step (host time measured by
+    ``SpecPolicy`` at the host syncs; None: none measured), and the pass's seconds per decode step of
+    any kind (prefills included)."""
+
+    def ms(seconds: float, steps: int) -> float | None:
+        return 1e3 * seconds / steps if steps else None
+
+    return {
+        "ms_per_spec_step": ms(moved["spec_timed_s"], moved["spec_timed_steps"]),
+        "ms_per_plain_step": ms(moved["plain_timed_s"], moved["plain_timed_steps"]),
+        "ms_per_decode_step_all": ms(fig.get("seconds", 0.0), fig.get("decode_steps", 0)),
     }
 
 
@@ -283,12 +330,16 @@ def timed_passes(
         moved["acceptance_rate"] = (
             moved["spec_accepted"] / moved["spec_drafted"] if moved["spec_drafted"] else None
         )
-        rows.append(fig | moved)
+        rows.append(fig | moved | per_step_figures(moved, fig))
         steady = rows[1:] or rows
         rates = [r["acceptance_rate"] for r in steady if r["acceptance_rate"] is not None]
         out["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in steady)
         out["acceptance_rate"] = statistics.median(rates) if rates else None
         out["spec_steps"] = sum(r["spec_steps"] for r in steady)
+        for name in ("ms_per_spec_step", "ms_per_plain_step", "ms_per_decode_step_all"):
+            values = [r[name] for r in steady if r[name] is not None]
+            out[name] = statistics.median(values) if values else None
+        out["graph_captures"] = sum(r["graph_captures"] for r in rows)
         out["figure_from"] = "passes after the first" if len(rows) > 1 else "the first pass"
         on_pass()
 
@@ -357,8 +408,15 @@ def summary_line(result: dict, name: str) -> str:
         f"[spec_gpu] {name}: off {r['off']['tokens_per_s']:.1f} tok/s, mtp "
         f"{r['mtp']['tokens_per_s']:.1f} tok/s, ratio {r['ratio']:.3f}, acceptance "
         f"{'n/a (no speculative step)' if acc is None else f'{acc:.3f}'}, "
-        f"speculative steps {r['mtp']['spec_steps']} ({r['mtp']['figure_from']})"
+        f"speculative steps {r['mtp']['spec_steps']} ({r['mtp']['figure_from']}); ms per step: "
+        f"speculative {_ms(r['mtp'].get('ms_per_spec_step'))}, plain {_ms(r['mtp'].get('ms_per_plain_step'))}, "
+        f"off {_ms(r['off'].get('ms_per_decode_step_all'))} (all steps); graphs captured "
+        f"{r['mtp'].get('graph_captures', 0)}"
     )
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -120,6 +120,8 @@ class MtpLayer(nn.Module):
         next_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states and logits of the token after next, without a KV cache (causal attention).
 
@@ -129,6 +131,8 @@ class MtpLayer(nn.Module):
             next_ids: [B, T] int64 t_{i+1}, the token after position i.
             position_ids: [B, T] int64 the positions i + 1 of ``next_ids`` (rotary).
             attention_mask: [B, T] 1 = real position; None = all real.
+            mask: [B, 1, T, T] bool (True = attend) given whole, instead of ``attention_mask``: no host
+                sync (the rollout's drafter, replayed from a CUDA graph); every query must attend a key.
         Returns:
             h_mtp [B, T, H] (model dtype), logits [B, T, V] predicting t_{i+2}.
         """
@@ -136,11 +140,38 @@ class MtpLayer(nn.Module):
         emb = F.embedding(next_ids, model.embed_tokens.weight.detach())
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden.to(emb.dtype))], dim=-1))
         cos, sin = model.rotary(position_ids, x.dtype)
-        mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):  # device sync
+        if mask is None and attention_mask is not None and not bool(attention_mask.all()):  # device sync
             mask = causal_padding_mask(attention_mask)
         token_mask = attention_mask.reshape(-1).bool() if attention_mask is not None else None
         h, _ = self.block(x, cos, sin, mask, None, token_mask, None)
+        return h, F.linear(self.shared_head.norm(h), model.lm_head.weight.detach())
+
+    def forward_last(
+        self,
+        model: MoeForCausalLM,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s outputs at the last position only (what a drafter needs), with the block's MLP
+        (an MoE) and the output head on that position alone: every position still enters attention as a
+        key/value, and the last query attends them; equal to ``forward(...)[:, -1:]``. No host sync.
+
+        Args:
+            hidden, next_ids, position_ids: as ``forward`` ([B, T, H], [B, T], [B, T]).
+            mask: [B, 1, T, T] bool (True = attend), every query attending some key.
+        Returns:
+            h_mtp [B, 1, H] (model dtype), logits [B, 1, V] predicting the token after the last next id.
+        """
+        emb = F.embedding(next_ids, model.embed_tokens.weight.detach())
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden.to(emb.dtype))], dim=-1))
+        cos, sin = model.rotary(position_ids, x.dtype)
+        blk = self.block
+        x = x[:, -1:] + blk.self_attn(blk.input_layernorm(x), cos, sin, mask, None)[:, -1:]
+        y = blk.post_attention_layernorm(x)
+        y = blk.mlp(y, None, None)[0] if isinstance(blk.mlp, MoeBlock) else blk.mlp(y)
+        h = x + y
         return h, F.linear(self.shared_head.norm(h), model.lm_head.weight.detach())
 
 

@@ -199,6 +199,7 @@ class Engine:
         overlap = self.device.type == "cuda" if overlap_sync is None else bool(overlap_sync)
         self.host = HostSync(sync_every, overlap)
         """Tokens sampled on the device and not yet read by the host, and their copy (``host_sync.py``)."""
+        self.host.on_read = self._host_read
         self.speculation: SpeculativeDecoding | None = None
         """Speculative decoding (``moerl.rollout.spec_decode``; ``rollout.speculative``): a component that
         replaces a step's decode with a drafted-and-verified one when it says so; None = off. Needs a
@@ -345,6 +346,8 @@ class Engine:
         elif self.scheduler.running:
             self._decode()
             self.host.steps += 1
+            if self.speculation is not None:
+                self.speculation.policy.note_plain(1)
         if self.host.staged is not None:  # the copy started last step: read now, this step's decode runs
             done += self._finished(self.host.read_staged())
         if self._sync_due():
@@ -495,8 +498,7 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One prefill forward of ``rows`` into the cache (the policy binds it); returns the logits
         [R, T, V], row r's last computed position at ``len(tokens) - start - 1``, and with
-        ``want_hidden`` the final hidden states [R, T, H] (else None; the MTP drafter's input). Also the
-        verify forward of a speculative step (``moerl.rollout.spec_decode``)."""
+        ``want_hidden`` the final hidden states [R, T, H] (else None; the MTP drafter's input)."""
         ids, pos = self.policy.bind_prefill(rows)
         more = {"return_hidden": True} if want_hidden else {}  # only MoeForCausalLM knows it
         out = self.model(
@@ -511,16 +513,23 @@ class Engine:
         """Prefill each admission once (its first sample's cache), let the policy place the group's other
         samples, and sample each new sample's first token from the prompt's last logits (a readmitted
         sequence continues from its last token)."""
-        dev = self.device
         want_routed = any(a.request.params.return_routed_experts for a in admissions)
         rows = [PrefillRow(a.sequences[0], a.tokens, a.cached) for a in admissions]
         spec = self.speculation
         logits, hidden = self._forward_prefill(
             rows, want_routed, want_hidden=spec is not None and spec.wants_hidden
         )
-        if hidden is not None:  # the MTP drafter's first draft conditions on the prompt's hidden states
-            spec.observe_prefill(admissions, hidden)
         self.policy.place_prefill(admissions)
+        self._first_tokens(admissions, logits)
+        if spec is not None:
+            spec.policy.note_other()  # a prefill since the last sync: that run of steps is not timed
+        if hidden is not None:  # the MTP drafter's first draft conditions on the prompt's hidden states
+            spec.keep_prefill(self, admissions, hidden)
+
+    def _first_tokens(self, admissions: list[Admission], logits: torch.Tensor) -> None:
+        """The admitted rows' device state; each new sample's first token sampled from the prompt's last
+        logits (a readmitted sequence continues from its last token)."""
+        dev = self.device
         all_seqs = [s for a in admissions for s in a.sequences]
         slot_all = torch.tensor([s.slot for s in all_seqs], dtype=torch.int64, device=dev)
         self._set_slot_params(all_seqs, slot_all)
@@ -577,10 +586,9 @@ class Engine:
         CUDA-graph key), the forward that samples one token per row (``_decode_forward_no_sync``,
         replayed from a graph on CUDA), then the per-row state advanced outside the graph.
 
-        Speculative decoding (issue 49) fits here as draft -> verify -> accept: a draft before the
-        forward, a verify forward of k + 1 tokens per row (the policy then makes room for k + 1 tokens
-        in ``blocks_short`` / ``prepare_decode`` and binds them in ``bind_decode``), and the accepted
-        tokens recorded per row where ``_record`` records one.
+        A speculative step (``moerl.rollout.spec_decode``) replaces this with the same shape of work:
+        a graph-replayed forward of k + 1 decode rows per sequence (``verify_forward_no_sync``) that
+        drafts, verifies and accepts, then the rows' state advanced outside the graph.
         """
         seqs = self.scheduler.running
         a = len(seqs)
@@ -589,7 +597,15 @@ class Engine:
         want_routed = any(s.request.params.return_routed_experts for s in seqs)  # R3: graph-safe once
         rows = self._rows(slice(0, b), seqs)  # a prefill allocated the static buffer (in place, no sync)
         if self._graphs is not None and (not want_routed or self.cache.routed is not None):
-            key = (b, read_len, rows.all_greedy, rows.any_truncation, want_routed, *self._decode_variant())
+            key = (
+                b,
+                read_len,
+                rows.all_greedy,
+                rows.any_truncation,
+                want_routed,
+                self._keeps_hidden(),
+                *self._decode_variant(),
+            )
             tokens, logprobs = self._graphs.run(
                 key, lambda: self._decode_forward_no_sync(b, read_len, rows, want_routed)
             )
@@ -602,12 +618,20 @@ class Engine:
         self._decode_steps += 1
         self._decode_rows += a
 
+    def _host_read(self) -> None:
+        """The host read sampled tokens (``HostSync.on_read``): speculation measures its cost there."""
+        if self.speculation is not None:
+            self.speculation.policy.at_sync()
+
     def _decode_variant(self) -> tuple:
         """What else decides the decode step's Python path (part of its CUDA-graph key): the policy's."""
         return self.policy.decode_variant()
 
-    def _read_len(self, seqs: list[Sequence]) -> int:
-        """The decode's read length per row (keys for slots, blocks for paged; ``CachePolicy.read_len``)."""
+    def _read_len(self, seqs: list[Sequence], extra: int = 0) -> int:
+        """The decode's read length per row (keys for slots, blocks for paged; ``CachePolicy.read_len``);
+        ``extra``: positions fed past each row's next one (a speculative verify's drafts; paged only)."""
+        if extra:
+            return self.policy.read_len(seqs, self.attn_len_multiple, self._round_read_len, extra)
         return self.policy.read_len(seqs, self.attn_len_multiple, self._round_read_len)
 
     def _round_read_len(self, need: int, multiple: int, cap: int) -> int:
@@ -633,17 +657,69 @@ class Engine:
         seq_len = self._seq_len[:b]
         pos = seq_len - 1  # the last sampled token is fed at its own position
         self.policy.bind_decode(b, pos, read_len)
+        spec = self.speculation if self._keeps_hidden() else None
+        more = {"return_hidden": True} if spec is not None else {}  # only MoeForCausalLM knows it
         out = self.model(
             self._last_token[:b, None],
             None,
             pos[:, None],
             cache=self.cache,
             return_routed_experts=want_routed,
+            **more,
         )
         if want_routed:
             self.policy.record_routed(out.routed_experts)  # [B, 1, Lm, K]
         self.policy.unbind()
-        return sample_no_sync(out.logits[:, -1], rows, seq_len)
+        tokens, logprobs = sample_no_sync(out.logits[:, -1], rows, seq_len)
+        if spec is not None:  # the MTP drafter's ring: every fed position's hidden state, and its token
+            spec.keep_decode_no_sync(b, pos, out.hidden[:, -1], tokens)
+        return tokens, logprobs
+
+    def _keeps_hidden(self) -> bool:
+        """Whether decode steps hand their hidden states to the speculation's drafter (the MTP ring)."""
+        spec = self.speculation
+        return spec is not None and spec.wants_hidden and bool(spec.row_state)
+
+    def verify_forward_no_sync(
+        self,
+        b: int,
+        k: int,
+        read_len: int,
+        drafts: torch.Tensor,
+        num_drafts: torch.Tensor,
+        want_routed: bool,
+        *,
+        want_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A speculative verify as one decode forward over b * (k + 1) rows (``moerl.rollout.spec_decode``):
+        slot i's rows feed [t, d_0, ..., d_{k-1}] (t its last sampled token) at positions pos_i .. pos_i
+        + k (pos_i = its length - 1), through its block-table row (``bind_verify``); rows past its
+        ``num_drafts`` feed nothing (null block). Same contract as ``_decode_forward_no_sync``: device
+        state only, no host sync, the same cache writes if run twice (CUDA-graph capturable).
+
+        Args:
+            drafts: [b, k] int64. num_drafts: [b] int64 k_i <= k.
+        Returns:
+            logits [b, k + 1, V] (row j predicts the token after position pos_i + j), and with
+            ``want_hidden`` the final hidden states [b, k + 1, H] (else None).
+        """
+        k1, dev = k + 1, self.device
+        slot = torch.arange(b, device=dev)[:, None].expand(b, k1).reshape(-1)
+        j = torch.arange(k1, device=dev).repeat(b)
+        last = self._seq_len[:b] - 1
+        is_fed = j <= num_drafts[slot]
+        pos = torch.where(is_fed, last[slot] + j, last[slot])  # a row not fed writes the null block
+        ids = torch.cat([self._last_token[:b, None], drafts], 1).reshape(-1)
+        self.policy.bind_verify(slot, pos, is_fed, read_len)
+        more = {"return_hidden": True} if want_hidden else {}  # only MoeForCausalLM knows it
+        out = self.model(
+            ids[:, None], None, pos[:, None], cache=self.cache, return_routed_experts=want_routed, **more
+        )
+        if want_routed:
+            self.policy.record_routed(out.routed_experts)  # [b * (k + 1), 1, Lm, K]
+        self.policy.unbind()
+        hidden = out.hidden.view(b, k1, -1) if want_hidden else None
+        return out.logits.view(b, k1, -1), hidden
 
     def _bucket(self, a: int) -> int:
         if self.batch_buckets is None:
@@ -713,7 +789,7 @@ class Engine:
         self.policy.move_rows(src, dst)
         src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
         dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
-        for state in self._slot_state:
+        for state in self._slot_state + (self.speculation.row_state if self.speculation else []):
             state[dst_t] = state[src_t]
         self._reset_slots(src_t)
 

@@ -8,7 +8,12 @@ token or at ``max_new_tokens`` (``read_all``). With the overlapped sync (on by d
 is started without waiting (``stage``) and read a step later (``read_staged``), after the next decode
 was enqueued: the device decodes while the host finishes sequences.
 
-Shapes: M = rows of one pending entry (its running sequences), P = rows of all pending entries.
+A speculative step records one entry of several tokens per row (``record_several``: [M, J] tokens, of
+which row m emitted ``emitted[m]``, a device count); its rows' counts travel in the same copy.
+
+Shapes: M = rows of one pending entry (its running sequences), J = tokens per row of a speculative entry
+(K + 1), P = float64 values of all pending entries (2 per row of a one-token entry, 1 + 2J per row of a
+several-token entry).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ class _Staged:
     """A host copy of the first ``count`` pending entries' tokens, started without waiting (``stage``)."""
 
     count: int
-    values: torch.Tensor  # [P, 2] float64 on the host (pinned on CUDA): token id, log-prob
+    values: torch.Tensor  # [P] float64 on the host (pinned on CUDA): the entries' packed values
     copied: torch.cuda.Event | None  # recorded after the copy on CUDA
 
 
@@ -35,9 +40,19 @@ class _Pending:
     """Tokens sampled on the device and not yet copied to the host."""
 
     seqs: list[Sequence]
-    tokens: torch.Tensor  # [M] int64
-    logprobs: torch.Tensor  # [M] float32
+    tokens: torch.Tensor  # [M] int64, or [M, J] with ``emitted``
+    logprobs: torch.Tensor  # [M] float32, or [M, J] with ``emitted``
     version: int
+    emitted: torch.Tensor | None = None  # [M] int64 tokens row m emitted (a speculative step), else None
+    emitted_read: list[int] | None = None  # ``emitted`` once the host read it (``take``)
+
+    def packed(self) -> torch.Tensor:
+        """This entry's values, float64 on the device, row by row: (token, log-prob) per row, or
+        (emitted, J tokens, J log-probs) per row of a several-token entry."""
+        if self.emitted is None:
+            return torch.stack((self.tokens.double(), self.logprobs.double()), 1).reshape(-1)
+        cols = (self.emitted.double()[:, None], self.tokens.double(), self.logprobs.double())
+        return torch.cat(cols, 1).reshape(-1)
 
 
 class HostSync:
@@ -55,6 +70,9 @@ class HostSync:
         self.staged: _Staged | None = None  # a started copy of the first pending entries (``stage``)
         self.steps = 0
         """Steps recorded since the last copy (what ``due`` compares with ``sync_every``)."""
+        self.on_read: Callable[[], None] | None = None
+        """Called each time the host has read copied tokens (after waiting for them): the engine's
+        speculation measures its cost at these existing syncs."""
 
     def __bool__(self) -> bool:
         """Whether any token is pending (sampled and not yet read by the host)."""
@@ -69,6 +87,22 @@ class HostSync:
         for s in seqs:
             s.num_generated += 1
         self.pending.append(_Pending(list(seqs), tokens, logprobs, version))
+
+    def record_several(
+        self,
+        seqs: list[Sequence],
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        emitted: torch.Tensor,
+        version: int,
+    ) -> _Pending:
+        """One speculative step's tokens ([M, J] int64, on the device) and log-probs ([M, J] float32) of
+        ``seqs``, of which row m emitted the first ``emitted[m]`` ([M] int64, on the device). The rows'
+        ``num_generated`` grows when the host reads the counts (``take``), so the caller reads this entry
+        before it needs them. Returns the entry; its ``emitted_read`` holds the host counts once read."""
+        entry = _Pending(list(seqs), tokens, logprobs, version, emitted)
+        self.pending.append(entry)
+        return entry
 
     def due(self, at_limit: Callable[[], bool]) -> bool:
         """Whether a copy is due: tokens pending and ``sync_every`` steps since the last, or ``at_limit()``
@@ -107,29 +141,30 @@ class HostSync:
         done = self.read_staged() if self.staged is not None else []
         return done + (self.read_all() if self.pending else [])
 
-    def take(self, count: int, values: list[list[float]]) -> list[Sequence]:
-        """Append the host ``values`` (token id, log-prob per row) of the first ``count`` pending entries to
+    def take(self, count: int, values: list[float]) -> list[Sequence]:
+        """Append the host ``values`` (``_Pending.packed``, concatenated) of the first ``count`` pending entries to
         their sequences, with each entry's version; a sequence finishes at a stop token (``"stop"``) or its
         length limit (``"length"``). Entries left (recorded after a started copy) stay pending unless all
         their rows finished. Returns the sequences that finished."""
-        rows = iter(values)
+        if self.on_read is not None:
+            self.on_read()
+        flat = iter(values)
         finished: list[Sequence] = []
         for p in self.pending[:count]:
+            if p.emitted is not None:
+                p.emitted_read = []
             for seq in p.seqs:
-                tok_f, lp = next(rows)
-                tok = int(tok_f)
-                if seq.finish_reason is not None:
-                    continue  # sampled after its stop token before the host noticed: discarded
-                seq.token_ids.append(tok)
-                seq.logprobs.append(lp)
-                seq.policy_versions.append(p.version)
-                params = seq.request.params
-                if tok in params.stop_token_ids:
-                    seq.finish_reason = "stop"
-                elif len(seq.token_ids) >= params.max_new_tokens:
-                    seq.finish_reason = "length"
-                if seq.finish_reason is not None:
-                    finished.append(seq)
+                if p.emitted is None:
+                    toks, lps = [next(flat)], [next(flat)]
+                else:
+                    n, width = int(next(flat)), p.tokens.shape[1]
+                    row = [next(flat) for _ in range(2 * width)]
+                    toks, lps = row[:n], row[width : width + n]
+                    p.emitted_read.append(n)
+                    seq.num_generated += n  # a one-token entry counted its token at ``record``
+                for tok_f, lp in zip(toks, lps, strict=True):
+                    if _append(seq, int(tok_f), lp, p.version):
+                        finished.append(seq)
         del self.pending[:count]
         if finished and self.pending:  # tokens decoded after a row's last one carry nothing
             self.pending = [p for p in self.pending if any(s.finish_reason is None for s in p.seqs)]
@@ -143,6 +178,23 @@ class HostSync:
         self.steps = 0
 
     def _packed(self) -> torch.Tensor:
-        """[P, 2] float64 on the device: the pending entries' token ids (exact in float64) beside their
-        log-probs, in entry then row order."""
-        return torch.cat([torch.stack((p.tokens.double(), p.logprobs.double()), 1) for p in self.pending])
+        """[P] float64 on the device: the pending entries' values (``_Pending.packed``; token ids and
+        counts are exact in float64), in entry then row order."""
+        return torch.cat([p.packed() for p in self.pending])
+
+
+def _append(seq: Sequence, tok: int, logprob: float, version: int) -> bool:
+    """Append one read token to ``seq`` unless it already finished (a token sampled after its stop token
+    before the host noticed is discarded); returns whether ``seq`` finished with it (a stop token:
+    ``"stop"``; its ``max_new_tokens``: ``"length"``)."""
+    if seq.finish_reason is not None:
+        return False
+    seq.token_ids.append(tok)
+    seq.logprobs.append(logprob)
+    seq.policy_versions.append(version)
+    params = seq.request.params
+    if tok in params.stop_token_ids:
+        seq.finish_reason = "stop"
+    elif len(seq.token_ids) >= params.max_new_tokens:
+        seq.finish_reason = "length"
+    return seq.finish_reason is not None

@@ -260,16 +260,17 @@ class PagedCachePolicy:
         self._groups_stale = False
         self._has_groups = any(n)
 
-    def read_len(self, seqs: list[Sequence], multiple: int, round_len: RoundLen) -> int:
+    def read_len(self, seqs: list[Sequence], multiple: int, round_len: RoundLen, extra: int = 0) -> int:
         """W, blocks of the table each decode row is bound to: M when the kernel attends
         (``PagedKVCache.decode_reads_own_length``: each row reads its own length only, so one W serves
         every step and CUDA graphs are keyed by B alone); else the longest sequence's, rounded up to
         whole multiples of ``multiple`` tokens (with CUDA graphs also to four keys per doubling), capped
-        at M (a CUDA-graph key)."""
+        at M (a CUDA-graph key). ``extra``: positions each row feeds past its next one (a speculative
+        verify's drafts)."""
         if self.kv.decode_reads_own_length:
             return self.max_blocks
         bs = self.block_size
-        need = -(-max(s.seq_len for s in seqs) // bs)
+        need = -(-(max(s.seq_len for s in seqs) + extra) // bs)
         return round_len(need, max(1, multiple // bs), self.max_blocks)
 
     def decode_variant(self) -> tuple:
@@ -286,6 +287,24 @@ class PagedCachePolicy:
                 p.leaders[: prefix_max_groups(b)], p.n[:b], p.length[:b], p.rows[:b], p.start[:b]
             )
         self.kv.bind_decode(self._block_table[:b, :read_len], positions, groups)
+
+    def bind_verify(
+        self, table_rows: torch.Tensor, positions: torch.Tensor, is_fed: torch.Tensor, read_len: int
+    ) -> None:
+        """A speculative verify as a decode of R rows (``moerl.rollout.spec_decode``): row r reads and
+        writes through the block-table row ``table_rows[r]`` (several rows share a sequence's) at
+        ``positions[r]``; a row that feeds nothing (``is_fed`` False: past its sequence's drafts) gets the
+        null block's table, so its write lands there. Device tensors only, fixed shapes: CUDA-graph safe.
+        The layers write every row's key/value before attending, so a row sees the rows of its sequence
+        at lower positions. No prefix groups (each row reads its own keys).
+
+        Args:
+            table_rows: [R] int64 rows of the block table (< B). positions: [R] int64 (< ``read_len`` *
+                bs). is_fed: [R] bool. read_len: W blocks read per row.
+        """
+        table = self._block_table[:, :read_len].index_select(0, table_rows)
+        table = torch.where(is_fed[:, None], table, self.kv.null_block)
+        self.kv.bind_decode(table, positions, None)
 
     # -- Finishing ----------------------------------------------------------------------------------
 

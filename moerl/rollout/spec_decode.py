@@ -1,27 +1,29 @@
-"""The engine's speculative decode step: draft, verify in one forward, accept, record.
+"""The engine's speculative decode step: draft, verify in one decode-shaped forward, accept, record.
 
-Shapes: B running sequences, K = ``rollout.speculative_tokens``, V vocabulary, H hidden size.
+Shapes: B decode rows (the running sequences, rounded up to a batch bucket), K =
+``rollout.speculative_tokens``, k <= K drafts this step, V vocabulary, H hidden size.
 
 ``SpeculativeDecoding`` is a component the engine holds (``Engine.speculation``; None when
-``rollout.speculative=off``), over a cache policy that can reserve room for drafts
-(``PagedCachePolicy.room_for_drafts``); ``Engine.step`` asks it, once per step, whether to speculate
-(``SpecPolicy``) and then calls ``step(engine)`` instead of the plain decode. One speculative step:
+``rollout.speculative=off``), over a cache policy that can reserve room for drafts and bind a verify
+(``PagedCachePolicy.room_for_drafts``, ``bind_verify``); ``Engine.step`` asks it, once per step, whether
+to speculate (``SpecPolicy``) and then calls ``step(engine)`` instead of the plain decode. One step:
 
-1. the host learns every pending token (a sync; drafting needs the context on the host);
-2. the drafter proposes k_b <= K tokens per row (fewer near ``max_new_tokens``, or where the cache has
-   no block for them);
-3. one forward over [t, d_0, ..., d_{k_b - 1}] per row, through the engine's prefill path
-   (``Engine._forward_prefill``: each row attends over its cached prefix and writes the keys,
-   values and, with R3, the routed experts of those positions into its blocks);
-4. ``moerl.rollout.speculative.verify_drafts`` keeps a_b drafts and adds one token (exact policy
-   distribution); the a_b + 1 tokens are recorded with the policy's log-probs and the step's version;
-5. the sequence's length advances by a_b + 1 and its last token becomes the next input. Positions of
-   rejected drafts were written but lie beyond the length: never read, and overwritten (keys, values and
-   routed experts) by the next step, which starts at the first of them -- so R3 records are those of
-   accepted tokens only;
-6. the new tokens are synced (stop tokens and length limits as in a plain step).
-
-The step runs eagerly (no CUDA graph): its shapes vary with the drafts.
+1. the host gives each sequence room for k_b <= K drafts (fewer near ``max_new_tokens`` or where the
+   cache has no free block; the n-gram drafter proposes on the host first, from the synced context);
+2. one function, replayed from a CUDA graph keyed by (B, k, read length, sampling flags, R3), with no
+   host sync (``forward_no_sync``): the MTP drafter drafts on the device from its ring of hidden states
+   (``speculative.MtpDrafter``; the n-gram drafts come from a device buffer); the verify forward feeds
+   each sequence's [t, d_0, ..., d_{k-1}] as k + 1 decode ROWS that share the sequence's block-table
+   row, at positions pos .. pos + k (``Engine.verify_forward_no_sync``): every row writes its key and
+   value (and, with R3, its routed experts) at its own position before the layer attends, so row j
+   sees rows < j of its sequence; ``verify_drafts`` keeps a_b drafts and adds one token (exact policy
+   distribution); the MTP ring takes the verify's hidden states;
+3. outside the graph the rows' device state advances (last token, length) and the a_b + 1 tokens go
+   to the host sync as one entry (``HostSync.record_several``), read at once with every pending token:
+   the step's one host sync (the host needs the lengths to plan the next step);
+4. positions of rejected drafts were written but lie beyond the length: never read, and overwritten
+   (keys, values, routed experts) by the next step, which starts at the first of them -- so R3 records
+   are those of accepted tokens only.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moerl.rollout.cache_policy import PrefillRow
+from moerl.rollout.cuda_graphs import GraphRunner
 from moerl.rollout.params import Completion
 from moerl.rollout.speculative import (
     Drafter,
@@ -45,10 +47,11 @@ from moerl.rollout.speculative import (
 if TYPE_CHECKING:
     from moerl.config import RolloutConfig
     from moerl.rollout.engine import Engine
+    from moerl.rollout.sampler import SamplingRows
     from moerl.rollout.scheduler import Sequence
 
 
-def make_drafter(kind: str, model: torch.nn.Module) -> Drafter:
+def make_drafter(kind: str, model: torch.nn.Module) -> Drafter | MtpDrafter:
     """The drafter of ``rollout.speculative`` (``mtp`` or ``ngram``).
 
     Raises:
@@ -65,12 +68,14 @@ class SpeculativeDecoding:
     """Drafter, tokens per step and the when-to-speculate policy of one engine (module docstring).
 
     Args:
-        drafter: proposes the drafts (``moerl.rollout.speculative.Drafter``).
+        drafter: proposes the drafts: a host ``speculative.Drafter`` or the device ``MtpDrafter``.
         num_tokens: K, drafts per sequence and step at most.
         policy: decides which steps speculate; default ``SpecPolicy()``.
     """
 
-    def __init__(self, drafter: Drafter, num_tokens: int, policy: SpecPolicy | None = None) -> None:
+    def __init__(
+        self, drafter: Drafter | MtpDrafter, num_tokens: int, policy: SpecPolicy | None = None
+    ) -> None:
         if num_tokens < 1:
             raise ValueError(f"num_tokens={num_tokens} must be >= 1")
         self.drafter = drafter
@@ -79,6 +84,11 @@ class SpeculativeDecoding:
         self.timer = SpecTimer()
         self.num_drafted = 0
         self.num_accepted = 0
+        self._draft_tokens: torch.Tensor | None = None  # [N, K] int64 host drafts (static: graph input)
+        self._num_drafts: torch.Tensor | None = None  # [N] int64 k_b of each row (static: graph input)
+        self.graphs: GraphRunner | None = None
+        """CUDA graphs of the speculative step (``forward_no_sync``), one per (B, k, read length, sampling
+        flags, R3) key; None off CUDA or with the engine's graphs off."""
 
     @classmethod
     def from_config(cls, model: torch.nn.Module, cfg: RolloutConfig) -> SpeculativeDecoding | None:
@@ -93,99 +103,176 @@ class SpeculativeDecoding:
 
     @property
     def wants_hidden(self) -> bool:
-        """Whether the drafter conditions on the policy's hidden states (the MTP drafter)."""
+        """Whether the drafter conditions on the policy's hidden states (the MTP drafter's ring)."""
         return isinstance(self.drafter, MtpDrafter)
 
-    def observe_prefill(self, admissions, hidden: torch.Tensor) -> None:
-        """Hand a prefill's hidden states [R, T, H] (row r: positions ``cached ..`` of admission r's tokens)
-        to the drafter for every sequence of the admission (a group's samples share its prompt)."""
+    @property
+    def row_state(self) -> list[torch.Tensor]:
+        """Per-row device tensors that move with their row on compaction (the MTP ring)."""
+        return self.drafter.row_state if isinstance(self.drafter, MtpDrafter) else []
+
+    # -- Hidden states for the MTP drafter (prefill and plain decode) -----------------------------
+
+    def keep_prefill(self, engine: Engine, admissions, hidden: torch.Tensor) -> None:
+        """A prefill's hidden states [R, T, H] (row r: positions ``cached ..`` of admission r's tokens)
+        into the MTP ring of every sequence of the admission (a group's samples share its prompt), with
+        the token after each position (the last: the sequence's next input, already set)."""
+        if not isinstance(self.drafter, MtpDrafter):
+            return
+        self.drafter.allocate(engine.num_slots, self.num_tokens, hidden)
+        rows, first, ids, of = [], [], [], []
         for r, a in enumerate(admissions):
-            n = len(a.tokens) - a.cached
             for s in a.sequences:
-                self.drafter.observe(id(s), a.cached, hidden[r, :n])
+                rows.append(s.slot)
+                first.append(a.cached)
+                ids.append(a.tokens[a.cached :])
+                of.append(r)
+        slots = torch.tensor(rows, dtype=torch.int64, device=engine.device)
+        self.drafter.keep_prefill(rows, first, ids, hidden, of, engine._last_token[slots])
+
+    def keep_decode_no_sync(self, b: int, positions: torch.Tensor, hidden: torch.Tensor, tokens) -> None:
+        """A plain decode step's hidden states [B, H] at ``positions`` [B] and its sampled tokens [B] into
+        the MTP ring of rows 0..B-1 (inside the decode's CUDA graph; no host sync)."""
+        if isinstance(self.drafter, MtpDrafter) and self.drafter.hidden is not None:
+            rows = torch.arange(b, device=positions.device)
+            self.drafter.keep_no_sync(rows, positions, hidden, tokens)
+
+    # -- The step ----------------------------------------------------------------------------------
 
     def should_speculate(self, engine: Engine) -> bool:
         """Whether this engine step speculates (``SpecPolicy.should_speculate`` on the running count)."""
         return self.policy.should_speculate(len(engine.scheduler.running))
 
     def step(self, engine: Engine) -> list[Completion]:
-        """One speculative decode step of every running sequence; returns the completions it finished."""
-        done = engine._sync_all()
+        """One speculative decode step of every running sequence; returns the completions it finished.
+        Falls back to a plain decode step when no sequence has a draft."""
+        done = engine._sync_all()  # a no-op after a speculative step; the n-gram drafter reads the context
         seqs = list(engine.scheduler.running)
         if not seqs:
             return done
-        dev = engine.device
-        slot_idx = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=dev)
-        rows = engine._rows(slot_idx, seqs)
-        contexts = [list(s.request.prompt_ids) + s.token_ids for s in seqs]
-        requests = [
-            DraftRequest(ctx, self._room(s), s.noise_key, id(s))
-            for s, ctx in zip(seqs, contexts, strict=True)
-        ]
-        with self.timer:
-            drafts = self.drafter.propose(requests, rows, self.num_tokens)
-        counts = [
-            engine.policy.room_for_drafts(s, n) for s, n in zip(seqs, drafts.num_drafts.tolist(), strict=True)
-        ]
+        start = self.policy.clock()
+        self._buffers(engine)
+        a, b = len(seqs), engine._bucket(len(seqs))
+        rows = engine._rows(slice(0, b), seqs)
+        counts = self._plan_drafts(engine, seqs, rows)
         k = max(counts)
+        if k == 0:  # nothing drafted (no n-gram match, or no room): a plain step
+            engine._decode()
+            engine.host.steps += 1
+            self.policy.note_plain(1)
+            return done
+        read_len = engine._read_len(seqs, extra=k)
         want_routed = any(s.request.params.return_routed_experts for s in seqs)
-        want_hidden = self.wants_hidden
-        draft_ids = drafts.tokens[:, :k].tolist() if k else [[] for _ in seqs]
-        starts = [s.seq_len - 1 for s in seqs]
-        rows_in = [
-            PrefillRow(s, ctx + d[:n], s.seq_len - 1)
-            for s, ctx, d, n in zip(seqs, contexts, draft_ids, counts, strict=True)
-        ]
-        logits, hidden = engine._forward_prefill(rows_in, want_routed, want_hidden=want_hidden)
-        first = torch.tensor([s.seq_len for s in seqs], dtype=torch.int64, device=dev)
-        probs = None if drafts.probs is None or k == 0 else drafts.probs[:, :k]
-        ver = verify_drafts(
-            logits[:, : k + 1],
-            drafts.tokens[:, : max(k, 1)],
-            probs,
-            torch.tensor(counts, dtype=torch.int64, device=dev),
-            rows,
-            first,
-        )
-        accepted = ver.num_accepted.tolist()  # host sync: the step's lengths decide the next one
-        self._record(engine, seqs, ver, accepted, slot_idx, first)
-        if hidden is not None:
-            for b, s in enumerate(seqs):
-                self.drafter.observe(id(s), starts[b], hidden[b, : accepted[b] + 1])
+        fn = lambda: self.forward_no_sync(engine, b, k, read_len, rows, want_routed)  # noqa: E731
+        graphs = self.graphs
+        if graphs is not None and (not want_routed or engine.cache.routed is not None):
+            key = ("verify", k, b, read_len, rows.all_greedy, rows.any_truncation, want_routed)
+            tokens, logprobs, accepted = graphs.run(key, fn)
+        else:
+            tokens, logprobs, accepted = fn()
+        emitted = accepted + 1  # advanced outside the graph: a capture's warm-up runs the step once more
+        engine._last_token[:b] = tokens.gather(1, (emitted - 1)[:, None])[:, 0]
+        engine._seq_len[:b] += emitted * engine._active[:b]
+        entry = engine.host.record_several(seqs, tokens[:a], logprobs[:a], emitted[:a], engine.version)
+        engine._decode_steps += 1
+        engine._decode_rows += a
+        done += engine._sync_all()  # the step's host sync: its counts and tokens, with every pending one
+        num_emitted = sum(entry.emitted_read)
+        self.policy.note_spec(num_emitted / a, self.policy.clock() - start)
         self.num_drafted += sum(counts)
-        self.num_accepted += sum(accepted)
-        self.policy.record(sum(counts), sum(accepted), sum(accepted) + len(seqs))
-        done += engine._sync_all()
-        self.drafter.forget({id(s) for s in engine.scheduler.running})
+        self.num_accepted += num_emitted - a
+        self.policy.record(sum(counts), num_emitted - a, num_emitted)
         return done
+
+    def forward_no_sync(
+        self, engine: Engine, b: int, k: int, read_len: int, rows: SamplingRows, want_routed: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft (on the device, or the host drafts' buffer), verify and accept for rows 0..b-1: the unit
+        a CUDA graph captures per (b, k, read_len, flags) key. Reads the engine's per-row device state
+        and this component's buffers; writes only the KV cache (and R3 records, the MTP ring) at
+        positions past each row's length, the same values if run twice; never waits for the device.
+
+        Returns:
+            tokens [b, k + 1] int64, logprobs [b, k + 1] float32 (valid up to a_b + 1), a_b [b] int64.
+        """
+        num_drafts = self._num_drafts[:b]
+        first = engine._seq_len[:b]  # the position of each row's first emitted token
+        probs = None
+        if isinstance(self.drafter, MtpDrafter):
+            drafts, probs = self.drafter.draft_no_sync(first - 2, rows, k)
+        else:
+            drafts = self._draft_tokens[:b, :k]
+        logits, hidden = engine.verify_forward_no_sync(
+            b, k, read_len, drafts, num_drafts, want_routed, want_hidden=self.wants_hidden
+        )
+        ver = verify_drafts(logits, drafts, probs, num_drafts, rows, first)
+        if hidden is not None:  # the MTP ring: positions first - 1 .. first - 1 + k and their next tokens
+            # (those past the a_b + 1 kept ones lie past the new last fed position: the next step
+            # overwrites them before any draft reads them)
+            j = torch.arange(k + 1, device=first.device)
+            row = torch.arange(b, device=first.device)[:, None].expand(b, k + 1).reshape(-1)
+            pos = (first[:, None] - 1 + j).reshape(-1)
+            self.drafter.keep_no_sync(row, pos, hidden.flatten(0, 1), ver.tokens.reshape(-1))
+        return ver.tokens, ver.logprobs, ver.num_accepted
+
+    def _plan_drafts(self, engine: Engine, seqs: list[Sequence], rows: SamplingRows) -> list[int]:
+        """k_b of each sequence (host ints), with the blocks their drafted positions need; the n-gram
+        drafter's tokens copied into the device buffer; both copies start without a host sync."""
+        if isinstance(self.drafter, MtpDrafter):
+            if not self.drafter.row_state:  # no prefill has filled the ring yet (speculation set late)
+                return [0] * len(seqs)
+            counts = [engine.policy.room_for_drafts(s, self._room(s)) for s in seqs]
+        else:
+            reqs = [
+                DraftRequest(list(s.request.prompt_ids) + s.token_ids, self._room(s), s.noise_key)
+                for s in seqs
+            ]
+            with self.timer:
+                drafts = self.drafter.propose(reqs, rows, self.num_tokens)
+            found = drafts.num_drafts.cpu().tolist()  # host tensors (a host drafter): no device sync
+            counts = [engine.policy.room_for_drafts(s, n) for s, n in zip(seqs, found, strict=True)]
+            host = drafts.tokens.cpu()[:, : self.num_tokens]
+            self._draft_tokens[: len(seqs), : host.shape[1]].copy_(_to_device_no_sync(host, engine.device))
+        self._num_drafts.zero_()
+        self._num_drafts[: len(seqs)] = _to_device_no_sync(
+            torch.tensor(counts, dtype=torch.int64), engine.device
+        )
+        return counts
+
+    def _buffers(self, engine: Engine) -> None:
+        """The static device buffers of the step (once per engine)."""
+        if self._num_drafts is None:
+            n, dev = engine.num_slots, engine.device
+            self._draft_tokens = torch.zeros(n, self.num_tokens, dtype=torch.int64, device=dev)
+            self._num_drafts = torch.zeros(n, dtype=torch.int64, device=dev)
+            # its own runner: a verify step that cannot be captured leaves the plain decode's graphs on
+            self.graphs = GraphRunner(dev) if engine._graphs is not None else None
 
     def _room(self, seq: Sequence) -> int:
         """Drafts this sequence may take: K, fewer when its length limit is near (the step emits a + 1)."""
         left = seq.request.params.max_new_tokens - seq.num_generated - 1
         return max(0, min(self.num_tokens, left))
 
-    @staticmethod
-    def _record(engine: Engine, seqs, ver, accepted: list[int], slot_idx, first) -> None:
-        """The emitted tokens as pending entries (one per position j: the rows that emitted a j-th token)
-        and the rows' device state (last token, length)."""
-        emitted = [a + 1 for a in accepted]
-        for j in range(max(emitted)):
-            idx = [b for b, e in enumerate(emitted) if e > j]
-            sel = torch.tensor(idx, dtype=torch.int64, device=engine.device)
-            engine._record([seqs[b] for b in idx], ver.tokens[sel, j], ver.logprobs[sel, j])
-        n = torch.tensor(emitted, dtype=torch.int64, device=engine.device)
-        engine._last_token[slot_idx] = ver.tokens[torch.arange(len(seqs), device=engine.device), n - 1]
-        engine._seq_len[slot_idx] = first + n
-        engine._decode_steps += 1
-        engine._decode_rows += len(seqs)
-
     def stats(self) -> dict[str, float | int | None]:
         """``EngineStats`` fields of speculation (``spec_*``)."""
+        pol = self.policy
         return {
-            "spec_steps": self.policy.num_spec_steps,
+            "spec_steps": pol.num_spec_steps,
             "spec_drafted": self.num_drafted,
             "spec_accepted": self.num_accepted,
-            "spec_acceptance_recent": self.policy.acceptance_rate,
-            "spec_accepted_per_step_recent": self.policy.accepted_per_step,
+            "spec_acceptance_recent": pol.acceptance_rate,
+            "spec_accepted_per_step_recent": pol.accepted_per_step,
             "spec_draft_s": self.timer.draft_s,
+            "spec_off_batch": pol.num_off_batch,
+            "spec_off_acceptance": pol.num_off_acceptance,
+            "spec_off_cost": pol.num_off_cost,
+            "spec_step_ms": pol.mean_step_ms("spec"),
+            "plain_step_ms": pol.mean_step_ms("plain"),
         }
+
+
+def _to_device_no_sync(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``; on CUDA from pinned memory without waiting (no host sync)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

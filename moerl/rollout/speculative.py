@@ -28,14 +28,19 @@ equals a plain decode step.
 Drafters (``DRAFTERS``, ``rollout.speculative``): ``ngram`` (prompt lookup: the tokens that followed the
 latest earlier occurrence of the context's last n-gram; Saxena 2023, "Prompt Lookup Decoding") and
 ``mtp`` (the policy's multi-token-prediction module, ``moerl.models.mtp``, chained k times on its own
-hidden state). ``SpecPolicy`` decides per engine step whether to speculate at all (batch size and the
-recent acceptance rate).
+hidden state, on the device from a ring of the policy's hidden states). ``SpecPolicy`` decides per
+engine step whether to speculate at all (batch size, the recent acceptance rate, and the measured cost
+of speculative against plain steps).
+
+``verify_drafts`` and ``MtpDrafter.draft_no_sync`` never wait for the device: the engine replays them,
+with the verify forward, from one CUDA graph (``moerl.rollout.spec_decode``).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -72,7 +77,7 @@ def policy_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     temp = torch.where(greedy, torch.ones_like(rows.temperature), rows.temperature)
     scaled = (logits.float() / temp[:, None, None]).reshape(b * j, v)
     if rows.any_truncation and not rows.all_greedy:
-        keep = truncation_mask(scaled, rows.top_k.repeat_interleave(j), rows.top_p.repeat_interleave(j))
+        keep = truncation_mask(scaled, _repeat(rows.top_k, j), _repeat(rows.top_p, j))
         scaled = scaled.masked_fill(~keep, float("-inf"))
     probs = scaled.double().softmax(-1).view(b, j, v)
     onehot = torch.zeros_like(probs).scatter_(-1, logits.float().argmax(-1, keepdim=True), 1.0)
@@ -109,7 +114,8 @@ def verify_drafts(
 ) -> Verified:
     """Accept or reject each row's drafts by the rejection-sampling rule (module docstring; Leviathan et
     al. 2023 Algorithm 1, Chen et al. 2023 Algorithm 2), so each emitted token has the policy's
-    distribution.
+    distribution. Every branch (accept test, residual draw, the sampler's own draw) is computed for every
+    row and position and selected on the device: no host sync, fixed shapes (a CUDA graph holds it).
 
     Args:
         target_logits: [B, K + 1, V] the policy's logits at the positions of [t, d_0, ..., d_{K-1}]:
@@ -123,43 +129,61 @@ def verify_drafts(
     Returns:
         ``Verified``.
     """
-    b, k1, _ = target_logits.shape
-    dev = target_logits.device
-    p = policy_probs(target_logits, rows)
+    b, k1, v = target_logits.shape
+    k = k1 - 1
+    pos = first_position[:, None] + torch.arange(k1, device=target_logits.device)  # [B, K + 1]
+    # every branch for every row, selected below without a host sync (a CUDA graph can hold it):
+    # the sampler's own draw at each position (the token after the last accepted draft when the row
+    # has no draft left there: a plain decode step when k_b = 0) ...
+    bonus, _ = sample_no_sync(target_logits.reshape(b * k1, v), repeat_rows(rows, k1), pos.reshape(-1))
+    bonus = bonus.view(b, k1)
     greedy = rows.temperature == 0.0
     temp = torch.where(greedy, torch.ones_like(rows.temperature), rows.temperature).float()
     scaled = target_logits.float() / temp[:, None, None]
-    tokens = torch.zeros(b, k1, dtype=torch.int64, device=dev)
-    accepted = torch.zeros(b, dtype=torch.int64, device=dev)
-    running = torch.ones(b, dtype=torch.bool, device=dev)
-    k_acc, k_res = purpose_keys(rows.keys, _ACCEPT), purpose_keys(rows.keys, _RESIDUAL)
-    for j in range(k1):
-        pos = first_position + j
-        has_draft = running & (num_drafts > j)
-        bonus = running & (num_drafts == j)
-        if bool(bonus.any()):  # the sampler's own draw at this position: a plain decode step
-            tok, _ = sample_no_sync(target_logits[:, j], rows, pos)
-            tokens[:, j] = torch.where(bonus, tok, tokens[:, j])
-        if j == k1 - 1 or not bool(has_draft.any()):
-            running &= ~bonus
-            break
-        d = drafts[:, j]
-        pj = p[:, j]
+    num_drafts = num_drafts.to(torch.int64)
+    tokens = bonus
+    accepted = torch.zeros_like(num_drafts)
+    if k > 0:  # ... the accept test and the residual draw at each drafted position
+        d = drafts[:, :k]
+        p = policy_probs(target_logits[:, :k], rows)  # [B, K, V]
         if draft_probs is None:
-            q = torch.zeros_like(pj).scatter_(-1, d[:, None], 1.0)
+            q = torch.zeros_like(p).scatter_(-1, d[..., None], 1.0)
         else:
-            q = draft_probs[:, j].double()
-        ratio = pj.gather(-1, d[:, None]).squeeze(-1) / q.gather(-1, d[:, None]).squeeze(-1).clamp(min=1e-300)
-        ok = uniform_no_sync(k_acc, pos) < ratio
-        residual = (pj - q).clamp(min=0.0)
-        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, pj)  # p == q up to rounding
-        fixed = draw(residual, uniform_no_sync(k_res, pos))
-        take = has_draft & ok
-        tokens[:, j] = torch.where(take, d, torch.where(has_draft, fixed, tokens[:, j]))
-        accepted += take.long()
-        running &= ~bonus & ~(has_draft & ~ok)
+            q = draft_probs[:, :k].double()
+        p_d = p.gather(-1, d[..., None]).squeeze(-1)
+        q_d = q.gather(-1, d[..., None]).squeeze(-1).clamp(min=1e-300)
+        ok = uniform_no_sync(purpose_keys(rows.keys, _ACCEPT)[:, None].expand(b, k), pos[:, :k]) < p_d / q_d
+        residual = (p - q).clamp(min=0.0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # p == q up to rounding
+        u_res = uniform_no_sync(purpose_keys(rows.keys, _RESIDUAL)[:, None].expand(b, k), pos[:, :k])
+        fixed = draw(residual.reshape(b * k, v), u_res.reshape(-1)).view(b, k)
+        j = torch.arange(k, device=d.device)
+        has_draft = j[None, :] < num_drafts[:, None]
+        accepted = (has_draft & ok).long().cumprod(-1).sum(-1)  # a: the leading accepted drafts
+        at = torch.arange(k1, device=d.device)[None, :]
+        rejected = torch.cat([fixed, fixed[:, :1]], 1)  # position K has no draft (a bonus there)
+        last = torch.where((accepted < num_drafts)[:, None], rejected, bonus)  # token at position a
+        drafted = torch.cat([d, d[:, :1]], 1)
+        tokens = torch.where(at < accepted[:, None], drafted, torch.where(at == accepted[:, None], last, 0))
     logp = scaled.gather(-1, tokens[..., None]).squeeze(-1) - scaled.logsumexp(-1)
     return Verified(tokens=tokens, logprobs=logp, num_accepted=accepted)
+
+
+def _repeat(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[B] -> [B * n], each entry ``n`` times in place (``repeat_interleave`` by a view: no host sync)."""
+    return x[:, None].expand(x.shape[0], n).reshape(-1)
+
+
+def repeat_rows(rows: SamplingRows, n: int) -> SamplingRows:
+    """``rows`` with each row repeated ``n`` times in place (row b -> rows b*n .. b*n + n - 1)."""
+    return SamplingRows(
+        temperature=_repeat(rows.temperature, n),
+        top_k=_repeat(rows.top_k, n),
+        top_p=_repeat(rows.top_p, n),
+        keys=_repeat(rows.keys, n),
+        all_greedy=rows.all_greedy,
+        any_truncation=rows.any_truncation,
+    )
 
 
 # -- Drafters -----------------------------------------------------------------------------------
@@ -175,8 +199,6 @@ class DraftRequest:
     """k_b: drafts wanted at most (0: none)."""
     key: int
     """The row's noise key (``sampler.sample_key``)."""
-    seq_id: int
-    """Identity of the sequence (drafter state such as the MTP's hidden history is kept by it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,19 +214,11 @@ class Drafts:
 
 
 class Drafter(Protocol):
-    """Proposes tokens for a batch of rows; ``observe`` gets the policy's hidden states of the positions
-    the verify forward fed and kept (for drafters that condition on them)."""
+    """Proposes tokens on the host for a batch of rows (the n-gram drafter): the engine copies them into
+    the verify step's device buffer. (The MTP drafter drafts on the device: ``MtpDrafter``.)"""
 
     def propose(self, requests: Seq[DraftRequest], rows: SamplingRows, k: int) -> Drafts:
-        """At most ``k`` drafts per row (each row's ``max_drafts`` caps it)."""
-        ...
-
-    def observe(self, seq_id: int, first_position: int, hidden: torch.Tensor) -> None:
-        """The policy's final hidden states [n, H] of positions ``first_position .. + n - 1``."""
-        ...
-
-    def forget(self, live: set[int]) -> None:
-        """Drop the state of every sequence not in ``live``."""
+        """At most ``k`` drafts per row (each row's ``max_drafts`` caps it); host tensors."""
         ...
 
 
@@ -225,8 +239,7 @@ class NgramDrafter:
             found = self.lookup(req.context, min(k, req.max_drafts))
             out[r, : len(found)] = torch.tensor(found, dtype=torch.int64)
             counts[r] = len(found)
-        dev = rows.keys.device
-        return Drafts(tokens=out.to(dev), num_drafts=counts.to(dev))
+        return Drafts(tokens=out, num_drafts=counts)  # host tensors: the engine copies them over
 
     def lookup(self, context: list[int], k: int) -> list[int]:
         """The up to ``k`` tokens after the latest earlier occurrence of the longest matching suffix."""
@@ -239,113 +252,147 @@ class NgramDrafter:
                     return context[start + n : start + n + k]
         return []
 
-    def observe(self, seq_id: int, first_position: int, hidden: torch.Tensor) -> None:
-        """Not used: the n-gram drafter needs no hidden states."""
 
-    def forget(self, live: set[int]) -> None:
-        """Nothing kept."""
-
-
-@dataclass(slots=True)
 class MtpDrafter:
-    """Drafts from the policy's MTP module (``moerl.models.mtp``): d_0 from (Emb(t), h) of the last fed
-    position, then d_j from (Emb(d_{j-1}), h^mtp_{j-1}) (the layer chained on its own output, as vLLM does
-    for k > depth). The MTP block attends over the last ``window`` positions (recomputed each draft, no
-    cache of its own), so a sequence keeps the policy's last ``window`` hidden states (``observe``);
-    a sequence with no hidden state of its last fed position yet (its first step after a prefill or a
-    pause in speculation) gets 0 drafts. Drafts are sampled from q = ``policy_probs`` of the MTP logits
-    (greedy rows: its argmax).
+    """Drafts on the device from the policy's MTP module (``moerl.models.mtp``): d_0 from (Emb(t), h) of
+    the last fed position, then d_j from (Emb(d_{j-1}), h^mtp_{j-1}) (the layer chained on its own
+    output, as vLLM does for k > depth). Drafts are sampled from q = ``policy_probs`` of the MTP logits
+    (greedy rows: its argmax) with the counter-based uniforms of purpose ``_DRAFT``.
 
+    The MTP block attends over the last ``window`` fed positions (recomputed each draft, no cache of its
+    own), read from a device ring per engine row: the policy's final hidden state h_i and the token
+    t_{i+1} after each fed position i, written by the prefill (``keep_prefill``), by every plain decode
+    step and by the verify step (``keep_no_sync``); so every running sequence can
+    draft at every step, with fixed shapes per (B, k) and no host sync (a CUDA graph holds it).
+
+    Ring: C = ``window`` + K + 1 columns per row, position i in column i mod C, so the verify's writes (at
+    the K + 1 positions after the window) never overwrite what the same step's draft reads (running the
+    step twice, as a CUDA-graph capture does, reads the same window).
+
+    Args:
+        model: the policy (its ``mtp_layers[0]``; embedding, head and rotary are the policy's).
+        window: W, fed positions the MTP block attends over.
     Raises:
         ValueError: the model has no MTP layer.
     """
 
-    model: torch.nn.Module
-    window: int = 32
-    history: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
-    """seq_id -> (position of the first kept hidden state, [n, H] hidden states)."""
+    on_device = True
 
-    def __post_init__(self) -> None:
-        if not len(getattr(self.model, "mtp_layers", ())):
+    def __init__(self, model: torch.nn.Module, window: int = 32) -> None:
+        if not len(getattr(model, "mtp_layers", ())):
             raise ValueError("rollout.speculative=mtp needs a policy with an MTP layer (moerl.models.mtp)")
+        self.model = model
+        self.window = window
+        self.columns = window + 1  # C, set by ``allocate`` (window + K + 1)
+        self.hidden: torch.Tensor | None = None
+        """[N, C, H] model dtype: h_i of fed position i in column i mod C."""
+        self.next_ids: torch.Tensor | None = None
+        """[N, C] int64: t_{i+1}, the token after fed position i, beside its hidden state."""
+        self.first_position: torch.Tensor | None = None
+        """[N] int64: the oldest position the row's ring holds for its sequence (its prefill's first)."""
 
-    def observe(self, seq_id: int, first_position: int, hidden: torch.Tensor) -> None:
-        """Append hidden states; keep only a contiguous run of the last ``window`` positions."""
-        start, old = self.history.get(seq_id, (first_position, hidden[:0]))
-        if start + old.shape[0] != first_position:  # a gap (speculation paused): start again
-            start, old = first_position, hidden[:0]
-        both = torch.cat([old, hidden.detach()])[-self.window :]
-        self.history[seq_id] = (first_position + hidden.shape[0] - both.shape[0], both)
+    @property
+    def row_state(self) -> list[torch.Tensor]:
+        """The per-row device tensors (moved with their row on compaction; none before ``allocate``)."""
+        return [] if self.hidden is None else [self.hidden, self.next_ids, self.first_position]
 
-    def forget(self, live: set[int]) -> None:
-        """Drop finished or preempted-and-gone sequences' hidden states."""
-        for sid in [s for s in self.history if s not in live]:
-            del self.history[sid]
+    def allocate(self, num_rows: int, num_tokens: int, hidden: torch.Tensor) -> None:
+        """The ring of ``num_rows`` engine rows for K = ``num_tokens`` drafts, in ``hidden``'s dtype,
+        size and device (once)."""
+        if self.hidden is not None:
+            return
+        self.columns = self.window + num_tokens + 1
+        dev = hidden.device
+        self.hidden = hidden.new_zeros(num_rows, self.columns, hidden.shape[-1])
+        self.next_ids = torch.zeros(num_rows, self.columns, dtype=torch.int64, device=dev)
+        self.first_position = torch.zeros(num_rows, dtype=torch.int64, device=dev)
+
+    def keep_no_sync(
+        self, rows: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, next_ids: torch.Tensor
+    ) -> None:
+        """Write (h_i, t_{i+1}) of fed positions into the ring, no host sync.
+
+        Args:
+            rows: [R] int64 engine rows. positions: [R] int64 fed positions i. hidden: [R, H].
+            next_ids: [R] int64 t_{i+1}.
+        """
+        idx = rows * self.columns + positions.remainder(self.columns)
+        self.hidden.view(-1, self.hidden.shape[-1]).index_copy_(0, idx, hidden.to(self.hidden.dtype))
+        self.next_ids.view(-1).index_copy_(0, idx, next_ids)
+
+    def keep_prefill(
+        self,
+        rows: list[int],
+        first: list[int],
+        ids: list[list[int]],
+        hidden: torch.Tensor,
+        hidden_row: list[int],
+        last_ids: torch.Tensor,
+    ) -> None:
+        """A prefill's fed positions into the ring (host-built indices: once per admission).
+
+        Args:
+            rows: engine row of each sequence S. first: its first fed position (the prefix-cache hit).
+            ids: its fed tokens ``tokens[first:]`` (host). hidden: [R, T, H] the prefill's final hidden
+                states; sequence s's are row ``hidden_row[s]`` (positions ``first[s] ..``; a group's
+                samples share one). last_ids: [S] int64 on the device, the token after each sequence's
+                last fed position (the first sampled token, or a resumed sequence's last).
+        """
+        s_of, r_of, t_of, pos, nxt = [], [], [], [], []
+        for s, (f, toks) in enumerate(zip(first, ids, strict=True)):
+            n = len(toks)
+            for t in range(max(0, n - self.window), n):  # the last ``window`` positions only
+                s_of.append(s)
+                r_of.append(hidden_row[s])
+                t_of.append(t)
+                pos.append(f + t)
+                nxt.append(toks[t + 1] if t + 1 < n else -1)
+        dev = hidden.device
+        s_t, pos_t = torch.tensor(s_of, device=dev), torch.tensor(pos, device=dev)
+        nxt_t = torch.tensor(nxt, dtype=torch.int64, device=dev)
+        nxt_t = torch.where(nxt_t < 0, last_ids[s_t], nxt_t)
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        h = hidden[torch.tensor(r_of, device=dev), torch.tensor(t_of, device=dev)]
+        self.keep_no_sync(rows_t[s_t], pos_t, h, nxt_t)
+        self.first_position[rows_t] = torch.tensor(first, dtype=torch.int64, device=dev)
 
     @torch.no_grad()
-    def propose(self, requests: Seq[DraftRequest], rows: SamplingRows, k: int) -> Drafts:
-        """See ``Drafter.propose``."""
-        dev = rows.keys.device
-        b = len(requests)
-        ready = [self._window_of(req) for req in requests]
-        if k == 0 or not any(w is not None for w in ready):
-            return Drafts(
-                tokens=torch.zeros(b, max(k, 1), dtype=torch.int64, device=dev),
-                num_drafts=torch.zeros(b, dtype=torch.int64, device=dev),
-            )
-        ids, hid, pos, mask = self._batch(requests, ready, dev)
-        counts = torch.tensor(
-            [r.max_drafts if w is not None else 0 for r, w in zip(requests, ready, strict=True)],
-            dtype=torch.int64,
-            device=dev,
-        ).clamp(max=k)
+    def draft_no_sync(
+        self, last_fed: torch.Tensor, rows: SamplingRows, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k`` drafts for engine rows 0..B-1, whose last fed positions are ``last_fed`` [B] int64 (the
+        token after it, t, is the next input); no host sync.
+
+        Returns:
+            drafts [B, k] int64, q [B, k, V] float64 (the distributions they were drawn from).
+        """
+        b, w = last_fed.shape[0], self.window
+        p = last_fed[:, None] - (w - 1) + torch.arange(w, device=last_fed.device)  # [B, W] fed positions
+        col = p.remainder(self.columns)
+        hid = self.hidden[:b].gather(1, col[..., None].expand(b, w, self.hidden.shape[-1]))
+        ids = self.next_ids[:b].gather(1, col)
+        valid = (p >= self.first_position[:b, None]) & (p >= 0)
+        pos = (p + 1).clamp(min=0)  # the positions of next_ids (rotary)
         k_draft = purpose_keys(rows.keys, _DRAFT)
-        tokens, probs = [], []
         layer = self.model.mtp_layers[0]
-        last_pos = pos[:, -1]
+        tokens, probs = [], []
         for j in range(k):
-            h, logits = layer(self.model, hid, ids, pos, mask)
-            q = policy_probs(logits[:, -1:], rows)[:, 0]
-            d = draw(q, uniform_no_sync(k_draft, last_pos + 1 + j))
+            t = ids.shape[1]
+            causal = torch.ones(t, t, dtype=torch.bool, device=p.device).tril()
+            mask = (causal[None] & valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=p.device)
+            h, logits = layer.forward_last(self.model, hid, ids, pos, mask[:, None])  # [B, 1, H], [B, 1, V]
+            q = policy_probs(logits, rows)[:, 0]
+            d = draw(q, uniform_no_sync(k_draft, last_fed + 2 + j))
             tokens.append(d)
             probs.append(q)
             ids = torch.cat([ids, d[:, None]], 1)
-            hid = torch.cat([hid, h[:, -1:]], 1)
+            hid = torch.cat([hid, h], 1)
             pos = torch.cat([pos, pos[:, -1:] + 1], 1)
-            mask = torch.cat([mask, mask[:, -1:]], 1)
-        return Drafts(tokens=torch.stack(tokens, 1), num_drafts=counts, probs=torch.stack(probs, 1))
-
-    def _window_of(self, req: DraftRequest) -> tuple[int, torch.Tensor] | None:
-        """(first position, hidden [n, H]) ending at the last fed position (len(context) - 2), or None."""
-        got = self.history.get(req.seq_id)
-        if got is None or req.max_drafts == 0:
-            return None
-        start, h = got
-        end = len(req.context) - 2  # the last position the policy has fed
-        if start + h.shape[0] - 1 != end:
-            return None
-        return start, h
-
-    def _batch(self, requests, ready, dev):
-        """Left-padded MTP inputs: next_ids t_{i+1}, hidden h_i, positions i + 1, mask [B, W]."""
-        w = max(h.shape[0] for r in ready if r is not None for h in [r[1]])
-        hsz = next(r[1].shape[1] for r in ready if r is not None)
-        dtype = next(r[1].dtype for r in ready if r is not None)
-        ids = torch.zeros(len(requests), w, dtype=torch.int64)
-        pos = torch.zeros(len(requests), w, dtype=torch.int64)
-        mask = torch.zeros(len(requests), w, dtype=torch.int64)
-        hid = torch.zeros(len(requests), w, hsz, dtype=dtype, device=dev)
-        for r, (req, got) in enumerate(zip(requests, ready, strict=True)):
-            if got is None:
-                mask[r, -1] = 1  # a dummy row: one position attending itself
-                continue
-            start, h = got
-            n = h.shape[0]
-            ids[r, w - n :] = torch.tensor(req.context[start + 1 : start + 1 + n], dtype=torch.int64)
-            pos[r, w - n :] = torch.arange(start + 1, start + 1 + n)
-            mask[r, w - n :] = 1
-            hid[r, w - n :] = h
-        return ids.to(dev), hid, pos.to(dev), mask.to(dev)
+            valid = torch.cat([valid, valid.new_ones(b, 1)], 1)
+        if not tokens:
+            v = self.model.config.vocab_size
+            return last_fed.new_zeros(b, 0), torch.zeros(b, 0, v, dtype=torch.float64, device=last_fed.device)
+        return torch.stack(tokens, 1), torch.stack(probs, 1)
 
 
 # -- When to speculate ---------------------------------------------------------------------------
@@ -353,16 +400,31 @@ class MtpDrafter:
 
 @dataclass(slots=True)
 class SpecPolicy:
-    """Whether an engine step speculates: not above ``max_batch`` running sequences (a large batch is
-    compute-bound: verifying k + 1 tokens per row costs about k + 1 decode steps), and not while the
-    acceptance rate of the last ``window`` speculative steps is below ``min_acceptance`` (drafts that are
-    mostly rejected only add work) -- then one probe step every ``probe_every`` steps measures it again.
-    Counters say which rule held each step (tests and metrics read them, never timings)."""
+    """Whether an engine step speculates. Three rules, checked in this order:
+
+    - batch: not above ``max_batch`` running sequences (a large batch is compute-bound: verifying k + 1
+      tokens per row costs about k + 1 decode steps);
+    - acceptance: not while the acceptance rate of the last ``window`` speculative steps is below
+      ``min_acceptance`` (drafts that are mostly rejected only add work);
+    - cost: not while speculation is measured slower than plain decoding: tokens per row and second of
+      the last ``window`` speculative steps (emitted tokens / rows of each step, over the host wall time
+      from the step's start to its host sync) below those of the last ``window`` measured runs of plain
+      steps (one token per row and step, over the host wall time between two host syncs that only
+      plain steps lay between). Both are read at host syncs the engine makes anyway (``at_sync``, and
+      the speculative step's own), so measuring adds no device sync.
+
+    While the acceptance or the cost rule holds, one probe step every ``probe_every`` steps speculates
+    and measures again; while speculating, one plain step after every ``probe_every`` speculative ones
+    keeps the plain measurement current (``num_plain_probes``). Counters say which rule held each step (tests and metrics read them; tests
+    inject ``clock``, never read timings).
+    """
 
     max_batch: int = 32
     min_acceptance: float = 0.2
     probe_every: int = 16
     window: int = 16
+    clock: Callable[[], float] = time.perf_counter
+    """Host seconds (injected by tests)."""
     recent: deque = field(default_factory=deque)
     """(drafted, accepted, emitted) of the last ``window`` speculative steps, newest last."""
     num_spec_steps: int = 0
@@ -370,20 +432,42 @@ class SpecPolicy:
     """Steps not speculated because the batch was above ``max_batch``."""
     num_off_acceptance: int = 0
     """Steps not speculated because the recent acceptance rate was too low."""
+    num_off_cost: int = 0
+    """Steps not speculated because speculation was measured slower than plain decoding."""
+    timed: dict = field(default_factory=lambda: {"spec": deque(), "plain": deque()})
+    """kind -> (tokens per row, seconds, steps) of the last ``window`` measurements, newest last."""
+    totals: dict = field(default_factory=lambda: {"spec": [0.0, 0], "plain": [0.0, 0]})
+    """kind -> [seconds, steps] of every measurement (``mean_step_ms``)."""
+    num_plain_probes: int = 0
+    """Plain steps run to measure plain decoding: one after every ``probe_every`` speculative steps."""
     _since_probe: int = 0
+    _spec_in_a_row: int = 0
+    _segment: list = field(default_factory=lambda: [0, False, None])  # plain steps, mixed, start time
 
     def should_speculate(self, num_running: int) -> bool:
         """Decide for a step of ``num_running`` sequences (counts the decision)."""
         if num_running > self.max_batch:
             self.num_off_batch += 1
+            self._spec_in_a_row = 0
             return False
         rate = self.acceptance_rate
-        if rate is not None and rate < self.min_acceptance:
+        low = rate is not None and rate < self.min_acceptance
+        slow = not low and self.is_slower()
+        if low or slow:
             self._since_probe += 1
             if self._since_probe < self.probe_every:
-                self.num_off_acceptance += 1
+                if low:
+                    self.num_off_acceptance += 1
+                else:
+                    self.num_off_cost += 1
+                self._spec_in_a_row = 0
                 return False
             self._since_probe = 0
+        self._spec_in_a_row += 1
+        if self._spec_in_a_row > self.probe_every:  # keep the plain steps' measurement current
+            self._spec_in_a_row = 0
+            self.num_plain_probes += 1
+            return False
         return True
 
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
@@ -404,6 +488,54 @@ class SpecPolicy:
         """Mean accepted drafts per row and speculative step over the recent steps (None: none yet)."""
         rows = sum(e - a for _, a, e in self.recent)  # each row emits accepted + 1
         return sum(a for _, a, _ in self.recent) / rows if rows else None
+
+    # -- Cost: measured at host syncs -----------------------------------------------------------
+
+    def at_sync(self) -> None:
+        """The host just read the device's tokens (an existing sync): close the run of plain steps since
+        the previous one (measured when it held only plain steps)."""
+        now = self.clock()
+        steps, mixed, start = self._segment
+        if steps and not mixed and start is not None:
+            self._measured("plain", float(steps), now - start, steps)
+        self._segment[:] = [0, False, now]
+
+    def note_plain(self, steps: int) -> None:
+        """``steps`` plain decode steps ran since the last host sync."""
+        self._segment[0] += steps
+
+    def note_other(self) -> None:
+        """Other device work (a prefill) ran since the last host sync: that run is not measured."""
+        self._segment[1] = True
+
+    def note_spec(self, tokens_per_row: float, seconds: float) -> None:
+        """One speculative step: its emitted tokens per row, and host seconds from its start to its sync."""
+        self._measured("spec", tokens_per_row, seconds, 1)
+
+    def _measured(self, kind: str, tokens_per_row: float, seconds: float, steps: int) -> None:
+        recent = self.timed[kind]
+        recent.append((tokens_per_row, max(seconds, 0.0), steps))
+        while len(recent) > self.window:
+            recent.popleft()
+        self.totals[kind][0] += max(seconds, 0.0)
+        self.totals[kind][1] += steps
+
+    def tokens_per_row_s(self, kind: str) -> float | None:
+        """Tokens per row and second of the recent ``kind`` (``spec``, ``plain``) measurements (None:
+        none yet, or no time measured)."""
+        recent = self.timed[kind]
+        seconds = sum(s for _, s, _ in recent)
+        return sum(t for t, _, _ in recent) / seconds if recent and seconds > 0 else None
+
+    def is_slower(self) -> bool:
+        """Whether the recent speculative steps made fewer tokens per row and second than plain steps."""
+        spec, plain = self.tokens_per_row_s("spec"), self.tokens_per_row_s("plain")
+        return spec is not None and plain is not None and spec < plain
+
+    def mean_step_ms(self, kind: str) -> float | None:
+        """Mean host milliseconds per measured ``kind`` step since the start (None: none measured)."""
+        seconds, steps = self.totals[kind]
+        return 1e3 * seconds / steps if steps else None
 
 
 @dataclass(slots=True)

@@ -44,7 +44,18 @@ class EngineStats:
     spec_accepted_per_step_recent: float | None = None
     """Accepted drafts per sequence and speculative step over the same window (None: none yet)."""
     spec_draft_s: float = 0.0
-    """Seconds spent drafting (cumulative)."""
+    """Seconds spent drafting on the host (cumulative; the MTP drafter drafts inside the verify step)."""
+    spec_off_batch: int = 0
+    """Steps decoded plainly because more than ``SpecPolicy.max_batch`` sequences ran (cumulative)."""
+    spec_off_acceptance: int = 0
+    """Steps decoded plainly because the recent acceptance rate was too low (cumulative)."""
+    spec_off_cost: int = 0
+    """Steps decoded plainly because speculation was measured slower than plain decoding (cumulative)."""
+    spec_step_ms: float | None = None
+    """Mean host milliseconds per speculative step, start to its host sync (None: none measured)."""
+    plain_step_ms: float | None = None
+    """Mean host milliseconds per plain decode step of a speculating engine, over runs of plain steps
+    between two host syncs (None: none measured)."""
 
     @property
     def blocks_free(self) -> int:

@@ -157,3 +157,22 @@ def test_mtp_loss_weight_is_checked():
         TrainerConfig(mtp_loss_weight=-1.0)
     with pytest.raises(ConfigError, match="num_ranks"):
         TrainerConfig(mtp_loss_weight=0.5, num_ranks=2)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_last_position_forward_equals_the_full_one(family):
+    """The drafter's ``forward_last`` (MoE and head on the last position only) is ``forward``'s last
+    position, under a mask that hides some leading keys of one row."""
+    from moerl.models.model import causal_padding_mask
+
+    model = _mtp_model(family).float()
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    am = torch.ones(2, 8, dtype=torch.int64)
+    am[1, :3] = 0
+    with torch.no_grad():
+        hidden = model(ids, return_hidden=True).hidden[:, :-1]
+        pos = torch.arange(1, 9).expand(2, -1)
+        h, logits = model.mtp_layers[0](model, hidden, ids[:, 1:], pos, am)
+        h1, l1 = model.mtp_layers[0].forward_last(model, hidden, ids[:, 1:], pos, causal_padding_mask(am))
+    assert h1.shape == (2, 1, h.shape[-1]) and torch.allclose(h1, h[:, -1:], atol=1e-5)
+    assert torch.allclose(l1, logits[:, -1:], atol=1e-5)

@@ -55,8 +55,13 @@ def _engine(model, speculative="off", k=3, **kw):
     )
     engine = Engine.from_config(model, cfg, cache="paged", seed=0)
     if engine.speculation is not None:
-        engine.speculation.policy = SpecPolicy(min_acceptance=0.0)
+        engine.speculation.policy = SpecPolicy(min_acceptance=0.0, clock=_STOPPED)
     return engine
+
+
+def _STOPPED() -> float:
+    """A clock that never moves: no cost measurement, so the cost rule never turns speculation off."""
+    return 0.0
 
 
 def _teacher_forced(model, c, temperature):
@@ -108,7 +113,8 @@ def test_greedy_identical_with_and_without_speculation(model, speculative):
     if speculative == "oracle":
         engine = _engine(model)
         table = {tuple(c.prompt_ids): c.token_ids for c in ref}
-        engine.speculation = SpeculativeDecoding(_OracleDrafter(table), 3, SpecPolicy(min_acceptance=0.0))
+        policy = SpecPolicy(min_acceptance=0.0, clock=_STOPPED)
+        engine.speculation = SpeculativeDecoding(_OracleDrafter(table), 3, policy)
     else:
         engine = _engine(model, speculative)
     out = _by_id(engine.generate(_requests(n=1, temperature=0.0, return_routed_experts=True)))
@@ -148,6 +154,135 @@ def test_speculation_turns_off_where_it_does_not_pay(model):
     expect = ref.generate(_requests(n=2, max_new_tokens=8, temperature=0.0))
     expect += ref.generate(_requests(n=1, max_new_tokens=30, temperature=0.0)[:1])
     assert [c.token_ids for c in _by_id(big + one)] == [c.token_ids for c in _by_id(expect)]
+
+
+def test_speculation_turns_off_where_it_is_slower(model):
+    """The cost rule, with an injected clock: each speculative step takes 10 s of it, a plain step 0.01 s
+    (acceptance alone would keep speculating: min_acceptance 0)."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.01
+        return now[0]
+
+    class _Slow(_WrongDrafter):
+        def propose(self, requests, rows, k):
+            now[0] += 10.0
+            return super().propose(requests, rows, k)
+
+    engine = _engine(model)
+    policy = SpecPolicy(min_acceptance=0.0, probe_every=8, clock=clock)
+    engine.speculation = SpeculativeDecoding(_Slow(), 3, policy)
+    out = engine.generate(_requests(n=1, max_new_tokens=40, temperature=0.0)[:1])
+    assert policy.is_slower() and policy.num_off_acceptance == 0 and policy.num_plain_probes > 0
+    assert policy.num_off_cost > 2 * policy.num_spec_steps > 0  # plain steps, a probe every 8
+    stats = engine.stats
+    assert stats.spec_off_cost == policy.num_off_cost and stats.spec_step_ms > stats.plain_step_ms > 0
+    ref = _engine(model).generate(_requests(n=1, max_new_tokens=40, temperature=0.0)[:1])
+    assert out[0].token_ids == ref[0].token_ids
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_decode_path_verify_equals_the_prefill_path(model, k):
+    """The verify forward as decode rows sharing their sequence's block-table row gives the logits and
+    hidden states of the prefill-path verify (rows of different lengths, drafts 0..k, shared prompt
+    blocks within each group of two samples)."""
+    from moerl.rollout.cache_policy import PrefillRow
+
+    engine = _engine(model)
+    for r in _requests(n=2, max_new_tokens=16):
+        engine.add_request(r)
+    for _ in range(3):
+        engine.step()
+    engine._sync_all()
+    seqs = list(engine.scheduler.running)
+    assert len(seqs) == 6 and len({s.seq_len for s in seqs}) == 3
+    assert any(a.blocks[0] == b.blocks[0] for a in seqs for b in seqs if a is not b)  # shared blocks
+    b = len(seqs)
+    wanted = [min(n, k) for n in (3, 1, 0, 2, 3, 2)]
+    counts = [engine.policy.room_for_drafts(s, n) for s, n in zip(seqs, wanted, strict=True)]
+    assert counts == wanted
+    drafts = torch.randint(0, VOCAB, (b, k), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        logits, hidden = engine.verify_forward_no_sync(
+            b, k, engine._read_len(seqs, extra=k), drafts, torch.tensor(counts), False, want_hidden=True
+        )
+        rows = [
+            PrefillRow(s, list(s.request.prompt_ids) + s.token_ids + drafts[i, :n].tolist(), s.seq_len - 1)
+            for i, (s, n) in enumerate(zip(seqs, counts, strict=True))
+        ]
+        ref, ref_hidden = engine._forward_prefill(rows, False, want_hidden=True)
+    for i, n in enumerate(counts):
+        assert torch.allclose(logits[i, : n + 1], ref[i, : n + 1], atol=1e-5), i
+        assert torch.allclose(hidden[i, : n + 1], ref_hidden[i, : n + 1], atol=1e-5), i
+
+
+def test_mtp_ring_holds_the_policys_hidden_states(model):
+    """After prefill, plain and speculative steps, each running row's MTP ring holds the teacher-forced
+    final hidden state and next token of its last ``window`` fed positions, and the device drafter's q
+    equals the MTP module run on that window."""
+    import dataclasses
+
+    from moerl.rollout.speculative import policy_probs
+
+    engine = _engine(model, "mtp")
+    spec = engine.speculation
+    short, *rest = _requests(n=2, max_new_tokens=24)
+    short = dataclasses.replace(short, params=dataclasses.replace(short.params, max_new_tokens=4))
+    for r in [short, *rest]:
+        engine.add_request(r)
+    engine.step()
+    slots = {id(s): s.slot for s in engine.scheduler.running}
+    for i in range(6):
+        spec.policy.max_batch = 0 if i % 3 == 0 else 32  # plain steps between speculative ones
+        engine.step()
+    engine._sync_all()
+    seqs = list(engine.scheduler.running)
+    assert seqs and spec.policy.num_spec_steps > 0 and spec.policy.num_off_batch > 1
+    assert any(slots[id(s)] != s.slot for s in seqs)  # the short request finished: rows moved up
+    ring, b = spec.drafter, len(seqs)
+    rows = engine._rows(slice(0, b), seqs)
+    with torch.no_grad():
+        drafts, q = ring.draft_no_sync(engine._seq_len[:b] - 2, rows, 2)
+        for i, s in enumerate(seqs):
+            ids = list(s.request.prompt_ids) + s.token_ids
+            last = len(ids) - 2  # the last fed position
+            h = model(torch.tensor([ids[:-1]]), return_hidden=True).hidden[0]
+            lo = max(0, last - ring.window + 1)
+            for p in range(lo, last + 1):
+                assert torch.allclose(ring.hidden[s.slot, p % ring.columns], h[p], atol=1e-5), (i, p)
+                assert int(ring.next_ids[s.slot, p % ring.columns]) == ids[p + 1]
+            hid, nxt = h[None, lo : last + 1], torch.tensor([ids[lo + 1 : last + 2]])
+            pos = torch.arange(lo + 1, last + 2)[None]
+            for j in range(2):
+                hj, lg = model.mtp_layers[0](model, hid, nxt, pos)
+                row = engine._rows(slice(i, i + 1), [s])
+                assert torch.allclose(q[i, j], policy_probs(lg[:, -1:], row)[0, 0], atol=1e-5), (i, j)
+                hid, pos = torch.cat([hid, hj[:, -1:]], 1), torch.cat([pos, pos[:, -1:] + 1], 1)
+                nxt = torch.cat([nxt, drafts[i : i + 1, j : j + 1]], 1)
+
+
+@pytest.mark.parametrize("speculative", ["mtp", "ngram"])
+def test_one_host_read_per_speculative_step(model, speculative):
+    """A speculative step reads the device once (its counts and tokens, with every pending token); a
+    second read only where tokens of a plain step or a prefill were pending when it began."""
+    engine = _engine(model, speculative)
+    spec, reads, per_step = engine.speculation, [0], []
+    engine.host.on_read = lambda: reads.__setitem__(0, reads[0] + 1)
+    real_step = spec.step
+
+    def step(eng):
+        pending, before, steps = bool(eng.host), reads[0], spec.policy.num_spec_steps
+        out = real_step(eng)
+        if spec.policy.num_spec_steps > steps:  # it speculated (not a plain fallback)
+            per_step.append((pending, reads[0] - before))
+        return out
+
+    spec.step = step
+    engine.generate(_requests(n=1, max_new_tokens=20, temperature=1.0))
+    assert len(per_step) > 3
+    assert all(n == 1 + pending for pending, n in per_step)
+    assert sum(1 for pending, n in per_step if not pending) >= 2
 
 
 def test_speculative_config_is_checked():
@@ -209,7 +344,7 @@ def test_greedy_and_logprobs_under_cuda_sync_defaults(model, speculative):
         rollout = RolloutConfig(speculative=speculative, speculative_tokens=3)
         engine.speculation = SpeculativeDecoding.from_config(model, rollout)
         if engine.speculation is not None:
-            engine.speculation.policy = SpecPolicy(max_batch=3, min_acceptance=0.0)
+            engine.speculation.policy = SpecPolicy(max_batch=3, min_acceptance=0.0, clock=_STOPPED)
         return engine
 
     def requests(temperature: float):

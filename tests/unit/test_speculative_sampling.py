@@ -141,3 +141,43 @@ def test_policy_turns_speculation_off_and_probes():
     decisions = [pol.should_speculate(2) for _ in range(8)]
     assert decisions == [False, False, False, True, False, False, False, True]
     assert pol.num_off_acceptance == 6
+
+
+def test_policy_turns_speculation_off_where_it_is_slower_and_probes():
+    now = [0.0]
+    pol = SpecPolicy(min_acceptance=0.0, probe_every=4, window=4, clock=lambda: now[0])
+    pol.at_sync()
+    pol.note_plain(8)
+    now[0] += 8.0
+    pol.at_sync()  # plain: 8 steps in 8 s, one token per row and second
+    assert pol.tokens_per_row_s("plain") == 1.0 and pol.should_speculate(2)  # nothing speculative measured
+    pol.note_spec(2.0, 4.0)  # 2 tokens per row in 4 s: slower
+    decisions = [pol.should_speculate(2) for _ in range(8)]
+    assert decisions == [False, False, False, True, False, False, False, True]
+    assert pol.num_off_cost == 6 and pol.num_off_acceptance == 0
+    pol.note_spec(6.0, 1.0)  # (2 + 6) tokens per row in 5 s: faster now
+    assert (
+        pol.should_speculate(2) and pol.mean_step_ms("spec") == 2500.0 and pol.mean_step_ms("plain") == 1000.0
+    )
+    pol.note_other()  # a prefill in the run: not measured
+    pol.note_plain(3)
+    now[0] += 100.0
+    pol.at_sync()
+    assert pol.tokens_per_row_s("plain") == 1.0
+    decisions = [pol.should_speculate(2) for _ in range(6)]  # a plain probe after 4 speculative steps
+    assert decisions.count(False) == 1 and pol.num_plain_probes == 1
+
+
+def test_verify_drafts_never_waits_for_the_device(monkeypatch):
+    """No host read inside the acceptance rule (it is replayed from a CUDA graph): every tensor-to-host
+    conversion raises while it runs."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host sync inside verify_drafts")
+
+    rows = _rows(16, top_p=0.9, temperature=0.8)
+    for name in ("__bool__", "item", "tolist", "__int__", "__float__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    out = _spec_step(rows, 3)
+    monkeypatch.undo()
+    assert 0 < int(out.num_accepted.sum()) < 16 * 3
