@@ -134,4 +134,6 @@ def test_the_guide_shows_the_table_as_the_code_prints_it(capsys):
     lines = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
     table = "\n".join(lines[: lines.index("") + 1 + 2 + len(PUBLISHED) + 1]).strip()
     for guide in (PLAN.parents[1] / "docs" / "planning.md", PLAN.parents[1] / "README.md"):
-        assert table in guide.read_text(), f"{guide.name} does not show the table moerl plan --published prints"
+        assert table in guide.read_text(), (
+            f"{guide.name} does not show the table moerl plan --published prints"
+        )
