@@ -710,7 +710,7 @@ class Engine:
         is_fed = j <= num_drafts[slot]
         pos = torch.where(is_fed, last[slot] + j, last[slot])  # a row not fed writes the null block
         ids = torch.cat([self._last_token[:b, None], drafts], 1).reshape(-1)
-        self.policy.bind_verify(slot, pos, is_fed, read_len)
+        self.policy.bind_verify(slot, pos, is_fed, read_len, k1)
         more = {"return_hidden": True} if want_hidden else {}  # only MoeForCausalLM knows it
         out = self.model(
             ids[:, None], None, pos[:, None], cache=self.cache, return_routed_experts=want_routed, **more

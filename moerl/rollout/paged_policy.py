@@ -289,22 +289,60 @@ class PagedCachePolicy:
         self.kv.bind_decode(self._block_table[:b, :read_len], positions, groups)
 
     def bind_verify(
-        self, table_rows: torch.Tensor, positions: torch.Tensor, is_fed: torch.Tensor, read_len: int
+        self,
+        table_rows: torch.Tensor,
+        positions: torch.Tensor,
+        is_fed: torch.Tensor,
+        read_len: int,
+        rows_per_seq: int = 1,
     ) -> None:
         """A speculative verify as a decode of R rows (``moerl.rollout.spec_decode``): row r reads and
         writes through the block-table row ``table_rows[r]`` (several rows share a sequence's) at
         ``positions[r]``; a row that feeds nothing (``is_fed`` False: past its sequence's drafts) gets the
         null block's table, so its write lands there. Device tensors only, fixed shapes: CUDA-graph safe.
         The layers write every row's key/value before attending, so a row sees the rows of its sequence
-        at lower positions. No prefix groups (each row reads its own keys).
+        at lower positions. Where the kernel attends, a sequence's ``rows_per_seq`` consecutive rows are
+        one prefix group (``_verify_groups``): its cached keys are read once for all of them, not once a
+        row -- the verify then reads about what one decode step reads.
 
         Args:
             table_rows: [R] int64 rows of the block table (< B). positions: [R] int64 (< ``read_len`` *
-                bs). is_fed: [R] bool. read_len: W blocks read per row.
+                bs). is_fed: [R] bool. read_len: W blocks read per row. rows_per_seq: k + 1, the rows
+                of one sequence (consecutive; its first row at the lowest position).
         """
         table = self._block_table[:, :read_len].index_select(0, table_rows)
         table = torch.where(is_fed[:, None], table, self.kv.null_block)
-        self.kv.bind_decode(table, positions, None)
+        self.kv.bind_decode(table, positions, self._verify_groups(positions, rows_per_seq))
+
+    def _verify_groups(self, positions: torch.Tensor, k1: int) -> PrefixGroups | None:
+        """The shared-prefix groups of a verify (``bind_verify``): rows s * k1 .. s * k1 + k1 - 1 (one
+        sequence) share its full blocks below its first row's position p_s, length floor(p_s / bs) * bs
+        keys, attended once by the group's program; each row's own program reads the rest. Sequences past
+        ``prefix_max_groups(R)`` slots, or with no full block yet, read all their keys themselves (the same
+        attention). Device tensors from ``positions`` only (CUDA-graph safe); None where the kernel does
+        not attend, ``MOERL_PAGED_PREFIX=0``, one row a sequence, or k1 above the kernel's rows a group."""
+        p = self._prefix
+        if p is None or k1 < 2 or k1 > p.rows.shape[1]:
+            return None
+        r, dev = positions.shape[0], positions.device
+        b = r // k1
+        ng = prefix_max_groups(r)
+        named = min(b, ng)
+        first = positions.view(b, k1)[:, 0]  # [b] each sequence's lowest position
+        shared = (first // self.block_size) * self.block_size  # [b] keys below every row's own write
+        seq = torch.arange(b, device=dev)
+        grouped = (seq < named) & (shared > 0)  # [b]
+        leader_rows = seq * k1
+        leaders = torch.full((ng,), -1, dtype=torch.int64, device=dev)
+        leaders[:named] = torch.where(grouped[:named], leader_rows[:named], -1)
+        n = torch.zeros(r, dtype=torch.int32, device=dev)
+        n[leader_rows] = torch.where(grouped, k1, 0).to(torch.int32)
+        length = torch.zeros(r, dtype=torch.int64, device=dev)
+        length[leader_rows] = torch.where(grouped, shared, 0)
+        rows = torch.zeros(r, p.rows.shape[1], dtype=torch.int64, device=dev)
+        rows[leader_rows, :k1] = leader_rows[:, None] + torch.arange(k1, device=dev)
+        start = torch.where(grouped, shared, 0).repeat_interleave(k1)
+        return PrefixGroups(leaders, n, length, rows, start)
 
     # -- Finishing ----------------------------------------------------------------------------------
 

@@ -58,6 +58,9 @@ def test_kernel_under_the_interpreter_equals_the_definition_and_the_slot_engine(
     assert eng["grouped_kernel_calls"] > 0, "the engine never read a group's shared prompt once"
     slots = res["group_slots"]  # more groups than the shared-prefix pass's slots: the rest read their own
     assert slots["capped_batches"] > 0 and slots["tokens_equal"], slots
+    for name, v in res["verify_groups"].items():  # a speculative verify's rows read their prefix once
+        assert v["tokens_equal"] and v["max_logprob_diff"] < 1e-5, (name, v)
+        assert v["spec_steps"] > 0 and v["grouped_calls"] > 0, (name, v)
     assert slots["max_logprob_diff"] < 1e-5, slots
     for mode in ("greedy", "sampled"):
         assert eng[mode]["tokens_equal"], (mode, eng)
