@@ -150,7 +150,8 @@ def test_recording_decode_steps_go_through_the_graph_runner():
     engine._graphs = Runner()
     params = SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=1, return_routed_experts=True)
     out = engine.generate([Request(request_id="a", prompt_ids=[1, 2, 3], params=params)])
-    assert engine._graphs.keys and all(k[-1] is True for k in engine._graphs.keys)  # every decode step
+    # every decode step, keyed as recording (the key's 5th entry: want_routed, ``Engine._decode``)
+    assert engine._graphs.keys and all(k[4] is True for k in engine._graphs.keys)
     with torch.no_grad():  # and the record is still the full forward's choice
         seq = torch.tensor(out[0].prompt_ids + out[0].token_ids[:-1])[None]
         ref = policy(seq, return_routed_experts=True).routed_experts[0]
