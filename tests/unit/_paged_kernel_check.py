@@ -82,6 +82,34 @@ def _random_model():
     return model
 
 
+def _count_kernel_calls(calls: dict) -> None:
+    """Route the paged cache's kernel launches through a counter: ``calls["n"]`` launches, ``calls["grouped"]``
+    those that named a shared-prefix group (rows reading shared blocks once)."""
+    import moerl.rollout.paged_kv_cache as pkv
+
+    real = pa.paged_decode_attention
+
+    def counted(*a, **k):
+        calls["n"] = calls.get("n", 0) + 1
+        prefix = k.get("prefix")
+        calls["grouped"] = calls.get("grouped", 0) + (prefix is not None and int(prefix.n.sum()) > 0)
+        return real(*a, **k)
+
+    pkv.paged_decode_attention = counted
+
+
+def _requests(prompts, tag: str, max_new_tokens: int, temperature: float) -> list:
+    """Two samples of each prompt, request i seeded i."""
+    return [
+        Request(
+            request_id=f"{tag}{i}",
+            prompt_ids=p,
+            params=SamplingParams(max_new_tokens=max_new_tokens, n=2, seed=i, temperature=temperature),
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+
 def engine_check() -> dict:
     """The paged engine (kernel decode, block size 4, a budget forcing preemption) against the slot engine:
     greedy and sampled, tokens and log-probs; and how many kernel launches the paged run made."""
@@ -89,27 +117,10 @@ def engine_check() -> dict:
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 61, (n,), generator=gen).tolist() for n in (9, 3)]
     calls = {"n": 0, "grouped": 0}
-    real = pa.paged_decode_attention
-
-    def counted(*a, **k):
-        calls["n"] += 1
-        prefix = k.get("prefix")
-        calls["grouped"] += prefix is not None and int(prefix.n.sum()) > 0  # rows read a shared prompt once
-        return real(*a, **k)
-
-    import moerl.rollout.paged_kv_cache as pkv
-
-    pkv.paged_decode_attention = counted
+    _count_kernel_calls(calls)
     result = {}
     for name, temp in (("greedy", 0.0), ("sampled", 0.9)):
-        reqs = [
-            Request(
-                request_id=f"r{i}",
-                prompt_ids=p,
-                params=SamplingParams(max_new_tokens=8, n=2, seed=i, temperature=temp),
-            )
-            for i, p in enumerate(prompts)
-        ]
+        reqs = _requests(prompts, "r", 8, temp)
         ref = Engine(model, max_slots=4, kv_token_budget=4 * 32).generate(reqs)
         eng = Engine(model, cache="paged", max_slots=4, kv_token_budget=32, block_size=4)
         out = eng.generate(reqs)
@@ -181,27 +192,11 @@ def verify_groups_check() -> dict:
 
     model = _random_model()
     prompts = [[5, 6, 7, 8, 9] * 3, [1, 2, 3] * 4 + [4]]  # repeats: the n-gram drafter finds drafts
-    calls = {"grouped": 0}
-    real = pa.paged_decode_attention
-
-    def counted(*a, **k):
-        prefix = k.get("prefix")
-        calls["grouped"] += prefix is not None and int(prefix.n.sum()) > 0
-        return real(*a, **k)
-
-    import moerl.rollout.paged_kv_cache as pkv
-
-    pkv.paged_decode_attention = counted
+    calls = {"n": 0, "grouped": 0}
+    _count_kernel_calls(calls)
     result = {}
     for name, temp in (("greedy", 0.0), ("sampled", 0.9)):
-        reqs = [
-            Request(
-                request_id=f"v{i}",
-                prompt_ids=p,
-                params=SamplingParams(max_new_tokens=10, n=2, seed=i, temperature=temp),
-            )
-            for i, p in enumerate(prompts)
-        ]
+        reqs = _requests(prompts, "v", 10, temp)
         out = {}
         for spec in ("off", "ngram"):
             cfg = RolloutConfig(max_slots=8, kv_token_budget=512, kv_block_size=4, speculative=spec)
