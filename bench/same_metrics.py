@@ -2,7 +2,10 @@
 
 A refactor that must not change what a run computes (issue 31: "a sync 300-step run gives metrics identical
 to the pre-change commit") is checked with it: every non-timing field of every step must be equal, floats
-included (sync runs are bit-reproducible on one machine).
+included (sync runs are bit-reproducible on one machine at one intra-op thread count: run both sides with
+the same ``OMP_NUM_THREADS``; 1 and 2 threads round the SFT warm start differently, 0.168 against 0.190).
+
+    OMP_NUM_THREADS=1 moerl train --set runtime.mode=sync --set trainer.steps=300 --set output_dir=DIR
 
     python3 bench/same_metrics.py RUN_A/metrics.jsonl RUN_B/metrics.jsonl
 
