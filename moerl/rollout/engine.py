@@ -587,7 +587,7 @@ class Engine:
         replayed from a graph on CUDA), then the per-row state advanced outside the graph.
 
         A speculative step (``moerl.rollout.spec_decode``) replaces this with the same shape of work:
-        a graph-replayed forward of k + 1 decode rows per sequence (``verify_forward_no_sync``) that
+        a graph-replayed forward of k + 1 decode rows per sequence (``spec_decode.verify_forward_no_sync``) that
         drafts, verifies and accepts, then the rows' state advanced outside the graph.
         """
         seqs = self.scheduler.running
@@ -679,47 +679,6 @@ class Engine:
         """Whether decode steps hand their hidden states to the speculation's drafter (the MTP ring)."""
         spec = self.speculation
         return spec is not None and spec.wants_hidden and bool(spec.row_state)
-
-    def verify_forward_no_sync(
-        self,
-        b: int,
-        k: int,
-        read_len: int,
-        drafts: torch.Tensor,
-        num_drafts: torch.Tensor,
-        want_routed: bool,
-        *,
-        want_hidden: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A speculative verify as one decode forward over b * (k + 1) rows (``moerl.rollout.spec_decode``):
-        slot i's rows feed [t, d_0, ..., d_{k-1}] (t its last sampled token) at positions pos_i .. pos_i
-        + k (pos_i = its length - 1), through its block-table row (``bind_verify``); rows past its
-        ``num_drafts`` feed nothing (null block). Same contract as ``_decode_forward_no_sync``: device
-        state only, no host sync, the same cache writes if run twice (CUDA-graph capturable).
-
-        Args:
-            drafts: [b, k] int64. num_drafts: [b] int64 k_i <= k.
-        Returns:
-            logits [b, k + 1, V] (row j predicts the token after position pos_i + j), and with
-            ``want_hidden`` the final hidden states [b, k + 1, H] (else None).
-        """
-        k1, dev = k + 1, self.device
-        slot = torch.arange(b, device=dev)[:, None].expand(b, k1).reshape(-1)
-        j = torch.arange(k1, device=dev).repeat(b)
-        last = self._seq_len[:b] - 1
-        is_fed = j <= num_drafts[slot]
-        pos = torch.where(is_fed, last[slot] + j, last[slot])  # a row not fed writes the null block
-        ids = torch.cat([self._last_token[:b, None], drafts], 1).reshape(-1)
-        self.policy.bind_verify(slot, pos, is_fed, read_len, k1)
-        more = {"return_hidden": True} if want_hidden else {}  # only MoeForCausalLM knows it
-        out = self.model(
-            ids[:, None], None, pos[:, None], cache=self.cache, return_routed_experts=want_routed, **more
-        )
-        if want_routed:
-            self.policy.record_routed(out.routed_experts)  # [b * (k + 1), 1, Lm, K]
-        self.policy.unbind()
-        hidden = out.hidden.view(b, k1, -1) if want_hidden else None
-        return out.logits.view(b, k1, -1), hidden
 
     def _bucket(self, a: int) -> int:
         if self.batch_buckets is None:

@@ -14,7 +14,7 @@ to speculate (``SpecPolicy``) and then calls ``step(engine)`` instead of the pla
    host sync (``forward_no_sync``): the MTP drafter drafts on the device from its ring of hidden states
    (``speculative.MtpDrafter``; the n-gram drafts come from a device buffer); the verify forward feeds
    each sequence's [t, d_0, ..., d_{k-1}] as k + 1 decode ROWS that share the sequence's block-table
-   row, at positions pos .. pos + k (``Engine.verify_forward_no_sync``): every row writes its key and
+   row, at positions pos .. pos + k (``verify_forward_no_sync``): every row writes its key and
    value (and, with R3, its routed experts) at its own position before the layer attends, so row j
    sees rows < j of its sequence; ``verify_drafts`` keeps a_b drafts and adds one token (exact policy
    distribution); the MTP ring takes the verify's hidden states;
@@ -202,8 +202,8 @@ class SpeculativeDecoding:
             drafts, probs = self.drafter.draft_no_sync(first - 2, rows, k)
         else:
             drafts = self._draft_tokens[:b, :k]
-        logits, hidden = engine.verify_forward_no_sync(
-            b, k, read_len, drafts, num_drafts, want_routed, want_hidden=self.wants_hidden
+        logits, hidden = verify_forward_no_sync(
+            engine, b, k, read_len, drafts, num_drafts, want_routed, want_hidden=self.wants_hidden
         )
         ver = verify_drafts(logits, drafts, probs, num_drafts, rows, first)
         if hidden is not None:  # the MTP ring: positions first - 1 .. first - 1 + k and their next tokens
@@ -276,3 +276,45 @@ def _to_device_no_sync(host: torch.Tensor, device: torch.device) -> torch.Tensor
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def verify_forward_no_sync(
+    engine: Engine,
+    b: int,
+    k: int,
+    read_len: int,
+    drafts: torch.Tensor,
+    num_drafts: torch.Tensor,
+    want_routed: bool,
+    *,
+    want_hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A speculative verify as one decode forward over b * (k + 1) rows (``moerl.rollout.spec_decode``):
+    slot i's rows feed [t, d_0, ..., d_{k-1}] (t its last sampled token) at positions pos_i .. pos_i
+    + k (pos_i = its length - 1), through its block-table row (``bind_verify``); rows past its
+    ``num_drafts`` feed nothing (null block). Same contract as ``_decode_forward_no_sync``: device
+    state only, no host sync, the same cache writes if run twice (CUDA-graph capturable).
+
+    Args:
+        drafts: [b, k] int64. num_drafts: [b] int64 k_i <= k.
+    Returns:
+        logits [b, k + 1, V] (row j predicts the token after position pos_i + j), and with
+        ``want_hidden`` the final hidden states [b, k + 1, H] (else None).
+    """
+    k1, dev = k + 1, engine.device
+    slot = torch.arange(b, device=dev)[:, None].expand(b, k1).reshape(-1)
+    j = torch.arange(k1, device=dev).repeat(b)
+    last = engine._seq_len[:b] - 1
+    is_fed = j <= num_drafts[slot]
+    pos = torch.where(is_fed, last[slot] + j, last[slot])  # a row not fed writes the null block
+    ids = torch.cat([engine._last_token[:b, None], drafts], 1).reshape(-1)
+    engine.policy.bind_verify(slot, pos, is_fed, read_len, k1)
+    more = {"return_hidden": True} if want_hidden else {}  # only MoeForCausalLM knows it
+    out = engine.model(
+        ids[:, None], None, pos[:, None], cache=engine.cache, return_routed_experts=want_routed, **more
+    )
+    if want_routed:
+        engine.policy.record_routed(out.routed_experts)  # [b * (k + 1), 1, Lm, K]
+    engine.policy.unbind()
+    hidden = out.hidden.view(b, k1, -1) if want_hidden else None
+    return out.logits.view(b, k1, -1), hidden

@@ -13,7 +13,7 @@ from moerl.models.mtp import attach_fresh_mtp
 from moerl.rollout import Request, SamplingParams
 from moerl.rollout.engine import Engine
 from moerl.rollout.sampler import token_logprobs
-from moerl.rollout.spec_decode import SpeculativeDecoding
+from moerl.rollout.spec_decode import SpeculativeDecoding, verify_forward_no_sync
 from moerl.rollout.speculative import NgramDrafter, SpecPolicy
 
 VOCAB = 23
@@ -204,8 +204,15 @@ def test_decode_path_verify_equals_the_prefill_path(model, k):
     assert counts == wanted
     drafts = torch.randint(0, VOCAB, (b, k), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
-        logits, hidden = engine.verify_forward_no_sync(
-            b, k, engine._read_len(seqs, extra=k), drafts, torch.tensor(counts), False, want_hidden=True
+        logits, hidden = verify_forward_no_sync(
+            engine,
+            b,
+            k,
+            engine._read_len(seqs, extra=k),
+            drafts,
+            torch.tensor(counts),
+            False,
+            want_hidden=True,
         )
         rows = [
             PrefillRow(s, list(s.request.prompt_ids) + s.token_ids + drafts[i, :n].tolist(), s.seq_len - 1)
