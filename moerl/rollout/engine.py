@@ -344,10 +344,13 @@ class Engine:
         ):
             done += self.speculation.step(self)  # draft, verify, accept, sync (moerl.rollout.spec_decode)
         elif self.scheduler.running:
-            self._decode()
-            self.host.steps += 1
-            if self.speculation is not None:
-                self.speculation.policy.note_plain(1)
+            if self.speculation is not None and self.host.has_several:  # a plain step needs exact lengths
+                done += self._sync_all() + self._reserve_decode()
+            if self.scheduler.running:
+                self._decode()
+                self.host.steps += 1
+                if self.speculation is not None:
+                    self.speculation.policy.note_plain(1)
         if self.host.staged is not None:  # the copy started last step: read now, this step's decode runs
             done += self._finished(self.host.read_staged())
         if self._sync_due():
@@ -695,7 +698,8 @@ class Engine:
         return self.host.due(self._at_limit)
 
     def _at_limit(self) -> bool:
-        """Some running sequence has all its ``max_new_tokens`` (it must not decode again)."""
+        """Some running sequence has all its ``max_new_tokens`` by the host's count (it must not decode
+        again; a speculative step's tokens not read yet are limited on the device instead)."""
         return any(s.num_generated >= s.request.params.max_new_tokens for s in self.scheduler.running)
 
     def _sync_all(self) -> list[Completion]:

@@ -9,7 +9,10 @@ is started without waiting (``stage``) and read a step later (``read_staged``), 
 was enqueued: the device decodes while the host finishes sequences.
 
 A speculative step records one entry of several tokens per row (``record_several``: [M, J] tokens, of
-which row m emitted ``emitted[m]``, a device count); its rows' counts travel in the same copy.
+which row m emitted ``emitted[m]``, a device count); its rows' counts travel in the same copy. Until the
+host reads them, each sequence carries the most tokens its unread speculative entries may have added
+(``Sequence.unread``), so the engine can plan further speculative steps from upper bounds (blocks, read
+length, length limit) without waiting for the device.
 
 Shapes: M = rows of one pending entry (its running sequences), J = tokens per row of a speculative entry
 (K + 1), P = float64 values of all pending entries (2 per row of a one-token entry, 1 + 2J per row of a
@@ -45,6 +48,7 @@ class _Pending:
     version: int
     emitted: torch.Tensor | None = None  # [M] int64 tokens row m emitted (a speculative step), else None
     emitted_read: list[int] | None = None  # ``emitted`` once the host read it (``take``)
+    bounds: list[int] | None = None  # the most tokens row m may emit (k_m + 1), with ``emitted``
 
     def packed(self) -> torch.Tensor:
         """This entry's values, float64 on the device, row by row: (token, log-prob) per row, or
@@ -73,6 +77,9 @@ class HostSync:
         self.on_read: Callable[[], None] | None = None
         """Called each time the host has read copied tokens (after waiting for them): the engine's
         speculation measures its cost at these existing syncs."""
+        self.on_several: Callable[[_Pending], None] | None = None
+        """Called with each several-token entry once its counts are read (``emitted_read`` set): the
+        engine's speculation counts its accepted drafts there."""
 
     def __bool__(self) -> bool:
         """Whether any token is pending (sampled and not yet read by the host)."""
@@ -95,14 +102,23 @@ class HostSync:
         logprobs: torch.Tensor,
         emitted: torch.Tensor,
         version: int,
+        bounds: list[int],
     ) -> _Pending:
         """One speculative step's tokens ([M, J] int64, on the device) and log-probs ([M, J] float32) of
-        ``seqs``, of which row m emitted the first ``emitted[m]`` ([M] int64, on the device). The rows'
-        ``num_generated`` grows when the host reads the counts (``take``), so the caller reads this entry
-        before it needs them. Returns the entry; its ``emitted_read`` holds the host counts once read."""
-        entry = _Pending(list(seqs), tokens, logprobs, version, emitted)
+        ``seqs``, of which row m emitted the first ``emitted[m]`` ([M] int64, on the device), at most
+        ``bounds[m]`` (host ints: its drafts + 1). The rows' ``num_generated`` grows when the host reads
+        the counts (``take``); until then each row's ``Sequence.unread`` holds its bound. Returns the
+        entry; its ``emitted_read`` holds the host counts once read."""
+        entry = _Pending(list(seqs), tokens, logprobs, version, emitted, bounds=list(bounds))
+        for s, n in zip(entry.seqs, entry.bounds, strict=True):
+            s.unread += n
         self.pending.append(entry)
         return entry
+
+    @property
+    def has_several(self) -> bool:
+        """Whether a speculative entry is pending: some sequence's device length is not known exactly."""
+        return any(p.emitted is not None for p in self.pending)
 
     def due(self, at_limit: Callable[[], bool]) -> bool:
         """Whether a copy is due: tokens pending and ``sync_every`` steps since the last, or ``at_limit()``
@@ -153,7 +169,7 @@ class HostSync:
         for p in self.pending[:count]:
             if p.emitted is not None:
                 p.emitted_read = []
-            for seq in p.seqs:
+            for m, seq in enumerate(p.seqs):
                 if p.emitted is None:
                     toks, lps = [next(flat)], [next(flat)]
                 else:
@@ -162,9 +178,12 @@ class HostSync:
                     toks, lps = row[:n], row[width : width + n]
                     p.emitted_read.append(n)
                     seq.num_generated += n  # a one-token entry counted its token at ``record``
+                    seq.unread -= p.bounds[m]
                 for tok_f, lp in zip(toks, lps, strict=True):
                     if _append(seq, int(tok_f), lp, p.version):
                         finished.append(seq)
+            if p.emitted is not None and self.on_several is not None:
+                self.on_several(p)
         del self.pending[:count]
         if finished and self.pending:  # tokens decoded after a row's last one carry nothing
             self.pending = [p for p in self.pending if any(s.finish_reason is None for s in p.seqs)]
@@ -173,6 +192,9 @@ class HostSync:
 
     def clear(self) -> None:
         """Forget every pending token and a started copy (the engine dropped its running sequences)."""
+        for p in self.pending:
+            for s in p.seqs:
+                s.unread = 0
         self.pending.clear()
         self.staged = None
         self.steps = 0

@@ -30,6 +30,9 @@ class Sequence:
     """32-bit noise key of this sample (``sampler.sample_key(seed, sample_index)``)."""
     num_generated: int = 0
     """Tokens generated so far, counted on the host (including ones not yet copied back)."""
+    unread: int = 0
+    """Tokens that speculative steps not yet read by the host may have added, at most (their k_b + 1
+    each; ``HostSync.record_several``): the device's length lies in [seq_len, seq_len + unread]."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)

@@ -86,6 +86,7 @@ class SpeculativeDecoding:
         self.num_accepted = 0
         self._draft_tokens: torch.Tensor | None = None  # [N, K] int64 host drafts (static: graph input)
         self._num_drafts: torch.Tensor | None = None  # [N] int64 k_b of each row (static: graph input)
+        self._end_len: torch.Tensor | None = None  # [N] int64 prompt + max_new of each row (graph input)
         self.graphs: GraphRunner | None = None
         """CUDA graphs of the speculative step (``forward_no_sync``), one per (B, k, read length, sampling
         flags, R3) key; None off CUDA or with the engine's graphs off."""
@@ -145,23 +146,37 @@ class SpeculativeDecoding:
 
     def step(self, engine: Engine) -> list[Completion]:
         """One speculative decode step of every running sequence; returns the completions it finished.
-        Falls back to a plain decode step when no sequence has a draft."""
-        done = engine._sync_all()  # a no-op after a speculative step; the n-gram drafter reads the context
-        seqs = list(engine.scheduler.running)
-        if not seqs:
-            return done
-        start = self.policy.clock()
+        Falls back to a plain decode step when no sequence has a draft.
+
+        With the device drafter (MTP) the step does not read its tokens: it plans from each sequence's
+        upper bound (``Sequence.unread``) and the engine reads at its usual host syncs, so the host plans
+        the next step while the device runs this one. A host drafter (n-gram) needs the whole context:
+        its step reads everything pending first and its own tokens at its end."""
+        lagged = self.on_device
+        done = [] if lagged else engine._sync_all()  # the n-gram drafter reads the context
+        if lagged and engine.host.has_several and self.policy.plain_since_sync:
+            done += _read_and_reserve(engine)  # a run of speculative steps starts at a host read: timed
         self._buffers(engine)
-        a, b = len(seqs), engine._bucket(len(seqs))
-        rows = engine._rows(slice(0, b), seqs)
-        counts = self._plan_drafts(engine, seqs, rows)
-        k = max(counts)
-        if k == 0:  # nothing drafted (no n-gram match, or no room): a plain step
-            engine._decode()
-            engine.host.steps += 1
-            self.policy.note_plain(1)
+        start = self.policy.clock()
+        planned = self._plan(engine)
+        if planned is None and engine.host.has_several:  # a worst-case length outgrew its blocks: read
+            done += _read_and_reserve(engine)
+            planned = self._plan(engine)
+        if planned is None:
             return done
-        read_len = engine._read_len(seqs, extra=k)
+        seqs, rows, counts = planned
+        a, b = len(seqs), engine._bucket(len(seqs))
+        k = max(counts)
+        if k == 0:  # nothing drafted (no n-gram match, or no room): a plain step, from exact lengths
+            if engine.host.has_several:
+                done += _read_and_reserve(engine)
+            if engine.scheduler.running:
+                engine._decode()
+                engine.host.steps += 1
+                self.policy.note_plain(1)
+            return done
+        ahead = max(s.unread for s in seqs)
+        read_len = engine._read_len(seqs, extra=k + ahead)
         want_routed = any(s.request.params.return_routed_experts for s in seqs)
         fn = lambda: self.forward_no_sync(engine, b, k, read_len, rows, want_routed)  # noqa: E731
         graphs = self.graphs
@@ -171,18 +186,43 @@ class SpeculativeDecoding:
         else:
             tokens, logprobs, accepted = fn()
         emitted = accepted + 1  # advanced outside the graph: a capture's warm-up runs the step once more
-        engine._last_token[:b] = tokens.gather(1, (emitted - 1)[:, None])[:, 0]
+        last = tokens.gather(1, (emitted - 1).clamp(min=0)[:, None])[:, 0]
+        engine._last_token[:b] = torch.where(emitted > 0, last, engine._last_token[:b])
         engine._seq_len[:b] += emitted * engine._active[:b]
-        entry = engine.host.record_several(seqs, tokens[:a], logprobs[:a], emitted[:a], engine.version)
+        bounds = [c + 1 for c in counts]
+        entry = engine.host.record_several(seqs, tokens[:a], logprobs[:a], emitted[:a], engine.version, bounds)
         engine._decode_steps += 1
         engine._decode_rows += a
-        done += engine._sync_all()  # the step's host sync: its counts and tokens, with every pending one
-        num_emitted = sum(entry.emitted_read)
-        self.policy.note_spec(num_emitted / a, self.policy.clock() - start)
         self.num_drafted += sum(counts)
-        self.num_accepted += num_emitted - a
-        self.policy.record(sum(counts), num_emitted - a, num_emitted)
+        if lagged:  # read at the engine's next host sync (``Engine.step``)
+            engine.host.steps += 1
+            self.policy.note_spec_step()
+            return done
+        done += engine._sync_all()  # the step's host sync: its counts and tokens, with every pending one
+        self.policy.note_spec(sum(entry.emitted_read) / a, self.policy.clock() - start)
         return done
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the drafter drafts on the device (MTP): its steps plan without reading their tokens."""
+        return isinstance(self.drafter, MtpDrafter)
+
+    def _plan(self, engine: Engine) -> tuple[list[Sequence], SamplingRows, list[int]] | None:
+        """The running sequences, their sampling rows and drafts k_b (``_plan_drafts``); None when
+        nothing runs, or when some sequence's worst-case length no longer fits its blocks."""
+        seqs = list(engine.scheduler.running)
+        if not seqs:
+            return None
+        rows = engine._rows(slice(0, engine._bucket(len(seqs))), seqs)
+        counts = self._plan_drafts(engine, seqs, rows)
+        return None if counts is None else (seqs, rows, counts)
+
+    def _read_several(self, entry) -> None:
+        """A speculative step's counts, read by the host (``HostSync.on_several``): acceptance figures."""
+        live = [(e, n) for e, n in zip(entry.emitted_read, entry.bounds, strict=True) if e > 0]
+        emitted, rows = sum(e for e, _ in live), len(live)  # a row past its limit emitted nothing
+        self.num_accepted += emitted - rows
+        self.policy.record(sum(n for _, n in live) - rows, emitted - rows, emitted)
 
     def forward_no_sync(
         self, engine: Engine, b: int, k: int, read_len: int, rows: SamplingRows, want_routed: bool
@@ -195,8 +235,12 @@ class SpeculativeDecoding:
         Returns:
             tokens [b, k + 1] int64, logprobs [b, k + 1] float32 (valid up to a_b + 1), a_b [b] int64.
         """
-        num_drafts = self._num_drafts[:b]
         first = engine._seq_len[:b]  # the position of each row's first emitted token
+        # the device's own length limit: a row emits at most end - length tokens (none once there), so
+        # steps planned from the host's upper bounds never pass a sequence's max_new_tokens
+        left = self._end_len[:b] - first  # tokens each row may still emit
+        live = left > 0
+        num_drafts = torch.where(live, torch.minimum(self._num_drafts[:b], left - 1), -1)
         probs = None
         if isinstance(self.drafter, MtpDrafter):
             drafts, probs = self.drafter.draft_no_sync(first - 2, rows, k)
@@ -205,7 +249,7 @@ class SpeculativeDecoding:
         logits, hidden = verify_forward_no_sync(
             engine, b, k, read_len, drafts, num_drafts, want_routed, want_hidden=self.wants_hidden
         )
-        ver = verify_drafts(logits, drafts, probs, num_drafts, rows, first)
+        ver = verify_drafts(logits, drafts, probs, num_drafts.clamp(min=0), rows, first)
         if hidden is not None:  # the MTP ring: positions first - 1 .. first - 1 + k and their next tokens
             # (those past the a_b + 1 kept ones lie past the new last fed position: the next step
             # overwrites them before any draft reads them)
@@ -213,15 +257,24 @@ class SpeculativeDecoding:
             row = torch.arange(b, device=first.device)[:, None].expand(b, k + 1).reshape(-1)
             pos = (first[:, None] - 1 + j).reshape(-1)
             self.drafter.keep_no_sync(row, pos, hidden.flatten(0, 1), ver.tokens.reshape(-1))
-        return ver.tokens, ver.logprobs, ver.num_accepted
+        return ver.tokens, ver.logprobs, torch.where(live, ver.num_accepted, -1)
 
-    def _plan_drafts(self, engine: Engine, seqs: list[Sequence], rows: SamplingRows) -> list[int]:
-        """k_b of each sequence (host ints), with the blocks their drafted positions need; the n-gram
-        drafter's tokens copied into the device buffer; both copies start without a host sync."""
+    def _plan_drafts(self, engine: Engine, seqs: list[Sequence], rows: SamplingRows) -> list[int] | None:
+        """k_b of each sequence (host ints), with the blocks their drafted positions need at its
+        worst-case length (``Sequence.unread`` past the host's); the n-gram drafter's tokens copied into
+        the device buffer; both copies start without a host sync. None: some sequence's blocks do not
+        reach its worst-case next position (the host must read first)."""
         if isinstance(self.drafter, MtpDrafter):
             if not self.drafter.row_state:  # no prefill has filled the ring yet (speculation set late)
                 return [0] * len(seqs)
-            counts = [engine.policy.room_for_drafts(s, self._room(s)) for s in seqs]
+            counts = []
+            for s in seqs:  # blocks up to the worst-case position, never past the sequence's last one
+                end = s.prompt_len + s.request.params.max_new_tokens
+                want = min(s.unread + self._room(s), end - s.seq_len)
+                fits = engine.policy.room_for_drafts(s, want)
+                if fits < min(s.unread, want):
+                    return None
+                counts.append(max(0, fits - s.unread))
         else:
             reqs = [
                 DraftRequest(list(s.request.prompt_ids) + s.token_ids, self._room(s), s.noise_key)
@@ -233,6 +286,9 @@ class SpeculativeDecoding:
             counts = [engine.policy.room_for_drafts(s, n) for s, n in zip(seqs, found, strict=True)]
             host = drafts.tokens.cpu()[:, : self.num_tokens]
             self._draft_tokens[: len(seqs), : host.shape[1]].copy_(_to_device_no_sync(host, engine.device))
+        ends = [s.prompt_len + s.request.params.max_new_tokens for s in seqs]
+        self._end_len.zero_()
+        self._end_len[: len(seqs)] = _to_device_no_sync(torch.tensor(ends, dtype=torch.int64), engine.device)
         self._num_drafts.zero_()
         self._num_drafts[: len(seqs)] = _to_device_no_sync(
             torch.tensor(counts, dtype=torch.int64), engine.device
@@ -245,11 +301,14 @@ class SpeculativeDecoding:
             n, dev = engine.num_slots, engine.device
             self._draft_tokens = torch.zeros(n, self.num_tokens, dtype=torch.int64, device=dev)
             self._num_drafts = torch.zeros(n, dtype=torch.int64, device=dev)
+            self._end_len = torch.zeros(n, dtype=torch.int64, device=dev)
             # its own runner: a verify step that cannot be captured leaves the plain decode's graphs on
             self.graphs = GraphRunner(dev) if engine._graphs is not None else None
+            engine.host.on_several = self._read_several
 
     def _room(self, seq: Sequence) -> int:
-        """Drafts this sequence may take: K, fewer when its length limit is near (the step emits a + 1)."""
+        """Drafts this sequence may take: K, fewer when its length limit is near (the step emits a + 1);
+        from the host's count (tokens not read yet may leave fewer: the step clamps on the device)."""
         left = seq.request.params.max_new_tokens - seq.num_generated - 1
         return max(0, min(self.num_tokens, left))
 
@@ -269,6 +328,12 @@ class SpeculativeDecoding:
             "spec_step_ms": pol.mean_step_ms("spec"),
             "plain_step_ms": pol.mean_step_ms("plain"),
         }
+
+
+def _read_and_reserve(engine: Engine) -> list[Completion]:
+    """Read every pending token (finishing sequences), then give the running ones room for their next
+    token again (``Engine._reserve_decode``): afterwards every length is known exactly."""
+    return engine._sync_all() + engine._reserve_decode()
 
 
 def _to_device_no_sync(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -407,11 +407,13 @@ class SpecPolicy:
     - acceptance: not while the acceptance rate of the last ``window`` speculative steps is below
       ``min_acceptance`` (drafts that are mostly rejected only add work);
     - cost: not while speculation is measured slower than plain decoding: tokens per row and second of
-      the last ``window`` speculative steps (emitted tokens / rows of each step, over the host wall time
-      from the step's start to its host sync) below those of the last ``window`` measured runs of plain
-      steps (one token per row and step, over the host wall time between two host syncs that only
-      plain steps lay between). Both are read at host syncs the engine makes anyway (``at_sync``, and
-      the speculative step's own), so measuring adds no device sync.
+      the last ``window`` measured runs of speculative steps below those of the last ``window`` runs of
+      plain steps. A run is the steps between two host reads that only steps of one kind lay between
+      (``at_sync``), timed by the host's wall clock from one read to the next; a plain step emits one
+      token per row, a speculative step the mean emitted tokens per row of the recent steps read
+      (``record``). A step drafted on the host (n-gram) reads its own tokens, and is timed from its start
+      to that read (``note_spec``). Every time is read at a host read the engine makes anyway, so
+      measuring adds no device sync.
 
     While the acceptance or the cost rule holds, one probe step every ``probe_every`` steps speculates
     and measures again; while speculating, one plain step after every ``probe_every`` speculative ones
@@ -442,7 +444,7 @@ class SpecPolicy:
     """Plain steps run to measure plain decoding: one after every ``probe_every`` speculative steps."""
     _since_probe: int = 0
     _spec_in_a_row: int = 0
-    _segment: list = field(default_factory=lambda: [0, False, None])  # plain steps, mixed, start time
+    _segment: list = field(default_factory=lambda: [0, False, None, 0])  # plain, mixed, start, spec
 
     def should_speculate(self, num_running: int) -> bool:
         """Decide for a step of ``num_running`` sequences (counts the decision)."""
@@ -492,17 +494,36 @@ class SpecPolicy:
     # -- Cost: measured at host syncs -----------------------------------------------------------
 
     def at_sync(self) -> None:
-        """The host just read the device's tokens (an existing sync): close the run of plain steps since
-        the previous one (measured when it held only plain steps)."""
+        """The host just read the device's tokens (an existing sync): close the run of steps since the
+        previous one (measured when it held steps of one kind only: plain, or speculative once some
+        speculative step's tokens were read)."""
         now = self.clock()
-        steps, mixed, start = self._segment
-        if steps and not mixed and start is not None:
-            self._measured("plain", float(steps), now - start, steps)
-        self._segment[:] = [0, False, now]
+        plain, mixed, start, spec = self._segment
+        if start is not None and not mixed and bool(plain) != bool(spec):
+            if plain:
+                self._measured("plain", float(plain), now - start, plain)
+            elif self.recent:
+                self._measured("spec", spec * self.emitted_per_row, now - start, spec)
+        self._segment[:] = [0, False, now, 0]
 
     def note_plain(self, steps: int) -> None:
         """``steps`` plain decode steps ran since the last host sync."""
         self._segment[0] += steps
+
+    def note_spec_step(self) -> None:
+        """A speculative step ran since the last host sync, its tokens not read yet (timed by ``at_sync``)."""
+        self._segment[3] += 1
+
+    @property
+    def plain_since_sync(self) -> bool:
+        """Whether plain steps ran since the last host sync (a speculative run then starts with a read)."""
+        return bool(self._segment[0])
+
+    @property
+    def emitted_per_row(self) -> float:
+        """Mean tokens a row emitted per speculative step over the recent steps read (1.0: none yet)."""
+        rows = sum(e - a for _, a, e in self.recent)
+        return sum(e for _, _, e in self.recent) / rows if rows else 1.0
 
     def note_other(self) -> None:
         """Other device work (a prefill) ran since the last host sync: that run is not measured."""

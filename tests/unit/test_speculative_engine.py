@@ -269,11 +269,11 @@ def test_mtp_ring_holds_the_policys_hidden_states(model):
                 nxt = torch.cat([nxt, drafts[i : i + 1, j : j + 1]], 1)
 
 
-@pytest.mark.parametrize("speculative", ["mtp", "ngram"])
-def test_one_host_read_per_speculative_step(model, speculative):
-    """A speculative step reads the device once (its counts and tokens, with every pending token); a
-    second read only where tokens of a plain step or a prefill were pending when it began."""
-    engine = _engine(model, speculative)
+def test_one_host_read_per_host_drafted_step(model):
+    """A step drafted on the host (n-gram: it needs the whole context) reads the device once (its counts
+    and tokens, with every pending token); a second read only where tokens of a plain step or a prefill
+    were pending when it began."""
+    engine = _engine(model, "ngram")
     spec, reads, per_step = engine.speculation, [0], []
     engine.host.on_read = lambda: reads.__setitem__(0, reads[0] + 1)
     real_step = spec.step
@@ -290,6 +290,30 @@ def test_one_host_read_per_speculative_step(model, speculative):
     assert len(per_step) > 3
     assert all(n == 1 + pending for pending, n in per_step)
     assert sum(1 for pending, n in per_step if not pending) >= 2
+
+
+def test_mtp_steps_read_nothing_between_the_engines_syncs(model):
+    """The device drafter's steps plan from upper bounds (``Sequence.unread``) and read no token: the host
+    reads at the engine's syncs (every 8 steps here), where a sequence may have reached its length limit
+    and where a worst-case length outgrew its blocks; the output is that of the plain engine."""
+    engine = _engine(model, "mtp")
+    engine.host.sync_every = 8
+    spec, reads, calls, real_read = engine.speculation, [0], [0], engine.host.on_read
+    engine.host.on_read = lambda: (reads.__setitem__(0, reads[0] + 1), real_read())
+    real_step = spec.step
+
+    def step(eng):
+        drafted = spec.num_drafted
+        out = real_step(eng)
+        calls[0] += spec.num_drafted > drafted  # it speculated (not a plain fallback)
+        return out
+
+    spec.step = step
+    out = engine.generate(_requests(n=1, max_new_tokens=80, temperature=0.0))
+    assert calls[0] > 20 and spec.policy.num_spec_steps >= calls[0] - 1  # read later, all but the last
+    assert reads[0] <= calls[0] // 3, (reads[0], calls[0])
+    ref = _engine(model).generate(_requests(n=1, max_new_tokens=80, temperature=0.0))
+    assert [c.token_ids for c in _by_id(out)] == [c.token_ids for c in _by_id(ref)]
 
 
 def test_speculative_config_is_checked():
