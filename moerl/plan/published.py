@@ -180,7 +180,13 @@ PUBLISHED: tuple[Figure, ...] = (
             "alternating: bucket k + 1 is filled while k is broadcast, and received while k is handed on "
             "(verl/checkpoint_engine/nccl_checkpoint_engine.py:231-246, 305-331 at 6f33c553b): pipelined",
             assumed="the NIXL ring moves the same bytes per hop as the NCCL broadcast; the trainer's fp32 gather "
-            "(nccl_checkpoint_engine.py:226) is counted in bf16 bytes: over NVLink, under the broadcast",
+            "(nccl_checkpoint_engine.py:226) is counted in bf16 bytes: over NVLink, under the per-tensor term; "
+            "per tensor (the term that bounds it): the sender gathers each of the 18,771 tensors whole "
+            "(tests/checkpoint_engine/test_utils.py:37 get_per_tensor_param; verl/workers/engine/fsdp/"
+            "transformer_impl.py:656, 670 state_dict() then full_tensor() of each DTensor) and casts and copies "
+            "it into the bucket (nccl_checkpoint_engine.py:225-261), at moerl's own measured host cost per "
+            "tensor (iter_full_tensors, bench/tensor_gather.py); the receivers only clone each tensor "
+            "(test_utils.py:64; README.md:25 'only receive weight without cuda ipc to vllm/sglang')",
             sync_gpus=(2, 30),
         )  # fmt: skip
         for backend in ("NCCL", "NIXL")
