@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None) -> dict:
             out = manager.dict()
             mp.spawn(_rank, args=(args, args.port + world, out), nprocs=world, join=True)
             res[f"world_{world}"] = dict(out)
-        rows += [[world, k, 1e6 * v["wall_s_per_tensor"], 1e6 * v["cpu_s_per_tensor"]] for k, v in out_items(res, world)]
+        rows += [
+            [world, k, 1e6 * v["wall_s_per_tensor"], 1e6 * v["cpu_s_per_tensor"]]
+            for k, v in out_items(res, world)
+        ]
     record = {"benchmark": "tensor_gather", "device": device_info(torch.device("cpu")), "backend": "gloo",
               "tensors": args.tensors, "shape": [args.rows, args.cols], "dtype": "float32",
               "rounds": args.rounds, "host_cpus": os.cpu_count(), "load_average_1_5_15": list(os.getloadavg()),

@@ -61,10 +61,22 @@ class Figure:
 _QWEN = {"router_groups": 1, "topk_groups": 1, "rollout_ep_nodes": 1}
 """Qwen models route over all experts (no group limit); replicas of one node unless a figure says more."""
 _H100 = {"hardware": "dgx-h100", **_QWEN}
-_H20 = {"hardware": "h20", "prompts_per_step": 512, "group_size": 16, "prompt_len": 256, **_QWEN}
+_H20 = {"hardware": "h20", "prompts_per_step": 512, "group_size": 16, "prompt_len": 256, "rollout_rows_per_gpu": 64,
+        **_QWEN}  # fmt: skip
+"""verl's 128-H20 runs: 512 prompts x 16 (docs/advance/fully_async.md); a vLLM server (TP 4) decodes at most 256
+sequences at once (verl at b178a3cd5: verl/trainer/config/rollout/rollout.yaml:68 ``max_num_seqs: 256``; the
+fully async rollouter also keeps at most 16 prompts x n = 16 in flight per server,
+verl/experimental/fully_async_policy/fully_async_rollouter.py:207): 64 rows per GPU."""
 _VERL_ASYNC = {"schedule": "fully_async", "max_staleness": 1, "weight_transport": "nccl_broadcast",
                "sync_pipelined": False, "sync_bucket_mb": 4096}  # fmt: skip
 _VERL_COLO = {"schedule": "colocated", "weight_transport": "cuda_ipc", "train_nodes": 8}
+_VERL_STEP = (
+    "; a fully async 'step' (verl at b178a3cd5) is one parameter version, 512 prompts: the trainer's "
+    "timing_s/step summed over trigger_parameter_sync_step = 4 local steps of 128 prompts (verl/experimental/fully_async_policy/"
+    "detach_utils.py:219, 255-256 time_sum; fully_async_trainer.py:320 the timer, 343 the sync after it, "
+    "so the sync is not in the step; docs/advance/fully_async.md:371 total_rollout_steps 512*400 over 400 "
+    "steps)"
+)
 _VERL_ASSUMED = (
     "prompt 256 tokens and mean response = max / 4 (not published; DAPO, arXiv:2503.14476, reports means "
     "of about a quarter of its 20K limit); response cv 0.5 (planner default)"
@@ -229,7 +241,8 @@ PUBLISHED: tuple[Figure, ...] = (
             "logprob_passes": 0,
         },
         setup_source=f"{VERL_ASYNC} (64 rollout : 64 trainer H20, staleness 0.5 with partial rollouts, rollout "
-        f"log-probs, NCCL checkpoint engine); {VERL_SCRIPTS}dapo_7b_math_fsdp2_64_64.sh",
+        f"log-probs, NCCL checkpoint engine); {VERL_SCRIPTS}dapo_7b_math_fsdp2_64_64.sh (require_batches 4 x "
+        f"ppo_mini_batch 32, trigger_parameter_sync_step 4, use_rollout_log_probs, no KL){_VERL_STEP}",
         assumed=_VERL_ASSUMED + "; verl's staleness 0.5 of a batch as the planner's bound of 1 version",
     ),  # fmt: skip
     Figure(
@@ -271,7 +284,8 @@ PUBLISHED: tuple[Figure, ...] = (
             "logprob_passes": 1,
         },
         setup_source=f"{VERL_ASYNC} (96 rollout : 32 trainer H20, ref pass, staleness 0.5, partial rollouts); "
-        f"{VERL_SCRIPTS}grpo_30b_a3b_base_math_megatron_96_32.sh",
+        f"{VERL_SCRIPTS}grpo_30b_a3b_base_math_megatron_96_32.sh (lines 105, 109-110: mini-batch 128 x 1, sync every "
+        f"4; 24 use_kl_loss: the ref pass; 229 rollout log-probs){_VERL_STEP}",
         assumed=_VERL_ASSUMED + "; staleness 0.5 as a bound of 1 version; not modelled: the optimizer and "
         "parameter offload (lines 50, 54, 145-153) and vLLM's enforce_eager=True (line 192; the planner's "
         "decode step is graphed)",

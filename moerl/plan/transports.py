@@ -228,7 +228,9 @@ def _prepare_s(s: SyncSetup) -> float:
 
 def _apply_s(s: SyncSetup) -> float:
     """A receiver copies its W / g bytes into the engine's parameters, one tensor at a time (t_a each)."""
-    return s.bytes_on_wire / s.replica_gpus / (s.copy_gb_s * 1e9) + s.receiver_tensors * s.consts.apply_tensor_s
+    return (
+        s.bytes_on_wire / s.replica_gpus / (s.copy_gb_s * 1e9) + s.receiver_tensors * s.consts.apply_tensor_s
+    )
 
 
 def _gather_host_s(s: SyncSetup) -> float:

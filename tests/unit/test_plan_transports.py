@@ -14,7 +14,15 @@ from moerl.cli import main
 from moerl.configlib import ConfigError
 from moerl.plan.args import CALIBRATION
 from moerl.plan.models import get_model
-from moerl.plan.predict import Plan, checkpoint_tensors, ffn_fraction, predict, set_param, sync_setup, weight_sync
+from moerl.plan.predict import (
+    Plan,
+    checkpoint_tensors,
+    ffn_fraction,
+    predict,
+    set_param,
+    sync_setup,
+    weight_sync,
+)
 from moerl.plan.schedules import StepParts, batch_decode_s, longest_response, step_s
 from moerl.plan.transports import (
     BENCH_FILE,
@@ -225,9 +233,10 @@ def test_per_tensor_gather_and_load():
     assert sync_time(s, "cuda_ipc").transfer_s == pytest.approx(1.0)  # colocated sharded trainer gathers too
     assert sync_time(s, "object_store").transfer_s == pytest.approx(1.0 + 8e9 / 2e9 + 1.0, rel=1e-6)
     for shards_as_they_lie in ("sharded_p2p", "checkpoint_engine"):
-        assert sync_time(s, shards_as_they_lie).transfer_s == sync_time(
-            replace(s, consts=replace(costs, tensor_s=0.0)), shards_as_they_lie
-        ).transfer_s
+        assert (
+            sync_time(s, shards_as_they_lie).transfer_s
+            == sync_time(replace(s, consts=replace(costs, tensor_s=0.0)), shards_as_they_lie).transfer_s
+        )
 
 
 def test_checkpoint_tensors_from_the_shapes():
