@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, replace
+from math import ceil
 
 from moerl.configlib import ConfigError
 from moerl.ep import ExpertPlacement, Topology
@@ -267,6 +268,9 @@ def sync_setup(p: Plan, cal: dict, hw=None, m=None) -> SyncSetup:
     gpn = hw.gpus_per_node
     colocated = p.schedule_used == "colocated"
     consts = constants_of(cal)
+    tensors, ffn_tensors, expert_tensors = checkpoint_tensors(m)
+    g = _replica_gpus(p, hw)
+    receiver = tensors if p.rollout_tp else tensors - expert_tensors + ceil(expert_tensors / g)
     return SyncSetup(
         num_params=m.num_params, wire_bytes=FP8_BYTES if p.sync_fp8 else 2.0, changed_fraction=p.sync_changed_fraction,
         is_fp8_requant=p.sync_fp8, trainer_gpus=gpn * (p.total_nodes if colocated else p.train_nodes),
@@ -274,7 +278,8 @@ def sync_setup(p: Plan, cal: dict, hw=None, m=None) -> SyncSetup:
         gpus_per_node=gpn, net_gb_s=p.net_fraction * hw.net_gb_s_per_gpu, nvlink_gb_s=p.nvlink_fraction * hw.nvlink_gb_s,
         copy_gb_s=consts.copy_hbm_fraction * hw.hbm_tb_s * 1e3, storage_gb_s=p.storage_gb_s_per_node,
         message_s=hw.net_message_us * 1e-6, bucket_bytes=p.sync_bucket_mb * 2**20, is_pipelined=p.sync_pipelined,
-        consts=consts, bulk_fraction=ffn_fraction(m), pp_stages=p.train_pp_stages,
+        consts=consts, bulk_fraction=ffn_fraction(m), pp_stages=p.train_pp_stages, num_tensors=tensors,
+        bulk_tensors=ffn_tensors, receiver_tensors=receiver,
     )  # fmt: skip
 
 
@@ -284,6 +289,22 @@ def ffn_fraction(m) -> float:
     this part shard to shard (NeMo-RL ``nccl-reshard-refit.md``, "Bulk path")."""
     ffn = m.routed_expert_params + m.num_dense_layers * 3 * m.hidden_size * m.dense_intermediate_size
     return ffn / m.num_params
+
+
+def checkpoint_tensors(m) -> tuple[int, int, int]:
+    """(T, FFN tensors, routed-expert tensors) of ``m`` in the Hugging Face checkpoint layout, the unit a
+    weight sync gathers and loads one at a time: per layer the attention projections (GQA q, k, v, o: 4;
+    MLA q_a, q_a norm, q_b, kv_a, kv_a norm, kv_b, o: 7, or 5 without a q LoRA), 2 norms, and an MoE layer's
+    router (1), its routed experts' gate, up and down projections (3 E) and one shared-expert MLP (3), or a
+    dense layer's FFN (3); plus embedding, final norm and lm_head (untied). Biases and q/k norms (Qwen2.5,
+    Qwen3: at most 3 per layer, < 1% of an MoE model's tensors) are not counted. FFN tensors are the
+    routed experts' and the dense layers' (``ffn_fraction``'s part); Qwen3-30B-A3B: 48 x 391 + 3 = 18,771."""
+    attn = 4 if m.attention == "gqa" else (7 if m.q_lora_rank else 5)
+    experts = m.num_moe_layers * 3 * m.num_experts
+    shared = m.num_moe_layers * 3 * (1 if m.num_shared_experts else 0)
+    dense_ffn = m.num_dense_layers * 3
+    total = m.num_layers * (attn + 2) + m.num_moe_layers + experts + shared + dense_ffn
+    return total + 2 + (0 if m.tie_embeddings else 1), experts + dense_ffn, experts
 
 
 def weight_sync(p: Plan, cal: dict) -> SyncTime:

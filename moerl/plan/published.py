@@ -61,10 +61,22 @@ class Figure:
 _QWEN = {"router_groups": 1, "topk_groups": 1, "rollout_ep_nodes": 1}
 """Qwen models route over all experts (no group limit); replicas of one node unless a figure says more."""
 _H100 = {"hardware": "dgx-h100", **_QWEN}
-_H20 = {"hardware": "h20", "prompts_per_step": 512, "group_size": 16, "prompt_len": 256, **_QWEN}
+_H20 = {"hardware": "h20", "prompts_per_step": 512, "group_size": 16, "prompt_len": 256, "rollout_rows_per_gpu": 64,
+        **_QWEN}  # fmt: skip
+"""verl's 128-H20 runs: 512 prompts x 16 (docs/advance/fully_async.md); a vLLM server (TP 4) decodes at most 256
+sequences at once (verl at b178a3cd5: verl/trainer/config/rollout/rollout.yaml:68 ``max_num_seqs: 256``; the
+fully async rollouter also keeps at most 16 prompts x n = 16 in flight per server,
+verl/experimental/fully_async_policy/fully_async_rollouter.py:207): 64 rows per GPU."""
 _VERL_ASYNC = {"schedule": "fully_async", "max_staleness": 1, "weight_transport": "nccl_broadcast",
                "sync_pipelined": False, "sync_bucket_mb": 4096}  # fmt: skip
 _VERL_COLO = {"schedule": "colocated", "weight_transport": "cuda_ipc", "train_nodes": 8}
+_VERL_STEP = (
+    "; a fully async 'step' (verl at b178a3cd5) is one parameter version, 512 prompts: the trainer's "
+    "timing_s/step summed over trigger_parameter_sync_step = 4 local steps of 128 prompts (verl/experimental/fully_async_policy/"
+    "detach_utils.py:219, 255-256 time_sum; fully_async_trainer.py:320 the timer, 343 the sync after it, "
+    "so the sync is not in the step; docs/advance/fully_async.md:371 total_rollout_steps 512*400 over 400 "
+    "steps)"
+)
 _VERL_ASSUMED = (
     "prompt 256 tokens and mean response = max / 4 (not published; DAPO, arXiv:2503.14476, reports means "
     "of about a quarter of its 20K limit); response cv 0.5 (planner default)"
@@ -180,7 +192,13 @@ PUBLISHED: tuple[Figure, ...] = (
             "alternating: bucket k + 1 is filled while k is broadcast, and received while k is handed on "
             "(verl/checkpoint_engine/nccl_checkpoint_engine.py:231-246, 305-331 at 6f33c553b): pipelined",
             assumed="the NIXL ring moves the same bytes per hop as the NCCL broadcast; the trainer's fp32 gather "
-            "(nccl_checkpoint_engine.py:226) is counted in bf16 bytes: over NVLink, under the broadcast",
+            "(nccl_checkpoint_engine.py:226) is counted in bf16 bytes: over NVLink, under the per-tensor term; "
+            "per tensor (the term that bounds it): the sender gathers each of the 18,771 tensors whole "
+            "(tests/checkpoint_engine/test_utils.py:37 get_per_tensor_param; verl/workers/engine/fsdp/"
+            "transformer_impl.py:656, 670 state_dict() then full_tensor() of each DTensor) and casts and copies "
+            "it into the bucket (nccl_checkpoint_engine.py:225-261), at moerl's own measured host cost per "
+            "tensor (iter_full_tensors, bench/tensor_gather.py); the receivers only clone each tensor "
+            "(test_utils.py:64; README.md:25 'only receive weight without cuda ipc to vllm/sglang')",
             sync_gpus=(2, 30),
         )  # fmt: skip
         for backend in ("NCCL", "NIXL")
@@ -223,7 +241,8 @@ PUBLISHED: tuple[Figure, ...] = (
             "logprob_passes": 0,
         },
         setup_source=f"{VERL_ASYNC} (64 rollout : 64 trainer H20, staleness 0.5 with partial rollouts, rollout "
-        f"log-probs, NCCL checkpoint engine); {VERL_SCRIPTS}dapo_7b_math_fsdp2_64_64.sh",
+        f"log-probs, NCCL checkpoint engine); {VERL_SCRIPTS}dapo_7b_math_fsdp2_64_64.sh (require_batches 4 x "
+        f"ppo_mini_batch 32, trigger_parameter_sync_step 4, use_rollout_log_probs, no KL){_VERL_STEP}",
         assumed=_VERL_ASSUMED + "; verl's staleness 0.5 of a batch as the planner's bound of 1 version",
     ),  # fmt: skip
     Figure(
@@ -265,7 +284,8 @@ PUBLISHED: tuple[Figure, ...] = (
             "logprob_passes": 1,
         },
         setup_source=f"{VERL_ASYNC} (96 rollout : 32 trainer H20, ref pass, staleness 0.5, partial rollouts); "
-        f"{VERL_SCRIPTS}grpo_30b_a3b_base_math_megatron_96_32.sh",
+        f"{VERL_SCRIPTS}grpo_30b_a3b_base_math_megatron_96_32.sh (lines 105, 109-110: mini-batch 128 x 1, sync every "
+        f"4; 24 use_kl_loss: the ref pass; 229 rollout log-probs){_VERL_STEP}",
         assumed=_VERL_ASSUMED + "; staleness 0.5 as a bound of 1 version; not modelled: the optimizer and "
         "parameter offload (lines 50, 54, 145-153) and vLLM's enforce_eager=True (line 192; the planner's "
         "decode step is graphed)",

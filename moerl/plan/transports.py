@@ -46,8 +46,20 @@ b_copy, and the receivers' apply: W / g bytes copied into the engine at b_copy):
 - ``cuda_ipc``: colocated only: each GPU maps the trainer's buckets on the same device (moerl's
   ``cuda_ipc``): W / g at b_copy plus c_b per bucket.
 
-Every bucket also pays c_b (moerl's per-bucket handshake: version check, event, table). Units: seconds,
-bytes, GB/s = 1e9 B/s.
+Every bucket also pays c_b (moerl's per-bucket handshake: version check, event, table).
+
+Per-tensor work (``SyncSetup.num_tensors`` T, counted from the model's shapes by ``predict.checkpoint_tensors``):
+a sharded trainer (S > 1) that sends full tensors gathers them one at a time, and each gather costs the
+host t_g whatever its bytes (``DTensor.full_tensor()`` dispatch, the collective's call, the loop: moerl's
+``iter_full_tensors``, measured by ``bench/tensor_gather.py``). The host issues the gathers while the GPU
+runs the earlier ones, so the gather stage takes max(bytes over the links, T t_g). It applies where the
+sender gathers: ``nccl_broadcast`` (verl's checkpoint engine: ``engine.get_per_tensor_param()`` yields
+``full_tensor()`` of each FSDP parameter, ``nccl_checkpoint_engine.send_weights`` casts and copies each
+into the bucket), the misc part of ``nccl_reshard`` (its tensors only), ``object_store`` (moerl's
+``stream_sharded``) and ``cuda_ipc`` from a sharded colocated trainer; not ``sharded_p2p`` or
+``checkpoint_engine``, which send shards as they lie. Every receiver loads its tensors one at a time:
+``receiver_tensors`` x t_a on top of the apply copy, t_a = moerl's engine copy per tensor above the flat
+device copy (the weight-sync bench). Units: seconds, bytes, GB/s = 1e9 B/s.
 """
 
 from __future__ import annotations
@@ -85,13 +97,20 @@ class SyncConstants:
     """End-to-end rate of moerl's store path (write, xxh3, read, load) on one node, GB/s."""
     hash_gb_s: float
     """xxh3 of bytes on the host (the bench's ``xxh3_host`` floor), GB/s."""
+    apply_tensor_s: float
+    """t_a: the engine's copy of a version per tensor above the flat device copy, s per tensor: (engine copy
+    - device copy floor) / tensors of the weight-sync bench."""
+    tensor_s: float
+    """t_g: host seconds per tensor of gathering a sharded tensor whole (moerl's ``iter_full_tensors``,
+    CPU seconds on a 1-rank mesh: ``bench/tensor_gather.py``, ``TENSOR_FILE``)."""
 
 
-def sync_constants(bench: dict) -> SyncConstants:
-    """``SyncConstants`` from a ``bench/weight_sync.py --spec reference`` result on CUDA (module docstring).
+def sync_constants(bench: dict, gather: dict) -> SyncConstants:
+    """``SyncConstants`` from a ``bench/weight_sync.py --spec reference`` result on CUDA and a
+    ``bench/tensor_gather.py`` result (module docstring).
 
     Raises:
-        ConfigError: the result lacks the cuda_ipc or store rows or the floors.
+        ConfigError: a result lacks the cuda_ipc or store rows, the floors, or the 1-rank gather row.
     """
     try:
         w, res, floors = bench["weight_bytes"], bench["results"], bench["floors_s"]
@@ -103,10 +122,13 @@ def sync_constants(bench: dict) -> SyncConstants:
             pinned_gb_s=w / floors["pinned_host_copy"] / 1e9,
             store_gb_s=w / res["store"]["median_s"] / 1e9,
             hash_gb_s=w / floors["xxh3_host"] / 1e9,
+            apply_tensor_s=max(0.0, ipc["engine_copy_s"] - dev) / bench["num_tensors"],
+            tensor_s=gather["results"]["world_1"]["iter_full_tensors"]["cpu_s_per_tensor"],
         )
     except KeyError as e:
         raise ConfigError(
-            f"weight-sync bench result lacks {e}; run bench/weight_sync.py --spec reference"
+            f"weight-sync or tensor-gather bench result lacks {e}; run bench/weight_sync.py --spec reference "
+            "and bench/tensor_gather.py"
         ) from None
 
 
@@ -159,6 +181,12 @@ class SyncSetup:
     reshards shard to shard; the rest is broadcast from trainer rank 0. 1 = every byte is FFN."""
     pp_stages: int = 1
     """P: pipeline stages of the trainer; ``nccl_reshard`` moves ``RESHARD_STREAMS`` stages at a time."""
+    num_tensors: int = 0
+    """T: tensors of one version as the sender gathers them (0: no per-tensor cost counted)."""
+    bulk_tensors: int = 0
+    """Of the T tensors, those in FFN projections (``nccl_reshard``'s bulk path; the rest ride its misc path)."""
+    receiver_tensors: int = 0
+    """Tensors one rollout GPU loads (all T for a TP replica; the non-expert ones and its experts' for EP)."""
 
     @property
     def bytes_on_wire(self) -> float:
@@ -199,8 +227,15 @@ def _prepare_s(s: SyncSetup) -> float:
 
 
 def _apply_s(s: SyncSetup) -> float:
-    """A receiver copies its W / g bytes into the engine's parameters."""
-    return s.bytes_on_wire / s.replica_gpus / (s.copy_gb_s * 1e9)
+    """A receiver copies its W / g bytes into the engine's parameters, one tensor at a time (t_a each)."""
+    return (
+        s.bytes_on_wire / s.replica_gpus / (s.copy_gb_s * 1e9) + s.receiver_tensors * s.consts.apply_tensor_s
+    )
+
+
+def _gather_host_s(s: SyncSetup) -> float:
+    """T t_g: the host's per-tensor work of gathering a sharded trainer's tensors whole (0 for S = 1)."""
+    return s.num_tensors * s.consts.tensor_s if s.trainer_gpus > 1 else 0.0
 
 
 def _stages(stage_totals: list[float], buckets: int, pipelined: bool) -> float:
@@ -218,6 +253,7 @@ def nccl_broadcast(s: SyncSetup) -> SyncTime:
     local = min(s.trainer_gpus, s.gpus_per_node)
     gather = w * (local - 1) / s.trainer_gpus / (s.nvlink_gb_s * 1e9)
     gather += w * (s.trainer_gpus - local) / s.trainer_gpus / (s.net_gb_s * 1e9)
+    gather = max(gather, _gather_host_s(s))  # the host issues tensor k + 1 while the GPU gathers k
     bcast = w / (s.net_gb_s * 1e9) + s.rollout_gpus * s.message_s  # chain of R hops: one latency each
     apply = _apply_s(s)
     moved = _stages([gather, bcast, apply], s.num_buckets, s.is_pipelined)
@@ -246,7 +282,9 @@ def nccl_reshard(s: SyncSetup) -> SyncTime:
     pairs = max(s.trainer_gpus / s.replica_gpus, 1.0)  # senders whose regions one receiver takes
     misc_s = 0.0
     if s.bulk_fraction < 1:  # packed buffers of bucket_bytes; two alternate (packed_tensor.py), so pipelined
-        t = nccl_broadcast(replace(s, num_params=s.num_params * (1 - s.bulk_fraction), is_pipelined=True))
+        misc = replace(s, num_params=s.num_params * (1 - s.bulk_fraction), is_pipelined=True,
+                       num_tensors=s.num_tensors - s.bulk_tensors)  # fmt: skip
+        t = nccl_broadcast(misc)
         misc_s = t.transfer_s + t.buckets_s  # its preparation and apply are counted once, over all of W
     buckets = max(1, ceil(bulk / s.trainer_gpus / s.bucket_bytes))  # each sender streams its own regions
     wire = striped + pairs * s.message_s + fan_out + misc_s
@@ -272,15 +310,18 @@ def object_store(s: SyncSetup) -> SyncTime:
     train_nodes = max(1, s.trainer_gpus // s.gpus_per_node)
     per_node = w * min(s.gpus_per_node, s.rollout_gpus) / s.replica_gpus  # its GPUs' shards: W / g each
     write = w / train_nodes / (s.storage_gb_s * 1e9) + w / train_nodes / (s.consts.hash_gb_s * 1e9)
+    write += _gather_host_s(s)  # stream_sharded gathers tensor by tensor before it packs
     read = per_node / (s.storage_gb_s * 1e9) + per_node / (s.consts.hash_gb_s * 1e9)
     return SyncTime("object_store", _prepare_s(s), write + read, _apply_s(s), 0.0)
 
 
 def cuda_ipc(s: SyncSetup) -> SyncTime:
-    """Colocated: the rollout engine copies its shard from the trainer's buckets on the same GPU."""
+    """Colocated: a sharded trainer gathers each tensor whole, and the rollout engine copies its shard from
+    the trainer's buckets on the same GPU."""
     w = s.bytes_on_wire / s.replica_gpus
     buckets = max(1, ceil(w / s.bucket_bytes))
-    return SyncTime("cuda_ipc", _prepare_s(s), 0.0, w / (s.copy_gb_s * 1e9), buckets * s.consts.bucket_s)
+    apply = _apply_s(s)
+    return SyncTime("cuda_ipc", _prepare_s(s), _gather_host_s(s), apply, buckets * s.consts.bucket_s)
 
 
 TRANSPORTS = {f.__name__: f for f in (nccl_broadcast, sharded_p2p, nccl_reshard, checkpoint_engine, object_store,
@@ -299,21 +340,26 @@ def sync_time(setup: SyncSetup, transport: str) -> SyncTime:
 
 BENCH_FILE = "weight_sync_reference_cuda.json"
 """The bench result the constants come from (``bench/results``)."""
+TENSOR_FILE = "issue53/tensor_gather_cpu.json"
+"""The per-tensor gather measurement ``tensor_s`` comes from (``bench/results``; ``bench/tensor_gather.py``)."""
 
 
 def write_record(results: Path, calibration: Path) -> dict:
-    """Derive ``SyncConstants`` from ``results/BENCH_FILE`` and store them (with their source and the bench
-    date) as ``weight_sync`` in ``calibration``; the frozen keys are untouched (``freeze.FITTED_KEYS``).
+    """Derive ``SyncConstants`` from ``results/BENCH_FILE`` and ``results/TENSOR_FILE`` and store them (with
+    their sources and the bench dates) as ``weight_sync`` in ``calibration``; the frozen keys are untouched
+    (``freeze.FITTED_KEYS``).
 
     Raises:
-        FileNotFoundError: the bench file is missing. ConfigError: it lacks a field.
+        FileNotFoundError: a bench file is missing. ConfigError: it lacks a field.
     """
     bench = json.loads((results / BENCH_FILE).read_text())
-    consts = sync_constants(bench)
+    gather = json.loads((results / TENSOR_FILE).read_text())
+    consts = sync_constants(bench, gather)
     cal = json.loads(calibration.read_text())
     cal["weight_sync"] = {
         "constants": {k: getattr(consts, k) for k in SyncConstants.__slots__},
-        "source": f"bench/results/{BENCH_FILE} ({bench['device']['device']}, {bench['device']['date']}): "
+        "source": f"bench/results/{BENCH_FILE} ({bench['device']['device']}, {bench['device']['date']}); "
+        f"tensor_s: bench/results/{TENSOR_FILE} ({gather['device']['device']}, {gather['device']['date']}): "
         "derived, not fitted (moerl.plan.transports.sync_constants)",
     }
     calibration.write_text(json.dumps(cal, indent=2) + "\n")

@@ -14,11 +14,20 @@ from moerl.cli import main
 from moerl.configlib import ConfigError
 from moerl.plan.args import CALIBRATION
 from moerl.plan.models import get_model
-from moerl.plan.predict import Plan, ffn_fraction, predict, set_param, weight_sync
+from moerl.plan.predict import (
+    Plan,
+    checkpoint_tensors,
+    ffn_fraction,
+    predict,
+    set_param,
+    sync_setup,
+    weight_sync,
+)
 from moerl.plan.schedules import StepParts, batch_decode_s, longest_response, step_s
 from moerl.plan.transports import (
     BENCH_FILE,
     FP8_BYTES,
+    TENSOR_FILE,
     SyncConstants,
     SyncSetup,
     constants_of,
@@ -28,7 +37,8 @@ from moerl.plan.transports import (
 
 ROOT = Path(__file__).resolve().parents[2]
 CAL = json.loads(CALIBRATION.read_text())
-NO_COST = SyncConstants(copy_hbm_fraction=1.0, bucket_s=0.0, pinned_gb_s=10.0, store_gb_s=1.0, hash_gb_s=1e9)
+NO_COST = SyncConstants(copy_hbm_fraction=1.0, bucket_s=0.0, pinned_gb_s=10.0, store_gb_s=1.0, hash_gb_s=1e9,
+                        apply_tensor_s=0.0, tensor_s=0.0)  # fmt: skip
 # 1e9 parameters in bf16 (W = 2 GB), 8 trainer GPUs, 8 rollout GPUs in replicas of 2, 40 GB/s NICs
 BASE = SyncSetup(num_params=1e9, wire_bytes=2.0, trainer_gpus=8, rollout_gpus=8, replica_gpus=2, gpus_per_node=8,
                  net_gb_s=40.0, nvlink_gb_s=400.0, copy_gb_s=1000.0, storage_gb_s=2.0, message_s=0.0,
@@ -105,12 +115,19 @@ def test_staged_and_stored_paths():
 
 def test_weight_sync_constants_are_derived_from_moerls_bench_not_fitted():
     bench = json.loads((ROOT / "bench" / "results" / BENCH_FILE).read_text())
-    assert constants_of(CAL) == sync_constants(bench)
-    c = sync_constants(bench)  # the bench's own figures: 13.8 GB, 49 buckets, one H200
+    gather = json.loads((ROOT / "bench" / "results" / TENSOR_FILE).read_text())
+    assert constants_of(CAL) == sync_constants(bench, gather)
+    c = sync_constants(bench, gather)  # the bench's own figures: 13.8 GB, 49 buckets, one H200
     assert c.pinned_gb_s == pytest.approx(bench["weight_bytes"] / bench["floors_s"]["pinned_host_copy"] / 1e9)
     assert 0 < c.bucket_s < 0.01 and 0 < c.copy_hbm_fraction < 1
+    # per tensor: the engine copy above the flat copy over the bench's 179 tensors; the 1-rank gather's CPU
+    ipc, floor = bench["results"]["cuda_ipc"], bench["floors_s"]["device_copy (CUDA IPC floor)"]
+    assert c.apply_tensor_s == pytest.approx((ipc["engine_copy_s"] - floor) / 179)
+    assert c.tensor_s == gather["results"]["world_1"]["iter_full_tensors"]["cpu_s_per_tensor"] > 0
     with pytest.raises(ConfigError, match="lacks 'floors_s'"):
-        sync_constants({"weight_bytes": 1, "results": {}})
+        sync_constants({"weight_bytes": 1, "results": {}}, gather)
+    with pytest.raises(ConfigError, match="lacks 'world_1'"):
+        sync_constants(bench, {"results": {}})
 
 
 def test_schedules_step_times():
@@ -196,3 +213,41 @@ def test_ffn_fraction_and_pipeline_stages_reach_the_reshard():
              rollout_ep_nodes=1, rollout_tp=8, schedule="one_step_off", weight_transport="nccl_reshard")  # fmt: skip
     one, eight = (weight_sync(set_param(p, "train_pp_stages", n), CAL).transfer_s for n in (1, 8))
     assert eight > one  # 8 stages, 2 at a time: the senders' term is 4 turns long
+
+
+def test_per_tensor_gather_and_load():
+    """A sharded sender gathers each tensor whole (t_g of host each), issued while the GPU moves the bytes:
+    the gather stage is the larger of the two; every receiver loads its tensors at t_a each."""
+    costs = replace(NO_COST, tensor_s=1e-3, apply_tensor_s=1e-5)
+    s = replace(BASE, is_pipelined=False, consts=costs, num_tensors=1000, receiver_tensors=600)
+    t = sync_time(s, "nccl_broadcast")  # gather max(1.75 GB / 400, 1000 x 1 ms) + broadcast 0.05 + apply
+    assert t.transfer_s == pytest.approx(1.0 + 0.05) and t.apply_s == pytest.approx(0.001 + 600 * 1e-5)
+    few = replace(s, num_tensors=1)  # bytes bound again: 4.375 ms
+    assert sync_time(few, "nccl_broadcast").transfer_s == pytest.approx(1.75 / 400 + 0.05)
+    alone = replace(s, trainer_gpus=1)  # an unsharded trainer gathers nothing
+    assert sync_time(alone, "nccl_broadcast").transfer_s == pytest.approx(0.05)
+    # the reshard's misc broadcast gathers only the non-FFN tensors: 1000 - 900 = 100 of them
+    mixed = replace(s, bulk_fraction=0.75, bulk_tensors=900)
+    misc = max(0.5 * 7 / 8 / 400, 100 * 1e-3) + 0.5 / 40
+    assert sync_time(mixed, "nccl_reshard").transfer_s == pytest.approx(0.1875 / 40 + 0.75 / 40 + misc)
+    assert sync_time(s, "cuda_ipc").transfer_s == pytest.approx(1.0)  # colocated sharded trainer gathers too
+    assert sync_time(s, "object_store").transfer_s == pytest.approx(1.0 + 8e9 / 2e9 + 1.0, rel=1e-6)
+    for shards_as_they_lie in ("sharded_p2p", "checkpoint_engine"):
+        assert (
+            sync_time(s, shards_as_they_lie).transfer_s
+            == sync_time(replace(s, consts=replace(costs, tensor_s=0.0)), shards_as_they_lie).transfer_s
+        )
+
+
+def test_checkpoint_tensors_from_the_shapes():
+    # Qwen3-30B-A3B: 48 layers x (q, k, v, o, 2 norms, router, 128 x 3 experts) + embedding, norm, lm_head
+    assert checkpoint_tensors(get_model("qwen3-30b-a3b")) == (48 * 391 + 3, 48 * 384, 48 * 384)
+    # DeepSeek-V3: MLA with q LoRA (7) + 2 norms per layer; 58 MoE layers: router, 256 x 3, one shared MLP;
+    # 3 dense FFNs
+    ds = checkpoint_tensors(get_model("deepseek-v3"))
+    assert ds == (61 * 9 + 58 * (1 + 768 + 3) + 3 * 3 + 3, 58 * 768 + 9, 58 * 768)
+    p = Plan(model="qwen3-30b-a3b", router_groups=1, topk_groups=1, total_nodes=4, train_nodes=2,
+             rollout_ep_nodes=1)  # fmt: skip
+    ep = sync_setup(p, CAL)  # an EP replica of 8 GPUs loads the non-expert tensors and 1/8 of the experts'
+    assert ep.num_tensors == 18771 and ep.receiver_tensors == 18771 - 18432 + 18432 // 8
+    assert sync_setup(set_param(p, "rollout_tp", 4), CAL).receiver_tensors == 18771  # TP: a slice of each
