@@ -19,8 +19,10 @@ to speculate (``SpecPolicy``) and then calls ``step(engine)`` instead of the pla
    sees rows < j of its sequence; ``verify_drafts`` keeps a_b drafts and adds one token (exact policy
    distribution); the MTP ring takes the verify's hidden states;
 3. outside the graph the rows' device state advances (last token, length) and the a_b + 1 tokens go
-   to the host sync as one entry (``HostSync.record_several``), read at once with every pending token:
-   the step's one host sync (the host needs the lengths to plan the next step);
+   to the host sync as one entry (``HostSync.record_several``). With the MTP drafter the step does not
+   wait for them: the host reads at the engine's syncs, and plans meanwhile from upper bounds
+   (``Sequence.unread``; the device stops each row at its ``max_new_tokens``). The n-gram drafter's
+   step reads them at once (its next drafts need the context);
 4. positions of rejected drafts were written but lie beyond the length: never read, and overwritten
    (keys, values, routed experts) by the next step, which starts at the first of them -- so R3 records
    are those of accepted tokens only.

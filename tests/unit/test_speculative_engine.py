@@ -4,6 +4,8 @@ those of the accepted tokens, and speculation turns itself off where it does not
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -298,6 +300,7 @@ def test_mtp_steps_read_nothing_between_the_engines_syncs(model):
     and where a worst-case length outgrew its blocks; the output is that of the plain engine."""
     engine = _engine(model, "mtp")
     engine.host.sync_every = 8
+    engine.speculation.policy = SpecPolicy(min_acceptance=0.0, probe_every=10**6, clock=_STOPPED)
     spec, reads, calls, real_read = engine.speculation, [0], [0], engine.host.on_read
     engine.host.on_read = lambda: (reads.__setitem__(0, reads[0] + 1), real_read())
     real_step = spec.step
@@ -306,13 +309,20 @@ def test_mtp_steps_read_nothing_between_the_engines_syncs(model):
         drafted = spec.num_drafted
         out = real_step(eng)
         calls[0] += spec.num_drafted > drafted  # it speculated (not a plain fallback)
+        for s in eng.scheduler.running:  # the device never passes a sequence's max_new_tokens
+            assert int(eng._seq_len[s.slot]) <= s.prompt_len + s.request.params.max_new_tokens
         return out
 
+    def requests():  # one sequence ends while the others still draft
+        reqs = _requests(n=1, max_new_tokens=80, temperature=0.0)
+        return [dataclasses.replace(r, params=dataclasses.replace(r.params, max_new_tokens=n))
+                for r, n in zip(reqs, (21, 80, 47), strict=True)]  # fmt: skip
+
     spec.step = step
-    out = engine.generate(_requests(n=1, max_new_tokens=80, temperature=0.0))
+    out = engine.generate(requests())
     assert calls[0] > 20 and spec.policy.num_spec_steps >= calls[0] - 1  # read later, all but the last
     assert reads[0] <= calls[0] // 3, (reads[0], calls[0])
-    ref = _engine(model).generate(_requests(n=1, max_new_tokens=80, temperature=0.0))
+    ref = _engine(model).generate(requests())
     assert [c.token_ids for c in _by_id(out)] == [c.token_ids for c in _by_id(ref)]
 
 
