@@ -60,7 +60,9 @@ def test_async_eval_accuracy_equals_evaluating_the_saved_version_in_process(
         tmp_path,
         tiny_init,
         "runtime.mode=async",
-        "rollout.num_workers=2",
+        # one worker: it serves the evals and generates; a second (an actor process importing torch and
+        # building the policy: ~10 s of CPU) would change no figure here
+        "rollout.num_workers=1",
         "trainer.steps=2",
         "eval.every=1",
         "runtime.weight_sync=store",
@@ -131,7 +133,7 @@ def test_a_trainer_that_fails_to_build_stops_the_rollouts_started_beside_it(
 
     monkeypatch.setitem(start_module.ROLLOUT_SIDES, RAY_ACTORS, tracked)
     monkeypatch.setattr(train_module, "make_trainer", broken_trainer)
-    cfg = short_config(tmp_path, tiny_init, "runtime.mode=async", "trainer.steps=2")
+    cfg = short_config(tmp_path, tiny_init, "runtime.mode=async", "rollout.num_workers=1", "trainer.steps=2")
     with pytest.raises(RuntimeError, match="trainer build failed here"):
         train(cfg, live=False)
     assert closed and closed[0] is True  # the workers started beside the build were stopped

@@ -1,5 +1,5 @@
-"""Chaos end to end on a local Ray cluster (async mode, default tiny model, 4 rollout workers; 2 for the
-trainer's kill).
+"""Chaos end to end on a local Ray cluster (async mode, default tiny model, 4 rollout workers in the worker
+chaos run; 2 in its undisturbed run and for the trainer's kill).
 
 - Worker chaos: 2 workers SIGKILLed and 1 given a spot-style notice at random times; the run completes,
   every task id is trained exactly once (ledger), requeues and lost work are reported, and the final
@@ -85,7 +85,10 @@ def _assert_exactly_once(summary: dict, run: RunDir, steps: int = STEPS) -> None
 
 @pytest.mark.timeout(300)
 def test_chaos_kills_and_notice_lose_nothing(local_ray, default_init, tmp_path):
-    calm, calm_run = _train(_config(tmp_path / "calm", default_init))
+    # the undisturbed run with 2 workers: its figures are what 16 steps of 8 groups at staleness <= 1 teach
+    # (the trainer consumes the same batches whoever generated them); 2 fewer worker processes to start,
+    # each importing torch and building the policy (~10 s of CPU). The chaos run keeps 4: 3 of them are hit.
+    calm, calm_run = _train(_config(tmp_path / "calm", default_init, "rollout.num_workers=2"))
     chaos, chaos_run = _train(
         _config(
             tmp_path / "chaos",
@@ -211,6 +214,11 @@ def _wait_until(cond, fleet, timeout_s=60.0):
     return False
 
 
+STAND_INS = 3
+"""Stand-in workers of the fleet test: one for each fault (a kill, a notice file, a SIGTERM), so every
+original worker is hit; each is an actor process that imports torch through ``moerl.runtime.fleet``."""
+
+
 @pytest.mark.timeout(120)
 def test_kill_and_notice_are_detected_and_replaced(local_ray, tmp_path):
     from moerl.runtime.ray.backend import RayWorkerBackend
@@ -219,9 +227,9 @@ def test_kill_and_notice_are_detected_and_replaced(local_ray, tmp_path):
     backend = RayWorkerBackend(
         lambda wid: actor_cls.remote(wid, str(tmp_path)), notice_path=lambda wid: tmp_path / f"{wid}.json"
     )
-    fleet = FleetManager(backend, num_workers=4, heartbeat_timeout_s=20.0)
+    fleet = FleetManager(backend, num_workers=STAND_INS, heartbeat_timeout_s=20.0)
     fleet.start()
-    assert _wait_until(lambda: len(fleet.alive_ids()) == 4, fleet)
+    assert _wait_until(lambda: len(fleet.alive_ids()) == STAND_INS, fleet)
     chaos = ChaosMonkey(
         ChaosConfig(kill_rollout_every_s=0.2, notice_rollout_every_s=0.2, max_kills=1, max_notices=1, seed=1)
     )
@@ -235,13 +243,15 @@ def test_kill_and_notice_are_detected_and_replaced(local_ray, tmp_path):
     host, pid = backend._where[sigterm_victim]  # noqa: SLF001 - the pid its health answers reported
     os.kill(pid, signal.SIGTERM)  # a SIGTERM is a notice too: it drains, then exits
     victims["sigterm"] = sigterm_victim
-    assert _wait_until(lambda: fleet.metrics().interruptions == 3 and len(fleet.alive_ids()) == 4, fleet)
+    assert _wait_until(
+        lambda: fleet.metrics().interruptions == 3 and len(fleet.alive_ids()) == STAND_INS, fleet
+    )
     assert fleet.records[victims["kill"]].state is WorkerState.KILLED
     assert fleet.records[victims["notice"]].state is WorkerState.DRAINED
     assert fleet.records[victims["sigterm"]].state is WorkerState.DRAINED
     m = fleet.metrics()
-    assert (m.killed, m.drained, m.replaced, m.workers_alive) == (1, 2, 3, 4)
+    assert (m.killed, m.drained, m.replaced, m.workers_alive) == (1, 2, 3, STAND_INS)
     assert m.tokens_discarded == 6 and 0 < m.lost_work_frac < 1 and m.time_to_replace_s > 0
     assert _wait_until(lambda: not _pid_alive(pid), fleet, timeout_s=30)  # the SIGTERMed process exited
     exits = backend.stop_all()
-    assert sorted(e.reason for e in exits) == ["stopped"] * 4
+    assert sorted(e.reason for e in exits) == ["stopped"] * STAND_INS

@@ -7,7 +7,8 @@
 - the endpoint answers while training and is gone when the run ends (normally or by SIGTERM);
 - a port already in use is a one-line error before any training.
 
-The rules are ``deploy/prometheus/rules.yaml``'s, rendered with short windows (``E2E_PARAMS``).
+The rules are ``deploy/prometheus/rules.yaml``'s, rendered with short windows (``E2E_PARAMS``). The two
+async runs join the module's Ray instance (``--ray-address``), one after the other.
 """
 
 from __future__ import annotations
@@ -91,14 +92,31 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _train(tmp_path: Path, init: Path, port: int, *overrides: str) -> subprocess.Popen:
+def _train(
+    tmp_path: Path, init: Path, port: int, *overrides: str, ray_address: str | None = None
+) -> subprocess.Popen:
+    """``moerl train --metrics-port port`` of ``RUN`` (``overrides`` win) in a subprocess; an async run
+    joins the Ray instance at ``ray_address`` (``--ray-address``), a sync one has no Ray."""
     args = [sys.executable, "-m", "moerl.cli", "train", "--metrics-port", str(port)]
+    if ray_address is not None:
+        args += ["--ray-address", ray_address]
     for o in [*RUN, f"init_from={init}", f"output_dir={tmp_path / 'runs'}", *overrides]:
         args += ["--set", o]
     log = open(tmp_path / f"train-{port}.log", "w")  # noqa: SIM115 - closed with the process
-    # a fresh local Ray instance, whatever a `ray start` on this machine left in /tmp/ray/ray_current_cluster
-    env = {**os.environ, "RAY_ADDRESS": os.environ.get("RAY_ADDRESS") or "local"}
+    # never a cluster that a `ray start` on this machine left in /tmp/ray/ray_current_cluster
+    env = {**os.environ, "RAY_ADDRESS": ray_address or "local"}
     return subprocess.Popen(args, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+@pytest.fixture(scope="module")
+def ray_address(local_ray) -> str:
+    """The GCS address of the module's Ray instance (``local_ray``), which both async runs of the
+    slowed-worker test join with ``--ray-address``, as runs join a running cluster, instead of each
+    starting its own: a local start is Ray's seven processes (~15 CPU-s) and 12-15 s on the loaded 2
+    cores, and one timed out there (51 s). Each run still has its own actors, ended with it."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
 
 
 def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
@@ -174,7 +192,7 @@ def _dashboard_queries(prom: Prometheus) -> dict[str, list]:
 
 
 @pytest.mark.timeout(600)
-def test_prometheus_sees_the_slowed_worker_and_nothing_without_it(tmp_path, tiny_init):
+def test_prometheus_sees_the_slowed_worker_and_nothing_without_it(tmp_path, tiny_init, ray_address):
     slow_port, steady_port = free_port(), free_port()
     slow, steady = f"127.0.0.1:{slow_port}", f"127.0.0.1:{steady_port}"
     prom = Prometheus(tmp_path / "prom", [slow, steady], render_rules(E2E_PARAMS))
@@ -183,7 +201,12 @@ def test_prometheus_sees_the_slowed_worker_and_nothing_without_it(tmp_path, tiny
         # 1. rollout-1 at half speed: its spread alert goes pending or firing
         procs.append(
             proc := _train(
-                tmp_path, tiny_init, slow_port, "trainer.steps=100000", "chaos.slow_worker=rollout-1"
+                tmp_path,
+                tiny_init,
+                slow_port,
+                "trainer.steps=100000",
+                "chaos.slow_worker=rollout-1",
+                ray_address=ray_address,
             )
         )
         # rollout-0 may go pending for a moment too (on a loaded machine one worker can start generating
@@ -232,7 +255,9 @@ def test_prometheus_sees_the_slowed_worker_and_nothing_without_it(tmp_path, tiny
         assert not _answers(f"http://{slow}/metrics")  # gone with the run
 
         # 2. the same without the slowdown: no worker-rate alert while both workers generate
-        procs.append(proc := _train(tmp_path, tiny_init, steady_port, "trainer.steps=100000"))
+        procs.append(
+            proc := _train(tmp_path, tiny_init, steady_port, "trainer.steps=100000", ray_address=ray_address)
+        )
         # 200 s to see 20 s of both generating: in a full suite run on 2 cores (2026-12-03) 120 s gave 18
         deadline, watched, active, pending = time.monotonic() + 200, 0, [], []
         while watched < 20 and time.monotonic() < deadline:
