@@ -87,7 +87,11 @@ class RayNodes:
             argv += ["--head", f"--port={PORT}", "--include-dashboard=false",
                      f"--temp-dir={self.c.scratch}/ray"]  # fmt: skip
         else:
-            argv += [f"--address={self.address}"]
+            # the nodes share one host and so one session folder (the head's): one log monitor, the head's,
+            # reads every node's worker logs; one on each node read the same files again (each of the six
+            # used more CPU than its raylet: 154 CPU-s of the module's Ray daemons by mid-run) and sent the
+            # driver each line once per node. Ray: "Only one log monitor should be started per physical host"
+            argv += [f"--address={self.address}", "--include-log-monitor=False"]
         log = open(os.path.join(self.logs, f"node{i}.log"), "w")
         # gloo (trainer ranks, EP groups) binds the interface named here, else the one the hostname
         # resolves to, which a namespace does not have; Ray's workers inherit the node's environment

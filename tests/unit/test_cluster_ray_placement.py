@@ -38,10 +38,13 @@ class Probe:
 @pytest.fixture(scope="module")
 def cluster():
     cfg = cluster_run_config(load_config("configs/cluster_qwen3_30b_1node.yaml", [IMAGE, IMAGE]))
-    head = {"num_cpus": 1, "resources": node_resources(cfg, "memory")}
-    train = {"num_cpus": 2, "resources": node_resources(cfg, "train")}
+    # no log monitors: the driver reads no worker output (log_to_driver=False below), and each node's
+    # monitor would scan the session folder the three nodes share on this host for the module's duration
+    quiet = {"include_log_monitor": False}
+    head = {"num_cpus": 1, "resources": node_resources(cfg, "memory"), **quiet}
+    train = {"num_cpus": 2, "resources": node_resources(cfg, "train"), **quiet}
     # the rollout node holds 2 workers of 1 CPU (g6e.12xlarge: 4 GPUs / rollout.ep_size 2)
-    rollout = {"num_cpus": 2, "resources": node_resources(cfg, "rollout")}
+    rollout = {"num_cpus": 2, "resources": node_resources(cfg, "rollout"), **quiet}
     # the head stands for the memory group (the exchange, the Ray head) and has a spare CPU
 
     def start():  # the three nodes, again from scratch if a raylet misses Ray's 30 s on a loaded host
