@@ -40,8 +40,12 @@ from bench.spec_gpu import CONFIG, TINY_MODEL, _git, _gpu, _sync  # noqa: E402
 from moerl.config import load_config  # noqa: E402
 from moerl.models import build_model  # noqa: E402
 from moerl.models.mtp import attach_fresh_mtp  # noqa: E402
-from moerl.rollout import Engine, Request, SamplingParams  # noqa: E402
-from moerl.rollout import spec_decode  # noqa: E402
+from moerl.rollout import (  # noqa: E402
+    Engine,
+    Request,
+    SamplingParams,
+    spec_decode,  # noqa: E402
+)
 from moerl.rollout.spec_decode import SpeculativeDecoding  # noqa: E402
 from moerl.rollout.speculative import MtpDrafter, SpecPolicy  # noqa: E402
 

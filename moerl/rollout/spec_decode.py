@@ -192,7 +192,9 @@ class SpeculativeDecoding:
         engine._last_token[:b] = torch.where(emitted > 0, last, engine._last_token[:b])
         engine._seq_len[:b] += emitted * engine._active[:b]
         bounds = [c + 1 for c in counts]
-        entry = engine.host.record_several(seqs, tokens[:a], logprobs[:a], emitted[:a], engine.version, bounds)
+        entry = engine.host.record_several(
+            seqs, tokens[:a], logprobs[:a], emitted[:a], engine.version, bounds
+        )
         engine._decode_steps += 1
         engine._decode_rows += a
         self.num_drafted += sum(counts)
