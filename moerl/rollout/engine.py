@@ -344,13 +344,7 @@ class Engine:
         ):
             done += self.speculation.step(self)  # draft, verify, accept, sync (moerl.rollout.spec_decode)
         elif self.scheduler.running:
-            if self.speculation is not None and self.host.has_several:  # a plain step needs exact lengths
-                done += self._sync_all() + self._reserve_decode()
-            if self.scheduler.running:
-                self._decode()
-                self.host.steps += 1
-                if self.speculation is not None:
-                    self.speculation.policy.note_plain(1)
+            done += self._plain_step()
         if self.host.staged is not None:  # the copy started last step: read now, this step's decode runs
             done += self._finished(self.host.read_staged())
         if self._sync_due():
@@ -620,6 +614,22 @@ class Engine:
         self._record(seqs, tokens[:a], logprobs[:a])
         self._decode_steps += 1
         self._decode_rows += a
+
+    def _plain_step(self) -> list[Completion]:
+        """One plain decode step (``_decode``), from exact lengths: pending speculative steps are read
+        first (``_read_exact``). Returns the completions that read finished."""
+        done = self._read_exact() if self.speculation is not None and self.host.has_several else []
+        if self.scheduler.running:
+            self._decode()
+            self.host.steps += 1
+            if self.speculation is not None:
+                self.speculation.policy.note_plain(1)
+        return done
+
+    def _read_exact(self) -> list[Completion]:
+        """Read every pending token (finishing sequences), then give the running ones room for their next
+        token again (``_reserve_decode``): afterwards every length is known exactly."""
+        return self._sync_all() + self._reserve_decode()
 
     def _host_read(self) -> None:
         """The host read sampled tokens (``HostSync.on_read``): speculation measures its cost there."""

@@ -54,6 +54,11 @@ class Sequence:
         """Prompt plus generated tokens (host count)."""
         return self.prompt_len + self.num_generated
 
+    @property
+    def max_len(self) -> int:
+        """Prompt plus ``max_new_tokens``: the length the sequence never passes."""
+        return self.prompt_len + self.request.params.max_new_tokens
+
 
 @dataclass(kw_only=True, slots=True)
 class Admission:

@@ -89,6 +89,7 @@ class SpeculativeDecoding:
         self._draft_tokens: torch.Tensor | None = None  # [N, K] int64 host drafts (static: graph input)
         self._num_drafts: torch.Tensor | None = None  # [N] int64 k_b of each row (static: graph input)
         self._end_len: torch.Tensor | None = None  # [N] int64 prompt + max_new of each row (graph input)
+        self._row_plan: torch.Tensor | None = None  # [2, N]: _num_drafts and _end_len, one buffer
         self.graphs: GraphRunner | None = None
         """CUDA graphs of the speculative step (``forward_no_sync``), one per (B, k, read length, sampling
         flags, R3) key; None off CUDA or with the engine's graphs off."""
@@ -157,12 +158,12 @@ class SpeculativeDecoding:
         lagged = self.on_device
         done = [] if lagged else engine._sync_all()  # the n-gram drafter reads the context
         if lagged and engine.host.has_several and self.policy.plain_since_sync:
-            done += _read_and_reserve(engine)  # a run of speculative steps starts at a host read: timed
+            done += engine._read_exact()  # a run of speculative steps starts at a host read: timed
         self._buffers(engine)
         start = self.policy.clock()
         planned = self._plan(engine)
         if planned is None and engine.host.has_several:  # a worst-case length outgrew its blocks: read
-            done += _read_and_reserve(engine)
+            done += engine._read_exact()
             planned = self._plan(engine)
         if planned is None:
             return done
@@ -170,13 +171,7 @@ class SpeculativeDecoding:
         a, b = len(seqs), engine._bucket(len(seqs))
         k = max(counts)
         if k == 0:  # nothing drafted (no n-gram match, or no room): a plain step, from exact lengths
-            if engine.host.has_several:
-                done += _read_and_reserve(engine)
-            if engine.scheduler.running:
-                engine._decode()
-                engine.host.steps += 1
-                self.policy.note_plain(1)
-            return done
+            return done + engine._plain_step()
         ahead = max(s.unread for s in seqs)
         read_len = engine._read_len(seqs, extra=k + ahead)
         want_routed = any(s.request.params.return_routed_experts for s in seqs)
@@ -273,8 +268,7 @@ class SpeculativeDecoding:
                 return [0] * len(seqs)
             counts = []
             for s in seqs:  # blocks up to the worst-case position, never past the sequence's last one
-                end = s.prompt_len + s.request.params.max_new_tokens
-                want = min(s.unread + self._room(s), end - s.seq_len)
+                want = min(s.unread + self._room(s), s.max_len - s.seq_len)
                 fits = engine.policy.room_for_drafts(s, want)
                 if fits < min(s.unread, want):
                     return None
@@ -290,13 +284,9 @@ class SpeculativeDecoding:
             counts = [engine.policy.room_for_drafts(s, n) for s, n in zip(seqs, found, strict=True)]
             host = drafts.tokens.cpu()[:, : self.num_tokens]
             self._draft_tokens[: len(seqs), : host.shape[1]].copy_(_to_device_no_sync(host, engine.device))
-        ends = [s.prompt_len + s.request.params.max_new_tokens for s in seqs]
-        self._end_len.zero_()
-        self._end_len[: len(seqs)] = _to_device_no_sync(torch.tensor(ends, dtype=torch.int64), engine.device)
-        self._num_drafts.zero_()
-        self._num_drafts[: len(seqs)] = _to_device_no_sync(
-            torch.tensor(counts, dtype=torch.int64), engine.device
-        )
+        plan = torch.tensor([counts, [s.max_len for s in seqs]], dtype=torch.int64)
+        self._row_plan.zero_()
+        self._row_plan[:, : len(seqs)] = _to_device_no_sync(plan, engine.device)  # one copy a step
         return counts
 
     def _buffers(self, engine: Engine) -> None:
@@ -304,8 +294,8 @@ class SpeculativeDecoding:
         if self._num_drafts is None:
             n, dev = engine.num_slots, engine.device
             self._draft_tokens = torch.zeros(n, self.num_tokens, dtype=torch.int64, device=dev)
-            self._num_drafts = torch.zeros(n, dtype=torch.int64, device=dev)
-            self._end_len = torch.zeros(n, dtype=torch.int64, device=dev)
+            self._row_plan = torch.zeros(2, n, dtype=torch.int64, device=dev)
+            self._num_drafts, self._end_len = self._row_plan[0], self._row_plan[1]
             # its own runner: a verify step that cannot be captured leaves the plain decode's graphs on
             self.graphs = GraphRunner(dev) if engine._graphs is not None else None
             engine.host.on_several = self._read_several
@@ -332,12 +322,6 @@ class SpeculativeDecoding:
             "spec_step_ms": pol.mean_step_ms("spec"),
             "plain_step_ms": pol.mean_step_ms("plain"),
         }
-
-
-def _read_and_reserve(engine: Engine) -> list[Completion]:
-    """Read every pending token (finishing sequences), then give the running ones room for their next
-    token again (``Engine._reserve_decode``): afterwards every length is known exactly."""
-    return engine._sync_all() + engine._reserve_decode()
 
 
 def _to_device_no_sync(host: torch.Tensor, device: torch.device) -> torch.Tensor:

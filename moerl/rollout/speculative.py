@@ -522,8 +522,8 @@ class SpecPolicy:
     @property
     def emitted_per_row(self) -> float:
         """Mean tokens a row emitted per speculative step over the recent steps read (1.0: none yet)."""
-        rows = sum(e - a for _, a, e in self.recent)
-        return sum(e for _, _, e in self.recent) / rows if rows else 1.0
+        accepted = self.accepted_per_step
+        return 1.0 if accepted is None else 1.0 + accepted
 
     def note_other(self) -> None:
         """Other device work (a prefill) ran since the last host sync: that run is not measured."""
