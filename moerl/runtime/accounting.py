@@ -55,6 +55,8 @@ def accounting(ledger: list[LedgerEntry], fleet: FleetState) -> dict[str, int]:
     trained (ledger), still in the buffer, still pending/leased in the queue, filtered, or dropped
     as stale. ``tasks_duplicated`` counts ledger ids trained more than once plus trained ids that are
     also still queued or buffered; ``tasks_lost`` counts drawn tasks that are in none of the places.
+    ``tasks_leased``, ``tasks_acked`` and ``tasks_requeued`` count events, not tasks: a requeued task is
+    leased and acked again, so they may exceed ``tasks_drawn`` (``QueueStats``).
     """
     counts = Counter(e.task_id for e in ledger)
     trained = set(counts)

@@ -63,7 +63,9 @@ class QueueStats:
     leased: int
     """Leases granted (a task leased twice counts twice)."""
     acked: int
-    """Tasks marked done for training: ``ack`` calls plus ``settle(ADMITTED)``."""
+    """Acks for training: ``ack`` calls plus ``settle(ADMITTED)``. A task whose admitted group went stale in
+    the buffer (or whose training a trainer restart lost) is ``requeue``-d and acked again, so ``acked`` may
+    exceed the tasks drawn; the exactly-once check is the ledger's (``accounting``), not this counter."""
     filtered: int
     """Tasks settled as ``FILTERED`` (done, not trained)."""
     dropped_stale: int
