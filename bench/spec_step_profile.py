@@ -11,7 +11,11 @@ running sequences (random prompts, long responses, temperature 1), and for each 
 - ``regions``: under ``torch.profiler``, the speculative step run eagerly: kernel time and kernel count
   of the draft (``MtpDrafter.draft_no_sync``), the verify forward, the accept rule (``verify_drafts``)
   and the MTP ring write, per step; plus ``graph_step``: kernel time and count per ``Engine.step`` with
-  graphs on (kernels of graph replays included), and ``plain_step`` the same for plain steps.
+  graphs on (kernels of graph replays included), and ``plain_step`` the same for plain steps;
+- ``ops``: aten operators that launch a kernel (views and metadata ops left out), per plain step and per
+  speculative step by part, counted by a ``TorchDispatchMode`` on eager steps: device-independent, so a
+  CPU run (``--tiny``, or the full shape's layer count with ``--set model.num_layers=8``) shows what a
+  change does to the kernel count of a step that, at decode batch sizes, costs about its launches.
 
     python3 bench/spec_step_profile.py --device cuda --out $OUT/spec_profile.json
     python3 bench/spec_step_profile.py --device cpu --tiny --out /tmp/spec_profile.json   # CPU check
@@ -34,6 +38,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bench.common import write_json  # noqa: E402
 from bench.spec_gpu import CONFIG, TINY_MODEL, _git, _gpu, _sync  # noqa: E402
@@ -114,16 +120,55 @@ def graph_replay_ms(engine: Engine, spec: SpeculativeDecoding, replays: int, dev
     return a.elapsed_time(b) / replays
 
 
+VIEW_OPS = frozenset(
+    "view _unsafe_view reshape _reshape_alias unsqueeze squeeze slice select t transpose permute expand "
+    "alias as_strided detach lift_fresh unbind split split_with_sizes chunk narrow diagonal unfold".split()
+)
+"""aten operators that launch no kernel (views, metadata): left out of ``OpCounter``'s counts."""
+
+
+class OpCounter(TorchDispatchMode):
+    """Kernel-launching aten operators, by the part of the step (``region``) that ran them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.region = "other"
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in VIEW_OPS:
+            self.counts[self.region] = self.counts.get(self.region, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(fn, steps: int, counter: OpCounter | None = None) -> dict:
+    """Kernel-launching operators per call of ``fn`` (``steps`` calls, eager), in total and per region."""
+    counter = counter or OpCounter()
+    with counter:
+        for _ in range(steps):
+            fn()
+    per = {n: c / steps for n, c in sorted(counter.counts.items())}
+    return {"all": sum(per.values()), **per}
+
+
 @contextlib.contextmanager
-def labelled(spec: SpeculativeDecoding):
-    """The step's parts wrapped in ``record_function`` ranges (module functions and drafter methods)."""
+def labelled(spec: SpeculativeDecoding, counter: OpCounter | None = None):
+    """The step's parts wrapped in ``record_function`` ranges (module functions and drafter methods),
+    and attributed to their region in ``counter``."""
     saved = {n: getattr(spec_decode, n) for n in ("verify_forward_no_sync", "verify_drafts")}
     dr = spec.drafter
 
     def wrap(name, fn):
         def inner(*a, **kw):
-            with torch.profiler.record_function(f"spec::{name}"):
-                return fn(*a, **kw)
+            outer = counter.region if counter else None
+            if counter:
+                counter.region = name
+            try:
+                with torch.profiler.record_function(f"spec::{name}"):
+                    return fn(*a, **kw)
+            finally:
+                if counter:
+                    counter.region = outer
 
         return inner
 
@@ -194,7 +239,9 @@ def one_case(model, args, rows: int, k: int, device) -> dict:
     wall_ms(plain, args.warm_steps, device)
     res["plain_ms"] = statistics.median(wall_ms(plain, args.steps, device) for _ in range(3))
     res["plain_step"] = profiled(plain.step, args.profile_steps, device)
-    plain = None
+    graphs, plain._graphs = plain._graphs, None  # eager: every operator dispatched
+    res["ops"] = {"plain": ops_per_step(plain.step, args.profile_steps)}
+    plain._graphs, plain = graphs, None
     eng = engine_for(model, rows, args.prompt_len, args.new, args.seed)
     spec = eng.speculation = forced_on(model, k)
     start(eng, rows, args.prompt_len, args.new, vocab, args.seed)
@@ -210,6 +257,9 @@ def one_case(model, args, rows: int, k: int, device) -> dict:
     graphs, spec.graphs = spec.graphs, None  # eager: the parts' kernels attributed to their ranges
     with labelled(spec):
         res["eager_step"] = profiled(eng.step, args.profile_steps, device)
+    counter = OpCounter()
+    with labelled(spec, counter):
+        res["ops"]["spec"] = ops_per_step(eng.step, args.profile_steps, counter)
     spec.graphs = graphs
     return res
 
@@ -228,6 +278,8 @@ def parse_args(argv):
     p.add_argument("--profile-steps", type=int, default=8)
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
+                   help="a config override after the tiny shape's (e.g. model.num_layers=8)")  # fmt: skip
     args = p.parse_args(argv)
     if args.tiny:
         args.new, args.warm_steps, args.steps, args.profile_steps, args.prompt_len = 200, 4, 4, 2, 16
@@ -238,7 +290,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
     overrides = [f"model.device={args.device}", "model.max_position_embeddings=4096"]
-    cfg = load_config(CONFIG, overrides + (list(TINY_MODEL) if args.tiny else []))
+    overrides += (list(TINY_MODEL) if args.tiny else []) + args.sets
+    cfg = load_config(CONFIG, overrides)
     torch.manual_seed(0)
     from moerl.tasks.tokenizer import load_run_tokenizer
 
@@ -257,7 +310,8 @@ def main(argv=None) -> dict:
             brief = {n: case.get(n) for n in ("rows", "k", "plain_ms", "spec_ms", "graph_ms", "error")}
             parts = {n: round(v["kernel_ms"], 3) for n, v in case.get("eager_step", {}).items()
                      if isinstance(v, dict)}  # fmt: skip
-            print(f"[spec_profile] {brief} eager kernel ms {parts}", flush=True)
+            ops = {n: v.get("all") for n, v in case.get("ops", {}).items()}
+            print(f"[spec_profile] {brief} eager kernel ms {parts} ops/step {ops}", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return out

@@ -47,9 +47,15 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
+def hash_salt(v):
+    """The mixed second operand of ``hash_combine``: ``hash_combine(h, v) == mix32(h ^ hash_salt(v))``, so
+    a constant ``v`` is mixed once on the host (a Python int) rather than per call."""
+    return mix32((v + _GOLDEN32) & _M32)
+
+
 def hash_combine(h, v):
     """Hash of the pair (h, v); ``h`` in [0, 2**32), ``v`` any int (only its low 32 bits are used)."""
-    return mix32(h ^ mix32((v + _GOLDEN32) & _M32))
+    return mix32(h ^ hash_salt(v))
 
 
 def sample_key(seed: int, sample_index: int) -> int:
@@ -67,15 +73,16 @@ def uniform_no_sync(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     """Counter-based uniforms in [0, 1): one per row, a function of (key, position) only.
 
     Args:
-        keys: [B] int64 in [0, 2**32), from ``sample_key``.
-        positions: [B] int64, the index in the sequence of the token being sampled.
+        keys: [B] (or any shape) int64 in [0, 2**32), from ``sample_key``.
+        positions: int64 of the same shape, the index in the sequence of the token being sampled.
     Returns:
-        [B] float64 with 53 random bits each.
+        float64 of that shape, 53 random bits each (elementwise: the value at (key, position) does not
+        depend on the other entries).
     """
     step_key = hash_combine(keys, positions)
-    hi = hash_combine(step_key, 1) >> 11  # 21 bits
-    lo = hash_combine(step_key, 2)  # 32 bits
-    return (hi * (1 << 32) + lo).double() * 2.0**-53
+    # hash_combine(step_key, 1) and (step_key, 2), mixed together (one mix32's kernels, not two)
+    hi, lo = mix32(torch.stack([step_key ^ hash_salt(1), step_key ^ hash_salt(2)])).unbind(0)
+    return ((hi >> 11) * (1 << 32) + lo).double() * 2.0**-53  # 21 + 32 bits
 
 
 @dataclass(kw_only=True, slots=True)

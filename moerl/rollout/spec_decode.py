@@ -43,6 +43,7 @@ from moerl.rollout.speculative import (
     NgramDrafter,
     SpecPolicy,
     SpecTimer,
+    step_noise,
     verify_drafts,
 )
 
@@ -240,15 +241,15 @@ class SpeculativeDecoding:
         left = self._end_len[:b] - first  # tokens each row may still emit
         live = left > 0
         num_drafts = torch.where(live, torch.minimum(self._num_drafts[:b], left - 1), -1)
-        probs = None
+        probs, noise = None, step_noise(rows.keys, first, k)  # the step's uniforms: one hash evaluation
         if isinstance(self.drafter, MtpDrafter):
-            drafts, probs = self.drafter.draft_no_sync(first - 2, rows, k)
+            drafts, probs = self.drafter.draft_no_sync(first - 2, rows, k, noise.draft)
         else:
             drafts = self._draft_tokens[:b, :k]
         logits, hidden = verify_forward_no_sync(
             engine, b, k, read_len, drafts, num_drafts, want_routed, want_hidden=self.wants_hidden
         )
-        ver = verify_drafts(logits, drafts, probs, num_drafts.clamp(min=0), rows, first)
+        ver = verify_drafts(logits, drafts, probs, num_drafts.clamp(min=0), rows, first, noise)
         if hidden is not None:  # the MTP ring: positions first - 1 .. first - 1 + k and their next tokens
             # (those past the a_b + 1 kept ones lie past the new last fed position: the next step
             # overwrites them before any draft reads them)

@@ -47,7 +47,13 @@ from typing import Protocol
 
 import torch
 
-from moerl.rollout.sampler import SamplingRows, hash_combine, sample_no_sync, truncation_mask, uniform_no_sync
+from moerl.rollout.sampler import (
+    SamplingRows,
+    hash_salt,
+    mix32,
+    truncation_mask,
+    uniform_no_sync,
+)
 
 SPECULATIVE = ("off", "mtp", "ngram")
 """``rollout.speculative`` choices: no speculation, the MTP drafter, the n-gram (prompt lookup) drafter."""
@@ -55,10 +61,48 @@ SPECULATIVE = ("off", "mtp", "ngram")
 _ACCEPT, _RESIDUAL, _DRAFT = 0xACCE, 0x2E51, 0xD2AF  # purposes of the counter-based uniforms
 
 
-def purpose_keys(keys: torch.Tensor, purpose: int) -> torch.Tensor:
-    """[B] int64 noise keys for one purpose (accept test, residual draw, draft draw), derived from the
-    rows' sample keys so that no two purposes share a uniform."""
-    return hash_combine(keys, purpose)
+@dataclass(frozen=True, slots=True)
+class StepNoise:
+    """Every uniform one speculative step of B rows uses, drafted position j = 0..K at sequence position
+    ``first_position + j``: the values of ``uniform_no_sync`` at (purpose key, position) for each purpose,
+    so a step draws exactly what separate draws would, from one evaluation of the counter hash."""
+
+    bonus: torch.Tensor
+    """[B, K + 1] float64: the sampler's own uniforms (the row's sample key), for the token drawn from p_j."""
+    draft: torch.Tensor
+    """[B, K] float64: the drafter's draw of d_j (``_DRAFT``)."""
+    accept: torch.Tensor
+    """[B, K] float64: the accept test of d_j (``_ACCEPT``)."""
+    residual: torch.Tensor
+    """[B, K] float64: the draw from the residual at a rejection of d_j (``_RESIDUAL``)."""
+
+
+def step_noise(keys: torch.Tensor, first_position: torch.Tensor, k: int) -> StepNoise:
+    """All uniforms of a speculative step in one ``uniform_no_sync`` over a [B, 4K + 1] grid (rather than
+    one call per purpose and drafted token: the hash is ~90 elementwise kernels, and a decode step at small
+    batch costs what its kernel launches cost). No host sync.
+
+    Args:
+        keys: [B] int64 sample keys (``SamplingRows.keys``).
+        first_position: [B] int64 sequence position of the step's first emitted token.
+        k: K, drafted tokens per row.
+    Returns:
+        ``StepNoise``; entry (b, j) of each field equals ``uniform_no_sync(hash_combine(keys[b], purpose),
+        first_position[b] + j)`` with its purpose's constant (``keys[b]`` itself for ``bonus``): no two
+        purposes share a uniform.
+    """
+    b = keys.shape[0]
+    salts = [hash_salt(purpose) for purpose in (_DRAFT, _ACCEPT, _RESIDUAL)]  # host ints
+    purposes = mix32(torch.stack([keys ^ s for s in salts], 1))  # [B, 3]: hash_combine(keys, each)
+    grid_keys = torch.cat([keys[:, None].expand(b, k + 1), purposes.repeat_interleave(k, dim=1)], 1)
+    j = torch.arange(k + 1, device=keys.device)
+    u = uniform_no_sync(grid_keys, first_position[:, None] + torch.cat([j, j[:k].repeat(3)]))
+    return StepNoise(
+        bonus=u[:, : k + 1],
+        draft=u[:, k + 1 : 2 * k + 1],
+        accept=u[:, 2 * k + 1 : 3 * k + 1],
+        residual=u[:, 3 * k + 1 :],
+    )
 
 
 def policy_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
@@ -111,6 +155,7 @@ def verify_drafts(
     num_drafts: torch.Tensor,
     rows: SamplingRows,
     first_position: torch.Tensor,
+    noise: StepNoise | None = None,
 ) -> Verified:
     """Accept or reject each row's drafts by the rejection-sampling rule (module docstring; Leviathan et
     al. 2023 Algorithm 1, Chen et al. 2023 Algorithm 2), so each emitted token has the policy's
@@ -126,17 +171,19 @@ def verify_drafts(
         num_drafts: [B] int64 k_b <= K drafts of each row.
         rows: the rows' sampling parameters.
         first_position: [B] int64 sequence position of the first emitted token (the noise counter).
+        noise: the step's uniforms (``step_noise(rows.keys, first_position, K)``, computed here if None).
     Returns:
         ``Verified``.
     """
     b, k1, v = target_logits.shape
     k = k1 - 1
-    pos = first_position[:, None] + torch.arange(k1, device=target_logits.device)  # [B, K + 1]
+    noise = step_noise(rows.keys, first_position, k) if noise is None else noise
     # every branch for every row, selected below without a host sync (a CUDA graph can hold it):
     # the sampler's own draw at each position (the token after the last accepted draft when the row
-    # has no draft left there: a plain decode step when k_b = 0) ...
-    bonus, _ = sample_no_sync(target_logits.reshape(b * k1, v), repeat_rows(rows, k1), pos.reshape(-1))
-    bonus = bonus.view(b, k1)
+    # has no draft left there: a plain decode step when k_b = 0; the same distribution, uniform and
+    # inverse-CDF arithmetic as ``sample_no_sync``, so the same token) ...
+    p_all = policy_probs(target_logits, rows)  # [B, K + 1, V]
+    bonus = draw(p_all.reshape(b * k1, v), noise.bonus.reshape(-1)).view(b, k1)
     greedy = rows.temperature == 0.0
     temp = torch.where(greedy, torch.ones_like(rows.temperature), rows.temperature).float()
     scaled = target_logits.float() / temp[:, None, None]
@@ -145,18 +192,17 @@ def verify_drafts(
     accepted = torch.zeros_like(num_drafts)
     if k > 0:  # ... the accept test and the residual draw at each drafted position
         d = drafts[:, :k]
-        p = policy_probs(target_logits[:, :k], rows)  # [B, K, V]
+        p = p_all[:, :k]  # [B, K, V]
         if draft_probs is None:
             q = torch.zeros_like(p).scatter_(-1, d[..., None], 1.0)
         else:
             q = draft_probs[:, :k].double()
         p_d = p.gather(-1, d[..., None]).squeeze(-1)
         q_d = q.gather(-1, d[..., None]).squeeze(-1).clamp(min=1e-300)
-        ok = uniform_no_sync(purpose_keys(rows.keys, _ACCEPT)[:, None].expand(b, k), pos[:, :k]) < p_d / q_d
+        ok = noise.accept < p_d / q_d
         residual = (p - q).clamp(min=0.0)
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # p == q up to rounding
-        u_res = uniform_no_sync(purpose_keys(rows.keys, _RESIDUAL)[:, None].expand(b, k), pos[:, :k])
-        fixed = draw(residual.reshape(b * k, v), u_res.reshape(-1)).view(b, k)
+        fixed = draw(residual.reshape(b * k, v), noise.residual.reshape(-1)).view(b, k)
         j = torch.arange(k, device=d.device)
         has_draft = j[None, :] < num_drafts[:, None]
         accepted = (has_draft & ok).long().cumprod(-1).sum(-1)  # a: the leading accepted drafts
@@ -358,10 +404,11 @@ class MtpDrafter:
 
     @torch.no_grad()
     def draft_no_sync(
-        self, last_fed: torch.Tensor, rows: SamplingRows, k: int
+        self, last_fed: torch.Tensor, rows: SamplingRows, k: int, u: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``k`` drafts for engine rows 0..B-1, whose last fed positions are ``last_fed`` [B] int64 (the
-        token after it, t, is the next input); no host sync.
+        token after it, t, is the next input); ``u`` [B, k] float64 the uniforms of the draws
+        (``StepNoise.draft``; computed here if None); no host sync.
 
         Returns:
             drafts [B, k] int64, q [B, k, V] float64 (the distributions they were drawn from).
@@ -373,7 +420,7 @@ class MtpDrafter:
         ids = self.next_ids[:b].gather(1, col)
         valid = (p >= self.first_position[:b, None]) & (p >= 0)
         pos = (p + 1).clamp(min=0)  # the positions of next_ids (rotary)
-        k_draft = purpose_keys(rows.keys, _DRAFT)
+        u = step_noise(rows.keys, last_fed + 2, k).draft if u is None else u
         layer = self.model.mtp_layers[0]
         tokens, probs = [], []
         for j in range(k):
@@ -382,7 +429,7 @@ class MtpDrafter:
             mask = (causal[None] & valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=p.device)
             h, logits = layer.forward_last(self.model, hid, ids, pos, mask[:, None])  # [B, 1, H], [B, 1, V]
             q = policy_probs(logits, rows)[:, 0]
-            d = draw(q, uniform_no_sync(k_draft, last_fed + 2 + j))
+            d = draw(q, u[:, j])
             tokens.append(d)
             probs.append(q)
             ids = torch.cat([ids, d[:, None]], 1)

@@ -118,6 +118,30 @@ def test_no_draft_is_a_plain_decode_step():
     assert int(out.num_accepted.sum()) == 0
 
 
+def test_step_noise_is_each_purposes_own_uniforms_from_one_hash_evaluation():
+    """One speculative step's uniforms (one hash call over a grid) are, entry by entry, the per-purpose
+    counter uniforms at each drafted position: the sampler's own for the bonus draw, and distinct keys for
+    the drafter's draw, the accept test and the residual draw (no two purposes share a uniform)."""
+    from moerl.rollout.sampler import hash_combine, uniform_no_sync
+    from moerl.rollout.speculative import _ACCEPT, _DRAFT, _RESIDUAL, step_noise
+
+    rows = _rows(5, seed=3)
+    first = torch.tensor([0, 7, 100, 4095, 2**31], dtype=torch.int64)
+    for k in (0, 1, 3):
+        noise = step_noise(rows.keys, first, k)
+        for j in range(k + 1):
+            assert torch.equal(noise.bonus[:, j], uniform_no_sync(rows.keys, first + j))
+        for name, purpose in (("draft", _DRAFT), ("accept", _ACCEPT), ("residual", _RESIDUAL)):
+            u = getattr(noise, name)
+            assert u.shape == (5, k)
+            for j in range(k):
+                assert torch.equal(u[:, j], uniform_no_sync(hash_combine(rows.keys, purpose), first + j)), (
+                    name
+                )
+        every = torch.cat([noise.bonus, noise.draft, noise.accept, noise.residual], 1)
+        assert every.unique().numel() == every.numel() and bool(((every >= 0) & (every < 1)).all())
+
+
 def test_policy_probs_and_draw():
     rows = _rows(2, top_k=2)
     p = policy_probs(TARGET.expand(2, 1, V), rows)[:, 0]
