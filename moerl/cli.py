@@ -73,9 +73,6 @@ def _local_url(path: str) -> str:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    import moerl.train as run  # here, not at the top: torch and the runtime load only for this command
-    from moerl.run.interrupt import ignore_further_interrupts  # (with moerl.train: it loads torch)
-
     if args.resume and args.config:  # a resumed run keeps its own config; silently ignoring it would mislead
         from moerl.run.resume import RESUME_FIELDS  # here: loads torch, like moerl.train
 
@@ -90,11 +87,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         args.overrides.append(f"telemetry.metrics_port={args.metrics_port}")
     if args.metrics_address is not None:
         args.overrides.append(f"telemetry.metrics_address={json.dumps(args.metrics_address)}")
+    cfg = None if args.resume else _config(args)  # a config's errors in one line, before torch loads
+    import moerl.train as run  # here, not at the top: torch and the runtime load only for this command
+    from moerl.run.interrupt import ignore_further_interrupts  # (with moerl.train: it loads torch)
+
     try:
         summary = (
-            run.resume(_local_url(args.resume), overrides=args.overrides)
-            if args.resume
-            else run.train(_config(args))
+            run.resume(_local_url(args.resume), overrides=args.overrides) if args.resume else run.train(cfg)
         )
     except run.RunInterrupted as e:
         ignore_further_interrupts()  # another Ctrl-C during Ray's shutdown at exit: one line, no traceback
@@ -102,8 +101,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             hint = f"; continue with: moerl train --resume {e.folder}"
         elif e.folder is not None:
             hint = f" before the first checkpoint: {e.folder} holds the metrics so far but cannot be resumed"
-        else:
-            hint = ""
+        else:  # stopped before its first step (e.g. in the warm start): its folder was removed
+            hint = " before the first training step: nothing to resume (the run folder was removed)"
         print(f"moerl: interrupted{hint}", file=sys.stderr)
         return 130
     if summary is None or summary.get("status") != "completed":

@@ -59,6 +59,23 @@ def test_bad_override_is_a_config_error_before_any_run(calls, capsys):
     assert "config error" in capsys.readouterr().err and "cfg" not in calls
 
 
+def test_a_config_typo_is_reported_before_torch_loads(tmp_path):
+    """The one-line config error comes from the config alone: torch (tens of seconds to import on a busy
+    machine) and the runtime are not loaded for it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from moerl.cli import main; rc = main(['train', '--set', 'trainer.stpes=10']); "
+        "print(rc, 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.split() == ["2", "False"], (out.stdout, out.stderr)
+    assert "unknown config key 'trainer.stpes'; did you mean 'trainer.steps'?" in out.stderr
+
+
 def test_unreachable_ray_address_fails_fast_with_one_line(tmp_path, capsys):
     import socket
 

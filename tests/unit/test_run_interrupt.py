@@ -49,6 +49,23 @@ def test_the_cli_keeps_ignoring_interrupts_for_the_exit(monkeypatch, restored_ha
     assert "continue with: moerl train --resume" in err and "moerl: already stopping" in err
 
 
+def test_an_interrupt_before_the_first_step_says_nothing_can_be_resumed(
+    monkeypatch, restored_handlers, capfd
+):
+    import moerl.train as controller
+
+    def interrupted(cfg, live=True):  # e.g. Ctrl-C in the warm start: RunInterrupted.of a removed folder
+        raise controller.RunInterrupted(None, resumable=False)
+
+    monkeypatch.setattr(controller, "train", interrupted)
+    assert cli_main(["train"]) == 130
+    err = capfd.readouterr().err.strip().splitlines()
+    assert (
+        err[-1]
+        == "moerl: interrupted before the first training step: nothing to resume (the run folder was removed)"
+    )
+
+
 def test_ctrl_c_while_ray_starts_is_held_until_it_is_up_then_ray_stops(monkeypatch):
     """``init_ray``: a SIGINT that arrives inside ``ray.init`` (Ray half started: processes that would
     outlive the run) does not cut it short; once it returns, Ray is shut down and KeyboardInterrupt
