@@ -105,16 +105,15 @@ GROUP_OVERRIDES = [
 ]
 
 
-# The run outlasts the fleet's noticing the kill (fleet.heartbeat_timeout_s) whatever the host's speed:
-# the step after the kill waits in the driver's per-step call to every live worker
-# (``RayRollouts.worker_stats``) until Ray declares the killed node dead (12 missed 3 s health checks,
-# raynodes.HEALTH_CHECK_FAILURES), by when the fleet has counted the loss and requeued its tasks with their
-# snapshots; the steps after it train the continued groups (at a newer version than their prefixes). At
-# 24 steps of 512-token responses (and 20 held-out prompts of 512 tokens at the start and the end) the
-# test took 356 CPU-s of the loaded suite; 12 steps leave 8 or more after that wait. 512 tokens lost 8 of
-# 4360 in flight (0.2 %): at 256 the 10 % bound still holds with a wide margin and fails without
-# snapshots (fleet.snapshot_tokens=0: every in-flight token discarded). Two workers: one killed, one that
-# continues its groups.
+# The fleet counts the kill before the run ends, whatever the host's speed: after the kill (at step 2) the
+# trainer either waits for groups from the one worker left, while the fleet's check (every 0.5 s) declares
+# the silent worker lost after fleet.heartbeat_timeout_s, or takes a step, whose per-step call to every
+# live worker (``RayRollouts.worker_stats``) waits until Ray declares the killed node dead (12 missed 3 s
+# health checks, raynodes.HEALTH_CHECK_FAILURES), by when the fleet has counted it; the steps after that
+# train the continued groups, at a newer version than their prefixes. 24 steps of 512-token responses on
+# 3 workers (and 20 held-out prompts of 512 tokens at the start and the end) took 366 CPU-s and lost 8 of
+# 4360 in-flight tokens; 12 steps of 256 lost 16 of 1736 (the 10 % bound, which fails without snapshots:
+# fleet.snapshot_tokens=0 discards every in-flight token). Two workers: one killed, one that continues.
 SNAP_STEPS, SNAP_BATCH, SNAP_NEW = 12, 2, 256
 
 SNAP_OVERRIDES = [
