@@ -105,15 +105,17 @@ GROUP_OVERRIDES = [
 ]
 
 
-# The fleet counts the kill before the run ends, whatever the host's speed: after the kill (at step 2) the
-# trainer either waits for groups from the one worker left, while the fleet's check (every 0.5 s) declares
-# the silent worker lost after fleet.heartbeat_timeout_s, or takes a step, whose per-step call to every
-# live worker (``RayRollouts.worker_stats``) waits until Ray declares the killed node dead (12 missed 3 s
-# health checks, raynodes.HEALTH_CHECK_FAILURES), by when the fleet has counted it; the steps after that
-# train the continued groups, at a newer version than their prefixes. 24 steps of 512-token responses on
-# 3 workers (and 20 held-out prompts of 512 tokens at the start and the end) took 366 CPU-s and lost 8 of
-# 4360 in-flight tokens; 12 steps of 256 lost 16 of 1736 (the 10 % bound, which fails without snapshots:
-# fleet.snapshot_tokens=0 discards every in-flight token). Two workers: one killed, one that continues.
+# The fleet counts the kill, and the continued groups are trained, before the run ends, whatever the
+# host's speed: after the kill (at step 2) the trainer either waits for groups from the one worker left
+# (no replacement: fleet.replace_dead=false), while the fleet's check (every 0.5 s) declares the silent
+# worker lost after fleet.heartbeat_timeout_s (5 s) and requeues its tasks with their snapshots, or takes a
+# step, whose per-step call to every live worker (``RayRollouts.worker_stats``) waits until Ray declares
+# the killed node dead (12 missed 3 s health checks, raynodes.HEALTH_CHECK_FAILURES), by when the fleet
+# has done so. The one worker then generates the 9 or more batches left, the continued groups first (at a
+# newer version than their prefixes). 24 steps of 512-token responses on 3 workers (and 20 held-out
+# prompts of 512 tokens at the start and the end) took 366 CPU-s and lost 8 of 4360 in-flight tokens;
+# 12 steps of 256 lost 8 to 16 of 456 to 1736 (the 10 % bound, which fails without snapshots:
+# fleet.snapshot_tokens=0 discarded all 712 in flight).
 SNAP_STEPS, SNAP_BATCH, SNAP_NEW = 12, 2, 256
 
 SNAP_OVERRIDES = [
@@ -135,7 +137,8 @@ SNAP_OVERRIDES = [
     "eval.every=0",
     "task.num_eval=2",  # the start and end evals generate max_new_tokens per prompt: nothing here reads them
     "fleet.check_every_s=0.5",
-    "fleet.heartbeat_timeout_s=10",
+    "fleet.heartbeat_timeout_s=5",
+    "fleet.replace_dead=false",
     "fleet.snapshot_tokens=8",
     "fleet.snapshot_poll_s=0.05",
 ]
