@@ -106,18 +106,17 @@ GROUP_OVERRIDES = [
 
 
 # The fleet counts the kill, and the continued groups are trained, before the run ends, whatever the
-# host's speed: after the kill (at step 2) the trainer either waits for groups from the one worker left
+# host's speed: after the kill (after step 3) the trainer either waits for groups from the one worker left
 # (no replacement: fleet.replace_dead=false), while the fleet's check (every 0.5 s) declares the silent
 # worker lost after fleet.heartbeat_timeout_s (5 s) and requeues its tasks with their snapshots, or takes a
 # step, whose per-step call to every live worker (``RayRollouts.worker_stats``) waits until Ray declares
 # the killed node dead (12 missed 3 s health checks, raynodes.HEALTH_CHECK_FAILURES), by when the fleet
-# has done so. The one worker then generates the 9 or more batches left, the continued groups first (at a
+# has done so. The one worker then generates the 8 or more batches left, the continued groups first (at a
 # newer version than their prefixes). 24 steps of 512-token responses on 3 workers (and 20 held-out
 # prompts of 512 tokens at the start and the end) took 366 CPU-s and lost 8 of 4360 in-flight tokens.
-# The kill comes right after a step, often when the killed worker has just begun new groups: its
-# sequences then held 56-78 tokens each, and up to ``fleet.snapshot_tokens`` of each are past its newest
-# snapshot. Snapshots every 4 tokens keep that under the 10 % bound (every 8 lost 0-3 tokens a sequence,
-# at most 8); without snapshots (fleet.snapshot_tokens=0) the run discarded all 712 tokens in flight.
+# Without snapshots (fleet.snapshot_tokens=0) the run discarded all 712 and 184 tokens in flight; every 8
+# tokens, 0-3 of each sequence were past its newest snapshot. 4 tokens and a kill half a generation cycle
+# after a step (below) keep that well under the 10 % bound.
 SNAP_STEPS, SNAP_BATCH, SNAP_NEW = 12, 2, 256
 
 SNAP_OVERRIDES = [
@@ -276,10 +275,16 @@ def test_rollout_node_killed_mid_response_is_continued(whole, tmp_path):
     c, ray = whole
     init = save_never_stopping_policy(tmp_path / "policy")
     run = Driver(ray, 0, tmp_path / "runs", tmp_path / "driver.log", [*SNAP_OVERRIDES, f"init_from={init}"])
-    run.wait_steps(2, timeout_s=300)  # every worker streaming 256-token responses, at mixed progress
+    run.wait_steps(3, timeout_s=300)
+    # the workers start together and deliver two groups each a generation cycle (steps 1 and 3 a cycle
+    # apart): right after a step the worker that delivered has only begun its next groups (23 tokens a
+    # sequence, of which up to snapshot_tokens past its newest snapshot); half a cycle later every worker's
+    # sequences are well along
+    walls = [r["wall_s"] for r in read_jsonl(next(run.out.glob("*/metrics.jsonl")))]
+    time.sleep(min(60.0, (walls[2] - walls[0]) / 2))
     hosts = sorted(set(actor_nodes(ray, "RolloutWorkerActor")))
     assert hosts and set(hosts) <= {2, 3, 4}, hosts
-    assert c.kill_node(hosts[0]) > 0  # SIGKILL: no notice, no drain
+    assert c.kill_node(hosts[0]) > 0  # SIGKILL: no notice, no drain, responses in flight
     assert run.finish(timeout_s=400) == 0, run.tail()
     text = run.tail(1_000_000)
     assert "Traceback" not in text, text[-3000:]
