@@ -11,14 +11,23 @@ from raynodes import RayNodes
 
 from moerl.rundir.folder import read_jsonl
 
+# ``moerl train`` without its report figures (``moerl.train.plot_report``), as in-process test runs skip them
+# (``_runs.report_figures_skipped``): no test here reads ``report.png``, and drawing the two figures is 4-7
+# CPU-s of a run on the loaded cores
+TRAIN_WITHOUT_FIGURES = (
+    "import sys, moerl.train; moerl.train.plot_report = lambda path: None; "
+    "from moerl.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
 
 class Driver:
     """``moerl train`` (the driver: the trainer, the weight store's writer) inside node ``node`` of
-    ``ray``'s cluster with ``overrides`` (``--set``), its output in ``log``; runs land in ``out``."""
+    ``ray``'s cluster with ``overrides`` (``--set``), its output in ``log``; runs land in ``out``. It draws
+    no report figures (``TRAIN_WITHOUT_FIGURES``)."""
 
     def __init__(self, ray: RayNodes, node: int, out: Path, log: Path, overrides: list[str]):
         self.out, self.log = out, log
-        argv = [*ray.python, "-m", "moerl.cli", "train", "--config", str(DEFAULT_CONFIG)]
+        argv = [*ray.python, "-c", TRAIN_WITHOUT_FIGURES, "train", "--config", str(DEFAULT_CONFIG)]
         argv += ["--ray-address", ray.address]
         for o in [*overrides, f"output_dir={out}"]:
             argv += ["--set", o]
