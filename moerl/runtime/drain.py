@@ -30,11 +30,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from moerl.records import Lease, PartialResponse, RolloutTask
-from moerl.rollout import Completion, Request, SamplingParams
 from moerl.runtime.notice import TerminationNotice
+
+if TYPE_CHECKING:  # moerl.rollout loads torch: the fleet's bookkeeping (DrainReport) does without it
+    from moerl.rollout import Completion, Request, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +238,8 @@ class ResumePlan:
     """
 
     def __init__(self, task: RolloutTask, params: SamplingParams, request_id: str):
+        from moerl.rollout import Request  # here, not at the top: see the TYPE_CHECKING import
+
         self.task = task
         self.request_id = request_id
         by_index = {p.sample_index: p for p in task.partial}
@@ -291,6 +295,8 @@ class ResumePlan:
     def _merge(
         self, index: int, prefix: PartialResponse | None, c: Completion | None, reason: str
     ) -> Completion:
+        from moerl.rollout import Completion  # here, not at the top: see the TYPE_CHECKING import
+
         ids = list(prefix.response_ids) if prefix else []
         lps = list(prefix.response_logprobs) if prefix else []
         vers = list(prefix.policy_versions) if prefix else []

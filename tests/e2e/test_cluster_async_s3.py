@@ -25,7 +25,8 @@ from moerl.config import load_config
 from moerl.rundir.storage import RunStorage
 from moerl.train import train
 
-pytestmark = pytest.mark.timeout(300)
+# no test here reads report.png: the runs skip drawing it (conftest.no_report_figures)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("no_report_figures")]
 BUCKET = "moerl-cluster"
 
 
@@ -47,18 +48,22 @@ def test_async_run_on_a_rendered_cluster_shape_with_s3_storage(tmp_path, tiny_in
     recipe = load_config("configs/cluster_qwen3_30b_1node.yaml", [IMAGE, IMAGE])
     e2e = os.path.dirname(__file__)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (e2e, os.environ.get("PYTHONPATH")) if p))
+    # no log monitors: no assertion reads the actors' output, and each node's monitor would scan the
+    # session folder the three nodes share on this host for the run's duration
+    quiet = {"include_log_monitor": False}
     cl = Cluster(
         initialize_head=True,
         head_node_args={
             "num_cpus": 1,
             "resources": node_resources(recipe, "memory"),
             "include_dashboard": False,
+            **quiet,
         },
     )
     try:
         nodes = {
-            "train": cl.add_node(num_cpus=1, resources=node_resources(recipe, "train")).node_id,
-            "rollout": cl.add_node(num_cpus=2, resources=node_resources(recipe, "rollout")).node_id,
+            "train": cl.add_node(num_cpus=1, resources=node_resources(recipe, "train"), **quiet).node_id,
+            "rollout": cl.add_node(num_cpus=2, resources=node_resources(recipe, "rollout"), **quiet).node_id,
         }
         cl.wait_for_nodes()
         options = json.dumps({"endpoint_url": s3_env.endpoint_url})

@@ -35,6 +35,8 @@ FIFTY_M = [
 ]
 """48.8 M parameters with the built-in tokenizer (float32: 195 MB a version)."""
 
+pytestmark = pytest.mark.usefixtures("no_report_figures")  # no test here reads report.png
+
 SLOW_WRITE_S = 4.0
 """Seconds added to version 2's durable write (on the store's writer thread)."""
 

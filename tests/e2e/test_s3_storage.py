@@ -31,7 +31,8 @@ from moerl.trainer.checkpoint import list_checkpoints, load_checkpoint, save_che
 from moerl.weights.store import StoreNotWritableError, WeightStore
 
 BUCKET = "moerl-runs"
-pytestmark = pytest.mark.timeout(240)
+# no test here reads report.png: the runs skip drawing it (conftest.no_report_figures)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("no_report_figures")]
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,7 @@ class Reader(threading.Thread):
         self.root = RunStorage(f"s3://{BUCKET}/{prefix}", options=self.options)
         self.scratch, self.stop, self.errors = scratch, threading.Event(), []
         self.checkpoints, self.versions = set(), set()
+        self.stores: dict[str, WeightStore] = {}  # one a run: its probe write once, not at every poll
 
     def run(self):
         while not self.stop.is_set():
@@ -94,14 +96,17 @@ class Reader(threading.Thread):
                     continue
                 assert load_checkpoint(local)["trainer"] is not None
                 self.checkpoints.add((name, step))
-            try:
-                store = WeightStore(f"{self.root.url}/{name}/weights", storage_options=self.options)
-            except StoreNotWritableError:
-                continue  # the reader's own probe write hit an injected fault
-            latest = store.latest()
+            if name not in self.stores:
+                try:
+                    self.stores[name] = WeightStore(
+                        f"{self.root.url}/{name}/weights", storage_options=self.options
+                    )
+                except StoreNotWritableError:
+                    continue  # the reader's own probe write hit an injected fault
+            latest = self.stores[name].latest()  # a fresh listing (WeightStore invalidates s3fs's cache)
             if latest is not None and (name, latest.version) not in self.versions:
                 try:
-                    store.load(latest.version)  # checks every file's sha256
+                    self.stores[name].load(latest.version)  # checks every file's sha256
                 except FileNotFoundError:  # pruned meanwhile
                     continue
                 self.versions.add((name, latest.version))
