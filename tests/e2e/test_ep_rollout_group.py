@@ -29,7 +29,10 @@ from moerl.models import build_model
 from moerl.tasks import load_tokenizer
 from moerl.train import train
 
-pytestmark = pytest.mark.usefixtures("no_report_figures")  # no test here reads report.png
+pytestmark = [
+    pytest.mark.usefixtures("no_report_figures"),  # no test here reads report.png
+    pytest.mark.ray_group("ray_b"),  # one Ray instance with test_reward_model_runs
+]
 
 BATCH = 4
 
@@ -105,7 +108,7 @@ def _expert_bytes(cfg) -> int:
 
 
 @pytest.mark.timeout(420)
-def test_killed_rank_loses_the_worker_not_a_task(local_ray, default_init, tmp_path):
+def test_killed_rank_loses_the_worker_not_a_task(shared_ray, default_init, tmp_path):
     steps = 14
     killed: dict[str, int] = {}
     seen: list[dict] = []
