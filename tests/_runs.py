@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import socket
 from collections import Counter
@@ -143,3 +144,45 @@ def report_figures_skipped() -> Iterator[list[Path]]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("moerl.train.plot_report", asked.append)
         yield asked
+
+
+_SHARED_RAY: dict[str, str | None] = {}
+"""While ``start_shared_ray``'s instance is up: ``{"pythonpath": PYTHONPATH before it started}``."""
+
+
+def start_shared_ray(module, pythonpath: Path) -> None:
+    """Start one local Ray instance (6 CPUs, no dashboard) for consecutive test modules, unless this
+    process' shared one is up already; ``module``'s own classes travel by value (e.g. a stand-in worker).
+
+    Ray's worker processes take PYTHONPATH from the driver's environment at Ray's start, so ``pythonpath``
+    (the folder of the tests' reward and environment modules) is prepended to it until ``stop_shared_ray``.
+    A Ray start and stop is about 10 CPU-s of Ray's own processes on the 2-core test machine: modules of one
+    xdist group (``pytest.mark.ray_group``, tests/conftest.py) that share an instance save one a module.
+    """
+    import ray
+
+    from moerl.runtime.ray import start_local_ray
+
+    if not (_SHARED_RAY and ray.is_initialized()):
+        stop_shared_ray()
+        old = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), old) if p)
+        _SHARED_RAY["pythonpath"] = old
+        start_local_ray(num_cpus=6, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(module)
+
+
+def stop_shared_ray() -> None:
+    """Shut ``start_shared_ray``'s instance down and restore PYTHONPATH; nothing when none is up.
+    tests/conftest.py calls it before every test that does not use the ``shared_ray`` fixture and at the
+    session's end, so no other test finds it running."""
+    if not _SHARED_RAY:
+        return
+    import ray
+
+    ray.shutdown()
+    old = _SHARED_RAY.pop("pythonpath")
+    if old is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old

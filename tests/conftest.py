@@ -7,7 +7,7 @@ import torch
 
 pytest.register_assert_rewrite("_runs")  # its shared asserts report their values as a test's own do
 
-from _runs import report_figures_skipped, save_fresh_policy  # noqa: E402
+from _runs import report_figures_skipped, save_fresh_policy, stop_shared_ray  # noqa: E402
 
 # Tests run on 2 cores: keep intra-op threads from oversubscribing when several processes run. Under
 # pytest-xdist (the README's `-n 4`) four workers already share the cores: one thread each, and for the
@@ -52,17 +52,40 @@ def no_report_figures():
         yield asked
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "ray_group(name): the module's tests join xdist group `name` and share one Ray instance with the "
+        "group's other modules (the `shared_ray` fixture of tests/e2e/conftest.py)",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before any fixture of the test is set up
+def pytest_runtest_setup(item):
+    """A test outside the ``ray_group`` modules finds no shared Ray instance running (it may start its own);
+    one inside them (it may run no Ray: a sync run) leaves it up for the group's next test."""
+    if item.get_closest_marker("ray_group") is None and "shared_ray" not in getattr(item, "fixturenames", ()):
+        stop_shared_ray()
+
+
+def pytest_sessionfinish(session):
+    stop_shared_ray()
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``-n 4 --dist loadgroup``): the namespaced-cluster tests share host network
     state (address ranges, bridges), so they run one at a time on one worker; the mutation check's tests
     share one module fixture (six pytest subprocesses), which each worker would otherwise run again; so do
-    the tests of any other module that uses a module-scoped fixture (``_uses_module_fixture``)."""
+    the tests of any other module that uses a module-scoped fixture (``_uses_module_fixture``); the modules
+    marked ``ray_group(name)`` share group ``name`` (and one Ray instance, ``shared_ray``)."""
     for item in items:
         if "multinode" in item.path.parts:
             item.add_marker(pytest.mark.xdist_group("netns"))
         elif "meta" in item.path.parts:
             item.add_marker(pytest.mark.xdist_group("meta"))
+        elif (shared := item.get_closest_marker("ray_group")) is not None:
+            item.add_marker(pytest.mark.xdist_group(shared.args[0]))
         elif _uses_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
 

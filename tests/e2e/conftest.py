@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 
 import pytest
-from _runs import run_config, save_fresh_policy
+from _runs import run_config, save_fresh_policy, start_shared_ray
 
 from moerl.config import load_config
 from moerl.runtime.ray import start_local_ray
@@ -45,6 +45,16 @@ def local_ray(request):
         os.environ.pop("PYTHONPATH")
     else:
         os.environ["PYTHONPATH"] = old
+
+
+@pytest.fixture(scope="module")
+def shared_ray(request):
+    """A local Ray instance as ``local_ray``'s, but one for the consecutive modules of an xdist group
+    (``pytestmark = pytest.mark.ray_group(name)``: tests/conftest.py puts them in one group): started by
+    the first module that asks, left up for the next, shut down before the first test that does not use
+    this fixture and at the session's end (``_runs.start_shared_ray``). A test using it never calls
+    ``ray.shutdown()``."""
+    start_shared_ray(request.module, Path(__file__).parent)
 
 
 def short_config(tmp_path, init, *overrides):

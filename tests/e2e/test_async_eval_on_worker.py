@@ -21,10 +21,12 @@ from moerl.tasks.tokenizer import load_run_tokenizer
 from moerl.train import train
 from moerl.weights.store import WeightStore
 
+pytestmark = pytest.mark.ray_group("ray_a")  # one Ray instance with test_env_runs and test_verl_example
+
 
 @pytest.mark.timeout(300)
 def test_async_eval_accuracy_equals_evaluating_the_saved_version_in_process(
-    tmp_path, tiny_init, local_ray, monkeypatch
+    tmp_path, tiny_init, shared_ray, monkeypatch
 ):
     """Every eval of the run after the start (steps 1 and 2) is a worker's: the driver's in-process eval
     runs once, for version 0, before any step. Each figure equals ``moerl.tasks.eval.evaluate`` of that
@@ -115,7 +117,7 @@ def test_async_eval_accuracy_equals_evaluating_the_saved_version_in_process(
 
 @pytest.mark.timeout(300)
 def test_a_trainer_that_fails_to_build_stops_the_rollouts_started_beside_it(
-    tmp_path, tiny_init, local_ray, monkeypatch
+    tmp_path, tiny_init, shared_ray, monkeypatch
 ):
     """The overlapped start (``Run._start_overlapped``): the trainer's build failing after the rollout
     workers started raises the build's error and closes the rollouts (no worker left running)."""

@@ -15,8 +15,11 @@ import pytest
 from conftest import short_config
 
 from moerl.rundir.folder import read_jsonl
-from moerl.runtime.ray import start_local_ray
 from moerl.train import train
+
+pytestmark = pytest.mark.ray_group(
+    "ray_a"
+)  # one Ray instance with test_async_eval_on_worker, test_verl_example
 
 E2E_DIR = Path(__file__).parent
 ENV_RUN = [
@@ -62,11 +65,8 @@ def _env_worker_pids() -> list[int]:
 
 
 @pytest.mark.timeout(300)
-def test_async_run_survives_an_environment_worker_killed_by_pid(tmp_path, tiny_init):
-    import ray
-
-    old = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(E2E_DIR), old) if p)
+def test_async_run_survives_an_environment_worker_killed_by_pid(tmp_path, tiny_init, shared_ray):
+    # shared_ray: its workers find e2e_envs through PYTHONPATH (this folder)
     cfg = short_config(
         tmp_path,
         tiny_init,
@@ -91,12 +91,7 @@ def test_async_run_survives_an_environment_worker_killed_by_pid(tmp_path, tiny_i
 
     killer = threading.Thread(target=kill_one, daemon=True)
     killer.start()
-    start_local_ray(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        summary = train(cfg, live=False)
-    finally:
-        ray.shutdown()
-        os.environ["PYTHONPATH"] = old
+    summary = train(cfg, live=False)
     killer.join(timeout=1)
     print(
         json.dumps({k: summary[k] for k in ("tasks_requeued", "tasks_duplicated", "tasks_lost")}),

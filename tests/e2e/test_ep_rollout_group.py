@@ -1,13 +1,16 @@
 """EP rollout worker groups in async runs (rollout.ep_size=2), configs/default.yaml shortened.
 
-- With a 2-rank trainer group (trainer.num_ranks=2): the run completes; every task is trained exactly
-  once; the worker reports its 2 EP ranks; the evals are the EP group's (the driver holds no policy).
 - One follower rank process SIGKILLed by pid mid-run: the group's worker ends as crashed, a new group
   replaces it; then that group's leader SIGKILLed: its follower ends with it, a third group replaces
   it; nothing is lost or trained twice, and no rank process of a lost group is left. This run's trainer
   is the one-process trainer: what it asserts is the rollout side's, and a trainer group would add two
   Ray rank processes (each importing torch and building the sharded policy: 40-70 s of the loaded 2
   cores) that no assertion reads.
+
+A run of a 2-rank rollout group beside a 2-rank trainer group (the run completes; every task trained
+exactly once; the worker reports its 2 EP ranks; the evals are the EP group's) is
+``test_run_with_a_two_rank_rollout_group`` in tests/e2e/test_collective_run.py: it reads that module's
+one run of both groups (weights by broadcast) instead of starting 4 more rank processes here.
 """
 
 from __future__ import annotations
@@ -22,14 +25,14 @@ import pytest
 import ray
 from _runs import DEFAULT_CONFIG, assert_trained_exactly_once, newest_run, run_config
 
-from moerl.models import build_model, from_pretrained
-from moerl.rundir.folder import read_jsonl
-from moerl.tasks import load_tokenizer, make_task
-from moerl.tasks.eval import evaluate
-from moerl.tasks.tokenizer import load_run_tokenizer
+from moerl.models import build_model
+from moerl.tasks import load_tokenizer
 from moerl.train import train
 
-pytestmark = pytest.mark.usefixtures("no_report_figures")  # no test here reads report.png
+pytestmark = [
+    pytest.mark.usefixtures("no_report_figures"),  # no test here reads report.png
+    pytest.mark.ray_group("ray_b"),  # one Ray instance with test_reward_model_runs
+]
 
 BATCH = 4
 
@@ -58,34 +61,6 @@ def _config(out: Path, init: Path, steps: int, *overrides: str):
         "fleet.check_every_s=0.2",
         *overrides,
     )
-
-
-@pytest.mark.timeout(240)
-def test_run_with_a_two_rank_rollout_group(local_ray, default_init, tmp_path):
-    steps = 4
-    cfg = _config(tmp_path, default_init, steps)
-    summary = train(cfg, live=False)
-    assert summary["status"] == "completed" and summary["steps"] == steps
-    assert summary["trainer_ranks"] == 2
-    assert_trained_exactly_once(summary, newest_run(cfg), steps, BATCH)
-    assert summary["fleet"]["killed"] == 0 and summary["fleet"]["spawned"] == 1
-    # the worker is a group of 2 EP rank processes (its telemetry), and it did generate
-    assert (
-        summary["fleet"]["ep_size"] == 2 and len(set(summary["fleet"]["worker_rank_pids"]["rollout-0"])) == 2
-    )
-    assert read_jsonl(newest_run(cfg).metrics)[-1]["rollout/workers"]["rollout-0"]["groups_total"] > 0
-    # the evals were the EP group's (the driver holds no policy): the figures of an in-process eval of the
-    # starting policy and of the exported final one (issue 34)
-    r = cfg.rollout
-    sizes = {
-        "max_new_tokens": r.max_new_tokens,
-        "max_slots": r.max_slots,
-        "kv_token_budget": r.kv_token_budget,
-    }
-    task, tokenizer = make_task(cfg.task, cfg.env), load_run_tokenizer(cfg, str(default_init))
-    start = evaluate(from_pretrained(str(default_init)), tokenizer, task, **sizes).accuracy
-    final = evaluate(from_pretrained(summary["policy"]), tokenizer, task, **sizes).accuracy
-    assert (summary["start_eval_accuracy"], summary["final_eval_accuracy"]) == (start, final)
 
 
 def _records(out: Path) -> int:
@@ -133,7 +108,7 @@ def _expert_bytes(cfg) -> int:
 
 
 @pytest.mark.timeout(420)
-def test_killed_rank_loses_the_worker_not_a_task(local_ray, default_init, tmp_path):
+def test_killed_rank_loses_the_worker_not_a_task(shared_ray, default_init, tmp_path):
     steps = 14
     killed: dict[str, int] = {}
     seen: list[dict] = []

@@ -13,6 +13,8 @@ from reward_models import save_digit_reward_model
 from moerl.rundir.folder import RunDir, read_jsonl
 from moerl.train import train
 
+pytestmark = pytest.mark.ray_group("ray_b")  # one Ray instance with test_ep_rollout_group
+
 STEPS = 10
 MARGIN = 1.0
 """Least rise of the mean reward-model score from the first 3 steps to the last 3. The fresh policy's
@@ -22,15 +24,6 @@ groups score about 6.4; this seed's run reached 7.8 (2026-12-02): the policy wri
 @pytest.fixture(scope="module")
 def digit_rm(tmp_path_factory):
     return save_digit_reward_model(tmp_path_factory.mktemp("rm") / "digit_rm")
-
-
-@pytest.fixture
-def ray_session():
-    """The run starts its own local Ray instance (``init_ray``); shut it down after the test."""
-    import ray
-
-    yield
-    ray.shutdown()
 
 
 def _run(tmp_path, init, *overrides):
@@ -62,7 +55,7 @@ ASYNC_STEPS = 4
 
 @pytest.mark.timeout(600)
 def test_async_reward_worker_killed_by_pid_loses_nothing(
-    tmp_path, tiny_init, digit_rm, ray_session, monkeypatch
+    tmp_path, tiny_init, digit_rm, shared_ray, monkeypatch
 ):
     import ray
 

@@ -18,6 +18,8 @@ import pytest
 
 from moerl.rundir.folder import read_jsonl
 
+pytestmark = pytest.mark.ray_group("ray_a")  # one Ray instance with test_async_eval_on_worker, test_env_runs
+
 WORKTREE = Path(__file__).resolve().parents[2]
 EXAMPLE = WORKTREE / "examples" / "verl_format" / "config.yaml"
 SHORT = [
@@ -84,10 +86,8 @@ def test_the_verl_example_runs_from_another_folder_and_reports_pass_at_4(tmp_pat
 
 @pytest.mark.timeout(300)
 def test_the_verl_example_in_async_mode_scores_and_evaluates_on_ray_workers(
-    tmp_path, default_init, monkeypatch
+    tmp_path, default_init, shared_ray, monkeypatch
 ):
-    import ray
-
     from moerl.cli import _config
     from moerl.train import train
 
@@ -96,10 +96,7 @@ def test_the_verl_example_in_async_mode_scores_and_evaluates_on_ray_workers(
     overrides = [*SHORT, f"init_from={default_init}", "output_dir=runs", "runtime.mode=async"]
     cfg = _config(Namespace(config=os.path.relpath(EXAMPLE, tmp_path), overrides=overrides))
     assert cfg.task.path == str(EXAMPLE.parent / "train.parquet")
-    try:
-        summary = check_run(_run(train, cfg))
-    finally:
-        ray.shutdown()
+    summary = check_run(_run(train, cfg))  # the run joins the group's Ray instance (shared_ray)
     assert summary["mode"] == "async"
 
 
