@@ -241,7 +241,12 @@ class _JobServer:
         with self.lock:
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
-            pid = int(self.proc.stdout.readline())
+            line = self.proc.stdout.readline()
+        if not line:  # its preload failed (its traceback is on this process' stderr)
+            raise RuntimeError(
+                f"the mutation check's job server exited ({self.proc.poll()}) before job {name}"
+            )
+        pid = int(line)
         rc = Path(f"{out}.rc")
         deadline = time.monotonic() + TIMEOUT_S
         while not rc.exists():
