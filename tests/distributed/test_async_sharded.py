@@ -1,44 +1,19 @@
-"""Async mode with a sharded trainer: 2 trainer ranks as Ray actors (gloo, EP 2) next to one rollout worker."""
+"""Async mode with a sharded trainer: 2 trainer ranks as Ray actors (gloo, EP 2) next to one rollout worker.
+
+The run (``killed_rank_run``: configs/default.yaml shortened to 12 steps of 4 groups x 8, a learnable
+reward) is the one test_rank_failure.py kills a rank of after step 6: it must learn all the same."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
-import ray
-from _runs import DEFAULT_CONFIG, SHARDED_ASYNC, run_config
 
-from moerl.train import train
+pytestmark = pytest.mark.xdist_group("killed_rank_run")  # the session fixture's run: one worker, once
 
 
-@pytest.fixture
-def ray_session(monkeypatch):
-    """Ray workers (started by this test's ray.init) import the reward function from this folder."""
-    here = str(Path(__file__).resolve().parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
-    yield
-    ray.shutdown()
-
-
-def short_default(tmp_path, init, *overrides):
-    """configs/default.yaml shortened: 12 steps of 4 groups x 8, a learnable reward, one rollout worker."""
-    return run_config(
-        DEFAULT_CONFIG,
-        tmp_path,
-        init,
-        *SHARDED_ASYNC,
-        "trainer.steps=12",
-        "trainer.checkpoint_every=8",
-        "task.num_eval=32",
-        *overrides,
-    )
-
-
-@pytest.mark.timeout(400)
-def test_async_run_with_two_rank_actors_learns_exactly_once(tmp_path, default_init, ray_session):
-    cfg = short_default(tmp_path, default_init)
-    summary = train(cfg, live=False)
+@pytest.mark.timeout(600)
+def test_async_run_with_two_rank_actors_learns_exactly_once(killed_rank_run):
+    summary = killed_rank_run.summary
+    assert killed_rank_run.returncode == 0, killed_rank_run.output[-3000:]
     print(
         {
             k: summary[k]

@@ -1,7 +1,7 @@
 """Mutation check: the suite catches a feature removed. Each mutation is a small source edit applied to a
 scratch copy of the repository (the files ``git ls-files`` lists); the few test files that must catch it
-run there (``pytest -x -q`` in a subprocess that imports the copy's moerl through ``PYTHONPATH``) and must
-fail. The same tests run once on an unmutated copy and must pass, so a failure is the mutation's.
+run there (``pytest -x -q`` in a process of its own that imports the copy's moerl, forked from a job server
+that imported torch once: ``_JobServer``) and must fail. The same tests run once on an unmutated copy and must pass, so a failure is the mutation's.
 
 A mutation is ``(file, old text, new text)``: when the code under it is reworked, the old text is checked
 first and a drift fails with a line naming the mutation (update ``MUTATIONS``), never silently passes.
@@ -14,12 +14,17 @@ with its stale bytecode removed.
 from __future__ import annotations
 
 import compileall
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -152,22 +157,120 @@ of its 6.5-9 s of CPU on the loaded 2-core machine (2026-12-07), in each of the 
 pytest-timeout stays: the catching tests' limits hold there too."""
 
 
-def _pytest(copy: Path, args: tuple[str, ...]) -> subprocess.CompletedProcess:
-    # the copy's moerl, not the installed one; one thread each: two jobs run at once (``outcomes``)
-    env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
-    env.pop("PYTEST_ADDOPTS", None)
-    check = "import moerl, sys; sys.exit(0 if moerl.__file__.startswith(sys.argv[1]) else 1)"
-    assert subprocess.run([sys.executable, "-c", check, str(copy)], env=env, cwd=copy).returncode == 0, (
-        "the copy's subprocess imports another moerl"
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", *(f"-pno:{p}" for p in UNUSED_PLUGINS), *args],
-        cwd=copy,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "numpy",
+    "safetensors.torch",
+    "yaml",
+    "pytest",
+)
+"""What the job server imports once before it forks each job (``_ZYGOTE``): torch and what the catching tests
+import besides moerl. Each job used to be a fresh interpreter importing them: 7-8 s of CPU a job for ``pytest
+--co`` of one unit-test file on the loaded 2-core machine (2026-12-07), torch 4 of them, in each of the six
+jobs. Nothing here may import moerl (the server checks): each job imports its own copy's."""
+
+_ZYGOTE = r"""
+import importlib, json, os, signal, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+assert not [m for m in sys.modules if m.split(".")[0] == "moerl"], "the job server imported moerl"
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the jobs; each writes its own exit code
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid:
+        print(pid, flush=True)
+        continue
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the job's own subprocesses are waited for
+    os.setsid()  # its own process group: a job that outlives the timeout is killed with its children
+    null, out = os.open(os.devnull, os.O_RDONLY), os.open(job["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(null, 0), os.dup2(out, 1), os.dup2(out, 2)
+    code = 1
+    try:
+        os.chdir(job["cwd"])
+        os.environ.clear()
+        os.environ.update(job["env"])
+        sys.path.insert(0, job["cwd"])
+        import moerl
+        if not moerl.__file__.startswith(job["cwd"]):
+            print("the job imports another moerl: " + moerl.__file__)
+        else:
+            import pytest
+            code = int(pytest.main(job["args"]))
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        with open(job["out"] + ".rc.tmp", "w") as f:
+            f.write(str(code))
+        os.replace(job["out"] + ".rc.tmp", job["out"] + ".rc")
+        os._exit(code)
+os._exit(0)  # stdin closed: no jobs left (skips tearing down torch's modules)
+"""
+"""The job server: imports ``PRELOAD`` (argv), then forks one job per JSON line on stdin (``cwd``: the clone,
+``env``, ``args`` of ``pytest.main``, ``out``: where its stdout and stderr go) and answers its pid; the job
+puts its clone first on ``sys.path`` before anything imports moerl, and writes its exit code to ``out.rc``.
+It is single-threaded (no thread pool has started before the fork: only imports ran)."""
+
+
+class _JobServer:
+    """One ``_ZYGOTE`` process serving the module fixture's jobs (two at a time, from two threads)."""
+
+    def __init__(self, folder: Path):
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+        env["OMP_NUM_THREADS"] = "1"  # one thread each: two jobs run at once (``outcomes``)
+        self.folder, self.env = folder, env
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _ZYGOTE, *PRELOAD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=folder,
+        )
+        self.lock = threading.Lock()
+
+    def pytest(self, copy: Path, args: tuple[str, ...], name: str) -> subprocess.CompletedProcess:
+        """``pytest -x -q args`` in ``copy`` importing the copy's moerl (``PYTHONPATH``), as a subprocess
+        would; raises ``subprocess.TimeoutExpired`` after ``TIMEOUT_S`` (the job killed)."""
+        argv = ["-x", "-q", *(f"-pno:{p}" for p in UNUSED_PLUGINS), *args]
+        out = self.folder / f"{name}.out"
+        job = {"cwd": str(copy), "env": {**self.env, "PYTHONPATH": str(copy)}, "args": argv, "out": str(out)}
+        with self.lock:
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:  # its preload failed (its traceback is on this process' stderr)
+            raise RuntimeError(
+                f"the mutation check's job server exited ({self.proc.poll()}) before job {name}"
+            )
+        pid = int(line)
+        rc = Path(f"{out}.rc")
+        deadline = time.monotonic() + TIMEOUT_S
+        while not rc.exists():
+            if time.monotonic() > deadline:
+                os.killpg(pid, signal.SIGKILL)  # the job's own process group (``os.setsid``)
+                raise subprocess.TimeoutExpired(argv, TIMEOUT_S, out.read_text())
+            if not _alive(pid):  # died without writing its code (a crash): the kernel reaped it
+                if rc.exists():
+                    break
+                return subprocess.CompletedProcess(argv, -1, out.read_text(), "")
+            time.sleep(0.5)
+        return subprocess.CompletedProcess(argv, int(rc.read_text()), out.read_text(), "")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _tail(proc: subprocess.CompletedProcess, lines: int = 15) -> str:
@@ -177,17 +280,17 @@ def _tail(proc: subprocess.CompletedProcess, lines: int = 15) -> str:
 UNMUTATED = "unmutated"
 
 
-def _run(key: str, copy: Path) -> tuple[str, object]:
+def _run(server: _JobServer, key: str, copy: Path) -> tuple[str, object]:
     """One job in its clone ``copy``: the unmutated catching tests, or one mutation's tests.
     Returns ``("ran", CompletedProcess)``, or ``("drift", count)`` when a mutation's old text is not there
     exactly once."""
     if key == UNMUTATED:
-        return "ran", _pytest(copy, tuple(dict.fromkeys(t for m in MUTATIONS for t in m.tests)))
+        return "ran", server.pytest(copy, tuple(dict.fromkeys(t for m in MUTATIONS for t in m.tests)), key)
     mutation = next(m for m in MUTATIONS if Path(m.file).stem == key)
     found = _mutate(copy, mutation)
     if found != 1:
         return "drift", found
-    return "ran", _pytest(copy, mutation.tests)
+    return "ran", server.pytest(copy, mutation.tests, key)
 
 
 @pytest.fixture(scope="module")
@@ -200,8 +303,12 @@ def outcomes(tmp_path_factory) -> dict[str, tuple[str, object]]:
     keys = [UNMUTATED, *(Path(m.file).stem for m in heavy_first)]
     base = _copy_repo(tmp_path_factory.mktemp("copy"))
     copies = [_clone(base, tmp_path_factory.mktemp(k)) for k in keys]  # all before any job writes
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(keys, pool.map(_run, keys, copies), strict=True))
+    server = _JobServer(tmp_path_factory.mktemp("jobs"))
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            return dict(zip(keys, pool.map(partial(_run, server), keys, copies), strict=True))
+    finally:
+        server.close()
 
 
 def test_the_catching_tests_pass_unmutated(outcomes):
