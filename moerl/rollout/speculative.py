@@ -220,18 +220,6 @@ def _repeat(x: torch.Tensor, n: int) -> torch.Tensor:
     return x[:, None].expand(x.shape[0], n).reshape(-1)
 
 
-def repeat_rows(rows: SamplingRows, n: int) -> SamplingRows:
-    """``rows`` with each row repeated ``n`` times in place (row b -> rows b*n .. b*n + n - 1)."""
-    return SamplingRows(
-        temperature=_repeat(rows.temperature, n),
-        top_k=_repeat(rows.top_k, n),
-        top_p=_repeat(rows.top_p, n),
-        keys=_repeat(rows.keys, n),
-        all_greedy=rows.all_greedy,
-        any_truncation=rows.any_truncation,
-    )
-
-
 # -- Drafters -----------------------------------------------------------------------------------
 
 
