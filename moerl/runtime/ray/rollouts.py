@@ -650,8 +650,12 @@ class RayRollouts:
         return self._current_snapshot()[1]
 
     def worker_stats(self) -> list[WorkerStats]:
-        """``WorkerStats`` of every live worker (those that died meanwhile are left out)."""
-        return _get_alive([w.worker_stats.remote() for w in self.backend.alive_handles()])
+        """``WorkerStats`` of every live worker that answers within ``fleet.heartbeat_timeout_s`` (one
+        deadline for all). Those that died meanwhile, and those that did not answer in time (a worker on a
+        lost or partitioned node, which Ray declares dead only after its own health checks, 30-60 s), are
+        left out: the step's metrics go without them rather than the step waiting on them."""
+        refs = [w.worker_stats.remote() for w in self.backend.alive_handles()]
+        return _get_alive(refs, timeout_s=self.cfg.fleet.heartbeat_timeout_s)
 
     def state_dict(self) -> dict:
         """Queue and buffer state, taken while every worker is paused (no delivery in progress)."""
@@ -700,10 +704,14 @@ class RayRollouts:
         self.transport.close()
 
 
-def _get_alive(refs: list) -> list:
-    """``ray.get`` each ref, skipping those of actors that died meanwhile (a lost rollout worker)."""
+def _get_alive(refs: list, timeout_s: float | None = None) -> list:
+    """``ray.get`` each ref, in order, skipping those of actors that died meanwhile (a lost rollout worker)
+    and, with ``timeout_s`` (seconds, one deadline for all refs), those not ready by then."""
     import ray
 
+    if timeout_s is not None and refs:
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
+        refs = [ref for ref in refs if ref in ready]
     out = []
     for ref in refs:
         try:
