@@ -88,6 +88,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.metrics_address is not None:
         args.overrides.append(f"telemetry.metrics_address={json.dumps(args.metrics_address)}")
     cfg = None if args.resume else _config(args)  # a config's errors in one line, before torch loads
+    if args.resume:
+        from moerl.rundir.storage import is_remote
+
+        if not is_remote(args.resume):  # a wrong local folder in one line, before torch loads too
+            from moerl.rundir.folder import check_resumable
+
+            check_resumable(_local_url(args.resume))
     import moerl.train as run  # here, not at the top: torch and the runtime load only for this command
     from moerl.run.interrupt import ignore_further_interrupts  # (with moerl.train: it loads torch)
 

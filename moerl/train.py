@@ -42,7 +42,7 @@ from moerl.run.recovery import StepJournal, recover_trainer
 from moerl.run.resume import check_init_from, removed_on_failure, resume_checkpoint, resumed_config
 from moerl.run.reward_errors import RewardErrorWatch
 from moerl.run.warm_start import fine_tunes, warm_start
-from moerl.rundir.folder import LedgerEntry, RunDir, RunFolderLock, read_jsonl
+from moerl.rundir.folder import LedgerEntry, RunDir, RunFolderLock, check_resumable, read_jsonl
 from moerl.rundir.storage import RunMirror, fetch_for_resume, is_remote, use_local_storage
 from moerl.runtime.accounting import FleetState, accounting
 from moerl.runtime.build import Components, build_components
@@ -661,10 +661,7 @@ def resume(run_dir: str | Path, overrides: list[str] | None = None, *, live: boo
     if is_remote(str(run_dir)):  # a stored run's URL: fetch its files and newest checkpoint first
         run_dir = fetched = fetch_for_resume(str(run_dir), overrides)  # the local copy is what gets rewound
     with removed_on_failure(fetched):  # a failed remote resume leaves no fetched folder behind
-        if not Path(run_dir).is_dir():  # checked first: RunDir() creates the folder
-            raise FileNotFoundError(f"{run_dir} does not exist (no run folder to resume)")
-        if not (Path(run_dir) / "config.yaml").exists():
-            raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
+        check_resumable(run_dir)  # checked first: RunDir() creates the folder
     with RunFolderLock(run_dir):  # before anything is read back or rewound; held until the run ends
         return _resume(run_dir, fetched, overrides, live)
 

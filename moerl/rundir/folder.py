@@ -251,6 +251,20 @@ class SummaryError(ValueError):
     """A run's ``summary.json`` cannot be read (damaged, e.g. edited by hand or cut by a full disk)."""
 
 
+def check_resumable(run_dir: str | Path) -> None:
+    """``run_dir`` is a local run folder a resume can open: it exists and holds its ``config.yaml``. Checked
+    before anything is created or loaded (``RunDir()`` would create the folder; the CLI checks before torch
+    loads).
+
+    Raises:
+        FileNotFoundError: the folder does not exist, or holds no ``config.yaml`` (one line each).
+    """
+    if not Path(run_dir).is_dir():
+        raise FileNotFoundError(f"{run_dir} does not exist (no run folder to resume)")
+    if not (Path(run_dir) / "config.yaml").exists():
+        raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
+
+
 class RunFolderLock:
     """An exclusive lock on a run folder, held by the process that runs or resumes it, for the life of the run.
 

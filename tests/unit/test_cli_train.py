@@ -29,6 +29,8 @@ def calls(monkeypatch, tmp_path):
     monkeypatch.setattr(controller, "train", fake_train)
     monkeypatch.setattr(controller, "resume", fake_resume)
     monkeypatch.chdir(tmp_path)  # no configs/default.yaml here: built-in defaults
+    (tmp_path / "runs" / "x").mkdir(parents=True)  # a run folder to resume (the CLI checks it first)
+    (tmp_path / "runs" / "x" / "config.yaml").write_text("{}\n")
     return seen
 
 
@@ -45,13 +47,14 @@ def test_resume_honours_ray_address(calls):
     assert calls["resume"] == ("runs/x", ["trainer.steps=9", 'runtime.ray_address="auto"'])
 
 
-def test_file_urls_name_local_run_folders(calls, monkeypatch):
+def test_file_urls_name_local_run_folders(calls, monkeypatch, tmp_path):
     import moerl.telemetry.report as report
 
-    assert main(["train", "--resume", "file:///runs/x"]) == 0  # storage.url=file://... runs are local
-    assert calls["resume"] == ("/runs/x", [])
+    run = f"{tmp_path}/runs/x"
+    assert main(["train", "--resume", f"file://{run}"]) == 0  # storage.url=file://... runs are local
+    assert calls["resume"] == (run, [])
     monkeypatch.setattr(report, "report_main", lambda run_dir: calls.setdefault("report", run_dir) and 0)
-    assert main(["report", "file:///runs/x"]) == 0 and calls["report"] == "/runs/x"
+    assert main(["report", f"file://{run}"]) == 0 and calls["report"] == run
 
 
 def test_bad_override_is_a_config_error_before_any_run(calls, capsys):
@@ -59,21 +62,27 @@ def test_bad_override_is_a_config_error_before_any_run(calls, capsys):
     assert "config error" in capsys.readouterr().err and "cfg" not in calls
 
 
-def test_a_config_typo_is_reported_before_torch_loads(tmp_path):
-    """The one-line config error comes from the config alone: torch (tens of seconds to import on a busy
-    machine) and the runtime are not loaded for it."""
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--set", "trainer.stpes=10"], "unknown config key 'trainer.stpes'; did you mean 'trainer.steps'?"),
+        (["--resume", "no_such_run"], "no_such_run does not exist (no run folder to resume)"),
+        (["--resume", "."], ". is not a run folder (no config.yaml)"),
+    ],
+    ids=["config-typo", "resume-missing", "resume-not-a-run"],
+)
+def test_a_bad_train_input_is_reported_before_torch_loads(tmp_path, argv, line):
+    """The one-line error of a config typo or a wrong local --resume folder comes before torch (tens of
+    seconds to import on a busy machine) and the runtime are loaded."""
     import subprocess
     import sys
 
-    code = (
-        "import sys; from moerl.cli import main; rc = main(['train', '--set', 'trainer.stpes=10']); "
-        "print(rc, 'torch' in sys.modules)"
-    )
+    code = f"import sys; from moerl.cli import main; rc = main(['train', *{argv!r}]); print(rc, 'torch' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert out.stdout.split() == ["2", "False"], (out.stdout, out.stderr)
-    assert "unknown config key 'trainer.stpes'; did you mean 'trainer.steps'?" in out.stderr
+    assert line in out.stderr
 
 
 def test_unreachable_ray_address_fails_fast_with_one_line(tmp_path, capsys):
