@@ -45,6 +45,8 @@ def _config(args: argparse.Namespace, *, import_dirs: bool = True):
     folder and this folder to ``task.import_dirs`` (a run here; not a cluster render, whose pods add theirs)."""
     import os
 
+    if args.config is not None and not args.config.strip():  # "$CONFIG" unset: not the default config
+        raise ConfigError("--config is empty: name a YAML file, or leave --config out for the default")
     path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
     cfg = load_config(path, args.overrides)
     if not import_dirs:
@@ -73,6 +75,8 @@ def _local_url(path: str) -> str:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    if args.resume is not None and not args.resume.strip():  # "$RUN" unset: not a fresh run
+        raise ConfigError("--resume is empty: name a run folder or its storage URL")
     if args.resume and args.config:  # a resumed run keeps its own config; silently ignoring it would mislead
         from moerl.run.resume import RESUME_FIELDS  # here: loads torch, like moerl.train
 

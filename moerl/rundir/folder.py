@@ -257,8 +257,11 @@ def check_resumable(run_dir: str | Path) -> None:
     loads).
 
     Raises:
-        FileNotFoundError: the folder does not exist, or holds no ``config.yaml`` (one line each).
+        FileNotFoundError: the folder does not exist, is a file, or holds no ``config.yaml`` (one line
+            each).
     """
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise FileNotFoundError(f"{run_dir} is a file, not a run folder (name the folder to resume)")
     if not Path(run_dir).is_dir():
         raise FileNotFoundError(f"{run_dir} does not exist (no run folder to resume)")
     if not (Path(run_dir) / "config.yaml").exists():

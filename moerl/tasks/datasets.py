@@ -207,7 +207,9 @@ def jsonl_objects(path: str | Path) -> Iterator[tuple[int, str, dict | None]]:
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise DatasetError(
+                    f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
+                ) from None
             if not isinstance(obj, dict):
                 raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             yield line, where, obj

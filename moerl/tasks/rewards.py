@@ -62,7 +62,8 @@ def load_reward_fn(spec: str, what: str = "reward_fn", dirs: Sequence[str] = ())
             raise AttributeError(f"{what}={spec!r}: '{module_name}' has no attribute '{attr_path}'")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"{what}={spec!r} is a {type(obj).__name__}, not a callable")
+        kind = type(obj).__name__
+        raise ValueError(f"{what}={spec!r} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not a callable")
     return obj
 
 

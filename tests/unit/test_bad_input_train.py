@@ -90,6 +90,10 @@ def test_bad_env_name_fails_before_the_warm_start(train_fails, spec, expected):
     ("text", "expected"),
     [
         ('{"question": "q", "answer": "a #### 3"}\n{bad\n', ":2: not valid JSON ("),
+        (
+            '{"question": "q\tx", "answer": "a #### 3"}\n',
+            ":1: not valid JSON (Invalid control character at column 16)",
+        ),
         ('{"question": "q"}\n', ":1: missing field 'answer'"),
         ('{"question": "q", "answer": "3"}\n', ":1: field 'answer' has no '#### <number>' final answer"),
         ("", ":1: no records (the file is empty or blank)"),

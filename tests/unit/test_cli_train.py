@@ -68,15 +68,26 @@ def test_bad_override_is_a_config_error_before_any_run(calls, capsys):
         (["--set", "trainer.stpes=10"], "unknown config key 'trainer.stpes'; did you mean 'trainer.steps'?"),
         (["--resume", "no_such_run"], "no_such_run does not exist (no run folder to resume)"),
         (["--resume", "."], ". is not a run folder (no config.yaml)"),
+        (["--resume", "f.yaml"], "f.yaml is a file, not a run folder"),
+        (["--resume", ""], "--resume is empty: name a run folder"),  # "$RUN" unset: no fresh run instead
+        (["--config", ""], "--config is empty: name a YAML file"),
     ],
-    ids=["config-typo", "resume-missing", "resume-not-a-run"],
+    ids=[
+        "config-typo",
+        "resume-missing",
+        "resume-not-a-run",
+        "resume-a-file",
+        "resume-empty",
+        "config-empty",
+    ],
 )
 def test_a_bad_train_input_is_reported_before_torch_loads(tmp_path, argv, line):
-    """The one-line error of a config typo or a wrong local --resume folder comes before torch (tens of
-    seconds to import on a busy machine) and the runtime are loaded."""
+    """The one-line error of a config typo, an empty --config or --resume, or a wrong local --resume folder
+    comes before torch (tens of seconds to import on a busy machine) and the runtime are loaded."""
     import subprocess
     import sys
 
+    (tmp_path / "f.yaml").write_text("{}\n")
     code = f"import sys; from moerl.cli import main; rc = main(['train', *{argv!r}]); print(rc, 'torch' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120

@@ -162,7 +162,7 @@ def test_bad_reward_paths(user_module):
         load_reward_fn("not_a_module_xyz:fn")
     with pytest.raises(AttributeError, match="has no attribute 'missing'"):
         load_reward_fn(f"{user_module}:missing")
-    with pytest.raises(ValueError, match="not a callable"):
+    with pytest.raises(ValueError, match=f"'{user_module}:value' is an int, not a callable"):
         load_reward_fn(f"{user_module}:value")
 
 
