@@ -333,28 +333,6 @@ def check_graph_runner(device: torch.device) -> None:
     check("one graph captured, two replays", abs(runner.num_graphs - 1) + abs(runner.num_replays - 2), 0.5)
 
 
-def check_uniform_kernel(device: torch.device) -> None:
-    """The sampler's one-kernel uniforms (``sampler._uniform_kernel``) against its tensor ops, bit for bit,
-    on the device, on a [B] batch and a speculative step's [B, 4K + 1] grid (broadcast positions)."""
-    from moerl.rollout import sampler
-
-    g = torch.Generator().manual_seed(1)
-    keys = torch.randint(0, 2**32, (5000,), generator=g, dtype=torch.int64)
-    keys[:3] = torch.tensor([0, 2**31, 2**32 - 1])
-    pos = torch.randint(0, 2**31, (5000,), generator=g, dtype=torch.int64)
-    keys, pos = keys.to(device), pos.to(device)
-    cases = {
-        "[B]": (keys, pos),
-        "[B, 13] grid": (keys[:64, None], pos[:64, None] + torch.arange(13, device=device)),
-    }
-    for name, (k, q) in cases.items():
-        got = sampler.uniform_no_sync(k, q)
-        want = sampler.uniform_reference(k, q)
-        differ = (got != want).sum().item() + (got.shape != want.shape)
-        check(f"uniform_no_sync kernel == tensor ops {name} (values differing)", float(differ), 0.5)
-    check("uniform_no_sync served by the kernel on the device", 0.0 if sampler.use_triton(keys) else 1.0, 0.5)
-
-
 def check_overlap_sync(device: torch.device) -> None:
     """The engines with the host sync overlapped (``overlap_sync``: pinned copy, event, the next decode
     enqueued before the host reads) against the same engines syncing in place, float32, CUDA graphs on:
@@ -428,7 +406,6 @@ def main(argv: list[str] | None = None) -> int:
     check_reference_rounding(device)
     check_experts(device)
     check_graph_runner(device)
-    check_uniform_kernel(device)
     check_overlap_sync(device)
     print(f"gpu_checks: {len(FAILED)} failed {FAILED}")
     return 1 if FAILED else 0

@@ -18,12 +18,9 @@ the sampled token in float32, before top-k/top-p truncation; greedy rows use T =
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
-
-from moerl.models.fast_paths import tl, triton, use_triton
 
 _M32 = 0xFFFFFFFF
 _GOLDEN32 = 0x9E3779B9  # 2**32 / golden ratio, the usual hash-combine increment
@@ -75,75 +72,17 @@ def sample_key(seed: int, sample_index: int) -> int:
 def uniform_no_sync(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Counter-based uniforms in [0, 1): one per row, a function of (key, position) only.
 
-    On CUDA (Triton present, fast paths on) one kernel computes them (``_uniform_kernel``: the same
-    mixers in native uint32 arithmetic, bit for bit the tensor ops' values, which are ~65 elementwise
-    kernels: at small batch a decode step costs about its kernel launches); elsewhere the tensor ops.
-
     Args:
         keys: [B] (or any shape) int64 in [0, 2**32), from ``sample_key``.
-        positions: int64 of the same shape (or broadcastable to it), the index in the sequence of the
-            token being sampled.
+        positions: int64 of the same shape, the index in the sequence of the token being sampled.
     Returns:
-        float64 of the broadcast shape, 53 random bits each (elementwise: the value at (key, position)
-        does not depend on the other entries).
+        float64 of that shape, 53 random bits each (elementwise: the value at (key, position) does not
+        depend on the other entries).
     """
-    if use_triton(keys) or _interpreting(keys):
-        return _uniform_triton(keys, positions)
-    return uniform_reference(keys, positions)
-
-
-def uniform_reference(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``uniform_no_sync`` as tensor ops (CPU, and the reference of the CUDA kernel)."""
     step_key = hash_combine(keys, positions)
     # hash_combine(step_key, 1) and (step_key, 2), mixed together (one mix32's kernels, not two)
     hi, lo = mix32(torch.stack([step_key ^ hash_salt(1), step_key ^ hash_salt(2)])).unbind(0)
     return ((hi >> 11) * (1 << 32) + lo).double() * 2.0**-53  # 21 + 32 bits
-
-
-def _interpreting(t: torch.Tensor) -> bool:
-    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``: tests run the kernel on CPU tensors)."""
-    return triton is not None and not t.is_cuda and os.environ.get("TRITON_INTERPRET") == "1"
-
-
-_UNIFORM_BLOCK = 1024
-
-
-def _uniform_triton(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    keys, positions = torch.broadcast_tensors(keys, positions)
-    keys, positions = keys.contiguous(), positions.contiguous()  # no copy when already so (the callers)
-    out = torch.empty(keys.shape, dtype=torch.float64, device=keys.device)
-    n = keys.numel()
-    if n:
-        _uniform_kernel[(triton.cdiv(n, _UNIFORM_BLOCK),)](
-            keys, positions, out, n, _GOLDEN32, hash_salt(1), hash_salt(2), BLOCK=_UNIFORM_BLOCK
-        )
-    return out
-
-
-if triton is not None:
-
-    @triton.jit
-    def _mix32_u32(x):
-        """``mix32`` on uint32 values: the products wrap mod 2**32 natively."""
-        x = x ^ (x >> 16)
-        x = x * 0x7FEB352D
-        x = x ^ (x >> 15)
-        x = x * 0x846CA68B
-        return x ^ (x >> 16)
-
-    @triton.jit(do_not_specialize=["n"])  # one compile for every batch size (none inside a graph capture)
-    def _uniform_kernel(keys_ptr, pos_ptr, out_ptr, n, golden, salt1, salt2, BLOCK: tl.constexpr):
-        """out[i] = ``uniform_reference(keys[i], positions[i])``: step_key = mix32(key ^ mix32(pos +
-        golden)), hi/lo = mix32(step_key ^ salt1/2), out = ((hi >> 11) * 2**32 + lo) * 2**-53."""
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = i < n
-        key = tl.load(keys_ptr + i, mask=m, other=0).to(tl.uint32)  # the low 32 bits, as & _M32 keeps
-        pos = tl.load(pos_ptr + i, mask=m, other=0).to(tl.uint32)
-        step_key = _mix32_u32(key ^ _mix32_u32(pos + golden.to(tl.uint32)))
-        hi = _mix32_u32(step_key ^ salt1.to(tl.uint32)).to(tl.int64)
-        lo = _mix32_u32(step_key ^ salt2.to(tl.uint32)).to(tl.int64)
-        bits = ((hi >> 11) << 32) | lo
-        tl.store(out_ptr + i, bits.to(tl.float64) * 1.1102230246251565e-16, mask=m)  # 2**-53
 
 
 @dataclass(kw_only=True, slots=True)
