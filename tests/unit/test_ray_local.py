@@ -4,6 +4,7 @@ tests/distributed/test_ray_local_start.py)."""
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -250,3 +251,27 @@ def test_a_run_shuts_down_only_the_ray_connection_it_made(monkeypatch, up_before
         fake.up = True
         raise RuntimeError("the run failed")
     assert fake.shutdowns == (1 if up_before else 2)
+
+
+@pytest.mark.parametrize("tty, preset, expected", [(False, None, "0"), (True, None, None), (False, "1", "1")])
+def test_worker_prefixes_without_colour_codes_where_stderr_is_no_terminal(
+    monkeypatch, capsys, tty, preset, expected
+):
+    """``plain_worker_prefixes`` (called before every ``ray.init`` of a run): a log file gets the workers'
+    ``(RolloutWorkerActor pid=...)`` lines as Ray's driver-side printer writes them, without ANSI codes;
+    a terminal keeps Ray's colours, and a ``RAY_COLOR_PREFIX`` the user set wins."""
+    from ray._private.worker import print_worker_logs
+
+    from moerl.runtime.ray.rollouts import plain_worker_prefixes
+
+    monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
+    if preset is not None:
+        monkeypatch.setenv("RAY_COLOR_PREFIX", preset)
+    plain_worker_prefixes(type("Stream", (), {"isatty": lambda self: tty})())
+    assert os.environ.get("RAY_COLOR_PREFIX") == expected
+    line = {"pid": 4242, "ip": "h", "localhost": "h", "lines": ["reward function raised"], "is_err": True,
+            "actor_name": "RolloutWorkerActor"}  # fmt: skip
+    print_worker_logs(line, sys.stderr)
+    err = capsys.readouterr().err
+    assert "(RolloutWorkerActor pid=4242) reward function raised" in re.sub(r"\x1b\[[0-9;]*m", "", err)
+    assert ("\x1b[" in err) == (expected != "0"), repr(err)

@@ -37,6 +37,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -170,10 +171,19 @@ def init_ray(cfg: RunConfig) -> None:
         raise KeyboardInterrupt from failed
 
 
+def plain_worker_prefixes(stream) -> None:
+    """Where ``stream`` (the driver's stderr) is no terminal, the ``(RolloutWorkerActor pid=...)`` prefixes
+    Ray puts on the workers' lines it prints here come without ANSI colour codes (``RAY_COLOR_PREFIX=0``,
+    read by Ray's driver-side log printer), so a run's log file reads as text; a value the user set stays."""
+    if not stream.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
 def _ray_init(cfg: RunConfig, ray, should_stop: Callable[[], bool]) -> None:
     """``ray.init``: the cluster at ``runtime.ray_address``, or a new local instance sized for the run
     (``start_local_ray``: started again when Ray's fixed wait for its raylet runs out on a loaded host,
     unless ``should_stop()``: a Ctrl-C arrived meanwhile)."""
+    plain_worker_prefixes(sys.stderr)
     if cfg.runtime.ray_address:
         ray.init(address=cfg.runtime.ray_address, log_to_driver=True)
     else:
