@@ -19,6 +19,7 @@ append-only JSONL files are flushed per line and cut back to a step on resume.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -113,7 +114,8 @@ class RunDir:
         """A fresh folder ``<output_dir>/<name>-<UTC timestamp>`` with the resolved config written.
 
         Raises:
-            ConfigError: ``output_dir`` is, or lies under, a file (nothing is written).
+            ConfigError: ``output_dir`` is, or lies under, a file, or its folders cannot be created there (no
+                such parent, no permission, a read-only file system); nothing is written.
         """
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         base = Path(cfg.output_dir) / f"{cfg.name}-{stamp}"
@@ -129,6 +131,12 @@ class RunDir:
                 break
             except FileExistsError:
                 path, i = Path(f"{base}-{i}"), i + 1
+            except OSError as e:  # a full disk is not this (the caller's one line names it)
+                if e.errno not in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS):
+                    raise
+                raise ConfigError(
+                    f"output_dir={cfg.output_dir!r}: cannot create {path} ({e.strerror})"
+                ) from None
         run = cls(path)
         run.created_parents = created
         save_config(cfg, run.config)

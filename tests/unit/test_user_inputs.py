@@ -401,3 +401,12 @@ def test_an_output_dir_that_is_a_file_is_named_in_one_line(one_line, tmp_path):
     line = one_line(EXIT_CONFIG, f"output_dir={afile}")
     assert line == f"moerl: config error: output_dir={str(afile)!r}: {afile} is a file, not a folder", line
     assert afile.read_text() == "mine\n"
+
+
+def test_an_output_dir_that_cannot_be_created_is_named_in_one_line(one_line):
+    """/proc takes no new folders, not even from root: the run's folder cannot be made there."""
+    line = one_line(EXIT_CONFIG, "output_dir=/proc/moerl-test-runs")
+    assert line.startswith("moerl: config error: output_dir='/proc/moerl-test-runs': cannot create /proc/"), (
+        line
+    )
+    assert line.endswith("(No such file or directory)"), line
