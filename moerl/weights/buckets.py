@@ -338,8 +338,14 @@ class BucketAssembler:
         while (item := self._queue.get()) is not None:
             try:
                 self._receive(*item)
-            except Exception:  # a lost object, a dead trainer: this version is not applied
-                log.exception("weight bucket %d of version %d could not be fetched", item[1], item[0])
+            except Exception as e:  # a lost object, a dead trainer: this version is not applied
+                # one line, no traceback: a worker back from a partition finds the versions it missed freed
+                # by their owner (Ray's ReferenceCountingAssertionError), an expected end of those offers
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                log.warning(
+                    "weight bucket %d of version %d could not be fetched (%s: %s); the version is skipped",
+                    item[1], item[0], type(e).__name__, first,
+                )  # fmt: skip
                 self._bad_versions.add(item[0])
 
     def _receive(self, version: int, index: int, num_buckets: int, ref, offered_at: float) -> None:

@@ -31,12 +31,24 @@ class _Worker:
         return self.name
 
 
+def _wait_dead(actor, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the killed actor still answers after {timeout_s:.0f} s")
+
+
 @pytest.mark.timeout(120)
 def test_worker_stats_leaves_out_a_worker_that_does_not_answer_by_the_heartbeat_timeout(shared_ray):
     cls = ray.remote(num_cpus=0)(_Worker)
     ok, hung, dead = cls.remote("ok", 0.0), cls.remote("hung", HANG_S), cls.remote("dead", 0.0)
     ray.get([ok.__ray_ready__.remote(), hung.__ray_ready__.remote(), dead.__ray_ready__.remote()], timeout=60)
     ray.kill(dead)
+    _wait_dead(dead)  # ray.kill is asynchronous: a call made right after it may still be served
     rollouts = RayRollouts.__new__(RayRollouts)  # only the two attributes worker_stats reads
     rollouts.backend = SimpleNamespace(alive_handles=lambda: [ok, hung, dead])
     rollouts.cfg = SimpleNamespace(fleet=SimpleNamespace(heartbeat_timeout_s=3.0))

@@ -2,6 +2,7 @@
 durable store written in the background from the packed buckets."""
 
 import dataclasses
+import logging
 import time
 from types import SimpleNamespace
 
@@ -116,6 +117,35 @@ def test_assembler_background_thread_fetches():
         time.sleep(0.01)
     asm.close()
     assert found is not None and found[0] == 1
+
+
+def test_a_bucket_that_cannot_be_fetched_skips_its_version_in_one_line(caplog):
+    """A worker back from a partition finds the versions it missed freed by their owner: the fetch thread
+    says so in one line (no traceback in the run's output), skips that version and takes the next."""
+
+    class Freed(Exception):
+        pass
+
+    def resolve(ref):
+        if ref is None:
+            raise Freed("Failed to retrieve object 00ab.\nThe object has already been deleted.")
+        return ref
+
+    asm = BucketAssembler(resolve, None, background=True)
+    v2 = list(iter_packed(2, _tensors(), 100))
+    with caplog.at_level(logging.WARNING, logger="moerl.weights.buckets"):
+        asm.offer(1, 0, 2, None)  # version 1's bucket was freed
+        for b in v2:
+            asm.offer(2, b.index, b.num_buckets, b)
+        deadline, found = time.monotonic() + 5, None
+        while found is None and time.monotonic() < deadline:
+            found = asm.poll(0)
+            time.sleep(0.01)
+        asm.close()
+    assert found is not None and found[0] == 2
+    lines = [r for r in caplog.records if "could not be fetched" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None, caplog.text  # one line, no traceback
+    assert "version 1 could not be fetched (Freed: Failed to retrieve object 00ab.)" in lines[0].getMessage()
 
 
 class Staging:
