@@ -249,7 +249,7 @@ class SpeculativeDecoding:
         logits, hidden = verify_forward_no_sync(
             engine, b, k, read_len, drafts, num_drafts, want_routed, want_hidden=self.wants_hidden
         )
-        ver = verify_drafts(logits, drafts, probs, num_drafts.clamp(min=0), rows, first, noise)
+        ver = verify_drafts(logits, drafts, probs, num_drafts.clamp(min=0), rows, noise)
         if hidden is not None:  # the MTP ring: positions first - 1 .. first - 1 + k and their next tokens
             # (those past the a_b + 1 kept ones lie past the new last fed position: the next step
             # overwrites them before any draft reads them)

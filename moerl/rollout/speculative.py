@@ -154,8 +154,7 @@ def verify_drafts(
     draft_probs: torch.Tensor | None,
     num_drafts: torch.Tensor,
     rows: SamplingRows,
-    first_position: torch.Tensor,
-    noise: StepNoise | None = None,
+    noise: StepNoise,
 ) -> Verified:
     """Accept or reject each row's drafts by the rejection-sampling rule (module docstring; Leviathan et
     al. 2023 Algorithm 1, Chen et al. 2023 Algorithm 2), so each emitted token has the policy's
@@ -170,14 +169,13 @@ def verify_drafts(
             are deterministic (q_j = one-hot(d_j)).
         num_drafts: [B] int64 k_b <= K drafts of each row.
         rows: the rows' sampling parameters.
-        first_position: [B] int64 sequence position of the first emitted token (the noise counter).
-        noise: the step's uniforms (``step_noise(rows.keys, first_position, K)``, computed here if None).
+        noise: the step's uniforms, ``step_noise(rows.keys, first_position, K)`` with first_position [B]
+            int64 the sequence position of each row's first emitted token (the noise counter).
     Returns:
         ``Verified``.
     """
     b, k1, v = target_logits.shape
     k = k1 - 1
-    noise = step_noise(rows.keys, first_position, k) if noise is None else noise
     # every branch for every row, selected below without a host sync (a CUDA graph can hold it):
     # the sampler's own draw at each position (the token after the last accepted draft when the row
     # has no draft left there: a plain decode step when k_b = 0; the same distribution, uniform and
@@ -392,11 +390,11 @@ class MtpDrafter:
 
     @torch.no_grad()
     def draft_no_sync(
-        self, last_fed: torch.Tensor, rows: SamplingRows, k: int, u: torch.Tensor | None = None
+        self, last_fed: torch.Tensor, rows: SamplingRows, k: int, u: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``k`` drafts for engine rows 0..B-1, whose last fed positions are ``last_fed`` [B] int64 (the
         token after it, t, is the next input); ``u`` [B, k] float64 the uniforms of the draws
-        (``StepNoise.draft``; computed here if None); no host sync.
+        (``StepNoise.draft`` of ``step_noise(rows.keys, last_fed + 2, k)``); no host sync.
 
         Returns:
             drafts [B, k] int64, q [B, k, V] float64 (the distributions they were drawn from).
@@ -408,7 +406,6 @@ class MtpDrafter:
         ids = self.next_ids[:b].gather(1, col)
         valid = (p >= self.first_position[:b, None]) & (p >= 0)
         pos = (p + 1).clamp(min=0)  # the positions of next_ids (rotary)
-        u = step_noise(rows.keys, last_fed + 2, k).draft if u is None else u
         layer = self.model.mtp_layers[0]
         tokens, probs = [], []
         for j in range(k):

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from moerl.processes import is_gone
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 
@@ -253,7 +255,7 @@ class _JobServer:
             if time.monotonic() > deadline:
                 os.killpg(pid, signal.SIGKILL)  # the job's own process group (``os.setsid``)
                 raise subprocess.TimeoutExpired(argv, TIMEOUT_S, out.read_text())
-            if not _alive(pid):  # died without writing its code (a crash): the kernel reaped it
+            if is_gone(pid):  # died without writing its code (a crash), or a zombie just done
                 if rc.exists():
                     break
                 return subprocess.CompletedProcess(argv, -1, out.read_text(), "")
@@ -263,14 +265,6 @@ class _JobServer:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _tail(proc: subprocess.CompletedProcess, lines: int = 15) -> str:

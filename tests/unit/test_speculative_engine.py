@@ -16,7 +16,7 @@ from moerl.rollout import Request, SamplingParams
 from moerl.rollout.engine import Engine
 from moerl.rollout.sampler import token_logprobs
 from moerl.rollout.spec_decode import SpeculativeDecoding, verify_forward_no_sync
-from moerl.rollout.speculative import NgramDrafter, SpecPolicy
+from moerl.rollout.speculative import NgramDrafter, SpecPolicy, step_noise
 
 VOCAB = 23
 
@@ -252,7 +252,8 @@ def test_mtp_ring_holds_the_policys_hidden_states(model):
     ring, b = spec.drafter, len(seqs)
     rows = engine._rows(slice(0, b), seqs)
     with torch.no_grad():
-        drafts, q = ring.draft_no_sync(engine._seq_len[:b] - 2, rows, 2)
+        last_fed = engine._seq_len[:b] - 2
+        drafts, q = ring.draft_no_sync(last_fed, rows, 2, step_noise(rows.keys, last_fed + 2, 2).draft)
         for i, s in enumerate(seqs):
             ids = list(s.request.prompt_ids) + s.token_ids
             last = len(ids) - 2  # the last fed position

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moerl.rollout.sampler import SamplingRows, sample_key
-from moerl.rollout.speculative import NgramDrafter, SpecPolicy, draw, policy_probs, verify_drafts
+from moerl.rollout.speculative import NgramDrafter, SpecPolicy, draw, policy_probs, step_noise, verify_drafts
 
 V = 6
 N = 20000
@@ -46,9 +46,8 @@ def _spec_step(rows, k, *, deterministic=False):
     drafts = torch.multinomial(q.float().expand(n, V), k, replacement=True, generator=g)
     target = TARGET.expand(n, k + 1, V).clone()
     probs = None if deterministic else q.expand(n, k, V).clone()
-    return verify_drafts(
-        target, drafts, probs, torch.full((n,), k), rows, torch.full((n,), 10, dtype=torch.int64)
-    )
+    noise = step_noise(rows.keys, torch.full((n,), 10, dtype=torch.int64), k)
+    return verify_drafts(target, drafts, probs, torch.full((n,), k), rows, noise)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -97,7 +96,8 @@ def test_greedy_keeps_the_argmax_only():
     best = target.argmax(-1)
     drafts = best[:, :3].clone()
     drafts[::2, 1] = (drafts[::2, 1] + 1) % V  # even rows: the second draft is wrong
-    out = verify_drafts(target, drafts, None, torch.full((n,), 3), rows, torch.zeros(n, dtype=torch.int64))
+    noise = step_noise(rows.keys, torch.zeros(n, dtype=torch.int64), 3)
+    out = verify_drafts(target, drafts, None, torch.full((n,), 3), rows, noise)
     assert out.num_accepted.tolist() == [1, 3] * (n // 2)
     for r in range(n):
         a = int(out.num_accepted[r])
@@ -110,8 +110,9 @@ def test_no_draft_is_a_plain_decode_step():
     rows = _rows(32, top_k=3)
     logits = torch.randn(32, 3, V, generator=torch.Generator().manual_seed(5))
     pos = torch.arange(32, dtype=torch.int64) + 4
+    no_drafts = torch.zeros(32, 2, dtype=torch.int64)
     out = verify_drafts(
-        logits, torch.zeros(32, 2, dtype=torch.int64), None, torch.zeros(32, dtype=torch.int64), rows, pos
+        logits, no_drafts, None, torch.zeros(32, dtype=torch.int64), rows, step_noise(rows.keys, pos, 2)
     )
     tok, lp = sample_no_sync(logits[:, 0], rows, pos)
     assert torch.equal(out.tokens[:, 0], tok) and torch.allclose(out.logprobs[:, 0], lp)
